@@ -1,0 +1,1 @@
+"""eepctl: the operator's CLI for elastic expert-parallel MoE deployments on Ray."""

@@ -1,0 +1,205 @@
+"""Expert placement (EPLB): logical experts onto physical slots, and the moves between layouts.
+
+Following upstream elastic EP, the number of physical slots per rank stays constant, so a
+world of W ranks holds ``slots_per_rank * W`` physical experts and the redundant count
+changes with W. Pure Python: the controller plans with it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    num_logical: int
+    slots_per_rank: int
+    world_size: int
+    phys_to_logical: tuple[int, ...]
+
+    @property
+    def num_physical(self) -> int:
+        return self.slots_per_rank * self.world_size
+
+    @property
+    def num_redundant(self) -> int:
+        return self.num_physical - self.num_logical
+
+    def rank_of(self, phys: int) -> int:
+        return phys // self.slots_per_rank
+
+    def local_logical(self, rank: int) -> list[int]:
+        start = rank * self.slots_per_rank
+        return list(self.phys_to_logical[start : start + self.slots_per_rank])
+
+    def replicas(self, logical: int) -> list[int]:
+        return [p for p, e in enumerate(self.phys_to_logical) if e == logical]
+
+    def replica_table(self) -> tuple[list[list[int]], list[int]]:
+        """(replicas padded to the max count, replica count) per logical expert."""
+        reps = [self.replicas(e) for e in range(self.num_logical)]
+        width = max(len(r) for r in reps)
+        return [r + [r[0]] * (width - len(r)) for r in reps], [len(r) for r in reps]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_logical": self.num_logical,
+            "slots_per_rank": self.slots_per_rank,
+            "world_size": self.world_size,
+            "phys_to_logical": list(self.phys_to_logical),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ExpertLayout:
+        return cls(d["num_logical"], d["slots_per_rank"], d["world_size"], tuple(d["phys_to_logical"]))
+
+
+def min_world_size(num_logical: int, slots_per_rank: int) -> int:
+    return -(-num_logical // slots_per_rank)
+
+
+def build_layout(
+    num_logical: int,
+    slots_per_rank: int,
+    world_size: int,
+    load: list[float] | None = None,
+    previous: ExpertLayout | None = None,
+) -> ExpertLayout:
+    """Replicate the busiest experts into the spare slots, then spread replicas over ranks.
+
+    Every logical expert gets at least one slot. With ``previous`` given, a replica stays on
+    a rank that already held that expert when the loads tie, which keeps moves few.
+    """
+    total = slots_per_rank * world_size
+    if total < num_logical:
+        raise ValueError(
+            f"{world_size} ranks x {slots_per_rank} slots cannot hold {num_logical} experts; "
+            f"need at least {min_world_size(num_logical, slots_per_rank)} ranks"
+        )
+    weights = [1.0] * num_logical if not load or sum(load) <= 0 else [float(x) + 1e-9 for x in load]
+    counts = [1] * num_logical
+    for _ in range(total - num_logical):
+        e = max(range(num_logical), key=lambda i: (weights[i] / counts[i], -i))
+        counts[e] += 1
+    replicas = [(weights[e] / counts[e], e) for e in range(num_logical) for _ in range(counts[e])]
+    replicas.sort(key=lambda r: (-r[0], r[1]))
+    held_before: list[set[int]] = [set() for _ in range(world_size)]
+    if previous is not None:
+        for r in range(min(world_size, previous.world_size)):
+            held_before[r] = set(previous.local_logical(r))
+    slots: list[list[int]] = [[] for _ in range(world_size)]
+    rank_load = [0.0] * world_size
+    for w, e in replicas:
+        free = [r for r in range(world_size) if len(slots[r]) < slots_per_rank]
+        distinct = [r for r in free if e not in slots[r]] or free
+        r = min(distinct, key=lambda q: (round(rank_load[q], 9), e not in held_before[q], q))
+        slots[r].append(e)
+        rank_load[r] += w
+    phys = tuple(e for r in range(world_size) for e in sorted(slots[r]))
+    return ExpertLayout(num_logical, slots_per_rank, world_size, phys)
+
+
+@dataclass(frozen=True)
+class ExpertMove:
+    """Copy logical expert ``logical`` from (src_rank, src_slot) into (dst_rank, dst_slot)."""
+
+    logical: int
+    src_rank: int
+    src_slot: int
+    dst_rank: int
+    dst_slot: int
+
+    @property
+    def local(self) -> bool:
+        return self.src_rank == self.dst_rank
+
+
+def plan_moves(old: ExpertLayout, new: ExpertLayout, alive_sources: set[int] | None = None) -> list[ExpertMove]:
+    """Where each new physical slot gets its weights from. Local copies when possible."""
+    sources = alive_sources if alive_sources is not None else set(range(old.world_size))
+    L_old, L_new = old.slots_per_rank, new.slots_per_rank
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for p, e in enumerate(old.phys_to_logical):
+        r = p // L_old
+        if r in sources:
+            holders.setdefault(e, []).append((r, p % L_old))
+    moves: list[ExpertMove] = []
+    used: dict[int, int] = {}
+    for p, e in enumerate(new.phys_to_logical):
+        dst_rank, dst_slot = p // L_new, p % L_new
+        cands = holders.get(e)
+        if not cands:
+            raise ValueError(f"logical expert {e} has no live source in the old layout")
+        local = [c for c in cands if c[0] == dst_rank]
+        if local:
+            src = local[0]
+        else:  # spread remote copies over the holders
+            src = cands[used.get(e, 0) % len(cands)]
+            used[e] = used.get(e, 0) + 1
+        moves.append(ExpertMove(e, src[0], src[1], dst_rank, dst_slot))
+    return moves
+
+
+def transfer_pairs(old_size: int, new_size: int) -> dict[int, list[int]]:
+    """Non-expert weight senders -> receivers for scale-up, as vLLM pairs them.
+
+    Each of the ``old_size`` existing ranks serves ``(new-old) // old`` joining ranks, and the
+    first ``(new-old) % old`` senders take one more.
+    """
+    if new_size <= old_size:
+        return {}
+    joining = list(range(old_size, new_size))
+    base, extra = divmod(len(joining), old_size)
+    pairs: dict[int, list[int]] = {}
+    cursor = 0
+    for sender in range(old_size):
+        n = base + (1 if sender < extra else 0)
+        if n:
+            pairs[sender] = joining[cursor : cursor + n]
+            cursor += n
+    return pairs
+
+
+@dataclass
+class EplbState:
+    """Per-rank EPLB bookkeeping. Updated in place on a transition, never rebuilt (I2)."""
+
+    layout: ExpertLayout
+    logical_load: list[float] = field(default_factory=list)
+    step: int = 0
+    registered: bool = True
+    async_started: bool = False
+    suppressed: int = 0  # >0 while warmup runs: statistics must not move (I5)
+    updates: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.logical_load:
+            self.logical_load = [0.0] * self.layout.num_logical
+
+    def record(self, counts: list[int], rank_load: list[int] | None = None) -> None:
+        if self.suppressed or not self.async_started:
+            return
+        for e, c in enumerate(counts):
+            self.logical_load[e] += c
+        self.step += 1
+        if rank_load is not None:
+            self._rank_load = rank_load
+
+    def imbalance(self) -> float:
+        """Max over mean of the load each rank's slots carry under the current layout."""
+        layout = self.layout
+        if not any(self.logical_load):
+            return 0.0
+        reps = {e: len(layout.replicas(e)) for e in range(layout.num_logical)}
+        per_rank = [0.0] * layout.world_size
+        for p, e in enumerate(layout.phys_to_logical):
+            per_rank[layout.rank_of(p)] += self.logical_load[e] / reps[e]
+        mean = sum(per_rank) / len(per_rank)
+        return round(max(per_rank) / mean, 4) if mean > 0 else 0.0
+
+    def snapshot(self) -> tuple[int, tuple[float, ...]]:
+        return self.step, tuple(self.logical_load)
+
+    def update_layout(self, layout: ExpertLayout) -> None:
+        self.layout = layout
+        self.updates += 1

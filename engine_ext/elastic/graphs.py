@@ -1,0 +1,188 @@
+"""Captured decode steps, released and re-captured around transitions (invariant I3).
+
+On CUDA a capture is a real ``torch.cuda.CUDAGraph``. On CPU there are no graphs, so a
+capture is a static-buffer replay. Either way a capture remembers the storage of every
+buffer it reads (static inputs, KV cache, weights and the MoE workspace) and refuses to
+replay once any of them was reallocated: a stale replay cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_ext.elastic.workspace import WorkspaceManager
+
+BufferMap = dict[str, torch.Tensor]
+
+
+class StaleGraphError(RuntimeError):
+    """A replay was attempted against a buffer that changed after capture."""
+
+
+class GraphReleasedError(RuntimeError):
+    """A replay was attempted for a batch size whose capture was released."""
+
+
+@dataclass
+class CaptureDescriptor:
+    batch_size: int
+    duration_s: float
+    captured_at: float
+
+
+@dataclass
+class CapturedStep:
+    batch_size: int
+    inputs: BufferMap
+    output: torch.Tensor
+    buffer_ptrs: dict[str, int]
+    workspace_identity: tuple[int, int]
+    run: Callable[[], None]
+    cuda_graph: object | None = None
+    replays: int = 0
+
+
+@dataclass
+class GraphStats:
+    total_captures: int = 0
+    captures_this_op: int = 0
+    replays: int = 0
+    last_capture_s: float | None = None
+    last_capture_total_s: float | None = None
+    capture_durations: dict[int, float] = field(default_factory=dict)
+
+
+class GraphManager:
+    """Owns the captured steps of one rank.
+
+    ``external_buffers`` returns the long-lived tensors a step reads (KV cache, weights);
+    their storage is remembered at capture and checked before every replay.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        workspace: WorkspaceManager,
+        external_buffers: Callable[[], BufferMap],
+    ) -> None:
+        self.device = device
+        self.use_cuda = device.type == "cuda"
+        self.workspace = workspace
+        self.external_buffers = external_buffers
+        self._captured: dict[int, CapturedStep] = {}
+        self.descriptors: dict[int, CaptureDescriptor] = {}
+        self.stats = GraphStats()
+        self._pool = None
+
+    @property
+    def kind(self) -> str:
+        return "cuda" if self.use_cuda else "cpu-static"
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._captured)
+
+    def needs_capture(self, batch_size: int) -> bool:
+        return batch_size in self.descriptors and batch_size not in self._captured
+
+    def begin_operation(self) -> None:
+        self.stats.captures_this_op = 0
+
+    def pick_size(self, n: int) -> int | None:
+        for size in sorted(self._captured):
+            if size >= n:
+                return size
+        return None
+
+    def capture(
+        self,
+        batch_size: int,
+        inputs: BufferMap,
+        output: torch.Tensor,
+        run: Callable[[], None],
+    ) -> CaptureDescriptor:
+        """Capture ``run`` (reads ``inputs``, writes ``output``) for one batch size."""
+        t0 = time.perf_counter()
+        graph = None
+        if self.use_cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run()  # warm-up on a side stream, as CUDA graph capture requires
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
+                run()
+            torch.cuda.synchronize()
+        else:
+            run()
+        duration = time.perf_counter() - t0
+        step = CapturedStep(
+            batch_size=batch_size,
+            inputs=inputs,
+            output=output,
+            buffer_ptrs=self._pointers(inputs),
+            workspace_identity=self.workspace.buffer_identity(),
+            run=run,
+            cuda_graph=graph,
+        )
+        self._captured[batch_size] = step
+        desc = CaptureDescriptor(batch_size, duration, time.time())
+        self.descriptors[batch_size] = desc
+        self.stats.total_captures += 1
+        self.stats.captures_this_op += 1
+        self.stats.last_capture_s = duration
+        self.stats.capture_durations[batch_size] = duration
+        return desc
+
+    def _pointers(self, inputs: BufferMap) -> dict[str, int]:
+        ptrs = {f"input:{k}": t.data_ptr() for k, t in inputs.items()}
+        ptrs.update({k: t.data_ptr() for k, t in self.external_buffers().items()})
+        return ptrs
+
+    def check(self, batch_size: int) -> CapturedStep:
+        """Raise unless the capture for ``batch_size`` may replay safely."""
+        step = self._captured.get(batch_size)
+        if step is None:
+            if batch_size in self.descriptors:
+                raise GraphReleasedError(f"graph for batch size {batch_size} was released")
+            raise KeyError(f"no graph captured for batch size {batch_size}")
+        if self.workspace.buffer_identity() != step.workspace_identity:
+            raise StaleGraphError(
+                f"graph for batch size {batch_size} was captured against workspace generation "
+                f"{step.workspace_identity[1]}, which was reallocated (now generation "
+                f"{self.workspace.generation}); release and re-capture before replaying"
+            )
+        now_ptrs = self._pointers(step.inputs)
+        for name, ptr in step.buffer_ptrs.items():
+            if now_ptrs.get(name) != ptr:
+                raise StaleGraphError(
+                    f"graph for batch size {batch_size}: buffer {name!r} was reallocated after capture"
+                )
+        return step
+
+    def replay(self, batch_size: int) -> torch.Tensor:
+        step = self.check(batch_size)
+        if step.cuda_graph is not None:
+            step.cuda_graph.replay()  # type: ignore[attr-defined]
+        else:
+            step.run()
+        step.replays += 1
+        self.stats.replays += 1
+        return step.output
+
+    def release(self) -> int:
+        """Drop every capture; keep descriptors so 'needs capture' stays known."""
+        n = len(self._captured)
+        self._captured.clear()
+        if self.use_cuda:
+            self._pool = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return n

@@ -1,0 +1,53 @@
+"""DP-rank-suffixed identities (invariant I1).
+
+Every rank's instance_id and KV-transfer engine_id end in ``_dp<global rank>``; Ray actor
+names are derived from them, so two ranks sharing one would collide (vLLM PR #41792).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+_SUFFIX_RE = re.compile(r"_dp\d+$")
+
+
+def strip_dp_suffix(value: str) -> str:
+    return _SUFFIX_RE.sub("", value)
+
+
+def dp_suffixed(base: str, global_rank: int) -> str:
+    if global_rank < 0:
+        raise ValueError(f"global DP rank must be >= 0, got {global_rank}")
+    return f"{strip_dp_suffix(base)}_dp{global_rank}"
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    instance_id: str
+    engine_id: str
+
+
+def apply_dp_identity_suffix(config: Any, global_rank: int) -> Any:
+    """Set ``instance_id`` and ``kv_transfer.engine_id`` to ``<base>_dp<global_rank>``.
+
+    Works on frozen dataclasses (returns a copy) and on mutable objects (updated in place
+    and returned). An already-suffixed value is re-based, never stacked.
+    """
+    instance_id = dp_suffixed(getattr(config, "instance_id"), global_rank)
+    kv = getattr(config, "kv_transfer", None)
+    engine_base = getattr(kv, "engine_id", None) if kv is not None else None
+    new_kv = kv
+    if kv is not None and engine_base:
+        engine_id = dp_suffixed(engine_base, global_rank)
+        new_kv = _set(kv, engine_id=engine_id)
+    return _set(config, instance_id=instance_id, kv_transfer=new_kv)
+
+
+def _set(obj: Any, **changes: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__") and getattr(obj.__dataclass_params__, "frozen", False):
+        return replace(obj, **changes)
+    for key, value in changes.items():
+        setattr(obj, key, value)
+    return obj

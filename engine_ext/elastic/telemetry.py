@@ -1,0 +1,161 @@
+"""The registry's picture of a deployment, built only from what ranks report.
+
+Ray-free and torch-free: the Ray registry actor wraps it, the process launcher uses it
+directly, and a new registry rebuilds it from the ranks' next reports.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+from engine_ext.protocol import STALE_AFTER_S, Event, OpState, RankState, RankStatus
+
+_MAX_EVENTS = 5000
+_TERMINAL = {RankState.REMOVED.value}
+_STACKED = re.compile(r"_dp\d+_dp\d+$")
+
+
+class RegistryState:
+    def __init__(self, deployment: str, kind: str = "reference") -> None:
+        self.deployment = deployment
+        self.kind = kind
+        self.info: dict[str, Any] = {}
+        self.ranks: dict[int, dict[str, Any]] = {}
+        self.events: deque[dict[str, Any]] = deque(maxlen=_MAX_EVENTS)
+        self._event_keys: set[tuple] = set()
+        self.ops: dict[str, dict[str, Any]] = {}
+        self.rejected: list[str] = []
+        self.seq = 0
+
+    # ---- intake --------------------------------------------------------------------------
+    def report_status(self, status: dict[str, Any]) -> dict[str, Any]:
+        """Accept a rank's status. A second live rank claiming an identity is refused (I1)."""
+        st = RankStatus.from_dict(status).to_dict()
+        extra = {k: v for k, v in status.items() if k not in st}
+        st.update(extra)
+        rank = int(st["rank"])
+        for other in self.ranks.values():
+            if (other["rank"] != rank and other["instance_id"] == st["instance_id"]
+                    and not self._gone(other)):
+                msg = f"duplicate identity {st['instance_id']!r}: ranks {other['rank']} and {rank}"
+                if msg not in self.rejected:
+                    self.rejected.append(msg)
+                return {"accepted": False, "reason": msg}
+        st["received_at"] = time.time()
+        self.ranks[rank] = st
+        return {"accepted": True}
+
+    def report_event(self, event: dict[str, Any]) -> None:
+        ev = Event.from_dict(event).to_dict()
+        key = (ev["op_id"], ev["rank"], ev["phase"], round(ev["start"], 6))
+        if key in self._event_keys:
+            return  # re-sent after a registry restart
+        self._event_keys.add(key)
+        self.seq += 1
+        ev["seq"] = self.seq
+        self.events.append(ev)
+
+    def record_operation(self, op: dict[str, Any]) -> None:
+        self.ops[op["op_id"]] = dict(op)
+
+    def forget_rank(self, rank: int) -> None:
+        self.ranks.pop(rank, None)
+
+    # ---- views -------------------------------------------------------------------------------
+    @staticmethod
+    def _gone(st: dict[str, Any]) -> bool:
+        return st.get("state") in _TERMINAL
+
+    def rank_views(self, now: float | None = None) -> list[dict[str, Any]]:
+        now = now or time.time()
+        out = []
+        for rank in sorted(self.ranks):
+            st = dict(self.ranks[rank])
+            age = max(0.0, now - float(st.get("received_at", st.get("last_heartbeat", 0.0))))
+            st["heartbeat_age_s"] = round(age, 2)
+            if age > STALE_AFTER_S and st["state"] not in _TERMINAL:
+                st["state_reason"] = f"no heartbeat for {age:.1f}s (was {st['state']})"
+                st["state"] = RankState.STALE.value
+            out.append(st)
+        return out
+
+    def current_op(self) -> dict[str, Any] | None:
+        running = [o for o in self.ops.values() if o.get("state") == OpState.RUNNING.value]
+        return running[-1] if running else None
+
+    def operations(self, op_id: str | None = None) -> list[dict[str, Any]]:
+        ops = sorted(self.ops.values(), key=lambda o: o.get("started", 0))
+        if op_id:
+            ops = [o for o in ops if o["op_id"] == op_id]
+        return ops
+
+    def events_for(self, op_id: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["seq"] > since_seq and (op_id is None or e["op_id"] == op_id)]
+
+    def violations(self, views: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
+        """Invariants the registry can see broken from telemetry alone."""
+        views = views if views is not None else self.rank_views()
+        found: list[dict[str, str]] = []
+        live = [v for v in views if v["state"] not in _TERMINAL]
+        seen: dict[str, int] = {}
+        for v in live:
+            iid = v["instance_id"]
+            if iid in seen:
+                found.append({"invariant": "I1", "rank": str(v["rank"]),
+                              "message": f"duplicate identity {iid} (ranks {seen[iid]} and {v['rank']})"})
+            seen[iid] = v["rank"]
+            for field in ("instance_id", "engine_id"):
+                value = v.get(field) or ""
+                if value and (not value.endswith(f"_dp{v['rank']}") or _STACKED.search(value)):
+                    found.append({"invariant": "I1", "rank": str(v["rank"]),
+                                  "message": f"{field} {value!r} does not end in exactly one _dp{v['rank']}"})
+            if (v.get("workspace_locked") and v.get("workspace_required_bytes", 0)
+                    and v.get("workspace_bytes", 0) < v["workspace_required_bytes"]):
+                found.append({"invariant": "I4", "rank": str(v["rank"]),
+                              "message": f"workspace locked at {v['workspace_bytes']} B below its bound "
+                                         f"{v['workspace_required_bytes']} B"})
+            if v.get("stale_replays_refused"):
+                found.append({"invariant": "I3", "rank": str(v["rank"]),
+                              "message": f"{v['stale_replays_refused']} replay(s) against a reallocated buffer refused"})
+        found.extend(self._event_violations())
+        found.extend({"invariant": "I1", "rank": "-", "message": m} for m in self.rejected[-5:])
+        return found
+
+    def _event_violations(self) -> list[dict[str, str]]:
+        found: list[dict[str, str]] = []
+        passes: dict[tuple[str, int], int] = defaultdict(int)
+        for e in self.events:
+            if e["phase"] == "capture" and e["outcome"] == "ok":
+                passes[(e["op_id"], e["rank"])] += 1
+            if e["phase"] == "warm":
+                d = e.get("detail") or {}
+                broken = [k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged") if d.get(k) is False]
+                if broken:
+                    found.append({"invariant": "I5", "rank": str(e["rank"]),
+                                  "message": f"warm-up in {e['op_id']} touched serving state ({', '.join(broken)} false)"})
+        for (op_id, rank), n in passes.items():
+            if n > 1:
+                found.append({"invariant": "I4", "rank": str(rank),
+                              "message": f"{n} capture passes in one operation {op_id}"})
+        return found
+
+    def snapshot(self) -> dict[str, Any]:
+        views = self.rank_views()
+        live = [v for v in views if v["state"] not in _TERMINAL]
+        by_state: dict[str, int] = defaultdict(int)
+        for v in live:
+            by_state[v["state"]] += 1
+        return {
+            "deployment": self.deployment,
+            "kind": self.kind,
+            "info": self.info,
+            "ranks": live,
+            "summary": {"ranks": len(live), "by_state": dict(by_state),
+                        "requests_running": sum(v["requests_running"] for v in live),
+                        "requests_waiting": sum(v["requests_waiting"] for v in live)},
+            "operation": self.current_op(),
+            "violations": self.violations(views),
+        }

@@ -1,0 +1,1 @@
+"""The reference elastic MoE engine: runs wherever torch runs (CPU with gloo, GPU with CUDA graphs)."""

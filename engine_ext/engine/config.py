@@ -1,0 +1,71 @@
+"""Configuration of the reference engine. Plain dataclasses: the controller reads them without torch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class KVTransferConfig:
+    engine_id: str = ""
+
+
+@dataclass
+class EngineConfig:
+    # model
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 128
+    slots_per_rank: int = 8  # physical expert slots per rank; redundant = slots*DP - experts
+    dtype: str = "float32"
+    seed: int = 0
+    # serving
+    block_size: int = 8
+    num_blocks: int = 128
+    max_num_seqs: int = 8
+    max_num_tokens: int = 64
+    max_model_len: int = 128
+    capture_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    # identity (suffixed with _dp<rank> per rank)
+    instance_id: str = "moe"
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    # collectives
+    backend: str = "gloo"
+    group_timeout_s: float = 120.0
+    # Deliberately broken variants, used by tests to show each invariant check catches its
+    # violation: "skip_rewarm", "skip_release", "warmup_not_isolated", "double_suffix".
+    faults: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in d.items() if k in known}
+        if isinstance(data.get("kv_transfer"), dict):
+            data["kv_transfer"] = KVTransferConfig(**data["kv_transfer"])
+        return cls(**data)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def validate(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be divisible by num_heads")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError("top_k must be between 1 and num_experts")
+        if self.num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
+        if max(self.capture_sizes, default=0) > self.max_num_seqs:
+            raise ValueError("capture sizes cannot exceed max_num_seqs")

@@ -1,0 +1,183 @@
+"""Run a deployment's ranks as local processes, with no Ray (GPU hosts without Ray use this).
+
+The ranks run the same RankEngine and the same Orchestrator as under Ray; only the
+transport differs (a pipe per rank instead of actor calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import os
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.elastic.telemetry import RegistryState
+from engine_ext.engine.config import EngineConfig
+from engine_ext.engine.orchestrator import Orchestrator
+
+
+def _rank_main(conn: Connection, cfg_d: dict[str, Any], name: str, rank: int, layout_d: dict[str, Any],
+               joining: bool, device: str, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    from engine_ext.engine.rank import RANK_METHODS, RankEngine
+
+    send_lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    engine = RankEngine(EngineConfig.from_dict(cfg_d), name, rank, ExpertLayout.from_dict(layout_d),
+                        joining=joining, device=device, sink=lambda kind, payload: send((kind, payload)))
+    engine.start_heartbeat()
+
+    def handle(call_id: int, method: str, args: tuple) -> None:
+        try:
+            if method not in RANK_METHODS:
+                raise AttributeError(f"rank has no method {method!r}")
+            value = getattr(engine, method)(*args)
+            send(("reply", call_id, True, value))
+        except BaseException as e:  # noqa: BLE001 - the controller gets every failure as a reply
+            send(("reply", call_id, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
+
+    while True:
+        try:
+            call_id, method, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        threading.Thread(target=handle, args=(call_id, method, args), daemon=True).start()
+    engine.stop()
+
+
+class RankCallError(RuntimeError):
+    pass
+
+
+class ProcessRankClient:
+    def __init__(self, rank: int, proc: mp.process.BaseProcess, conn: Connection, owner: LocalDeployment) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.conn = conn
+        self.owner = owner
+        self.loop = asyncio.get_running_loop()
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"rank{rank}-reader")
+        self._reader.start()
+
+    def pid(self) -> int:
+        return int(self.proc.pid or 0)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            self.loop.call_soon_threadsafe(self._dispatch, msg)
+        self.loop.call_soon_threadsafe(self._fail_pending)
+
+    def _fail_pending(self) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(RankCallError(f"rank {self.rank} process exited"))
+        self._pending.clear()
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "reply":
+            _, call_id, ok, value = msg
+            fut = self._pending.pop(call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(value) if ok else fut.set_exception(RankCallError(value))
+        else:
+            self.owner.on_report(kind, msg[1])
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        call_id = next(self._ids)
+        fut = self.loop.create_future()
+        self._pending[call_id] = fut
+        with self._send_lock:
+            self.conn.send((call_id, method, args))
+        return await asyncio.wait_for(fut, timeout)
+
+    async def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 10)
+
+
+class ProcessSpawner:
+    def __init__(self, owner: LocalDeployment) -> None:
+        self.owner = owner
+        self.ctx = mp.get_context("spawn")
+
+    def check_capacity(self, new_ranks: int) -> str | None:
+        return None
+
+    async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> ProcessRankClient:
+        parent, child = self.ctx.Pipe()
+        o = self.owner
+        device = o.device_for(rank)
+        proc = self.ctx.Process(target=_rank_main, name=f"{o.name}_dp{rank}",
+                                args=(child, o.cfg.to_dict(), o.name, rank, layout.to_dict(), joining, device, o.env),
+                                daemon=True)
+        proc.start()
+        child.close()
+        client = ProcessRankClient(rank, proc, parent, o)
+        o.processes[rank] = client
+        return client
+
+
+class LocalDeployment:
+    """A deployment whose ranks are child processes of this one. Use ``async with``."""
+
+    def __init__(self, cfg: EngineConfig, name: str = "local", *, max_dp: int = 8, device: str = "cpu",
+                 env: dict[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.device = device
+        self.env = env or {}
+        self.processes: dict[int, ProcessRankClient] = {}
+        self.registry = RegistryState(name)
+        self.orch = Orchestrator(name, cfg, ProcessSpawner(self), max_dp=max_dp,
+                                 emit=self.registry.report_event, record_op=self.registry.record_operation)
+
+    def device_for(self, rank: int) -> str:
+        if self.device == "cuda-per-rank":
+            return f"cuda:{rank}"
+        return self.device
+
+    def on_report(self, kind: str, payload: dict[str, Any]) -> None:
+        if kind == "status":
+            self.registry.report_status(payload)
+        elif kind == "event":
+            self.registry.report_event(payload)
+        elif kind == "results":
+            self.orch.router.on_results(payload["results"])
+
+    async def start(self, size: int) -> None:
+        await self.orch.start(size)
+
+    async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        return await self.orch.router.submit(prompt, max_tokens)
+
+    async def scale(self, size: int, **kw: Any) -> dict[str, Any]:
+        return await self.orch.scale(size, **kw)
+
+    async def stop(self) -> None:
+        await self.orch.stop()
+        for c in list(self.processes.values()):
+            await c.kill()
+
+    async def __aenter__(self) -> LocalDeployment:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()

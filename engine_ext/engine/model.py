@@ -1,0 +1,247 @@
+"""A tiny decoder-only MoE transformer with a paged KV cache and expert parallelism.
+
+Weights come from the seed, so every rank that loads "the checkpoint" agrees; a rank that
+joins later starts from placeholder weights and must receive the real ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine_ext.elastic.comm import StatelessGroup
+from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.elastic.workspace import WorkspaceManager, bytes_for
+from engine_ext.engine.config import EngineConfig
+
+PLACEHOLDER_SEED_OFFSET = 7_919_000
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rand(g: torch.Generator, *shape: int, fan_in: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) / math.sqrt(fan_in)).to(dtype)
+
+
+def expert_weights(cfg: EngineConfig, seed: int, layer: int, logical: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _gen(seed * 1_000_003 + layer * 10_007 + logical + 1)
+    w1 = _rand(g, cfg.hidden_size, cfg.expert_hidden, fan_in=cfg.hidden_size, dtype=dtype)
+    w2 = _rand(g, cfg.expert_hidden, cfg.hidden_size, fan_in=cfg.expert_hidden, dtype=dtype)
+    return w1, w2
+
+
+@dataclass
+class Batch:
+    """A flat batch of tokens, padded to a size the whole DP group agreed on."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot written by each token (0: null block)
+    block_tables: torch.Tensor  # [T, max_blocks] int64, the block table of each token's sequence
+    valid: torch.Tensor  # [T] bool, False for padding
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+class MoEModel:
+    def __init__(self, cfg: EngineConfig, layout: ExpertLayout, rank: int, device: torch.device, seed: int) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = torch_dtype(cfg.dtype)
+        self.rank = rank
+        self.layout = layout
+        H, V = cfg.hidden_size, cfg.vocab_size
+        g = _gen(seed)
+        dt = self.dtype
+        # Non-expert weights, in a fixed order: this list is what a weight transfer moves.
+        self.dense: dict[str, torch.Tensor] = {"embed": _rand(g, V, H, fan_in=1, dtype=dt) * 0.5,
+                                               "pos_embed": _rand(g, cfg.max_model_len, H, fan_in=1, dtype=dt) * 0.1}
+        for l in range(cfg.num_layers):
+            self.dense[f"l{l}.ln1"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
+            self.dense[f"l{l}.wqkv"] = _rand(g, H, 3 * H, fan_in=H, dtype=dt)
+            self.dense[f"l{l}.wo"] = _rand(g, H, H, fan_in=H, dtype=dt)
+            self.dense[f"l{l}.ln2"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
+            self.dense[f"l{l}.router"] = _rand(g, H, cfg.num_experts, fan_in=H, dtype=dt) * 4.0
+        self.dense["final_norm"] = torch.ones(H, dtype=dt)
+        self.dense["lm_head"] = _rand(g, H, V, fan_in=H, dtype=dt) * 4.0
+        for k in self.dense:
+            self.dense[k] = self.dense[k].to(device)
+        # Expert weights for this rank's physical slots: [layers][slots, ...], written in place.
+        L = cfg.slots_per_rank
+        self.w1 = torch.empty(cfg.num_layers, L, H, cfg.expert_hidden, dtype=dt, device=device)
+        self.w2 = torch.empty(cfg.num_layers, L, cfg.expert_hidden, H, dtype=dt, device=device)
+        for s, e in enumerate(layout.local_logical(rank)):
+            for l in range(cfg.num_layers):
+                a, b = expert_weights(cfg, seed, l, e, dt)
+                self.w1[l, s].copy_(a)
+                self.w2[l, s].copy_(b)
+        self.kv = torch.zeros(cfg.num_layers, cfg.num_blocks * cfg.block_size, 2, cfg.num_heads, cfg.head_dim,
+                              dtype=dt, device=device)
+        self._set_routing(layout)
+
+    # ---- layout -------------------------------------------------------------------------
+    def _set_routing(self, layout: ExpertLayout) -> None:
+        self.layout = layout
+        table, counts = layout.replica_table()
+        self.replica_table = torch.tensor(table, dtype=torch.int64, device=self.device)
+        self.replica_count = torch.tensor(counts, dtype=torch.int64, device=self.device)
+
+    def set_layout(self, layout: ExpertLayout, rank: int) -> None:
+        self.rank = rank
+        self._set_routing(layout)
+
+    def dense_vector(self) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in self.dense.values()])
+
+    def load_dense_vector(self, vec: torch.Tensor) -> None:
+        offset = 0
+        for t in self.dense.values():
+            n = t.numel()
+            t.copy_(vec[offset : offset + n].view_as(t))
+            offset += n
+
+    def expert_vector(self, slot: int) -> torch.Tensor:
+        return torch.cat([self.w1[:, slot].reshape(-1), self.w2[:, slot].reshape(-1)])
+
+    def load_expert_vector(self, slot: int, vec: torch.Tensor) -> None:
+        n1 = self.w1[:, slot].numel()
+        self.w1[:, slot].copy_(vec[:n1].view_as(self.w1[:, slot]))
+        self.w2[:, slot].copy_(vec[n1:].view_as(self.w2[:, slot]))
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Long-lived tensors a captured step reads; their storage must not change under it."""
+        return {"kv": self.kv, "w1": self.w1, "w2": self.w2, **{f"dense:{k}": v for k, v in self.dense.items()}}
+
+    # ---- workspace sizing ----------------------------------------------------------------
+    def moe_specs(self, gathered_tokens: int, slot_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        cfg, dt = self.cfg, self.dtype
+        k = cfg.top_k
+        return [
+            ((gathered_tokens, cfg.hidden_size), dt),  # gathered hidden states
+            ((gathered_tokens, k), torch.int64),  # gathered expert ids
+            ((gathered_tokens, k), dt),  # gathered routing weights
+            ((gathered_tokens, cfg.hidden_size), dt),  # combine accumulator
+            ((slot_tokens, cfg.hidden_size), dt),  # expert input rows
+            ((slot_tokens, cfg.expert_hidden), dt),  # expert intermediate
+        ]
+
+    def moe_workspace_bound(self, world_size: int) -> int:
+        """Worst case over all routings at max_num_tokens: every gathered token on one slot."""
+        n = world_size * self.cfg.max_num_tokens
+        return bytes_for(self.moe_specs(n, n))
+
+    # ---- forward ---------------------------------------------------------------------------
+    @staticmethod
+    def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def forward(
+        self,
+        batch: Batch,
+        group: StatelessGroup | None,
+        workspace: WorkspaceManager,
+        *,
+        dense_moe: bool = False,
+        expert_counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for every token of ``batch``. ``group`` spans the EP world (None: one rank)."""
+        cfg = self.cfg
+        T, H, nh, hd = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        d = self.dense
+        x = d["embed"][batch.token_ids] + d["pos_embed"][batch.positions]
+        bs = cfg.block_size
+        ctx_slots = (batch.block_tables.unsqueeze(-1) * bs + torch.arange(bs, device=self.device)).reshape(T, -1)
+        ctx_pos = torch.arange(ctx_slots.shape[1], device=self.device)
+        mask = ctx_pos.unsqueeze(0) > batch.positions.unsqueeze(1)  # [T, C]
+        for l in range(cfg.num_layers):
+            h = self._rms(x, d[f"l{l}.ln1"])
+            q, k, v = (h @ d[f"l{l}.wqkv"]).view(T, 3, nh, hd).unbind(1)
+            cache = self.kv[l]
+            cache[batch.slot_mapping, 0] = k
+            cache[batch.slot_mapping, 1] = v
+            keys = cache[ctx_slots, 0]  # [T, C, nh, hd]
+            vals = cache[ctx_slots, 1]
+            scores = torch.einsum("thd,tchd->thc", q, keys) / math.sqrt(hd)
+            scores = scores.masked_fill(mask.unsqueeze(1), float("-inf"))
+            attn = torch.einsum("thc,tchd->thd", torch.softmax(scores, dim=-1), vals).reshape(T, H)
+            x = x + attn @ d[f"l{l}.wo"]
+            h = self._rms(x, d[f"l{l}.ln2"])
+            x = x + self._moe(l, h, batch.valid, group, workspace, dense_moe, expert_counts)
+        return self._rms(x, d["final_norm"]) @ d["lm_head"]
+
+    def _moe(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        valid: torch.Tensor,
+        group: StatelessGroup | None,
+        workspace: WorkspaceManager,
+        dense: bool,
+        expert_counts: torch.Tensor | None,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        T, k, L = h.shape[0], cfg.top_k, cfg.slots_per_rank
+        W = 1 if group is None else group.size
+        probs = torch.softmax(h @ self.dense[f"l{layer}.router"], dim=-1)
+        top_w, top_i = torch.topk(probs, k, dim=-1)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        if expert_counts is not None:
+            expert_counts += torch.bincount(top_i[valid].reshape(-1), minlength=cfg.num_experts)
+        N = W * T
+        # Which physical replica serves each (token, choice): a fixed function of the
+        # gathered token index, so every rank agrees without communicating.
+        if dense:
+            slot_tokens = N
+        else:
+            slot_tokens = 0  # known only after the gather; sized below
+        gathered_h, gathered_i, gathered_w, acc, xin, mid = workspace.get(self.moe_specs(N, max(slot_tokens, 1)))
+        if group is None:
+            gathered_h.copy_(h)
+            gathered_i.copy_(top_i)
+            gathered_w.copy_(top_w)
+        else:
+            group.all_gather(list(gathered_h.chunk(W)), h.contiguous())
+            group.all_gather(list(gathered_i.chunk(W)), top_i.contiguous())
+            group.all_gather(list(gathered_w.chunk(W)), top_w.contiguous())
+        token_idx = torch.arange(N, device=h.device).unsqueeze(1).expand(N, k)
+        choice = token_idx % self.replica_count[gathered_i]
+        phys = torch.gather(self.replica_table[gathered_i], 2, choice.unsqueeze(-1)).squeeze(-1)  # [N, k]
+        local = (phys // L) == self.rank
+        local_slot = phys % L
+        acc.zero_()
+        if dense:
+            for s in range(L):
+                wsel = (gathered_w * (local & (local_slot == s))).sum(-1, keepdim=True)  # [N, 1]
+                y = torch.relu(gathered_h @ self.w1[layer, s]) @ self.w2[layer, s]
+                acc.add_(y * wsel)
+        else:
+            sel_counts = [int(((local_slot == s) & local).sum()) for s in range(L)]
+            busiest = max(sel_counts + [1])
+            gathered_h, gathered_i, gathered_w, acc, xin, mid = workspace.get(self.moe_specs(N, busiest))
+            for s in range(L):
+                if sel_counts[s] == 0:
+                    continue
+                rows, cols = torch.nonzero(local & (local_slot == s), as_tuple=True)
+                n = rows.shape[0]
+                xs = xin[:n]
+                torch.index_select(gathered_h, 0, rows, out=xs)
+                ms = mid[:n]
+                torch.matmul(xs, self.w1[layer, s], out=ms)
+                ms.relu_()
+                y = (ms @ self.w2[layer, s]) * gathered_w[rows, cols].unsqueeze(-1)
+                acc.index_add_(0, rows, y)
+        if group is None:
+            return acc.clone()
+        out = torch.empty(T, cfg.hidden_size, dtype=h.dtype, device=h.device)
+        group.reduce_scatter(out, list(acc.chunk(W)))
+        return out

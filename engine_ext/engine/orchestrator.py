@@ -1,0 +1,452 @@
+"""Deployment control shared by the Ray controller and the process launcher.
+
+It talks to ranks only through ``RankClient`` (an awaitable ``call``), so the same start,
+routing and scale logic drives Ray actors and plain processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine_ext.elastic.comm import Rendezvous
+from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size, plan_moves, transfer_pairs
+from engine_ext.elastic.identity import dp_suffixed
+from engine_ext.engine.config import EngineConfig
+from engine_ext.protocol import (
+    EepError,
+    Event,
+    Operation,
+    OpState,
+    Phase,
+    PreconditionError,
+    TransitionFailed,
+    TransitionTimeout,
+    UsageError,
+)
+
+
+class RankClient(Protocol):
+    rank: int
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any: ...
+
+    async def kill(self) -> None: ...
+
+    def pid(self) -> int: ...
+
+
+class Spawner(Protocol):
+    async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> RankClient: ...
+
+    def check_capacity(self, new_ranks: int) -> str | None:
+        """None if the cluster can host ``new_ranks`` more ranks, else the reason."""
+
+
+EventSink = Callable[[dict[str, Any]], None]
+
+
+class Router:
+    """Admits requests, spreads them over the serving ranks, and gathers their results."""
+
+    def __init__(self) -> None:
+        self.clients: dict[int, RankClient] = {}
+        self.excluded: set[int] = set()
+        self.inflight: dict[int, int] = {}
+        self._futures: dict[str, asyncio.Future] = {}
+        self._owner: dict[str, int] = {}
+        self._ids = itertools.count()
+        self.completed = 0
+        self.failed = 0
+
+    def set_ranks(self, clients: dict[int, RankClient]) -> None:
+        self.clients = dict(clients)
+        self.excluded &= set(clients)
+        for r in clients:
+            self.inflight.setdefault(r, 0)
+
+    def _pick(self) -> int:
+        ranks = [r for r in self.clients if r not in self.excluded]
+        if not ranks:
+            raise EepError("no rank is accepting requests")
+        return min(ranks, key=lambda r: (self.inflight.get(r, 0), r))
+
+    async def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> dict[str, Any]:
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._futures[rid] = fut
+        await self._send({"request_id": rid, "prompt": list(prompt), "max_tokens": int(max_tokens)})
+        return await fut
+
+    async def _send(self, wire: dict[str, Any]) -> None:
+        rank = self._pick()
+        self._owner[wire["request_id"]] = rank
+        self.inflight[rank] = self.inflight.get(rank, 0) + 1
+        try:
+            await self.clients[rank].call("add_request", wire)
+        except Exception as e:
+            self._resolve(dict(wire, rank=rank, error=f"rank {rank} refused the request: {e}"))
+
+    def _resolve(self, res: dict[str, Any]) -> None:
+        rid = res["request_id"]
+        rank = self._owner.pop(rid, None)
+        if rank is not None:
+            self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
+        fut = self._futures.pop(rid, None)
+        if res.get("error"):
+            self.failed += 1
+        else:
+            self.completed += 1
+        if fut is not None and not fut.done():
+            fut.set_result(res)
+
+    def on_results(self, results: list[dict[str, Any]]) -> None:
+        for res in results:
+            self._resolve(res)
+
+    async def resubmit(self, moved: list[dict[str, Any]]) -> None:
+        """Requests handed back by a removing rank continue on a remaining one (re-prefilled)."""
+        for wire in moved:
+            old = self._owner.pop(wire["request_id"], None)
+            if old is not None:
+                self.inflight[old] = max(0, self.inflight.get(old, 0) - 1)
+            await self._send(wire)
+
+    def fail_all(self, ranks: set[int], reason: str) -> None:
+        for rid, rank in list(self._owner.items()):
+            if rank in ranks:
+                self._resolve({"request_id": rid, "rank": rank, "error": reason})
+
+
+@dataclass
+class ScalePlan:
+    op_id: str
+    from_size: int
+    to_size: int
+    joining: list[dict[str, Any]] = field(default_factory=list)
+    leaving: list[dict[str, Any]] = field(default_factory=list)
+    transfer_pairs: dict[int, list[int]] = field(default_factory=dict)
+    expert_moves: list[dict[str, int]] = field(default_factory=list)
+    layout: dict[str, Any] = field(default_factory=dict)
+    noop: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op_id": self.op_id, "from_size": self.from_size, "to_size": self.to_size, "noop": self.noop,
+            "joining": self.joining, "leaving": self.leaving,
+            "transfer_pairs": {str(k): v for k, v in self.transfer_pairs.items()},
+            "expert_moves": self.expert_moves, "layout": self.layout,
+        }
+
+
+class Orchestrator:
+    """Owns one deployment's ranks and runs its transitions, one at a time (I9)."""
+
+    def __init__(
+        self,
+        name: str,
+        cfg: EngineConfig,
+        spawner: Spawner,
+        *,
+        max_dp: int,
+        emit: EventSink | None = None,
+        record_op: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.spawner = spawner
+        self.max_dp = max_dp
+        self.clients: dict[int, RankClient] = {}
+        self.router = Router()
+        self.layout: ExpertLayout | None = None
+        self.store: tuple[str, int] | None = None
+        self.epoch = 0
+        self.emit = emit or (lambda e: None)
+        self.record_op = record_op or (lambda op: None)
+        self.op: Operation | None = None
+        self._op_lock = asyncio.Lock()
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.clients)
+
+    def _check_target(self, size: int) -> None:
+        if size < 1:
+            raise UsageError(f"--dp must be >= 1, got {size}")
+        if size > self.max_dp:
+            raise PreconditionError(f"target DP size {size} is over this deployment's max DP {self.max_dp}")
+        need = min_world_size(self.cfg.num_experts, self.cfg.slots_per_rank)
+        if size < need:
+            raise PreconditionError(
+                f"{self.cfg.num_experts} experts at {self.cfg.slots_per_rank} slots per rank need at least {need} ranks"
+            )
+
+    # ---- start -------------------------------------------------------------------------------
+    async def start(self, size: int, timeout_s: float = 300.0) -> None:
+        self._check_target(size)
+        reason = self.spawner.check_capacity(size)
+        if reason:
+            raise PreconditionError(reason)
+        self.layout = build_layout(self.cfg.num_experts, self.cfg.slots_per_rank, size)
+        rank0 = await self.spawner.spawn(0, self.layout, False)
+        clients = {0: rank0}
+        try:
+            self.store = tuple(await rank0.call("host_store"))  # type: ignore[assignment]
+            for r in range(1, size):
+                clients[r] = await self.spawner.spawn(r, self.layout, False)
+            rdzv = self._rdzv("start")
+            await self._all(clients, "join", [rdzv.host, rdzv.port, rdzv.prefix], size, timeout=timeout_s)
+            await self._all(clients, "warm_and_capture", "startup", timeout=timeout_s)
+            await self._all(clients, "serve", timeout=60)
+        except BaseException:
+            for c in clients.values():
+                await _quiet(c.kill())
+            raise
+        self.clients = clients
+        self.router.set_ranks(clients)
+
+    def _rdzv(self, tag: str) -> Rendezvous:
+        assert self.store is not None
+        self.epoch += 1
+        return Rendezvous(self.store[0], self.store[1], f"{self.name}/e{self.epoch}-{tag}")
+
+    async def _all(self, clients: dict[int, RankClient], method: str, *args: Any, timeout: float | None) -> dict[int, Any]:
+        ranks = sorted(clients)
+        results = await asyncio.gather(*(clients[r].call(method, *args, timeout=timeout) for r in ranks),
+                                       return_exceptions=True)
+        errors = {r: res for r, res in zip(ranks, results) if isinstance(res, BaseException)}
+        if errors:
+            r, e = next(iter(errors.items()))
+            raise _RankError(r, method, e, errors)
+        return dict(zip(ranks, results))
+
+    # ---- planning ----------------------------------------------------------------------------
+    async def _loads(self) -> list[float]:
+        total = [0.0] * self.cfg.num_experts
+        for c in self.clients.values():
+            try:
+                st = await c.call("status", timeout=5)
+            except Exception:
+                continue
+            for e, v in enumerate(st.get("eplb_logical_load", [])):
+                total[e] += v
+        return total
+
+    async def plan(self, target: int, op_id: str | None = None) -> ScalePlan:
+        self._check_target(target)
+        assert self.layout is not None
+        op_id = op_id or f"op-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        cur = self.size
+        plan = ScalePlan(op_id, cur, target, noop=(target == cur))
+        if plan.noop:
+            plan.layout = self.layout.to_dict()
+            return plan
+        new = build_layout(self.cfg.num_experts, self.cfg.slots_per_rank, target, await self._loads(), self.layout)
+        moves = plan_moves(self.layout, new, set(range(cur)))
+        base = self.cfg.instance_id or self.name
+        if target > cur:
+            plan.joining = [{"rank": r, "instance_id": dp_suffixed(base, r)} for r in range(cur, target)]
+            plan.transfer_pairs = transfer_pairs(cur, target)
+        else:
+            plan.leaving = [{"rank": r, "instance_id": dp_suffixed(base, r)} for r in range(target, cur)]
+        plan.expert_moves = [m.__dict__ for m in moves if not m.local]
+        plan.layout = new.to_dict()
+        return plan
+
+    # ---- scale -------------------------------------------------------------------------------
+    def running_op(self) -> Operation | None:
+        return self.op if self.op is not None and self.op.state == OpState.RUNNING.value else None
+
+    async def scale(self, target: int, *, drain_timeout_s: float = 30.0, timeout_s: float = 300.0,
+                    op_id: str | None = None) -> dict[str, Any]:
+        running = self.running_op()
+        if running is not None or self._op_lock.locked():
+            rid = running.op_id if running else "an operation"
+            raise PreconditionError(f"a scale is already running ({rid}); one at a time")
+        async with self._op_lock:
+            plan = await self.plan(target, op_id)
+            op = Operation(plan.op_id, self.name, plan.from_size, plan.to_size, plan=plan.to_dict())
+            if plan.noop:
+                op.state, op.finished = OpState.SUCCEEDED.value, time.time()
+                op.error = f"already at DP {target}; nothing to do"
+                self._record(op)
+                return op.to_dict()
+            reason = self.spawner.check_capacity(max(0, target - self.size))
+            if reason:
+                raise PreconditionError(reason)
+            self.op = op
+            self._record(op)
+            try:
+                await asyncio.wait_for(self._run(plan, op, drain_timeout_s, timeout_s), timeout=timeout_s)
+                op.state = OpState.SUCCEEDED.value
+            except asyncio.TimeoutError:
+                op.state, op.error_code = OpState.TIMED_OUT.value, 6
+                op.error = f"timed out after {timeout_s:.0f}s in phase {op.phase}"
+                await self._recover(op)
+            except EepError as e:
+                op.state, op.error_code, op.error = OpState.FAILED.value, int(e.exit_code), e.message
+                await self._recover(op)
+            except Exception as e:  # noqa: BLE001 - every failure must be reported, not raised raw
+                op.state, op.error_code = OpState.FAILED.value, 5
+                op.error = f"{type(e).__name__}: {e}"
+                await self._recover(op)
+            finally:
+                op.finished = time.time()
+                self._record(op)
+            return op.to_dict()
+
+    def _record(self, op: Operation) -> None:
+        d = op.to_dict()
+        if not self.history or self.history[-1]["op_id"] != op.op_id:
+            self.history.append(d)
+        else:
+            self.history[-1] = d
+        self.history = self.history[-100:]
+        self.record_op(d)
+
+    def _phase(self, op: Operation, phase: Phase, start: float, **detail: Any) -> None:
+        end = time.time()
+        op.phase_durations[phase.value] = round(op.phase_durations.get(phase.value, 0.0) + end - start, 6)
+        self.emit(Event(op.op_id, -1, phase.value, start, end, "ok", detail).to_dict())
+        self._record(op)
+
+    async def _run(self, plan: ScalePlan, op: Operation, drain_timeout_s: float, timeout_s: float) -> None:
+        assert self.layout is not None
+        old_size, new_size = plan.from_size, plan.to_size
+        new_layout = ExpertLayout.from_dict(plan.layout)
+        rdzv = self._rdzv(plan.op_id)
+        tplan = {"op_id": plan.op_id, "kind": "scale_up" if new_size > old_size else "scale_down",
+                 "old_size": old_size, "new_size": new_size, "rdzv": [rdzv.host, rdzv.port, rdzv.prefix],
+                 "old_layout": self.layout.to_dict(), "new_layout": plan.layout, "timeout_s": timeout_s}
+        for c in self.clients.values():
+            with_ws = await _quiet(c.call("status", timeout=5))
+            if isinstance(with_ws, dict):
+                op.workspace_before[str(c.rank)] = with_ws.get("workspace_bytes", 0)
+        joiners: dict[int, RankClient] = {}
+        world = dict(self.clients)
+        self._commit_started = False
+        self._joiners = joiners
+        try:
+            if new_size > old_size:
+                op.phase = Phase.LAUNCH.value
+                t = time.time()
+                spawned = await asyncio.gather(
+                    *(self.spawner.spawn(r, new_layout, True) for r in range(old_size, new_size)),
+                    return_exceptions=True)
+                for r, c in zip(range(old_size, new_size), spawned):
+                    if not isinstance(c, BaseException):
+                        joiners[r] = c
+                self._joiners = joiners
+                for r, c in zip(range(old_size, new_size), spawned):
+                    if isinstance(c, BaseException):
+                        raise TransitionFailed(f"launch of rank {r} failed: {_short(c)}")
+                self._phase(op, Phase.LAUNCH, t, ranks=sorted(joiners))
+                world.update(joiners)
+            else:
+                for r in range(new_size, old_size):
+                    self.router.excluded.add(r)
+            op.phase = Phase.PREPARE.value
+            t = time.time()
+            await self._all(world, "prepare", tplan, timeout=timeout_s)
+            self._phase(op, Phase.PREPARE, t)
+            if new_size < old_size:
+                op.phase = Phase.DRAIN.value
+                t = time.time()
+                await self._drain(range(new_size, old_size), drain_timeout_s)
+                self._phase(op, Phase.DRAIN, t)
+            op.phase = Phase.COMMIT.value
+            t = time.time()
+            self._commit_started = True
+            old_world = {r: c for r, c in world.items() if r < old_size}
+            await self._all(old_world, "request_commit", plan.op_id, timeout=30)
+            results = await self._all(world, "wait_op", plan.op_id, timeout_s, timeout=timeout_s + 5)
+            self._phase(op, Phase.COMMIT, t)
+        except _RankError as e:
+            raise TransitionFailed(f"phase {op.phase} failed on rank {e.rank}: {_short(e.error)}",
+                                   detail={"phase": op.phase, "rank": e.rank}) from None
+        # Commit succeeded everywhere: adopt the new world.
+        moved: list[dict[str, Any]] = []
+        for r, res in results.items():
+            moved.extend(res.get("moved", []))
+            if r < new_size:
+                op.captures_per_rank[str(r)] = int(res.get("captures_this_op", 0))
+                op.workspace_after[str(r)] = int(res.get("workspace_after", 0))
+                op.serving_pause_s = max(op.serving_pause_s, float(res.get("pause_s", 0.0)))
+        leaving = {r: c for r, c in world.items() if r >= new_size}
+        self.clients = {r: c for r, c in world.items() if r < new_size}
+        self.layout = new_layout
+        self.router.set_ranks(self.clients)
+        if moved:
+            await self.router.resubmit(moved)
+        op.phase = Phase.CLEANUP.value
+        t = time.time()
+        for c in leaving.values():
+            await _quiet(c.kill())
+        self._phase(op, Phase.CLEANUP, t, removed=sorted(leaving), moved_requests=len(moved))
+
+    async def _drain(self, ranks: range, timeout_s: float) -> None:
+        """Let removing ranks finish their requests; whatever is left moves at commit."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            busy = 0
+            for r in ranks:
+                st = await _quiet(self.clients[r].call("status", timeout=5))
+                if isinstance(st, dict):
+                    busy += st.get("requests_running", 0) + st.get("requests_waiting", 0)
+            if busy == 0:
+                return
+            await asyncio.sleep(0.1)
+
+    async def _recover(self, op: Operation) -> None:
+        """Before commit: roll back (drop joiners and standby groups, keep serving).
+        During commit: report each rank's state; the deployment stays explainable."""
+        commit_started = getattr(self, "_commit_started", False)
+        old_size = op.from_size
+        for r in range(op.to_size, old_size):
+            self.router.excluded.discard(r)
+        if not commit_started:
+            op.phase_durations.setdefault(Phase.ROLLBACK.value, 0.0)
+            t = time.time()
+            for r, c in list(self.clients.items()):
+                await _quiet(c.call("abort", op.op_id, timeout=10))
+            for c in getattr(self, "_joiners", {}).values():
+                await _quiet(c.kill())  # joining ranks were launched by this op
+            if op.state == OpState.FAILED.value:
+                op.state = OpState.ROLLED_BACK.value
+            self._phase(op, Phase.ROLLBACK, t)
+        for r, c in list(self.clients.items()):
+            st = await _quiet(c.call("status", timeout=5))
+            op.rank_states[str(r)] = st.get("state", "unreachable") if isinstance(st, dict) else "unreachable"
+
+    # ---- stop --------------------------------------------------------------------------------
+    async def stop(self) -> None:
+        for c in self.clients.values():
+            await _quiet(c.call("stop", timeout=5))
+        for c in self.clients.values():
+            await _quiet(c.kill())
+        self.clients = {}
+
+
+class _RankError(Exception):
+    def __init__(self, rank: int, method: str, error: BaseException, errors: dict[int, BaseException]) -> None:
+        super().__init__(f"rank {rank} failed in {method}: {error}")
+        self.rank, self.method, self.error, self.errors = rank, method, error, errors
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    last = text[-1] if text else type(e).__name__
+    return last[:300]
+
+
+async def _quiet(aw: Awaitable[Any]) -> Any:
+    try:
+        return await aw
+    except Exception as e:  # noqa: BLE001 - best effort (cleanup, status probes)
+        return e

@@ -1,0 +1,187 @@
+"""Request slots, the paged KV block pool and continuous batching with greedy decoding."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_ext.engine.config import EngineConfig
+
+NULL_BLOCK = 0
+
+
+class NoFreeSlotError(RuntimeError):
+    pass
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served by this configuration."""
+
+
+class SlotPool:
+    def __init__(self, n: int) -> None:
+        self.total = n
+        self._free: list[int] = list(range(n - 1, -1, -1))  # pop() hands out slot 0 first
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise NoFreeSlotError(f"no free request slot: all {self.total} slots are in use")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.total:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.total - len(self._free)
+
+    def snapshot(self) -> tuple[int, ...]:
+        return tuple(self._free)
+
+
+class BlockPool:
+    """KV blocks 1..n-1; block 0 is the null block, never handed to a request."""
+
+    def __init__(self, n: int) -> None:
+        self.total = n - 1
+        self._free: deque[int] = deque(range(1, n))
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"need {n} KV blocks, {len(self._free)} free of {self.total}")
+        return [self._free.popleft() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.total - len(self._free)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    output: list[int] = field(default_factory=list)
+    logits: list[float] = field(default_factory=list)
+    slot: int = -1
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    arrival: float = field(default_factory=time.time)
+    moved_from: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_tokens
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "prompt": list(self.prompt), "max_tokens": self.max_tokens,
+                "output": list(self.output), "logits": list(self.logits), "moved_from": list(self.moved_from)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Request:
+        return cls(d["request_id"], list(d["prompt"]), int(d["max_tokens"]), list(d.get("output", [])),
+                   list(d.get("logits", [])), moved_from=list(d.get("moved_from", [])))
+
+
+@dataclass
+class ScheduledItem:
+    request: Request
+    feed: list[int]  # tokens whose KV this step computes
+    start: int  # position of feed[0]
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.slots = SlotPool(cfg.max_num_seqs)
+        self.blocks = BlockPool(cfg.num_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def validate(self, req: Request) -> None:
+        cfg = self.cfg
+        if not req.prompt:
+            raise RequestRejected("prompt is empty")
+        if any(not 0 <= t < cfg.vocab_size for t in req.prompt):
+            raise RequestRejected(f"prompt token ids must be in [0, {cfg.vocab_size})")
+        if req.max_tokens < 1:
+            raise RequestRejected("max_tokens must be >= 1")
+        if len(req.prompt) + req.max_tokens > cfg.max_model_len:
+            raise RequestRejected(f"prompt + max_tokens exceeds max_model_len {cfg.max_model_len}")
+        if len(req.tokens) > cfg.max_num_tokens:
+            raise RequestRejected(f"prompt longer than max_num_tokens {cfg.max_num_tokens}")
+
+    def add(self, req: Request) -> None:
+        self.validate(req)
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> list[ScheduledItem]:
+        """Decodes first, then admit waiting requests while slots, blocks and tokens allow."""
+        budget = self.cfg.max_num_tokens
+        items: list[ScheduledItem] = []
+        for req in self.running:
+            feed = req.tokens[req.num_computed :]
+            if len(feed) > budget:
+                continue
+            items.append(ScheduledItem(req, feed, req.num_computed))
+            budget -= len(feed)
+        while self.waiting and self.slots.free and budget > 0:
+            req = self.waiting[0]
+            need_tokens = len(req.tokens)
+            need_blocks = -(-(len(req.prompt) + req.max_tokens) // self.cfg.block_size)
+            if need_tokens > budget or need_blocks > self.blocks.free:
+                break
+            self.waiting.popleft()
+            req.slot = self.slots.allocate()
+            req.blocks = self.blocks.allocate(need_blocks)
+            req.num_computed = 0
+            self.running.append(req)
+            items.append(ScheduledItem(req, req.tokens, 0))
+            budget -= need_tokens
+        return items
+
+    def finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.slots.release(req.slot)
+        self.blocks.release(req.blocks)
+        req.slot, req.blocks = -1, []
+
+    def export_all(self) -> list[Request]:
+        """Take every unfinished request out (scale-down moves them to a remaining rank)."""
+        out = list(self.running) + list(self.waiting)
+        for req in list(self.running):
+            self.finish(req)
+        self.waiting.clear()
+        for req in out:
+            req.num_computed = 0
+        return out
+
+    def live_blocks(self) -> list[int]:
+        return sorted(b for r in self.running for b in r.blocks)
