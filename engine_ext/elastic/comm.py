@@ -9,22 +9,10 @@ from __future__ import annotations
 
 import datetime
 import socket
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where a group meets: the store host/port and a prefix unique to one operation."""
-
-    host: str
-    port: int
-    prefix: str
-
-    def child(self, name: str) -> Rendezvous:
-        return Rendezvous(self.host, self.port, f"{self.prefix}/{name}")
+from engine_ext.elastic.rendezvous import Rendezvous
 
 
 def local_ip() -> str:

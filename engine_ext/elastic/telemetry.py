@@ -15,6 +15,7 @@ from engine_ext.protocol import STALE_AFTER_S, Event, OpState, RankState, RankSt
 
 _MAX_EVENTS = 5000
 _TERMINAL = {RankState.REMOVED.value}
+_RANK_PHASES = {"transfer", "reshuffle", "warm", "capture"}
 _STACKED = re.compile(r"_dp\d+_dp\d+$")
 
 
@@ -87,10 +88,20 @@ class RegistryState:
         return running[-1] if running else None
 
     def operations(self, op_id: str | None = None) -> list[dict[str, Any]]:
+        """Operations with the ranks' phase durations folded in (slowest rank per phase)."""
         ops = sorted(self.ops.values(), key=lambda o: o.get("started", 0))
         if op_id:
             ops = [o for o in ops if o["op_id"] == op_id]
-        return ops
+        out = []
+        for op in ops:
+            op = dict(op)
+            phases = dict(op.get("phase_durations") or {})
+            for e in self.events:
+                if e["op_id"] == op["op_id"] and e["rank"] >= 0 and e["phase"] in _RANK_PHASES:
+                    phases[e["phase"]] = max(phases.get(e["phase"], 0.0), round(e["end"] - e["start"], 6))
+            op["phase_durations"] = phases
+            out.append(op)
+        return out
 
     def events_for(self, op_id: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
         return [e for e in self.events if e["seq"] > since_seq and (op_id is None or e["op_id"] == op_id)]

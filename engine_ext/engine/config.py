@@ -38,8 +38,10 @@ class EngineConfig:
     backend: str = "gloo"
     group_timeout_s: float = 120.0
     # Deliberately broken variants, used by tests to show each invariant check catches its
-    # violation: "skip_rewarm", "skip_release", "warmup_not_isolated", "double_suffix".
+    # violation: "skip_rewarm", "skip_release", "warmup_not_isolated", "double_suffix"; and
+    # "slow_prepare" (joining ranks wait fault_delay_s in prepare, so a test can kill one).
     faults: list[str] = field(default_factory=list)
+    fault_delay_s: float = 5.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine_ext.elastic.comm import Rendezvous
+from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size, plan_moves, transfer_pairs
 from engine_ext.elastic.identity import dp_suffixed
 from engine_ext.engine.config import EngineConfig
@@ -217,14 +217,19 @@ class Orchestrator:
         return Rendezvous(self.store[0], self.store[1], f"{self.name}/e{self.epoch}-{tag}")
 
     async def _all(self, clients: dict[int, RankClient], method: str, *args: Any, timeout: float | None) -> dict[int, Any]:
-        ranks = sorted(clients)
-        results = await asyncio.gather(*(clients[r].call(method, *args, timeout=timeout) for r in ranks),
-                                       return_exceptions=True)
-        errors = {r: res for r, res in zip(ranks, results) if isinstance(res, BaseException)}
-        if errors:
-            r, e = next(iter(errors.items()))
-            raise _RankError(r, method, e, errors)
-        return dict(zip(ranks, results))
+        """Call every rank; fail on the first error instead of waiting for the others (a dead
+        joiner must not keep the survivors' rollback waiting for a rendezvous timeout)."""
+        tasks = {asyncio.ensure_future(clients[r].call(method, *args, timeout=timeout)): r for r in sorted(clients)}
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+            if failed:
+                for t in pending:
+                    t.cancel()
+                first = min(failed, key=lambda t: tasks[t])
+                raise _RankError(tasks[first], method, first.exception(), {tasks[t]: t.exception() for t in failed})
+        return {r: t.result() for t, r in tasks.items()}
 
     # ---- planning ----------------------------------------------------------------------------
     async def _loads(self) -> list[float]:
@@ -260,15 +265,21 @@ class Orchestrator:
         return plan
 
     # ---- scale -------------------------------------------------------------------------------
+    def busy(self) -> str | None:
+        """The id of the operation holding the single-flight lock, if any (I9)."""
+        running = self.running_op()
+        if running is not None:
+            return f"{running.op_id} (DP {running.from_size}->{running.to_size})"
+        return "an operation being planned" if self._op_lock.locked() else None
+
     def running_op(self) -> Operation | None:
         return self.op if self.op is not None and self.op.state == OpState.RUNNING.value else None
 
     async def scale(self, target: int, *, drain_timeout_s: float = 30.0, timeout_s: float = 300.0,
                     op_id: str | None = None) -> dict[str, Any]:
-        running = self.running_op()
-        if running is not None or self._op_lock.locked():
-            rid = running.op_id if running else "an operation"
-            raise PreconditionError(f"a scale is already running ({rid}); one at a time")
+        busy = self.busy()
+        if busy is not None:
+            raise PreconditionError(f"a scale is already running: {busy}; one at a time")
         async with self._op_lock:
             plan = await self.plan(target, op_id)
             op = Operation(plan.op_id, self.name, plan.from_size, plan.to_size, plan=plan.to_dict())

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from engine_ext.elastic.comm import Rendezvous, StatelessGroup, host_store, local_ip
+from engine_ext.elastic.comm import StatelessGroup, host_store, local_ip
+from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.elastic.eplb import EplbState, ExpertLayout, ExpertMove, plan_moves, transfer_pairs
 from engine_ext.elastic.graphs import GraphManager, StaleGraphError
 from engine_ext.elastic.identity import apply_dp_identity_suffix
@@ -534,6 +535,8 @@ class RankEngine:
             self.graphs.begin_operation()
         if role != "joining":
             self._set_state(RankState.PREPARING)
+        elif "slow_prepare" in self.cfg.faults:  # test hook: a window to kill a joining rank
+            time.sleep(self.cfg.fault_delay_s)
         try:
             with self.phase(plan.op_id, "prepare", role=role) as d:
                 t = plan.timeout_s

@@ -1,0 +1,258 @@
+"""The typer commands. Each parses its options, calls one function in eepctl.core, renders."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+
+from engine_ext.protocol import DEFAULT_DEPLOYMENT, DEFAULT_NAMESPACE, UsageError
+
+app = typer.Typer(
+    name="eepctl",
+    help="Operate elastic expert-parallel MoE deployments on Ray: bring them up, scale them live, watch them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+class Output(str, enum.Enum):
+    table = "table"
+    json = "json"
+
+
+def _complete_name(incomplete: str) -> list[str]:
+    """Deployment names from the cluster when one is reachable; silent and quick otherwise."""
+    from eepctl.completion import deployment_names
+
+    return [n for n in deployment_names() if n.startswith(incomplete)]
+
+
+Address = Annotated[str | None, typer.Option("--address", envvar="RAY_ADDRESS", show_envvar=True,
+                                             help="Ray cluster address HOST:PORT.")]
+Namespace = Annotated[str, typer.Option("--namespace", envvar="EEPCTL_NAMESPACE", help="Ray namespace.")]
+Name = Annotated[str, typer.Option("--name", "-n", envvar="EEPCTL_NAME", help="Deployment name.",
+                                   autocompletion=_complete_name)]
+OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="Output format.", case_sensitive=False)]
+
+
+def _target(address: str | None, namespace: str, name: str) -> Any:
+    from eepctl.core import Target
+
+    return Target(address, namespace, name).validated()
+
+
+def _emit(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _say(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+
+
+def _plain() -> bool:
+    return not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", "--traceback", help="Re-raise errors with their traceback.")] = False,
+) -> None:
+    """Global options."""
+
+
+@app.command()
+def up(
+    dp: Annotated[int, typer.Option("--dp", help="Initial data-parallel size.")] = 2,
+    max_dp: Annotated[int, typer.Option("--max-dp", help="Largest DP size scale may reach.")] = 8,
+    name: Name = DEFAULT_DEPLOYMENT,
+    address: Address = None,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    experts: Annotated[int, typer.Option(help="Logical experts per MoE layer.")] = 8,
+    slots_per_rank: Annotated[int, typer.Option(help="Physical expert slots per rank (redundant = slots*DP - experts).")] = 8,
+    top_k: Annotated[int, typer.Option(help="Experts per token.")] = 2,
+    layers: Annotated[int, typer.Option(help="Decoder layers.")] = 2,
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 64,
+    max_num_seqs: Annotated[int, typer.Option(help="Request slots per rank.")] = 8,
+    max_num_tokens: Annotated[int, typer.Option(help="Tokens per step per rank.")] = 64,
+    dtype: Annotated[str, typer.Option(help="float32 or float64 (bfloat16/float16 on GPU).")] = "float32",
+    seed: Annotated[int, typer.Option(help="Weights seed.")] = 0,
+    cpus_per_rank: Annotated[float, typer.Option(help="Ray CPUs per rank.")] = 1.0,
+    gpus_per_rank: Annotated[float, typer.Option(help="Ray GPUs per rank (0: CPU ranks).")] = 0.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait until every rank serves.")] = 300.0,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Start a reference deployment (and a local Ray head if none is running)."""
+    from eepctl import core, render
+
+    if dtype not in ("float32", "float64", "bfloat16", "float16"):
+        raise UsageError(f"--dtype must be float32, float64, bfloat16 or float16, not {dtype!r}")
+    engine = {"num_experts": experts, "slots_per_rank": slots_per_rank, "top_k": top_k, "num_layers": layers,
+              "hidden_size": hidden, "max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens,
+              "dtype": dtype, "seed": seed,
+              "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
+    res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
+                  cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say)
+    _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
+
+
+@app.command()
+def down(
+    name: Name = DEFAULT_DEPLOYMENT,
+    address: Address = None,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    stop_cluster: Annotated[bool, typer.Option("--stop-cluster", help="Also stop the local Ray cluster, if eepctl started it.")] = False,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Stop a deployment."""
+    from eepctl import core, render
+
+    res = core.down(_target(address, namespace, name), stop_cluster=stop_cluster)
+    _emit(render.to_json("down", res) + "\n" if output == Output.json else render.down_text(res))
+
+
+@app.command()
+def status(
+    name: Name = DEFAULT_DEPLOYMENT,
+    address: Address = None,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    output: OutputOpt = Output.table,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until interrupted.")] = False,
+    interval: Annotated[float, typer.Option(help="Refresh interval for --watch, seconds.")] = 1.0,
+) -> None:
+    """Per-rank status: state, requests, slots, KV, workspace, graphs, EPLB, heartbeat."""
+    from eepctl import core, render
+
+    t = _target(address, namespace, name)
+    if not watch:
+        snap = core.status(t)
+        _emit(render.to_json("status", snap) + "\n" if output == Output.json else render.status_text(snap))
+        return
+    if output == Output.json:
+        while True:
+            _emit(render.to_json("status", core.status(t)) + "\n")
+            time.sleep(interval)
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    with Live(Text(""), console=Console(), auto_refresh=False) as live:
+        while True:
+            live.update(Text(render.status_text(core.status(t), width=live.console.width)), refresh=True)
+            time.sleep(interval)
+
+
+@app.command()
+def generate(
+    prompt_ids: Annotated[list[str] | None, typer.Option("--prompt-ids", "-p", help="A prompt as comma-separated token ids; repeat for more.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 8,
+    rate: Annotated[float | None, typer.Option(help="Turn into a load generator: requests per second.")] = None,
+    duration: Annotated[float, typer.Option(help="Seconds of load with --rate.")] = 10.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for all outputs.")] = 300.0,
+    name: Name = DEFAULT_DEPLOYMENT,
+    address: Address = None,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Send prompts (a built-in set by default) and print the outputs; with --rate, measure load."""
+    from eepctl import core, render
+
+    prompts = [_parse_prompt(p) for p in prompt_ids] if prompt_ids else core.DEFAULT_PROMPTS
+    t = _target(address, namespace, name)
+    if rate is not None:
+        res = core.load(t, prompts, max_tokens, rate, duration, timeout)
+        _emit(render.to_json("load", res) + "\n" if output == Output.json else render.load_text(res))
+        if res["failed"]:
+            raise typer.Exit(5)
+        return
+    res = core.generate(t, prompts, max_tokens, timeout)
+    _emit(render.to_json("generate", res) + "\n" if output == Output.json else render.generate_text(res))
+    if any(r["error"] for r in res["results"]):
+        raise typer.Exit(5)
+
+
+def _parse_prompt(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", ",").split(",") if x]
+    except ValueError:
+        raise UsageError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty")
+    return ids
+
+
+@app.command()
+def scale(
+    dp: Annotated[int, typer.Option("--dp", help="Target data-parallel size (absolute).")],
+    drain_timeout: Annotated[float, typer.Option(help="Seconds removing ranks may finish requests before they move.")] = 30.0,
+    timeout: Annotated[float, typer.Option(help="Seconds the whole transition may take (exit 6 after).")] = 300.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and change nothing.")] = False,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the operation id and return.")] = False,
+    name: Name = DEFAULT_DEPLOYMENT,
+    address: Address = None,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Scale the deployment's DP size up or down while it serves."""
+    from eepctl import core, render
+    from eepctl.progress import ScaleProgress
+
+    t = _target(address, namespace, name)
+    if dry_run:
+        plan = core.plan(t, dp)
+        _emit(render.to_json("plan", plan) + "\n" if output == Output.json else render.plan_text(plan))
+        return
+    progress = ScaleProgress(json_lines=output == Output.json, plain=_plain())
+    with progress:
+        res = core.scale(t, dp, drain_timeout_s=drain_timeout, timeout_s=timeout, wait=not no_wait,
+                         on_event=progress.on_event)
+    _emit(render.to_json("scale", res) + "\n" if output == Output.json else render.scale_text(res))
+
+
+@app.command()
+def events(
+    op: Annotated[str | None, typer.Option("--op", help="Only this operation.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events (until the operation ends, with --op).")] = False,
+    name: Name = DEFAULT_DEPLOYMENT,
+    address: Address = None,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Operations with per-phase durations, serving pause, captures and workspace; and their events."""
+    from eepctl import core, render
+
+    t = _target(address, namespace, name)
+    data = core.events(t, op)
+    if not follow:
+        _emit(render.to_json("events", data) + "\n" if output == Output.json else render.events_text(data))
+        return
+    seq = 0
+    while True:
+        for ev in data["events"]:
+            seq = max(seq, ev["seq"])
+            _emit(json.dumps(ev) + "\n" if output == Output.json else render.event_line(ev) + "\n")
+        ops = data.get("operations", [])
+        if op and ops and ops[-1].get("state") != "running":
+            _emit(render.to_json("operation", ops[-1]) + "\n" if output == Output.json else render.scale_text(ops[-1]))
+            return
+        time.sleep(0.5)
+        data = core.events(t, op, seq)
+
+
+@app.command()
+def completion(
+    shell: Annotated[str, typer.Argument(help="bash, zsh or fish.")],
+) -> None:
+    """Print the shell completion script (see the README for installing it)."""
+    from eepctl.completion import script
+
+    _emit(script(shell))

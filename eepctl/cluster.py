@@ -1,0 +1,163 @@
+"""Finding, starting and stopping the Ray cluster eepctl talks to.
+
+eepctl stops only a cluster it started itself, by the process group it recorded; it never
+runs a blanket ``ray stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engine_ext.protocol import UnreachableError
+
+
+def state_dir() -> Path:
+    d = Path(os.environ.get("EEPCTL_STATE_DIR") or Path.home() / ".cache" / "eepctl")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _state_file() -> Path:
+    return state_dir() / "local-cluster.json"
+
+
+def started_cluster() -> dict[str, Any] | None:
+    try:
+        data = json.loads(_state_file().read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.killpg(int(data["pgid"]), 0)
+    except (OSError, KeyError, ValueError):
+        return None
+    return data
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    addr = address.removeprefix("ray://")
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise UnreachableError(f"cannot parse Ray address {address!r}: expected HOST:PORT")
+    return host, int(port)
+
+
+def reachable(host: str, port: int, timeout_s: float = 1.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_address(address: str | None) -> str | None:
+    """The explicit address, RAY_ADDRESS, a cluster eepctl started, or None."""
+    if address:
+        return address
+    env = os.environ.get("RAY_ADDRESS")
+    if env:
+        return env
+    started = started_cluster()
+    return started["address"] if started else None
+
+
+def connect(address: str | None, namespace: str) -> str:
+    """Connect this process to the cluster as a Ray driver. Exit 3 when there is none."""
+    import ray
+
+    addr = resolve_address(address)
+    if addr is None:
+        raise UnreachableError("no Ray cluster: pass --address or set RAY_ADDRESS (or run `eepctl up` to start one)")
+    if addr != "auto":
+        host, port = parse_address(addr)
+        if not reachable(host, port):
+            raise UnreachableError(f"no Ray cluster answers at {addr}")
+    if ray.is_initialized():
+        return addr
+    try:
+        ray.init(address=addr, namespace=namespace, logging_level="ERROR", log_to_driver=False,
+                 configure_logging=True)
+    except ConnectionError as e:
+        raise UnreachableError(f"cannot connect to the Ray cluster at {addr}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # auth failures and version mismatches surface as other types
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "auth" in msg.lower() or "token" in msg.lower() or "unauthenticated" in msg.lower():
+            raise UnreachableError(f"the Ray cluster at {addr} refused the connection (authentication): {msg}") from None
+        raise UnreachableError(f"cannot connect to the Ray cluster at {addr}: {msg}") from None
+    return addr
+
+
+def _free_port(preferred: int = 6379) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+
+def start_local(num_cpus: int | None = None, timeout_s: float = 90.0) -> dict[str, Any]:
+    """Start a local Ray head in its own process group and remember it."""
+    port = _free_port()
+    cpus = num_cpus or max(os.cpu_count() or 1, 8)
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    if ray_bin is None:
+        raise UnreachableError("cannot start a local Ray cluster: the `ray` command is not installed")
+    log = state_dir() / "local-cluster.log"
+    cmd = [ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
+           "--disable-usage-stats", "--block"]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise UnreachableError(f"the local Ray head exited with code {proc.returncode}; see {log}")
+        if reachable("127.0.0.1", port, 0.5):
+            break
+        time.sleep(0.3)
+    else:
+        stop_process_group(proc.pid)
+        raise UnreachableError(f"the local Ray head did not come up in {timeout_s:.0f}s; see {log}")
+    info = {"address": address, "pid": proc.pid, "pgid": proc.pid, "num_cpus": cpus, "started": time.time(),
+            "log": str(log)}
+    _state_file().write_text(json.dumps(info))
+    return info
+
+
+def stop_process_group(pgid: int, grace_s: float = 15.0) -> None:
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.time() + grace_s
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except OSError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def stop_started(address: str | None) -> dict[str, Any] | None:
+    """Stop the cluster eepctl started, if ``address`` (when given) is that cluster."""
+    started = started_cluster()
+    if started is None or (address and address != started["address"]):
+        return None
+    stop_process_group(int(started["pgid"]))
+    _state_file().unlink(missing_ok=True)
+    return started

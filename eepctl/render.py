@@ -1,0 +1,188 @@
+"""Pure renderers: records in, text out. JSON mode prints nothing but JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
+
+
+def to_json(kind: str, data: Any) -> str:
+    return json.dumps({"schema": SCHEMA_VERSION, "object": kind, **(data if isinstance(data, dict) else {"items": data})},
+                      sort_keys=False, default=str)
+
+
+def _text(renderables: list[Any], width: int = 160) -> str:
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None, highlight=False)
+    for r in renderables:
+        console.print(r)
+    return buf.getvalue()
+
+
+def human_bytes(n: int | None) -> str:
+    if not n:
+        return "0 B"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _capture(r: dict[str, Any]) -> str:
+    n = r.get("graphs_captured", 0)
+    if r.get("graph_kind") == "cuda":
+        last = r.get("last_capture_s")
+        return f"{n} CUDA ({last * 1000:.1f} ms)" if last is not None else f"{n} CUDA"
+    return f"n/a on CPU ({n} static, {r.get('graph_replays', 0)} replays)"
+
+
+def status_text(snap: dict[str, Any], width: int = 160) -> str:
+    table = Table(title=f"deployment {snap['deployment']} ({snap.get('kind', 'reference')})", title_justify="left")
+    for col in ("rank", "identity", "node", "state", "run/wait", "slots", "kv blocks", "workspace", "graphs",
+                "eplb imb", "hb age"):
+        table.add_column(col, no_wrap=col in ("rank", "state"))
+    for r in snap["ranks"]:
+        ws = human_bytes(r.get("workspace_bytes")) + (" locked" if r.get("workspace_locked") else " unlocked")
+        state = r["state"] + (f" ({r['state_reason']})" if r.get("state_reason") and r["state"] != "serving" else "")
+        table.add_row(str(r["rank"]), r["instance_id"], r.get("node", ""), state,
+                      f"{r['requests_running']}/{r['requests_waiting']}",
+                      f"{r['slots_used']}/{r['slots_total']}", f"{r['kv_blocks_used']}/{r['kv_blocks_total']}",
+                      ws, _capture(r), f"{r.get('eplb_imbalance', 0.0):.2f}", f"{r.get('heartbeat_age_s', 0.0):.1f}s")
+    s = snap["summary"]
+    states = ", ".join(f"{n} {k}" for k, n in sorted(s["by_state"].items())) or "no ranks"
+    lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
+             f"waiting {s['requests_waiting']}"]
+    op = snap.get("operation")
+    if op:
+        lines.append(f"operation in progress: {op['op_id']} DP {op['from_size']} -> {op['to_size']}, phase {op['phase']}")
+    for v in snap.get("violations", []):
+        lines.append(f"INVARIANT {v['invariant']} rank {v['rank']}: {v['message']}")
+    return _text([table, *lines], width)
+
+
+def events_text(data: dict[str, Any], width: int = 160) -> str:
+    ops = data.get("operations", [])
+    out: list[Any] = []
+    if ops:
+        table = Table(title="operations", title_justify="left")
+        for col in ("op", "dp", "state", *REPORTED_PHASES, "pause", "captures/rank", "workspace before -> after", "error"):
+            table.add_column(col, overflow="fold")
+        for op in ops:
+            pd = op.get("phase_durations", {})
+            caps = ",".join(f"{r}:{n}" for r, n in sorted(op.get("captures_per_rank", {}).items())) or "-"
+            wb, wa = _span(op.get("workspace_before", {})), _span(op.get("workspace_after", {}))
+            table.add_row(op["op_id"], f"{op['from_size']}->{op['to_size']}", op["state"],
+                          *[f"{pd[p]:.2f}s" if p in pd else "-" for p in REPORTED_PHASES],
+                          f"{op.get('serving_pause_s', 0.0):.3f}s", caps, f"{wb} -> {wa}", op.get("error", "") or "")
+        out.append(table)
+    evs = data.get("events", [])
+    if evs:
+        out.append(_text_events(evs))
+    if not out:
+        out.append("no operations or events yet")
+    return _text(out, width)
+
+
+def _span(per_rank: dict[str, int]) -> str:
+    if not per_rank:
+        return "-"
+    lo, hi = min(per_rank.values()), max(per_rank.values())
+    return human_bytes(hi) if lo == hi else f"{human_bytes(lo)}..{human_bytes(hi)}"
+
+
+def event_line(ev: dict[str, Any]) -> str:
+    who = "controller" if ev["rank"] == -1 else f"rank {ev['rank']}"
+    ts = time.strftime("%H:%M:%S", time.localtime(ev["start"]))
+    detail = ev.get("detail") or {}
+    extra = f" error={detail['error']}" if "error" in detail else ""
+    return f"{ts} {ev['op_id']} {who:<10} {ev['phase']:<22} {ev['outcome']:<5} {ev.get('duration_s', 0.0):8.3f}s{extra}"
+
+
+def _text_events(evs: list[dict[str, Any]]) -> str:
+    return "\n".join(event_line(e) for e in evs)
+
+
+def plan_text(plan: dict[str, Any]) -> str:
+    if plan.get("noop"):
+        return f"already at DP {plan['to_size']}: nothing to do\n"
+    lines = [f"plan {plan['op_id']}: DP {plan['from_size']} -> {plan['to_size']} (dry run, nothing changed)"]
+    for j in plan.get("joining", []):
+        lines.append(f"  join   rank {j['rank']} as {j['instance_id']}")
+    for j in plan.get("leaving", []):
+        lines.append(f"  leave  rank {j['rank']} ({j['instance_id']})")
+    for src, dsts in plan.get("transfer_pairs", {}).items():
+        lines.append(f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}")
+    moves = plan.get("expert_moves", [])
+    lines.append(f"  expert moves: {len(moves)}")
+    for m in moves:
+        lines.append(f"    expert {m['logical']}: rank {m['src_rank']} slot {m['src_slot']} -> "
+                     f"rank {m['dst_rank']} slot {m['dst_slot']}")
+    layout = plan.get("layout") or {}
+    if layout:
+        phys = layout["slots_per_rank"] * layout["world_size"]
+        lines.append(f"  layout: {phys} physical slots for {layout['num_logical']} experts "
+                     f"({phys - layout['num_logical']} redundant)")
+    if plan.get("capacity_problem"):
+        lines.append(f"  WARNING: {plan['capacity_problem']}")
+    if plan.get("running_op"):
+        lines.append(f"  WARNING: {plan['running_op']} is running; a scale now would be refused")
+    return "\n".join(lines) + "\n"
+
+
+def scale_text(op: dict[str, Any]) -> str:
+    if op.get("state") == "running":
+        return f"{op['op_id']} accepted; follow it with: eepctl events --op {op['op_id']} --follow\n"
+    if op.get("from_size") == op.get("to_size"):
+        return f"already at DP {op['to_size']}: nothing to do\n"
+    pd = op.get("phase_durations", {})
+    phases = ", ".join(f"{p} {pd[p]:.2f}s" for p in REPORTED_PHASES if p in pd)
+    caps = ", ".join(f"rank {r}: {n}" for r, n in sorted(op.get("captures_per_rank", {}).items()))
+    return (f"{op['op_id']}: DP {op['from_size']} -> {op['to_size']} {op['state']}\n"
+            f"  phases: {phases}\n  serving pause: {op.get('serving_pause_s', 0.0) * 1000:.1f} ms\n"
+            f"  captures per rank: {caps}\n")
+
+
+def up_text(res: dict[str, Any]) -> str:
+    where = "a local Ray head eepctl started" if res["cluster_started"] else "the cluster"
+    lines = [f"deployment {res['deployment']} serving at DP {res['dp']} (max {res['max_dp']}) on {where} at "
+             f"{res['address']} in {res['elapsed_s']:.1f}s"]
+    for r in res.get("ranks", []):
+        lines.append(f"  rank {r['rank']}: {r['instance_id']} pid {r['pid']} {r['state']}")
+    return "\n".join(lines) + "\n"
+
+
+def generate_text(res: dict[str, Any]) -> str:
+    lines = []
+    for r in res["results"]:
+        out = " ".join(map(str, r["output"])) if not r["error"] else f"ERROR {r['error']}"
+        lines.append(f"[{' '.join(map(str, r['prompt']))}] -> {out}  ({r['latency_s'] * 1000:.0f} ms, rank {r['rank']})")
+    return "\n".join(lines) + "\n"
+
+
+def load_text(res: dict[str, Any]) -> str:
+    lat = res["latency_s"]
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.0f} ms"
+
+    return (f"sent {res['sent']} at {res['rate']:g}/s over {res['duration_s']:.1f}s: completed {res['completed']}, "
+            f"failed {res['failed']}\nlatency p50 {ms(lat['p50'])}, p90 {ms(lat['p90'])}, p99 {ms(lat['p99'])}, "
+            f"max {ms(lat['max'])}\n")
+
+
+def down_text(res: dict[str, Any]) -> str:
+    msg = f"deployment {res['deployment']} stopped"
+    if res.get("cluster_stopped"):
+        msg += "; the local Ray cluster eepctl started was stopped"
+    elif res.get("cluster_note"):
+        msg += f"; {res['cluster_note']}"
+    return msg + "\n"

@@ -1,0 +1,195 @@
+"""The controller: a named, detached async actor per deployment.
+
+It owns the rank actors, routes requests (the frontend) and runs scale operations, so a
+transition survives the eepctl process that asked for it (``--no-wait``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import ray
+
+from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.elastic.identity import dp_suffixed
+from engine_ext.engine.config import EngineConfig
+from engine_ext.engine.orchestrator import Orchestrator
+from engine_ext.protocol import EepError, ExitCode
+from engine_ext.ray.names import registry_name
+from engine_ext.ray.rank_actor import RankActor
+
+
+class RayRankClient:
+    def __init__(self, rank: int, handle: Any, pid: int) -> None:
+        self.rank = rank
+        self.handle = handle
+        self._pid = pid
+
+    def pid(self) -> int:
+        return self._pid
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        return await asyncio.wait_for(self.handle.call.remote(method, *args), timeout)
+
+    async def kill(self) -> None:
+        try:
+            ray.kill(self.handle, no_restart=True)
+        except Exception:
+            pass
+
+
+class RaySpawner:
+    def __init__(self, deployment: str, namespace: str, cfg: EngineConfig, cpus: float, gpus: float) -> None:
+        self.deployment = deployment
+        self.namespace = namespace
+        self.cfg = cfg
+        self.cpus = cpus
+        self.gpus = gpus
+
+    def check_capacity(self, new_ranks: int) -> str | None:
+        if new_ranks <= 0:
+            return None
+        avail = ray.available_resources()
+        need_cpu, need_gpu = new_ranks * self.cpus, new_ranks * self.gpus
+        if avail.get("CPU", 0.0) + 1e-9 < need_cpu:
+            return (f"the cluster has {avail.get('CPU', 0.0):g} free CPUs; {new_ranks} new rank(s) need "
+                    f"{need_cpu:g} ({self.cpus:g} each)")
+        if need_gpu and avail.get("GPU", 0.0) + 1e-9 < need_gpu:
+            return f"the cluster has {avail.get('GPU', 0.0):g} free GPUs; {new_ranks} new rank(s) need {need_gpu:g}"
+        return None
+
+    async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> RayRankClient:
+        identity = dp_suffixed(self.cfg.instance_id or self.deployment, rank)
+        device = "cuda" if self.gpus > 0 else "cpu"
+        actor = ray.remote(RankActor).options(
+            name=identity, namespace=self.namespace, lifetime="detached", num_cpus=self.cpus,
+            num_gpus=self.gpus, max_concurrency=64, max_restarts=0,
+        )
+        try:
+            handle = actor.remote(self.cfg.to_dict(), self.deployment, self.namespace, rank, layout.to_dict(),
+                                  joining, device)
+        except ValueError as e:  # the name is taken: refuse a duplicate identity (I1)
+            raise EepError(f"identity {identity} is already taken by a live actor: {e}") from None
+        pid = await asyncio.wait_for(handle.pid.remote(), 120)
+        return RayRankClient(rank, handle, pid)
+
+
+class Controller:
+    def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
+                 cpus_per_rank: float, gpus_per_rank: float) -> None:
+        self.deployment = deployment
+        self.namespace = namespace
+        self.cfg = EngineConfig.from_dict(cfg_d)
+        self.registry = ray.get_actor(registry_name(deployment), namespace=namespace)
+        self.spawner = RaySpawner(deployment, namespace, self.cfg, cpus_per_rank, gpus_per_rank)
+        self.orch = Orchestrator(deployment, self.cfg, self.spawner, max_dp=max_dp,
+                                 emit=self._emit, record_op=self._record_op)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self.started_at = time.time()
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        try:
+            self._handle_registry().report_events.remote([event])
+        except Exception:
+            pass
+
+    def _record_op(self, op: dict[str, Any]) -> None:
+        try:
+            self._handle_registry().record_operation.remote(op)
+        except Exception:
+            pass
+
+    def _handle_registry(self) -> Any:
+        try:
+            self.registry = ray.get_actor(registry_name(self.deployment), namespace=self.namespace)
+        except ValueError:
+            pass
+        return self.registry
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self, size: int, timeout_s: float = 300.0) -> dict[str, Any]:
+        try:
+            await self.orch.start(size, timeout_s)
+        except EepError as e:
+            return _error(e)
+        return await self.info()
+
+    async def info(self) -> dict[str, Any]:
+        return {"deployment": self.deployment, "dp": self.orch.size, "max_dp": self.orch.max_dp,
+                "ranks": {str(r): c.pid() for r, c in self.orch.clients.items()},
+                "running_op": self.orch.busy(),
+                "layout": self.orch.layout.to_dict() if self.orch.layout else None,
+                "config": self.cfg.to_dict(), "history": self.orch.history[-20:]}
+
+    async def stop(self) -> None:
+        await self.orch.stop()
+
+    # ---- serving -------------------------------------------------------------------------------
+    def on_results(self, results: list[dict[str, Any]]) -> None:
+        self.orch.router.on_results(results)
+
+    async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        t0 = time.time()
+        try:
+            res = await self.orch.router.submit(prompt, max_tokens)
+        except EepError as e:
+            return {"error": e.message, "latency_s": time.time() - t0}
+        res["latency_s"] = time.time() - t0
+        return res
+
+    # ---- scaling -------------------------------------------------------------------------------
+    async def plan(self, target: int) -> dict[str, Any]:
+        try:
+            plan = (await self.orch.plan(target)).to_dict()
+            plan["running_op"] = self.orch.busy()
+            reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size))
+            plan["capacity_problem"] = reason
+            return plan
+        except EepError as e:
+            return _error(e)
+
+    async def scale(self, target: int, drain_timeout_s: float, timeout_s: float, wait: bool) -> dict[str, Any]:
+        busy = self.orch.busy()
+        if busy is not None:
+            return _error_code(ExitCode.PRECONDITION, f"a scale is already running: {busy}; one at a time")
+        try:
+            self.orch._check_target(target)
+            if target != self.orch.size:
+                reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size))
+                if reason:
+                    return _error_code(ExitCode.PRECONDITION, reason)
+        except EepError as e:
+            return _error(e)
+        op_id = f"op-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.orch.history)}"
+        task = asyncio.ensure_future(self.orch.scale(target, drain_timeout_s=drain_timeout_s,
+                                                     timeout_s=timeout_s, op_id=op_id))
+        self._tasks[op_id] = task
+        await asyncio.sleep(0)  # let the task take the single-flight lock
+        if not wait:
+            return {"op_id": op_id, "state": "running", "accepted": True}
+        try:
+            return await task
+        except EepError as e:
+            return _error(e)
+
+    async def wait_op(self, op_id: str, timeout_s: float) -> dict[str, Any]:
+        task = self._tasks.get(op_id)
+        if task is None:
+            for op in self.orch.history:
+                if op["op_id"] == op_id:
+                    return op
+            return _error_code(ExitCode.UNREACHABLE, f"no operation {op_id}")
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except asyncio.TimeoutError:
+            return {"op_id": op_id, "state": "running"}
+
+
+def _error(e: EepError) -> dict[str, Any]:
+    return {"error": {"code": int(e.exit_code), "message": e.message, "detail": e.detail}}
+
+
+def _error_code(code: ExitCode, message: str) -> dict[str, Any]:
+    return {"error": {"code": int(code), "message": message, "detail": {}}}

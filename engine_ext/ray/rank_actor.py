@@ -1,0 +1,97 @@
+"""A DP rank as a Ray actor named by its suffixed identity.
+
+The step loop runs in its own thread inside RankEngine, so control and status calls are
+answered while the rank serves (the actor is threaded).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import ray
+
+from engine_ext.ray.names import controller_name, registry_name
+
+
+class RankActor:
+    def __init__(self, cfg_d: dict[str, Any], deployment: str, namespace: str, rank: int,
+                 layout_d: dict[str, Any], joining: bool, device: str) -> None:
+        from engine_ext.elastic.eplb import ExpertLayout
+        from engine_ext.engine.config import EngineConfig
+        from engine_ext.engine.rank import RankEngine
+
+        self.deployment = deployment
+        self.namespace = namespace
+        self._registry = None
+        self._controller = None
+        self._resolve_after = 0.0
+        self._unsent: deque[dict[str, Any]] = deque(maxlen=2000)
+        self._lock = threading.Lock()
+        self.engine = RankEngine(EngineConfig.from_dict(cfg_d), deployment, rank, ExpertLayout.from_dict(layout_d),
+                                 joining=joining, device=device, sink=self._sink)
+        self._registry_id = None
+        self.engine.start_heartbeat()
+
+    # ---- telemetry: never blocks the step loop ---------------------------------------------------
+    def _handles(self) -> tuple[Any, Any]:
+        now = time.time()
+        if (self._registry is None or self._controller is None) and now >= self._resolve_after:
+            self._resolve_after = now + 2.0
+            try:
+                self._registry = ray.get_actor(registry_name(self.deployment), namespace=self.namespace)
+            except ValueError:
+                self._registry = None
+            try:
+                self._controller = ray.get_actor(controller_name(self.deployment), namespace=self.namespace)
+            except ValueError:
+                self._controller = None
+        return self._registry, self._controller
+
+    def _sink(self, kind: str, payload: dict[str, Any]) -> None:
+        registry, controller = self._handles()
+        if kind == "results":
+            if controller is not None:
+                controller.on_results.remote(payload["results"])
+            return
+        if registry is None:
+            if kind == "event":
+                self._unsent.append(payload)
+            return
+        try:
+            if kind == "status":
+                ref = registry.report_status.remote(payload)
+                # A new registry (different actor id) gets the events this rank still holds.
+                rid = registry._actor_id.hex()
+                if rid != self._registry_id:
+                    self._registry_id = rid
+                    registry.report_events.remote(list(self.engine.events))
+                self._check(ref)
+            else:
+                registry.report_events.remote([payload])
+        except Exception:
+            self._registry = None
+
+    def _check(self, ref: Any) -> None:
+        def done(fut: Any) -> None:
+            try:
+                fut.result()
+            except Exception:
+                self._registry = None  # dead registry: re-resolve on the next report
+
+        ref.future().add_done_callback(done)
+
+    # ---- control -------------------------------------------------------------------------------
+    def call(self, method: str, *args: Any) -> Any:
+        from engine_ext.engine.rank import RANK_METHODS
+
+        if method not in RANK_METHODS:
+            raise AttributeError(f"rank has no method {method!r}")
+        return getattr(self.engine, method)(*args)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
