@@ -331,6 +331,13 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
             break
         if time.time() > deadline:
             raise TransitionTimeout(f"{op_id} still running after {timeout_s:.0f}s")
+    if registry is not None and "op_id" in result:  # the registry adds the ranks' phase timings
+        try:
+            merged = _get(registry.events.remote(op_id, 0), timeout=10)["operations"]
+            if merged:
+                result = dict(result, phase_durations=merged[-1]["phase_durations"])
+        except EepError:
+            pass
     return check_outcome(result)
 
 
