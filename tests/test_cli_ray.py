@@ -66,10 +66,10 @@ def _cmdline(pid: int) -> str:
 
 
 def _assert_rank_process(pid: int) -> None:
-    """The pid is a live Ray worker process on this machine, not us or an unrelated process."""
+    """The pid is a live Ray rank-actor worker on this machine (Ray retitles it ``ray::RankActor``)."""
     assert pid > 1 and pid != os.getpid() and pid != os.getppid(), pid
-    cmd = _cmdline(pid)
-    assert "ray" in cmd.lower() and "default_worker" in cmd, f"pid {pid} is not a Ray worker: {cmd!r}"
+    cmd = _cmdline(pid).strip()
+    assert cmd.startswith("ray::RankActor"), f"pid {pid} is not a Ray rank actor: {cmd!r}"
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -161,6 +161,9 @@ def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -
         res = _down(name)
         downed = True
         assert res.returncode == 0, res.stderr
+        t_dbg = time.time()
+        dbgj = eepctl("status", "--name", name, "-o", "json", timeout=60)
+        print("DBG", time.time() - t_dbg, dbgj.returncode, dbgj.stdout[-4000:], dbgj.stderr)
         after = eepctl("status", "--name", name, timeout=60)
         assert after.returncode == ExitCode.UNREACHABLE, (after.returncode, after.stderr)
         assert name in after.stderr

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-_SUFFIX_RE = re.compile(r"_dp\d+$")
+_SUFFIX_RE = re.compile(r"(_dp\d+)+$")  # all trailing suffixes: re-basing also repairs a stacked id
 
 
 def strip_dp_suffix(value: str) -> str:

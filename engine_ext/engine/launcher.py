@@ -80,8 +80,16 @@ class ProcessRankClient:
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 break
-            self.loop.call_soon_threadsafe(self._dispatch, msg)
-        self.loop.call_soon_threadsafe(self._fail_pending)
+            if not self._post(self._dispatch, msg):
+                return
+        self._post(self._fail_pending)
+
+    def _post(self, fn: Any, *args: Any) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:  # the event loop already closed: nobody is waiting any more
+            return False
 
     def _fail_pending(self) -> None:
         for fut in self._pending.values():
@@ -132,6 +140,7 @@ class ProcessSpawner:
         child.close()
         client = ProcessRankClient(rank, proc, parent, o)
         o.processes[rank] = client
+        await client.call("status", timeout=300)  # launched = the engine is built and answering
         return client
 
 
@@ -147,7 +156,8 @@ class LocalDeployment:
         self.processes: dict[int, ProcessRankClient] = {}
         self.registry = RegistryState(name)
         self.orch = Orchestrator(name, cfg, ProcessSpawner(self), max_dp=max_dp,
-                                 emit=self.registry.report_event, record_op=self.registry.record_operation)
+                                 emit=self.registry.report_event, record_op=self.registry.record_operation,
+                                 forget_rank=self.registry.forget_rank)
 
     def device_for(self, rank: int) -> str:
         if self.device == "cuda-per-rank":

@@ -7,6 +7,7 @@ joins later starts from placeholder weights and must receive the real ones.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,7 +121,8 @@ class MoEModel:
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Long-lived tensors a captured step reads; their storage must not change under it."""
-        return {"kv": self.kv, "w1": self.w1, "w2": self.w2, **{f"dense:{k}": v for k, v in self.dense.items()}}
+        return {"kv": self.kv, "w1": self.w1, "w2": self.w2, "replica_table": self.replica_table,
+                "replica_count": self.replica_count, **{f"dense:{k}": v for k, v in self.dense.items()}}
 
     # ---- workspace sizing ----------------------------------------------------------------
     def moe_specs(self, gathered_tokens: int, slot_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -141,6 +143,9 @@ class MoEModel:
         return bytes_for(self.moe_specs(n, n))
 
     # ---- forward ---------------------------------------------------------------------------
+    # The forward pass is a plan: a list of steps, each either local compute or a collective.
+    # Eager execution runs them in order; a CUDA-graph capture records each run of compute
+    # steps as one graph and leaves the collectives (gloo cannot be captured) between them.
     @staticmethod
     def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
@@ -155,93 +160,141 @@ class MoEModel:
         expert_counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for every token of ``batch``. ``group`` spans the EP world (None: one rank)."""
-        cfg = self.cfg
-        T, H, nh, hd = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        d = self.dense
-        x = d["embed"][batch.token_ids] + d["pos_embed"][batch.positions]
-        bs = cfg.block_size
-        ctx_slots = (batch.block_tables.unsqueeze(-1) * bs + torch.arange(bs, device=self.device)).reshape(T, -1)
-        ctx_pos = torch.arange(ctx_slots.shape[1], device=self.device)
-        mask = ctx_pos.unsqueeze(0) > batch.positions.unsqueeze(1)  # [T, C]
-        for l in range(cfg.num_layers):
-            h = self._rms(x, d[f"l{l}.ln1"])
-            q, k, v = (h @ d[f"l{l}.wqkv"]).view(T, 3, nh, hd).unbind(1)
-            cache = self.kv[l]
-            cache[batch.slot_mapping, 0] = k
-            cache[batch.slot_mapping, 1] = v
-            keys = cache[ctx_slots, 0]  # [T, C, nh, hd]
-            vals = cache[ctx_slots, 1]
-            scores = torch.einsum("thd,tchd->thc", q, keys) / math.sqrt(hd)
-            scores = scores.masked_fill(mask.unsqueeze(1), float("-inf"))
-            attn = torch.einsum("thc,tchd->thd", torch.softmax(scores, dim=-1), vals).reshape(T, H)
-            x = x + attn @ d[f"l{l}.wo"]
-            h = self._rms(x, d[f"l{l}.ln2"])
-            x = x + self._moe(l, h, batch.valid, group, workspace, dense_moe, expert_counts)
-        return self._rms(x, d["final_norm"]) @ d["lm_head"]
+        steps, ns = self.plan(batch, group, workspace, dense_moe=dense_moe, expert_counts=expert_counts)
+        for _, fn in steps:
+            fn()
+        return ns["logits"]
 
-    def _moe(
+    def plan(
         self,
-        layer: int,
-        h: torch.Tensor,
-        valid: torch.Tensor,
+        batch: Batch,
         group: StatelessGroup | None,
         workspace: WorkspaceManager,
-        dense: bool,
-        expert_counts: torch.Tensor | None,
-    ) -> torch.Tensor:
+        *,
+        dense_moe: bool = False,
+        expert_counts: torch.Tensor | None = None,
+    ) -> tuple[list[tuple[str, Callable[[], None]]], dict[str, torch.Tensor]]:
+        """(steps, namespace): steps are ("compute" | "comm", fn); results land in the namespace.
+
+        Collectives read and write only tensors a compute step allocated earlier, so a captured
+        graph and the eager collective between two graphs agree on addresses at replay.
+        """
         cfg = self.cfg
-        T, k, L = h.shape[0], cfg.top_k, cfg.slots_per_rank
+        T, H, nh, hd, k = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.top_k
         W = 1 if group is None else group.size
-        probs = torch.softmax(h @ self.dense[f"l{layer}.router"], dim=-1)
+        N = W * T
+        d = self.dense
+        ns: dict[str, torch.Tensor] = {}
+        steps: list[tuple[str, Callable[[], None]]] = []
+
+        def start() -> None:
+            bs = cfg.block_size
+            ns["x"] = d["embed"][batch.token_ids] + d["pos_embed"][batch.positions]
+            ns["ctx_slots"] = (batch.block_tables.unsqueeze(-1) * bs
+                               + torch.arange(bs, device=self.device)).reshape(T, -1)
+            ctx_pos = torch.arange(ns["ctx_slots"].shape[1], device=self.device)
+            ns["mask"] = ctx_pos.unsqueeze(0) > batch.positions.unsqueeze(1)
+
+        steps.append(("compute", start))
+        for l in range(cfg.num_layers):
+            steps.append(("compute", lambda l=l: self._attention_and_route(l, batch, ns, workspace, N, expert_counts)))
+            if group is not None:
+                steps.append(("comm", lambda: self._dispatch(group, ns, W)))
+            steps.append(("compute", lambda l=l: self._experts(l, ns, workspace, N, dense_moe)))
+            if group is not None:
+                steps.append(("comm", lambda: self._combine(group, ns, W)))
+            steps.append(("compute", lambda: self._residual(ns, group, T)))
+
+        def finish() -> None:
+            ns["logits"] = self._rms(ns["x"], d["final_norm"]) @ d["lm_head"]
+
+        steps.append(("compute", finish))
+        return steps, ns
+
+    def _attention_and_route(self, l: int, batch: Batch, ns: dict[str, torch.Tensor], workspace: WorkspaceManager,
+                             N: int, expert_counts: torch.Tensor | None) -> None:
+        cfg, d = self.cfg, self.dense
+        T, H, nh, hd, k = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.top_k
+        x = ns["x"]
+        h = self._rms(x, d[f"l{l}.ln1"])
+        q, kk, v = (h @ d[f"l{l}.wqkv"]).view(T, 3, nh, hd).unbind(1)
+        cache = self.kv[l]
+        cache[batch.slot_mapping, 0] = kk
+        cache[batch.slot_mapping, 1] = v
+        keys = cache[ns["ctx_slots"], 0]  # [T, C, nh, hd]
+        vals = cache[ns["ctx_slots"], 1]
+        scores = torch.einsum("thd,tchd->thc", q, keys) / math.sqrt(hd)
+        scores = scores.masked_fill(ns["mask"].unsqueeze(1), float("-inf"))
+        attn = torch.einsum("thc,tchd->thd", torch.softmax(scores, dim=-1), vals).reshape(T, H)
+        x = x + attn @ d[f"l{l}.wo"]
+        ns["x"] = x
+        h = self._rms(x, d[f"l{l}.ln2"])
+        probs = torch.softmax(h @ d[f"l{l}.router"], dim=-1)
         top_w, top_i = torch.topk(probs, k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
-        if expert_counts is not None:
-            expert_counts += torch.bincount(top_i[valid].reshape(-1), minlength=cfg.num_experts)
-        N = W * T
-        # Which physical replica serves each (token, choice): a fixed function of the
-        # gathered token index, so every rank agrees without communicating.
-        if dense:
-            slot_tokens = N
-        else:
-            slot_tokens = 0  # known only after the gather; sized below
-        gathered_h, gathered_i, gathered_w, acc, xin, mid = workspace.get(self.moe_specs(N, max(slot_tokens, 1)))
-        if group is None:
-            gathered_h.copy_(h)
-            gathered_i.copy_(top_i)
-            gathered_w.copy_(top_w)
-        else:
-            group.all_gather(list(gathered_h.chunk(W)), h.contiguous())
-            group.all_gather(list(gathered_i.chunk(W)), top_i.contiguous())
-            group.all_gather(list(gathered_w.chunk(W)), top_w.contiguous())
-        token_idx = torch.arange(N, device=h.device).unsqueeze(1).expand(N, k)
-        choice = token_idx % self.replica_count[gathered_i]
-        phys = torch.gather(self.replica_table[gathered_i], 2, choice.unsqueeze(-1)).squeeze(-1)  # [N, k]
+        if expert_counts is not None:  # shape-static, so it can live inside a graph
+            hits = torch.nn.functional.one_hot(top_i, cfg.num_experts) * batch.valid.view(T, 1, 1)
+            expert_counts += hits.sum((0, 1))
+        # Gathered buffers come from the workspace; views are taken here so collectives reuse them.
+        gh, gi, gw, acc, _, _ = workspace.get(self.moe_specs(N, 1))
+        ns.update(h=h, top_w=top_w, top_i=top_i, gh=gh, gi=gi, gw=gw, acc=acc,
+                  moe_out=torch.empty(T, H, dtype=h.dtype, device=h.device))
+
+    @staticmethod
+    def _dispatch(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int) -> None:
+        group.all_gather(list(ns["gh"].chunk(W)), ns["h"].contiguous())
+        group.all_gather(list(ns["gi"].chunk(W)), ns["top_i"].contiguous())
+        group.all_gather(list(ns["gw"].chunk(W)), ns["top_w"].contiguous())
+
+    def _experts(self, layer: int, ns: dict[str, torch.Tensor], workspace: WorkspaceManager, N: int, dense: bool) -> None:
+        cfg = self.cfg
+        k, L = cfg.top_k, cfg.slots_per_rank
+        gh, gi, gw, acc = ns["gh"], ns["gi"], ns["gw"], ns["acc"]
+        if N == ns["h"].shape[0]:  # one rank: the "gathered" tensors are the local ones
+            gh.copy_(ns["h"])
+            gi.copy_(ns["top_i"])
+            gw.copy_(ns["top_w"])
+        # Which physical replica serves each (token, choice): a fixed function of the gathered
+        # token index, so every rank agrees without communicating.
+        token_idx = torch.arange(N, device=gh.device).unsqueeze(1).expand(N, k)
+        choice = token_idx % self.replica_count[gi]
+        phys = torch.gather(self.replica_table[gi], 2, choice.unsqueeze(-1)).squeeze(-1)  # [N, k]
         local = (phys // L) == self.rank
         local_slot = phys % L
         acc.zero_()
         if dense:
             for s in range(L):
-                wsel = (gathered_w * (local & (local_slot == s))).sum(-1, keepdim=True)  # [N, 1]
-                y = torch.relu(gathered_h @ self.w1[layer, s]) @ self.w2[layer, s]
+                wsel = (gw * (local & (local_slot == s))).sum(-1, keepdim=True)  # [N, 1]
+                y = torch.relu(gh @ self.w1[layer, s]) @ self.w2[layer, s]
                 acc.add_(y * wsel)
+            return
+        sel_counts = [int(((local_slot == s) & local).sum()) for s in range(L)]
+        # Sized by the busiest local slot of this batch; the bound covers the worst case.
+        gh, gi, gw, acc, xin, mid = workspace.get(self.moe_specs(N, max(sel_counts + [1])))
+        ns.update(gh=gh, gi=gi, gw=gw, acc=acc)  # the buffer may have grown: later steps use these views
+        for s in range(L):
+            if sel_counts[s] == 0:
+                continue
+            rows, cols = torch.nonzero(local & (local_slot == s), as_tuple=True)
+            n = rows.shape[0]
+            xs = xin[:n]
+            torch.index_select(gh, 0, rows, out=xs)
+            ms = mid[:n]
+            torch.matmul(xs, self.w1[layer, s], out=ms)
+            ms.relu_()
+            acc.index_add_(0, rows, (ms @ self.w2[layer, s]) * gw[rows, cols].unsqueeze(-1))
+
+    @staticmethod
+    def _combine(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int) -> None:
+        if group.device.type == "cuda":
+            # reduce_scatter of device tensors is not among gloo's CUDA collectives: all-reduce
+            # the accumulator and keep this rank's chunk.
+            group.all_reduce_sum(ns["acc"])
+            ns["moe_out"].copy_(ns["acc"].chunk(W)[group.rank])
         else:
-            sel_counts = [int(((local_slot == s) & local).sum()) for s in range(L)]
-            busiest = max(sel_counts + [1])
-            gathered_h, gathered_i, gathered_w, acc, xin, mid = workspace.get(self.moe_specs(N, busiest))
-            for s in range(L):
-                if sel_counts[s] == 0:
-                    continue
-                rows, cols = torch.nonzero(local & (local_slot == s), as_tuple=True)
-                n = rows.shape[0]
-                xs = xin[:n]
-                torch.index_select(gathered_h, 0, rows, out=xs)
-                ms = mid[:n]
-                torch.matmul(xs, self.w1[layer, s], out=ms)
-                ms.relu_()
-                y = (ms @ self.w2[layer, s]) * gathered_w[rows, cols].unsqueeze(-1)
-                acc.index_add_(0, rows, y)
-        if group is None:
-            return acc.clone()
-        out = torch.empty(T, cfg.hidden_size, dtype=h.dtype, device=h.device)
-        group.reduce_scatter(out, list(acc.chunk(W)))
-        return out
+            group.reduce_scatter(ns["moe_out"], list(ns["acc"].chunk(W)))
+
+    @staticmethod
+    def _residual(ns: dict[str, torch.Tensor], group: StatelessGroup | None, T: int) -> None:
+        out = ns["acc"][:T] if group is None else ns["moe_out"]
+        ns["x"] = ns["x"] + out

@@ -156,6 +156,7 @@ class Orchestrator:
         max_dp: int,
         emit: EventSink | None = None,
         record_op: Callable[[dict[str, Any]], Any] | None = None,
+        forget_rank: Callable[[int], Any] | None = None,
     ) -> None:
         self.name = name
         self.cfg = cfg
@@ -168,6 +169,7 @@ class Orchestrator:
         self.epoch = 0
         self.emit = emit or (lambda e: None)
         self.record_op = record_op or (lambda op: None)
+        self.forget_rank = forget_rank or (lambda rank: None)
         self.op: Operation | None = None
         self._op_lock = asyncio.Lock()
         self.history: list[dict[str, Any]] = []
@@ -397,8 +399,9 @@ class Orchestrator:
             await self.router.resubmit(moved)
         op.phase = Phase.CLEANUP.value
         t = time.time()
-        for c in leaving.values():
+        for r, c in leaving.items():
             await _quiet(c.kill())
+            self.forget_rank(r)
         self._phase(op, Phase.CLEANUP, t, removed=sorted(leaving), moved_requests=len(moved))
 
     async def _drain(self, ranks: range, timeout_s: float) -> None:
@@ -426,8 +429,9 @@ class Orchestrator:
             t = time.time()
             for r, c in list(self.clients.items()):
                 await _quiet(c.call("abort", op.op_id, timeout=10))
-            for c in getattr(self, "_joiners", {}).values():
+            for r, c in getattr(self, "_joiners", {}).items():
                 await _quiet(c.kill())  # joining ranks were launched by this op
+                self.forget_rank(r)
             if op.state == OpState.FAILED.value:
                 op.state = OpState.ROLLED_BACK.value
             self._phase(op, Phase.ROLLBACK, t)

@@ -83,9 +83,10 @@ class Controller:
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
         self.registry = ray.get_actor(registry_name(deployment), namespace=namespace)
+        self._resolved_at = time.time()
         self.spawner = RaySpawner(deployment, namespace, self.cfg, cpus_per_rank, gpus_per_rank)
         self.orch = Orchestrator(deployment, self.cfg, self.spawner, max_dp=max_dp,
-                                 emit=self._emit, record_op=self._record_op)
+                                 emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank)
         self._tasks: dict[str, asyncio.Task] = {}
         self.started_at = time.time()
 
@@ -101,11 +102,21 @@ class Controller:
         except Exception:
             pass
 
-    def _handle_registry(self) -> Any:
+    def _forget_rank(self, rank: int) -> None:
         try:
-            self.registry = ray.get_actor(registry_name(self.deployment), namespace=self.namespace)
-        except ValueError:
+            self._handle_registry().forget_rank.remote(rank)
+        except Exception:
             pass
+
+    def _handle_registry(self) -> Any:
+        """The registry handle, re-resolved by name at most every 2 s (it may be recreated)."""
+        now = time.time()
+        if now - self._resolved_at > 2.0:
+            self._resolved_at = now
+            try:
+                self.registry = ray.get_actor(registry_name(self.deployment), namespace=self.namespace)
+            except ValueError:
+                pass
         return self.registry
 
     # ---- lifecycle ---------------------------------------------------------------------------

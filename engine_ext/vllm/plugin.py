@@ -1,0 +1,2 @@
+def register() -> None:
+    """Placeholder while the package installs."""

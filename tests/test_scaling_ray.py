@@ -1,0 +1,463 @@
+"""Live elastic scaling on a real local Ray cluster: `eepctl scale --dp N` under load, its failure
+modes and exit codes, and one deliberately broken engine variant per invariant check.
+
+Every deployment here is real (Ray actors per rank, real gloo groups inside them) and is torn
+down by name after its test. Outputs are compared token for token with the single-process
+oracle (``reference_generate``) on float64 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, eepctl, eepctl_json, wait_for
+
+pytestmark = pytest.mark.ray
+
+NAMESPACE = "eepctl"
+MAX_TOKENS = 8  # `eepctl generate`'s default
+SMALL_ENGINE = {"num_experts": 8, "slots_per_rank": 8, "top_k": 2, "num_layers": 2, "hidden_size": 64,
+                "max_num_seqs": 8, "max_num_tokens": 64, "dtype": "float64", "seed": 0,
+                "capture_sizes": [1, 2, 4, 8]}
+WARM_FLAGS = ("slots_restored", "live_kv_unchanged", "eplb_unchanged")
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+class Deployment:
+    """A deployment this test owns: torn down by name, and its background CLI processes ended."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.procs: list[subprocess.Popen] = []
+
+    def popen(self, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
+        p = subprocess.Popen([sys.executable, "-m", "eepctl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env, cwd=ROOT)
+        self.procs.append(p)
+        return p
+
+
+@pytest.fixture
+def deployment(ray_cluster):
+    owned: list[Deployment] = []
+
+    def make(name: str) -> Deployment:
+        d = Deployment(name)
+        owned.append(d)
+        return d
+
+    yield make
+    for d in owned:
+        for p in d.procs:  # only the CLI processes this test started, by their Popen handle
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+        eepctl("down", "--name", d.name, timeout=120)
+
+
+def up_cli(d: Deployment, dp: int, max_dp: int, *extra: str) -> dict[str, Any]:
+    res = eepctl("up", "--dp", str(dp), "--max-dp", str(max_dp), "--dtype", "float64", "--name", d.name,
+                 *extra, "-o", "json", timeout=300)
+    assert res.returncode == 0, f"up {d.name} exited {res.returncode}: {res.stderr}"
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+def up_inproc(d: Deployment, dp: int, max_dp: int, faults: list[str], fault_delay_s: float = 5.0) -> dict[str, Any]:
+    """Deployments with engine faults: `eepctl.core.up` in this process (a driver of the same cluster)."""
+    from eepctl import core
+
+    engine = dict(SMALL_ENGINE, faults=list(faults), fault_delay_s=fault_delay_s)
+    return core.up(core.Target(name=d.name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=engine,
+                   cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300)
+
+
+def status(name: str) -> dict[str, Any]:
+    return eepctl_json("status", "--name", name, timeout=60)
+
+
+def events(name: str, op: str | None = None) -> dict[str, Any]:
+    return eepctl_json("events", "--name", name, *(("--op", op) if op else ()), timeout=60)
+
+
+def scale_json(name: str, dp: int, *extra: str) -> dict[str, Any]:
+    op = eepctl_json("scale", "--dp", str(dp), "--name", name, *extra, timeout=300)
+    assert op.get("object") == "scale", op
+    return op
+
+
+def last_json(text: str) -> dict[str, Any]:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert lines, "no output"
+    return json.loads(lines[-1])
+
+
+def serving_view(name: str, n: int, timeout: float = 15.0) -> dict[str, Any]:
+    """Status once exactly ranks 0..n-1 are listed and all serve (heartbeats are eventually consistent)."""
+    def ok():
+        s = status(name)
+        ranks = s["ranks"]
+        if sorted(r["rank"] for r in ranks) == list(range(n)) and all(r["state"] == "serving" for r in ranks):
+            return s
+        return None
+
+    return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks 0..{n - 1} serving")
+
+
+_ORACLE: dict[tuple, list[int]] = {}
+
+
+def oracle(cfg_d: dict[str, Any], prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy tokens of the single-process reference run, once per distinct (model, prompt)."""
+    from engine_ext.engine.config import EngineConfig
+    from engine_ext.engine.reference import reference_generate
+
+    cfg = EngineConfig.from_dict(cfg_d)
+    model_key = {k: v for k, v in cfg.to_dict().items() if k not in ("instance_id", "kv_transfer", "faults",
+                                                                       "fault_delay_s", "slots_per_rank")}
+    key = (json.dumps(model_key, sort_keys=True), tuple(prompt), max_tokens)
+    if key not in _ORACLE:
+        _ORACLE[key] = list(reference_generate(cfg, [list(prompt)], max_tokens)[0]["output"])
+    return _ORACLE[key]
+
+
+def check_load(load: dict[str, Any], cfg_d: dict[str, Any]) -> None:
+    assert load["failed"] == 0, [r["error"] for r in load["records"] if r["error"]][:5]
+    assert load["sent"] == load["completed"] == len(load["records"]), load
+    for i, rec in enumerate(load["records"]):
+        want = oracle(cfg_d, load["prompts"][rec["prompt_index"]])
+        assert rec["output"] == want, f"record {i} prompt {rec['prompt_index']}: {rec['output']} != oracle {want}"
+
+
+def op_events(name: str, op_id: str, ranks: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`events --op`: the operation record and its rank "warm" events, once every rank 0..ranks-1
+    has reported one (ranks push events fire-and-forget)."""
+    def got():
+        data = events(name, op_id)
+        evs = [e for e in data["events"] if e["phase"] == "warm" and e["rank"] >= 0]
+        if {e["rank"] for e in evs} >= set(range(ranks)):
+            assert len(data["operations"]) == 1, data["operations"]
+            return data["operations"][0], evs
+        return None
+
+    return wait_for(got, timeout=15, interval=0.5, what=f"warm events of {op_id} from {ranks} ranks")
+
+
+def warm_events(name: str, op_id: str, ranks: int) -> list[dict[str, Any]]:
+    return op_events(name, op_id, ranks)[1]
+
+
+def invariants(snap: dict[str, Any]) -> set[str]:
+    return {v["invariant"] for v in snap["violations"]}
+
+
+def fmt_phases(op: dict[str, Any]) -> str:
+    pd = op.get("phase_durations", {})
+    return ", ".join(f"{k} {v * 1000:.0f}ms" for k, v in pd.items())
+
+
+# ---- 1. the main sequence under load -------------------------------------------------------------
+def test_scale_sequence_under_load(deployment):
+    d = deployment("seq-load")
+    up_cli(d, 1, 4)
+    cfg_d = status(d.name)["info"]["config"]
+    assert cfg_d["dtype"] == "float64" and cfg_d["slots_per_rank"] == cfg_d["num_experts"] == 8
+    before = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
+    duration = 75
+    load_proc = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", str(duration), "-o", "json")
+    time.sleep(2.0)  # let the load start before the first transition
+    t_start = time.time()
+    for n in (2, 4, 3, 1):
+        op = scale_json(d.name, n)
+        assert op["state"] == "succeeded", op
+        assert op["to_size"] == n
+        op_id = op["op_id"]
+
+        snap = serving_view(d.name, n)
+        ranks = snap["ranks"]
+        assert snap["summary"]["ranks"] == n and len(ranks) == n
+        ids = [r["instance_id"] for r in ranks]
+        assert len(set(ids)) == n, ids
+        for r in ranks:
+            assert r["instance_id"] == f"{d.name}_dp{r['rank']}", r["instance_id"]
+            assert r["engine_id"].endswith(f"_dp{r['rank']}") and not re.search(r"_dp\d+_dp\d+$", r["engine_id"])
+            assert r["dp_size"] == n, (r["rank"], r["dp_size"])
+            assert r["workspace_locked"], r
+            assert r["workspace_bytes"] >= r["workspace_required_bytes"] > 0, r
+        # surviving ranks are the same processes (scaling is live, not a restart)
+        for r in ranks:
+            if r["rank"] in before:
+                assert r["pid"] == before[r["rank"]], f"rank {r['rank']} was restarted"
+        assert snap["violations"] == [], snap["violations"]
+        before = {r["rank"]: r["pid"] for r in ranks}
+
+        rec, warm = op_events(d.name, op_id, n)
+        per_rank = Counter(e["rank"] for e in warm)
+        assert per_rank == Counter(range(n)), f"{op_id}: warm events per rank {dict(per_rank)}"
+        for e in warm:
+            for flag in WARM_FLAGS:
+                assert e["detail"].get(flag) is True, (op_id, e["rank"], flag, e["detail"])
+
+        assert rec["op_id"] == op_id and rec["state"] == "succeeded", rec
+        caps = rec["captures_per_rank"]
+        assert sorted(caps) == [str(r) for r in range(n)] and set(caps.values()) == {1}, caps
+        print(f"\n[seq] {op_id} DP {op['from_size']}->{n}: {fmt_phases(rec)}; "
+              f"serving pause {rec['serving_pause_s'] * 1000:.0f}ms; captures {caps}")
+    elapsed = time.time() - t_start
+    assert load_proc.poll() is None, f"the load ({duration}s) ended before the sequence did ({elapsed:.0f}s)"
+    out, err = load_proc.communicate(timeout=duration + 240)
+    assert load_proc.returncode == 0, f"load exited {load_proc.returncode}: {err[-2000:]}"
+    load = last_json(out)
+    check_load(load, cfg_d)
+    lat = load["latency_s"]
+    moved = sum(1 for r in load["records"] if r["moved_from"])
+    print(f"[seq] sequence took {elapsed:.1f}s; load: sent {load['sent']} completed {load['completed']} "
+          f"failed {load['failed']} moved {moved}; latency p50 {lat['p50']}s p90 {lat['p90']}s p99 {lat['p99']}s "
+          f"max {lat['max']}s mean {lat['mean']}s")
+
+
+# ---- 2. failures, refusals and edge cases ---------------------------------------------------------
+def test_joining_rank_killed_in_prepare_rolls_back(deployment):
+    from eepctl import core
+
+    d = deployment("fault-kill-joiner")
+    up_inproc(d, 2, 4, ["slow_prepare"], fault_delay_s=8.0)
+    t = core.Target(name=d.name, namespace=NAMESPACE)
+    old_pids = {r["rank"]: r["pid"] for r in core.status(t)["ranks"]}
+    assert sorted(old_pids) == [0, 1]
+    proc = d.popen("scale", "--dp", "3", "--name", d.name)
+
+    def joiner_in_prepare():
+        snap = core.status(t)
+        op = snap.get("operation")
+        joiner = [r for r in snap["ranks"] if r["rank"] == 2 and r["state"] == "starting"]
+        if not op or not joiner:
+            return None
+        launched = [e for e in core.events(t, op["op_id"])["events"] if e["rank"] == -1 and e["phase"] == "launch"]
+        return (op["op_id"], joiner[0]["pid"]) if launched else None
+
+    op_id, pid = wait_for(joiner_in_prepare, timeout=60, interval=0.2, what="rank 2 launched and in prepare")
+    assert pid not in old_pids.values() and pid > 0
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 5, f"scale exited {proc.returncode}: {err}"
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "prepare" in lines[0] and op_id in lines[0], lines[0]
+    print(f"\n[kill-joiner] stderr: {lines[0]}")
+
+    snap = status(d.name)
+    by_rank = {r["rank"]: r for r in snap["ranks"]}
+    assert by_rank[0]["state"] == "serving" and by_rank[1]["state"] == "serving", snap["ranks"]
+    assert {by_rank[0]["pid"], by_rank[1]["pid"]} == set(old_pids.values())
+    assert 2 not in by_rank or by_rank[2]["state"] != "serving"
+    gen = eepctl_json("generate", "--name", d.name, timeout=120)
+    cfg_d = snap["info"]["config"]
+    for r in gen["results"]:
+        assert r["error"] is None, r
+        assert r["rank"] in (0, 1), r
+        assert r["output"] == oracle(cfg_d, r["prompt"]), r
+    ops = events(d.name)["operations"]
+    mine = [o for o in ops if o["op_id"] == op_id]
+    assert len(mine) == 1 and mine[0]["state"] == "rolled_back", ops
+    assert mine[0]["error_code"] == 5 and "rollback" in mine[0]["phase_durations"], mine[0]
+
+
+def test_concurrent_scale_is_refused(deployment):
+    d = deployment("fault-concurrent")
+    up_inproc(d, 1, 4, ["slow_prepare"], fault_delay_s=5.0)
+    first = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
+    running = wait_for(lambda: status(d.name).get("operation"), timeout=60, interval=0.3,
+                       what="an operation in progress")
+    res = eepctl("scale", "--dp", "4", "--name", d.name, timeout=120)
+    assert res.returncode == 4, (res.returncode, res.stderr)
+    named = re.findall(r"op-[A-Za-z0-9-]+", res.stderr)
+    assert named and named[0] == running["op_id"], (res.stderr, running["op_id"])
+    out, err = first.communicate(timeout=180)
+    assert first.returncode == 0, err
+    op = last_json(out)
+    assert op["state"] == "succeeded" and op["op_id"] == running["op_id"] and op["to_size"] == 3
+    assert len(serving_view(d.name, 3)["ranks"]) == 3
+    assert [o["to_size"] for o in events(d.name)["operations"]] == [3]
+
+
+def test_scale_target_out_of_range(deployment):
+    d = deployment("bad-target")
+    up_cli(d, 1, 3)
+    pids = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
+    over = eepctl("scale", "--dp", "5", "--name", d.name, timeout=120)
+    assert over.returncode == 4, (over.returncode, over.stderr)
+    assert "5" in over.stderr and "3" in over.stderr, over.stderr
+    zero = eepctl("scale", "--dp", "0", "--name", d.name, timeout=120)
+    assert zero.returncode == 2, (zero.returncode, zero.stderr)
+    assert "--dp" in zero.stderr
+    snap = status(d.name)
+    assert {r["rank"]: r["pid"] for r in snap["ranks"]} == pids
+    assert snap["operation"] is None and events(d.name)["operations"] == []
+
+
+def test_dry_run_prints_plan_and_changes_nothing(deployment):
+    d = deployment("dry-run")
+    up_cli(d, 2, 4)
+    pids = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
+    plan = eepctl_json("scale", "--dp", "4", "--dry-run", "--name", d.name, timeout=120)
+    assert plan["object"] == "plan" and plan["from_size"] == 2 and plan["to_size"] == 4 and not plan["noop"]
+    assert [j["instance_id"] for j in plan["joining"]] == [f"{d.name}_dp2", f"{d.name}_dp3"]
+    assert [j["rank"] for j in plan["joining"]] == [2, 3] and plan["leaving"] == []
+    assert plan["transfer_pairs"] == {"0": [2], "1": [3]}
+    moves = plan["expert_moves"]
+    assert isinstance(moves, list) and moves
+    for m in moves:
+        assert set(m) >= {"logical", "src_rank", "src_slot", "dst_rank", "dst_slot"}, m
+        assert m["src_rank"] in (0, 1), m  # only live ranks hold weights
+    assert {m["dst_rank"] for m in moves} >= {2, 3}  # joiners get every slot from live ranks
+    assert plan["layout"]["world_size"] == 4
+    time.sleep(1.0)
+    snap = status(d.name)
+    assert {r["rank"]: r["pid"] for r in snap["ranks"]} == pids
+    assert snap["operation"] is None
+    assert events(d.name)["operations"] == []
+
+
+def test_scale_to_current_size_is_noop(deployment):
+    d = deployment("noop-scale")
+    up_cli(d, 1, 2)
+    pids = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
+    op = scale_json(d.name, 1)
+    assert op["state"] == "succeeded" and op["from_size"] == op["to_size"] == 1, op
+    data = events(d.name)
+    for o in data["operations"]:
+        assert o["from_size"] == o["to_size"] == 1, o
+    transitional = [e for e in data["events"]
+                    if e["op_id"] == op["op_id"] and e["phase"] in ("launch", "prepare", "commit", "warm", "capture")]
+    assert transitional == []
+    snap = status(d.name)
+    assert {r["rank"]: r["pid"] for r in snap["ranks"]} == pids
+    assert all(r["state"] == "serving" for r in snap["ranks"])
+
+
+def test_scale_down_moves_inflight_requests(deployment):
+    d = deployment("down-inflight")
+    up_cli(d, 3, 3)
+    cfg_d = status(d.name)["info"]["config"]
+    load_proc = d.popen("generate", "--name", d.name, "--rate", "6", "--duration", "15", "-o", "json")
+    time.sleep(5.0)
+    op = scale_json(d.name, 2, "--drain-timeout", "0")
+    assert op["state"] == "succeeded" and op["to_size"] == 2, op
+    assert load_proc.poll() is None, "the load ended before the scale-down"
+    out, err = load_proc.communicate(timeout=240)
+    assert load_proc.returncode == 0, err[-2000:]
+    load = last_json(out)
+    check_load(load, cfg_d)
+    moved = [r for r in load["records"] if r["moved_from"]]
+    assert all(r["moved_from"] == [2] for r in moved), moved
+    print(f"\n[scale-down] {op['op_id']}: {fmt_phases(op)}; records with moved_from: {len(moved)} of "
+          f"{len(load['records'])}; latency p50 {load['latency_s']['p50']}s p99 {load['latency_s']['p99']}s")
+    assert len(serving_view(d.name, 2)["ranks"]) == 2
+
+
+def test_preflight_refuses_scale_beyond_cpus(deployment):
+    d = deployment("preflight-cpus")
+    up_cli(d, 2, 4, "--cpus-per-rank", "6")
+    pids = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
+    res = eepctl("scale", "--dp", "4", "--name", d.name, timeout=120)
+    assert res.returncode == 4, (res.returncode, res.stderr)
+    assert "CPU" in res.stderr and "12" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    snap = status(d.name)
+    assert {r["rank"]: r["pid"] for r in snap["ranks"]} == pids
+    assert all(r["state"] == "serving" for r in snap["ranks"]) and snap["operation"] is None
+    assert events(d.name)["operations"] == []
+
+
+# ---- 3. every invariant check can fail ------------------------------------------------------------
+def _scale_2_to_3(d: Deployment) -> dict[str, Any]:
+    op = scale_json(d.name, 3)
+    assert op["state"] == "succeeded", op
+    return op
+
+
+def test_control_variant_has_no_violations(deployment):
+    d = deployment("inv-control")
+    up_inproc(d, 2, 3, [])
+    op = _scale_2_to_3(d)
+    snap = serving_view(d.name, 3)
+    for e in warm_events(d.name, op["op_id"], 3):
+        assert all(e["detail"][f] is True for f in WARM_FLAGS), e
+    gen = eepctl_json("generate", "--name", d.name, timeout=120)
+    assert all(r["error"] is None for r in gen["results"])
+    snap = status(d.name)
+    assert snap["violations"] == [], snap["violations"]
+    assert all(r["stale_replays_refused"] == 0 for r in snap["ranks"])
+
+
+def test_skip_rewarm_violates_i4(deployment):
+    d = deployment("inv-skip-rewarm")
+    up_inproc(d, 2, 3, ["skip_rewarm"])
+    _scale_2_to_3(d)
+    snap = serving_view(d.name, 3)
+    i4 = [v for v in snap["violations"] if v["invariant"] == "I4"]
+    assert i4, snap["violations"]
+    low = [r for r in snap["ranks"] if r["workspace_locked"] and r["workspace_bytes"] < r["workspace_required_bytes"]]
+    assert low, snap["ranks"]
+    print(f"\n[I4] {i4[0]['message']}")
+
+
+def test_warmup_not_isolated_violates_i5(deployment):
+    d = deployment("inv-warmup-shared")
+    up_inproc(d, 2, 3, ["warmup_not_isolated"])
+    # Long requests in flight during the scale, so the warm-up runs next to live KV and slots.
+    prompts = ["-p", "1,2,3", "-p", "4,5,6", "-p", "9,8,7,6", "-p", "100,101"]
+    load_proc = d.popen("generate", "--name", d.name, "--rate", "5", "--duration", "8", "--max-tokens", "40",
+                        *prompts, "-o", "json")
+    time.sleep(1.5)
+    op = _scale_2_to_3(d)
+    warm = warm_events(d.name, op["op_id"], 3)
+    broken = {e["rank"]: [f for f in WARM_FLAGS if e["detail"].get(f) is False] for e in warm}
+    assert any(broken.values()), [e["detail"] for e in warm]
+    snap = status(d.name)
+    i5 = [v for v in snap["violations"] if v["invariant"] == "I5" and op["op_id"] in v["message"]]
+    assert i5, snap["violations"]
+    load_proc.communicate(timeout=240)
+    print(f"\n[I5] flags false per rank: {broken}; live KV at warm-up: "
+          f"{ {e['rank']: e['detail'].get('live_kv_checksum') for e in warm} }")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "engine_ext/engine/rank.py RankEngine.warm_and_capture: the 'skip_release' fault also skips the capture "
+    "pass, at startup too, so the variant never has a captured graph to replay stale: after DP 2->3 and "
+    "a generate, graphs_captured=0, stale_replays_refused=0 and no I3 violation on every rank"))
+def test_skip_release_violates_i3(deployment):
+    d = deployment("inv-skip-release")
+    up_inproc(d, 2, 3, ["skip_release"])
+    _scale_2_to_3(d)
+    serving_view(d.name, 3)
+    gen = eepctl_json("generate", "--name", d.name, timeout=120)  # decode steps on the new world
+    assert all(r["error"] is None for r in gen["results"])
+
+    def refused():
+        s = status(d.name)
+        return s if any(r.get("stale_replays_refused", 0) > 0 for r in s["ranks"]) else None
+
+    snap = wait_for(refused, timeout=10, interval=0.5, what="a rank reporting stale_replays_refused > 0")
+    assert "I3" in invariants(snap), snap["violations"]
+
+
+def test_double_suffix_violates_i1(deployment):
+    d = deployment("inv-double-suffix")
+    up_inproc(d, 2, 3, ["double_suffix"])
+    _scale_2_to_3(d)
+    snap = serving_view(d.name, 3)
+    i1 = [v for v in snap["violations"] if v["invariant"] == "I1"]
+    assert {v["rank"] for v in i1} >= {"0", "1", "2"}, snap["violations"]
+    print(f"\n[I1] {i1[0]['message']}")
