@@ -197,6 +197,8 @@ def scale(
     timeout: Annotated[float, typer.Option(help="Seconds the whole transition may take (exit 6 after).")] = 300.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and change nothing.")] = False,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the operation id and return.")] = False,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="VLLM_API_KEY", show_envvar=True, show_default=False,
+                                                help="Bearer key of a vLLM deployment's API server (never printed or stored).")] = None,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
@@ -208,13 +210,13 @@ def scale(
 
     t = _target(address, namespace, name)
     if dry_run:
-        plan = core.plan(t, dp)
+        plan = core.plan(t, dp, api_key=api_key)
         _emit(render.to_json("plan", plan) + "\n" if output == Output.json else render.plan_text(plan))
         return
     progress = ScaleProgress(json_lines=output == Output.json, plain=_plain())
     with progress:
         res = core.scale(t, dp, drain_timeout_s=drain_timeout, timeout_s=timeout, wait=not no_wait,
-                         on_event=progress.on_event)
+                         on_event=progress.on_event, api_key=api_key)
     _emit(render.to_json("scale", res) + "\n" if output == Output.json else render.scale_text(res))
 
 

@@ -290,18 +290,23 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 # ---- scale -------------------------------------------------------------------------------------------
-def plan(t: Target, dp: int) -> dict[str, Any]:
+def plan(t: Target, dp: int, api_key: str | None = None) -> dict[str, Any]:
     t.validated()
     if dp < 1:
         raise UsageError(f"--dp must be >= 1, got {dp}")
     _connect(t)
-    _, controller = _deployment(t)
+    registry, controller = _deployment(t)
+    if controller is None and registry is not None:  # a vLLM deployment has a registry only
+        from eepctl import vllm_client
+
+        if (snap := vllm_client.info_if_vllm(registry, _get)) is not None:
+            return vllm_client.plan(t, dp, registry, snap, _get, api_key=api_key)
     result = _raise_if_error(_get(controller.plan.remote(dp), timeout=30))
     return result
 
 
 def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-          on_event: Callable[[dict[str, Any]], None] = lambda e: None) -> dict[str, Any]:
+          on_event: Callable[[dict[str, Any]], None] = lambda e: None, api_key: str | None = None) -> dict[str, Any]:
     t.validated()
     if dp < 1:
         raise UsageError(f"--dp must be >= 1, got {dp}")
@@ -309,6 +314,12 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
         raise UsageError("--timeout must be > 0 and --drain-timeout >= 0")
     _connect(t)
     registry, controller = _deployment(t)
+    if controller is None and registry is not None:  # a vLLM deployment has a registry only
+        from eepctl import vllm_client
+
+        if (snap := vllm_client.info_if_vllm(registry, _get)) is not None:
+            return vllm_client.scale(t, dp, registry, snap, _get, drain_timeout_s=drain_timeout_s,
+                                     timeout_s=timeout_s, wait=wait, api_key=api_key, on_event=on_event)
     if controller is None:
         raise UnreachableError(f"the controller of {t.name!r} is gone; the deployment cannot scale")
     accepted = _raise_if_error(_get(controller.scale.remote(dp, drain_timeout_s, timeout_s, False), timeout=60))

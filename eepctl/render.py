@@ -42,6 +42,8 @@ def _capture(r: dict[str, Any]) -> str:
     if r.get("graph_kind") == "cuda":
         last = r.get("last_capture_s")
         return f"{n} CUDA ({last * 1000:.1f} ms)" if last is not None else f"{n} CUDA"
+    if r.get("graph_kind") == "none":  # a vLLM rank running eagerly (CPU, or --enforce-eager)
+        return f"none (eager; {r.get('captures_this_op', 0)} warm-up pass(es) in {r.get('last_op') or 'its last op'})"
     return f"n/a on CPU ({n} static, {r.get('graph_replays', 0)} replays)"
 
 
@@ -52,6 +54,8 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
         table.add_column(col, no_wrap=col in ("rank", "state"))
     for r in snap["ranks"]:
         ws = human_bytes(r.get("workspace_bytes")) + (" locked" if r.get("workspace_locked") else " unlocked")
+        if r.get("workspace_available") is False:  # vLLM's CPU worker has no MoE workspace manager
+            ws = "n/a"
         state = r["state"] + (f" ({r['state_reason']})" if r.get("state_reason") and r["state"] != "serving" else "")
         table.add_row(str(r["rank"]), r["instance_id"], r.get("node", ""), state,
                       f"{r['requests_running']}/{r['requests_waiting']}",
@@ -114,6 +118,8 @@ def _text_events(evs: list[dict[str, Any]]) -> str:
 def plan_text(plan: dict[str, Any]) -> str:
     if plan.get("noop"):
         return f"already at DP {plan['to_size']}: nothing to do\n"
+    if plan.get("kind") == "vllm":
+        return vllm_plan_text(plan)
     lines = [f"plan {plan['op_id']}: DP {plan['from_size']} -> {plan['to_size']} (dry run, nothing changed)"]
     for j in plan.get("joining", []):
         lines.append(f"  join   rank {j['rank']} as {j['instance_id']}")
@@ -135,6 +141,24 @@ def plan_text(plan: dict[str, Any]) -> str:
         lines.append(f"  WARNING: {plan['capacity_problem']}")
     if plan.get("running_op"):
         lines.append(f"  WARNING: {plan['running_op']} is running; a scale now would be refused")
+    return "\n".join(lines) + "\n"
+
+
+def vllm_plan_text(plan: dict[str, Any]) -> str:
+    """A vLLM deployment's dry run: what eepctl knows, and what vLLM decides only inside the transition."""
+    lines = [f"plan: DP {plan['from_size']} -> {plan['to_size']} via vLLM at {plan['api_url']} (dry run, nothing changed)"]
+    for j in plan.get("joining", []):
+        lines.append(f"  join   rank {j['rank']} as {j['instance_id']}")
+    for j in plan.get("leaving", []):
+        lines.append(f"  leave  rank {j['rank']} ({j['instance_id']})")
+    for src, dsts in plan.get("transfer_pairs", {}).items():
+        lines.append(f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}")
+    if plan.get("capacity_problem"):
+        lines.append(f"  WARNING: {plan['capacity_problem']}")
+    if plan.get("running_op"):
+        lines.append(f"  WARNING: a scale ({plan['running_op']}) is running; a scale now would be refused")
+    lines.append("  not exposed by vLLM:")
+    lines.extend(f"    {n}" for n in plan.get("not_exposed", []))
     return "\n".join(lines) + "\n"
 
 

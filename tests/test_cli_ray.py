@@ -23,6 +23,18 @@ pytestmark = pytest.mark.ray
 
 RANK_FIELDS = [f.name for f in fields(RankStatus)]
 
+# Source bugs found by these tests (reported, not fixed here).
+DOWN_LOSES_KILLS = (
+    "source bug: eepctl down can exit 0 yet leave the deployment's controller and registry actors "
+    "alive: core.down() ends with ray.kill() calls, which only queue the kill RPC to the GCS, and "
+    "eepctl/main.py main() then os._exit()s the driver at once, so the last kills can be lost; "
+    "`status` afterwards still finds the deployment (exit 0, or exit 1 via MARKUP_IN_REASON)")
+MARKUP_IN_REASON = (
+    "source bug: eepctl/render.py status_text() passes rank state_reason text to a rich Table as "
+    "markup; a failed rank's gloo reason contains '[/__w/pytorch/.../pair.cc:553]', which rich "
+    "parses as a closing tag, so `eepctl status` (table) exits 1 with "
+    "'unexpected error: MarkupError' instead of showing the failed rank")
+
 
 # ---- helpers -----------------------------------------------------------------------------------------
 def _json(res: subprocess.CompletedProcess) -> dict[str, Any]:
@@ -159,14 +171,23 @@ def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -
         assert isinstance(ev["events"], list) and isinstance(ev["operations"], list)
 
         res = _down(name)
-        downed = True
         assert res.returncode == 0, res.stderr
-        t_dbg = time.time()
-        dbgj = eepctl("status", "--name", name, "-o", "json", timeout=60)
-        print("DBG", time.time() - t_dbg, dbgj.returncode, dbgj.stdout[-4000:], dbgj.stderr)
         after = eepctl("status", "--name", name, timeout=60)
-        assert after.returncode == ExitCode.UNREACHABLE, (after.returncode, after.stderr)
+        if after.returncode != ExitCode.UNREACHABLE:
+            # Known source bug (DOWN_LOSES_KILLS): `down` can exit 0 while the controller and
+            # registry actors live on. Tell it apart from a `down` that does not work at all:
+            # re-issuing `down` must then remove the deployment.
+            for _ in range(3):
+                _down(name)
+                again = eepctl("status", "--name", name, timeout=60)
+                if again.returncode == ExitCode.UNREACHABLE:
+                    downed = True
+                    pytest.xfail(f"{DOWN_LOSES_KILLS} (status after the first down: rc={after.returncode} "
+                                 f"{after.stderr.strip()[:200]!r})")
+            raise AssertionError(f"deployment still found after four downs: {after.returncode} {after.stderr}")
+        downed = True
         assert name in after.stderr
+        _assert_clean_error(after, ExitCode.UNREACHABLE)
     finally:
         if not downed:
             _down(name)
@@ -182,7 +203,6 @@ def test_killed_rank_shows_stale(deployment: tuple[str, dict[str, Any]]) -> None
     victim = pids[1]
     _assert_rank_process(victim)
     os.kill(victim, signal.SIGKILL)
-    killed_at = time.time()
 
     def rank1_stale() -> dict[str, Any] | None:
         s = _status(name)
@@ -192,14 +212,38 @@ def test_killed_rank_shows_stale(deployment: tuple[str, dict[str, Any]]) -> None
         return None
 
     s = wait_for(rank1_stale, timeout=STALE_AFTER_S + 6, interval=0.5, what="rank 1 to show stale")
-    assert time.time() - killed_at <= STALE_AFTER_S + 6 + 5  # one status call may overrun the poll
     by_rank = {r["rank"]: r for r in s["ranks"]}
     assert by_rank[0]["state"] in ("serving", "failed", "stale"), by_rank[0]
     assert "no heartbeat" in by_rank[1]["state_reason"], by_rank[1]
+    print(f"\nafter SIGKILL of rank 1: rank 0 {by_rank[0]['state']!r}, rank 1 {by_rank[1]['state_reason']!r}")
 
     table = eepctl("status", "--name", name, timeout=60)
     assert table.returncode == 0, table.stderr
     assert "stale" in table.stdout, table.stdout
+
+
+@pytest.mark.xfail(strict=True, reason=MARKUP_IN_REASON)
+@pytest.mark.parametrize("deployment", [("cli-d", ())], indirect=True)
+def test_status_table_shows_failed_rank_reason(deployment: tuple[str, dict[str, Any]]) -> None:
+    """A rank dies, traffic then makes its peer fail in a collective: the operator's first
+    command, `eepctl status`, must still render the table with the failed rank and its reason."""
+    name, _ = deployment
+    pids = _rank_pids(_status(name))
+    _assert_rank_process(pids[1])
+    os.kill(pids[1], signal.SIGKILL)
+    gen = eepctl("generate", "--name", name, "--timeout", "5", timeout=60)
+    assert gen.returncode != 0 and "Traceback" not in gen.stderr, (gen.returncode, gen.stderr)
+
+    def rank0_failed() -> dict[str, Any] | None:
+        r0 = {r["rank"]: r for r in _status(name)["ranks"]}.get(0)
+        return r0 if r0 and r0["state"] == "failed" else None
+
+    r0 = wait_for(rank0_failed, timeout=20, interval=0.5, what="rank 0 to fail on its dead peer")
+    assert r0["state_reason"], r0
+    table = eepctl("status", "--name", name, timeout=60)
+    assert table.returncode == 0, (table.returncode, table.stderr)
+    assert "failed" in table.stdout and "stale" in table.stdout, table.stdout
+    assert "RuntimeError" in table.stdout, table.stdout  # the start of rank 0's gloo reason
 
 
 # ---- 3. bad input: documented exit codes, one line on stderr ---------------------------------------------

@@ -122,10 +122,9 @@ def test_graph_capture_and_replay_counts():
     ws, ext, gm = _graphs()
     assert gm.kind == "cpu-static"
     step = _Step(ws, ext, 2)
-    desc = gm.capture(2, step.inputs, step.output, step.run)
+    desc = gm.capture(2, step.inputs, step.output, [("compute", step.run)])
     assert desc.batch_size == 2 and step.calls == 1
     assert gm.captured_sizes == [2] and not gm.needs_capture(2)
-    assert gm.pick_size(1) == 2 and gm.pick_size(2) == 2 and gm.pick_size(3) is None
 
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [-1.0, 0.5, 0.0, 2.0]], dtype=F64)
     step.inputs["x"].copy_(x)
@@ -141,7 +140,7 @@ def test_graph_capture_and_replay_counts():
 def test_graph_replay_refused_after_workspace_reallocation_before_running():
     ws, ext, gm = _graphs()
     step = _Step(ws, ext, 2)
-    gm.capture(2, step.inputs, step.output, step.run)
+    gm.capture(2, step.inputs, step.output, [("compute", step.run)])
     gm.replay(2)
     calls = step.calls
 
@@ -159,7 +158,7 @@ def test_graph_release_keeps_descriptors_then_recapture():
     ws, ext, gm = _graphs()
     steps = {bs: _Step(ws, ext, bs) for bs in (1, 2)}
     for bs, s in steps.items():
-        gm.capture(bs, s.inputs, s.output, s.run)
+        gm.capture(bs, s.inputs, s.output, [("compute", s.run)])
     calls = {bs: s.calls for bs, s in steps.items()}
 
     assert gm.release() == 2
@@ -177,7 +176,7 @@ def test_graph_release_keeps_descriptors_then_recapture():
     ws.lock()
     gm.begin_operation()
     s2 = _Step(ws, ext, 2)
-    gm.capture(2, s2.inputs, s2.output, s2.run)
+    gm.capture(2, s2.inputs, s2.output, [("compute", s2.run)])
     assert gm.stats.captures_this_op == 1
     assert not gm.needs_capture(2) and gm.needs_capture(1)
     s2.inputs["x"].fill_(1.0)
@@ -188,7 +187,7 @@ def test_graph_release_keeps_descriptors_then_recapture():
 def test_graph_replay_refused_when_external_buffer_replaced():
     ws, ext, gm = _graphs()
     step = _Step(ws, ext, 2)
-    gm.capture(2, step.inputs, step.output, step.run)
+    gm.capture(2, step.inputs, step.output, [("compute", step.run)])
     gm.replay(2)
     calls = step.calls
 

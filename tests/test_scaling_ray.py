@@ -227,6 +227,16 @@ def test_scale_sequence_under_load(deployment):
 
 
 # ---- 2. failures, refusals and edge cases ---------------------------------------------------------
+class ServingStalled(Exception):
+    """Surviving ranks accepted no request after a rolled-back scale."""
+
+
+@pytest.mark.xfail(strict=True, raises=ServingStalled, reason=(
+    "after a joiner dies in prepare and the op rolls back, ranks 0/1 stay blocked in the standby "
+    "gloo rendezvous of RankEngine.prepare (engine_ext/engine/rank.py: StatelessGroup(..., new_size, "
+    "timeout_s=plan.timeout_s=300)); abort() does not unblock it and the live group's store calls "
+    "(_poke/_idle, shared 'groups' TCPStore client of engine_ext/elastic/comm.py store_client) wait behind "
+    "it: a generate right after the rollback took 308 s instead of <1 s"))
 def test_joining_rank_killed_in_prepare_rolls_back(deployment):
     from eepctl import core
 
@@ -235,7 +245,7 @@ def test_joining_rank_killed_in_prepare_rolls_back(deployment):
     t = core.Target(name=d.name, namespace=NAMESPACE)
     old_pids = {r["rank"]: r["pid"] for r in core.status(t)["ranks"]}
     assert sorted(old_pids) == [0, 1]
-    proc = d.popen("scale", "--dp", "3", "--name", d.name)
+    proc = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")  # progress to stdout
 
     def joiner_in_prepare():
         snap = core.status(t)
@@ -261,16 +271,24 @@ def test_joining_rank_killed_in_prepare_rolls_back(deployment):
     assert by_rank[0]["state"] == "serving" and by_rank[1]["state"] == "serving", snap["ranks"]
     assert {by_rank[0]["pid"], by_rank[1]["pid"]} == set(old_pids.values())
     assert 2 not in by_rank or by_rank[2]["state"] != "serving"
-    gen = eepctl_json("generate", "--name", d.name, timeout=120)
+    ops = events(d.name)["operations"]
+    mine = [o for o in ops if o["op_id"] == op_id]
+    assert len(mine) == 1 and mine[0]["state"] == "rolled_back", ops
+    assert mine[0]["error_code"] == 5 and "rollback" in mine[0]["phase_durations"], mine[0]
+    assert mine[0]["rank_states"] == {"0": "serving", "1": "serving"}, mine[0]
+
+    # The survivors keep serving: a generate right after the rollback answers, equal to the oracle.
+    t0 = time.time()
+    res = eepctl("generate", "--name", d.name, "--timeout", "20", "-o", "json", timeout=90)
+    if res.returncode != 0:
+        raise ServingStalled(f"generate after the rollback exited {res.returncode} after {time.time() - t0:.0f}s: "
+                             f"{res.stderr.strip()}")
+    gen = last_json(res.stdout)
     cfg_d = snap["info"]["config"]
     for r in gen["results"]:
         assert r["error"] is None, r
         assert r["rank"] in (0, 1), r
         assert r["output"] == oracle(cfg_d, r["prompt"]), r
-    ops = events(d.name)["operations"]
-    mine = [o for o in ops if o["op_id"] == op_id]
-    assert len(mine) == 1 and mine[0]["state"] == "rolled_back", ops
-    assert mine[0]["error_code"] == 5 and "rollback" in mine[0]["phase_durations"], mine[0]
 
 
 def test_concurrent_scale_is_refused(deployment):
@@ -449,7 +467,7 @@ def test_skip_release_violates_i3(deployment):
         s = status(d.name)
         return s if any(r.get("stale_replays_refused", 0) > 0 for r in s["ranks"]) else None
 
-    snap = wait_for(refused, timeout=10, interval=0.5, what="a rank reporting stale_replays_refused > 0")
+    snap = wait_for(refused, timeout=6, interval=0.5, what="a rank reporting stale_replays_refused > 0")
     assert "I3" in invariants(snap), snap["violations"]
 
 

