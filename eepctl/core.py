@@ -190,6 +190,18 @@ def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:
     for h in (controller, registry):
         if h is not None:
             ray.kill(h, no_restart=True)
+    # ray.kill only queues the request: wait until the names are really gone, so `down`
+    # exiting 0 means the deployment is stopped.
+    names = {registry_name(t.name), controller_name(t.name), *killed}
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        alive = {a["name"] for a in list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == t.namespace and a["name"] in names}
+        if not alive:
+            break
+        time.sleep(0.2)
+    else:
+        raise TransitionTimeout(f"deployment {t.name!r} did not stop within 30s (still alive: {sorted(alive)})")
     result: dict[str, Any] = {"deployment": t.name, "stopped": True, "cluster_stopped": False}
     if stop_cluster:
         ray.shutdown()

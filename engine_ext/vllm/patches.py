@@ -44,7 +44,6 @@ class PatchSpec:
     state: str | None = None  # the rank state while it runs (None: unchanged)
     role: str = "elastic"  # "elastic": a step of a transition; "capture": a warm-up/capture pass
     ends_op: bool = False  # the outermost call closes the worker's current operation
-    uni_only: bool = False  # wrap only where vLLM really uses this class (see worker_classes)
 
     @property
     def key(self) -> str:
