@@ -64,7 +64,10 @@ class StatelessGroup:
         self.device = device or torch.device("cpu")
         store = store_client(rdzv.host, rdzv.port)
         self.store = dist.PrefixStore(rdzv.prefix, store)
+        # Wake-ups get connections of their own: the "groups" connection can sit for minutes in
+        # a standby group's rendezvous (a joiner that died), and serving must not wait behind it.
         self.wait_store = dist.PrefixStore(rdzv.prefix, store_client(rdzv.host, rdzv.port, purpose="wait"))
+        self.wake_store = dist.PrefixStore(rdzv.prefix, store_client(rdzv.host, rdzv.port, purpose="wake"))
         timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "gloo":
             self.pg: dist.ProcessGroup | None = dist.ProcessGroupGloo(self.store, rank, size, timeout)

@@ -176,8 +176,9 @@ class MoEModel:
     ) -> tuple[list[tuple[str, Callable[[], None]]], dict[str, torch.Tensor]]:
         """(steps, namespace): steps are ("compute" | "comm", fn); results land in the namespace.
 
-        Collectives read and write only tensors a compute step allocated earlier, so a captured
-        graph and the eager collective between two graphs agree on addresses at replay.
+        Collectives read and write only tensors a compute step allocated earlier, under a key
+        unique to their layer: after a piecewise capture the compute steps never run in Python
+        again, so an eager collective must find exactly the tensors its graphs were captured with.
         """
         cfg = self.cfg
         T, H, nh, hd, k = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.top_k
@@ -199,11 +200,11 @@ class MoEModel:
         for l in range(cfg.num_layers):
             steps.append(("compute", lambda l=l: self._attention_and_route(l, batch, ns, workspace, N, expert_counts)))
             if group is not None:
-                steps.append(("comm", lambda: self._dispatch(group, ns, W)))
+                steps.append(("comm", lambda l=l: self._dispatch(group, ns, W, l)))
             steps.append(("compute", lambda l=l: self._experts(l, ns, workspace, N, dense_moe)))
             if group is not None:
-                steps.append(("comm", lambda: self._combine(group, ns, W)))
-            steps.append(("compute", lambda: self._residual(ns, group, T)))
+                steps.append(("comm", lambda l=l: self._combine(group, ns, W, l)))
+            steps.append(("compute", lambda l=l: self._residual(ns, group, T, l)))
 
         def finish() -> None:
             ns["logits"] = self._rms(ns["x"], d["final_norm"]) @ d["lm_head"]
@@ -237,23 +238,24 @@ class MoEModel:
                                        batch.valid.to(torch.int64).repeat_interleave(k))
         # Gathered buffers come from the workspace; views are taken here so collectives reuse them.
         gh, gi, gw, acc, _, _ = workspace.get(self.moe_specs(N, 1))
-        ns.update(h=h, top_w=top_w, top_i=top_i, gh=gh, gi=gi, gw=gw, acc=acc,
-                  moe_out=torch.empty(T, H, dtype=h.dtype, device=h.device))
+        ns.update({f"h{l}": h, f"top_w{l}": top_w, f"top_i{l}": top_i, f"gh{l}": gh, f"gi{l}": gi,
+                   f"gw{l}": gw, f"acc{l}": acc, f"moe_out{l}": torch.empty(T, H, dtype=h.dtype, device=h.device)})
 
     @staticmethod
-    def _dispatch(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int) -> None:
-        group.all_gather(list(ns["gh"].chunk(W)), ns["h"].contiguous())
-        group.all_gather(list(ns["gi"].chunk(W)), ns["top_i"].contiguous())
-        group.all_gather(list(ns["gw"].chunk(W)), ns["top_w"].contiguous())
+    def _dispatch(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int, l: int) -> None:
+        group.all_gather(list(ns[f"gh{l}"].chunk(W)), ns[f"h{l}"].contiguous())
+        group.all_gather(list(ns[f"gi{l}"].chunk(W)), ns[f"top_i{l}"].contiguous())
+        group.all_gather(list(ns[f"gw{l}"].chunk(W)), ns[f"top_w{l}"].contiguous())
 
     def _experts(self, layer: int, ns: dict[str, torch.Tensor], workspace: WorkspaceManager, N: int, dense: bool) -> None:
         cfg = self.cfg
         k, L = cfg.top_k, cfg.slots_per_rank
-        gh, gi, gw, acc = ns["gh"], ns["gi"], ns["gw"], ns["acc"]
-        if N == ns["h"].shape[0]:  # one rank: the "gathered" tensors are the local ones
-            gh.copy_(ns["h"])
-            gi.copy_(ns["top_i"])
-            gw.copy_(ns["top_w"])
+        l = layer
+        gh, gi, gw, acc = ns[f"gh{l}"], ns[f"gi{l}"], ns[f"gw{l}"], ns[f"acc{l}"]
+        if N == ns[f"h{l}"].shape[0]:  # one rank: the "gathered" tensors are the local ones
+            gh.copy_(ns[f"h{l}"])
+            gi.copy_(ns[f"top_i{l}"])
+            gw.copy_(ns[f"top_w{l}"])
         # Which physical replica serves each (token, choice): a fixed function of the gathered
         # token index, so every rank agrees without communicating.
         token_idx = torch.arange(N, device=gh.device).unsqueeze(1).expand(N, k)
@@ -271,7 +273,8 @@ class MoEModel:
         sel_counts = [int(((local_slot == s) & local).sum()) for s in range(L)]
         # Sized by the busiest local slot of this batch; the bound covers the worst case.
         gh, gi, gw, acc, xin, mid = workspace.get(self.moe_specs(N, max(sel_counts + [1])))
-        ns.update(gh=gh, gi=gi, gw=gw, acc=acc)  # the buffer may have grown: later steps use these views
+        # The buffer may have grown: later steps use these views.
+        ns.update({f"gh{l}": gh, f"gi{l}": gi, f"gw{l}": gw, f"acc{l}": acc})
         for s in range(L):
             if sel_counts[s] == 0:
                 continue
@@ -285,16 +288,17 @@ class MoEModel:
             acc.index_add_(0, rows, (ms @ self.w2[layer, s]) * gw[rows, cols].unsqueeze(-1))
 
     @staticmethod
-    def _combine(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int) -> None:
+    def _combine(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int, l: int) -> None:
+        acc, out = ns[f"acc{l}"], ns[f"moe_out{l}"]
         if group.device.type == "cuda":
             # reduce_scatter of device tensors is not among gloo's CUDA collectives: all-reduce
             # the accumulator and keep this rank's chunk.
-            group.all_reduce_sum(ns["acc"])
-            ns["moe_out"].copy_(ns["acc"].chunk(W)[group.rank])
+            group.all_reduce_sum(acc)
+            out.copy_(acc.chunk(W)[group.rank])
         else:
-            group.reduce_scatter(ns["moe_out"], list(ns["acc"].chunk(W)))
+            group.reduce_scatter(out, list(acc.chunk(W)))
 
     @staticmethod
-    def _residual(ns: dict[str, torch.Tensor], group: StatelessGroup | None, T: int) -> None:
-        out = ns["acc"][:T] if group is None else ns["moe_out"]
+    def _residual(ns: dict[str, torch.Tensor], group: StatelessGroup | None, T: int, l: int) -> None:
+        out = ns[f"acc{l}"][:T] if group is None else ns[f"moe_out{l}"]
         ns["x"] = ns["x"] + out

@@ -259,7 +259,7 @@ class RankEngine:
         if group is None:
             return
         try:
-            group.store.set(f"wake/{idx}", b"1")
+            group.wake_store.set(f"wake/{idx}", b"1")
         except Exception:
             pass
 
@@ -305,10 +305,10 @@ class RankEngine:
         group = self.group
         assert group is not None
         if pending:
-            group.store.set(f"wake/{idx}", b"1")
+            group.wake_store.set(f"wake/{idx}", b"1")
         if self.rank == 0 and idx >= 3:
             with contextlib.suppress(Exception):
-                group.store.delete_key(f"wake/{idx - 2}")
+                group.wake_store.delete_key(f"wake/{idx - 2}")
         while not self._stop:
             try:
                 group.wait_store.wait([f"wake/{idx}"], datetime.timedelta(seconds=30))
