@@ -122,18 +122,22 @@ def _text_events(evs: list[dict[str, Any]]) -> str:
     return "\n".join(event_line(e) for e in evs)
 
 
+def _membership_lines(plan: dict[str, Any]) -> list[str]:
+    """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
+    lines = [f"  join   rank {j['rank']} as {j['instance_id']}" for j in plan.get("joining", [])]
+    lines += [f"  leave  rank {j['rank']} ({j['instance_id']})" for j in plan.get("leaving", [])]
+    lines += [f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
+              for src, dsts in plan.get("transfer_pairs", {}).items()]
+    return lines
+
+
 def plan_text(plan: dict[str, Any]) -> str:
     if plan.get("noop"):
         return f"already at DP {plan['to_size']}: nothing to do\n"
     if plan.get("kind") == "vllm":
         return vllm_plan_text(plan)
     lines = [f"plan {plan['op_id']}: DP {plan['from_size']} -> {plan['to_size']} (dry run, nothing changed)"]
-    for j in plan.get("joining", []):
-        lines.append(f"  join   rank {j['rank']} as {j['instance_id']}")
-    for j in plan.get("leaving", []):
-        lines.append(f"  leave  rank {j['rank']} ({j['instance_id']})")
-    for src, dsts in plan.get("transfer_pairs", {}).items():
-        lines.append(f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}")
+    lines.extend(_membership_lines(plan))
     moves = plan.get("expert_moves", [])
     lines.append(f"  expert moves: {len(moves)}")
     for m in moves:
@@ -154,12 +158,7 @@ def plan_text(plan: dict[str, Any]) -> str:
 def vllm_plan_text(plan: dict[str, Any]) -> str:
     """A vLLM deployment's dry run: what eepctl knows, and what vLLM decides only inside the transition."""
     lines = [f"plan: DP {plan['from_size']} -> {plan['to_size']} via vLLM at {plan['api_url']} (dry run, nothing changed)"]
-    for j in plan.get("joining", []):
-        lines.append(f"  join   rank {j['rank']} as {j['instance_id']}")
-    for j in plan.get("leaving", []):
-        lines.append(f"  leave  rank {j['rank']} ({j['instance_id']})")
-    for src, dsts in plan.get("transfer_pairs", {}).items():
-        lines.append(f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}")
+    lines.extend(_membership_lines(plan))
     if plan.get("capacity_problem"):
         lines.append(f"  WARNING: {plan['capacity_problem']}")
     if plan.get("running_op"):

@@ -757,9 +757,12 @@ class RankEngine:
     # ---- shutdown and failure ---------------------------------------------------------------
     def _fail(self, e: BaseException) -> None:
         self._set_state(RankState.FAILED, f"{type(e).__name__}: {e}")
-        self.events.append({"op_id": self.current_op or "serving", "rank": self.rank, "phase": "failure",
-                            "start": time.time(), "end": time.time(), "outcome": "error",
-                            "detail": {"error": str(e), "traceback": traceback.format_exc()[-2000:]}})
+        now = time.time()
+        ev = Event(self.current_op or "serving", self.rank, "failure", now, now, "error",
+                   {"error": str(e), "traceback": traceback.format_exc()[-2000:]}).to_dict()
+        self.events.append(ev)
+        with contextlib.suppress(Exception):
+            self.sink("event", ev)
         # Requests on a failed rank cannot finish here: report them as failed.
         with self._lock:
             pending = list(self.sched.running) + list(self.sched.waiting)
