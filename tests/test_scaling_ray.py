@@ -470,3 +470,22 @@ def test_double_suffix_violates_i1(deployment):
     i1 = [v for v in snap["violations"] if v["invariant"] == "I1"]
     assert {v["rank"] for v in i1} >= {"0", "1", "2"}, snap["violations"]
     print(f"\n[I1] {i1[0]['message']}")
+
+
+def test_scale_timeout_exits_6_and_rolls_back(deployment):
+    """--timeout shorter than the transition: exit 6, the old world keeps serving correctly."""
+    d = deployment("fault-timeout")
+    up_inproc(d, 2, 4, ["slow_prepare"], fault_delay_s=10.0)
+    res = eepctl("scale", "--dp", "3", "--name", d.name, "--timeout", "3", timeout=120)
+    assert res.returncode == 6, (res.returncode, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith(" ")]
+    assert lines and "timed out" in lines[-1] and "Traceback" not in res.stderr, res.stderr
+    snap = status(d.name)
+    by_rank = {r["rank"]: r for r in snap["ranks"]}
+    assert by_rank[0]["state"] == "serving" and by_rank[1]["state"] == "serving", snap["ranks"]
+    assert snap["operation"] is None, snap["operation"]  # the single-flight lock is free again
+    ops = events(d.name)["operations"]
+    assert ops and ops[-1]["state"] == "timed_out" and ops[-1]["error_code"] == 6, ops[-1]
+    gen = eepctl_json("generate", "--name", d.name, "--timeout", "60")
+    for r in gen["results"]:
+        assert r["error"] is None and r["output"] == oracle(snap["info"]["config"], r["prompt"]), r
