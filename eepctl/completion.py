@@ -24,7 +24,8 @@ def script(shell: str) -> str:
     from typer._completion_shared import get_completion_script
 
     install_completion_classes()
-    return get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=shell)
+    text = get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=shell)
+    return text if text.endswith("\n") else text + "\n"
 
 
 def deployment_names() -> list[str]:

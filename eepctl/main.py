@@ -16,7 +16,10 @@ def _err(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    code = run(argv)
+    try:
+        code = run(argv)
+    except SystemExit as e:  # shell completion leaves through click's SystemExit
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     if "ray" in sys.modules:
         # A Ray driver's atexit shutdown costs about half a second and has nothing to clean
         # up for us (every actor eepctl creates is detached): leave at once.

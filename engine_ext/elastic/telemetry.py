@@ -6,9 +6,14 @@ directly, and a new registry rebuilds it from the ranks' next reports.
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
 import re
 import time
 from collections import defaultdict, deque
+from collections.abc import Mapping
+from dataclasses import MISSING, fields
 from typing import Any
 
 from engine_ext.protocol import STALE_AFTER_S, Event, OpState, RankState, RankStatus
@@ -17,6 +22,70 @@ _MAX_EVENTS = 5000
 _TERMINAL = {RankState.REMOVED.value}
 _RANK_PHASES = {"transfer", "reshuffle", "warm", "capture"}
 _STACKED = re.compile(r"_dp\d+_dp\d+$")
+_MAX_RECORD_BYTES = 1 << 20
+# Operation fields the registry's views compute with; the rest of an operation record is kept as sent.
+_OP_CHECKED = {"op_id": "str", "state": "str", "phase": "str", "started": "float", "finished": "float | None",
+               "serving_pause_s": "float", "phase_durations": "dict[str, float]"}
+
+
+# ---- intake validation: a record is accepted (coerced to its declared types) or refused with a
+# ValueError/TypeError; nothing that is refused touches the state (the fuzz tests hold us to it).
+def _record(data: Any, what: str) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{what} must be a mapping, not {type(data).__name__}")
+    if not all(isinstance(k, str) for k in data):
+        raise TypeError(f"{what} keys must be strings")
+    try:
+        size = len(json.dumps(data, default=str))
+    except Exception as e:  # noqa: BLE001 - tuple keys deep inside, cycles, absurd nesting or ints
+        raise ValueError(f"{what} is not JSON-representable: {type(e).__name__}") from None
+    if size > _MAX_RECORD_BYTES:
+        raise ValueError(f"{what} is {size} bytes, over the {_MAX_RECORD_BYTES} byte limit")
+    return dict(data)
+
+
+def _coerce(kind: str, value: Any, what: str) -> Any:
+    if kind.endswith(" | None"):
+        return None if value is None else _coerce(kind[:-7], value, what)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise TypeError(f"{what} must be a string, not {type(value).__name__}")
+        return str.__str__(value)  # str enums become their value
+    if kind in ("int", "float"):
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"{what} must be a number, not {type(value).__name__}")
+        if not isinstance(value, numbers.Integral) and not math.isfinite(value):
+            raise ValueError(f"{what} must be finite, not {value!r}")
+        return int(value) if kind == "int" else float(value)
+    if kind == "bool":
+        if not isinstance(value, numbers.Integral):
+            raise TypeError(f"{what} must be a boolean, not {type(value).__name__}")
+        return bool(value)
+    if kind.startswith("list["):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{what} must be a list, not {type(value).__name__}")
+        return [_coerce(kind[5:-1], v, what) for v in value]
+    if kind.startswith("dict[str, "):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{what} must be a mapping, not {type(value).__name__}")
+        inner = kind[10:-1]
+        return {str(k): (v if inner == "Any" else _coerce(inner, v, f"{what}[{k!r}]")) for k, v in value.items()}
+    return value
+
+
+def _typed(cls: type, data: dict[str, Any], what: str) -> Any:
+    """The dataclass with every field present coerced to its declared type; None where a field
+    has a default means the default. Missing required fields raise TypeError (the dataclass)."""
+    kw: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        has_default = f.default is not MISSING or f.default_factory is not MISSING
+        if value is None and has_default and not str(f.type).endswith("| None"):
+            continue
+        kw[f.name] = _coerce(str(f.type), value, f"{what}.{f.name}")
+    return cls(**kw)
 
 
 class RegistryState:
@@ -34,10 +103,13 @@ class RegistryState:
     # ---- intake --------------------------------------------------------------------------
     def report_status(self, status: dict[str, Any]) -> dict[str, Any]:
         """Accept a rank's status. A second live rank claiming an identity is refused (I1)."""
-        st = RankStatus.from_dict(status).to_dict()
+        status = _record(status, "status")
+        st = _typed(RankStatus, status, "status").to_dict()
+        rank = st["rank"]
+        if rank < 0:
+            raise ValueError(f"status.rank must be >= 0, not {rank}")
         extra = {k: v for k, v in status.items() if k not in st}
         st.update(extra)
-        rank = int(st["rank"])
         for other in self.ranks.values():
             if (other["rank"] != rank and other["instance_id"] == st["instance_id"]
                     and not self._gone(other)):
@@ -50,7 +122,9 @@ class RegistryState:
         return {"accepted": True}
 
     def report_event(self, event: dict[str, Any]) -> None:
-        ev = Event.from_dict(event).to_dict()
+        ev = _typed(Event, _record(event, "event"), "event").to_dict()
+        if ev["rank"] < -1:
+            raise ValueError(f"event.rank must be >= -1 (-1: the controller), not {ev['rank']}")
         key = (ev["op_id"], ev["rank"], ev["phase"], round(ev["start"], 6))
         if key in self._event_keys:
             return  # re-sent after a registry restart
@@ -60,7 +134,13 @@ class RegistryState:
         self.events.append(ev)
 
     def record_operation(self, op: dict[str, Any]) -> None:
-        self.ops[op["op_id"]] = dict(op)
+        op = _record(op, "operation")
+        if "op_id" not in op:
+            raise ValueError("operation has no op_id")
+        for key, kind in _OP_CHECKED.items():
+            if key in op:
+                op[key] = _coerce(kind, op[key], f"operation.{key}")
+        self.ops[op["op_id"]] = op
 
     def forget_rank(self, rank: int) -> None:
         self.ranks.pop(rank, None)

@@ -450,6 +450,26 @@ class Orchestrator:
             st = await _quiet(c.call("status", timeout=5))
             op.rank_states[str(r)] = st.get("state", "unreachable") if isinstance(st, dict) else "unreachable"
 
+    # ---- preflight ---------------------------------------------------------------------------
+    async def check_ranks(self, timeout_s: float = 3.0) -> None:
+        """Refuse a transition (exit 4) when any current rank does not answer or has failed:
+        a transition needs every rank of the old world, and a dead one would only end in a
+        rollback after a rendezvous timeout."""
+        ranks = sorted(self.clients)
+        probes = await asyncio.gather(*(_quiet(self.clients[r].call("status", timeout=timeout_s)) for r in ranks))
+        bad: list[str] = []
+        for r, st in zip(ranks, probes):
+            if not isinstance(st, dict):
+                why = "did not answer in time" if isinstance(st, asyncio.TimeoutError) else f"is dead ({_short(st)})"
+                bad.append(f"rank {r} {why}")
+            elif st.get("state") == "failed":
+                bad.append(f"rank {r} failed ({st.get('state_reason') or 'no reason given'})")
+        if bad:
+            raise PreconditionError(
+                f"cannot scale {self.name!r}: {'; '.join(bad)}; a transition needs every current rank. "
+                f"Recreate the deployment: `eepctl down --name {self.name}` then `eepctl up --name {self.name}`",
+                detail={"bad_ranks": bad})
+
     # ---- stop --------------------------------------------------------------------------------
     async def stop(self) -> None:
         for c in self.clients.values():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import Any
 
 import ray
@@ -89,14 +90,28 @@ class Controller:
                                  emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank)
         self._tasks: dict[str, asyncio.Task] = {}
         self.started_at = time.time()
+        # Registry recreation: what a new registry must be given back (info, ops, own events).
+        self._info: dict[str, Any] = {}
+        self._emitted: deque[dict[str, Any]] = deque(maxlen=2000)
+        self._watchdog: asyncio.Task | None = None
+        self.registry_recreated = 0
+        try:
+            from engine_ext.ray.metrics import DeploymentMetrics
+
+            self._metrics: Any = DeploymentMetrics(deployment)
+        except Exception:  # noqa: BLE001 - metrics are best effort
+            self._metrics = None
 
     def _emit(self, event: dict[str, Any]) -> None:
+        self._emitted.append(event)
         try:
             self._handle_registry().report_events.remote([event])
         except Exception:
             pass
 
     def _record_op(self, op: dict[str, Any]) -> None:
+        if self._metrics is not None:
+            self._metrics.on_operation(op, self.orch.size)
         try:
             self._handle_registry().record_operation.remote(op)
         except Exception:
@@ -119,12 +134,50 @@ class Controller:
                 pass
         return self.registry
 
+    async def _watch_registry(self, interval_s: float = 1.0) -> None:
+        """Recreate the registry (same name, namespace, detached) when it is gone, and give it
+        back the deployment info, the operation history and the controller's own events; the
+        ranks re-send theirs when they see a new registry (RankActor._sink)."""
+        from engine_ext.ray.registry import Registry
+
+        name = registry_name(self.deployment)
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                ray.get_actor(name, namespace=self.namespace)
+                continue
+            except ValueError:
+                pass
+            try:
+                reg = ray.remote(Registry).options(name=name, namespace=self.namespace, lifetime="detached",
+                                                   num_cpus=0).remote(self.deployment)
+            except ValueError:  # the old name is not released yet, or someone else recreated it
+                continue
+            try:
+                if self._info:
+                    await reg.set_info.remote(self._info)
+                for op in list(self.orch.history):
+                    await reg.record_operation.remote(op)
+                if self._emitted:
+                    await reg.report_events.remote(list(self._emitted))
+            except Exception:  # noqa: BLE001 - the next round retries with whatever exists then
+                continue
+            self.registry = reg
+            self._resolved_at = time.time()
+            self.registry_recreated += 1
+
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, size: int, timeout_s: float = 300.0) -> dict[str, Any]:
         try:
             await self.orch.start(size, timeout_s)
         except EepError as e:
             return _error(e)
+        try:
+            self._info = dict((await self.registry.snapshot.remote()).get("info") or {})
+        except Exception:  # noqa: BLE001 - recreation then restores what the controller knows
+            self._info = {"max_dp": self.orch.max_dp, "config": self.cfg.to_dict()}
+        if self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch_registry())
         return await self.info()
 
     async def info(self) -> dict[str, Any]:
@@ -135,6 +188,9 @@ class Controller:
                 "config": self.cfg.to_dict(), "history": self.orch.history[-20:]}
 
     async def stop(self) -> None:
+        if self._watchdog is not None:  # `down` kills the registry next: do not bring it back
+            self._watchdog.cancel()
+            self._watchdog = None
         await self.orch.stop()
 
     # ---- serving -------------------------------------------------------------------------------
@@ -171,6 +227,7 @@ class Controller:
                 reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size))
                 if reason:
                     return _error_code(ExitCode.PRECONDITION, reason)
+                await self.orch.check_ranks()
         except EepError as e:
             return _error(e)
         op_id = f"op-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.orch.history)}"

@@ -30,6 +30,12 @@ class RankActor:
         self._resolve_after = 0.0
         self._unsent: deque[dict[str, Any]] = deque(maxlen=2000)
         self._lock = threading.Lock()
+        try:  # Ray metrics (docs/operations.md); best effort, never blocks a rank from starting
+            from engine_ext.ray.metrics import RankMetrics
+
+            self._metrics: Any = RankMetrics(deployment)
+        except Exception:  # noqa: BLE001
+            self._metrics = None
         self.engine = RankEngine(EngineConfig.from_dict(cfg_d), deployment, rank, ExpertLayout.from_dict(layout_d),
                                  joining=joining, device=device, sink=self._sink)
         self._registry_id = None
@@ -51,6 +57,11 @@ class RankActor:
         return self._registry, self._controller
 
     def _sink(self, kind: str, payload: dict[str, Any]) -> None:
+        if self._metrics is not None:
+            if kind == "status":
+                self._metrics.on_status(payload)
+            elif kind == "event":
+                self._metrics.on_event(payload)
         registry, controller = self._handles()
         if kind == "results":
             if controller is not None:

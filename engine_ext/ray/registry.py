@@ -22,9 +22,18 @@ class Registry:
     def report_status(self, status: dict[str, Any]) -> dict[str, Any]:
         return self.state.report_status(status)
 
-    def report_events(self, events: list[dict[str, Any]]) -> None:
+    def report_events(self, events: list[dict[str, Any]]) -> dict[str, int]:
+        """Each event on its own: a malformed one (ValueError/TypeError) is counted, not fatal to the
+        rest of the batch (callers send fire-and-forget, so no error is raised for it)."""
+        if not isinstance(events, (list, tuple)):
+            raise TypeError(f"events must be a list, not {type(events).__name__}")
+        refused = 0
         for ev in events:
-            self.state.report_event(ev)
+            try:
+                self.state.report_event(ev)
+            except (ValueError, TypeError):
+                refused += 1
+        return {"accepted": len(events) - refused, "refused": refused}
 
     def record_operation(self, op: dict[str, Any]) -> None:
         self.state.record_operation(op)

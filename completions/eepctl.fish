@@ -1,0 +1,1 @@
+complete --command eepctl --no-files --arguments "(env _EEPCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) eepctl)" --condition "env _EEPCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) eepctl"

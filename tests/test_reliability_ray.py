@@ -1,0 +1,188 @@
+"""Reliability on a real local Ray cluster: status with 256 ranks registered, the registry killed
+and recreated while serving, a rank process killed while serving.
+
+Deployments are real (Ray actors, gloo groups) and torn down by name after each test; the only
+processes killed are the registry actor and the rank process of a deployment this test created.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import fields
+
+import pytest
+
+from engine_ext.protocol import RankStatus
+from tests.conftest import eepctl, eepctl_json, wait_for
+from tests.test_scaling_ray import (  # helpers only (importing test functions would re-collect them)
+    NAMESPACE,
+    Deployment,
+    check_load,
+    events,
+    last_json,
+    scale_json,
+    serving_view,
+    status,
+    up_cli,
+)
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def deployment(ray_cluster):
+    owned: list[Deployment] = []
+
+    def make(name: str) -> Deployment:
+        d = Deployment(name)
+        owned.append(d)
+        return d
+
+    yield make
+    for d in owned:
+        for p in d.procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+        eepctl("down", "--name", d.name, timeout=120)
+
+
+def _driver(ray_cluster) -> None:
+    from eepctl import cluster
+
+    cluster.connect(ray_cluster["address"], NAMESPACE)
+
+
+# ---- status at scale --------------------------------------------------------------------------------
+def test_status_with_256_ranks_is_whole(ray_cluster):
+    """256 synthetic ranks reported through the registry's real intake; `eepctl status -o json`
+    (a real CLI process) lists every one with every RankStatus field. Timing: benchmarks/status_at_scale.py."""
+    import random
+
+    import ray
+
+    from benchmarks.status_at_scale import synthetic_status
+    from engine_ext.ray.names import registry_name
+    from engine_ext.ray.registry import Registry
+
+    _driver(ray_cluster)
+    name, n = "scale-256", 256
+    reg = ray.remote(Registry).options(name=registry_name(name), namespace=NAMESPACE, lifetime="detached",
+                                       num_cpus=0).remote(name)
+    try:
+        ray.get(reg.set_info.remote({"dp": n, "max_dp": n}))
+        rng = random.Random(0)
+        sent = {r: synthetic_status(name, r, n, rng) for r in range(n)}
+        acks = ray.get([reg.report_status.remote(st) for st in sent.values()])
+        assert all(a["accepted"] for a in acks), [a for a in acks if not a["accepted"]][:3]
+        t0 = time.perf_counter()
+        snap = eepctl_json("status", "--name", name, timeout=60)
+        wall = time.perf_counter() - t0
+        ranks = snap["ranks"]
+        assert sorted(r["rank"] for r in ranks) == list(range(n))
+        assert snap["summary"]["ranks"] == n
+        want = {f.name for f in fields(RankStatus)}
+        for r in ranks:
+            missing = want - set(r)
+            assert not missing, (r["rank"], missing)
+            src = sent[r["rank"]]
+            for k in ("instance_id", "requests_running", "kv_blocks_used", "workspace_bytes", "graphs_captured"):
+                assert r[k] == src[k], (r["rank"], k, r[k], src[k])
+        assert snap["summary"]["requests_running"] == sum(s["requests_running"] for s in sent.values())
+        print(f"\n[status-256] eepctl status -o json with {n} ranks: {wall:.3f}s wall (one run, not a benchmark)")
+    finally:
+        ray.kill(reg, no_restart=True)
+
+
+# ---- the registry killed and recreated while serving ----------------------------------------------------
+def test_registry_killed_and_recreated_while_serving(deployment, ray_cluster):
+    import ray
+
+    from engine_ext.ray.names import registry_name
+
+    d = deployment("rel-registry")
+    up_cli(d, 1, 4)
+    op = scale_json(d.name, 2)
+    assert op["state"] == "succeeded", op
+    before = serving_view(d.name, 2)
+    cfg_d = before["info"]["config"]
+    held = wait_for(lambda: [e for e in events(d.name, op["op_id"])["events"] if e["rank"] >= 0 and e["phase"] == "warm"]
+                    if len({e["rank"] for e in events(d.name, op["op_id"])["events"] if e["rank"] >= 0}) == 2 else None,
+                    timeout=15, what="rank events of the scale")
+    keys_before = {(e["op_id"], e["rank"], e["phase"], round(e["start"], 6)) for e in events(d.name)["events"]}
+
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "20", "-o", "json")
+    time.sleep(3)
+    _driver(ray_cluster)
+    old = ray.get_actor(registry_name(d.name), namespace=NAMESPACE)
+    old_id = old._actor_id.hex()
+    ray.kill(old, no_restart=True)
+    t_kill = time.time()
+
+    def whole():
+        try:
+            h = ray.get_actor(registry_name(d.name), namespace=NAMESPACE)
+        except ValueError:
+            return None
+        if h._actor_id.hex() == old_id:
+            return None
+        res = eepctl("status", "--name", d.name, "-o", "json", timeout=60)
+        if res.returncode != 0:
+            return None
+        s = last_json(res.stdout)
+        ranks = s["ranks"]
+        if sorted(r["rank"] for r in ranks) == [0, 1] and all(r["state"] == "serving" for r in ranks):
+            return s
+        return None
+
+    snap = wait_for(whole, timeout=30, interval=0.5, what="a new registry with ranks 0..1 serving")
+    recovered_s = time.time() - t_kill
+    assert snap["info"]["config"] == cfg_d and snap["info"]["max_dp"] == 4, snap["info"]
+    assert snap["violations"] == [], snap["violations"]
+
+    def history_back():
+        data = events(d.name)
+        keys = {(e["op_id"], e["rank"], e["phase"], round(e["start"], 6)) for e in data["events"]}
+        ops = [o for o in data["operations"] if o["op_id"] == op["op_id"]]
+        return (keys, ops) if keys_before <= keys and ops else None
+
+    keys_after, ops = wait_for(history_back, timeout=15, interval=0.5, what="operation history and rank events re-sent")
+    assert ops[0]["state"] == "succeeded" and ops[0]["to_size"] == 2, ops[0]
+    assert {e["rank"] for e in held} == {0, 1}
+
+    out, err = load.communicate(timeout=240)
+    assert load.returncode == 0, err[-2000:]
+    result = last_json(out)
+    check_load(result, cfg_d)
+    print(f"\n[registry-kill] status whole again {recovered_s:.1f}s after the kill; {len(keys_before)} events "
+          f"before, {len(keys_after)} after; load sent {result['sent']} failed {result['failed']}")
+
+
+# ---- a rank process killed while serving -------------------------------------------------------------
+def test_rank_killed_while_serving_is_stale_and_scale_refuses(deployment):
+    d = deployment("rel-rank-kill")
+    up_cli(d, 2, 4)
+    snap = serving_view(d.name, 2)
+    victim = next(r for r in snap["ranks"] if r["rank"] == 1)
+    os.kill(int(victim["pid"]), signal.SIGKILL)  # the rank actor's process of this test's deployment
+    t_kill = time.time()
+
+    def stale():
+        s = status(d.name)
+        r1 = [r for r in s["ranks"] if r["rank"] == 1]
+        return s if r1 and r1[0]["state"] in ("stale", "failed") else None
+
+    s = wait_for(stale, timeout=20, interval=0.5, what="rank 1 shown stale or failed")
+    seen_s = time.time() - t_kill
+    assert any(r["rank"] == 0 for r in s["ranks"])
+
+    for target in ("3", "1"):
+        res = eepctl("scale", "--dp", target, "--name", d.name, timeout=120)
+        assert res.returncode == 4, (target, res.returncode, res.stdout, res.stderr)
+        assert "rank 1" in res.stderr and "eepctl down" in res.stderr, res.stderr
+        assert "rank 0" not in res.stderr, res.stderr  # the live rank is not blamed
+    assert not [o for o in events(d.name)["operations"]], "a refused scale must not start an operation"
+    print(f"\n[rank-kill] rank 1 shown {s['ranks'][1]['state'] if len(s['ranks']) > 1 else '?'} {seen_s:.1f}s after "
+          f"SIGKILL; scale refused: {res.stderr.strip().splitlines()[-1][:200]}")
