@@ -59,6 +59,13 @@ def _say(msg: str) -> None:
     sys.stderr.write(msg + "\n")
 
 
+def _width() -> int:
+    """The terminal's width on a TTY; 160 when piped (scripts parse -o json, not the table)."""
+    import shutil
+
+    return shutil.get_terminal_size((160, 24)).columns if sys.stdout.isatty() else 160
+
+
 def _plain() -> bool:
     return not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
 
@@ -135,7 +142,8 @@ def status(
     t = _target(address, namespace, name)
     if not watch:
         snap = core.status(t)
-        _emit(render.to_json("status", snap) + "\n" if output == Output.json else render.status_text(snap))
+        _emit(render.to_json("status", snap) + "\n" if output == Output.json
+              else render.status_text(snap, width=_width()))
         return
     if output == Output.json:
         while True:

@@ -51,20 +51,30 @@ def _capture(r: dict[str, Any]) -> str:
 
 
 def status_text(snap: dict[str, Any], width: int = 160) -> str:
+    """The per-rank table; under 120 columns a compact set (no node, short workspace/graphs)."""
+    compact = width < 120
     table = Table(title=f"deployment {snap['deployment']} ({snap.get('kind', 'reference')})", title_justify="left")
-    for col in ("rank", "identity", "node", "state", "run/wait", "slots", "kv blocks", "workspace", "graphs",
-                "eplb imb", "hb age"):
-        table.add_column(col, no_wrap=col in ("rank", "state"))
+    cols = (("rank", "identity", "state", "run/wait", "kv", "workspace", "graphs", "hb") if compact else
+            ("rank", "identity", "node", "state", "run/wait", "slots", "kv blocks", "workspace", "graphs",
+             "eplb imb", "hb age"))
+    for col in cols:
+        table.add_column(col, no_wrap=col in ("rank", "state", "identity"))
     for r in snap["ranks"]:
-        ws = human_bytes(r.get("workspace_bytes")) + (" locked" if r.get("workspace_locked") else " unlocked")
-        if r.get("workspace_available") is False:  # vLLM's CPU worker has no MoE workspace manager
-            ws = "n/a"
+        lock = "L" if compact else ("locked" if r.get("workspace_locked") else "unlocked")
+        ws = f"{human_bytes(r.get('workspace_bytes'))} {lock if r.get('workspace_locked') or not compact else 'U'}"
         reason = r.get("state_reason") or ""
-        state = r["state"] + (f" ({reason[:40]}{'…' if len(reason) > 40 else ''})" if reason and r["state"] != "serving" else "")
-        table.add_row(str(r["rank"]), r["instance_id"], r.get("node", ""), Text(state),
-                      f"{r['requests_running']}/{r['requests_waiting']}",
-                      f"{r['slots_used']}/{r['slots_total']}", f"{r['kv_blocks_used']}/{r['kv_blocks_total']}",
-                      ws, _capture(r), f"{r.get('eplb_imbalance', 0.0):.2f}", f"{r.get('heartbeat_age_s', 0.0):.1f}s")
+        state = r["state"] + (f" ({reason[:40]}{'…' if len(reason) > 40 else ''})"
+                              if reason and r["state"] != "serving" and not compact else "")
+        run_wait = f"{r['requests_running']}/{r['requests_waiting']}"
+        kv = f"{r['kv_blocks_used']}/{r['kv_blocks_total']}"
+        age = f"{r.get('heartbeat_age_s', 0.0):.1f}s"
+        if compact:
+            graphs = f"{r.get('graphs_captured', 0)} {'cuda' if r.get('graph_kind') == 'cuda' else 'cpu'}"
+            table.add_row(str(r["rank"]), r["instance_id"], Text(state), run_wait, kv, ws, graphs, age)
+        else:
+            table.add_row(str(r["rank"]), r["instance_id"], r.get("node", ""), Text(state), run_wait,
+                          f"{r['slots_used']}/{r['slots_total']}", kv, ws, _capture(r),
+                          f"{r.get('eplb_imbalance', 0.0):.2f}", age)
     s = snap["summary"]
     states = ", ".join(f"{n} {k}" for k, n in sorted(s["by_state"].items())) or "no ranks"
     lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "

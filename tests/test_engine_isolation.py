@@ -180,3 +180,18 @@ def test_scale_up_warmup_isolated_and_no_violations(scenario):
     for v in views:
         _assert_rank_healthy(v, cfg, 3)
     assert len({v["instance_id"] for v in views}) == 3
+
+
+def test_scale_up_eplb_communicator_before_weight_transfer(scenario):
+    """I2: on every rank of the new world the EPLB communicator exists before any weight moves,
+    and the joining rank received the non-expert weights from its paired sender."""
+    evs = scenario["op_events"]
+    ranks = sorted({e["rank"] for e in evs if e["rank"] >= 0})
+    assert ranks == [0, 1, 2], ranks
+    for r in ranks:
+        prep = [e for e in evs if e["rank"] == r and e["phase"] == "prepare"]
+        xfer = [e for e in evs if e["rank"] == r and e["phase"] == "transfer"]
+        assert len(prep) == 1 and len(xfer) == 1, (r, prep, xfer)
+        assert prep[0]["detail"]["eplb_comm_ready_at"] <= xfer[0]["start"], (r, prep, xfer)
+    joiner = [e for e in evs if e["rank"] == 2 and e["phase"] == "transfer"][0]
+    assert joiner["detail"]["received_from"] == 0 and joiner["detail"]["bytes"] > 0, joiner
