@@ -5,11 +5,9 @@ this driver push a realistic RankStatus for each of ranks 0..N-1 about once a se
 ``Registry.report_status`` (the same call a RankActor makes), while the CLI is timed as a whole
 process (median of RUNS).
 
-The benchmark starts its own local Ray head (eepctl's start_local: own process group, no
-dashboard) and stops it by that group at the end. `ray list actors` needs the state API, which
-the dashboard serves; the installed ray lacks the dashboard's packages (ray[default]), so it is
-timed anyway and reported as failing, and `ray.util.list_named_actors` from a fresh Python driver
-is timed as the closest equivalent.
+The benchmark starts its own local Ray head (eepctl's start_local: own process group, with the
+dashboard, since `ray list actors` needs the state API it serves) and stops it by that group at
+the end. `ray.util.list_named_actors` from a fresh Python driver is timed as well.
 
 Usage: .venv/bin/python benchmarks/status_at_scale.py [ranks=256] [runs=9]
 """
@@ -90,7 +88,7 @@ def start_head(num_cpus: int = 16) -> tuple[int, str]:
     os.environ.setdefault("EEPCTL_STATE_DIR", tempfile.mkdtemp(prefix="eep-bench-"))
     from eepctl import cluster
 
-    info = cluster.start_local(num_cpus=num_cpus)
+    info = cluster.start_local(num_cpus=num_cpus, dashboard=True)  # `ray list actors` needs it
     return int(info["pgid"]), info["address"]
 
 

@@ -138,7 +138,7 @@ def _free_port(preferred: int = 6379) -> int:
             return s.getsockname()[1]
 
 
-def start_local(num_cpus: int | None = None, timeout_s: float = 90.0) -> dict[str, Any]:
+def start_local(num_cpus: int | None = None, timeout_s: float = 90.0, dashboard: bool = False) -> dict[str, Any]:
     """Start a local Ray head in its own process group and remember it."""
     port = _free_port()
     cpus = num_cpus or max(os.cpu_count() or 1, 8)
@@ -146,7 +146,8 @@ def start_local(num_cpus: int | None = None, timeout_s: float = 90.0) -> dict[st
     if ray_bin is None:
         raise UnreachableError("cannot start a local Ray cluster: the `ray` command is not installed")
     log = state_dir() / "local-cluster.log"
-    cmd = [ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
+    cmd = [ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
+           f"--include-dashboard={'true' if dashboard else 'false'}",
            "--disable-usage-stats", "--block"]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -186,3 +186,23 @@ def test_rank_killed_while_serving_is_stale_and_scale_refuses(deployment):
     assert not [o for o in events(d.name)["operations"]], "a refused scale must not start an operation"
     print(f"\n[rank-kill] rank 1 shown {s['ranks'][1]['state'] if len(s['ranks']) > 1 else '?'} {seen_s:.1f}s after "
           f"SIGKILL; scale refused: {res.stderr.strip().splitlines()[-1][:200]}")
+
+
+# ---- soak (CI size) ------------------------------------------------------------------------------------
+def test_soak_ten_random_transitions_under_load(deployment):
+    """benchmarks/soak.py at CI size: 10 random transitions between DP 1 and 4 under continuous
+    load; zero failed or wrong (oracle) requests, whole after every transition."""
+    from benchmarks.soak import ENGINE, run_soak
+    from eepctl import core
+
+    d = deployment("rel-soak")
+    t = core.Target(name=d.name, namespace=NAMESPACE)
+    core.up(t, dp=1, max_dp=4, engine=dict(ENGINE), cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300)
+    res = run_soak(t, transitions=10, seed=7, rate=4.0)
+    print(f"\n[soak] {res['transitions']} transitions in {res['elapsed_s']}s, {res['requests']} requests "
+          f"({res['moved']} moved), latency {res['latency_s']}, transition {res['transition_s']}")
+    assert res["transitions"] == 10
+    assert not res["load_errors"], res["load_errors"]
+    assert res["failed"] == 0, res["first_failures"]
+    assert res["wrong"] == 0
+    assert res["requests"] >= 40, res["requests"]
