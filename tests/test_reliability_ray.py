@@ -22,6 +22,7 @@ from tests.test_scaling_ray import (  # helpers only (importing test functions w
     check_load,
     events,
     last_json,
+    deployment,  # noqa: F401 - the fixture, shared with the scaling tests
     scale_json,
     serving_view,
     status,
@@ -29,24 +30,6 @@ from tests.test_scaling_ray import (  # helpers only (importing test functions w
 )
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def deployment(ray_cluster):
-    owned: list[Deployment] = []
-
-    def make(name: str) -> Deployment:
-        d = Deployment(name)
-        owned.append(d)
-        return d
-
-    yield make
-    for d in owned:
-        for p in d.procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate(timeout=30)
-        eepctl("down", "--name", d.name, timeout=120)
 
 
 def _driver(ray_cluster) -> None:
