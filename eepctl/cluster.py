@@ -76,14 +76,13 @@ def connect(address: str | None, namespace: str) -> str:
     addr = resolve_address(address)
     if addr is None:
         raise UnreachableError("no Ray cluster: pass --address or set RAY_ADDRESS (or run `eepctl up` to start one)")
-    if addr != "auto":
-        host, port = parse_address(addr)
-        if not reachable(host, port):
-            raise UnreachableError(f"no Ray cluster answers at {addr}")
+    hostport = None if addr == "auto" else parse_address(addr)
+    if hostport is not None and not reachable(*hostport):
+        raise UnreachableError(f"no Ray cluster answers at {addr}")
     if ray.is_initialized():
         return addr
-    if addr != "auto":
-        _check_auth(addr, *parse_address(addr))
+    if hostport is not None:
+        _check_auth(addr, *hostport)
     try:
         ray.init(address=addr, namespace=namespace, logging_level="ERROR", log_to_driver=False,
                  configure_logging=True)

@@ -183,13 +183,16 @@ class Orchestrator:
         self.forget_rank = forget_rank or (lambda rank: None)
         self.op: Operation | None = None
         self._op_lock = asyncio.Lock()
+        # Per-operation facts the failure path needs: did commit start, which ranks did it launch.
+        self._commit_started = False
+        self._joiners: dict[int, RankClient] = {}
         self.history: list[dict[str, Any]] = []
 
     @property
     def size(self) -> int:
         return len(self.clients)
 
-    def _check_target(self, size: int) -> None:
+    def check_target(self, size: int) -> None:
         if size < 1:
             raise UsageError(f"--dp must be >= 1, got {size}")
         if size > self.max_dp:
@@ -202,7 +205,7 @@ class Orchestrator:
 
     # ---- start -------------------------------------------------------------------------------
     async def start(self, size: int, timeout_s: float = 300.0) -> None:
-        self._check_target(size)
+        self.check_target(size)
         reason = self.spawner.check_capacity(size)
         if reason:
             raise PreconditionError(reason)
@@ -257,7 +260,7 @@ class Orchestrator:
         return total
 
     async def plan(self, target: int, op_id: str | None = None) -> ScalePlan:
-        self._check_target(target)
+        self.check_target(target)
         assert self.layout is not None
         op_id = op_id or f"op-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
         cur = self.size
@@ -363,10 +366,9 @@ class Orchestrator:
                 spawned = await asyncio.gather(
                     *(self.spawner.spawn(r, new_layout, True) for r in range(old_size, new_size)),
                     return_exceptions=True)
-                for r, c in zip(range(old_size, new_size), spawned):
-                    if not isinstance(c, BaseException):
-                        joiners[r] = c
-                self._joiners = joiners
+                # Keep every rank that did start (the rollback stops them) before failing on one that did not.
+                joiners.update({r: c for r, c in zip(range(old_size, new_size), spawned)
+                                if not isinstance(c, BaseException)})
                 for r, c in zip(range(old_size, new_size), spawned):
                     if isinstance(c, BaseException):
                         raise TransitionFailed(f"launch of rank {r} failed: {_short(c)}")
@@ -431,7 +433,7 @@ class Orchestrator:
     async def _recover(self, op: Operation) -> None:
         """Before commit: roll back (drop joiners and standby groups, keep serving).
         During commit: report each rank's state; the deployment stays explainable."""
-        commit_started = getattr(self, "_commit_started", False)
+        commit_started = self._commit_started
         old_size = op.from_size
         for r in range(op.to_size, old_size):
             self.router.excluded.discard(r)
@@ -440,7 +442,7 @@ class Orchestrator:
             t = time.time()
             for r, c in list(self.clients.items()):
                 await _quiet(c.call("abort", op.op_id, timeout=10))
-            for r, c in getattr(self, "_joiners", {}).items():
+            for r, c in self._joiners.items():
                 await _quiet(c.kill())  # joining ranks were launched by this op
                 self.forget_rank(r)
             if op.state == OpState.FAILED.value:

@@ -222,7 +222,7 @@ class Controller:
         if busy is not None:
             return _error_code(ExitCode.PRECONDITION, f"a scale is already running: {busy}; one at a time")
         try:
-            self.orch._check_target(target)
+            self.orch.check_target(target)
             if target != self.orch.size:
                 reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size))
                 if reason:
