@@ -11,7 +11,8 @@ import torch
 
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.reference import reference_generate
+from engine_ext.engine.oracle import reference_generate
+from tests.engine_helpers import run
 
 pytestmark = [
     pytest.mark.cuda,
@@ -21,6 +22,7 @@ pytestmark = [
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9] * 10, [3, 1, 4, 1, 5]]
 
 
+@pytest.mark.timeout(300)
 def test_cuda_graphs_release_and_single_recapture() -> None:
     cfg = EngineConfig(dtype="float64", slots_per_rank=8, capture_sizes=[1, 2, 4])
     ref = [r["output"] for r in reference_generate(cfg, PROMPTS, 8)]
@@ -42,4 +44,4 @@ def test_cuda_graphs_release_and_single_recapture() -> None:
             assert len(warm) == 3 and all(e["detail"]["graphs_live_at_resize"] == 0 for e in warm)
             assert dep.registry.violations() == []
 
-    asyncio.run(scenario())
+    run(scenario(), 280)

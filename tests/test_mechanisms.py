@@ -538,3 +538,107 @@ def test_registry_marks_silent_rank_stale():
     assert {v["rank"]: v["state"] for v in reg.rank_views()}[1] == "serving"
     snap = reg.snapshot()
     assert snap["summary"]["ranks"] == 2
+
+
+# ============================================================================================
+# Faults, the rank-control interface, the transition plan
+# ============================================================================================
+
+
+def test_faults_name_known_variants_and_refuse_unknown_ones():
+    from engine_ext.engine.faults import VARIANTS, Faults
+
+    f = Faults(["skip_release", "hold:commit@1"], 0.0, rank=0)
+    assert f.active("skip_release") and not f.active("skip_rewarm")
+    with pytest.raises(KeyError):
+        f.active("skip_everything")
+    with pytest.raises(ValueError, match="unknown fault"):
+        Faults(["skip_relase"], 0.0, rank=0)
+    with pytest.raises(ValueError, match="unknown fault"):
+        Faults(["hold:lunch"], 0.0, rank=0)
+    # Every variant the tests and benchmarks use is declared, each with a description.
+    for name in ("double_suffix", "skip_release", "skip_rewarm", "double_capture", "warmup_not_isolated",
+                 "slow_prepare"):
+        assert VARIANTS[name]
+
+
+def test_fault_hold_waits_only_in_its_phase_and_on_its_rank():
+    from engine_ext.engine.faults import Faults
+
+    held: list[str] = []
+    f = Faults(["hold:commit@1"], 0.2, rank=1, on_hold=held.append)
+    t0 = time.monotonic()
+    assert f.hold("prepare") is False and f.hold("warm") is False
+    assert time.monotonic() - t0 < 0.1
+    assert f.hold("commit") is True
+    assert time.monotonic() - t0 >= 0.2
+    assert held == ["commit"]
+    assert Faults(["hold:commit@1"], 0.2, rank=0).hold("commit") is False
+    with pytest.raises(KeyError):
+        f.hold("lunch")
+    # "slow_prepare" is a prepare hold on joining ranks only.
+    slow = Faults(["slow_prepare"], 0.0, rank=2)
+    assert slow.holds("prepare", joining=True) and not slow.holds("prepare") and not slow.holds("commit", joining=True)
+
+
+def test_rank_held_at_launch_says_so_while_held():
+    from engine_ext.engine.rank import RankEngine
+
+    reports: list[tuple[float, dict]] = []
+    cfg = EngineConfig(faults=["hold:launch"], fault_delay_s=0.3)
+    t0 = time.monotonic()
+    engine = RankEngine(cfg, "held", 0, build_layout(8, 8, 1),
+                        sink=lambda kind, payload: reports.append((time.monotonic(), payload)))
+    assert time.monotonic() - t0 >= 0.3
+    assert reports and reports[0][0] - t0 < 0.3, "the hold is announced before it waits"
+    assert reports[0][1]["state_reason"] == "held in launch by a test fault"
+    assert engine.status()["state"] == "starting"
+
+
+def test_rank_control_is_the_one_interface_both_sides_implement():
+    import inspect
+
+    from engine_ext.engine.rank import RankEngine
+    from engine_ext.engine.rank_control import RANK_METHODS, RankClient, RankControl
+
+    assert RANK_METHODS == {n for n in vars(RankControl) if not n.startswith("_")}
+    assert {"prepare", "begin_drain", "request_commit", "wait_op", "abort", "status"} <= RANK_METHODS
+    for name in RANK_METHODS:
+        want = [p for p in inspect.signature(getattr(RankControl, name)).parameters]
+        engine_params = list(inspect.signature(getattr(RankEngine, name)).parameters)
+        client_params = [p for p in inspect.signature(getattr(RankClient, name)).parameters if p != "timeout"]
+        assert engine_params == want, (name, engine_params, want)
+        assert client_params == want, (name, client_params, want)
+        assert inspect.iscoroutinefunction(getattr(RankClient, name)), name
+
+
+def test_transition_plan_roles_and_op_ids():
+    import pickle
+    import re
+
+    from engine_ext.elastic.rendezvous import Rendezvous
+    from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
+
+    old, new = build_layout(8, 4, 2), build_layout(8, 4, 3)
+    up = TransitionPlan(op_id="op-x", kind="scale_up", old_size=2, new_size=3, rdzv=Rendezvous("h", 1, "p"),
+                        old_layout=old, new_layout=new)
+    assert [up.role(r) for r in range(3)] == ["existing", "existing", "joining"]
+    down = TransitionPlan(op_id="op-y", kind="scale_down", old_size=3, new_size=2, rdzv=up.rdzv,
+                          old_layout=new, new_layout=old)
+    assert [down.role(r) for r in range(3)] == ["remaining", "remaining", "removing"]
+    assert pickle.loads(pickle.dumps(up)) == up  # what Ray and the process pipe carry
+    ids = {new_op_id() for _ in range(50)}
+    assert len(ids) == 50
+    assert all(re.fullmatch(r"op-\d{8}-\d{6}-[0-9a-f]{4}", i) for i in ids), ids
+
+
+def test_controller_side_modules_never_import_torch():
+    """The orchestrator, router, plans and rank-control interface plan without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import engine_ext.engine.orchestrator, engine_ext.engine.router, "
+            "engine_ext.engine.scale_plan, engine_ext.engine.rank_control, engine_ext.elastic.transition_plan; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import math
 
 import pytest
 
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.reference import reference_generate
+from engine_ext.engine.oracle import reference_generate
+from tests.engine_helpers import oracle_mismatch, run
 
 MAX_TOKENS = 6
-REL_TOL = 1e-9
 
 # Varied lengths (1..29 tokens) and contents, all inside the default vocab of 256.
 PROMPTS = [
@@ -42,18 +41,9 @@ async def _serve(cfg: EngineConfig, dp: int, name: str) -> tuple[list[dict], obj
     return list(results), layout
 
 
-def _run(coro, timeout: float = 150.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def _matches(results: list[dict], ref: list[dict]) -> tuple[bool, str]:
-    for i, (got, want) in enumerate(zip(results, ref, strict=True)):
-        if got["output"] != want["output"]:
-            return False, f"prompt {i}: tokens {got['output']} != oracle {want['output']}"
-        for a, b in zip(got["logits"], want["logits"], strict=True):
-            if not math.isclose(a, b, rel_tol=REL_TOL, abs_tol=0.0):
-                return False, f"prompt {i}: logit {a!r} != oracle {b!r}"
-    return True, ""
+def _mismatch(results: list[dict], ref: list[dict]) -> str:
+    assert len(results) == len(ref)
+    return oracle_mismatch(list(enumerate(results)), ref)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +53,7 @@ def reference() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def served_dp2() -> tuple[list[dict], object]:
-    return _run(_serve(_cfg(), 2, "oracle2"))
+    return run(_serve(_cfg(), 2, "oracle2"), 150)
 
 
 def _check_against_oracle(results, layout, dp, reference):
@@ -78,8 +68,7 @@ def _check_against_oracle(results, layout, dp, reference):
         assert len(res["output"]) == MAX_TOKENS and len(res["logits"]) == MAX_TOKENS
     # Requests were spread over the ranks, so EP really ran across processes.
     assert {res["rank"] for res in results} == set(range(dp))
-    ok, why = _matches(results, reference)
-    assert ok, why
+    assert _mismatch(results, reference) == ""
 
 
 @pytest.mark.timeout(180)
@@ -90,7 +79,7 @@ def test_oracle_dp2(served_dp2, reference):
 
 @pytest.mark.timeout(180)
 def test_oracle_dp3(reference):
-    results, layout = _run(_serve(_cfg(), 3, "oracle3"))
+    results, layout = run(_serve(_cfg(), 3, "oracle3"), 150)
     _check_against_oracle(results, layout, 3, reference)
 
 
@@ -101,8 +90,7 @@ def test_oracle_detects_a_different_model(served_dp2, reference):
     other = copy.deepcopy(_cfg())
     other.seed += 1
     wrong = reference_generate(other, PROMPTS, MAX_TOKENS)
-    ok, why = _matches(results, wrong)
-    assert not ok
+    assert _mismatch(results, wrong) != ""
     assert any(a["output"] != b["output"] for a, b in zip(results, wrong))
     # ... while the right seed matches the very same results.
-    assert _matches(results, reference) == (True, "")
+    assert _mismatch(results, reference) == ""

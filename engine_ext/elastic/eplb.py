@@ -167,23 +167,19 @@ class EplbState:
     layout: ExpertLayout
     logical_load: list[float] = field(default_factory=list)
     step: int = 0
-    registered: bool = True
     async_started: bool = False
     suppressed: int = 0  # >0 while warmup runs: statistics must not move (I5)
-    updates: int = 0
 
     def __post_init__(self) -> None:
         if not self.logical_load:
             self.logical_load = [0.0] * self.layout.num_logical
 
-    def record(self, counts: list[int], rank_load: list[int] | None = None) -> None:
+    def record(self, counts: list[int]) -> None:
         if self.suppressed or not self.async_started:
             return
         for e, c in enumerate(counts):
             self.logical_load[e] += c
         self.step += 1
-        if rank_load is not None:
-            self._rank_load = rank_load
 
     def imbalance(self) -> float:
         """Max over mean of the load each rank's slots carry under the current layout."""
@@ -202,4 +198,3 @@ class EplbState:
 
     def update_layout(self, layout: ExpertLayout) -> None:
         self.layout = layout
-        self.updates += 1

@@ -53,7 +53,6 @@ class GraphStats:
     captures_this_op: int = 0
     replays: int = 0
     last_capture_s: float | None = None
-    last_capture_total_s: float | None = None
     capture_durations: dict[int, float] = field(default_factory=dict)
 
 

@@ -7,7 +7,7 @@ names are derived from them, so two ranks sharing one would collide (vLLM PR #41
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 _SUFFIX_RE = re.compile(r"(_dp\d+)+$")  # all trailing suffixes: re-basing also repairs a stacked id
@@ -21,12 +21,6 @@ def dp_suffixed(base: str, global_rank: int) -> str:
     if global_rank < 0:
         raise ValueError(f"global DP rank must be >= 0, got {global_rank}")
     return f"{strip_dp_suffix(base)}_dp{global_rank}"
-
-
-@dataclass(frozen=True)
-class RankIdentity:
-    instance_id: str
-    engine_id: str
 
 
 def apply_dp_identity_suffix(config: Any, global_rank: int) -> Any:

@@ -19,12 +19,13 @@ from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.telemetry import RegistryState
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.orchestrator import Orchestrator
+from engine_ext.engine.rank_control import RANK_METHODS, RankClient
 
 
 def _rank_main(conn: Connection, cfg_d: dict[str, Any], name: str, rank: int, layout_d: dict[str, Any],
                joining: bool, device: str, env: dict[str, str]) -> None:
     os.environ.update(env)
-    from engine_ext.engine.rank import RANK_METHODS, RankEngine
+    from engine_ext.engine.rank import RankEngine
 
     send_lock = threading.Lock()
 
@@ -58,7 +59,9 @@ class RankCallError(RuntimeError):
     pass
 
 
-class ProcessRankClient:
+class ProcessRankClient(RankClient):
+    """A rank in a child process, called over a pipe; replies and reports share it."""
+
     def __init__(self, rank: int, proc: mp.process.BaseProcess, conn: Connection, owner: LocalDeployment) -> None:
         self.rank = rank
         self.proc = proc
@@ -107,7 +110,7 @@ class ProcessRankClient:
         else:
             self.owner.on_report(kind, msg[1])
 
-    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+    async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
         call_id = next(self._ids)
         fut = self.loop.create_future()
         self._pending[call_id] = fut
@@ -140,7 +143,7 @@ class ProcessSpawner:
         child.close()
         client = ProcessRankClient(rank, proc, parent, o)
         o.processes[rank] = client
-        await client.call("status", timeout=300)  # launched = the engine is built and answering
+        await client.status(timeout=300)  # launched = the engine is built and answering
         return client
 
 

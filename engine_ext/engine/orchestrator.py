@@ -1,23 +1,24 @@
-"""Deployment control shared by the Ray controller and the process launcher.
+"""Deployment control shared by the Ray controller and the process launcher: start, plan,
+scale (single flight) and stop.
 
-It talks to ranks only through ``RankClient`` (an awaitable ``call``), so the same start,
-routing and scale logic drives Ray actors and plain processes.
+It talks to ranks only through ``RankClient`` (the typed ``RankControl`` calls), so the same
+logic drives Ray actors and plain processes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size
 from engine_ext.elastic.rendezvous import Rendezvous
-from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size, plan_moves, transfer_pairs
-from engine_ext.elastic.identity import dp_suffixed
+from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
 from engine_ext.engine.config import EngineConfig
+from engine_ext.engine.rank_control import RankClient
+from engine_ext.engine.router import Router
+from engine_ext.engine.scale_plan import ScalePlan, plan_scale
 from engine_ext.protocol import (
     EepError,
     Event,
@@ -26,19 +27,8 @@ from engine_ext.protocol import (
     Phase,
     PreconditionError,
     TransitionFailed,
-    TransitionTimeout,
     UsageError,
 )
-
-
-class RankClient(Protocol):
-    rank: int
-
-    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any: ...
-
-    async def kill(self) -> None: ...
-
-    def pid(self) -> int: ...
 
 
 class Spawner(Protocol):
@@ -49,110 +39,7 @@ class Spawner(Protocol):
 
 
 EventSink = Callable[[dict[str, Any]], None]
-
-
-class Router:
-    """Admits requests, spreads them over the serving ranks, and gathers their results."""
-
-    def __init__(self) -> None:
-        self.clients: dict[int, RankClient] = {}
-        self.excluded: set[int] = set()
-        self.inflight: dict[int, int] = {}
-        self._futures: dict[str, asyncio.Future] = {}
-        self._owner: dict[str, int] = {}
-        self._ids = itertools.count()
-        self.completed = 0
-        self.failed = 0
-
-    def set_ranks(self, clients: dict[int, RankClient]) -> None:
-        self.clients = dict(clients)
-        self.excluded &= set(clients)
-        for r in clients:
-            self.inflight.setdefault(r, 0)
-
-    def _pick(self, avoid: set[int] = frozenset()) -> int | None:  # type: ignore[assignment]
-        ranks = [r for r in self.clients if r not in self.excluded and r not in avoid]
-        if not ranks:
-            return None
-        return min(ranks, key=lambda r: (self.inflight.get(r, 0), r))
-
-    async def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> dict[str, Any]:
-        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._futures[rid] = fut
-        await self._send({"request_id": rid, "prompt": list(prompt), "max_tokens": int(max_tokens)})
-        return await fut
-
-    async def _send(self, wire: dict[str, Any]) -> None:
-        """Hand the request to the least-loaded rank; a rank that refuses (failed, leaving,
-        dead) is skipped for this request, and only when every rank refused does it fail."""
-        refused: dict[int, str] = {}
-        while True:
-            rank = self._pick(set(refused))
-            if rank is None:
-                reasons = "; ".join(f"rank {r}: {m}" for r, m in refused.items()) or "no rank is accepting requests"
-                self._resolve(dict(wire, rank=-1, error=f"no rank accepted the request ({reasons})"))
-                return
-            self._owner[wire["request_id"]] = rank
-            self.inflight[rank] = self.inflight.get(rank, 0) + 1
-            try:
-                await self.clients[rank].call("add_request", wire, timeout=30)
-                return
-            except Exception as e:  # noqa: BLE001 - any refusal: try the next rank
-                self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
-                self._owner.pop(wire["request_id"], None)
-                refused[rank] = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
-
-    def _resolve(self, res: dict[str, Any]) -> None:
-        rid = res["request_id"]
-        rank = self._owner.pop(rid, None)
-        if rank is not None:
-            self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
-        fut = self._futures.pop(rid, None)
-        if res.get("error"):
-            self.failed += 1
-        else:
-            self.completed += 1
-        if fut is not None and not fut.done():
-            fut.set_result(res)
-
-    def on_results(self, results: list[dict[str, Any]]) -> None:
-        for res in results:
-            self._resolve(res)
-
-    async def resubmit(self, moved: list[dict[str, Any]]) -> None:
-        """Requests handed back by a removing rank continue on a remaining one (re-prefilled)."""
-        for wire in moved:
-            old = self._owner.pop(wire["request_id"], None)
-            if old is not None:
-                self.inflight[old] = max(0, self.inflight.get(old, 0) - 1)
-            await self._send(wire)
-
-    def fail_all(self, ranks: set[int], reason: str) -> None:
-        for rid, rank in list(self._owner.items()):
-            if rank in ranks:
-                self._resolve({"request_id": rid, "rank": rank, "error": reason})
-
-
-@dataclass
-class ScalePlan:
-    op_id: str
-    from_size: int
-    to_size: int
-    joining: list[dict[str, Any]] = field(default_factory=list)
-    leaving: list[dict[str, Any]] = field(default_factory=list)
-    transfer_pairs: dict[int, list[int]] = field(default_factory=dict)
-    expert_moves: list[dict[str, int]] = field(default_factory=list)
-    layout: dict[str, Any] = field(default_factory=dict)
-    noop: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "op_id": self.op_id, "from_size": self.from_size, "to_size": self.to_size, "noop": self.noop,
-            "joining": self.joining, "leaving": self.leaving,
-            "transfer_pairs": {str(k): v for k, v in self.transfer_pairs.items()},
-            "expert_moves": self.expert_moves, "layout": self.layout,
-        }
+RankCall = Callable[[RankClient], Awaitable[Any]]
 
 
 class Orchestrator:
@@ -213,13 +100,13 @@ class Orchestrator:
         rank0 = await self.spawner.spawn(0, self.layout, False)
         clients = {0: rank0}
         try:
-            self.store = tuple(await rank0.call("host_store"))  # type: ignore[assignment]
+            self.store = await rank0.host_store()
             for r in range(1, size):
                 clients[r] = await self.spawner.spawn(r, self.layout, False)
             rdzv = self._rdzv("start")
-            await self._all(clients, "join", [rdzv.host, rdzv.port, rdzv.prefix], size, timeout=timeout_s)
-            await self._all(clients, "warm_and_capture", "startup", timeout=timeout_s)
-            await self._all(clients, "serve", timeout=60)
+            await self._all(clients, "join", lambda c: c.join(rdzv, size, timeout=timeout_s))
+            await self._all(clients, "warm_and_capture", lambda c: c.warm_and_capture("startup", timeout=timeout_s))
+            await self._all(clients, "serve", lambda c: c.serve(timeout=60))
         except BaseException:
             for c in clients.values():
                 await _quiet(c.kill())
@@ -232,10 +119,10 @@ class Orchestrator:
         self.epoch += 1
         return Rendezvous(self.store[0], self.store[1], f"{self.name}/e{self.epoch}-{tag}")
 
-    async def _all(self, clients: dict[int, RankClient], method: str, *args: Any, timeout: float | None) -> dict[int, Any]:
-        """Call every rank; fail on the first error instead of waiting for the others (a dead
+    async def _all(self, clients: dict[int, RankClient], method: str, call: RankCall) -> dict[int, Any]:
+        """``call`` every rank; fail on the first error instead of waiting for the others (a dead
         joiner must not keep the survivors' rollback waiting for a rendezvous timeout)."""
-        tasks = {asyncio.ensure_future(clients[r].call(method, *args, timeout=timeout)): r for r in sorted(clients)}
+        tasks = {asyncio.ensure_future(call(clients[r])): r for r in sorted(clients)}
         pending = set(tasks)
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
@@ -252,7 +139,7 @@ class Orchestrator:
         total = [0.0] * self.cfg.num_experts
         for c in self.clients.values():
             try:
-                st = await c.call("status", timeout=5)
+                st = await c.status(timeout=5)
             except Exception:
                 continue
             for e, v in enumerate(st.get("eplb_logical_load", [])):
@@ -262,23 +149,8 @@ class Orchestrator:
     async def plan(self, target: int, op_id: str | None = None) -> ScalePlan:
         self.check_target(target)
         assert self.layout is not None
-        op_id = op_id or f"op-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
-        cur = self.size
-        plan = ScalePlan(op_id, cur, target, noop=(target == cur))
-        if plan.noop:
-            plan.layout = self.layout.to_dict()
-            return plan
-        new = build_layout(self.cfg.num_experts, self.cfg.slots_per_rank, target, await self._loads(), self.layout)
-        moves = plan_moves(self.layout, new, set(range(cur)))
-        base = self.cfg.instance_id or self.name
-        if target > cur:
-            plan.joining = [{"rank": r, "instance_id": dp_suffixed(base, r)} for r in range(cur, target)]
-            plan.transfer_pairs = transfer_pairs(cur, target)
-        else:
-            plan.leaving = [{"rank": r, "instance_id": dp_suffixed(base, r)} for r in range(target, cur)]
-        plan.expert_moves = [m.__dict__ for m in moves if not m.local]
-        plan.layout = new.to_dict()
-        return plan
+        loads = [] if target == self.size else await self._loads()
+        return plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads)
 
     # ---- scale -------------------------------------------------------------------------------
     def busy(self) -> str | None:
@@ -348,11 +220,11 @@ class Orchestrator:
         old_size, new_size = plan.from_size, plan.to_size
         new_layout = ExpertLayout.from_dict(plan.layout)
         rdzv = self._rdzv(plan.op_id)
-        tplan = {"op_id": plan.op_id, "kind": "scale_up" if new_size > old_size else "scale_down",
-                 "old_size": old_size, "new_size": new_size, "rdzv": [rdzv.host, rdzv.port, rdzv.prefix],
-                 "old_layout": self.layout.to_dict(), "new_layout": plan.layout, "timeout_s": timeout_s}
+        tplan = TransitionPlan(op_id=plan.op_id, kind="scale_up" if new_size > old_size else "scale_down",
+                               old_size=old_size, new_size=new_size, rdzv=rdzv, old_layout=self.layout,
+                               new_layout=new_layout, timeout_s=timeout_s)
         for c in self.clients.values():
-            with_ws = await _quiet(c.call("status", timeout=5))
+            with_ws = await _quiet(c.status(timeout=5))
             if isinstance(with_ws, dict):
                 op.workspace_before[str(c.rank)] = with_ws.get("workspace_bytes", 0)
         joiners: dict[int, RankClient] = {}
@@ -379,19 +251,21 @@ class Orchestrator:
                     self.router.excluded.add(r)
             op.phase = Phase.PREPARE.value
             t = time.time()
-            await self._all(world, "prepare", tplan, timeout=timeout_s)
+            await self._all(world, "prepare", lambda c: c.prepare(tplan, timeout=timeout_s))
             self._phase(op, Phase.PREPARE, t)
             if new_size < old_size:
                 op.phase = Phase.DRAIN.value
                 t = time.time()
+                removing = {r: c for r, c in world.items() if r >= new_size}
+                await self._all(removing, "begin_drain", lambda c: c.begin_drain(plan.op_id, timeout=timeout_s))
                 await self._drain(range(new_size, old_size), drain_timeout_s)
                 self._phase(op, Phase.DRAIN, t)
             op.phase = Phase.COMMIT.value
             t = time.time()
             self._commit_started = True
             old_world = {r: c for r, c in world.items() if r < old_size}
-            await self._all(old_world, "request_commit", plan.op_id, timeout=30)
-            results = await self._all(world, "wait_op", plan.op_id, timeout_s, timeout=timeout_s + 5)
+            await self._all(old_world, "request_commit", lambda c: c.request_commit(plan.op_id, timeout=30))
+            results = await self._all(world, "wait_op", lambda c: c.wait_op(plan.op_id, timeout_s, timeout=timeout_s + 5))
             self._phase(op, Phase.COMMIT, t)
         except _RankError as e:
             raise TransitionFailed(f"phase {op.phase} failed on rank {e.rank}: {_short(e.error)}",
@@ -423,7 +297,7 @@ class Orchestrator:
         while time.time() < deadline:
             busy = 0
             for r in ranks:
-                st = await _quiet(self.clients[r].call("status", timeout=5))
+                st = await _quiet(self.clients[r].status(timeout=5))
                 if isinstance(st, dict):
                     busy += st.get("requests_running", 0) + st.get("requests_waiting", 0)
             if busy == 0:
@@ -441,7 +315,7 @@ class Orchestrator:
             op.phase_durations.setdefault(Phase.ROLLBACK.value, 0.0)
             t = time.time()
             for r, c in list(self.clients.items()):
-                await _quiet(c.call("abort", op.op_id, timeout=10))
+                await _quiet(c.abort(op.op_id, timeout=10))
             for r, c in self._joiners.items():
                 await _quiet(c.kill())  # joining ranks were launched by this op
                 self.forget_rank(r)
@@ -449,7 +323,7 @@ class Orchestrator:
                 op.state = OpState.ROLLED_BACK.value
             self._phase(op, Phase.ROLLBACK, t)
         for r, c in list(self.clients.items()):
-            st = await _quiet(c.call("status", timeout=5))
+            st = await _quiet(c.status(timeout=5))
             op.rank_states[str(r)] = st.get("state", "unreachable") if isinstance(st, dict) else "unreachable"
 
     # ---- preflight ---------------------------------------------------------------------------
@@ -458,7 +332,7 @@ class Orchestrator:
         a transition needs every rank of the old world, and a dead one would only end in a
         rollback after a rendezvous timeout."""
         ranks = sorted(self.clients)
-        probes = await asyncio.gather(*(_quiet(self.clients[r].call("status", timeout=timeout_s)) for r in ranks))
+        probes = await asyncio.gather(*(_quiet(self.clients[r].status(timeout=timeout_s)) for r in ranks))
         bad: list[str] = []
         for r, st in zip(ranks, probes):
             if not isinstance(st, dict):
@@ -475,7 +349,7 @@ class Orchestrator:
     # ---- stop --------------------------------------------------------------------------------
     async def stop(self) -> None:
         for c in self.clients.values():
-            await _quiet(c.call("stop", timeout=5))
+            await _quiet(c.stop(timeout=5))
         for c in self.clients.values():
             await _quiet(c.kill())
         self.clients = {}

@@ -15,14 +15,18 @@ import ray
 
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.identity import dp_suffixed
+from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.orchestrator import Orchestrator
+from engine_ext.engine.rank_control import RankClient
 from engine_ext.protocol import EepError, ExitCode
 from engine_ext.ray.names import registry_name
 from engine_ext.ray.rank_actor import RankActor
 
 
-class RayRankClient:
+class RayRankClient(RankClient):
+    """A rank actor, called through its ``call`` method (checked against RANK_METHODS there)."""
+
     def __init__(self, rank: int, handle: Any, pid: int) -> None:
         self.rank = rank
         self.handle = handle
@@ -31,7 +35,7 @@ class RayRankClient:
     def pid(self) -> int:
         return self._pid
 
-    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+    async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
         return await asyncio.wait_for(self.handle.call.remote(method, *args), timeout)
 
     async def kill(self) -> None:
@@ -230,7 +234,7 @@ class Controller:
                 await self.orch.check_ranks()
         except EepError as e:
             return _error(e)
-        op_id = f"op-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.orch.history)}"
+        op_id = new_op_id()
         task = asyncio.ensure_future(self.orch.scale(target, drain_timeout_s=drain_timeout_s,
                                                      timeout_s=timeout_s, op_id=op_id))
         self._tasks[op_id] = task

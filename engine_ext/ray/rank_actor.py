@@ -6,9 +6,7 @@ answered while the rank serves (the actor is threaded).
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from typing import Any
 
 import ray
@@ -28,8 +26,7 @@ class RankActor:
         self._registry = None
         self._controller = None
         self._resolve_after = 0.0
-        self._unsent: deque[dict[str, Any]] = deque(maxlen=2000)
-        self._lock = threading.Lock()
+        self._registry_id: str | None = None  # the registry actor last reported to
         try:  # Ray metrics (docs/operations.md); best effort, never blocks a rank from starting
             from engine_ext.ray.metrics import RankMetrics
 
@@ -38,7 +35,6 @@ class RankActor:
             self._metrics = None
         self.engine = RankEngine(EngineConfig.from_dict(cfg_d), deployment, rank, ExpertLayout.from_dict(layout_d),
                                  joining=joining, device=device, sink=self._sink)
-        self._registry_id = None
         self.engine.start_heartbeat()
 
     # ---- telemetry: never blocks the step loop ---------------------------------------------------
@@ -67,9 +63,7 @@ class RankActor:
             if controller is not None:
                 controller.on_results.remote(payload["results"])
             return
-        if registry is None:
-            if kind == "event":
-                self._unsent.append(payload)
+        if registry is None:  # events stay in the engine's ring and go to the next registry
             return
         try:
             if kind == "status":
@@ -78,7 +72,7 @@ class RankActor:
                 rid = registry._actor_id.hex()
                 if rid != self._registry_id:
                     self._registry_id = rid
-                    registry.report_events.remote(list(self.engine.events))
+                    registry.report_events.remote(self.engine.recent_events())
                 self._check(ref)
             else:
                 registry.report_events.remote([payload])
@@ -96,7 +90,8 @@ class RankActor:
 
     # ---- control -------------------------------------------------------------------------------
     def call(self, method: str, *args: Any) -> Any:
-        from engine_ext.engine.rank import RANK_METHODS
+        """Run one ``RankControl`` method on the engine (the only entry for controller calls)."""
+        from engine_ext.engine.rank_control import RANK_METHODS
 
         if method not in RANK_METHODS:
             raise AttributeError(f"rank has no method {method!r}")

@@ -22,7 +22,7 @@ def reference_generate(cfg: EngineConfig, prompts: list[list[int]], max_tokens: 
     while engine.sched.has_work:
         items = engine.sched.schedule()
         n = sum(len(it.feed) for it in items)
-        logits = engine.model.forward(engine._batch(items, n), None, engine.workspace)
-        for res in engine.apply_logits(items, logits):
+        logits = engine.model.forward(engine.loop.batch(items, n), None, engine.workspace)
+        for res in engine.loop.apply_logits(items, logits):
             done[res["request_id"]] = res
     return [done[str(i)] for i in range(len(prompts))]

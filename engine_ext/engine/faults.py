@@ -1,0 +1,71 @@
+"""Deliberate faults, the one seam through which tests break a rank on purpose.
+
+``EngineConfig.faults`` names them; production code asks a ``Faults`` object
+(``faults.active("skip_release")``, ``faults.hold("prepare")``) and never reads the list itself.
+Each broken variant reproduces one upstream bug so a test can show the matching invariant
+check catches it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+# Broken variants: name -> what it breaks (and which invariant check must catch it).
+VARIANTS: dict[str, str] = {
+    "double_suffix": "identities are suffixed twice, `<id>_dp<r>_dp<r>` (the upstream bug; I1)",
+    "skip_release": "captured graphs are not released before the workspace grows, so a replay "
+                    "would read a stale workspace (I3)",
+    "skip_rewarm": "the workspace is not re-sized for the new world before it is locked again (I4)",
+    "double_capture": "two capture passes per transition (upstream before its fix; I4)",
+    "warmup_not_isolated": "the warm-up batch takes serving slots without the cap, writes into live "
+                           "KV blocks and counts as EPLB load (I5)",
+    "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
+}
+
+# Phases a rank can be held in with "hold:<phase>" or "hold:<phase>@<rank>".
+HOLD_PHASES = ("launch", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture")
+
+
+class Faults:
+    """The faults configured for one rank."""
+
+    def __init__(self, names: list[str], delay_s: float, rank: int,
+                 on_hold: Callable[[str], None] | None = None) -> None:
+        unknown = [n for n in names if n not in VARIANTS and not _is_hold(n)]
+        if unknown:
+            raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(VARIANTS)} and "
+                             f"hold:<phase>[@<rank>] with phase in {HOLD_PHASES}")
+        self.names = frozenset(names)
+        self.delay_s = delay_s
+        self.rank = rank
+        self.on_hold = on_hold or (lambda phase: None)
+
+    def active(self, variant: str) -> bool:
+        """Whether the broken variant ``variant`` is configured."""
+        if variant not in VARIANTS:
+            raise KeyError(f"no fault variant {variant!r}")
+        return variant in self.names
+
+    def holds(self, phase: str, *, joining: bool = False) -> bool:
+        if f"hold:{phase}" in self.names or f"hold:{phase}@{self.rank}" in self.names:
+            return True
+        return phase == "prepare" and joining and "slow_prepare" in self.names
+
+    def hold(self, phase: str, *, joining: bool = False) -> bool:
+        """Wait ``fault_delay_s`` at the start of ``phase`` when a hold names it, so a test can
+        kill the rank there. Returns whether it held."""
+        if phase not in HOLD_PHASES:
+            raise KeyError(f"no hold phase {phase!r}")
+        if not self.holds(phase, joining=joining):
+            return False
+        self.on_hold(phase)
+        time.sleep(self.delay_s)
+        return True
+
+
+def _is_hold(name: str) -> bool:
+    if not name.startswith("hold:"):
+        return False
+    phase, _, rank = name[len("hold:"):].partition("@")
+    return phase in HOLD_PHASES and (not rank or rank.isdigit())

@@ -1,0 +1,120 @@
+"""The one interface through which a controller drives a rank.
+
+``RankControl`` lists the methods a controller may call on a rank (``RankEngine`` implements
+it); ``RANK_METHODS``, the allow-list the transports check, is derived from it. ``RankClient``
+is its awaitable, typed mirror: each method forwards to one transport method, ``_invoke``,
+implemented by ``RayRankClient`` (actor calls) and ``ProcessRankClient`` (a pipe). Torch-free.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+from engine_ext.elastic.rendezvous import Rendezvous
+from engine_ext.elastic.transition_plan import TransitionPlan
+
+
+class RankControl(Protocol):
+    """What a controller may call on a rank (run in the rank's process, blocking)."""
+
+    def host_store(self) -> tuple[str, int]:
+        """Host the deployment's TCPStore (rank 0) and return its address."""
+
+    def join(self, rdzv: Rendezvous, world_size: int, timeout_s: float = 120.0) -> None:
+        """Form the DP/EP group of a starting deployment."""
+
+    def warm_and_capture(self, op_id: str) -> dict[str, Any]:
+        """Release, size the workspace, isolated warm-up, capture once, lock."""
+
+    def serve(self) -> None:
+        """Start the step loop."""
+
+    def add_request(self, wire: dict[str, Any]) -> None:
+        """Queue a request; raises when the rank takes no requests."""
+
+    def status(self) -> dict[str, Any]:
+        """The rank's status record."""
+
+    def prepare(self, plan: TransitionPlan) -> dict[str, Any]:
+        """Form standby groups and the EPLB communicator; move non-expert weights."""
+
+    def begin_drain(self, op_id: str) -> None:
+        """Mark a removing rank draining while its requests finish."""
+
+    def request_commit(self, op_id: str) -> None:
+        """Ask the step loop to commit the prepared operation at the next agreed step."""
+
+    def wait_op(self, op_id: str, timeout_s: float) -> dict[str, Any]:
+        """Wait for this rank's commit and return its result."""
+
+    def abort(self, op_id: str) -> bool:
+        """Roll back a prepared, uncommitted operation."""
+
+    def stop(self) -> None:
+        """Stop serving and leave the group."""
+
+    def recent_events(self) -> list[dict[str, Any]]:
+        """The rank's recent phase events."""
+
+
+RANK_METHODS: frozenset[str] = frozenset(
+    name for name, value in vars(RankControl).items() if callable(value) and not name.startswith("_"))
+
+
+class RankClient(ABC):
+    """A controller's handle on one rank: ``RankControl``'s methods, awaitable, with a timeout."""
+
+    rank: int
+
+    @abstractmethod
+    async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
+        """Run ``method`` (one of RANK_METHODS) on the rank."""
+
+    @abstractmethod
+    async def kill(self) -> None:
+        """End the rank's process at once."""
+
+    @abstractmethod
+    def pid(self) -> int: ...
+
+    async def host_store(self, *, timeout: float | None = None) -> tuple[str, int]:
+        host, port = await self._invoke("host_store", timeout=timeout)
+        return host, int(port)
+
+    async def join(self, rdzv: Rendezvous, world_size: int, timeout_s: float = 120.0, *,
+                   timeout: float | None = None) -> None:
+        await self._invoke("join", rdzv, world_size, timeout_s, timeout=timeout)
+
+    async def warm_and_capture(self, op_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._invoke("warm_and_capture", op_id, timeout=timeout)
+
+    async def serve(self, *, timeout: float | None = None) -> None:
+        await self._invoke("serve", timeout=timeout)
+
+    async def add_request(self, wire: dict[str, Any], *, timeout: float | None = None) -> None:
+        await self._invoke("add_request", wire, timeout=timeout)
+
+    async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._invoke("status", timeout=timeout)
+
+    async def prepare(self, plan: TransitionPlan, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._invoke("prepare", plan, timeout=timeout)
+
+    async def begin_drain(self, op_id: str, *, timeout: float | None = None) -> None:
+        await self._invoke("begin_drain", op_id, timeout=timeout)
+
+    async def request_commit(self, op_id: str, *, timeout: float | None = None) -> None:
+        await self._invoke("request_commit", op_id, timeout=timeout)
+
+    async def wait_op(self, op_id: str, timeout_s: float, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._invoke("wait_op", op_id, timeout_s, timeout=timeout)
+
+    async def abort(self, op_id: str, *, timeout: float | None = None) -> bool:
+        return bool(await self._invoke("abort", op_id, timeout=timeout))
+
+    async def stop(self, *, timeout: float | None = None) -> None:
+        await self._invoke("stop", timeout=timeout)
+
+    async def recent_events(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        return await self._invoke("recent_events", timeout=timeout)

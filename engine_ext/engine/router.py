@@ -1,0 +1,94 @@
+"""The frontend of a deployment: admits requests, spreads them over the serving ranks
+(least in-flight first) and gathers their results."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from typing import Any
+
+from engine_ext.engine.rank_control import RankClient
+
+
+class Router:
+    """Admits requests, spreads them over the serving ranks, and gathers their results."""
+
+    def __init__(self) -> None:
+        self.clients: dict[int, RankClient] = {}
+        self.excluded: set[int] = set()
+        self.inflight: dict[int, int] = {}
+        self._futures: dict[str, asyncio.Future] = {}
+        self._owner: dict[str, int] = {}
+        self._ids = itertools.count()
+        self.completed = 0
+        self.failed = 0
+
+    def set_ranks(self, clients: dict[int, RankClient]) -> None:
+        self.clients = dict(clients)
+        self.excluded &= set(clients)
+        for r in clients:
+            self.inflight.setdefault(r, 0)
+
+    def _pick(self, avoid: set[int] = frozenset()) -> int | None:  # type: ignore[assignment]
+        ranks = [r for r in self.clients if r not in self.excluded and r not in avoid]
+        if not ranks:
+            return None
+        return min(ranks, key=lambda r: (self.inflight.get(r, 0), r))
+
+    async def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> dict[str, Any]:
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._futures[rid] = fut
+        await self._send({"request_id": rid, "prompt": list(prompt), "max_tokens": int(max_tokens)})
+        return await fut
+
+    async def _send(self, wire: dict[str, Any]) -> None:
+        """Hand the request to the least-loaded rank; a rank that refuses (failed, leaving,
+        dead) is skipped for this request, and only when every rank refused does it fail."""
+        refused: dict[int, str] = {}
+        while True:
+            rank = self._pick(set(refused))
+            if rank is None:
+                reasons = "; ".join(f"rank {r}: {m}" for r, m in refused.items()) or "no rank is accepting requests"
+                self._resolve(dict(wire, rank=-1, error=f"no rank accepted the request ({reasons})"))
+                return
+            self._owner[wire["request_id"]] = rank
+            self.inflight[rank] = self.inflight.get(rank, 0) + 1
+            try:
+                await self.clients[rank].add_request(wire, timeout=30)
+                return
+            except Exception as e:  # noqa: BLE001 - any refusal: try the next rank
+                self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
+                self._owner.pop(wire["request_id"], None)
+                refused[rank] = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+
+    def _resolve(self, res: dict[str, Any]) -> None:
+        rid = res["request_id"]
+        rank = self._owner.pop(rid, None)
+        if rank is not None:
+            self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
+        fut = self._futures.pop(rid, None)
+        if res.get("error"):
+            self.failed += 1
+        else:
+            self.completed += 1
+        if fut is not None and not fut.done():
+            fut.set_result(res)
+
+    def on_results(self, results: list[dict[str, Any]]) -> None:
+        for res in results:
+            self._resolve(res)
+
+    async def resubmit(self, moved: list[dict[str, Any]]) -> None:
+        """Requests handed back by a removing rank continue on a remaining one (re-prefilled)."""
+        for wire in moved:
+            old = self._owner.pop(wire["request_id"], None)
+            if old is not None:
+                self.inflight[old] = max(0, self.inflight.get(old, 0) - 1)
+            await self._send(wire)
+
+    def fail_all(self, ranks: set[int], reason: str) -> None:
+        for rid, rank in list(self._owner.items()):
+            if rank in ranks:
+                self._resolve({"request_id": rid, "rank": rank, "error": reason})

@@ -1,0 +1,54 @@
+"""What a scale would do, computed before anything moves: who joins or leaves, the non-expert
+weight pairs, the expert moves and the new layout. Torch-free; ``eepctl scale --dry-run``
+shows it and the operation record keeps it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_ext.elastic.eplb import ExpertLayout, build_layout, plan_moves, transfer_pairs
+from engine_ext.elastic.identity import dp_suffixed
+
+
+@dataclass
+class ScalePlan:
+    """The plan of one scale from ``from_size`` to ``to_size`` ranks."""
+
+    op_id: str
+    from_size: int
+    to_size: int
+    joining: list[dict[str, Any]] = field(default_factory=list)
+    leaving: list[dict[str, Any]] = field(default_factory=list)
+    transfer_pairs: dict[int, list[int]] = field(default_factory=dict)
+    expert_moves: list[dict[str, int]] = field(default_factory=list)
+    layout: dict[str, Any] = field(default_factory=dict)
+    noop: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op_id": self.op_id, "from_size": self.from_size, "to_size": self.to_size, "noop": self.noop,
+            "joining": self.joining, "leaving": self.leaving,
+            "transfer_pairs": {str(k): v for k, v in self.transfer_pairs.items()},
+            "expert_moves": self.expert_moves, "layout": self.layout,
+        }
+
+
+def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int,
+               loads: list[float]) -> ScalePlan:
+    """The plan from ``layout``'s world to ``target`` ranks, re-balanced by the measured ``loads``."""
+    cur = layout.world_size
+    plan = ScalePlan(op_id, cur, target, noop=(target == cur))
+    if plan.noop:
+        plan.layout = layout.to_dict()
+        return plan
+    new = build_layout(layout.num_logical, layout.slots_per_rank, target, loads, layout)
+    moves = plan_moves(layout, new, set(range(cur)))
+    if target > cur:
+        plan.joining = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)} for r in range(cur, target)]
+        plan.transfer_pairs = transfer_pairs(cur, target)
+    else:
+        plan.leaving = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)} for r in range(target, cur)]
+    plan.expert_moves = [m.__dict__ for m in moves if not m.local]
+    plan.layout = new.to_dict()
+    return plan
