@@ -32,7 +32,7 @@ from engine_ext.elastic.workspace import WorkspaceManager
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.model import PLACEHOLDER_SEED_OFFSET, Batch, MoEModel
 from engine_ext.engine.scheduler import NULL_BLOCK, Request, Scheduler, ScheduledItem
-from engine_ext.protocol import Event, RankState, RankStatus
+from engine_ext.protocol import Event, RankState, RankStatus, to_builtins
 
 # What a controller (Ray actor or launcher) may call on a rank.
 RANK_METHODS = frozenset({
@@ -181,7 +181,7 @@ class RankEngine:
             physical_experts=self.eplb.layout.num_physical, logical_experts=self.eplb.layout.num_logical,
             steps=self.steps, last_heartbeat=time.time(),
         )
-        d = st.to_dict()
+        d = to_builtins(st)
         d["stale_replays_refused"] = self.stale_replays_refused
         d["eplb_logical_load"] = list(self.eplb.logical_load)
         return d
@@ -208,7 +208,7 @@ class RankEngine:
             detail["error"] = f"{type(e).__name__}: {e}"
             raise
         finally:
-            ev = Event(op_id, self.rank, phase, start, time.time(), outcome, detail).to_dict()
+            ev = to_builtins(Event(op_id, self.rank, phase, start, time.time(), outcome, detail))
             self.events.append(ev)
             try:
                 self.sink("event", ev)
@@ -758,8 +758,8 @@ class RankEngine:
     def _fail(self, e: BaseException) -> None:
         self._set_state(RankState.FAILED, f"{type(e).__name__}: {e}")
         now = time.time()
-        ev = Event(self.current_op or "serving", self.rank, "failure", now, now, "error",
-                   {"error": str(e), "traceback": traceback.format_exc()[-2000:]}).to_dict()
+        ev = to_builtins(Event(self.current_op or "serving", self.rank, "failure", now, now, "error",
+                               {"error": str(e), "traceback": traceback.format_exc()[-2000:]}))
         self.events.append(ev)
         with contextlib.suppress(Exception):
             self.sink("event", ev)
