@@ -146,7 +146,7 @@ class Event(msgspec.Struct, forbid_unknown_fields=True):
     duration_s: float = 0.0  # computed from start and end; a sent value is ignored
 
     def __post_init__(self) -> None:
-        self.duration_s = round(max(0.0, self.end - self.start), 6)
+        self.duration_s = round(max(0.0, float(self.end - self.start)), 6)
 
 
 class Operation(msgspec.Struct, forbid_unknown_fields=True):
@@ -175,8 +175,10 @@ class Operation(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def to_builtins(record: Any) -> Any:
-    """A record (or a structure of them) as JSON-ready dicts, lists and scalars."""
-    return msgspec.to_builtins(record)
+    """A record (or a structure of them) as JSON-ready dicts, lists and scalars. A value msgspec
+    cannot encode inside a free-form part (an event's ``detail``) becomes its ``str``: a rank's
+    diagnostics must never fail the phase they describe."""
+    return msgspec.to_builtins(record, enc_hook=str)
 
 
 _NULL_MEANS_DEFAULT: dict[type, frozenset[str]] = {}

@@ -214,12 +214,18 @@ def _assert_state_valid(state: RegistryState) -> dict[str, Any]:
         assert set(r) == set(rank_status_type(r["kind"]).__struct_fields__), sorted(r)
         assert isinstance(r["rank"], int) and r["rank"] >= 0 and isinstance(r["state"], str)
     for op in ops:
-        assert set(Operation.__struct_fields__) - {"deadline", "rank_ops"} <= set(op) <= set(Operation.__struct_fields__)
+        declared = set(Operation.__struct_fields__)
+        assert declared - {"deadline", "rank_ops"} <= set(op) <= declared  # the two are vLLM's only
     assert [e["seq"] for e in events] == sorted({e["seq"] for e in events})
     for e in events:
         assert set(e) == {*Event.__struct_fields__, "seq"}
         assert e["duration_s"] == round(max(0.0, e["end"] - e["start"]), 6) and e["rank"] >= -1
     return snap
+
+
+def _contents(state: RegistryState) -> tuple[Any, ...]:
+    return (dict(state.ranks), dict(state.received_at), dict(state.ops), list(state.events), state.seq,
+            list(state.rejected))
 
 
 hostile_call = st.one_of(
@@ -238,7 +244,9 @@ def test_registry_intake_survives_hostile_records(calls: list[tuple[str, Any]]) 
     state.record_operation(_valid_op())
     fns = {"status": state.report_status, "event": state.report_event, "op": state.record_operation}
     for kind, record in calls:
-        _intake(fns[kind], record)
+        before = _contents(state)
+        if not _intake(fns[kind], record):
+            assert _contents(state) == before, f"a refused {kind} changed the registry"
         _assert_state_valid(state)
     # still takes good reports afterwards
     assert state.report_status(_valid_status(1, instance_id="fz_dp1b", engine_id="fz_dp1b")) == {"accepted": True}
@@ -302,7 +310,8 @@ def test_valid_records_accepted_with_their_documented_leniency() -> None:
     rec = _valid_status(0, state=RankState.SERVING, last_heartbeat=int(time.time()), node=None,
                         last_capture_s=None, capture_sizes=(1, 2))
     assert state.report_status(rec) == {"accepted": True}
-    vllm = _valid_status(1, kind="vllm", kv_usage=0.25, hooks={"a": "active"}, hook_calls={"m": {"calls": 2, "total_s": 0.5}})
+    vllm = _valid_status(1, kind="vllm", kv_usage=0.25, hooks={"a": "active"},
+                         hook_calls={"m": {"calls": 2, "total_s": 0.5}})
     assert state.report_status(vllm) == {"accepted": True}
     r0, r1 = state.snapshot()["ranks"]
     assert r0["state"] == "serving" and type(r0["state"]) is str and isinstance(r0["last_heartbeat"], float)

@@ -143,7 +143,8 @@ class RegistryState:
             rank = str(v.rank)
             if v.instance_id in seen:
                 found.append({"invariant": "I1", "rank": rank,
-                              "message": f"duplicate identity {v.instance_id} (ranks {seen[v.instance_id]} and {v.rank})"})
+                              "message": f"duplicate identity {v.instance_id} "
+                                         f"(ranks {seen[v.instance_id]} and {v.rank})"})
             seen[v.instance_id] = v.rank
             for field, value in (("instance_id", v.instance_id), ("engine_id", v.engine_id)):
                 if value and (not value.endswith(f"_dp{v.rank}") or _STACKED.search(value)):
