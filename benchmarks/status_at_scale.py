@@ -31,13 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine_ext.protocol import RankState, RankStatus  # noqa: E402
+from engine_ext.protocol import RankState, RankStatus, to_builtins  # noqa: E402
 
 
 def synthetic_status(deployment: str, rank: int, dp: int, rng: random.Random) -> dict[str, Any]:
     """A status record shaped exactly like RankEngine.status() produces."""
     iid = f"{deployment}_dp{rank}"
-    st = RankStatus(
+    st = to_builtins(RankStatus(
         deployment=deployment, rank=rank, instance_id=iid, engine_id=iid, node=f"node-{rank // 8}/10.0.{rank // 8}.1",
         pid=100000 + rank, device="cpu", state=RankState.SERVING.value, dp_size=dp,
         requests_running=rng.randint(0, 8), requests_waiting=rng.randint(0, 4), slots_used=rng.randint(0, 8),
@@ -46,7 +46,7 @@ def synthetic_status(deployment: str, rank: int, dp: int, rng: random.Random) ->
         graph_replays=rng.randint(0, 10 ** 6), last_capture_s=0.05, captures_this_op=1, current_op="",
         eplb_step=rng.randint(0, 1000), eplb_imbalance=round(rng.random(), 3), physical_experts=8,
         logical_experts=8, steps=rng.randint(0, 10 ** 6), last_heartbeat=time.time(),
-    ).to_dict()
+    ))
     st["stale_replays_refused"] = 0
     st["eplb_logical_load"] = [rng.random() for _ in range(8)]
     return st

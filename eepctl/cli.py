@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import json
 import os
 import sys
 import time
@@ -249,7 +248,7 @@ def events(
     while True:
         for ev in data["events"]:
             seq = max(seq, ev["seq"])
-            _emit(json.dumps(ev) + "\n" if output == Output.json else render.event_line(ev) + "\n")
+            _emit(render.to_json("event", ev) + "\n" if output == Output.json else render.event_line(ev) + "\n")
         ops = data.get("operations", [])
         if op and ops and ops[-1].get("state") != "running":
             _emit(render.to_json("operation", ops[-1]) + "\n" if output == Output.json else render.scale_text(ops[-1]))

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
-from eepctl.render import event_line
+from eepctl.render import event_line, to_json
 
 
 class ScaleProgress:
@@ -33,7 +32,7 @@ class ScaleProgress:
 
     def on_event(self, ev: dict[str, Any]) -> None:
         if self.json_lines:
-            sys.stdout.write(json.dumps({"kind": "event", **ev}) + "\n")
+            sys.stdout.write(to_json("event", ev) + "\n")
             sys.stdout.flush()
             return
         if self.plain:

@@ -15,6 +15,8 @@ from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
 
 
 def to_json(kind: str, data: Any) -> str:
+    """One JSON object in the envelope every -o json output uses, one per line when streaming:
+    ``{"schema": 1, "object": kind, ...data}`` (docs/status-schema.md, "JSON lines")."""
     return json.dumps({"schema": SCHEMA_VERSION, "object": kind, **(data if isinstance(data, dict) else {"items": data})},
                       sort_keys=False, default=str)
 
@@ -107,7 +109,7 @@ def events_text(data: dict[str, Any], width: int = 160) -> str:
         out.append(table)
     evs = data.get("events", [])
     if evs:
-        out.append(_text_events(evs))
+        out.append("\n".join(event_line(e) for e in evs))
     if not out:
         out.append("no operations or events yet")
     return _text(out, width)
@@ -126,10 +128,6 @@ def event_line(ev: dict[str, Any]) -> str:
     detail = ev.get("detail") or {}
     extra = f" error={detail['error']}" if "error" in detail else ""
     return f"{ts} {ev['op_id']} {who:<10} {ev['phase']:<22} {ev['outcome']:<5} {ev.get('duration_s', 0.0):8.3f}s{extra}"
-
-
-def _text_events(evs: list[dict[str, Any]]) -> str:
-    return "\n".join(event_line(e) for e in evs)
 
 
 def _membership_lines(plan: dict[str, Any]) -> list[str]:

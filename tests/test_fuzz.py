@@ -5,8 +5,9 @@ Contracts checked here:
   traceback. No cluster is reachable (RAY_ADDRESS points at a dead port, the state dir is empty),
   so well-formed commands exit 3 and nothing is started.
 - Registry intake (RegistryState.report_status / report_event / record_operation): a record is
-  either accepted or refused with a ValueError/TypeError; either way the state stays valid:
-  snapshot(), operations() and events_for() keep working and stay JSON-serializable.
+  either accepted or refused with a ValueError/TypeError (unknown keys included: they are refused,
+  docs/status-schema.md); either way the state stays valid: snapshot(), operations() and
+  events_for() keep working, print as plain JSON and carry exactly the documented fields.
 - The Ray registry actor keeps serving after a stream of hostile reports.
 """
 
@@ -25,7 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_ext.elastic.telemetry import RegistryState
+from engine_ext.elastic.registry_state import RegistryState
+from engine_ext.records import Event, Operation, rank_status_type
 
 DOCUMENTED = {0, 2, 3, 4, 5, 6}
 
@@ -201,16 +203,29 @@ def _intake(fn: Any, record: Any) -> bool:
 
 
 def _assert_state_valid(state: RegistryState) -> dict[str, Any]:
+    """Every view prints as JSON with no fallback, and every record in it has exactly its fields."""
     snap = state.snapshot()
-    json.dumps(snap, default=str)
-    json.dumps(state.operations(), default=str)
-    json.dumps(state.events_for(), default=str)
-    json.dumps(state.violations(), default=str)
+    ops, events = state.operations(), state.events_for()
+    json.dumps([snap, ops, events, state.violations()])
     s = snap["summary"]
     assert isinstance(s["requests_running"], int) and isinstance(s["requests_waiting"], int)
+    assert s["ranks"] == len(snap["ranks"]) == sum(s["by_state"].values())
     for r in snap["ranks"]:
-        assert isinstance(r["rank"], int) and isinstance(r["state"], str)
+        assert set(r) == set(rank_status_type(r["kind"]).__struct_fields__), sorted(r)
+        assert isinstance(r["rank"], int) and r["rank"] >= 0 and isinstance(r["state"], str)
+    for op in ops:
+        declared = set(Operation.__struct_fields__)
+        assert declared - {"deadline", "rank_ops"} <= set(op) <= declared  # the two are vLLM's only
+    assert [e["seq"] for e in events] == sorted({e["seq"] for e in events})
+    for e in events:
+        assert set(e) == {*Event.__struct_fields__, "seq"}
+        assert e["duration_s"] == round(max(0.0, e["end"] - e["start"]), 6) and e["rank"] >= -1
     return snap
+
+
+def _contents(state: RegistryState) -> tuple[Any, ...]:
+    return (dict(state.ranks), dict(state.received_at), dict(state.ops), list(state.events), state.seq,
+            list(state.rejected))
 
 
 hostile_call = st.one_of(
@@ -229,10 +244,12 @@ def test_registry_intake_survives_hostile_records(calls: list[tuple[str, Any]]) 
     state.record_operation(_valid_op())
     fns = {"status": state.report_status, "event": state.report_event, "op": state.record_operation}
     for kind, record in calls:
-        _intake(fns[kind], record)
+        before = _contents(state)
+        if not _intake(fns[kind], record):
+            assert _contents(state) == before, f"a refused {kind} changed the registry"
         _assert_state_valid(state)
     # still takes good reports afterwards
-    assert state.report_status(_valid_status(1, instance_id="fz_dp1b", engine_id="fz_dp1b"))["accepted"] in (True, False)
+    assert state.report_status(_valid_status(1, instance_id="fz_dp1b", engine_id="fz_dp1b")) == {"accepted": True}
     state.report_event(_valid_event(op_id="op-after", start=5.0, end=6.0))
     state.record_operation(_valid_op(op_id="op-after", started=7.0))
     snap = _assert_state_valid(state)
@@ -247,7 +264,9 @@ def test_registry_intake_survives_hostile_records(calls: list[tuple[str, Any]]) 
     _valid_status(rank=-3), _valid_status(requests_running="many"), _valid_status(requests_running=float("nan")),
     _valid_status(state=["serving"]), _valid_status(instance_id={"a": 1}), _valid_status(engine_id=7),
     _valid_status(workspace_bytes="1GB", workspace_locked=True, workspace_required_bytes=10),
-    _valid_status(capture_sizes="1,2"), _valid_status(x="y" * (2 << 20)),
+    _valid_status(capture_sizes="1,2"), _valid_status(x="y" * (2 << 20)), _valid_status(rank=True),
+    _valid_status(requests_running=2.0), _valid_status(requests_running="2"), _valid_status(extra_field=1),
+    _valid_status(kv_usage=0.5),  # a vLLM-only field on a reference rank
     {**_valid_status(), (1, 2): "tuple key"}, _valid_status(nested={(1,): "tuple key inside"}),
 ])
 def test_hostile_status_is_refused_with_value_or_type_error(record: Any) -> None:
@@ -260,7 +279,8 @@ def test_hostile_status_is_refused_with_value_or_type_error(record: Any) -> None
 @pytest.mark.parametrize("record", [
     None, "ev", {}, _valid_event(op_id=["x"]), _valid_event(rank="0"), _valid_event(start="1"),
     _valid_event(end=float("nan")), _valid_event(phase={"p": 1}), _valid_event(detail="warm"),
-    _valid_event(rank=-2),
+    _valid_event(rank=-2), _valid_event(seq=3), _valid_event(detail={"x": b"1" * (1 << 20)}),
+    _valid_event(detail={"k": Weird()}),
 ])
 def test_hostile_event_is_refused(record: Any) -> None:
     state = RegistryState("fz")
@@ -272,7 +292,7 @@ def test_hostile_event_is_refused(record: Any) -> None:
 @pytest.mark.parametrize("record", [
     None, [("op_id", "x")], {}, _valid_op(op_id=None), _valid_op(op_id=["x"]), _valid_op(started="yesterday"),
     _valid_op(started=float("nan")), _valid_op(phase_durations="fast"), _valid_op(phase_durations={"warm": "1s"}),
-    _valid_op(state=3),
+    _valid_op(state=3), {"op_id": "bare"}, _valid_op(surprise=1), _valid_op(finished=float("inf")),
 ])
 def test_hostile_operation_is_refused(record: Any) -> None:
     state = RegistryState("fz")
@@ -281,19 +301,39 @@ def test_hostile_operation_is_refused(record: Any) -> None:
     assert state.ops == {}
 
 
-def test_valid_records_still_accepted_with_lenient_types() -> None:
-    """What real ranks send keeps working: numpy-like ints, floats for int counters, None for defaults."""
+def test_valid_records_accepted_with_their_documented_leniency() -> None:
+    """What real ranks send keeps working: str enums for strings, ints for floats, tuples for lists,
+    None for a field with a default (meaning the default); a vLLM rank's own fields under kind "vllm"."""
     from engine_ext.protocol import RankState
 
     state = RegistryState("fz")
-    rec = _valid_status(0, state=RankState.SERVING, requests_running=2.0, node=None, last_capture_s=None,
-                        capture_sizes=(1, 2), extra_field={"k": [1, 2]})
+    rec = _valid_status(0, state=RankState.SERVING, last_heartbeat=int(time.time()), node=None,
+                        last_capture_s=None, capture_sizes=(1, 2))
     assert state.report_status(rec) == {"accepted": True}
-    r = state.snapshot()["ranks"][0]
-    assert r["state"] == "serving" and r["requests_running"] == 2 and r["node"] == "" and r["extra_field"] == {"k": [1, 2]}
-    state.report_event(_valid_event(rank=-1, phase="plan"))
-    state.record_operation({"op_id": "bare"})
-    assert [o["op_id"] for o in state.operations()] == ["bare"]
+    vllm = _valid_status(1, kind="vllm", kv_usage=0.25, hooks={"a": "active"},
+                         hook_calls={"m": {"calls": 2, "total_s": 0.5}})
+    assert state.report_status(vllm) == {"accepted": True}
+    r0, r1 = state.snapshot()["ranks"]
+    assert r0["state"] == "serving" and type(r0["state"]) is str and isinstance(r0["last_heartbeat"], float)
+    assert r0["node"] == "" and r0["last_capture_s"] is None and r0["capture_sizes"] == [1, 2]
+    assert "kv_usage" not in r0 and r1["kv_usage"] == 0.25 and r1["hook_calls"] == {"m": {"calls": 2, "total_s": 0.5}}
+    assert state.snapshot()["summary"]["by_state"] == {"serving": 2}
+    state.report_event(_valid_event(rank=-1, phase="plan", start=1, end=1.5, duration_s=99))
+    assert [e["duration_s"] for e in state.events_for()] == [0.5], "duration_s is computed, never taken"
+    state.record_operation({"op_id": "bare", "deployment": "fz", "from_size": 1, "to_size": 2, "started": 5})
+    assert [(o["op_id"], o["state"], o["started"]) for o in state.operations()] == [("bare", "running", 5.0)]
+
+
+def test_refusals_say_what_is_wrong() -> None:
+    state = RegistryState("fz")
+    with pytest.raises(ValueError, match="status: Object contains unknown field `extra_field`"):
+        state.report_status(_valid_status(extra_field=1))
+    with pytest.raises(ValueError, match=r"event: Expected `float`.*\$\.end"):
+        state.report_event(_valid_event(end=float("nan")))
+    with pytest.raises(ValueError, match="operation: Object missing required field `deployment`"):
+        state.record_operation({"op_id": "bare"})
+    with pytest.raises(ValueError, match="event is .* bytes, over the 1048576 byte limit"):
+        state.report_event(_valid_event(detail={"x": "y" * (1 << 20)}))
 
 
 # ---- the Ray registry actor ----------------------------------------------------------------------
@@ -336,11 +376,11 @@ def test_registry_actor_keeps_serving_after_hostile_reports(ray_cluster: dict) -
                 except Exception:  # noqa: BLE001 - a refused record surfaces as a task error
                     errors += 1
         snap = ray.get(actor.snapshot.remote(), timeout=60)
-        json.dumps(snap, default=str)
+        json.dumps(snap)
         assert [r["rank"] for r in snap["ranks"]] == [0]
         assert ray.get(actor.ping.remote(), timeout=60) == "fz"
         ev = ray.get(actor.events.remote(), timeout=60)
-        json.dumps(ev, default=str)
+        json.dumps(ev)
         assert any(e["op_id"] == "ok-2" for e in ev["events"]), "a bad event dropped the good one beside it"
         print(f"\n{errors} of 50 awaited hostile reports were refused with an error; the actor kept serving")
         del fire

@@ -12,7 +12,7 @@ import torch
 from engine_ext.elastic.eplb import ExpertLayout, build_layout, plan_moves, transfer_pairs
 from engine_ext.elastic.graphs import GraphManager, GraphReleasedError, StaleGraphError
 from engine_ext.elastic.identity import apply_dp_identity_suffix, dp_suffixed, strip_dp_suffix
-from engine_ext.elastic.telemetry import RegistryState
+from engine_ext.elastic.registry_state import RegistryState
 from engine_ext.elastic.workspace import WorkspaceLockedError, WorkspaceManager, bytes_for
 from engine_ext.engine.config import EngineConfig, KVTransferConfig
 from engine_ext.engine.scheduler import (
@@ -24,7 +24,7 @@ from engine_ext.engine.scheduler import (
     Scheduler,
     SlotPool,
 )
-from engine_ext.protocol import STALE_AFTER_S, Event, RankStatus
+from engine_ext.protocol import STALE_AFTER_S, Event, RankStatus, to_builtins
 
 F64 = torch.float64
 
@@ -430,13 +430,13 @@ def _status(rank: int, instance_id: str | None = None, engine_id: str | None = N
     st = RankStatus(deployment="d", rank=rank, instance_id=instance_id or f"m_dp{rank}",
                     engine_id=engine_id or f"m-kv_dp{rank}", state="serving",
                     workspace_locked=True, workspace_bytes=4096, workspace_required_bytes=4096)
-    d = st.to_dict()
+    d = to_builtins(st)
     d.update(kw)
     return d
 
 
 def _event(op: str, rank: int, phase: str, start: float, **detail) -> dict:
-    return Event(op, rank, phase, start, start + 0.01, "ok", detail).to_dict()
+    return to_builtins(Event(op, rank, phase, start, start + 0.01, "ok", detail))
 
 
 def _invariants(reg: RegistryState) -> list[str]:
@@ -525,8 +525,8 @@ def test_registry_marks_silent_rank_stale():
     reg.report_status(_status(1))
     reg.report_status(_status(2, state="removed"))
     old = time.time() - STALE_AFTER_S - 2.0
-    reg.ranks[1]["received_at"] = old
-    reg.ranks[2]["received_at"] = old
+    reg.received_at[1] = old
+    reg.received_at[2] = old
     views = {v["rank"]: v for v in reg.rank_views()}
     assert views[0]["state"] == "serving"
     assert views[1]["state"] == "stale"

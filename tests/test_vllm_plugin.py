@@ -172,7 +172,7 @@ def test_wrappers_call_through_to_vllm_and_record_timing(real_worker: Any, patch
 def test_captures_are_counted_per_operation(real_worker: Any, patched: tuple[Any, dict[str, str]]) -> None:
     """Two capture passes inside one operation are what I4 flags; the registry sees them as two
     ``capture`` events with one op id (the live server shows it end to end in part 2)."""
-    from engine_ext.elastic.telemetry import RegistryState
+    from engine_ext.elastic.registry_state import RegistryState
 
     sink, _ = patched
     # A real ElasticEPScalingExecutor step opens an operation (it fails inside vLLM: no model).

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine_ext.elastic.eplb import ExpertLayout
-from engine_ext.elastic.telemetry import RegistryState
+from engine_ext.elastic.registry_state import RegistryState
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.orchestrator import Orchestrator
 from engine_ext.engine.rank_control import RANK_METHODS, RankClient

@@ -28,6 +28,7 @@ from engine_ext.protocol import (
     PreconditionError,
     TransitionFailed,
     UsageError,
+    to_builtins,
 )
 
 
@@ -175,7 +176,7 @@ class Orchestrator:
                 op.state, op.finished = OpState.SUCCEEDED.value, time.time()
                 op.error = f"already at DP {target}; nothing to do"
                 self._record(op)
-                return op.to_dict()
+                return to_builtins(op)
             reason = self.spawner.check_capacity(max(0, target - self.size))
             if reason:
                 raise PreconditionError(reason)
@@ -198,10 +199,10 @@ class Orchestrator:
             finally:
                 op.finished = time.time()
                 self._record(op)
-            return op.to_dict()
+            return to_builtins(op)
 
     def _record(self, op: Operation) -> None:
-        d = op.to_dict()
+        d = to_builtins(op)
         if not self.history or self.history[-1]["op_id"] != op.op_id:
             self.history.append(d)
         else:
@@ -212,7 +213,7 @@ class Orchestrator:
     def _phase(self, op: Operation, phase: Phase, start: float, **detail: Any) -> None:
         end = time.time()
         op.phase_durations[phase.value] = round(op.phase_durations.get(phase.value, 0.0) + end - start, 6)
-        self.emit(Event(op.op_id, -1, phase.value, start, end, "ok", detail).to_dict())
+        self.emit(to_builtins(Event(op.op_id, -1, phase.value, start, end, "ok", detail)))
         self._record(op)
 
     async def _run(self, plan: ScalePlan, op: Operation, drain_timeout_s: float, timeout_s: float) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from engine_ext.protocol import Event, RankState, RankStatus
+from engine_ext.records import to_builtins
 
 if TYPE_CHECKING:
     from engine_ext.engine.rank import RankEngine
@@ -50,11 +51,9 @@ class RankTelemetry:
             eplb_step=e.eplb.step, eplb_imbalance=e.eplb.imbalance(),
             physical_experts=e.eplb.layout.num_physical, logical_experts=e.eplb.layout.num_logical,
             steps=e.steps, last_heartbeat=time.time(),
+            stale_replays_refused=e.stale_replays_refused, eplb_logical_load=list(e.eplb.logical_load),
         )
-        d = st.to_dict()
-        d["stale_replays_refused"] = e.stale_replays_refused
-        d["eplb_logical_load"] = list(e.eplb.logical_load)
-        return d
+        return to_builtins(st)
 
     def send(self, kind: str, payload: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):
@@ -85,14 +84,14 @@ class RankTelemetry:
             detail["error"] = f"{type(e).__name__}: {e}"
             raise
         finally:
-            self.event(Event(op_id=op_id, rank=self.engine.rank, phase=phase, start=start, end=time.time(),
-                             outcome=outcome, detail=detail).to_dict())
+            self.event(to_builtins(Event(op_id=op_id, rank=self.engine.rank, phase=phase, start=start, end=time.time(),
+                             outcome=outcome, detail=detail)))
 
     def failure(self, op_id: str, e: BaseException) -> None:
         now = time.time()
         detail = {"error": str(e), "traceback": traceback.format_exc()[-2000:]}
-        self.event(Event(op_id=op_id, rank=self.engine.rank, phase="failure", start=now, end=now,
-                         outcome="error", detail=detail).to_dict())
+        self.event(to_builtins(Event(op_id=op_id, rank=self.engine.rank, phase="failure", start=now, end=now,
+                         outcome="error", detail=detail)))
 
     def recent_events(self) -> list[dict[str, Any]]:
         return list(self.events)

@@ -33,7 +33,8 @@ RANK_GAUGES: dict[str, tuple[str, str]] = {
     "eep_rank_workspace_locked": ("workspace_locked", "1 when the workspace is locked (serving)."),
     "eep_rank_graphs_captured": ("graphs_captured", "Captured graph sizes currently held."),
     "eep_rank_dp_size": ("dp_size", "DP world size the rank serves in."),
-    "eep_rank_eplb_imbalance": ("eplb_imbalance", "EPLB load imbalance (max/mean - 1)."),
+    "eep_rank_eplb_imbalance": ("eplb_imbalance",
+                                "EPLB load imbalance: max/mean rank load (1.0 = perfectly balanced; 0 before any load)."),
     "eep_rank_last_capture_seconds": ("last_capture_s", "Duration of the rank's last capture pass."),
 }
 # counter name -> (monotonic status field, description): incremented by the reported delta

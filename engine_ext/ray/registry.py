@@ -1,4 +1,4 @@
-"""The registry: a named, detached actor per deployment holding its telemetry.
+"""The registry: a named, detached actor per deployment holding what its ranks report.
 
 Ranks push to it fire-and-forget; losing it never stops serving, and a new one rebuilds the
 picture from the ranks' next heartbeats and re-sent events.
@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_ext.elastic.telemetry import RegistryState
+from engine_ext.elastic.registry_state import RegistryState
 
 
 class Registry:
     def __init__(self, deployment: str, kind: str = "reference") -> None:
         self.state = RegistryState(deployment, kind)
-        self.epoch = 0
 
     def set_info(self, info: dict[str, Any]) -> None:
         self.state.info.update(info)

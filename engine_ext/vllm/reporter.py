@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from engine_ext.elastic.identity import dp_suffixed
-from engine_ext.protocol import DeploymentKind, RankState, RankStatus
+from engine_ext.records import DeploymentKind, RankState, VllmRankStatus, to_builtins
 
 log = logging.getLogger("vllm.engine_ext")
 
@@ -222,7 +222,7 @@ class EngineCoreReporter(threading.Thread):
         sched_cfg = getattr(self.vllm_config, "scheduler_config", None)
         state = worker.get("worker_state") or (RankState.SERVING.value if scheduler is not None
                                                else RankState.STARTING.value)
-        st = RankStatus(
+        return to_builtins(VllmRankStatus(
             deployment=self.settings.deployment, rank=rank, instance_id=instance_id, engine_id=engine_id,
             kind=KIND, node=self.node, pid=os.getpid(),
             device=worker.get("device") or _platform_device(), state=state, dp_size=dp_size,
@@ -238,22 +238,19 @@ class EngineCoreReporter(threading.Thread):
             captures_this_op=int(worker.get("captures_this_op", 0) or 0),
             current_op=str(worker.get("current_op", "") or ""),
             last_heartbeat=time.time(),
-        ).to_dict()
-        st.update({
-            "kv_usage": round(usage, 6),
-            "workspace_available": bool(worker.get("workspace_available", False)),
-            "workspace_note": worker.get("workspace_note", "no worker telemetry yet" if not worker else ""),
-            "last_op": worker.get("last_op", ""),
-            "op_phase_s": worker.get("op_phase_s", {}),
-            "captures_total": worker.get("captures_total", 0),
-            "hook_calls": worker.get("hook_calls", {}),
-            "hooks": worker.get("hooks", {}),
-            "worker_pid": worker.get("worker_pid", 0),
-            "vllm_instance_id": str(getattr(self.vllm_config, "instance_id", "") or ""),
-            "dp_backend": str(getattr(pc, "data_parallel_backend", "") or ""),
-            "elastic_ep": bool(getattr(pc, "enable_elastic_ep", False)),
-        })
-        return st
+            kv_usage=round(usage, 6),
+            workspace_available=bool(worker.get("workspace_available", False)),
+            workspace_note=str(worker.get("workspace_note", "no worker telemetry yet" if not worker else "")),
+            last_op=str(worker.get("last_op", "")),
+            op_phase_s=dict(worker.get("op_phase_s", {})),
+            captures_total=int(worker.get("captures_total", 0)),
+            hook_calls=dict(worker.get("hook_calls", {})),
+            hooks=dict(worker.get("hooks", {})),
+            worker_pid=int(worker.get("worker_pid", 0)),
+            vllm_instance_id=str(getattr(self.vllm_config, "instance_id", "") or ""),
+            dp_backend=str(getattr(pc, "data_parallel_backend", "") or ""),
+            elastic_ep=bool(getattr(pc, "enable_elastic_ep", False)),
+        ))
 
 
 def _platform_device() -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_ext.protocol import Event
+from engine_ext.records import Event, to_builtins
 
 log = logging.getLogger("vllm.engine_ext")
 
@@ -183,7 +183,7 @@ class VllmTelemetry:
             if call.counted:
                 ev = Event(op_id=call.op_id, rank=_dp_rank(call.worker), phase=call.phase, start=call.start,
                            end=end, outcome="ok" if error is None else "error", detail=detail)
-                self._events.append(ev.to_dict())
+                self._events.append(to_builtins(ev))
         self._publish(force=True)
 
     def _remember_worker(self, worker: Any) -> None:

@@ -1,0 +1,202 @@
+"""The registry's picture of a deployment, built only from what ranks report.
+
+Ray-free and torch-free: the Ray registry actor wraps it, the process launcher uses it
+directly, and a new registry rebuilds it from the ranks' next reports. It stores typed records
+(engine_ext.records) and renders its views from them as JSON-ready builtins.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from engine_ext.protocol import STALE_AFTER_S
+from engine_ext.records import (
+    Event,
+    Operation,
+    OpState,
+    RankState,
+    RankStatus,
+    Record,
+    from_builtins,
+    rank_status_type,
+    to_builtins,
+)
+
+_MAX_EVENTS = 5000
+_TERMINAL = {RankState.REMOVED.value}
+_RANK_PHASES = {"transfer", "reshuffle", "warm", "capture"}
+_STACKED = re.compile(r"_dp\d+_dp\d+$")
+_MAX_RECORD_BYTES = 1 << 20
+
+
+def _intake(data: Any, record_type: type[Record], what: str) -> Record:
+    """The typed record, or a ValueError; nothing that is refused touches the state (the fuzz
+    tests hold us to it). msgspec checks the types; free-form parts (an event's ``detail``, an
+    operation's ``plan``) must encode as JSON within the size limit."""
+    record = from_builtins(data, record_type, what)
+    try:
+        size = len(msgspec.json.encode(record))
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+        raise ValueError(f"{what} is not JSON-representable: {e}") from None
+    if size > _MAX_RECORD_BYTES:
+        raise ValueError(f"{what} is {size} bytes, over the {_MAX_RECORD_BYTES} byte limit")
+    return record
+
+
+class RegistryState:
+    def __init__(self, deployment: str, kind: str = "reference") -> None:
+        self.deployment = deployment
+        self.kind = kind
+        self.info: dict[str, Any] = {}
+        self.ranks: dict[int, RankStatus] = {}
+        self.received_at: dict[int, float] = {}  # by rank: heartbeat age is measured on this clock
+        self.events: deque[tuple[int, Event]] = deque(maxlen=_MAX_EVENTS)  # (seq, event)
+        self._event_keys: set[tuple[str, int, str, float]] = set()
+        self.ops: dict[str, Operation] = {}
+        self.rejected: list[str] = []
+        self.seq = 0
+
+    # ---- intake --------------------------------------------------------------------------
+    def report_status(self, status: Any) -> dict[str, Any]:
+        """Accept a rank's status. A second live rank claiming an identity is refused (I1)."""
+        kind = status.get("kind") if isinstance(status, Mapping) else None
+        st = _intake(status, rank_status_type(kind), "status")
+        for other in self.ranks.values():
+            if other.rank != st.rank and other.instance_id == st.instance_id and not _gone(other):
+                msg = f"duplicate identity {st.instance_id!r}: ranks {other.rank} and {st.rank}"
+                if msg not in self.rejected:
+                    self.rejected.append(msg)
+                return {"accepted": False, "reason": msg}
+        self.ranks[st.rank] = st
+        self.received_at[st.rank] = time.time()
+        return {"accepted": True}
+
+    def report_event(self, event: Any) -> None:
+        ev = _intake(event, Event, "event")
+        key = (ev.op_id, ev.rank, ev.phase, round(ev.start, 6))
+        if key in self._event_keys:
+            return  # re-sent after a registry restart
+        self._event_keys.add(key)
+        self.seq += 1
+        self.events.append((self.seq, ev))
+
+    def record_operation(self, op: Any) -> None:
+        record = _intake(op, Operation, "operation")
+        self.ops[record.op_id] = record
+
+    def forget_rank(self, rank: int) -> None:
+        self.ranks.pop(rank, None)
+        self.received_at.pop(rank, None)
+
+    # ---- views -------------------------------------------------------------------------------
+    def _rank_records(self, now: float | None = None) -> list[RankStatus]:
+        """Each rank's last report with its heartbeat age; silent too long, it shows as stale."""
+        now = now or time.time()
+        out = []
+        for rank in sorted(self.ranks):
+            st = self.ranks[rank]
+            age = max(0.0, now - self.received_at.get(rank, st.last_heartbeat))
+            st = msgspec.structs.replace(st, heartbeat_age_s=round(age, 2))
+            if age > STALE_AFTER_S and st.state not in _TERMINAL:
+                st = msgspec.structs.replace(st, state=RankState.STALE.value,
+                                             state_reason=f"no heartbeat for {age:.1f}s (was {st.state})")
+            out.append(st)
+        return out
+
+    def rank_views(self, now: float | None = None) -> list[dict[str, Any]]:
+        return [to_builtins(st) for st in self._rank_records(now)]
+
+    def current_op(self) -> dict[str, Any] | None:
+        running = [o for o in self.ops.values() if o.state == OpState.RUNNING.value]
+        return to_builtins(running[-1]) if running else None
+
+    def operations(self, op_id: str | None = None) -> list[dict[str, Any]]:
+        """Operations with the ranks' phase durations folded in (slowest rank per phase)."""
+        ops = sorted(self.ops.values(), key=lambda o: o.started)
+        if op_id:
+            ops = [o for o in ops if o.op_id == op_id]
+        out = []
+        for op in ops:
+            phases = dict(op.phase_durations)
+            for _, e in self.events:
+                if e.op_id == op.op_id and e.rank >= 0 and e.phase in _RANK_PHASES:
+                    phases[e.phase] = max(phases.get(e.phase, 0.0), e.duration_s)
+            out.append(to_builtins(msgspec.structs.replace(op, phase_durations=phases)))
+        return out
+
+    def events_for(self, op_id: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+        return [{**to_builtins(e), "seq": seq} for seq, e in self.events
+                if seq > since_seq and (op_id is None or e.op_id == op_id)]
+
+    def violations(self, ranks: list[RankStatus] | None = None) -> list[dict[str, str]]:
+        """Invariants the registry can see broken from telemetry alone."""
+        ranks = ranks if ranks is not None else self._rank_records()
+        found: list[dict[str, str]] = []
+        seen: dict[str, int] = {}
+        for v in (v for v in ranks if not _gone(v)):
+            rank = str(v.rank)
+            if v.instance_id in seen:
+                found.append({"invariant": "I1", "rank": rank,
+                              "message": f"duplicate identity {v.instance_id} "
+                                         f"(ranks {seen[v.instance_id]} and {v.rank})"})
+            seen[v.instance_id] = v.rank
+            for field, value in (("instance_id", v.instance_id), ("engine_id", v.engine_id)):
+                if value and (not value.endswith(f"_dp{v.rank}") or _STACKED.search(value)):
+                    found.append({"invariant": "I1", "rank": rank,
+                                  "message": f"{field} {value!r} does not end in exactly one _dp{v.rank}"})
+            if v.workspace_locked and v.workspace_required_bytes and v.workspace_bytes < v.workspace_required_bytes:
+                found.append({"invariant": "I4", "rank": rank,
+                              "message": f"workspace locked at {v.workspace_bytes} B below its bound "
+                                         f"{v.workspace_required_bytes} B"})
+            if v.stale_replays_refused:
+                found.append({"invariant": "I3", "rank": rank,
+                              "message": f"{v.stale_replays_refused} replay(s) against a reallocated buffer refused"})
+        found.extend(self._event_violations())
+        found.extend({"invariant": "I1", "rank": "-", "message": m} for m in self.rejected[-5:])
+        return found
+
+    def _event_violations(self) -> list[dict[str, str]]:
+        found: list[dict[str, str]] = []
+        passes: dict[tuple[str, int], int] = defaultdict(int)
+        for _, e in self.events:
+            if e.phase == "capture" and e.outcome == "ok":
+                passes[(e.op_id, e.rank)] += 1
+            if e.phase == "warm":
+                broken = [k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged")
+                          if e.detail.get(k) is False]
+                if broken:
+                    found.append({"invariant": "I5", "rank": str(e.rank),
+                                  "message": f"warm-up in {e.op_id} touched serving state ({', '.join(broken)} false)"})
+        for (op_id, rank), n in passes.items():
+            if n > 1:
+                found.append({"invariant": "I4", "rank": str(rank),
+                              "message": f"{n} capture passes in one operation {op_id}"})
+        return found
+
+    def snapshot(self) -> dict[str, Any]:
+        live = [st for st in self._rank_records() if not _gone(st)]
+        by_state: dict[str, int] = defaultdict(int)
+        for st in live:
+            by_state[st.state] += 1
+        return {
+            "deployment": self.deployment,
+            "kind": self.kind,
+            "info": self.info,
+            "ranks": [to_builtins(st) for st in live],
+            "summary": {"ranks": len(live), "by_state": dict(by_state),
+                        "requests_running": sum(st.requests_running for st in live),
+                        "requests_waiting": sum(st.requests_waiting for st in live)},
+            "operation": self.current_op(),
+            "violations": self.violations(live),
+        }
+
+
+def _gone(st: RankStatus) -> bool:
+    return st.state in _TERMINAL
+

@@ -1,0 +1,64 @@
+"""The exit-code table and the errors that carry it, from a rank's failure to eepctl's exit status.
+
+Torch- and ray-free: eepctl imports this module on every command.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class ExitCode(enum.IntEnum):
+    """The one exit-code table (README, DESIGN section 7)."""
+
+    OK = 0
+    ERROR = 1
+    USAGE = 2
+    UNREACHABLE = 3
+    PRECONDITION = 4
+    TRANSITION_FAILED = 5
+    TIMEOUT = 6
+
+
+class EepError(Exception):
+    """An error with a documented exit code; its message is one line for stderr."""
+
+    exit_code: ExitCode = ExitCode.ERROR
+
+    def __init__(self, message: str, *, detail: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail or {}
+
+
+class UsageError(EepError):
+    exit_code = ExitCode.USAGE
+
+
+class UnreachableError(EepError):
+    exit_code = ExitCode.UNREACHABLE
+
+
+class PreconditionError(EepError):
+    exit_code = ExitCode.PRECONDITION
+
+
+class TransitionFailed(EepError):
+    exit_code = ExitCode.TRANSITION_FAILED
+
+
+class TransitionTimeout(EepError):
+    exit_code = ExitCode.TIMEOUT
+
+
+_ERRORS_BY_CODE: dict[int, type[EepError]] = {
+    int(cls.exit_code): cls
+    for cls in (EepError, UsageError, UnreachableError, PreconditionError, TransitionFailed, TransitionTimeout)
+}
+
+
+def error_from_record(record: dict[str, Any]) -> EepError:
+    """Rebuild an error that crossed a process boundary as {"code", "message", "detail"}."""
+    cls = _ERRORS_BY_CODE.get(int(record.get("code", 1)), EepError)
+    return cls(str(record.get("message", "unknown error")), detail=record.get("detail") or {})

@@ -1,0 +1,211 @@
+"""The typed records ranks report, the registry stores and eepctl renders (docs/status-schema.md).
+
+msgspec Structs: one library checks types, ranges and unknown keys where records enter the
+registry (``from_builtins``) and turns them back into JSON-ready builtins (``to_builtins``).
+msgspec is a small C extension: eepctl imports this module on every command, so it must never
+pull in torch or ray.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import time
+from collections.abc import Mapping
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+# Rejects NaN and +-inf, which JSON cannot carry and which would poison sums and maxima.
+FiniteFloat = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+Record = TypeVar("Record", bound=msgspec.Struct)
+
+
+class RankState(str, enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    PREPARING = "preparing"
+    COMMITTING = "committing"
+    WARMING = "warming"
+    CAPTURING = "capturing"
+    DRAINING = "draining"
+    REMOVING = "removing"
+    REMOVED = "removed"
+    FAILED = "failed"
+    STALE = "stale"
+
+
+class Phase(str, enum.Enum):
+    """Transition phases; the same words for the reference engine and for vLLM."""
+
+    PLAN = "plan"
+    LAUNCH = "launch"
+    PREPARE = "prepare"
+    TRANSFER = "transfer"
+    DRAIN = "drain"
+    COMMIT = "commit"
+    RESHUFFLE = "reshuffle"
+    WARM = "warm"
+    CAPTURE = "capture"
+    CLEANUP = "cleanup"
+    ROLLBACK = "rollback"
+
+
+# Phases whose per-operation durations `eepctl events` reports, in protocol order.
+REPORTED_PHASES = ("launch", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture")
+
+
+class OpState(str, enum.Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+
+
+class DeploymentKind(str, enum.Enum):
+    REFERENCE = "reference"
+    VLLM = "vllm"
+
+
+class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One rank as the registry sees it (DESIGN section 6). Unknown keys are refused: a field a
+    rank sends is declared here (or in VllmRankStatus), so a typo cannot pass as data."""
+
+    deployment: str
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    instance_id: str
+    engine_id: str
+    kind: str = DeploymentKind.REFERENCE.value
+    node: str = ""
+    pid: int = 0
+    device: str = "cpu"
+    state: str = RankState.STARTING.value
+    state_reason: str = ""
+    dp_size: int = 0
+    requests_running: int = 0
+    requests_waiting: int = 0
+    slots_used: int = 0
+    slots_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    workspace_bytes: int = 0
+    workspace_locked: bool = False
+    workspace_required_bytes: int = 0
+    graphs_captured: int = 0
+    capture_sizes: list[int] = []
+    graph_kind: str = "cpu-static"  # "cuda" where CUDA graphs apply
+    graph_replays: int = 0
+    last_capture_s: FiniteFloat | None = None
+    captures_this_op: int = 0
+    current_op: str = ""
+    eplb_step: int = 0
+    eplb_imbalance: FiniteFloat = 0.0  # max/mean rank load: 1.0 is balanced, 0.0 before any load
+    physical_experts: int = 0
+    logical_experts: int = 0
+    steps: int = 0
+    last_heartbeat: FiniteFloat = 0.0
+    heartbeat_age_s: FiniteFloat = 0.0  # set by the registry's views
+    stale_replays_refused: int = 0  # I3
+    eplb_logical_load: list[FiniteFloat] = []
+
+
+class VllmRankStatus(RankStatus, kw_only=True, forbid_unknown_fields=True):
+    """A vLLM rank (kind "vllm"): every RankStatus field and what the engine_ext plugin reads besides."""
+
+    kind: str = DeploymentKind.VLLM.value
+    kv_usage: FiniteFloat = 0.0
+    workspace_available: bool = False
+    workspace_note: str = ""
+    last_op: str = ""
+    op_phase_s: dict[str, FiniteFloat] = {}
+    captures_total: int = 0
+    hook_calls: dict[str, dict[str, int | FiniteFloat]] = {}
+    hooks: dict[str, str] = {}
+    worker_pid: int = 0
+    vllm_instance_id: str = ""
+    dp_backend: str = ""
+    elastic_ep: bool = False
+
+
+def rank_status_type(kind: Any) -> type[RankStatus]:
+    """The record a rank of this deployment kind reports."""
+    return VllmRankStatus if kind == DeploymentKind.VLLM.value else RankStatus
+
+
+class Event(msgspec.Struct, forbid_unknown_fields=True):
+    """One phase of one operation on one rank (rank -1: the controller)."""
+
+    op_id: str
+    rank: Annotated[int, msgspec.Meta(ge=-1)]
+    phase: str
+    start: FiniteFloat
+    end: FiniteFloat
+    outcome: str = "ok"
+    detail: dict[str, Any] = {}
+    duration_s: float = 0.0  # computed from start and end; a sent value is ignored
+
+    def __post_init__(self) -> None:
+        self.duration_s = round(max(0.0, float(self.end - self.start)), 6)
+
+
+class Operation(msgspec.Struct, forbid_unknown_fields=True):
+    """A scale operation as recorded by the registry."""
+
+    op_id: str
+    deployment: str
+    from_size: int
+    to_size: int
+    state: str = OpState.RUNNING.value
+    phase: str = Phase.PLAN.value
+    started: FiniteFloat = msgspec.field(default_factory=time.time)
+    finished: FiniteFloat | None = None
+    error: str = ""
+    error_code: int = 0
+    phase_durations: dict[str, FiniteFloat] = {}
+    serving_pause_s: FiniteFloat = 0.0
+    captures_per_rank: dict[str, int] = {}
+    workspace_before: dict[str, int] = {}
+    workspace_after: dict[str, int] = {}
+    rank_states: dict[str, str] = {}
+    plan: dict[str, Any] = {}
+    # Only a vLLM operation (driven from outside the ranks) has these; absent from the JSON otherwise.
+    deadline: FiniteFloat | msgspec.UnsetType = msgspec.UNSET  # after it, a still-running op is stale
+    rank_ops: list[str] | msgspec.UnsetType = msgspec.UNSET  # the op ids vLLM's ranks used
+
+
+def to_builtins(record: Any) -> Any:
+    """A record (or a structure of them) as JSON-ready dicts, lists and scalars. A value msgspec
+    cannot encode inside a free-form part (an event's ``detail``) becomes its ``str``: a rank's
+    diagnostics must never fail the phase they describe."""
+    return msgspec.to_builtins(record, enc_hook=str)
+
+
+_NULL_MEANS_DEFAULT: dict[type, frozenset[str]] = {}
+
+
+def _null_means_default(record_type: type) -> frozenset[str]:
+    """Fields with a default that cannot hold None: a None sent for them means the default."""
+    names = _NULL_MEANS_DEFAULT.get(record_type)
+    if names is None:
+        names = frozenset(f.name for f in msgspec.structs.fields(record_type)
+                          if not f.required and not _accepts_none(f.type))
+        _NULL_MEANS_DEFAULT[record_type] = names
+    return names
+
+
+def _accepts_none(tp: Any) -> bool:
+    return tp is None or tp is type(None) or type(None) in getattr(tp, "__args__", ())
+
+
+def from_builtins(data: Any, record_type: type[Record], what: str | None = None) -> Record:
+    """The typed record from JSON-like data, checked strictly (no "1" for 1, no 2.0 for 2, no
+    NaN, no unknown keys). Refused data raises ValueError with msgspec's message."""
+    if isinstance(data, Mapping):
+        nulls = _null_means_default(record_type)
+        data = {k: v.value if isinstance(v, enum.Enum) else v  # RankState.SERVING is "serving"
+                for k, v in data.items() if v is not None or k not in nulls}
+    try:
+        return msgspec.convert(data, record_type, strict=True)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"{what or record_type.__name__}: {e}") from None
