@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from eepctl import loadgen
+from eepctl import loadgen, render
 from eepctl.cli import app
 from engine_ext.protocol import EepError, ExitCode, UsageError
 from tests.helpers import ROOT
@@ -165,3 +165,17 @@ def test_percentiles_are_nearest_rank() -> None:
     p = loadgen.percentiles(values[::-1])
     assert p == {"p50": 0.51, "p90": 0.9, "p99": 0.99, "max": 1.0, "mean": 0.505}
     assert loadgen.percentiles([]) == {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
+
+
+# ---- renderers -------------------------------------------------------------------------------------
+def test_generate_and_load_text() -> None:
+    reference = {"prompt": [1, 2], "output": [7, 8], "error": None, "latency_s": 0.0123, "rank": 1, "moved_from": []}
+    vllm = dict(reference, rank=None)  # a vLLM server does not say which rank served
+    failed = dict(reference, output=[], error="rank 1 failed")
+    text = render.generate_text({"deployment": "d", "results": [reference, vllm, failed]})
+    assert text.splitlines() == ["[1 2] -> 7 8  (12 ms, rank 1)", "[1 2] -> 7 8  (12 ms)",
+                                 "[1 2] -> ERROR rank 1 failed  (12 ms, rank 1)"]
+    load = {"sent": 8, "rate": 4.0, "duration_s": 2.04, "completed": 7, "failed": 1,
+            "latency_s": loadgen.percentiles([0.1, 0.2, 0.3])}
+    assert render.load_text(load).splitlines() == [
+        "sent 8 at 4/s over 2.0s: completed 7, failed 1", "latency p50 200 ms, p90 300 ms, p99 300 ms, max 300 ms"]
