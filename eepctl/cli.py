@@ -40,6 +40,8 @@ Address = Annotated[str | None, typer.Option("--address", envvar="RAY_ADDRESS", 
 Namespace = Annotated[str, typer.Option("--namespace", envvar="EEPCTL_NAMESPACE", help="Ray namespace.")]
 Name = Annotated[str, typer.Option("--name", "-n", envvar="EEPCTL_NAME", help="Deployment name.",
                                    autocompletion=_complete_name)]
+ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="VLLM_API_KEY", show_envvar=True, show_default=False,
+                                            help="Bearer key of a vLLM deployment's API server (never printed or stored).")]
 OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="Output format.", case_sensitive=False)]
 
 
@@ -165,23 +167,26 @@ def generate(
     rate: Annotated[float | None, typer.Option(help="Turn into a load generator: requests per second.")] = None,
     duration: Annotated[float, typer.Option(help="Seconds of load with --rate.")] = 10.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for all outputs.")] = 300.0,
+    api_key: ApiKey = None,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Send prompts (a built-in set by default) and print the outputs; with --rate, measure load."""
+    """Send prompts (a built-in set by default) and print the outputs; with --rate, measure load.
+
+    A vLLM deployment is sent the prompts as token ids through its OpenAI completions API."""
     from eepctl import core, render
 
     prompts = [_parse_prompt(p) for p in prompt_ids] if prompt_ids else core.DEFAULT_PROMPTS
     t = _target(address, namespace, name)
     if rate is not None:
-        res = core.load(t, prompts, max_tokens, rate, duration, timeout)
+        res = core.load(t, prompts, max_tokens, rate, duration, timeout, api_key=api_key)
         _emit(render.to_json("load", res) + "\n" if output == Output.json else render.load_text(res))
         if res["failed"]:
             raise typer.Exit(5)
         return
-    res = core.generate(t, prompts, max_tokens, timeout)
+    res = core.generate(t, prompts, max_tokens, timeout, api_key=api_key)
     _emit(render.to_json("generate", res) + "\n" if output == Output.json else render.generate_text(res))
     if any(r["error"] for r in res["results"]):
         raise typer.Exit(5)
@@ -204,8 +209,7 @@ def scale(
     timeout: Annotated[float, typer.Option(help="Seconds the whole transition may take (exit 6 after).")] = 300.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and change nothing.")] = False,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the operation id and return.")] = False,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="VLLM_API_KEY", show_envvar=True, show_default=False,
-                                                help="Bearer key of a vLLM deployment's API server (never printed or stored).")] = None,
+    api_key: ApiKey = None,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,

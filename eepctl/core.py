@@ -1,16 +1,17 @@
 """What eepctl does, without the command framework: each function returns plain data.
 
-Ray is imported inside the functions that talk to the cluster; torch never is (the engine
-config is plain dataclasses, and ranks build their engines inside the cluster).
+eepctl is a client: actors are created by engine_ext.ray.deployment, a vLLM transition is driven
+by engine_ext.vllm.scale_driver, load comes from eepctl.loadgen. Ray is imported inside the
+functions that talk to the cluster; torch never is.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
-import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,17 +27,13 @@ from engine_ext.protocol import (
     error_from_record,
     validate_name,
 )
-from engine_ext.ray.names import REGISTRY_PREFIX, controller_name, registry_name
-from eepctl import cluster
+from engine_ext.ray.deployment import list_deployments
+from engine_ext.ray.names import controller_name, registry_name
+from eepctl import cluster, loadgen
+from eepctl.loadgen import DEFAULT_PROMPTS, Submit, percentiles
 
-DEFAULT_PROMPTS: list[list[int]] = [
-    [1, 2, 3, 4, 5],
-    [17, 42, 99, 7],
-    [200, 13, 13, 8, 250, 3, 61],
-    [5, 6, 7, 8, 9, 10, 11, 12],
-    [128],
-    [77, 78, 79],
-]
+__all__ = ["DEFAULT_PROMPTS", "Target", "check_outcome", "down", "events", "generate", "list_deployments", "load",
+           "percentiles", "plan", "scale", "status", "up"]
 
 
 @dataclass
@@ -57,39 +54,33 @@ def _connect(t: Target) -> str:
     return cluster.connect(t.address, t.namespace)
 
 
-def _actor(name: str, namespace: str) -> Any:
-    import ray
+def _get(ref: Any, timeout: float | None = 30.0) -> Any:
+    from engine_ext.ray.deployment import call
 
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
+    return call(ref, timeout=timeout)
 
 
 def _deployment(t: Target, controller: bool = True) -> tuple[Any, Any]:
     """(registry, controller) handles; read-only commands skip the controller handle, whose
     class import is heavier."""
-    registry = _actor(registry_name(t.name), t.namespace)
-    controller = _actor(controller_name(t.name), t.namespace) if controller else None
-    if registry is None and not controller:
-        controller = _actor(controller_name(t.name), t.namespace)
-    if registry is None and controller is None:
+    from engine_ext.ray.deployment import actor
+
+    registry = actor(registry_name(t.name), t.namespace)
+    ctl = actor(controller_name(t.name), t.namespace) if controller or registry is None else None
+    if registry is None and ctl is None:
         known = list_deployments(t.namespace)
         hint = f" (deployments here: {', '.join(known)})" if known else " (none exist in this namespace)"
         raise UnreachableError(f"deployment {t.name!r} not found in namespace {t.namespace!r}{hint}")
-    return registry, controller
+    return registry, ctl
 
 
-def _get(ref: Any, timeout: float | None = 30.0) -> Any:
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+def _vllm_snapshot(registry: Any, controller: Any) -> dict[str, Any] | None:
+    """The registry snapshot of a vLLM deployment (a registry, no controller), else None."""
+    if controller is not None or registry is None:
+        return None
+    from engine_ext.vllm.scale_driver import info_if_vllm
 
-    try:
-        return ray.get(ref, timeout=timeout)
-    except GetTimeoutError:
-        raise TransitionTimeout(f"the cluster did not answer within {timeout:.0f}s") from None
-    except RayActorError as e:
-        raise UnreachableError(f"an actor of the deployment is gone: {str(e).splitlines()[0]}") from None
+    return info_if_vllm(registry)
 
 
 def _raise_if_error(result: Any) -> Any:
@@ -98,22 +89,11 @@ def _raise_if_error(result: Any) -> Any:
     return result
 
 
-def list_deployments(namespace: str) -> list[str]:
-    from ray.util import list_named_actors
-
-    names = list_named_actors(all_namespaces=True)
-    return sorted(a["name"][len(REGISTRY_PREFIX):] for a in names
-                  if a.get("namespace") == namespace and a["name"].startswith(REGISTRY_PREFIX))
-
-
 # ---- up / down ---------------------------------------------------------------------------------
 def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
        timeout_s: float, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    import ray
-
     from engine_ext.engine.config import EngineConfig
-    from engine_ext.ray.controller import Controller
-    from engine_ext.ray.registry import Registry
+    from engine_ext.ray.deployment import actor, create_deployment
 
     t.validated()
     if dp < 1:
@@ -136,28 +116,15 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
             "`eepctl down --stop-cluster` stops it).")
         started = cluster.start_local()
         address = cluster.connect(started["address"], t.namespace)
-    if _actor(registry_name(t.name), t.namespace) is not None:
+    if actor(registry_name(t.name), t.namespace) is not None:
         raise PreconditionError(f"deployment {t.name!r} already exists in namespace {t.namespace!r}")
-    registry = ray.remote(Registry).options(name=registry_name(t.name), namespace=t.namespace,
-                                            lifetime="detached", num_cpus=0).remote(t.name)
-    info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus_per_rank,
-            "gpus_per_rank": gpus_per_rank, "config": cfg.to_dict()}
-    _get(registry.set_info.remote(info))
-    controller = ray.remote(Controller).options(
-        name=controller_name(t.name), namespace=t.namespace, lifetime="detached", num_cpus=0,
-        max_concurrency=1000,
-    ).remote(t.name, t.namespace, cfg.to_dict(), max_dp, cpus_per_rank, gpus_per_rank)
-    try:
-        result = _raise_if_error(_get(controller.start.remote(dp, timeout_s), timeout=timeout_s + 30))
-    except BaseException:
-        for h in (controller, registry):
-            ray.kill(h, no_restart=True)
-        raise
+    handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
+                                        gpus_per_rank, timeout_s)
     # Wait until every rank's heartbeat says it serves.
     deadline = time.time() + 15
     snap: dict[str, Any] = {}
     while time.time() < deadline:
-        snap = _get(registry.snapshot.remote())
+        snap = _get(handles.registry.snapshot.remote())
         if len(snap["ranks"]) == dp and all(r["state"] == "serving" for r in snap["ranks"]):
             break
         time.sleep(0.2)
@@ -169,39 +136,12 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
 def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:
     import ray
 
+    from engine_ext.ray.deployment import DeploymentHandles, destroy_deployment
+
     t.validated()
     _connect(t)
     registry, controller = _deployment(t)
-    if controller is not None:
-        try:
-            _get(controller.stop.remote(), timeout=60)
-        except EepError:
-            pass
-    # Rank actors are named by identity; kill any the controller no longer knew about.
-    killed = []
-    from ray.util import list_named_actors
-
-    for a in list_named_actors(all_namespaces=True):
-        if a.get("namespace") == t.namespace and a["name"].startswith(f"{t.name}_dp"):
-            h = _actor(a["name"], t.namespace)
-            if h is not None:
-                ray.kill(h, no_restart=True)
-                killed.append(a["name"])
-    for h in (controller, registry):
-        if h is not None:
-            ray.kill(h, no_restart=True)
-    # ray.kill only queues the request: wait until the names are really gone, so `down`
-    # exiting 0 means the deployment is stopped.
-    names = {registry_name(t.name), controller_name(t.name), *killed}
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        alive = {a["name"] for a in list_named_actors(all_namespaces=True)
-                 if a.get("namespace") == t.namespace and a["name"] in names}
-        if not alive:
-            break
-        time.sleep(0.2)
-    else:
-        raise TransitionTimeout(f"deployment {t.name!r} did not stop within 30s (still alive: {sorted(alive)})")
+    destroy_deployment(t.name, t.namespace, DeploymentHandles(registry, controller))
     result: dict[str, Any] = {"deployment": t.name, "stopped": True, "cluster_stopped": False}
     if stop_cluster:
         ray.shutdown()
@@ -236,69 +176,86 @@ def events(t: Target, op_id: str | None = None, since_seq: int = 0) -> dict[str,
 
 
 # ---- generate / load --------------------------------------------------------------------------------
-def generate(t: Target, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> dict[str, Any]:
+class _RayPending:
+    """A request to the reference controller."""
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        return _get(self.ref, timeout=timeout_s)
+
+
+class _HttpPending:
+    """A request to a vLLM API server, run on a client thread."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            return self.future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise TransitionTimeout(f"vLLM did not answer within {timeout_s:.0f}s") from None
+
+
+@contextmanager
+def _requests(t: Target, max_tokens: int, api_key: str | None, timeout_s: float) -> Iterator[Submit]:
+    """How to send one prompt to the deployment: its controller (reference) or the OpenAI
+    completions API of its vLLM server."""
+    _connect(t)
+    registry, controller = _deployment(t)
+    snap = _vllm_snapshot(registry, controller)
+    if snap is None:
+        if controller is None:
+            raise UnreachableError(f"the controller of {t.name!r} is gone; the deployment cannot serve requests")
+        yield lambda prompt: _RayPending(controller.generate.remote(prompt, max_tokens))
+        return
+    from engine_ext.vllm.scale_driver import api_for
+
+    api = api_for(snap, api_key, timeout_s=timeout_s)
+    model = (snap.get("info") or {}).get("model") or api.served_model()
+
+    def complete(prompt: list[int], submitted: float) -> dict[str, Any]:
+        answer = api.complete(model, prompt, max_tokens, timeout_s)
+        if answer["error"] is None:  # open loop: a request waiting for a client thread counts too
+            answer["latency_s"] = round(time.time() - submitted, 4)
+        return answer
+
+    pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="eepctl-request")
+    try:
+        yield lambda prompt: _HttpPending(pool.submit(complete, prompt, time.time()))
+    finally:  # after a timeout, do not wait for answers nobody reads
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def generate(t: Target, prompts: list[list[int]], max_tokens: int, timeout_s: float,
+             api_key: str | None = None) -> dict[str, Any]:
+    """Every prompt once, concurrently; outputs and latencies."""
     t.validated()
     if max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
-    _connect(t)
-    _, controller = _deployment(t)
-    refs = [controller.generate.remote(p, max_tokens) for p in prompts]
-    results = _get(refs, timeout=timeout_s)
+    deadline = time.time() + timeout_s
+    with _requests(t, max_tokens, api_key, timeout_s) as submit:
+        pending = [submit(p) for p in prompts]
+        results = [p.wait(max(0.1, deadline - time.time())) for p in pending]
     return {"deployment": t.name, "results": [
-        {"prompt": p, "output": r.get("output", []), "error": _err_text(r), "latency_s": round(r.get("latency_s", 0.0), 4),
-         "rank": r.get("rank"), "moved_from": r.get("moved_from", [])} for p, r in zip(prompts, results)]}
-
-
-def _err_text(r: dict[str, Any]) -> str | None:
-    e = r.get("error")
-    if e is None:
-        return None
-    return e if isinstance(e, str) else str(e)
+        {"prompt": p, "output": r.get("output", []), "error": loadgen.error_text(r),
+         "latency_s": round(r.get("latency_s") or 0.0, 4), "rank": r.get("rank"), "moved_from": r.get("moved_from", [])}
+        for p, r in zip(prompts, results)]}
 
 
 def load(t: Target, prompts: list[list[int]], max_tokens: int, rate: float, duration_s: float,
-         timeout_s: float, seed: int = 0) -> dict[str, Any]:
+         timeout_s: float, seed: int = 0, api_key: str | None = None) -> dict[str, Any]:
     """Open-loop load: ``rate`` requests per second for ``duration_s``; report outcomes and latency."""
     t.validated()
     if rate <= 0 or duration_s <= 0:
         raise UsageError("--rate and --duration must be > 0")
-    _connect(t)
-    _, controller = _deployment(t)
-    rng = random.Random(seed)
-    n = max(1, int(rate * duration_s))
-    t0 = time.time()
-    sent: list[tuple[int, Any, float]] = []
-    for i in range(n):
-        due = t0 + i / rate
-        delay = due - time.time()
-        if delay > 0:
-            time.sleep(delay)
-        idx = rng.randrange(len(prompts))
-        sent.append((idx, controller.generate.remote(prompts[idx], max_tokens), time.time()))
-    records = []
-    for idx, ref, _ in sent:
-        try:
-            r = _get(ref, timeout=max(1.0, timeout_s - (time.time() - t0)))
-        except EepError as e:
-            r = {"error": e.message}
-        records.append({"prompt_index": idx, "output": r.get("output", []), "error": _err_text(r),
-                        "latency_s": r.get("latency_s"), "moved_from": r.get("moved_from", [])})
-    lat = sorted(r["latency_s"] for r in records if not r["error"] and r["latency_s"] is not None)
-    return {"deployment": t.name, "sent": n, "completed": len(lat), "failed": n - len(lat),
-            "duration_s": round(time.time() - t0, 2), "rate": rate, "latency_s": percentiles(lat),
-            "prompts": prompts, "records": records}
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
-    v = sorted(values)
-
-    def pct(p: float) -> float:
-        return round(v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))], 4)
-
-    return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "max": round(v[-1], 4),
-            "mean": round(statistics.fmean(v), 4)}
+    if max_tokens < 1:
+        raise UsageError("--max-tokens must be >= 1")
+    with _requests(t, max_tokens, api_key, timeout_s) as submit:
+        res = loadgen.open_loop(submit, prompts, rate, duration_s, timeout_s, seed)
+    return {"deployment": t.name, **res}
 
 
 # ---- scale -------------------------------------------------------------------------------------------
@@ -308,13 +265,13 @@ def plan(t: Target, dp: int, api_key: str | None = None) -> dict[str, Any]:
         raise UsageError(f"--dp must be >= 1, got {dp}")
     _connect(t)
     registry, controller = _deployment(t)
-    if controller is None and registry is not None:  # a vLLM deployment has a registry only
-        from eepctl import vllm_client
+    if (snap := _vllm_snapshot(registry, controller)) is not None:
+        from engine_ext.vllm import scale_driver
 
-        if (snap := vllm_client.info_if_vllm(registry, _get)) is not None:
-            return vllm_client.plan(t, dp, registry, snap, _get, api_key=api_key)
-    result = _raise_if_error(_get(controller.plan.remote(dp), timeout=30))
-    return result
+        return scale_driver.plan(snap, dp, api_key=api_key)
+    if controller is None:
+        raise UnreachableError(f"the controller of {t.name!r} is gone; there is nothing to plan with")
+    return _raise_if_error(_get(controller.plan.remote(dp), timeout=30))
 
 
 def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
@@ -326,12 +283,14 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
         raise UsageError("--timeout must be > 0 and --drain-timeout >= 0")
     _connect(t)
     registry, controller = _deployment(t)
-    if controller is None and registry is not None:  # a vLLM deployment has a registry only
-        from eepctl import vllm_client
+    if (snap := _vllm_snapshot(registry, controller)) is not None:
+        from engine_ext.vllm import scale_driver
 
-        if (snap := vllm_client.info_if_vllm(registry, _get)) is not None:
-            return vllm_client.scale(t, dp, registry, snap, _get, drain_timeout_s=drain_timeout_s,
-                                     timeout_s=timeout_s, wait=wait, api_key=api_key, on_event=on_event)
+        if not wait:
+            raise UsageError("--no-wait is not available for a vLLM deployment: vLLM answers /scale_elastic_ep "
+                             "only when the transition has ended")
+        return scale_driver.scale(registry, snap, dp, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s,
+                                  api_key=api_key, on_event=on_event)
     if controller is None:
         raise UnreachableError(f"the controller of {t.name!r} is gone; the deployment cannot scale")
     accepted = _raise_if_error(_get(controller.scale.remote(dp, drain_timeout_s, timeout_s, False), timeout=60))

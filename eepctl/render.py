@@ -202,7 +202,8 @@ def generate_text(res: dict[str, Any]) -> str:
     lines = []
     for r in res["results"]:
         out = " ".join(map(str, r["output"])) if not r["error"] else f"ERROR {r['error']}"
-        lines.append(f"[{' '.join(map(str, r['prompt']))}] -> {out}  ({r['latency_s'] * 1000:.0f} ms, rank {r['rank']})")
+        where = f", rank {r['rank']}" if r.get("rank") is not None else ""  # vLLM does not say which rank
+        lines.append(f"[{' '.join(map(str, r['prompt']))}] -> {out}  ({r['latency_s'] * 1000:.0f} ms{where})")
     return "\n".join(lines) + "\n"
 
 

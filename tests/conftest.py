@@ -1,19 +1,17 @@
 """Shared fixtures. Ray tests run against a real local Ray head that this test session
-starts (in its own process group) and stops by that group: no other Ray processes are touched."""
+starts (in its own process group) and stops by that group: no other Ray processes are touched.
+Shared helpers (not fixtures) are in tests/helpers.py."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import Deployment, eepctl
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +22,7 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(state_dir: Path) -> dict[str, Any]:
+def ray_cluster(state_dir: Path) -> Iterator[dict[str, Any]]:
     """A local Ray head for the whole session; RAY_ADDRESS points at it."""
     from eepctl import cluster
 
@@ -43,26 +41,21 @@ def ray_cluster(state_dir: Path) -> dict[str, Any]:
             os.environ.pop("RAY_ADDRESS", None)
 
 
-def eepctl(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess, as an operator or a script would."""
-    full_env = dict(os.environ, NO_COLOR="1", COLUMNS="200", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "eepctl", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=ROOT)
+@pytest.fixture
+def deployments(ray_cluster: dict[str, Any]) -> Iterator[Callable[[str], Deployment]]:
+    """Makes ``Deployment``s by name; on teardown ends their background CLI processes and brings
+    each down by name."""
+    owned: list[Deployment] = []
 
+    def make(name: str) -> Deployment:
+        d = Deployment(name)
+        owned.append(d)
+        return d
 
-def eepctl_json(*args: str, timeout: float = 300) -> dict[str, Any]:
-    res = eepctl(*args, "-o", "json", timeout=timeout)
-    assert res.returncode == 0, f"eepctl {' '.join(args)} exited {res.returncode}: {res.stderr}"
-    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
-    return json.loads(lines[-1])
-
-
-def wait_for(pred, timeout: float = 20.0, interval: float = 0.25, what: str = "condition") -> Any:
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+    yield make
+    for d in owned:
+        for p in d.procs:  # only the CLI processes this test started, by their Popen handle
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+        eepctl("down", "--name", d.name, timeout=120)

@@ -1,5 +1,5 @@
 """Security: eepctl against a Ray cluster with token authentication on (RAY_AUTH_MODE=token),
-secrets never printed, logged or stored, and names that reach Ray validated.
+secrets never printed, logged or stored (names are validated before they reach Ray: test_cli.py).
 
 The authenticated head is this test's own (own port, own temp dir, own process group), stopped
 by that group; it never touches the session's cluster.
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.ray
 
@@ -93,6 +93,7 @@ class Runner:
         return res
 
 
+@pytest.mark.timeout(480)
 def test_without_token_exit_3_with_token_everything_works(auth_cluster):
     run = Runner(auth_cluster)
     name = "auth-dep"
@@ -152,15 +153,3 @@ def test_without_token_exit_3_with_token_everything_works(auth_cluster):
              for which, secret in (("ray token", RAY_TOKEN), ("api key", API_KEY)) if secret in text]
     assert not leaks, leaks
     print(f"\n[auth] no secret in {len(run.outputs)} CLI outputs and {files} files of the cluster's session dir")
-
-
-@pytest.mark.parametrize("option", ["--namespace", "--name"])
-@pytest.mark.parametrize("bad", ["../x", "a b", "x/y", "UPPER", ""])
-def test_names_and_namespaces_are_validated(option, bad):
-    env = dict(os.environ, NO_COLOR="1")
-    res = subprocess.run([sys.executable, "-m", "eepctl", "status", option, bad], capture_output=True, text=True,
-                         env=env, timeout=60, cwd=ROOT)
-    assert res.returncode == 2, (option, bad, res.returncode, res.stderr)
-    assert "Traceback" not in res.stderr, res.stderr
-    what = "namespace" if option == "--namespace" else "deployment name"
-    assert f"invalid {what}" in res.stderr, res.stderr

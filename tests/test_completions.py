@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, eepctl
+from tests.helpers import ROOT, eepctl
 
 SHELLS = ("bash", "zsh", "fish")
 BIN = Path(sys.executable).parent
@@ -50,6 +50,7 @@ def _bash_complete(words: list[str], env: dict[str, str], timeout: float = 60) -
 
 
 # ---- the committed scripts ---------------------------------------------------------------------
+@pytest.mark.timeout(120)
 def test_committed_scripts_match_the_cli(tmp_path: Path) -> None:
     """CI drift check: regenerate with scripts/gen_completions.sh and compare byte for byte."""
     out = tmp_path / "gen"
@@ -63,22 +64,8 @@ def test_committed_scripts_match_the_cli(tmp_path: Path) -> None:
                                     "run scripts/gen_completions.sh and commit the result")
 
 
-@pytest.mark.parametrize("shell", SHELLS)
-def test_completion_command_prints_the_script(shell: str) -> None:
-    res = eepctl("completion", shell)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout == (ROOT / "completions" / f"eepctl.{shell}").read_text()
-    assert "_EEPCTL_COMPLETE" in res.stdout and "eepctl" in res.stdout
-    assert res.stderr == ""
-
-
-def test_completion_command_refuses_other_shells() -> None:
-    res = eepctl("completion", "tcsh")
-    assert res.returncode == 2
-    assert "bash, zsh or fish" in res.stderr and "Traceback" not in res.stderr
-
-
 # ---- a real bash ---------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
 def test_bash_completes_subcommand(tmp_path: Path) -> None:
     res = _bash_complete(["eepctl", "sc"], _env(tmp_path, RAY_ADDRESS="127.0.0.1:1"))
     assert res.returncode == 0, res.stderr
@@ -86,6 +73,7 @@ def test_bash_completes_subcommand(tmp_path: Path) -> None:
     assert res.stderr == ""
 
 
+@pytest.mark.timeout(60)
 def test_bash_completes_scale_options(tmp_path: Path) -> None:
     res = _bash_complete(["eepctl", "scale", "--"], _env(tmp_path, RAY_ADDRESS="127.0.0.1:1"))
     assert res.returncode == 0, res.stderr
@@ -96,6 +84,7 @@ def test_bash_completes_scale_options(tmp_path: Path) -> None:
     assert res.stderr == ""
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("ray_address", [None, "127.0.0.1:1"], ids=["no-address", "dead-address"])
 def test_name_completion_without_a_cluster_is_instant_and_silent(tmp_path: Path, ray_address: str | None) -> None:
     extra = {"RAY_ADDRESS": ray_address} if ray_address else {}
@@ -111,6 +100,7 @@ def test_name_completion_without_a_cluster_is_instant_and_silent(tmp_path: Path,
     assert wall < 2.0, f"completion took {wall:.2f}s"
 
 
+@pytest.mark.timeout(60)
 def test_subcommand_completion_imports_neither_ray_nor_torch(tmp_path: Path) -> None:
     env = _env(tmp_path, RAY_ADDRESS="127.0.0.1:1", PYTHONPROFILEIMPORTTIME="1")
     res = _bash_complete(["eepctl", "sc"], env)
@@ -123,6 +113,7 @@ def test_subcommand_completion_imports_neither_ray_nor_torch(tmp_path: Path) -> 
 
 
 # ---- names from a reachable cluster ----------------------------------------------------------
+@pytest.mark.timeout(360)
 @pytest.mark.ray
 def test_name_completion_from_a_reachable_cluster(ray_cluster: dict, tmp_path: Path) -> None:
     name = "compl-a"

@@ -7,28 +7,47 @@ processes killed are the registry actor and the rank process of a deployment thi
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
+import subprocess
+import sys
 import time
+from typing import Any
 
 import pytest
 
-from engine_ext.protocol import RankStatus
-from tests.conftest import eepctl, eepctl_json, wait_for
-from tests.test_scaling_ray import (  # helpers only (importing test functions would re-collect them)
+from engine_ext.protocol import RankState, RankStatus, to_builtins
+from tests.helpers import (
     NAMESPACE,
-    Deployment,
+    ROOT,
     check_load,
+    eepctl,
+    eepctl_json,
     events,
     last_json,
-    deployment,  # noqa: F401 - the fixture, shared with the scaling tests
     scale_json,
     serving_view,
     status,
     up_cli,
+    wait_for,
+    wait_serving_load,
 )
 
 pytestmark = pytest.mark.ray
+
+
+def _rank_status(deployment: str, rank: int, dp: int, rng: random.Random) -> dict[str, Any]:
+    """A serving rank's status with varied load figures, as a RankActor reports it."""
+    iid = f"{deployment}_dp{rank}"
+    return to_builtins(RankStatus(
+        deployment=deployment, rank=rank, instance_id=iid, engine_id=iid, node=f"node-{rank // 8}", pid=100000 + rank,
+        state=RankState.SERVING.value, dp_size=dp, requests_running=rng.randint(0, 8), slots_total=8,
+        kv_blocks_used=rng.randint(1, 127), kv_blocks_total=128, workspace_bytes=1 << 20, workspace_locked=True,
+        workspace_required_bytes=1 << 20, graphs_captured=rng.randint(1, 4), capture_sizes=[1, 2, 4, 8],
+        last_heartbeat=time.time(),
+    ))
 
 
 def _driver(ray_cluster) -> None:
@@ -38,14 +57,12 @@ def _driver(ray_cluster) -> None:
 
 
 # ---- status at scale --------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
 def test_status_with_256_ranks_is_whole(ray_cluster):
     """256 synthetic ranks reported through the registry's real intake; `eepctl status -o json`
     (a real CLI process) lists every one with every RankStatus field. Timing: benchmarks/status_at_scale.py."""
-    import random
-
     import ray
 
-    from benchmarks.status_at_scale import synthetic_status
     from engine_ext.ray.names import registry_name
     from engine_ext.ray.registry import Registry
 
@@ -56,7 +73,7 @@ def test_status_with_256_ranks_is_whole(ray_cluster):
     try:
         ray.get(reg.set_info.remote({"dp": n, "max_dp": n}))
         rng = random.Random(0)
-        sent = {r: synthetic_status(name, r, n, rng) for r in range(n)}
+        sent = {r: _rank_status(name, r, n, rng) for r in range(n)}
         acks = ray.get([reg.report_status.remote(st) for st in sent.values()])
         assert all(a["accepted"] for a in acks), [a for a in acks if not a["accepted"]][:3]
         t0 = time.perf_counter()
@@ -79,12 +96,13 @@ def test_status_with_256_ranks_is_whole(ray_cluster):
 
 
 # ---- the registry killed and recreated while serving ----------------------------------------------------
-def test_registry_killed_and_recreated_while_serving(deployment, ray_cluster):
+@pytest.mark.timeout(360)
+def test_registry_killed_and_recreated_while_serving(deployments, ray_cluster):
     import ray
 
     from engine_ext.ray.names import registry_name
 
-    d = deployment("rel-registry")
+    d = deployments("rel-registry")
     up_cli(d, 1, 4)
     op = scale_json(d.name, 2)
     assert op["state"] == "succeeded", op
@@ -96,7 +114,7 @@ def test_registry_killed_and_recreated_while_serving(deployment, ray_cluster):
     keys_before = {(e["op_id"], e["rank"], e["phase"], round(e["start"], 6)) for e in events(d.name)["events"]}
 
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "20", "-o", "json")
-    time.sleep(3)
+    wait_serving_load(d.name)
     _driver(ray_cluster)
     old = ray.get_actor(registry_name(d.name), namespace=NAMESPACE)
     old_id = old._actor_id.hex()
@@ -143,8 +161,9 @@ def test_registry_killed_and_recreated_while_serving(deployment, ray_cluster):
 
 
 # ---- a rank process killed while serving -------------------------------------------------------------
-def test_rank_killed_while_serving_is_stale_and_scale_refuses(deployment):
-    d = deployment("rel-rank-kill")
+@pytest.mark.timeout(240)
+def test_rank_killed_while_serving_is_stale_and_scale_refuses(deployments):
+    d = deployments("rel-rank-kill")
     up_cli(d, 2, 4)
     snap = serving_view(d.name, 2)
     victim = next(r for r in snap["ranks"] if r["rank"] == 1)
@@ -171,20 +190,26 @@ def test_rank_killed_while_serving_is_stale_and_scale_refuses(deployment):
 
 
 # ---- soak (CI size) ------------------------------------------------------------------------------------
-def test_soak_ten_random_transitions_under_load(deployment):
-    """benchmarks/soak.py at CI size: 10 random transitions between DP 1 and 4 under continuous
-    load; zero failed or wrong (oracle) requests, whole after every transition."""
-    from benchmarks.soak import ENGINE, run_soak
-    from eepctl import core
-
-    d = deployment("rel-soak")
-    t = core.Target(name=d.name, namespace=NAMESPACE)
-    core.up(t, dp=1, max_dp=4, engine=dict(ENGINE), cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300)
-    res = run_soak(t, transitions=10, seed=7, rate=4.0)
-    print(f"\n[soak] {res['transitions']} transitions in {res['elapsed_s']}s, {res['requests']} requests "
-          f"({res['moved']} moved), latency {res['latency_s']}, transition {res['transition_s']}")
-    assert res["transitions"] == 10
-    assert not res["load_errors"], res["load_errors"]
-    assert res["failed"] == 0, res["first_failures"]
-    assert res["wrong"] == 0
-    assert res["requests"] >= 40, res["requests"]
+@pytest.mark.timeout(540)
+def test_soak_ten_random_transitions_under_load(ray_cluster):
+    """benchmarks/soak.py at CI size, run as the script it is against the session's cluster: 10
+    random transitions between DP 1 and 4 under continuous load; zero failed or wrong (oracle)
+    requests, whole after every transition."""
+    name = "rel-soak"
+    try:
+        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--transitions", "10", "--seed", "7",
+                              "--rate", "4", "--address", ray_cluster["address"], "--name", name],
+                             capture_output=True, text=True, timeout=520, cwd=ROOT)
+    finally:
+        eepctl("down", "--name", name, timeout=120)  # when the script died before its own down
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"soak printed no result (exit {res.returncode}): {res.stderr[-3000:]}"
+    out = json.loads(lines[-1])
+    print(f"\n[soak] {out['transitions']} transitions in {out['elapsed_s']}s, {out['requests']} requests "
+          f"({out['moved']} moved), latency {out['latency_s']}, transition {out['transition_s']}")
+    assert res.returncode == 0, (out, res.stderr[-2000:])
+    assert out["transitions"] == 10
+    assert not out["load_errors"], out["load_errors"]
+    assert out["failed"] == 0, out["first_failures"]
+    assert out["wrong"] == 0
+    assert out["requests"] >= 40, out["requests"]

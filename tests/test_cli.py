@@ -1,0 +1,181 @@
+"""The CLI's pure paths in-process through typer's CliRunner: help, usage errors, the checks a
+command makes before it talks to a cluster, the completion scripts, and the load generator.
+
+Nothing here needs Ray: every case fails or finishes before a command connects. A command
+raises the project's typed error (eepctl.main maps it to the exit code and one stderr line; the
+end-to-end exit codes are tested with real processes in test_cli_ray.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from eepctl import loadgen, render
+from eepctl.cli import app
+from engine_ext.protocol import EepError, ExitCode, UsageError
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    """A runner with no cluster address and no API key in its environment."""
+    for var in ("RAY_ADDRESS", "VLLM_API_KEY", "EEPCTL_NAME", "EEPCTL_NAMESPACE"):
+        monkeypatch.delenv(var, raising=False)
+    return CliRunner()
+
+
+def _typed_error(runner: CliRunner, *args: str) -> EepError:
+    result = runner.invoke(app, list(args))
+    assert isinstance(result.exception, EepError), (result.exit_code, result.output, result.exception)
+    return result.exception
+
+
+# ---- help ------------------------------------------------------------------------------------------
+def test_help_lists_every_command(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("up", "down", "status", "generate", "scale", "events", "completion"):
+        assert command in result.output
+
+
+@pytest.mark.parametrize("command", ["generate", "scale"])
+def test_api_key_option_names_its_variable_and_no_value(runner: CliRunner, command: str) -> None:
+    result = runner.invoke(app, [command, "--help"], env={"VLLM_API_KEY": "secret-never-shown"})
+    assert result.exit_code == 0
+    assert "--api-key" in result.output and "VLLM_API_KEY" in result.output
+    assert "secret-never-shown" not in result.output
+
+
+# ---- usage errors the command framework finds ------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ["scale", "--dp", "x"],
+    ["scale"],  # --dp is required
+    ["status", "-o", "yaml"],
+    ["frobnicate"],
+    ["generate", "--rate", "fast"],
+])
+def test_malformed_arguments_exit_2(runner: CliRunner, args: list[str]) -> None:
+    result = runner.invoke(app, args)
+    assert result.exit_code == ExitCode.USAGE, (result.exit_code, result.output)
+
+
+# ---- checks a command makes before it connects -----------------------------------------------------
+@pytest.mark.parametrize("args, says", [
+    (["scale", "--dp", "0"], "--dp"),
+    (["scale", "--dp", "2", "--timeout", "0"], "--timeout"),
+    (["up", "--dp", "0"], "--dp"),
+    (["up", "--dp", "3", "--max-dp", "2"], "--max-dp"),
+    (["up", "--dtype", "int8"], "--dtype"),
+    (["up", "--top-k", "9"], "invalid engine option"),
+    (["generate", "--max-tokens", "0"], "--max-tokens"),
+    (["generate", "-p", "1,two,3"], "comma-separated integers"),
+    (["generate", "--rate", "0"], "--rate"),
+    (["completion", "tcsh"], "bash, zsh or fish"),
+])
+def test_bad_values_are_usage_errors(runner: CliRunner, args: list[str], says: str) -> None:
+    err = _typed_error(runner, *args)
+    assert isinstance(err, UsageError) and err.exit_code == ExitCode.USAGE
+    assert says in err.message, err.message
+
+
+@pytest.mark.parametrize("option", ["--namespace", "--name"])
+@pytest.mark.parametrize("bad", ["../x", "a b", "x/y", "UPPER", ""])
+def test_names_and_namespaces_are_validated(runner: CliRunner, option: str, bad: str) -> None:
+    err = _typed_error(runner, "status", option, bad)
+    assert isinstance(err, UsageError)
+    what = "namespace" if option == "--namespace" else "deployment name"
+    assert f"invalid {what}" in err.message, err.message
+
+
+def test_no_cluster_is_unreachable(runner: CliRunner, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No address anywhere (and no cluster eepctl started): exit 3 before any Ray import cost."""
+    monkeypatch.setenv("EEPCTL_STATE_DIR", str(tmp_path))
+    err = _typed_error(runner, "status", "--name", "x")
+    assert err.exit_code == ExitCode.UNREACHABLE and "no Ray cluster" in err.message
+
+
+# ---- completion scripts ----------------------------------------------------------------------------
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_completion_prints_the_committed_script(runner: CliRunner, shell: str) -> None:
+    result = runner.invoke(app, ["completion", shell])
+    assert result.exit_code == 0
+    assert result.stdout == (ROOT / "completions" / f"eepctl.{shell}").read_text()
+    assert "_EEPCTL_COMPLETE" in result.stdout
+
+
+# ---- the load generator ----------------------------------------------------------------------------
+class _Answered:
+    """A request answered at once by this process (the engine's part of the contract)."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        self.answer = answer
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        return self.answer
+
+
+class _Late:
+    """A request whose answer never comes within the wait: the engine's timeout path."""
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        raise EepError(f"no answer within {timeout_s:.0f}s")
+
+
+def test_open_loop_sends_at_the_rate_and_reports_every_outcome() -> None:
+    sent_at: list[float] = []
+    lock = threading.Lock()
+
+    def submit(prompt: list[int]) -> Any:
+        with lock:
+            sent_at.append(time.monotonic())
+        if prompt == [3]:
+            return _Late()
+        if prompt == [2]:
+            return _Answered({"output": [], "error": "engine failed", "latency_s": 0.01})
+        return _Answered({"output": [prompt[0] * 10], "error": None, "latency_s": 0.02 * prompt[0],
+                          "moved_from": [1]})
+
+    prompts = [[1], [2], [3], [4]]
+    res = loadgen.open_loop(submit, prompts, rate=40.0, duration_s=0.5, timeout_s=5.0, seed=3)
+    assert res["sent"] == len(res["records"]) == len(sent_at) == 20
+    span = sent_at[-1] - sent_at[0]
+    assert 19 / 40 - 0.01 <= span < 19 / 40 + 0.5, span  # open loop: paced, not faster than the rate
+    for rec in res["records"]:
+        prompt = prompts[rec["prompt_index"]]
+        if prompt == [3]:
+            assert rec["error"].startswith("no answer within") and rec["latency_s"] is None
+        elif prompt == [2]:
+            assert rec["error"] == "engine failed"
+        else:
+            assert rec["error"] is None and rec["output"] == [prompt[0] * 10] and rec["moved_from"] == [1]
+    ok = [r for r in res["records"] if r["error"] is None]
+    assert res["completed"] == len(ok) and res["failed"] == 20 - len(ok)
+    assert res["latency_s"]["max"] == max(r["latency_s"] for r in ok)
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [i / 100 for i in range(1, 101)]  # 0.01 .. 1.00
+    p = loadgen.percentiles(values[::-1])
+    assert p == {"p50": 0.51, "p90": 0.9, "p99": 0.99, "max": 1.0, "mean": 0.505}
+    assert loadgen.percentiles([]) == {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
+
+
+# ---- renderers -------------------------------------------------------------------------------------
+def test_generate_and_load_text() -> None:
+    reference = {"prompt": [1, 2], "output": [7, 8], "error": None, "latency_s": 0.0123, "rank": 1, "moved_from": []}
+    vllm = dict(reference, rank=None)  # a vLLM server does not say which rank served
+    failed = dict(reference, output=[], error="rank 1 failed")
+    text = render.generate_text({"deployment": "d", "results": [reference, vllm, failed]})
+    assert text.splitlines() == ["[1 2] -> 7 8  (12 ms, rank 1)", "[1 2] -> 7 8  (12 ms)",
+                                 "[1 2] -> ERROR rank 1 failed  (12 ms, rank 1)"]
+    load = {"sent": 8, "rate": 4.0, "duration_s": 2.04, "completed": 7, "failed": 1,
+            "latency_s": loadgen.percentiles([0.1, 0.2, 0.3])}
+    assert render.load_text(load).splitlines() == [
+        "sent 8 at 4/s over 2.0s: completed 7, failed 1", "latency p50 200 ms, p90 300 ms, p99 300 ms, max 300 ms"]
