@@ -108,7 +108,8 @@ def list_deployments(namespace: str) -> list[str]:
 
 # ---- up / down ---------------------------------------------------------------------------------
 def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
-       timeout_s: float, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+       timeout_s: float, say: Callable[[str], None] = lambda s: None,
+       placement: dict[str, Any] | None = None) -> dict[str, Any]:
     import ray
 
     from engine_ext.engine.config import EngineConfig
@@ -121,6 +122,9 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     if max_dp < dp:
         raise UsageError(f"--max-dp ({max_dp}) must be >= --dp ({dp})")
     cfg = EngineConfig(**engine, instance_id=t.name)
+    placement = dict(placement or {"policy": "pack", "ifname": ""})
+    if placement.get("policy", "pack") not in ("pack", "spread", "strict-spread"):
+        raise UsageError(f"--placement must be pack, spread or strict-spread, not {placement.get('policy')!r}")
     try:
         cfg.validate()
     except ValueError as e:
@@ -141,12 +145,12 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     registry = ray.remote(Registry).options(name=registry_name(t.name), namespace=t.namespace,
                                             lifetime="detached", num_cpus=0).remote(t.name)
     info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus_per_rank,
-            "gpus_per_rank": gpus_per_rank, "config": cfg.to_dict()}
+            "gpus_per_rank": gpus_per_rank, "config": cfg.to_dict(), "placement": placement}
     _get(registry.set_info.remote(info))
     controller = ray.remote(Controller).options(
         name=controller_name(t.name), namespace=t.namespace, lifetime="detached", num_cpus=0,
         max_concurrency=1000,
-    ).remote(t.name, t.namespace, cfg.to_dict(), max_dp, cpus_per_rank, gpus_per_rank)
+    ).remote(t.name, t.namespace, cfg.to_dict(), max_dp, cpus_per_rank, gpus_per_rank, placement)
     try:
         result = _raise_if_error(_get(controller.start.remote(dp, timeout_s), timeout=timeout_s + 30))
     except BaseException:

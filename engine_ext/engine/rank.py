@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from engine_ext.elastic.comm import StatelessGroup, host_store, local_ip
+from engine_ext.elastic.comm import StatelessGroup, configure_node, host_store, local_ip
 from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.elastic.eplb import EplbState, ExpertLayout, ExpertMove, plan_moves, transfer_pairs
 from engine_ext.elastic.graphs import GraphManager, GraphReleasedError, StaleGraphError
@@ -102,6 +102,9 @@ class RankEngine:
         device: str = "cpu",
         sink: Sink | None = None,
         kind: str = "reference",
+        node_id: str = "",
+        node_ip: str = "",
+        ifname: str = "",
     ) -> None:
         cfg = copy.deepcopy(cfg)
         cfg.validate()
@@ -145,7 +148,10 @@ class RankEngine:
         self._commit_ready = False
         self._store_master = None
         self.node = socket.gethostname()
-        self.ip = local_ip()
+        # Ray ranks bind and advertise the node IP Ray reports (or the operator's interface);
+        # the process launcher (one node, no Ray) keeps the default-route guess.
+        self.node_id = node_id
+        self.ip = configure_node(node_ip, ifname).ip if (node_ip or ifname) else local_ip()
         self.current_op = ""
 
     # ---- identity and telemetry ---------------------------------------------------------------
@@ -167,7 +173,7 @@ class RankEngine:
         g = self.graphs
         st = RankStatus(
             deployment=self.deployment, rank=self.rank, instance_id=self.instance_id, engine_id=self.engine_id,
-            kind=self.kind, node=f"{self.node}/{self.ip}", pid=os.getpid(), device=str(self.device),
+            kind=self.kind, node=f"{self.node}/{self.ip}", node_id=self.node_id, node_ip=self.ip, pid=os.getpid(), device=str(self.device),
             state=self.state.value, state_reason=self.state_reason, dp_size=self.world_size,
             requests_running=len(s.running), requests_waiting=len(s.waiting),
             slots_used=s.slots.used, slots_total=s.slots.total,
