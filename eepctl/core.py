@@ -122,9 +122,14 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     if max_dp < dp:
         raise UsageError(f"--max-dp ({max_dp}) must be >= --dp ({dp})")
     cfg = EngineConfig(**engine, instance_id=t.name)
-    placement = dict(placement or {"policy": "pack", "ifname": ""})
-    if placement.get("policy", "pack") not in ("pack", "spread", "strict-spread"):
-        raise UsageError(f"--placement must be pack, spread or strict-spread, not {placement.get('policy')!r}")
+    from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
+
+    spec = PlacementSpec.from_dict(placement)
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    placement = spec.to_dict()
     try:
         cfg.validate()
     except ValueError as e:
