@@ -1,9 +1,9 @@
 """Live scaling across two Ray nodes (a veth link) against the same on one node.
 
 Builds the two-node cluster of tests/multinode.py (root: the head on 10.213.0.1; a network
-namespace: the second node on 10.213.0.2; needs root), then for each placement runs DP 2->4->2
+namespace: the second node on 10.213.0.2; needs root), then for each placement runs DP 1->2->4->2
 under open-loop load: `pack` keeps every rank on one node, `spread` puts them on both, so weight
-transfers to joiners cross the veth link. Prints a markdown report: wall time, serving pause,
+transfers to joiners on the other node cross the veth link (1->2 always does under spread). Prints a markdown report: wall time, serving pause,
 weight-transfer bytes and throughput per joiner (with whether it crossed nodes), load outcomes.
 
 Usage (as root): .venv/bin/python benchmarks/multinode.py [--rate R] [--hidden H]
@@ -52,10 +52,10 @@ def transfers(t: core.Target, op_id: str, node_of: dict[int, str]) -> list[dict[
 def run_policy(policy: str, engine: dict[str, Any], rate: float) -> list[dict[str, Any]]:
     t = core.Target(name=f"bench-{policy}")
     out = []
-    core.up(t, dp=2, max_dp=4, engine=engine, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
+    core.up(t, dp=1, max_dp=4, engine=engine, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
             placement={"policy": policy, "ifname": ""})
     try:
-        for target in (4, 2):
+        for target in (2, 4, 2):
             res: dict[str, Any] = {}
             th = load_during(t, rate, 12.0, res)
             time.sleep(2.0)
@@ -67,7 +67,7 @@ def run_policy(policy: str, engine: dict[str, Any], rate: float) -> list[dict[st
             node_of = {r["rank"]: r["node_ip"] for r in snap["ranks"]}
             out.append({"policy": policy, "op": f"{op['from_size']}->{op['to_size']}", "state": op["state"],
                         "wall": wall, "pause": op["serving_pause_s"], "nodes": sorted(set(node_of.values())),
-                        "transfers": transfers(t, op["op_id"], node_of) if target == 4 else [],
+                        "transfers": transfers(t, op["op_id"], node_of) if op["to_size"] > op["from_size"] else [],
                         "load": res})
     finally:
         core.down(t, stop_cluster=False)
@@ -77,7 +77,7 @@ def run_policy(policy: str, engine: dict[str, Any], rate: float) -> list[dict[st
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", type=float, default=2.0)
-    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=512)
     args = ap.parse_args()
     engine = {"hidden_size": args.hidden}
     cl = multinode.start(num_cpus=6)
