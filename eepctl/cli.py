@@ -97,6 +97,8 @@ def up(
     cpus_per_rank: Annotated[float, typer.Option(help="Ray CPUs per rank.")] = 1.0,
     gpus_per_rank: Annotated[float, typer.Option(help="Ray GPUs per rank (0: CPU ranks).")] = 0.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait until every rank serves.")] = 300.0,
+    placement: Annotated[str, typer.Option(help="Ranks over Ray nodes: pack, spread or strict-spread (one per node).")] = "pack",
+    ifname: Annotated[str, typer.Option(help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME.")] = "",
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
@@ -109,7 +111,8 @@ def up(
               "dtype": dtype, "seed": seed,
               "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
     res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
-                  cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say)
+                  cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
+                  placement={"policy": placement, "ifname": ifname})
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 
 

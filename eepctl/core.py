@@ -91,8 +91,10 @@ def _raise_if_error(result: Any) -> Any:
 
 # ---- up / down ---------------------------------------------------------------------------------
 def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
-       timeout_s: float, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+       timeout_s: float, say: Callable[[str], None] = lambda s: None,
+       placement: dict[str, Any] | None = None) -> dict[str, Any]:
     from engine_ext.engine.config import EngineConfig
+    from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
     from engine_ext.ray.deployment import actor, create_deployment
 
     t.validated()
@@ -105,6 +107,11 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         cfg.validate()
     except ValueError as e:
         raise UsageError(f"invalid engine option: {e}") from None
+    spec = PlacementSpec.from_dict(placement)
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     started = None
     t0 = time.time()
     try:
@@ -119,7 +126,7 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     if actor(registry_name(t.name), t.namespace) is not None:
         raise PreconditionError(f"deployment {t.name!r} already exists in namespace {t.namespace!r}")
     handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
-                                        gpus_per_rank, timeout_s)
+                                        gpus_per_rank, timeout_s, placement=spec.to_dict())
     # Wait until every rank's heartbeat says it serves.
     deadline = time.time() + 15
     snap: dict[str, Any] = {}

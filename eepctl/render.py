@@ -74,13 +74,16 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
             graphs = f"{r.get('graphs_captured', 0)} {'cuda' if r.get('graph_kind') == 'cuda' else 'cpu'}"
             table.add_row(str(r["rank"]), r["instance_id"], Text(state), run_wait, kv, ws, graphs, age)
         else:
-            table.add_row(str(r["rank"]), r["instance_id"], r.get("node", ""), Text(state), run_wait,
+            table.add_row(str(r["rank"]), r["instance_id"], node_label(r), Text(state), run_wait,
                           f"{r['slots_used']}/{r['slots_total']}", kv, ws, _capture(r),
                           f"{r.get('eplb_imbalance', 0.0):.2f}", age)
     s = snap["summary"]
     states = ", ".join(f"{n} {k}" for k, n in sorted(s["by_state"].items())) or "no ranks"
     lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
              f"waiting {s['requests_waiting']}"]
+    per_node = ranks_per_node(snap["ranks"])
+    if per_node:
+        lines.append("ranks per node: " + ", ".join(f"{node} {n}" for node, n in per_node.items()))
     for r in snap["ranks"]:
         if r.get("state_reason") and r["state"] != "serving":
             lines.append(f"rank {r['rank']} {r['state']}: {r['state_reason']}")
@@ -90,6 +93,20 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
     for v in snap.get("violations", []):
         lines.append(f"INVARIANT {v['invariant']} rank {v['rank']}: {v['message']}")
     return _text([table, *lines], width)
+
+
+def node_label(r: dict[str, Any]) -> str:
+    """Ray node id prefix + IP (multi-node); host/IP under the process launcher."""
+    if r.get("node_id"):
+        return f"{r['node_id'][:8]}/{r.get('node_ip', '')}"
+    return r.get("node", "")
+
+
+def ranks_per_node(ranks: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in ranks:
+        out[node_label(r)] = out.get(node_label(r), 0) + 1
+    return dict(sorted(out.items()))
 
 
 def events_text(data: dict[str, Any], width: int = 160) -> str:
@@ -132,7 +149,8 @@ def event_line(ev: dict[str, Any]) -> str:
 
 def _membership_lines(plan: dict[str, Any]) -> list[str]:
     """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
-    lines = [f"  join   rank {j['rank']} as {j['instance_id']}" for j in plan.get("joining", [])]
+    where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}" for p in (plan.get("placement") or {}).get("nodes", [])}
+    lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}" for j in plan.get("joining", [])]
     lines += [f"  leave  rank {j['rank']} ({j['instance_id']})" for j in plan.get("leaving", [])]
     lines += [f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
               for src, dsts in plan.get("transfer_pairs", {}).items()]

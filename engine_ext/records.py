@@ -78,6 +78,8 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_id: str
     kind: str = DeploymentKind.REFERENCE.value
     node: str = ""
+    node_id: str = ""  # the Ray node id (empty under the process launcher)
+    node_ip: str = ""  # the address this rank's store and gloo device use
     pid: int = 0
     device: str = "cpu"
     state: str = RankState.STARTING.value

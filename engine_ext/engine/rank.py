@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine_ext.elastic.comm import StatelessGroup, host_store, local_ip
+from engine_ext.elastic.comm import StatelessGroup, configure_node, host_store, local_ip
 from engine_ext.elastic.eplb import EplbState, ExpertLayout
 from engine_ext.elastic.graphs import GraphManager
 from engine_ext.elastic.identity import apply_dp_identity_suffix
@@ -49,6 +49,9 @@ class RankEngine:
         device: str = "cpu",
         sink: Sink | None = None,
         kind: str = "reference",
+        node_id: str = "",
+        node_ip: str = "",
+        ifname: str = "",
     ) -> None:
         cfg = copy.deepcopy(cfg)
         cfg.validate()
@@ -86,7 +89,10 @@ class RankEngine:
         self.stopping = False
         self.lock = threading.RLock()
         self.node = socket.gethostname()
-        self.ip = local_ip()
+        # Ray ranks bind and advertise the node IP Ray reports (or the operator's interface);
+        # the process launcher (one node, no Ray) keeps the default-route guess.
+        self.node_id = node_id
+        self.ip = configure_node(node_ip, ifname).ip if (node_ip or ifname) else local_ip()
         self._store_master: Any = None
         self.telemetry = RankTelemetry(self, sink)
         self.loop = StepLoop(self)
