@@ -19,8 +19,7 @@ import pytest
 
 from engine_ext.ray.placement import Node, PlacementError, choose_nodes
 from tests import multinode
-from tests.conftest import eepctl, eepctl_json
-from tests.test_scaling_ray import Deployment, check_load, last_json, serving_view, status
+from tests.helpers import Deployment, check_load, eepctl, eepctl_json, last_json, serving_view, status
 
 A, B, C = (Node("a" * 8, "10.0.0.1", 4, 0), Node("b" * 8, "10.0.0.2", 4, 0), Node("c" * 8, "10.0.0.3", 1, 0))
 
