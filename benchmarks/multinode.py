@@ -25,15 +25,7 @@ os.environ.setdefault("EEPCTL_STATE_DIR", tempfile.mkdtemp(prefix="eep-bench-mn-
 
 from eepctl import core  # noqa: E402
 from tests import multinode  # noqa: E402
-
-
-def load_during(t: core.Target, rate: float, seconds: float, result: dict[str, Any]) -> threading.Thread:
-    def run() -> None:
-        result.update(core.load(t, core.DEFAULT_PROMPTS, 8, rate, seconds, timeout_s=seconds + 120))
-
-    th = threading.Thread(target=run)
-    th.start()
-    return th
+from benchmarks.transition import load_during  # noqa: E402
 
 
 def transfers(t: core.Target, op_id: str, node_of: dict[int, str]) -> list[dict[str, Any]]:

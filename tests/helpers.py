@@ -3,12 +3,13 @@ live deployment (status views, the oracle, load results). Fixtures live in conft
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,28 @@ class Deployment:
                              text=True, env=env, cwd=ROOT)
         self.procs.append(p)
         return p
+
+
+@contextlib.contextmanager
+def owned_deployments() -> Iterator[Callable[[str], Deployment]]:
+    """Makes ``Deployment``s by name; on exit ends their background CLI processes (by their Popen
+    handle, nothing else) and brings each down by name."""
+    owned: list[Deployment] = []
+
+    def make(name: str) -> Deployment:
+        d = Deployment(name)
+        owned.append(d)
+        return d
+
+    try:
+        yield make
+    finally:
+        for d in owned:
+            for p in d.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate(timeout=30)
+            eepctl("down", "--name", d.name, timeout=120)
 
 
 def up_cli(d: Deployment, dp: int, max_dp: int, *extra: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import pytest
 
 from engine_ext.ray.placement import Node, PlacementError, choose_nodes
 from tests import multinode
-from tests.helpers import Deployment, check_load, eepctl, eepctl_json, last_json, serving_view, status
+from tests.helpers import check_load, eepctl, eepctl_json, last_json, owned_deployments, serving_view, status
 
 A, B, C = (Node("a" * 8, "10.0.0.1", 4, 0), Node("b" * 8, "10.0.0.2", 4, 0), Node("c" * 8, "10.0.0.3", 1, 0))
 
@@ -73,20 +73,8 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def md(two_nodes):
-    owned: list[Deployment] = []
-
-    def make(name: str) -> Deployment:
-        d = Deployment(name)
-        owned.append(d)
-        return d
-
-    yield make
-    for d in owned:
-        for p in d.procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate(timeout=30)
-        eepctl("down", "--name", d.name, timeout=120)
+    with owned_deployments() as make:
+        yield make
 
 
 def nodes_of(snap: dict[str, Any]) -> dict[int, str]:
