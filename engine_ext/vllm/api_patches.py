@@ -119,6 +119,7 @@ class ScaleWatch:
                 raise
             finally:
                 watch._end()
+            watch.last_failure = None
             return result
 
         _scale_elastic_ep.__eepctl_patch__ = "scale_watch"  # type: ignore[attr-defined]
@@ -135,8 +136,9 @@ class ScaleWatch:
             self.in_flight -= 1
 
     def _failed(self, target: int, error: BaseException) -> None:
-        # vLLM raises its flag after prepare: a failure with the flag up failed in drain or commit.
-        phase = "commit" if scaling_flag() else "prepare"
+        # vLLM raises its flag after prepare and lowers it itself when the drain fails: a failure
+        # with the flag still up is a failed commit.
+        phase = "commit" if scaling_flag() else "prepare/drain"
         with self._lock:
             self.last_failure = {"at": time.time(), "phase": phase, "to_size": int(target),
                                  "error": f"{type(error).__name__}: {error}"[:300]}
