@@ -167,7 +167,14 @@ def status(t: Target) -> dict[str, Any]:
     if registry is None:
         raise UnreachableError(f"the registry of {t.name!r} is gone while its controller still runs; "
                                "per-rank status is unavailable until a registry exists again")
-    return _get(registry.snapshot.remote(), timeout=10)
+    snap = _get(registry.snapshot.remote(), timeout=10)
+    if snap.get("kind") == "vllm":  # each engine's health from vLLM's fault tolerance, where it has it
+        import os
+
+        from engine_ext.vllm.fault_tolerance import health
+
+        snap["fault_tolerance"] = health(snap, api_key=os.environ.get("VLLM_API_KEY"))
+    return snap
 
 
 def events(t: Target, op_id: str | None = None, since_seq: int = 0) -> dict[str, Any]:

@@ -92,6 +92,7 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
         lines.append(f"operation in progress: {op['op_id']} DP {op['from_size']} -> {op['to_size']}, phase {op['phase']}")
     for v in snap.get("violations", []):
         lines.append(f"INVARIANT {v['invariant']} rank {v['rank']}: {v['message']}")
+    lines.extend(_vllm_lines(snap))
     return _text([table, *lines], width)
 
 
@@ -107,6 +108,22 @@ def ranks_per_node(ranks: list[dict[str, Any]]) -> dict[str, int]:
     for r in ranks:
         out[node_label(r)] = out.get(node_label(r), 0) + 1
     return dict(sorted(out.items()))
+
+
+def _vllm_lines(snap: dict[str, Any]) -> list[str]:
+    """A vLLM deployment's wedged state and its engines' fault-tolerance health."""
+    out: list[str] = []
+    wedge = (snap.get("info") or {}).get("wedged")
+    if wedge:
+        since = time.strftime("%H:%M:%S UTC", time.gmtime(float(wedge.get("since") or 0)))
+        out.append(f"WEDGED since {since} (failing phase: {wedge.get('phase')}): {wedge.get('cause')}"
+                   f"{'; ' + wedge['error'] if wedge.get('error') else ''}. Remedy: {wedge.get('remedy')}")
+    ft = snap.get("fault_tolerance")
+    if ft:
+        out.append("fault tolerance: " + (ft.get("error") or ", ".join(
+            f"engine {e.get('id')} {e.get('status')}{' (' + e['fault_info'] + ')' if e.get('fault_info') else ''}"
+            for e in ft.get("engines", []))))
+    return out
 
 
 def events_text(data: dict[str, Any], width: int = 160) -> str:

@@ -125,7 +125,6 @@ class VllmRankStatus(RankStatus, kw_only=True, forbid_unknown_fields=True):
     hook_calls: dict[str, dict[str, int | FiniteFloat]] = {}
     hooks: dict[str, str] = {}
     worker_pid: int = 0
-    vllm_instance_id: str = ""
     dp_backend: str = ""
     elastic_ep: bool = False
 

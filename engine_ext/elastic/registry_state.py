@@ -17,6 +17,7 @@ import msgspec
 
 from engine_ext.protocol import STALE_AFTER_S
 from engine_ext.records import (
+    DeploymentKind,
     Event,
     Operation,
     OpState,
@@ -146,8 +147,10 @@ class RegistryState:
                               "message": f"duplicate identity {v.instance_id} "
                                          f"(ranks {seen[v.instance_id]} and {v.rank})"})
             seen[v.instance_id] = v.rank
+            # vLLM suffixes its identities only when it starts sibling DP engines (DP > 1).
+            suffixed = v.kind != DeploymentKind.VLLM.value or v.dp_size > 1
             for field, value in (("instance_id", v.instance_id), ("engine_id", v.engine_id)):
-                if value and (not value.endswith(f"_dp{v.rank}") or _STACKED.search(value)):
+                if value and ((suffixed and not value.endswith(f"_dp{v.rank}")) or _STACKED.search(value)):
                     found.append({"invariant": "I1", "rank": rank,
                                   "message": f"{field} {value!r} does not end in exactly one _dp{v.rank}"})
             if v.workspace_locked and v.workspace_required_bytes and v.workspace_bytes < v.workspace_required_bytes:
