@@ -11,7 +11,7 @@ import torch
 
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.oracle import reference_generate
+from engine_ext.engine.dense_oracle import reference_generate
 from tests.engine_helpers import run
 
 pytestmark = [

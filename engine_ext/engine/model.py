@@ -16,27 +16,9 @@ from engine_ext.elastic.comm import StatelessGroup
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.workspace import WorkspaceManager, bytes_for
 from engine_ext.engine.config import EngineConfig
+from engine_ext.engine.weights import dense_weights, expert_weights, torch_dtype
 
 PLACEHOLDER_SEED_OFFSET = 7_919_000
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _rand(g: torch.Generator, *shape: int, fan_in: int, dtype: torch.dtype) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) / math.sqrt(fan_in)).to(dtype)
-
-
-def expert_weights(cfg: EngineConfig, seed: int, layer: int, logical: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = _gen(seed * 1_000_003 + layer * 10_007 + logical + 1)
-    w1 = _rand(g, cfg.hidden_size, cfg.expert_hidden, fan_in=cfg.hidden_size, dtype=dtype)
-    w2 = _rand(g, cfg.expert_hidden, cfg.hidden_size, fan_in=cfg.expert_hidden, dtype=dtype)
-    return w1, w2
 
 
 @dataclass
@@ -61,20 +43,10 @@ class MoEModel:
         self.dtype = torch_dtype(cfg.dtype)
         self.rank = rank
         self.layout = layout
-        H, V = cfg.hidden_size, cfg.vocab_size
-        g = _gen(seed)
+        H = cfg.hidden_size
         dt = self.dtype
         # Non-expert weights, in a fixed order: this list is what a weight transfer moves.
-        self.dense: dict[str, torch.Tensor] = {"embed": _rand(g, V, H, fan_in=1, dtype=dt) * 0.5,
-                                               "pos_embed": _rand(g, cfg.max_model_len, H, fan_in=1, dtype=dt) * 0.1}
-        for l in range(cfg.num_layers):
-            self.dense[f"l{l}.ln1"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
-            self.dense[f"l{l}.wqkv"] = _rand(g, H, 3 * H, fan_in=H, dtype=dt)
-            self.dense[f"l{l}.wo"] = _rand(g, H, H, fan_in=H, dtype=dt)
-            self.dense[f"l{l}.ln2"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
-            self.dense[f"l{l}.router"] = _rand(g, H, cfg.num_experts, fan_in=H, dtype=dt) * 4.0
-        self.dense["final_norm"] = torch.ones(H, dtype=dt)
-        self.dense["lm_head"] = _rand(g, H, V, fan_in=H, dtype=dt) * 4.0
+        self.dense = dense_weights(cfg, seed, dt)
         for k in self.dense:
             self.dense[k] = self.dense[k].to(device)
         # Expert weights for this rank's physical slots: [layers][slots, ...], written in place.
