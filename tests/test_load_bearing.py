@@ -201,6 +201,22 @@ def test_skip_rewarm_fails_the_operation_at_the_lock(sizes):
     assert word in op["error"], op["error"]
 
 
+@pytest.mark.timeout(200)
+def test_skip_rewarm_without_the_lock_check_keeps_freed_bytes_from_the_kv_pool():
+    """Harm: after 3 -> 2 the workspace still holds the 3-rank bound, so the KV blocks the smaller
+    world frees never reach the pool. Only the lock's size check catches it (the test below)."""
+    from engine_ext.elastic.eplb import build_layout
+    from engine_ext.engine.rank import RankEngine
+
+    [(op, views)] = run(_resize(_cfg("skip_rewarm", "no_lock_check"), [3, 2]), 180)
+    assert op["state"] == "succeeded", op
+    probe = RankEngine(_cfg(), "probe", 0, build_layout(8, 8, 1))
+    right = probe.warmup.kv_pool_blocks(probe.model.moe_workspace_bound(2))
+    for v in views:
+        assert v["workspace_bytes"] > v["workspace_required_bytes"], v
+        assert v["kv_blocks_total"] < right, (v["kv_blocks_total"], right)
+
+
 def test_workspace_bound_shrinks_with_the_world():
     from engine_ext.elastic.eplb import build_layout
     from engine_ext.engine.model import MoEModel
@@ -238,3 +254,26 @@ def test_prepared_eplb_communicator_serves_right_on_the_joiner(reference):
     assert 2 in {r["rank"] for r in results}
     assert oracle_mismatch(list((i % len(PROMPTS), r) for i, r in enumerate(results)), reference) == ""
     assert violations == []
+
+
+# ---- suffixed identities (I1) ------------------------------------------------------------------
+async def _start_and_view(cfg: EngineConfig, dp: int) -> tuple[list[dict], list[dict]]:
+    async with LocalDeployment(cfg, "ids", max_dp=dp) as dep:
+        await dep.start(dp)
+        await asyncio.sleep(1.5)  # a heartbeat from every rank
+        return dep.registry.rank_views(), dep.registry.violations()
+
+
+@pytest.mark.timeout(120)
+def test_unsuffixed_identities_lose_a_rank_from_the_deployment_and_are_flagged():
+    views, violations = run(_start_and_view(_cfg("no_suffix"), 2), 100)
+    assert [v["rank"] for v in views] == [0], "the second rank claiming the same identity was refused"
+    assert any(v["invariant"] == "I1" and "duplicate identity" in v["message"] for v in violations), violations
+
+
+@pytest.mark.timeout(120)
+def test_double_suffix_is_flagged_and_suffixed_identities_are_clean():
+    views, violations = run(_start_and_view(_cfg("double_suffix"), 2), 100)
+    assert sorted(v["rank"] for v in violations if v["invariant"] == "I1") == ["0", "0", "1", "1"], violations
+    views, violations = run(_start_and_view(_cfg(), 2), 100)
+    assert [v["rank"] for v in views] == [0, 1] and violations == []

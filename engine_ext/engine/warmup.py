@@ -107,7 +107,7 @@ class Warmup:
         # The lock admits only the size this world needs: a skipped re-warm fails here, both ways.
         with e.telemetry.phase(op_id, "lock", capture_passes=e.graphs.passes_this_op, required_bytes=bound) as d:
             d["workspace_bytes"] = e.workspace.nbytes
-            e.workspace.lock(bound)
+            e.workspace.lock(None if faults.active("no_lock_check") else bound)
         report["workspace_after"] = e.workspace.nbytes
         report["kv_blocks_after"] = e.sched.blocks.total
         report["captures_this_op"] = e.graphs.passes_this_op

@@ -10,8 +10,11 @@ import torch
 from engine_ext.engine.config import EngineConfig
 
 
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return _DTYPES[name]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -40,7 +43,8 @@ def dense_weights(cfg: EngineConfig, seed: int, dtype: torch.dtype) -> dict[str,
     return dense
 
 
-def expert_weights(cfg: EngineConfig, seed: int, layer: int, logical: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_weights(cfg: EngineConfig, seed: int, layer: int, logical: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(w1, w2) of one logical expert in one layer."""
     g = _gen(seed * 1_000_003 + layer * 10_007 + logical + 1)
     w1 = _rand(g, cfg.hidden_size, cfg.expert_hidden, fan_in=cfg.hidden_size, dtype=dtype)
