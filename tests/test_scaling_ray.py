@@ -361,7 +361,7 @@ def test_warmup_not_isolated_violates_i5(deployments):
     up_inproc(d, 2, 3, ["warmup_not_isolated"])
     # Long requests in flight during the scale, so the warm-up runs next to live KV and slots.
     prompts = ["-p", "1,2,3", "-p", "4,5,6", "-p", "9,8,7,6", "-p", "100,101"]
-    load_proc = d.popen("generate", "--name", d.name, "--rate", "5", "--duration", "8", "--max-tokens", "40",
+    load_proc = d.popen("generate", "--name", d.name, "--rate", "5", "--duration", "20", "--max-tokens", "40",
                         *prompts, "-o", "json")
     wait_serving_load(d.name)
     op = _failed_scale(d, 3)

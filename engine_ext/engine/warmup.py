@@ -81,9 +81,13 @@ class Warmup:
             d["required_bytes"] = bound
             report.update(d)
             broken = [k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged") if not d[k]]
-            if broken and not faults.active("no_warmup_check"):
-                raise WarmupIsolationError(f"warm-up touched serving state ({', '.join(broken)} false; live KV "
-                                           f"checksum {d['live_kv_checksum']} -> {d['live_kv_after']})")
+            # One verdict for the group: every rank stops together, none waits in a capture collective.
+            flag = torch.tensor([1 if broken else 0], dtype=torch.int64)
+            anyone = bool(e.group.all_reduce_max(flag)[0]) if e.group is not None else bool(broken)
+            if anyone and not faults.active("no_warmup_check"):
+                where = (f"{', '.join(broken)} false; live KV checksum {d['live_kv_checksum']} -> "
+                         f"{d['live_kv_after']}") if broken else "on another rank of the group"
+                raise WarmupIsolationError(f"warm-up touched serving state ({where})")
         # "skip_release" keeps the old captures (none are made where none were released);
         # "double_capture" reproduces upstream before its fix: the re-warm captured a second time.
         if faults.active("skip_release") and op_id != "startup":  # every rank alike: captures are collective
