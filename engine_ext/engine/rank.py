@@ -63,7 +63,7 @@ class RankEngine:
         if self.faults.active("double_suffix"):  # stacks suffixes (the upstream bug)
             cfg.instance_id = f"{cfg.instance_id}_dp{rank}_dp{rank}"
             cfg.kv_transfer.engine_id = f"{cfg.kv_transfer.engine_id}_dp{rank}_dp{rank}"
-        else:
+        elif not self.faults.active("no_suffix"):  # no_suffix: every rank claims the base identity
             cfg = apply_dp_identity_suffix(cfg, rank)
         self.cfg = cfg
         self.deployment = deployment
