@@ -105,7 +105,7 @@ def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -
         cfg = EngineConfig.from_dict(snap["info"]["config"])
         assert cfg.dtype == "float64" and cfg.instance_id == name
 
-        # default prompts, default 8 tokens, equal to the single-process oracle
+        # default prompts, default 8 tokens, equal to the dense oracle
         gen = eepctl_json("generate", "--name", name, timeout=120)
         assert gen["object"] == "generate"
         results = gen["results"]
