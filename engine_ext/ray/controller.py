@@ -158,8 +158,8 @@ class Controller:
             except ValueError:  # the old name is not released yet, or someone else recreated it
                 continue
             try:
-                if self._info:
-                    await reg.set_info.remote(self._info)
+                # expected_ranks: the new registry says it is rebuilding until that many report.
+                await reg.set_info.remote({**self._info, "expected_ranks": len(self.orch.clients)})
                 for op in list(self.orch.history):
                     await reg.record_operation.remote(op)
                 if self._emitted:
