@@ -55,21 +55,29 @@ class ProgressModel:
 
     def _phase(self, name: str, at: float, top: bool) -> PhaseProgress:
         """The phase's record. Operation phases (the controller's, or the op record's) are rows of
-        their own; a phase only ranks report hangs under the operation phase current when it
-        first arrives, so nested phases (commit holds warm and capture) show where they belong."""
+        their own; a phase only ranks report is drawn under the operation phase it started in
+        (commit holds warm and capture)."""
         ph = self.phases.get(name)
         if ph is None:
-            ph = self.phases[name] = PhaseProgress(name, at, parent=None if top else self._top_current())
+            ph = self.phases[name] = PhaseProgress(name, at, parent=None if top else "?")
         if top:
             ph.parent = None
         ph.first_seen = min(ph.first_seen, at)
         return ph
 
+    def operation_phases(self) -> list[PhaseProgress]:
+        return sorted((p for p in self.phases.values() if p.parent is None), key=lambda p: p.first_seen)
+
+    def _parent_of(self, ph: PhaseProgress) -> str | None:
+        """The operation phase that had begun last when ``ph`` began; None when there is none."""
+        before = [t for t in self.operation_phases() if t.first_seen <= ph.first_seen]
+        return before[-1].name if before else None
+
     def _top_current(self) -> str | None:
         if self.op.get("phase") in self.phases:
             return self.op["phase"]
-        tops = [p for p in self.phases.values() if p.parent is None]
-        return max(tops, key=lambda p: p.first_seen).name if tops else None
+        tops = self.operation_phases()
+        return tops[-1].name if tops else None
 
     def on_event(self, ev: dict[str, Any]) -> None:
         self.op.setdefault("op_id", ev.get("op_id", ""))
@@ -103,12 +111,14 @@ class ProgressModel:
 
     def ordered(self) -> list[PhaseProgress]:
         """Operation phases in the order they began, each followed by the rank phases inside it."""
-        tops = sorted((p for p in self.phases.values() if p.parent is None or p.parent not in self.phases),
-                      key=lambda p: p.first_seen)
-        out: list[PhaseProgress] = []
-        for top in tops:
+        children: dict[str | None, list[PhaseProgress]] = {}
+        for p in self.phases.values():
+            if p.parent is not None:
+                children.setdefault(self._parent_of(p), []).append(p)
+        out: list[PhaseProgress] = sorted(children.pop(None, []), key=lambda p: p.first_seen)
+        for top in self.operation_phases():
             out.append(top)
-            out.extend(sorted((p for p in self.phases.values() if p.parent == top.name), key=lambda p: p.first_seen))
+            out.extend(sorted(children.get(top.name, []), key=lambda p: p.first_seen))
         return out
 
     def current(self) -> str | None:
@@ -143,6 +153,7 @@ def progress_view(model: ProgressModel, now: float | None = None, *, verbose: bo
         table.add_column(col, no_wrap=True)
     current = model.current()
     total = model.expected_ranks()
+    nested = bool(model.operation_phases())  # rank phases are indented only under operation phases
     for ph in model.ordered():
         if ph.name == current:
             mark: Any = Spinner("dots") if spinner else Text(">")
@@ -152,7 +163,8 @@ def progress_view(model: ProgressModel, now: float | None = None, *, verbose: bo
             took = _fmt_s(ph.duration_s)
         done = f"{len(ph.ranks_done)}/{total}" if ph.ranks_done or (ph.name == current and total) else "-"
         slow = ph.slowest()
-        table.add_row(mark, ph.name if ph.parent is None else f"  {ph.name}", took, done, f"rank {slow[0]} ({_fmt_s(slow[1])})" if slow else "-")
+        label = ph.name if ph.parent is None or not nested else f"  {ph.name}"
+        table.add_row(mark, label, took, done, f"rank {slow[0]} ({_fmt_s(slow[1])})" if slow else "-")
     lines: list[Any] = [table]
     if model.pause_s is not None:
         lines.append(Text(f"serving pause: {model.pause_s * 1000:.1f} ms"))

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 KV_NAMESPACE = b"eepctl"
 SECRET_HEADER = "X-Eep-Secret"
 _KV_GET = "/ray.rpc.InternalKVGcsService/InternalKVGet"
@@ -105,7 +107,7 @@ def kv_get(host: str, port: int, key: bytes, namespace: bytes = KV_NAMESPACE, ti
 def fetch(endpoint: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
     req = urllib.request.Request(endpoint["url"], headers={SECRET_HEADER: endpoint["secret"]})
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - a URL the registry published
-        return json.loads(resp.read())
+        return msgspec.json.decode(resp.read())
 
 
 def reader(address: str | None, namespace: str, name: str) -> Callable[[], dict[str, Any]] | None:

@@ -14,6 +14,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import msgspec
+
 from engine_ext.elastic.registry_state import RegistryState
 
 KV_NAMESPACE = "eepctl"  # eepctl.readpath reads the same key; engine_ext must not import eepctl
@@ -25,8 +27,10 @@ def endpoint_key(namespace: str, name: str) -> str:
 
 
 class Registry:
-    def __init__(self, deployment: str, kind: str = "reference") -> None:
+    def __init__(self, deployment: str, kind: str = "reference", expected_ranks: int | None = None) -> None:
         self.state = RegistryState(deployment, kind)
+        if expected_ranks:  # recreated by the controller: rebuilding until that many ranks report
+            self.state.expected_ranks = expected_ranks
         self._lock = threading.Lock()  # the HTTP thread reads while actor calls write
         self._server: ThreadingHTTPServer | None = None
         self.endpoint: dict[str, str] | None = None
@@ -52,7 +56,7 @@ class Registry:
                 if not hmac.compare_digest(self.headers.get(SECRET_HEADER, ""), secret):
                     self.send_error(403)
                     return
-                body = json.dumps(registry.snapshot(), default=str).encode()
+                body = msgspec.json.encode(registry.snapshot(), enc_hook=str)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
