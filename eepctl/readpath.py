@@ -5,8 +5,9 @@ The registry actor serves its snapshot over HTTP on its node's IP and publishes
 that key with one raw gRPC call to the GCS (InternalKVGet, carrying the Ray token when token auth
 is on, as ``cluster._check_auth`` does) and then GETs the snapshot with the secret in a header.
 Neither ray nor its generated protobuf modules are imported (importing ray alone costs ~0.8 s):
-the two tiny messages are encoded by hand. Any failure returns None and the caller falls back to
-the Ray driver.
+the two tiny messages are encoded by hand. The endpoint is remembered in eepctl's state dir
+(mode 0600) so the next command skips the GCS call. Any failure returns None and the caller
+falls back to the Ray driver.
 """
 
 from __future__ import annotations
@@ -110,8 +111,35 @@ def fetch(endpoint: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
         return msgspec.json.decode(resp.read())
 
 
+def _cache_file(addr: str, namespace: str, name: str) -> Path:
+    from eepctl import cluster
+
+    safe = addr.replace(":", "_").replace("/", "_")
+    return cluster.state_dir() / "endpoints" / f"{safe}__{namespace}__{name}.json"
+
+
+def _cached(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _remember(path: Path, endpoint: dict[str, Any]) -> None:
+    """Keep the endpoint for the next command (user-only file: it holds the read secret)."""
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(endpoint, f)
+    except OSError:
+        pass
+
+
 def reader(address: str | None, namespace: str, name: str) -> Callable[[], dict[str, Any]] | None:
-    """A function returning the snapshot over the light path, or None (use the Ray driver)."""
+    """A function returning the snapshot over the light path, or None (use the Ray driver).
+    The endpoint remembered from the last command is tried first (no GCS call, no gRPC start-up);
+    when it fails the KV is read again."""
     if os.environ.get("EEPCTL_READ_PATH") == "ray":
         return None
     from eepctl import cluster
@@ -119,15 +147,26 @@ def reader(address: str | None, namespace: str, name: str) -> Callable[[], dict[
     addr = cluster.resolve_address(address)
     if addr is None or addr == "auto":
         return None
-    try:
-        host, port = cluster.parse_address(addr)
-        raw = kv_get(host, port, endpoint_key(namespace, name))
-        if not raw:
+    cache = _cache_file(addr, namespace, name)
+    endpoint = _cached(cache)
+    first = None
+    if endpoint is not None:
+        try:
+            first = fetch(endpoint, timeout_s=2.0)
+        except Exception:  # noqa: BLE001 - a new registry, or none: ask the GCS
+            cache.unlink(missing_ok=True)
+            endpoint = None
+    if endpoint is None:
+        try:
+            host, port = cluster.parse_address(addr)
+            raw = kv_get(host, port, endpoint_key(namespace, name))
+            if not raw:
+                return None
+            endpoint = json.loads(raw)
+            first = fetch(endpoint, timeout_s=2.0)
+        except Exception:  # noqa: BLE001 - any trouble: the Ray driver path reports it properly
             return None
-        endpoint = json.loads(raw)
-        first = fetch(endpoint, timeout_s=2.0)
-    except Exception:  # noqa: BLE001 - any trouble: the Ray driver path reports it properly
-        return None
+        _remember(cache, endpoint)
     pending = [first]
 
     def read() -> dict[str, Any]:

@@ -6,10 +6,7 @@ import io
 import time
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
-
+# rich is imported inside the text renderers: `-o json` output never pays for it.
 from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
 
 
@@ -27,6 +24,8 @@ def to_json(kind: str, data: Any) -> str:
 def _text(renderables: list[Any], width: int = 160) -> str:
     buf = io.StringIO()
     # markup=False: error texts (gloo's "[/path/pair.cc:553]") must print as they are.
+    from rich.console import Console
+
     console = Console(file=buf, width=width, force_terminal=False, color_system=None, highlight=False,
                       markup=False, emoji=False)
     for r in renderables:
@@ -97,6 +96,9 @@ def eplb_share(snap: dict[str, Any], rank: int) -> str:
 def status_text(snap: dict[str, Any], width: int = 160, max_rows: int | None = None) -> str:
     """The per-rank table, ranks needing attention first; under 120 columns a compact set.
     ``max_rows`` (watch mode: the screen's height) cuts the table and says how many are left out."""
+    from rich.table import Table
+    from rich.text import Text
+
     compact = width < 120
     table = Table(title=f"deployment {snap['deployment']} ({snap.get('kind', 'reference')})", title_justify="left")
     cols = (("rank", "identity", "state", "run/wait", "kv", "workspace", "graphs", "hb") if compact else
@@ -156,6 +158,9 @@ def events_text(data: dict[str, Any], width: int = 160) -> str:
     ops = data.get("operations", [])
     out: list[Any] = []
     if ops:
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(title="operations", title_justify="left")
         for col in ("op", "dp", "state", *REPORTED_PHASES, "pause", "captures/rank", "workspace before -> after", "error"):
             table.add_column(col, overflow="fold")
