@@ -31,7 +31,7 @@ class PhaseProgress:
     ranks_done: dict[int, float] = field(default_factory=dict)  # rank -> duration
     controller_s: float | None = None  # the controller's own span of the phase, when it has one
     errors: int = 0
-    parent: str | None = None  # a rank-only phase (warm, capture) runs inside an operation phase (commit)
+    rank_only: bool = False  # reported by ranks only (warm, capture): drawn inside an operation phase (commit)
 
     @property
     def duration_s(self) -> float:
@@ -59,14 +59,14 @@ class ProgressModel:
         (commit holds warm and capture)."""
         ph = self.phases.get(name)
         if ph is None:
-            ph = self.phases[name] = PhaseProgress(name, at, parent=None if top else "?")
+            ph = self.phases[name] = PhaseProgress(name, at, rank_only=not top)
         if top:
-            ph.parent = None
+            ph.rank_only = False
         ph.first_seen = min(ph.first_seen, at)
         return ph
 
     def operation_phases(self) -> list[PhaseProgress]:
-        return sorted((p for p in self.phases.values() if p.parent is None), key=lambda p: p.first_seen)
+        return sorted((p for p in self.phases.values() if not p.rank_only), key=lambda p: p.first_seen)
 
     def _parent_of(self, ph: PhaseProgress) -> str | None:
         """The operation phase that had begun last when ``ph`` began; None when there is none."""
@@ -113,7 +113,7 @@ class ProgressModel:
         """Operation phases in the order they began, each followed by the rank phases inside it."""
         children: dict[str | None, list[PhaseProgress]] = {}
         for p in self.phases.values():
-            if p.parent is not None:
+            if p.rank_only:
                 children.setdefault(self._parent_of(p), []).append(p)
         out: list[PhaseProgress] = sorted(children.pop(None, []), key=lambda p: p.first_seen)
         for top in self.operation_phases():
@@ -163,7 +163,7 @@ def progress_view(model: ProgressModel, now: float | None = None, *, verbose: bo
             took = _fmt_s(ph.duration_s)
         done = f"{len(ph.ranks_done)}/{total}" if ph.ranks_done or (ph.name == current and total) else "-"
         slow = ph.slowest()
-        label = ph.name if ph.parent is None or not nested else f"  {ph.name}"
+        label = ph.name if not ph.rank_only or not nested else f"  {ph.name}"
         table.add_row(mark, label, took, done, f"rank {slow[0]} ({_fmt_s(slow[1])})" if slow else "-")
     lines: list[Any] = [table]
     if model.pause_s is not None:
