@@ -49,14 +49,7 @@ def _read_fields(data: bytes) -> dict[int, bytes]:
     out: dict[int, bytes] = {}
     i = 0
     while i < len(data):
-        key, shift = 0, 0
-        while True:
-            b = data[i]
-            i += 1
-            key |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
+        key, i = _read_varint(data, i)
         number, wire = key >> 3, key & 7
         if wire == 0:
             while data[i] & 0x80:
@@ -65,17 +58,22 @@ def _read_fields(data: bytes) -> dict[int, bytes]:
             continue
         if wire != 2:
             raise ValueError(f"unexpected wire type {wire}")
-        n, shift = 0, 0
-        while True:
-            b = data[i]
-            i += 1
-            n |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
+        n, i = _read_varint(data, i)
         out[number] = data[i:i + n]
         i += n
     return out
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    """A protobuf varint at ``i``: its value and the index after it."""
+    value, shift = 0, 0
+    while True:
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i
 
 
 def ray_token() -> str | None:
