@@ -130,6 +130,19 @@ class StatelessGroup:
         for dev, host in staged:
             dev.copy_(host)
 
+    def abort(self) -> None:
+        """Drop the group at once, failing any collective a thread is blocked in (a peer died:
+        never wait out the backend's timeout)."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            for how in ("abort", "shutdown"):
+                if hasattr(pg, how):
+                    try:
+                        getattr(pg, how)()
+                        return
+                    except Exception:  # a dead peer must not keep us from dropping the group
+                        continue
+
     def destroy(self) -> None:
         pg, self.pg = self.pg, None
         if pg is not None and hasattr(pg, "shutdown"):

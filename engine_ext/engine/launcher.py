@@ -86,6 +86,8 @@ class ProcessRankClient(RankClient):
             if not self._post(self._dispatch, msg):
                 return
         self._post(self._fail_pending)
+        # The pipe closed: the process is gone (or going). That is the launcher's death signal.
+        self._post(self.owner.on_rank_exit, self.rank, self.proc)
 
     def _post(self, fn: Any, *args: Any) -> bool:
         try:
@@ -151,7 +153,7 @@ class LocalDeployment:
     """A deployment whose ranks are child processes of this one. Use ``async with``."""
 
     def __init__(self, cfg: EngineConfig, name: str = "local", *, max_dp: int = 8, device: str = "cpu",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, on_rank_failure: str = "replace") -> None:
         self.cfg = cfg
         self.name = name
         self.device = device
@@ -160,7 +162,7 @@ class LocalDeployment:
         self.registry = RegistryState(name)
         self.orch = Orchestrator(name, cfg, ProcessSpawner(self), max_dp=max_dp,
                                  emit=self.registry.report_event, record_op=self.registry.record_operation,
-                                 forget_rank=self.registry.forget_rank)
+                                 forget_rank=self.registry.forget_rank, on_rank_failure=on_rank_failure)
 
     def device_for(self, rank: int) -> str:
         if self.device == "cuda-per-rank":
@@ -174,6 +176,15 @@ class LocalDeployment:
             self.registry.report_event(payload)
         elif kind == "results":
             self.orch.router.on_results(payload["results"])
+        elif kind == "tokens":
+            self.orch.router.on_tokens(payload["tokens"])
+
+    def on_rank_exit(self, rank: int, proc: mp.process.BaseProcess) -> None:
+        proc.join(0.5)
+        code = proc.exitcode
+        cause = f"process exited (exit code {code})" if code is not None and code >= 0 else \
+            f"process killed by signal {-code}" if code is not None else "rank pipe closed"
+        self.orch.recovery.on_death(rank, cause)
 
     async def start(self, size: int) -> None:
         await self.orch.start(size)

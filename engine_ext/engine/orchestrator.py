@@ -56,6 +56,7 @@ class Orchestrator:
         emit: EventSink | None = None,
         record_op: Callable[[dict[str, Any]], Any] | None = None,
         forget_rank: Callable[[int], Any] | None = None,
+        on_rank_failure: str = "replace",
     ) -> None:
         self.name = name
         self.cfg = cfg
@@ -75,6 +76,17 @@ class Orchestrator:
         self._commit_started = False
         self._joiners: dict[int, RankClient] = {}
         self.history: list[dict[str, Any]] = []
+        # Membership: global ranks (identities, never renamed) in position order; joiners get
+        # fresh global ranks, so a dead rank's name is never reused.
+        self.members: list[int] = []
+        self.next_rank = 0
+        self.store_host = 0
+        self.stopping = False
+        self.desired = 0
+        self.on_rank_failure = on_rank_failure
+        from engine_ext.engine.recovery import Recovery
+
+        self.recovery = Recovery(self)
 
     @property
     def size(self) -> int:
@@ -113,6 +125,10 @@ class Orchestrator:
                 await _quiet(c.kill())
             raise
         self.clients = clients
+        self.members = list(range(size))
+        self.next_rank = size
+        self.store_host = 0
+        self.desired = size
         self.router.set_ranks(clients)
 
     def _rdzv(self, tag: str) -> Rendezvous:
@@ -169,6 +185,7 @@ class Orchestrator:
         busy = self.busy()
         if busy is not None:
             raise PreconditionError(f"a scale is already running: {busy}; one at a time")
+        self.desired = target
         async with self._op_lock:
             plan = await self.plan(target, op_id)
             op = Operation(plan.op_id, self.name, plan.from_size, plan.to_size, plan=plan.to_dict())
@@ -221,9 +238,17 @@ class Orchestrator:
         old_size, new_size = plan.from_size, plan.to_size
         new_layout = ExpertLayout.from_dict(plan.layout)
         rdzv = self._rdzv(plan.op_id)
+        old_members = list(self.members)
+        if new_size > old_size:
+            new_ranks = list(range(self.next_rank, self.next_rank + new_size - old_size))
+            self.next_rank += len(new_ranks)
+            new_members = old_members + new_ranks
+        else:
+            new_ranks, new_members = [], old_members[:new_size]
         tplan = TransitionPlan(op_id=plan.op_id, kind="scale_up" if new_size > old_size else "scale_down",
                                old_size=old_size, new_size=new_size, rdzv=rdzv, old_layout=self.layout,
-                               new_layout=new_layout, timeout_s=timeout_s)
+                               new_layout=new_layout, timeout_s=timeout_s,
+                               old_members=tuple(old_members), new_members=tuple(new_members))
         for c in self.clients.values():
             with_ws = await _quiet(c.status(timeout=5))
             if isinstance(with_ws, dict):
@@ -237,18 +262,18 @@ class Orchestrator:
                 op.phase = Phase.LAUNCH.value
                 t = time.time()
                 spawned = await asyncio.gather(
-                    *(self.spawner.spawn(r, new_layout, True) for r in range(old_size, new_size)),
+                    *(self.spawner.spawn(r, new_layout, True) for r in new_ranks),
                     return_exceptions=True)
                 # Keep every rank that did start (the rollback stops them) before failing on one that did not.
-                joiners.update({r: c for r, c in zip(range(old_size, new_size), spawned)
+                joiners.update({r: c for r, c in zip(new_ranks, spawned)
                                 if not isinstance(c, BaseException)})
-                for r, c in zip(range(old_size, new_size), spawned):
+                for r, c in zip(new_ranks, spawned):
                     if isinstance(c, BaseException):
                         raise TransitionFailed(f"launch of rank {r} failed: {_short(c)}")
                 self._phase(op, Phase.LAUNCH, t, ranks=sorted(joiners))
                 world.update(joiners)
             else:
-                for r in range(new_size, old_size):
+                for r in old_members[new_size:]:
                     self.router.excluded.add(r)
             op.phase = Phase.PREPARE.value
             t = time.time()
@@ -257,14 +282,14 @@ class Orchestrator:
             if new_size < old_size:
                 op.phase = Phase.DRAIN.value
                 t = time.time()
-                removing = {r: c for r, c in world.items() if r >= new_size}
+                removing = {r: c for r, c in world.items() if r not in new_members}
                 await self._all(removing, "begin_drain", lambda c: c.begin_drain(plan.op_id, timeout=timeout_s))
-                await self._drain(range(new_size, old_size), drain_timeout_s)
+                await self._drain(sorted(removing), drain_timeout_s)
                 self._phase(op, Phase.DRAIN, t)
             op.phase = Phase.COMMIT.value
             t = time.time()
             self._commit_started = True
-            old_world = {r: c for r, c in world.items() if r < old_size}
+            old_world = {r: c for r, c in world.items() if r in old_members}
             await self._all(old_world, "request_commit", lambda c: c.request_commit(plan.op_id, timeout=30))
             results = await self._all(world, "wait_op", lambda c: c.wait_op(plan.op_id, timeout_s, timeout=timeout_s + 5))
             self._phase(op, Phase.COMMIT, t)
@@ -275,12 +300,13 @@ class Orchestrator:
         moved: list[dict[str, Any]] = []
         for r, res in results.items():
             moved.extend(res.get("moved", []))
-            if r < new_size:
+            if r in new_members:
                 op.captures_per_rank[str(r)] = int(res.get("captures_this_op", 0))
                 op.workspace_after[str(r)] = int(res.get("workspace_after", 0))
                 op.serving_pause_s = max(op.serving_pause_s, float(res.get("pause_s", 0.0)))
-        leaving = {r: c for r, c in world.items() if r >= new_size}
-        self.clients = {r: c for r, c in world.items() if r < new_size}
+        leaving = {r: c for r, c in world.items() if r not in new_members}
+        self.clients = {r: world[r] for r in new_members}
+        self.members = list(new_members)
         self.layout = new_layout
         self.router.set_ranks(self.clients)
         if moved:
@@ -292,7 +318,7 @@ class Orchestrator:
             self.forget_rank(r)
         self._phase(op, Phase.CLEANUP, t, removed=sorted(leaving), moved_requests=len(moved))
 
-    async def _drain(self, ranks: range, timeout_s: float) -> None:
+    async def _drain(self, ranks: list[int], timeout_s: float) -> None:
         """Let removing ranks finish their requests; whatever is left moves at commit."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
@@ -309,9 +335,9 @@ class Orchestrator:
         """Before commit: roll back (drop joiners and standby groups, keep serving).
         During commit: report each rank's state; the deployment stays explainable."""
         commit_started = self._commit_started
-        old_size = op.from_size
-        for r in range(op.to_size, old_size):
-            self.router.excluded.discard(r)
+        for r in self.members:
+            if r not in self.recovery.dead:
+                self.router.excluded.discard(r)
         if not commit_started:
             op.phase_durations.setdefault(Phase.ROLLBACK.value, 0.0)
             t = time.time()
@@ -349,6 +375,7 @@ class Orchestrator:
 
     # ---- stop --------------------------------------------------------------------------------
     async def stop(self) -> None:
+        self.stopping = True
         for c in self.clients.values():
             await _quiet(c.stop(timeout=5))
         for c in self.clients.values():

@@ -28,6 +28,7 @@ from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.faults import Faults
 from engine_ext.engine.model import PLACEHOLDER_SEED_OFFSET, MoEModel
 from engine_ext.engine.rank_status import RankTelemetry, Sink
+from engine_ext.engine.recovery_rank import RankRecovery
 from engine_ext.engine.scheduler import Request, Scheduler
 from engine_ext.engine.step_loop import StepLoop
 from engine_ext.engine.transition_rank import RankTransition
@@ -84,6 +85,7 @@ class RankEngine:
         self.capture_passes = 0  # capture passes in the current operation (I4: exactly one)
         self.current_op = ""
         self.stopping = False
+        self.halting = False  # a peer died: the step loop stops until recovery resumes it
         self.lock = threading.RLock()
         self.node = socket.gethostname()
         self.ip = local_ip()
@@ -92,6 +94,7 @@ class RankEngine:
         self.loop = StepLoop(self)
         self.warmup = Warmup(self)
         self.transition = RankTransition(self)
+        self.recovery = RankRecovery(self)
         self.faults.hold("launch")
 
     def _on_hold(self, phase: str) -> None:
@@ -124,7 +127,8 @@ class RankEngine:
 
     # ---- RankControl: membership, warm-up, serving ---------------------------------------------------
     def host_store(self) -> tuple[str, int]:
-        """Rank 0 hosts the deployment's TCPStore; every rendezvous is a prefix in it."""
+        """Rank 0 hosts the deployment's TCPStore (a survivor hosts a new one when the host
+        died); every rendezvous is a prefix in it."""
         if self._store_master is None:
             self._store_master = host_store()
         return self.ip, int(self._store_master.port)
@@ -167,6 +171,9 @@ class RankEngine:
 
     def abort(self, op_id: str) -> bool:
         return self.transition.abort(op_id)
+
+    def recover(self, plan: TransitionPlan) -> dict[str, Any]:
+        return self.recovery.recover(plan)
 
     # ---- shutdown and failure -----------------------------------------------------------------------
     def fail(self, e: BaseException) -> None:

@@ -51,6 +51,9 @@ class RankControl(Protocol):
     def abort(self, op_id: str) -> bool:
         """Roll back a prepared, uncommitted operation."""
 
+    def recover(self, plan: TransitionPlan) -> dict[str, Any]:
+        """A peer died: abort the old groups, rebuild the survivors' world, serve again."""
+
     def stop(self) -> None:
         """Stop serving and leave the group."""
 
@@ -112,6 +115,9 @@ class RankClient(ABC):
 
     async def abort(self, op_id: str, *, timeout: float | None = None) -> bool:
         return bool(await self._invoke("abort", op_id, timeout=timeout))
+
+    async def recover(self, plan: TransitionPlan, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._invoke("recover", plan, timeout=timeout)
 
     async def stop(self, *, timeout: float | None = None) -> None:
         await self._invoke("stop", timeout=timeout)

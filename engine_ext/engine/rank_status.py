@@ -21,7 +21,7 @@ from engine_ext.records import to_builtins
 if TYPE_CHECKING:
     from engine_ext.engine.rank import RankEngine
 
-Sink = Callable[[str, dict[str, Any]], None]  # (kind, payload): "status" | "event" | "results"
+Sink = Callable[[str, dict[str, Any]], None]  # (kind, payload): "status" | "event" | "results" | "tokens"
 
 
 class RankTelemetry:
