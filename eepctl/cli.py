@@ -97,6 +97,8 @@ def up(
     cpus_per_rank: Annotated[float, typer.Option(help="Ray CPUs per rank.")] = 1.0,
     gpus_per_rank: Annotated[float, typer.Option(help="Ray GPUs per rank (0: CPU ranks).")] = 0.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait until every rank serves.")] = 300.0,
+    on_rank_failure: Annotated[str, typer.Option(help="When a rank dies: shrink (serve at the healthy size) "
+                                                 "or replace (shrink, then grow back to the desired size).")] = "replace",
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
@@ -109,7 +111,8 @@ def up(
               "dtype": dtype, "seed": seed,
               "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
     res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
-                  cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say)
+                  cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
+                  on_rank_failure=on_rank_failure)
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 
 
@@ -259,6 +262,25 @@ def events(
             return
         time.sleep(0.5)
         data = core.events(t, op, seq)
+
+
+@app.command()
+def repair(
+    name: Name = DEFAULT_DEPLOYMENT,
+    address: Address = None,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the repair.")] = 300.0,
+    api_key: ApiKey = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Recover what self-healing could not (dead ranks, a size below the desired one); say what was done."""
+    from eepctl import core, render
+
+    res = core.repair(_target(address, namespace, name), timeout_s=timeout, api_key=api_key)
+    if output == Output.json:
+        _emit(render.to_json("repair", res) + "\n")
+    else:
+        _emit("\n".join(f"repair: {a}" for a in res.get("actions", [])) + "\n")
 
 
 @app.command()

@@ -91,7 +91,8 @@ def _raise_if_error(result: Any) -> Any:
 
 # ---- up / down ---------------------------------------------------------------------------------
 def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
-       timeout_s: float, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+       timeout_s: float, say: Callable[[str], None] = lambda s: None,
+       on_rank_failure: str = "replace") -> dict[str, Any]:
     from engine_ext.engine.config import EngineConfig
     from engine_ext.ray.deployment import actor, create_deployment
 
@@ -100,6 +101,8 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         raise UsageError(f"--dp must be >= 1, got {dp}")
     if max_dp < dp:
         raise UsageError(f"--max-dp ({max_dp}) must be >= --dp ({dp})")
+    if on_rank_failure not in ("shrink", "replace"):
+        raise UsageError(f"--on-rank-failure must be shrink or replace, not {on_rank_failure!r}")
     cfg = EngineConfig(**engine, instance_id=t.name)
     try:
         cfg.validate()
@@ -119,7 +122,7 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     if actor(registry_name(t.name), t.namespace) is not None:
         raise PreconditionError(f"deployment {t.name!r} already exists in namespace {t.namespace!r}")
     handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
-                                        gpus_per_rank, timeout_s)
+                                        gpus_per_rank, timeout_s, on_rank_failure)
     # Wait until every rank's heartbeat says it serves.
     deadline = time.time() + 15
     snap: dict[str, Any] = {}
@@ -321,6 +324,24 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
         except EepError:
             pass
     return check_outcome(result)
+
+
+def repair(t: Target, *, timeout_s: float = 300.0, api_key: str | None = None) -> dict[str, Any]:
+    """Recover what the automatic self-healing could not (dead members, a size below the
+    desired one) and say what was done."""
+    t.validated()
+    _connect(t)
+    registry, controller = _deployment(t)
+    if (snap := _vllm_snapshot(registry, controller)) is not None:
+        try:
+            from engine_ext.vllm import fault_tolerance
+        except ImportError:
+            raise UsageError("repair of vLLM deployments is not available") from None
+        return fault_tolerance.repair(snap, api_key=api_key, timeout_s=timeout_s)
+    if controller is None:
+        raise UnreachableError(f"the controller of {t.name!r} is gone; recreate the deployment "
+                               f"(`eepctl down --name {t.name}` then `eepctl up --name {t.name}`)")
+    return _raise_if_error(_get(controller.repair.remote(), timeout=timeout_s))
 
 
 def check_outcome(op: dict[str, Any]) -> dict[str, Any]:

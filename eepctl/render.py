@@ -81,6 +81,7 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
     states = ", ".join(f"{n} {k}" for k, n in sorted(s["by_state"].items())) or "no ranks"
     lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
              f"waiting {s['requests_waiting']}"]
+    lines += _selfheal_lines(snap)
     for r in snap["ranks"]:
         if r.get("state_reason") and r["state"] != "serving":
             lines.append(f"rank {r['rank']} {r['state']}: {r['state_reason']}")
@@ -90,6 +91,19 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
     for v in snap.get("violations", []):
         lines.append(f"INVARIANT {v['invariant']} rank {v['rank']}: {v['message']}")
     return _text([table, *lines], width)
+
+
+def _selfheal_lines(snap: dict[str, Any]) -> list[str]:
+    """Desired vs current size, and the dead ranks with their cause until they are replaced."""
+    info = snap.get("info") or {}
+    lines = []
+    if "desired_dp" in info:
+        current = len(info.get("members", snap["ranks"]))
+        lines.append(f"DP {current} of desired {info['desired_dp']} (on rank failure: "
+                     f"{info.get('on_rank_failure', 'replace')})")
+    for d in info.get("dead") or []:
+        lines.append(f"rank {d.get('rank')} dead: {d.get('cause', 'unknown cause')}")
+    return lines
 
 
 def events_text(data: dict[str, Any], width: int = 160) -> str:

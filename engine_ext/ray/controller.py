@@ -31,6 +31,19 @@ class RayRankClient(RankClient):
         self.rank = rank
         self.handle = handle
         self._pid = pid
+        self._watch: asyncio.Task | None = None
+
+    def watch(self, on_death: Any) -> None:
+        """Call ``on_death(rank, cause)`` the moment the actor dies (its pending ``until_dead`` raises)."""
+        async def wait() -> None:
+            try:
+                await self.handle.until_dead.remote()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - RayActorError: the process is gone
+                on_death(self.rank, f"actor died: {str(e).strip().splitlines()[0][:200]}")
+
+        self._watch = asyncio.ensure_future(wait())
 
     def pid(self) -> int:
         return self._pid
@@ -52,6 +65,7 @@ class RaySpawner:
         self.cfg = cfg
         self.cpus = cpus
         self.gpus = gpus
+        self.on_death: Any = lambda rank, cause: None
 
     def check_capacity(self, new_ranks: int) -> str | None:
         if new_ranks <= 0:
@@ -78,12 +92,14 @@ class RaySpawner:
         except ValueError as e:  # the name is taken: refuse a duplicate identity (I1)
             raise EepError(f"identity {identity} is already taken by a live actor: {e}") from None
         pid = await asyncio.wait_for(handle.pid.remote(), 120)
-        return RayRankClient(rank, handle, pid)
+        client = RayRankClient(rank, handle, pid)
+        client.watch(lambda r, cause: self.on_death(r, cause))
+        return client
 
 
 class Controller:
     def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
-                 cpus_per_rank: float, gpus_per_rank: float) -> None:
+                 cpus_per_rank: float, gpus_per_rank: float, on_rank_failure: str = "replace") -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
@@ -91,7 +107,9 @@ class Controller:
         self._resolved_at = time.time()
         self.spawner = RaySpawner(deployment, namespace, self.cfg, cpus_per_rank, gpus_per_rank)
         self.orch = Orchestrator(deployment, self.cfg, self.spawner, max_dp=max_dp,
-                                 emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank)
+                                 emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank,
+                                 on_rank_failure=on_rank_failure)
+        self.spawner.on_death = self._on_death
         self._tasks: dict[str, asyncio.Task] = {}
         self.started_at = time.time()
         # Registry recreation: what a new registry must be given back (info, ops, own events).
@@ -116,6 +134,8 @@ class Controller:
     def _record_op(self, op: dict[str, Any]) -> None:
         if self._metrics is not None:
             self._metrics.on_operation(op, self.orch.size)
+        if op.get("finished") and (op.get("kind") == "recover" or self.orch.recovery.dead):
+            self._info_dead()
         try:
             self._handle_registry().record_operation.remote(op)
         except Exception:
@@ -185,7 +205,10 @@ class Controller:
         return await self.info()
 
     async def info(self) -> dict[str, Any]:
+        self._info_dead()
         return {"deployment": self.deployment, "dp": self.orch.size, "max_dp": self.orch.max_dp,
+                "desired_dp": self.orch.desired, "on_rank_failure": self.orch.on_rank_failure,
+                "dead": self._dead_shown(),
                 "ranks": {str(r): c.pid() for r, c in self.orch.clients.items()},
                 "running_op": self.orch.busy(),
                 "layout": self.orch.layout.to_dict() if self.orch.layout else None,
@@ -200,6 +223,48 @@ class Controller:
     # ---- serving -------------------------------------------------------------------------------
     def on_results(self, results: list[dict[str, Any]]) -> None:
         self.orch.router.on_results(results)
+
+    def on_tokens(self, tokens: dict[str, list[float]]) -> None:
+        self.orch.router.on_tokens(tokens)
+
+    # ---- self-healing --------------------------------------------------------------------------
+    def _on_death(self, rank: int, cause: str) -> None:
+        self.orch.recovery.on_death(rank, cause)
+        self._info_dead()
+
+    def _info_dead(self) -> None:
+        """The registry's info carries desired size, policy and dead ranks (``eepctl status``)."""
+        extra = {"desired_dp": self.orch.desired, "on_rank_failure": self.orch.on_rank_failure,
+                 "members": list(self.orch.members),
+                 "dead": self._dead_shown()}
+        self._info.update(extra)
+        try:
+            self._handle_registry().set_info.remote(self._info)
+        except Exception:  # noqa: BLE001 - telemetry is best effort
+            pass
+
+    def _dead_shown(self) -> list[dict[str, Any]]:
+        """Dead ranks, shown until replaced (policy replace: the size is back at the desired one)."""
+        o = self.orch
+        if o.on_rank_failure == "replace" and o.size >= o.desired and not o.busy():
+            return []
+        return list(o.recovery.dead.values())[-8:]
+
+    async def repair(self) -> dict[str, Any]:
+        """Recover what the automatic path could not: dead or unanswering members, then the
+        desired size. Says what it did."""
+        done: list[str] = []
+        await self.orch.recovery.wait()
+        op = await self.orch.recovery.recover()
+        if op:
+            done.append(f"recovered without rank(s) {op.get('dead_ranks')}: {op.get('state')}"
+                        + (f" ({op.get('error')})" if op.get("error") else ""))
+        if self.orch.desired > self.orch.size and not self.orch.busy():
+            res = await self.orch.scale(min(self.orch.desired, self.orch.max_dp))
+            done.append(f"scaled DP {res.get('from_size')} -> {res.get('to_size')}: {res.get('state')}")
+        self._info_dead()
+        return {"deployment": self.deployment, "actions": done or ["nothing to repair"],
+                "dp": self.orch.size, "desired_dp": self.orch.desired}
 
     async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         t0 = time.time()

@@ -6,6 +6,7 @@ answered while the rank serves (the actor is threaded).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ class RankActor:
         self._controller = None
         self._resolve_after = 0.0
         self._registry_id: str | None = None  # the registry actor last reported to
+        self._forever = threading.Event()  # never set: ``until_dead`` returns only by dying
         try:  # Ray metrics (docs/operations.md); best effort, never blocks a rank from starting
             from engine_ext.ray.metrics import RankMetrics
 
@@ -59,9 +61,12 @@ class RankActor:
             elif kind == "event":
                 self._metrics.on_event(payload)
         registry, controller = self._handles()
-        if kind == "results":
+        if kind in ("results", "tokens"):
             if controller is not None:
-                controller.on_results.remote(payload["results"])
+                if kind == "results":
+                    controller.on_results.remote(payload["results"])
+                else:
+                    controller.on_tokens.remote(payload["tokens"])
             return
         if registry is None:  # events stay in the engine's ring and go to the next registry
             return
@@ -96,6 +101,11 @@ class RankActor:
         if method not in RANK_METHODS:
             raise AttributeError(f"rank has no method {method!r}")
         return getattr(self.engine, method)(*args)
+
+    def until_dead(self) -> None:
+        """Never returns: the controller keeps one call pending per rank, and its ObjectRef
+        raises RayActorError the moment this process dies (the Ray death signal)."""
+        self._forever.wait()
 
     def pid(self) -> int:
         import os
