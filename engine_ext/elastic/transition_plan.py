@@ -35,6 +35,9 @@ class TransitionPlan:
     # its index here. Empty means 0..size-1 (no rank ever died).
     old_members: tuple[int, ...] = ()
     new_members: tuple[int, ...] = ()
+    # recover: members whose expert weights may be half moved (a failed commit); every slot they
+    # held is restored from another copy or the weight source instead.
+    untrusted: tuple[int, ...] = ()
 
     @property
     def old_world(self) -> tuple[int, ...]:

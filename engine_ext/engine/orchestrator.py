@@ -348,7 +348,16 @@ class Orchestrator:
                 self.forget_rank(r)
             if op.state == OpState.FAILED.value:
                 op.state = OpState.ROLLED_BACK.value
+            if self._joiners:  # their names are free again
+                self.next_rank = min(self.next_rank, min(self._joiners))
             self._phase(op, Phase.ROLLBACK, t)
+        else:
+            # From commit on the world may be half switched: drop the joiners, and rebuild the
+            # members' world, restoring every expert slot (weights may be half moved).
+            for r, c in self._joiners.items():
+                await _quiet(c.kill())
+                self.forget_rank(r)
+            self.recovery.rebuild(f"{op.op_id} failed after commit began", untrusted=True)
         for r, c in list(self.clients.items()):
             st = await _quiet(c.status(timeout=5))
             op.rank_states[str(r)] = st.get("state", "unreachable") if isinstance(st, dict) else "unreachable"

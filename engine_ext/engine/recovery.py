@@ -33,6 +33,8 @@ class Recovery:
         self._task: asyncio.Task | None = None
         self.recovered = 0
         self.last_recovery_s = 0.0
+        self.rebuild_reason = ""  # a rebuild is due although no member died (a failed commit)
+        self.untrusted = False
 
     def on_death(self, rank: int, cause: str) -> None:
         """A rank's process is gone. Called on the controller's event loop."""
@@ -46,13 +48,21 @@ class Recovery:
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
 
+    def rebuild(self, reason: str, *, untrusted: bool) -> None:
+        """Rebuild the members' world although none died (a scale failed inside its commit)."""
+        self.rebuild_reason = reason
+        self.untrusted = self.untrusted or untrusted
+        self.orch.router.pause()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
     async def _run(self) -> None:
         o = self.orch
         await asyncio.sleep(0.2)  # deaths of one incident arrive together: recover them at once
-        while any(r in o.members for r in self.dead):
-            await self.recover()
-            if not any(r in o.members for r in self.dead):
+        for _ in range(3):
+            if not (any(r in o.members for r in self.dead) or self.rebuild_reason):
                 break
+            await self.recover()
         if (o.on_rank_failure == "replace" and not o.stopping and o.desired > len(o.members)
                 and o.router.clients and not o._op_lock.locked()):
             await o.scale(min(o.desired, o.max_dp))
@@ -78,10 +88,12 @@ class Recovery:
                 if not isinstance(st, dict):  # no answer: as good as dead
                     self.dead.setdefault(r, {"rank": r, "cause": f"did not answer: {st}", "at": time.time()})
             dead = [r for r in o.members if r in self.dead]
-            if not dead:
+            if not dead and not self.rebuild_reason:
                 return {}
             survivors = [r for r in o.members if r not in self.dead]
-            first_death = min(self.dead[r]["at"] for r in dead)
+            first_death = min([self.dead[r]["at"] for r in dead] or [time.time()])
+            untrusted = tuple(survivors) if self.untrusted else ()
+            self.rebuild_reason, self.untrusted = "", False
             op = Operation(new_op_id(), o.name, len(o.members), len(survivors), kind="recover",
                            dead_ranks=dead)
             op.rerouted_requests = o.router.rerouted
@@ -89,7 +101,7 @@ class Recovery:
             self.emit(op, "detect", first_death, time.time(), dead=dead,
                       causes={str(r): self.dead[r]["cause"] for r in dead})
             try:
-                await asyncio.wait_for(self._rebuild(op, survivors), RANK_RECOVER_TIMEOUT_S + 30)
+                await asyncio.wait_for(self._rebuild(op, survivors, untrusted), RANK_RECOVER_TIMEOUT_S + 30)
                 op.state = OpState.SUCCEEDED.value
                 self.recovered += 1
                 self.last_recovery_s = time.time() - first_death
@@ -103,7 +115,7 @@ class Recovery:
                 o._record(op)
             return to_builtins(op)
 
-    async def _rebuild(self, op: Operation, survivors: list[int]) -> None:
+    async def _rebuild(self, op: Operation, survivors: list[int], untrusted: tuple[int, ...]) -> None:
         o = self.orch
         assert o.layout is not None
         need = min_world_size(o.cfg.num_experts, o.cfg.slots_per_rank)
@@ -125,7 +137,7 @@ class Recovery:
         plan = TransitionPlan(op_id=op.op_id, kind="recover", old_size=len(old_members), new_size=len(survivors),
                               rdzv=o._rdzv(op.op_id), old_layout=old, new_layout=new_layout,
                               timeout_s=RANK_RECOVER_TIMEOUT_S, old_members=tuple(old_members),
-                              new_members=tuple(survivors))
+                              new_members=tuple(survivors), untrusted=untrusted)
         op.plan = {"members": survivors, "dead": op.dead_ranks, "layout": new_layout.to_dict()}
         t = time.time()
         clients = {r: o.clients[r] for r in survivors}

@@ -87,7 +87,7 @@ class RankTransition:
         except Exception as ex:
             op.error = f"{type(ex).__name__}: {ex}"
             op.drop_groups()
-            if role != "joining":
+            if role != "joining" and e.state is RankState.PREPARING:
                 e.telemetry.set_state(RankState.SERVING, f"prepare of {plan.op_id} failed")
             raise
         op.prepared.set()
@@ -246,7 +246,8 @@ class RankTransition:
         e, plan = self.engine, op.plan
         model = e.model
         old_w, new_w = plan.old_world, plan.new_world
-        alive = {p for p, m in enumerate(old_w) if m in new_w or plan.kind != "recover"}
+        alive = {p for p, m in enumerate(old_w)
+                 if plan.kind != "recover" or (m in new_w and m not in plan.untrusted)}
         moves = plan_moves(plan.old_layout, plan.new_layout, alive, missing_ok=plan.kind == "recover")
         comm = op.eplb_comm
         assert comm is not None

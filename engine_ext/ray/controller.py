@@ -246,7 +246,7 @@ class Controller:
     def _dead_shown(self) -> list[dict[str, Any]]:
         """Dead ranks, shown until replaced (policy replace: the size is back at the desired one)."""
         o = self.orch
-        if o.on_rank_failure == "replace" and o.size >= o.desired and not o.busy():
+        if o.on_rank_failure == "replace" and o.size >= o.desired and o.running_op() is None:
             return []
         return list(o.recovery.dead.values())[-8:]
 
