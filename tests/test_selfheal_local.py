@@ -120,3 +120,56 @@ def test_expert_only_on_dead_rank_restored_from_weight_source() -> None:
             restored = events[-1]["detail"]["restored_from_weight_source"]
             assert set(only_there) <= set(restored)
     run(scenario(), 220)
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_killed_at_once(reference: list[dict]) -> None:
+    async def scenario() -> None:
+        async with LocalDeployment(_cfg(slots_per_rank=6), "heal-two", max_dp=4, on_rank_failure="shrink") as dep:
+            await dep.start(4)
+            tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS]
+            await asyncio.sleep(0.5)
+            for victim in (1, 2):
+                os.kill(dep.processes[victim].pid(), signal.SIGKILL)
+            results = [await asyncio.wait_for(t, 120) for t in tasks]
+            assert oracle_mismatch(list(enumerate(results)), reference, logits=False) == ""
+            await dep.orch.recovery.wait()
+            assert dep.orch.members == [0, 3]
+            ops = [op for op in dep.orch.history if op.get("kind") == "recover"]
+            assert [op["state"] for op in ops] == ["succeeded"] and ops[0]["dead_ranks"] == [1, 2], ops
+    run(scenario(), 220)
+
+
+# (faults, start DP, target DP, victim, members afterwards, the scale's end state)
+HELD = {
+    "joiner-in-prepare": (["hold:prepare@3"], 3, 4, 3, [0, 1, 2], "rolled_back"),
+    "member-in-commit": (["hold:commit@1"], 2, 3, 1, [0], "failed"),
+    "member-in-reshuffle": (["hold:reshuffle@1"], 2, 3, 1, [0], "failed"),
+    "member-in-capture": (["hold:capture@1"], 2, 3, 1, [0], "failed"),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", sorted(HELD))
+def test_rank_killed_while_held_in_a_scale_phase(reference: list[dict], case: str) -> None:
+    faults, start, target, victim, members, scale_state = HELD[case]
+    cfg = _cfg(slots_per_rank=6, faults=faults, fault_delay_s=4.0)
+
+    async def scenario() -> None:
+        async with LocalDeployment(cfg, f"heal-{case}", max_dp=4, on_rank_failure="shrink") as dep:
+            await dep.start(start)
+            scale = asyncio.ensure_future(dep.scale(target, timeout_s=120))
+            phase = faults[0].split(":")[1].split("@")[0]
+            await wait_until(lambda: victim in dep.processes and (st := dep.registry.ranks.get(victim)) is not None
+                             and f"held in {phase}" in st.state_reason, 60, f"rank {victim} held in {phase}")
+            tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS[:8]]
+            os.kill(dep.processes[victim].pid(), signal.SIGKILL)
+            op = await asyncio.wait_for(scale, 120)
+            assert op["state"] == scale_state, op
+            results = [await asyncio.wait_for(t, 120) for t in tasks]
+            assert oracle_mismatch(list(enumerate(results)), reference, logits=False) == ""
+            await dep.orch.recovery.wait()
+            assert dep.orch.members == members
+            again = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS[8:12]))
+            assert oracle_mismatch([(8 + i, r) for i, r in enumerate(again)], reference, logits=False) == ""
+    run(scenario(), 220)

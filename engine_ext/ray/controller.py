@@ -244,9 +244,9 @@ class Controller:
             pass
 
     def _dead_shown(self) -> list[dict[str, Any]]:
-        """Dead ranks, shown until replaced (policy replace: the size is back at the desired one)."""
+        """Dead ranks, shown until replaced (the size is back at the desired one)."""
         o = self.orch
-        if o.on_rank_failure == "replace" and o.size >= o.desired and o.running_op() is None:
+        if o.size >= o.desired and o.running_op() is None:
             return []
         return list(o.recovery.dead.values())[-8:]
 
