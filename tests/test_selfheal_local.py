@@ -143,9 +143,9 @@ def test_two_ranks_killed_at_once(reference: list[dict]) -> None:
 # (faults, start DP, target DP, victim, members afterwards, the scale's end state)
 HELD = {
     "joiner-in-prepare": (["hold:prepare@3"], 3, 4, 3, [0, 1, 2], "rolled_back"),
-    "member-in-commit": (["hold:commit@1"], 2, 3, 1, [0], "failed"),
-    "member-in-reshuffle": (["hold:reshuffle@1"], 2, 3, 1, [0], "failed"),
-    "member-in-capture": (["hold:capture@1"], 2, 3, 1, [0], "failed"),
+    "member-in-commit": (["hold:commit@1"], 3, 4, 1, [0, 2], "failed"),
+    "member-in-reshuffle": (["hold:reshuffle@1"], 3, 4, 1, [0, 2], "failed"),
+    "member-in-capture": (["hold:capture@1"], 3, 4, 1, [0, 2], "failed"),
 }
 
 

@@ -148,7 +148,8 @@ class RankEngine:
         self.loop.start()
 
     def add_request(self, wire: dict[str, Any]) -> None:
-        if self.state in (RankState.FAILED, RankState.REMOVED, RankState.REMOVING) or self.stopping:
+        if self.state in (RankState.FAILED, RankState.REMOVED, RankState.REMOVING, RankState.DEGRADED,
+                          RankState.RECOVERING) or self.stopping:
             raise RuntimeError(f"rank {self.rank} is {self.state.value} and takes no requests"
                                + (f": {self.state_reason}" if self.state_reason else ""))
         req = Request.from_wire(wire)

@@ -62,7 +62,8 @@ class Recovery:
         for _ in range(3):
             if not (any(r in o.members for r in self.dead) or self.rebuild_reason):
                 break
-            await self.recover()
+            if (await self.recover()).get("state") != OpState.SUCCEEDED.value:
+                return  # reported in the operation; `eepctl repair` takes it from here
         if (o.on_rank_failure == "replace" and not o.stopping and o.desired > len(o.members)
                 and o.router.clients and not o._op_lock.locked()):
             await o.scale(min(o.desired, o.max_dp))
@@ -108,7 +109,9 @@ class Recovery:
             except Exception as e:  # noqa: BLE001 - reported in the operation record
                 op.state, op.error_code = OpState.FAILED.value, 5
                 op.error = f"recovery failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+                # No healthy world: requests fail now rather than wait (the survivors' own too).
                 o.router.fail_parked(f"no healthy rank: {op.error}")
+                o.router.fail_all(set(o.members), f"no healthy rank: {op.error}")
                 o.router.paused = False
             finally:
                 op.finished = time.time()
