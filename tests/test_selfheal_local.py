@@ -140,11 +140,15 @@ def test_two_ranks_killed_at_once(reference: list[dict]) -> None:
     run(scenario(), 220)
 
 
-# (faults, start DP, target DP, victim, members afterwards, the scale's end state)
+# (faults, start DP, target DP, victim, members afterwards, the scale's end state; None: either)
 HELD = {
+    "joiner-in-launch": (["hold:launch@3"], 3, 4, 3, [0, 1, 2], "rolled_back"),
     "joiner-in-prepare": (["hold:prepare@3"], 3, 4, 3, [0, 1, 2], "rolled_back"),
+    "joiner-in-transfer": (["hold:transfer@3"], 3, 4, 3, [0, 1, 2], "rolled_back"),
+    "removing-in-drain": (["hold:drain@3"], 4, 3, 3, [0, 1, 2], None),
     "member-in-commit": (["hold:commit@1"], 3, 4, 1, [0, 2], "failed"),
     "member-in-reshuffle": (["hold:reshuffle@1"], 3, 4, 1, [0, 2], "failed"),
+    "member-in-warm": (["hold:warm@1"], 3, 4, 1, [0, 2], "failed"),
     "member-in-capture": (["hold:capture@1"], 3, 4, 1, [0, 2], "failed"),
 }
 
@@ -165,7 +169,7 @@ def test_rank_killed_while_held_in_a_scale_phase(reference: list[dict], case: st
             tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS[:8]]
             os.kill(dep.processes[victim].pid(), signal.SIGKILL)
             op = await asyncio.wait_for(scale, 120)
-            assert op["state"] == scale_state, op
+            assert scale_state is None or op["state"] == scale_state, op
             results = [await asyncio.wait_for(t, 120) for t in tasks]
             assert oracle_mismatch(list(enumerate(results)), reference, logits=False) == ""
             await dep.orch.recovery.wait()

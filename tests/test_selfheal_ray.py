@@ -146,3 +146,30 @@ def test_rank_killed_while_held_in_commit_recovers_consistent_world(deployments)
     for r in gen["results"]:
         assert r["error"] is None and r["output"] == oracle(cfg_d, r["prompt"]), r
     assert scale_json(d.name, 2)["state"] == "succeeded"
+
+
+@pytest.mark.timeout(300)
+def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, ray_cluster):
+    import ray
+
+    from eepctl import cluster
+    from engine_ext.ray.names import registry_name
+
+    d = deployments("heal-registry")
+    up_cli(d, 3, 4, "--slots-per-rank", "6")
+    snap = _serving(d.name, 3)
+    cfg_d = snap["info"]["config"]
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "10", "-o", "json")
+    wait_serving_load(d.name)
+    cluster.connect(ray_cluster["address"], NAMESPACE)
+    ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
+    _kill(snap, 2)
+    after = _serving(d.name, 3, timeout=120)  # policy replace: back at the desired DP 3
+    out, err = load.communicate(timeout=120)
+    assert load.returncode == 0, err
+    check_load(last_json(out), cfg_d)
+    assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1, 3]
+    assert wait_for(lambda: _recover_ops(d.name), timeout=20, what="the recover operation in the new registry")
+    rep = eepctl("repair", "--name", d.name, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert "repair: nothing to repair" in rep.stdout, rep.stdout
