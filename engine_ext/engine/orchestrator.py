@@ -167,7 +167,8 @@ class Orchestrator:
         self.check_target(target)
         assert self.layout is not None
         loads = [] if target == self.size else await self._loads()
-        return plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads)
+        return plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads,
+                          self.members, self.next_rank)
 
     # ---- scale -------------------------------------------------------------------------------
     def busy(self) -> str | None:
