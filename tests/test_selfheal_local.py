@@ -145,6 +145,7 @@ HELD = {
     "joiner-in-launch": (["hold:launch@3"], 3, 4, 3, [0, 1, 2], "rolled_back"),
     "joiner-in-prepare": (["hold:prepare@3"], 3, 4, 3, [0, 1, 2], "rolled_back"),
     "joiner-in-transfer": (["hold:transfer@3"], 3, 4, 3, [0, 1, 2], "rolled_back"),
+    "member-in-prepare": (["hold:prepare@1"], 3, 4, 1, [0, 2], "rolled_back"),
     "removing-in-drain": (["hold:drain@3"], 4, 3, 3, [0, 1, 2], None),
     "member-in-commit": (["hold:commit@1"], 3, 4, 1, [0, 2], "failed"),
     "member-in-reshuffle": (["hold:reshuffle@1"], 3, 4, 1, [0, 2], "failed"),

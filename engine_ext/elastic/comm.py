@@ -62,7 +62,10 @@ class StatelessGroup:
         self.size = size
         self.backend = backend
         self.device = device or torch.device("cpu")
-        store = store_client(rdzv.host, rdzv.port)
+        # A connection of its own per group: a rendezvous stuck on a dead peer (a prepare that
+        # waits out its timeout) must not block the next operation's rendezvous (a recovery).
+        store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
         self.store = dist.PrefixStore(rdzv.prefix, store)
         # Wake-ups get connections of their own: the "groups" connection can sit for minutes in
         # a standby group's rendezvous (a joiner that died), and serving must not wait behind it.
