@@ -66,7 +66,8 @@ class RankRecovery:
         e.halting = True
         self._abort_groups()
         if e.state is not RankState.RECOVERING:
-            why = ex if isinstance(ex, str) else f"{type(ex).__name__}: {str(ex).strip().splitlines()[0][:200] if str(ex).strip() else ''}"
+            text = str(ex).strip()
+            why = ex if isinstance(ex, str) else f"{type(ex).__name__}: {text.splitlines()[0][:200] if text else ''}"
             e.telemetry.set_state(RankState.DEGRADED, f"a peer failed: {why}")
 
     def _halt(self, timeout_s: float = 10.0) -> None:
