@@ -31,7 +31,7 @@ import torch
 
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.oracle import reference_generate
+from engine_ext.engine.dense_oracle import reference_generate
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99, 7], [200, 13, 13, 8, 250, 3, 61], [5, 6, 7, 8, 9, 10, 11, 12], [128],
            [77, 78, 79], [9] * 12, [31, 41, 59, 26, 53]]
@@ -54,7 +54,7 @@ def summarize_op(dep: LocalDeployment, op: dict[str, Any]) -> dict[str, Any]:
     merged = reg.operations(op["op_id"])[-1]
     capture = {}
     warm = {}
-    live_at_resize = {}
+    counted_passes = {}
     passes: dict[int, int] = {}
     for e in evs:
         if e["phase"] == "capture":
@@ -62,12 +62,13 @@ def summarize_op(dep: LocalDeployment, op: dict[str, Any]) -> dict[str, Any]:
             capture.setdefault(str(e["rank"]), []).append(e["detail"].get("per_size_s"))
         if e["phase"] == "warm":
             warm[str(e["rank"])] = round(e["end"] - e["start"], 4)
-            live_at_resize[str(e["rank"])] = e["detail"].get("graphs_live_at_resize")
+        if e["phase"] == "lock":
+            counted_passes[str(e["rank"])] = e["detail"].get("capture_passes")
     return {
         "op": f"{op['from_size']}->{op['to_size']}", "state": op["state"], "error": op.get("error"),
         "serving_pause_s": op["serving_pause_s"], "phase_durations": merged["phase_durations"],
         "captures_per_rank": op["captures_per_rank"], "capture_passes_seen": passes,
-        "capture_per_size_s": capture, "warm_s": warm, "graphs_live_at_resize": live_at_resize,
+        "capture_per_size_s": capture, "warm_s": warm, "capture_passes_counted": counted_passes,
         "workspace_before": op["workspace_before"], "workspace_after": op["workspace_after"],
     }
 

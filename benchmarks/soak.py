@@ -1,6 +1,6 @@
 """Soak: random transitions between DP 1 and 4 under continuous load.
 
-Every request's output is compared with the single-process oracle (reference_generate); after
+Every request's output is compared with the dense oracle (engine/dense_oracle.py, reference_generate); after
 every transition the deployment must be whole (ranks 0..N-1 serving, no running operation, no
 invariant violation) and answer a request. Zero failed, zero wrong, zero wedged is the pass.
 
@@ -86,7 +86,7 @@ def run_soak(t: Any, transitions: int, seed: int = 0, rate: float = 4.0,
     """On a running deployment at DP 1 (max DP >= 4): ``transitions`` random scales under load."""
     from eepctl import core
     from engine_ext.engine.config import EngineConfig
-    from engine_ext.engine.oracle import reference_generate
+    from engine_ext.engine.dense_oracle import reference_generate
 
     rng = random.Random(seed)
     snap = _whole(t, 1)

@@ -99,6 +99,8 @@ def up(
     timeout: Annotated[float, typer.Option(help="Seconds to wait until every rank serves.")] = 300.0,
     on_rank_failure: Annotated[str, typer.Option(help="When a rank dies: shrink (serve at the healthy size) "
                                                  "or replace (shrink, then grow back to the desired size).")] = "replace",
+    placement: Annotated[str, typer.Option(help="Ranks over Ray nodes: pack, spread or strict-spread (one per node).")] = "pack",
+    ifname: Annotated[str, typer.Option(help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME.")] = "",
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
@@ -112,6 +114,7 @@ def up(
               "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
     res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
                   cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
+                  placement={"policy": placement, "ifname": ifname},
                   on_rank_failure=on_rank_failure)
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 

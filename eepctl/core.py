@@ -92,8 +92,9 @@ def _raise_if_error(result: Any) -> Any:
 # ---- up / down ---------------------------------------------------------------------------------
 def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
        timeout_s: float, say: Callable[[str], None] = lambda s: None,
-       on_rank_failure: str = "replace") -> dict[str, Any]:
+       placement: dict[str, Any] | None = None, on_rank_failure: str = "replace") -> dict[str, Any]:
     from engine_ext.engine.config import EngineConfig
+    from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
     from engine_ext.ray.deployment import actor, create_deployment
 
     t.validated()
@@ -108,6 +109,11 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         cfg.validate()
     except ValueError as e:
         raise UsageError(f"invalid engine option: {e}") from None
+    spec = PlacementSpec.from_dict(placement)
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     started = None
     t0 = time.time()
     try:
@@ -122,7 +128,8 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     if actor(registry_name(t.name), t.namespace) is not None:
         raise PreconditionError(f"deployment {t.name!r} already exists in namespace {t.namespace!r}")
     handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
-                                        gpus_per_rank, timeout_s, on_rank_failure)
+                                        gpus_per_rank, timeout_s, placement=spec.to_dict(),
+                                        on_rank_failure=on_rank_failure)
     # Wait until every rank's heartbeat says it serves.
     deadline = time.time() + 15
     snap: dict[str, Any] = {}
@@ -163,7 +170,14 @@ def status(t: Target) -> dict[str, Any]:
     if registry is None:
         raise UnreachableError(f"the registry of {t.name!r} is gone while its controller still runs; "
                                "per-rank status is unavailable until a registry exists again")
-    return _get(registry.snapshot.remote(), timeout=10)
+    snap = _get(registry.snapshot.remote(), timeout=10)
+    if snap.get("kind") == "vllm":  # each engine's health from vLLM's fault tolerance, where it has it
+        import os
+
+        from engine_ext.vllm.fault_tolerance import health
+
+        snap["fault_tolerance"] = health(snap, api_key=os.environ.get("VLLM_API_KEY"))
+    return snap
 
 
 def events(t: Target, op_id: str | None = None, since_seq: int = 0) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
             graphs = f"{r.get('graphs_captured', 0)} {'cuda' if r.get('graph_kind') == 'cuda' else 'cpu'}"
             table.add_row(str(r["rank"]), r["instance_id"], Text(state), run_wait, kv, ws, graphs, age)
         else:
-            table.add_row(str(r["rank"]), r["instance_id"], r.get("node", ""), Text(state), run_wait,
+            table.add_row(str(r["rank"]), r["instance_id"], node_label(r), Text(state), run_wait,
                           f"{r['slots_used']}/{r['slots_total']}", kv, ws, _capture(r),
                           f"{r.get('eplb_imbalance', 0.0):.2f}", age)
     s = snap["summary"]
@@ -82,6 +82,9 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
     lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
              f"waiting {s['requests_waiting']}"]
     lines += _selfheal_lines(snap)
+    per_node = ranks_per_node(snap["ranks"])
+    if per_node:
+        lines.append("ranks per node: " + ", ".join(f"{node} {n}" for node, n in per_node.items()))
     for r in snap["ranks"]:
         if r.get("state_reason") and r["state"] != "serving":
             lines.append(f"rank {r['rank']} {r['state']}: {r['state_reason']}")
@@ -90,6 +93,7 @@ def status_text(snap: dict[str, Any], width: int = 160) -> str:
         lines.append(f"operation in progress: {op['op_id']} DP {op['from_size']} -> {op['to_size']}, phase {op['phase']}")
     for v in snap.get("violations", []):
         lines.append(f"INVARIANT {v['invariant']} rank {v['rank']}: {v['message']}")
+    lines.extend(_vllm_lines(snap))
     return _text([table, *lines], width)
 
 
@@ -104,6 +108,36 @@ def _selfheal_lines(snap: dict[str, Any]) -> list[str]:
     for d in info.get("dead") or []:
         lines.append(f"rank {d.get('rank')} dead: {d.get('cause', 'unknown cause')}")
     return lines
+
+
+def node_label(r: dict[str, Any]) -> str:
+    """Ray node id prefix + IP (multi-node); host/IP under the process launcher."""
+    if r.get("node_id"):
+        return f"{r['node_id'][:8]}/{r.get('node_ip', '')}"
+    return r.get("node", "")
+
+
+def ranks_per_node(ranks: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in ranks:
+        out[node_label(r)] = out.get(node_label(r), 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _vllm_lines(snap: dict[str, Any]) -> list[str]:
+    """A vLLM deployment's wedged state and its engines' fault-tolerance health."""
+    out: list[str] = []
+    wedge = (snap.get("info") or {}).get("wedged")
+    if wedge:
+        since = time.strftime("%H:%M:%S UTC", time.gmtime(float(wedge.get("since") or 0)))
+        out.append(f"WEDGED since {since} (failing phase: {wedge.get('phase')}): {wedge.get('cause')}"
+                   f"{'; ' + wedge['error'] if wedge.get('error') else ''}. Remedy: {wedge.get('remedy')}")
+    ft = snap.get("fault_tolerance")
+    if ft:
+        out.append("fault tolerance: " + (ft.get("error") or ", ".join(
+            f"engine {e.get('id')} {e.get('status')}{' (' + e['fault_info'] + ')' if e.get('fault_info') else ''}"
+            for e in ft.get("engines", []))))
+    return out
 
 
 def events_text(data: dict[str, Any], width: int = 160) -> str:
@@ -146,7 +180,8 @@ def event_line(ev: dict[str, Any]) -> str:
 
 def _membership_lines(plan: dict[str, Any]) -> list[str]:
     """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
-    lines = [f"  join   rank {j['rank']} as {j['instance_id']}" for j in plan.get("joining", [])]
+    where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}" for p in (plan.get("placement") or {}).get("nodes", [])}
+    lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}" for j in plan.get("joining", [])]
     lines += [f"  leave  rank {j['rank']} ({j['instance_id']})" for j in plan.get("leaving", [])]
     lines += [f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
               for src, dsts in plan.get("transfer_pairs", {}).items()]

@@ -87,6 +87,8 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_id: str
     kind: str = DeploymentKind.REFERENCE.value
     node: str = ""
+    node_id: str = ""  # the Ray node id (empty under the process launcher)
+    node_ip: str = ""  # the address this rank's store and gloo device use
     pid: int = 0
     device: str = "cpu"
     state: str = RankState.STARTING.value
@@ -132,7 +134,6 @@ class VllmRankStatus(RankStatus, kw_only=True, forbid_unknown_fields=True):
     hook_calls: dict[str, dict[str, int | FiniteFloat]] = {}
     hooks: dict[str, str] = {}
     worker_pid: int = 0
-    vllm_instance_id: str = ""
     dp_backend: str = ""
     elastic_ep: bool = False
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Deployment, eepctl
+from tests.helpers import Deployment, owned_deployments
 
 
 @pytest.fixture(scope="session")
@@ -45,17 +45,5 @@ def ray_cluster(state_dir: Path) -> Iterator[dict[str, Any]]:
 def deployments(ray_cluster: dict[str, Any]) -> Iterator[Callable[[str], Deployment]]:
     """Makes ``Deployment``s by name; on teardown ends their background CLI processes and brings
     each down by name."""
-    owned: list[Deployment] = []
-
-    def make(name: str) -> Deployment:
-        d = Deployment(name)
-        owned.append(d)
-        return d
-
-    yield make
-    for d in owned:
-        for p in d.procs:  # only the CLI processes this test started, by their Popen handle
-            if p.poll() is None:
-                p.kill()
-                p.communicate(timeout=30)
-        eepctl("down", "--name", d.name, timeout=120)
+    with owned_deployments() as make:
+        yield make

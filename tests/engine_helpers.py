@@ -42,3 +42,38 @@ async def wait_until(pred: Callable[[], Any], timeout_s: float, what: str, inter
             return last
         await asyncio.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+
+
+class OneRank:
+    """A world-1 RankEngine driven step by step in this process (no group, no threads): the real
+    scheduler, step loop, replay path and warm-up, so a test can act between two steps."""
+
+    def __init__(self, cfg: Any, experts: int | None = None) -> None:
+        from engine_ext.elastic.eplb import build_layout
+        from engine_ext.engine.rank import RankEngine
+
+        self.results: dict[str, dict] = {}
+        n = experts or cfg.num_experts
+        self.engine = RankEngine(cfg, "one", 0, build_layout(n, cfg.slots_per_rank, 1), sink=self._sink)
+        self.engine.warm_and_capture("startup")
+
+    def _sink(self, kind: str, payload: dict) -> None:
+        if kind == "results":
+            for r in payload["results"]:
+                self.results[r["request_id"]] = r
+
+    def add(self, prompts: list[list[int]], max_tokens: int) -> None:
+        for i, p in enumerate(prompts):
+            self.engine.add_request({"request_id": str(i), "prompt": p, "max_tokens": max_tokens})
+
+    def steps(self, n: int | None = None) -> None:
+        """Run ``n`` steps (None: until no work is left)."""
+        e = self.engine
+        done = 0
+        while e.sched.has_work and (n is None or done < n):
+            items = e.sched.schedule()
+            e.loop.step(items, e.loop.header(items))
+            done += 1
+
+    def outputs(self, count: int) -> list[dict]:
+        return [self.results[str(i)] for i in range(count)]

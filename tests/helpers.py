@@ -3,12 +3,13 @@ live deployment (status views, the oracle, load results). Fixtures live in conft
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,28 @@ class Deployment:
         return p
 
 
+@contextlib.contextmanager
+def owned_deployments() -> Iterator[Callable[[str], Deployment]]:
+    """Makes ``Deployment``s by name; on exit ends their background CLI processes (by their Popen
+    handle, nothing else) and brings each down by name."""
+    owned: list[Deployment] = []
+
+    def make(name: str) -> Deployment:
+        d = Deployment(name)
+        owned.append(d)
+        return d
+
+    try:
+        yield make
+    finally:
+        for d in owned:
+            for p in d.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate(timeout=30)
+            eepctl("down", "--name", d.name, timeout=120)
+
+
 def up_cli(d: Deployment, dp: int, max_dp: int, *extra: str) -> dict[str, Any]:
     res = eepctl("up", "--dp", str(dp), "--max-dp", str(max_dp), "--dtype", "float64", "--name", d.name,
                  *extra, "-o", "json", timeout=300)
@@ -116,7 +139,7 @@ _ORACLE: dict[tuple, list[int]] = {}
 def oracle(cfg_d: dict[str, Any], prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     """Greedy tokens of the single-process reference run, once per distinct (model, prompt)."""
     from engine_ext.engine.config import EngineConfig
-    from engine_ext.engine.oracle import reference_generate
+    from engine_ext.engine.dense_oracle import reference_generate
 
     cfg = EngineConfig.from_dict(cfg_d)
     model_key = {k: v for k, v in cfg.to_dict().items() if k not in ("instance_id", "kv_transfer", "faults",

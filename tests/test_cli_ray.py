@@ -90,7 +90,7 @@ def _assert_clean_error(res: subprocess.CompletedProcess, code: int, *, contains
 @pytest.mark.timeout(300)
 def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -> None:
     from engine_ext.engine.config import EngineConfig
-    from engine_ext.engine.oracle import reference_generate
+    from engine_ext.engine.dense_oracle import reference_generate
     from eepctl.core import DEFAULT_PROMPTS
 
     name = "cli-a"
@@ -105,7 +105,7 @@ def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -
         cfg = EngineConfig.from_dict(snap["info"]["config"])
         assert cfg.dtype == "float64" and cfg.instance_id == name
 
-        # default prompts, default 8 tokens, equal to the single-process oracle
+        # default prompts, default 8 tokens, equal to the dense oracle
         gen = eepctl_json("generate", "--name", name, timeout=120)
         assert gen["object"] == "generate"
         results = gen["results"]

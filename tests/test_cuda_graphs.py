@@ -11,7 +11,7 @@ import torch
 
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.oracle import reference_generate
+from engine_ext.engine.dense_oracle import reference_generate
 from tests.engine_helpers import run
 
 pytestmark = [
@@ -41,7 +41,7 @@ def test_cuda_graphs_release_and_single_recapture() -> None:
             assert {v["graph_kind"] for v in views} == {"cuda"}
             assert all(v["graph_replays"] > 0 for v in views if v["rank"] < 2)
             warm = [e for e in dep.registry.events_for(op["op_id"]) if e["phase"] == "warm"]
-            assert len(warm) == 3 and all(e["detail"]["graphs_live_at_resize"] == 0 for e in warm)
+            assert len(warm) == 3 and all(e["detail"]["workspace_bytes"] == e["detail"]["required_bytes"] for e in warm)
             assert dep.registry.violations() == []
 
     run(scenario(), 280)

@@ -12,7 +12,7 @@ import pytest
 
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.oracle import reference_generate
+from engine_ext.engine.dense_oracle import reference_generate
 from tests.engine_helpers import oracle_mismatch, run, wait_until
 
 MAX_TOKENS = 12
@@ -175,17 +175,13 @@ def test_scale_up_warmup_isolated_and_no_violations(scenario):
 
 
 @pytest.mark.timeout(270)
-def test_scale_up_eplb_communicator_before_weight_transfer(scenario):
-    """I2: on every rank of the new world the EPLB communicator exists before any weight moves,
-    and the joining rank received the non-expert weights from its paired sender."""
+def test_scale_up_weight_transfer_reported_and_i2_clean(scenario):
+    """I2 as the registry checks it from events (tests/test_load_bearing.py shows the check firing
+    on late_eplb_comm): every rank of the new world transferred (or received) non-expert weights,
+    no I2 violation, and the joining rank received them from its paired sender."""
     evs = scenario["op_events"]
-    ranks = sorted({e["rank"] for e in evs if e["rank"] >= 0})
-    assert ranks == [0, 1, 2], ranks
-    for r in ranks:
-        prep = [e for e in evs if e["rank"] == r and e["phase"] == "prepare"]
-        xfer = [e for e in evs if e["rank"] == r and e["phase"] == "transfer"]
-        assert len(prep) == 1 and len(xfer) == 1, (r, prep, xfer)
-        assert prep[0]["detail"]["eplb_comm_ready_at"] <= xfer[0]["start"], (r, prep, xfer)
+    assert sorted(e["rank"] for e in evs if e["phase"] == "transfer") == [0, 1, 2]
+    assert not [v for v in scenario["violations"] if v["invariant"] == "I2"]
     joiner = [e for e in evs if e["rank"] == 2 and e["phase"] == "transfer"][0]
     assert joiner["detail"]["received_from"] == 0 and joiner["detail"]["bytes"] > 0, joiner
 

@@ -13,7 +13,7 @@ from engine_ext.elastic.eplb import ExpertLayout, build_layout, plan_moves, tran
 from engine_ext.elastic.graphs import GraphManager, GraphReleasedError, StaleGraphError
 from engine_ext.elastic.identity import apply_dp_identity_suffix, dp_suffixed, strip_dp_suffix
 from engine_ext.elastic.registry_state import RegistryState
-from engine_ext.elastic.workspace import WorkspaceLockedError, WorkspaceManager, bytes_for
+from engine_ext.elastic.workspace import WorkspaceLockedError, WorkspaceManager, WorkspaceSizeError, bytes_for
 from engine_ext.engine.config import EngineConfig, KVTransferConfig
 from engine_ext.engine.scheduler import (
     BlockPool,
@@ -44,18 +44,34 @@ def test_workspace_grows_while_unlocked_and_keeps_earlier_bytes():
     v.copy_(torch.arange(16, dtype=F64) * 1.5)
     ptr_before = v.data_ptr()
 
-    ws.reserve(10_000)
+    # Growth inside a step (get) keeps what was carved earlier in it.
+    (v2, _) = ws.get([((16,), F64), ((1000,), F64)])
     assert ws.generation == 2
-    assert ws.nbytes >= 10_000
-    (v2,) = ws.get([((16,), F64)])
     assert v2.data_ptr() != ptr_before, "growth must reallocate the buffer"
     assert torch.equal(v2, torch.arange(16, dtype=F64) * 1.5), "growth lost bytes carved earlier"
-
     # A request that already fits neither reallocates nor bumps the generation.
-    ws.reserve(5_000)
     ws.get([((8,), F64), ((4, 4), torch.int64)])
     assert ws.generation == 2
-    assert ws.high_water >= 10_000
+    assert ws.high_water >= 8 * 1016
+
+
+def test_workspace_reserve_right_sizes_in_both_directions_and_lock_checks_the_size():
+    ws = WorkspaceManager("cpu")
+    ws.reserve(10_000)
+    assert ws.nbytes == 10_000 and ws.generation == 1
+    ws.reserve(10_000)
+    assert ws.generation == 1, "the right size already: no reallocation"
+    ws.reserve(4_000)  # a smaller world: the bytes go back
+    assert ws.nbytes == 4_000 and ws.generation == 2
+    with pytest.raises(WorkspaceSizeError, match=r"holds 4000 bytes, too small for the 9000") as ei:
+        ws.lock(9_000)
+    assert (ei.value.held, ei.value.needed) == (4_000, 9_000) and not ws.locked
+    with pytest.raises(WorkspaceSizeError, match=r"holds 4000 bytes, larger than the 1000"):
+        ws.lock(1_000)
+    ws.lock(4_000)
+    assert ws.locked
+    with pytest.raises(WorkspaceLockedError, match=r"4000.*8000"):
+        ws.reserve(8_000)
 
 
 def test_workspace_locked_refuses_growth_naming_held_and_needed_bytes():
@@ -200,6 +216,34 @@ def test_graph_replay_refused_when_external_buffer_replaced():
     with pytest.raises(StaleGraphError, match="'w'"):
         gm.replay(2)
     assert step.calls == calls
+
+
+def test_graph_replay_refused_in_another_group_or_world_size():
+    ws, ext, gm = _graphs()
+    world = [(1, 2)]
+    gm.world_key = lambda: world[0]
+    step = _Step(ws, ext, 2)
+    gm.capture(2, step.inputs, step.output, [("compute", step.run)])
+    gm.replay(2)
+    world[0] = (1, 3)
+    with pytest.raises(StaleGraphError, match="captured in world 2"):
+        gm.replay(2)
+    world[0] = (7, 2)  # the same size, another group
+    with pytest.raises(StaleGraphError, match="group"):
+        gm.check(2)
+    gm.verify = False  # the no_stale_check fault: the stale step replays
+    gm.replay(2)
+    assert gm.stats.replays == 2
+
+
+def test_graph_manager_counts_capture_passes_per_operation():
+    ws, ext, gm = _graphs()
+    assert gm.passes_this_op == 0
+    gm.begin_pass()
+    gm.begin_pass()
+    assert gm.passes_this_op == 2
+    gm.begin_operation()
+    assert gm.passes_this_op == 0
 
 
 # ============================================================================================
@@ -496,18 +540,61 @@ def test_registry_flags_locked_workspace_below_bound():
     assert reg.violations() == []
 
 
+def _lock(op: str, rank: int, start: float, passes: int, outcome: str = "ok", **detail) -> dict:
+    ev = _event(op, rank, "lock", start, capture_passes=passes, **detail)
+    ev["outcome"] = outcome
+    return ev
+
+
 def test_registry_flags_two_capture_passes_in_one_op():
     reg = RegistryState("d")
     reg.report_status(_status(0))
     reg.report_event(_event("op1", 0, "capture", 10.0))
     reg.report_event(_event("op1", 0, "capture", 10.0))  # re-sent duplicate: ignored
+    reg.report_event(_lock("op1", 0, 10.5, 1))
     assert reg.violations() == []
     reg.report_event(_event("op2", 0, "capture", 11.0))  # other op: fine
+    reg.report_event(_lock("op2", 0, 11.5, 1))
     assert reg.violations() == []
     reg.report_event(_event("op1", 0, "capture", 12.0))
     v = reg.violations()
     assert [(x["invariant"], x["rank"]) for x in v] == [("I4", "0")]
     assert "2 capture passes" in v[0]["message"] and "op1" in v[0]["message"]
+
+
+def test_registry_flags_zero_capture_passes_of_a_surviving_rank():
+    reg = RegistryState("d")
+    reg.report_event(_event("op1", 0, "capture", 1.0))
+    reg.report_event(_lock("op1", 0, 1.5, 1))
+    reg.report_event(_lock("op1", 1, 1.5, 0))  # rank 1 re-warmed and locked without capturing
+    v = reg.violations()
+    assert [(x["invariant"], x["rank"]) for x in v] == [("I4", "1")]
+    assert "0 capture passes" in v[0]["message"]
+    # The graph manager's own count must agree with the events.
+    reg2 = RegistryState("d")
+    reg2.report_event(_event("op1", 0, "capture", 1.0))
+    reg2.report_event(_lock("op1", 0, 1.5, 3))
+    assert "counted 3" in reg2.violations()[0]["message"]
+
+
+def test_registry_flags_a_refused_workspace_lock():
+    reg = RegistryState("d")
+    reg.report_event(_event("op1", 0, "capture", 1.0))
+    reg.report_event(_lock("op1", 0, 1.5, 1, outcome="error", error="WorkspaceSizeError: holds 10 bytes"))
+    v = reg.violations()
+    assert [x["invariant"] for x in v] == ["I4"] and "holds 10 bytes" in v[0]["message"]
+
+
+def test_registry_flags_weight_transfer_before_the_eplb_communicator():
+    reg = RegistryState("d")
+    reg.report_event(_event("op1", 0, "prepare", 1.0, eplb_comm_ready_at=1.005))
+    reg.report_event(_event("op1", 0, "transfer", 1.02))
+    assert reg.violations() == []
+    reg.report_event(_event("op1", 2, "transfer", 1.02))  # no communicator reported at all
+    assert [(x["invariant"], x["rank"]) for x in reg.violations()] == [("I2", "2")]
+    reg.report_event(_event("op1", 2, "eplb_comm", 1.03, eplb_comm_ready_at=1.04))  # formed after
+    v = reg.violations()
+    assert [(x["invariant"], x["rank"]) for x in v] == [("I2", "2")] and "after it started" in v[0]["message"]
 
 
 def test_registry_flags_warmup_touching_serving_state():
@@ -558,7 +645,7 @@ def test_faults_name_known_variants_and_refuse_unknown_ones():
         Faults(["hold:lunch"], 0.0, rank=0)
     # Every variant the tests and benchmarks use is declared, each with a description.
     for name in ("double_suffix", "skip_release", "skip_rewarm", "double_capture", "warmup_not_isolated",
-                 "slow_prepare"):
+                 "slow_prepare", "no_stale_check", "eplb_not_suppressed", "no_warmup_check", "late_eplb_comm"):
         assert VARIANTS[name]
 
 

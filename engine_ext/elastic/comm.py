@@ -8,14 +8,73 @@ lives, and dropped again on rollback.
 from __future__ import annotations
 
 import datetime
+import fcntl
+import os
 import socket
+import struct
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from engine_ext.elastic.rendezvous import Rendezvous
 
+IFNAME_ENV = "EEPCTL_IFNAME"  # operator override: the interface ranks bind (store and gloo)
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # what gloo users already set; honoured the same way
+
+
+@dataclass(frozen=True)
+class NodeAddress:
+    """Where this rank's store listens and what its gloo device advertises. Ray ranks get the
+    node IP Ray reports (a hostname here resolves to 127.0.0.1, unreachable from another node);
+    ``ifname`` is set when an operator pinned the interface."""
+
+    ip: str
+    ifname: str = ""
+
+
+_node: NodeAddress | None = None  # one rank per process: set once by the engine (configure_node)
+
+
+def interface_ip(ifname: str) -> str:
+    """The IPv4 address of a network interface (SIOCGIFADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
+        except OSError as e:
+            raise ValueError(f"interface {ifname!r} has no IPv4 address here: {e}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def configure_node(node_ip: str, ifname: str = "") -> NodeAddress:
+    """Fix this process's address for every store and group it creates: the operator's
+    interface (argument, then $EEPCTL_IFNAME, then $GLOO_SOCKET_IFNAME) wins over Ray's node IP."""
+    global _node
+    ifname = ifname or os.environ.get(IFNAME_ENV, "") or os.environ.get(GLOO_IFNAME_ENV, "").split(",")[0]
+    _node = NodeAddress(interface_ip(ifname), ifname) if ifname else NodeAddress(node_ip)
+    return _node
+
+
+def node_address() -> NodeAddress | None:
+    return _node
+
+
+def gloo_options(timeout: datetime.timedelta) -> dist.ProcessGroupGloo._Options | None:
+    """Options with one device bound to this node's address, or None (process launcher on one
+    node: gloo's default device, which honours GLOO_SOCKET_IFNAME itself)."""
+    if _node is None:
+        return None
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    if _node.ifname:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=_node.ifname)]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_node.ip)]
+    return opts
+
 
 def local_ip() -> str:
+    """The process launcher's guess (one node): the default route's address."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(("10.255.255.255", 1))  # no packet is sent; picks the default route's address
@@ -24,8 +83,10 @@ def local_ip() -> str:
         return "127.0.0.1"
 
 
-def host_store(host: str = "0.0.0.0") -> dist.TCPStore:
-    """Start the store master of a deployment on a free port (rank 0 hosts it)."""
+def host_store(host: str | None = None) -> dist.TCPStore:
+    """Start the store master of a deployment on a free port (rank 0 hosts it), on this node's
+    address when one is configured."""
+    host = host or (_node.ip if _node is not None else "0.0.0.0")
     return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
 
 
@@ -73,7 +134,9 @@ class StatelessGroup:
         self.wake_store = dist.PrefixStore(rdzv.prefix, store_client(rdzv.host, rdzv.port, purpose="wake"))
         timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "gloo":
-            self.pg: dist.ProcessGroup | None = dist.ProcessGroupGloo(self.store, rank, size, timeout)
+            opts = gloo_options(timeout)
+            self.pg: dist.ProcessGroup | None = (dist.ProcessGroupGloo(self.store, rank, size, timeout) if opts is None
+                                                 else dist.ProcessGroupGloo(self.store, rank, size, opts))
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout

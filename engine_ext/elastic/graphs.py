@@ -1,9 +1,13 @@
 """Captured decode steps, released and re-captured around transitions (invariant I3).
 
 On CUDA a capture is a real ``torch.cuda.CUDAGraph``. On CPU there are no graphs, so a
-capture is a static-buffer replay. Either way a capture remembers the storage of every
-buffer it reads (static inputs, KV cache, weights and the MoE workspace) and refuses to
-replay once any of them was reallocated: a stale replay cannot pass silently.
+capture is a static-buffer replay of a plan whose tensors were bound when it was built
+(``MoEModel.plan``): like a CUDA graph, a replay reads the buffers it was captured with, so a
+stale replay computes with stale tensors. A capture therefore remembers the storage of every
+buffer it reads (static inputs, KV cache, weights, routing and block tables, MoE workspace)
+and the group and world size it was captured in, and ``check`` refuses to replay once any of
+them changed. ``verify=False`` (the ``no_stale_check`` fault) skips that check, to show the harm.
+The manager also counts capture passes (one per transition, I4) where they happen.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class CapturedStep:
     output: torch.Tensor
     buffer_ptrs: dict[str, int]
     workspace_identity: tuple[int, int]
+    world: tuple[int, int]
     run: Callable[[], None]
     pieces: list[tuple[str, object]] | None = None  # CUDA: ("graph", CUDAGraph) | ("comm", fn)
     replays: int = 0
@@ -68,8 +73,12 @@ class GraphManager:
         device: torch.device,
         workspace: WorkspaceManager,
         external_buffers: Callable[[], BufferMap],
+        world_key: Callable[[], tuple[int, int]] = lambda: (0, 1),
     ) -> None:
         self.device = device
+        self.world_key = world_key  # (identity of the group, world size) a capture is bound to
+        self.verify = True
+        self.passes_this_op = 0
         self.use_cuda = device.type == "cuda"
         self.workspace = workspace
         self.external_buffers = external_buffers
@@ -91,6 +100,11 @@ class GraphManager:
 
     def begin_operation(self) -> None:
         self.stats.captures_this_op = 0
+        self.passes_this_op = 0
+
+    def begin_pass(self) -> None:
+        """A capture pass over every capture size starts (I4: exactly one per transition)."""
+        self.passes_this_op += 1
 
     def capture(
         self,
@@ -122,6 +136,7 @@ class GraphManager:
             output=output,
             buffer_ptrs=self._pointers(inputs),
             workspace_identity=self.workspace.buffer_identity(),
+            world=self.world_key(),
             run=run,
             pieces=pieces,
         )
@@ -181,6 +196,13 @@ class GraphManager:
             if batch_size in self.descriptors:
                 raise GraphReleasedError(f"graph for batch size {batch_size} was released")
             raise KeyError(f"no graph captured for batch size {batch_size}")
+        if not self.verify:
+            return step
+        if self.world_key() != step.world:
+            raise StaleGraphError(
+                f"graph for batch size {batch_size} was captured in world {step.world[1]} (group "
+                f"{step.world[0]:#x}), now {self.world_key()[1]} (group {self.world_key()[0]:#x})"
+            )
         if self.workspace.buffer_identity() != step.workspace_identity:
             raise StaleGraphError(
                 f"graph for batch size {batch_size} was captured against workspace generation "

@@ -17,6 +17,7 @@ import msgspec
 
 from engine_ext.protocol import STALE_AFTER_S
 from engine_ext.records import (
+    DeploymentKind,
     Event,
     Operation,
     OpState,
@@ -146,8 +147,10 @@ class RegistryState:
                               "message": f"duplicate identity {v.instance_id} "
                                          f"(ranks {seen[v.instance_id]} and {v.rank})"})
             seen[v.instance_id] = v.rank
+            # vLLM suffixes its identities only when it starts sibling DP engines (DP > 1).
+            suffixed = v.kind != DeploymentKind.VLLM.value or v.dp_size > 1
             for field, value in (("instance_id", v.instance_id), ("engine_id", v.engine_id)):
-                if value and (not value.endswith(f"_dp{v.rank}") or _STACKED.search(value)):
+                if value and ((suffixed and not value.endswith(f"_dp{v.rank}")) or _STACKED.search(value)):
                     found.append({"invariant": "I1", "rank": rank,
                                   "message": f"{field} {value!r} does not end in exactly one _dp{v.rank}"})
             if v.workspace_locked and v.workspace_required_bytes and v.workspace_bytes < v.workspace_required_bytes:
@@ -162,21 +165,53 @@ class RegistryState:
         return found
 
     def _event_violations(self) -> list[dict[str, str]]:
+        """I2, I4 and I5 from the ranks' phase events of each operation."""
         found: list[dict[str, str]] = []
         passes: dict[tuple[str, int], int] = defaultdict(int)
+        locks: dict[tuple[str, int], Event] = {}
+        comm_ready: dict[tuple[str, int], float] = {}
+        transfers: dict[tuple[str, int], Event] = {}
         for _, e in self.events:
+            key = (e.op_id, e.rank)
             if e.phase == "capture" and e.outcome == "ok":
-                passes[(e.op_id, e.rank)] += 1
+                passes[key] += 1
+            elif e.phase == "lock":
+                locks[key] = e
+            elif e.phase == "transfer":
+                transfers[key] = e
+            if isinstance(e.detail.get("eplb_comm_ready_at"), (int, float)):
+                comm_ready[key] = float(e.detail["eplb_comm_ready_at"])
             if e.phase == "warm":
                 broken = [k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged")
                           if e.detail.get(k) is False]
                 if broken:
                     found.append({"invariant": "I5", "rank": str(e.rank),
                                   "message": f"warm-up in {e.op_id} touched serving state ({', '.join(broken)} false)"})
+        # I4: every rank that re-warmed and locked (the survivors of a transition) captured once,
+        # as its own graph manager counted and as its capture events show.
+        for (op_id, rank), lock in locks.items():
+            n = passes.get((op_id, rank), 0)
+            counted = lock.detail.get("capture_passes")
+            if n != 1:
+                found.append({"invariant": "I4", "rank": str(rank),
+                              "message": f"{n} capture passes in one operation {op_id} (exactly 1 expected)"})
+            elif counted != n:
+                found.append({"invariant": "I4", "rank": str(rank),
+                              "message": f"graph manager counted {counted} capture passes in {op_id}, events show {n}"})
+            if lock.outcome != "ok":
+                found.append({"invariant": "I4", "rank": str(rank),
+                              "message": f"workspace lock refused in {op_id}: {lock.detail.get('error', '')}"})
         for (op_id, rank), n in passes.items():
-            if n > 1:
+            if n > 1 and (op_id, rank) not in locks:
                 found.append({"invariant": "I4", "rank": str(rank),
                               "message": f"{n} capture passes in one operation {op_id}"})
+        # I2: the EPLB communicator existed before the first weight transfer of the rank.
+        for (op_id, rank), xfer in transfers.items():
+            ready = comm_ready.get((op_id, rank))
+            if ready is None or ready > xfer.start:
+                when = "never reported" if ready is None else f"formed {ready - xfer.start:.3f}s after it started"
+                found.append({"invariant": "I2", "rank": str(rank),
+                              "message": f"weight transfer in {op_id} before the EPLB communicator ({when})"})
         return found
 
     def snapshot(self) -> dict[str, Any]:

@@ -2,6 +2,9 @@
 
 It grows on demand while unlocked; once locked, asking for more is an error that names
 the bytes held and needed, instead of a silent reallocation under captured graphs.
+A transition right-sizes it for the new world (``reserve`` shrinks as well as grows) and
+``lock(required)`` refuses a buffer of any other size, so a skipped re-warm fails loudly in
+both directions: too small for a bigger world, or holding bytes a smaller world gave back.
 """
 
 from __future__ import annotations
@@ -12,6 +15,19 @@ from typing import Any
 import torch
 
 _ALIGN = 64
+
+
+class WorkspaceSizeError(RuntimeError):
+    """Locking a workspace whose size is not the one the current world needs."""
+
+    def __init__(self, held: int, needed: int) -> None:
+        what = "too small for" if held < needed else "larger than"
+        super().__init__(
+            f"workspace holds {held} bytes, {what} the {needed} bytes this world needs; "
+            "it was not re-sized (unlock, reserve, warm) for the new world before locking"
+        )
+        self.held = held
+        self.needed = needed
 
 
 class WorkspaceLockedError(RuntimeError):
@@ -60,14 +76,25 @@ class WorkspaceManager:
         ptr = 0 if self._buffer is None else self._buffer.data_ptr()
         return ptr, self.generation
 
-    def lock(self) -> None:
+    def lock(self, required: int | None = None) -> None:
+        """Lock; with ``required``, only a buffer of exactly that size (else WorkspaceSizeError)."""
+        if required is not None and self.nbytes != required:
+            raise WorkspaceSizeError(self.nbytes, required)
         self._locked = True
 
     def unlock(self) -> None:
         self._locked = False
 
     def reserve(self, nbytes: int) -> None:
-        self._ensure(nbytes)
+        """Right-size the buffer to exactly ``nbytes``: grow, or shrink and give bytes back."""
+        if self._buffer is not None and self._buffer.numel() == nbytes:
+            return
+        if self._locked:
+            raise WorkspaceLockedError(self.nbytes, nbytes)
+        self._buffer = None  # the old buffer goes before the new one is allocated
+        self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.generation += 1
+        self.high_water = max(self.high_water, nbytes)
 
     def _ensure(self, needed: int) -> torch.Tensor:
         self.high_water = max(self.high_water, needed)

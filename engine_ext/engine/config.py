@@ -37,10 +37,8 @@ class EngineConfig:
     # collectives
     backend: str = "gloo"
     group_timeout_s: float = 120.0
-    # Deliberately broken variants, used by tests to show each invariant check catches its
-    # violation: "skip_rewarm", "skip_release", "warmup_not_isolated", "double_suffix"; and
-    # "slow_prepare" (joining ranks wait fault_delay_s in prepare, so a test can kill one);
-    # "double_capture" (upstream before its fix: two capture passes per transition).
+    # Deliberately broken variants and phase holds (engine_ext.engine.faults.VARIANTS says what
+    # each breaks), used by tests to show each mechanism matters and each check fires.
     faults: list[str] = field(default_factory=list)
     fault_delay_s: float = 5.0
 

@@ -14,12 +14,20 @@ from collections.abc import Callable
 # Broken variants: name -> what it breaks (and which invariant check must catch it).
 VARIANTS: dict[str, str] = {
     "double_suffix": "identities are suffixed twice, `<id>_dp<r>_dp<r>` (the upstream bug; I1)",
-    "skip_release": "captured graphs are not released before the workspace grows, so a replay "
-                    "would read a stale workspace (I3)",
-    "skip_rewarm": "the workspace is not re-sized for the new world before it is locked again (I4)",
+    "no_suffix": "identities are not suffixed: every rank claims the same instance and engine id (I1)",
+    "skip_release": "captured graphs are neither released nor re-captured in a transition, so "
+                    "replays would read the old world's buffers (I3; and 0 capture passes, I4)",
+    "no_stale_check": "the replay staleness check is off: a stale capture replays (shows I3's harm)",
+    "skip_rewarm": "the workspace is not right-sized for the new world in a transition: the lock "
+                   "refuses it, too small on a scale-up, too large on a scale-down (I4)",
+    "no_lock_check": "the workspace locks at whatever size it holds (shows skip_rewarm's harm)",
     "double_capture": "two capture passes per transition (upstream before its fix; I4)",
-    "warmup_not_isolated": "the warm-up batch takes serving slots without the cap, writes into live "
-                           "KV blocks and counts as EPLB load (I5)",
+    "warmup_not_isolated": "the warm-up batch takes every request slot, live ones included, pointing "
+                           "their block tables at live KV blocks that it then writes (I5)",
+    "eplb_not_suppressed": "the warm-up batch's routing is recorded as EPLB load (I5)",
+    "no_warmup_check": "warm-up isolation is measured and reported but not enforced (shows I5's harm)",
+    "late_eplb_comm": "the EPLB communicator is formed after the non-expert weight transfer, which "
+                      "then has no channel: joining ranks serve with placeholder weights (I2)",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
 }
 

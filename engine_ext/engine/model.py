@@ -16,42 +16,45 @@ from engine_ext.elastic.comm import StatelessGroup
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.workspace import WorkspaceManager, bytes_for
 from engine_ext.engine.config import EngineConfig
+from engine_ext.engine.weights import dense_weights, expert_weights, torch_dtype
 
 PLACEHOLDER_SEED_OFFSET = 7_919_000
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _rand(g: torch.Generator, *shape: int, fan_in: int, dtype: torch.dtype) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) / math.sqrt(fan_in)).to(dtype)
-
-
-def expert_weights(cfg: EngineConfig, seed: int, layer: int, logical: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = _gen(seed * 1_000_003 + layer * 10_007 + logical + 1)
-    w1 = _rand(g, cfg.hidden_size, cfg.expert_hidden, fan_in=cfg.hidden_size, dtype=dtype)
-    w2 = _rand(g, cfg.expert_hidden, cfg.hidden_size, fan_in=cfg.expert_hidden, dtype=dtype)
-    return w1, w2
-
-
 @dataclass
 class Batch:
-    """A flat batch of tokens, padded to a size the whole DP group agreed on."""
+    """A flat batch of tokens, padded to a size the whole DP group agreed on.
+
+    A token names its request slot; the model finds the slot's block table in its own
+    per-slot state (``MoEModel.block_table``), as vLLM's Model Runner V2 does, so whatever
+    writes a live slot's row changes what that request reads."""
 
     token_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64, flat KV slot written by each token (0: null block)
-    block_tables: torch.Tensor  # [T, max_blocks] int64, the block table of each token's sequence
+    req_slots: torch.Tensor  # [T] int64, the request slot of each token (padding: the null slot)
     valid: torch.Tensor  # [T] bool, False for padding
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+
+@dataclass
+class Bound:
+    """The long-lived tensors one forward reads, taken when its plan is built. An eager step
+    builds a plan per call, so it reads the current tensors; a capture builds one plan and every
+    replay reads the tensors it was captured with, as a CUDA graph reads its captured addresses."""
+
+    kv: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    dense: dict[str, torch.Tensor]
+    replica_table: torch.Tensor
+    replica_count: torch.Tensor
+    block_table: torch.Tensor
+    expert_load: torch.Tensor
+    rank: int
+    workspace: list[torch.Tensor] | None  # MoE views carved once (captures) or None (fetched per step)
 
 
 class MoEModel:
@@ -61,20 +64,10 @@ class MoEModel:
         self.dtype = torch_dtype(cfg.dtype)
         self.rank = rank
         self.layout = layout
-        H, V = cfg.hidden_size, cfg.vocab_size
-        g = _gen(seed)
+        H = cfg.hidden_size
         dt = self.dtype
         # Non-expert weights, in a fixed order: this list is what a weight transfer moves.
-        self.dense: dict[str, torch.Tensor] = {"embed": _rand(g, V, H, fan_in=1, dtype=dt) * 0.5,
-                                               "pos_embed": _rand(g, cfg.max_model_len, H, fan_in=1, dtype=dt) * 0.1}
-        for l in range(cfg.num_layers):
-            self.dense[f"l{l}.ln1"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
-            self.dense[f"l{l}.wqkv"] = _rand(g, H, 3 * H, fan_in=H, dtype=dt)
-            self.dense[f"l{l}.wo"] = _rand(g, H, H, fan_in=H, dtype=dt)
-            self.dense[f"l{l}.ln2"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
-            self.dense[f"l{l}.router"] = _rand(g, H, cfg.num_experts, fan_in=H, dtype=dt) * 4.0
-        self.dense["final_norm"] = torch.ones(H, dtype=dt)
-        self.dense["lm_head"] = _rand(g, H, V, fan_in=H, dtype=dt) * 4.0
+        self.dense = dense_weights(cfg, seed, dt)
         for k in self.dense:
             self.dense[k] = self.dense[k].to(device)
         # Expert weights for this rank's physical slots: [layers][slots, ...], written in place.
@@ -88,6 +81,12 @@ class MoEModel:
                 self.w2[l, s].copy_(b)
         self.kv = torch.zeros(cfg.num_layers, cfg.num_blocks * cfg.block_size, 2, cfg.num_heads, cfg.head_dim,
                               dtype=dt, device=device)
+        # Per-slot request state: the block table of the request in each slot; the last row is the
+        # null slot (all null blocks) that padding tokens name.
+        self.null_slot = cfg.max_num_seqs
+        self.block_table = torch.zeros(cfg.max_num_seqs + 1, cfg.max_blocks_per_seq, dtype=torch.int64, device=device)
+        # Expert load of the steps since the step loop last took it (vLLM's expert_load_view).
+        self.expert_load = torch.zeros(cfg.num_experts, dtype=torch.int64, device=device)
         self._set_routing(layout)
 
     # ---- layout -------------------------------------------------------------------------
@@ -119,10 +118,28 @@ class MoEModel:
         self.w1[:, slot].copy_(vec[:n1].view_as(self.w1[:, slot]))
         self.w2[:, slot].copy_(vec[n1:].view_as(self.w2[:, slot]))
 
+    def set_slot_blocks(self, slot: int, blocks: list[int]) -> None:
+        """Write a request slot's block table row (at admission), padded with the null block."""
+        row = self.block_table[slot]
+        row.zero_()
+        if blocks:
+            row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+
+    def take_expert_load(self) -> list[int]:
+        """The expert load recorded since the last call, and reset it."""
+        load = self.expert_load.tolist()
+        self.expert_load.zero_()
+        return load
+
     def buffers(self) -> dict[str, torch.Tensor]:
         """Long-lived tensors a captured step reads; their storage must not change under it."""
         return {"kv": self.kv, "w1": self.w1, "w2": self.w2, "replica_table": self.replica_table,
-                "replica_count": self.replica_count, **{f"dense:{k}": v for k, v in self.dense.items()}}
+                "replica_count": self.replica_count, "block_table": self.block_table,
+                "expert_load": self.expert_load, **{f"dense:{k}": v for k, v in self.dense.items()}}
+
+    def bind(self, workspace_views: list[torch.Tensor] | None = None) -> Bound:
+        return Bound(self.kv, self.w1, self.w2, dict(self.dense), self.replica_table, self.replica_count,
+                     self.block_table, self.expert_load, self.rank, workspace_views)
 
     # ---- workspace sizing ----------------------------------------------------------------
     def moe_specs(self, gathered_tokens: int, slot_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -157,10 +174,12 @@ class MoEModel:
         workspace: WorkspaceManager,
         *,
         dense_moe: bool = False,
-        expert_counts: torch.Tensor | None = None,
+        record_load: bool = True,
     ) -> torch.Tensor:
-        """Logits for every token of ``batch``. ``group`` spans the EP world (None: one rank)."""
-        steps, ns = self.plan(batch, group, workspace, dense_moe=dense_moe, expert_counts=expert_counts)
+        """Logits for every token of ``batch``. ``group`` spans the EP world (None: one rank).
+        The routing of valid tokens is added to ``expert_load`` unless ``record_load`` is False
+        (warm-up: EPLB must not see dummy load)."""
+        steps, ns = self.plan(batch, group, workspace, dense_moe=dense_moe, record_load=record_load)
         for _, fn in steps:
             fn()
         return ns["logits"]
@@ -172,36 +191,42 @@ class MoEModel:
         workspace: WorkspaceManager,
         *,
         dense_moe: bool = False,
-        expert_counts: torch.Tensor | None = None,
+        record_load: bool = True,
+        bind_workspace: bool = False,
     ) -> tuple[list[tuple[str, Callable[[], None]]], dict[str, torch.Tensor]]:
         """(steps, namespace): steps are ("compute" | "comm", fn); results land in the namespace.
 
+        Every tensor the steps read is bound here (``Bound``); with ``bind_workspace`` (captures)
+        the MoE workspace views are carved here too, so a replay reads what it was captured with.
         Collectives read and write only tensors a compute step allocated earlier, under a key
         unique to their layer: after a piecewise capture the compute steps never run in Python
         again, so an eager collective must find exactly the tensors its graphs were captured with.
         """
         cfg = self.cfg
-        T, H, nh, hd, k = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.top_k
+        T = batch.num_tokens
         W = 1 if group is None else group.size
         N = W * T
-        d = self.dense
+        b = self.bind(workspace.get(self.moe_specs(N, 1)) if bind_workspace else None)
+        d = b.dense
         ns: dict[str, torch.Tensor] = {}
         steps: list[tuple[str, Callable[[], None]]] = []
 
         def start() -> None:
             bs = cfg.block_size
             ns["x"] = d["embed"][batch.token_ids] + d["pos_embed"][batch.positions]
-            ns["ctx_slots"] = (batch.block_tables.unsqueeze(-1) * bs
-                               + torch.arange(bs, device=self.device)).reshape(T, -1)
+            tables = b.block_table[batch.req_slots]  # [T, max_blocks]: read through the request slot
+            ns["slot_mapping"] = (torch.gather(tables, 1, (batch.positions // bs).unsqueeze(1)).squeeze(1) * bs
+                                  + batch.positions % bs)
+            ns["ctx_slots"] = (tables.unsqueeze(-1) * bs + torch.arange(bs, device=self.device)).reshape(T, -1)
             ctx_pos = torch.arange(ns["ctx_slots"].shape[1], device=self.device)
             ns["mask"] = ctx_pos.unsqueeze(0) > batch.positions.unsqueeze(1)
 
         steps.append(("compute", start))
         for l in range(cfg.num_layers):
-            steps.append(("compute", lambda l=l: self._attention_and_route(l, batch, ns, workspace, N, expert_counts)))
+            steps.append(("compute", lambda l=l: self._attention_and_route(l, batch, ns, workspace, b, N, record_load)))
             if group is not None:
                 steps.append(("comm", lambda l=l: self._dispatch(group, ns, W, l)))
-            steps.append(("compute", lambda l=l: self._experts(l, ns, workspace, N, dense_moe)))
+            steps.append(("compute", lambda l=l: self._experts(l, ns, workspace, b, N, dense_moe)))
             if group is not None:
                 steps.append(("comm", lambda l=l: self._combine(group, ns, W, l)))
             steps.append(("compute", lambda l=l: self._residual(ns, group, T, l)))
@@ -213,15 +238,15 @@ class MoEModel:
         return steps, ns
 
     def _attention_and_route(self, l: int, batch: Batch, ns: dict[str, torch.Tensor], workspace: WorkspaceManager,
-                             N: int, expert_counts: torch.Tensor | None) -> None:
-        cfg, d = self.cfg, self.dense
+                             b: Bound, N: int, record_load: bool) -> None:
+        cfg, d = self.cfg, b.dense
         T, H, nh, hd, k = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.top_k
         x = ns["x"]
         h = self._rms(x, d[f"l{l}.ln1"])
         q, kk, v = (h @ d[f"l{l}.wqkv"]).view(T, 3, nh, hd).unbind(1)
-        cache = self.kv[l]
-        cache[batch.slot_mapping, 0] = kk
-        cache[batch.slot_mapping, 1] = v
+        cache = b.kv[l]
+        cache[ns["slot_mapping"], 0] = kk
+        cache[ns["slot_mapping"], 1] = v
         keys = cache[ns["ctx_slots"], 0]  # [T, C, nh, hd]
         vals = cache[ns["ctx_slots"], 1]
         scores = torch.einsum("thd,tchd->thc", q, keys) / math.sqrt(hd)
@@ -233,11 +258,10 @@ class MoEModel:
         probs = torch.softmax(h @ d[f"l{l}.router"], dim=-1)
         top_w, top_i = torch.topk(probs, k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
-        if expert_counts is not None:  # shape-static and sync-free, so it can live inside a graph
-            expert_counts.scatter_add_(0, top_i.reshape(-1),
-                                       batch.valid.to(torch.int64).repeat_interleave(k))
+        if record_load:  # EPLB statistics, recorded in the forward pass; shape-static and sync-free
+            b.expert_load.scatter_add_(0, top_i.reshape(-1), batch.valid.to(torch.int64).repeat_interleave(k))
         # Gathered buffers come from the workspace; views are taken here so collectives reuse them.
-        gh, gi, gw, acc, _, _ = workspace.get(self.moe_specs(N, 1))
+        gh, gi, gw, acc, _, _ = b.workspace if b.workspace is not None else workspace.get(self.moe_specs(N, 1))
         ns.update({f"h{l}": h, f"top_w{l}": top_w, f"top_i{l}": top_i, f"gh{l}": gh, f"gi{l}": gi,
                    f"gw{l}": gw, f"acc{l}": acc, f"moe_out{l}": torch.empty(T, H, dtype=h.dtype, device=h.device)})
 
@@ -247,7 +271,8 @@ class MoEModel:
         group.all_gather(list(ns[f"gi{l}"].chunk(W)), ns[f"top_i{l}"].contiguous())
         group.all_gather(list(ns[f"gw{l}"].chunk(W)), ns[f"top_w{l}"].contiguous())
 
-    def _experts(self, layer: int, ns: dict[str, torch.Tensor], workspace: WorkspaceManager, N: int, dense: bool) -> None:
+    def _experts(self, layer: int, ns: dict[str, torch.Tensor], workspace: WorkspaceManager, b: Bound, N: int,
+                 dense: bool) -> None:
         cfg = self.cfg
         k, L = cfg.top_k, cfg.slots_per_rank
         l = layer
@@ -259,15 +284,15 @@ class MoEModel:
         # Which physical replica serves each (token, choice): a fixed function of the gathered
         # token index, so every rank agrees without communicating.
         token_idx = torch.arange(N, device=gh.device).unsqueeze(1).expand(N, k)
-        choice = token_idx % self.replica_count[gi]
-        phys = torch.gather(self.replica_table[gi], 2, choice.unsqueeze(-1)).squeeze(-1)  # [N, k]
-        local = (phys // L) == self.rank
+        choice = token_idx % b.replica_count[gi]
+        phys = torch.gather(b.replica_table[gi], 2, choice.unsqueeze(-1)).squeeze(-1)  # [N, k]
+        local = (phys // L) == b.rank
         local_slot = phys % L
         acc.zero_()
         if dense:
             for s in range(L):
                 wsel = (gw * (local & (local_slot == s))).sum(-1, keepdim=True)  # [N, 1]
-                y = torch.relu(gh @ self.w1[layer, s]) @ self.w2[layer, s]
+                y = torch.relu(gh @ b.w1[layer, s]) @ b.w2[layer, s]
                 acc.add_(y * wsel)
             return
         sel_counts = [int(((local_slot == s) & local).sum()) for s in range(L)]
@@ -283,9 +308,9 @@ class MoEModel:
             xs = xin[:n]
             torch.index_select(gh, 0, rows, out=xs)
             ms = mid[:n]
-            torch.matmul(xs, self.w1[layer, s], out=ms)
+            torch.matmul(xs, b.w1[layer, s], out=ms)
             ms.relu_()
-            acc.index_add_(0, rows, (ms @ self.w2[layer, s]) * gw[rows, cols].unsqueeze(-1))
+            acc.index_add_(0, rows, (ms @ b.w2[layer, s]) * gw[rows, cols].unsqueeze(-1))
 
     @staticmethod
     def _combine(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int, l: int) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine_ext.elastic.comm import StatelessGroup, host_store, local_ip
+from engine_ext.elastic.comm import StatelessGroup, configure_node, host_store, local_ip
 from engine_ext.elastic.eplb import EplbState, ExpertLayout
 from engine_ext.elastic.graphs import GraphManager
 from engine_ext.elastic.identity import apply_dp_identity_suffix
@@ -50,6 +50,9 @@ class RankEngine:
         device: str = "cpu",
         sink: Sink | None = None,
         kind: str = "reference",
+        node_id: str = "",
+        node_ip: str = "",
+        ifname: str = "",
     ) -> None:
         cfg = copy.deepcopy(cfg)
         cfg.validate()
@@ -61,7 +64,7 @@ class RankEngine:
         if self.faults.active("double_suffix"):  # stacks suffixes (the upstream bug)
             cfg.instance_id = f"{cfg.instance_id}_dp{rank}_dp{rank}"
             cfg.kv_transfer.engine_id = f"{cfg.kv_transfer.engine_id}_dp{rank}_dp{rank}"
-        else:
+        elif not self.faults.active("no_suffix"):  # no_suffix: every rank claims the base identity
             cfg = apply_dp_identity_suffix(cfg, rank)
         self.cfg = cfg
         self.deployment = deployment
@@ -88,7 +91,10 @@ class RankEngine:
         self.halting = False  # a peer died: the step loop stops until recovery resumes it
         self.lock = threading.RLock()
         self.node = socket.gethostname()
-        self.ip = local_ip()
+        # Ray ranks bind and advertise the node IP Ray reports (or the operator's interface);
+        # the process launcher (one node, no Ray) keeps the default-route guess.
+        self.node_id = node_id
+        self.ip = configure_node(node_ip, ifname).ip if (node_ip or ifname) else local_ip()
         self._store_master: Any = None
         self.telemetry = RankTelemetry(self, sink)
         self.loop = StepLoop(self)

@@ -38,7 +38,8 @@ class RankTelemetry:
         s, g = e.sched, e.graphs
         st = RankStatus(
             deployment=e.deployment, rank=e.rank, instance_id=e.instance_id, engine_id=e.engine_id,
-            kind=e.kind, node=f"{e.node}/{e.ip}", pid=os.getpid(), device=str(e.device),
+            kind=e.kind, node=f"{e.node}/{e.ip}", node_id=e.node_id, node_ip=e.ip,
+            pid=os.getpid(), device=str(e.device),
             state=e.state.value, state_reason=e.state_reason, dp_size=e.world_size,
             requests_running=len(s.running), requests_waiting=len(s.waiting),
             slots_used=s.slots.used, slots_total=s.slots.total,

@@ -52,19 +52,39 @@ class SlotPool:
 
 
 class BlockPool:
-    """KV blocks 1..n-1; block 0 is the null block, never handed to a request."""
+    """KV blocks 1..total; block 0 is the null block, never handed to a request.
+
+    ``resize`` follows the rank's memory budget: bytes the MoE workspace gives back on a
+    scale-down become blocks; on a scale-up free blocks above the new total leave the pool at
+    once and live ones when their request finishes (the KV tensor keeps its ceiling)."""
 
     def __init__(self, n: int) -> None:
+        self.ceiling = n - 1
         self.total = n - 1
         self._free: deque[int] = deque(range(1, n))
+        self._allocated: set[int] = set()
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise NoFreeBlocksError(f"need {n} KV blocks, {len(self._free)} free of {self.total}")
-        return [self._free.popleft() for _ in range(n)]
+        got = [self._free.popleft() for _ in range(n)]
+        self._allocated.update(got)
+        return got
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        for b in blocks:
+            self._allocated.discard(b)
+            if b <= self.total:
+                self._free.append(b)
+
+    def resize(self, total: int) -> None:
+        """Make blocks 1..``total`` the pool (capped at the KV tensor's ceiling)."""
+        total = max(1, min(total, self.ceiling))
+        if total < self.total:
+            self._free = deque(b for b in self._free if b <= total)
+        else:
+            self._free.extend(b for b in range(self.total + 1, total + 1) if b not in self._allocated)
+        self.total = total
 
     @property
     def free(self) -> int:
@@ -72,7 +92,7 @@ class BlockPool:
 
     @property
     def used(self) -> int:
-        return self.total - len(self._free)
+        return len(self._allocated)
 
 
 @dataclass

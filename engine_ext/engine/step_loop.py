@@ -110,46 +110,41 @@ class StepLoop:
 
     # ---- one step -------------------------------------------------------------------------------
     def batch(self, items: list[ScheduledItem], n: int) -> Batch:
-        """The scheduled tokens padded to ``n`` (padding writes into the null block)."""
+        """The scheduled tokens padded to ``n`` (padding names the null slot, whose blocks are null).
+        A request fed from position 0 was just admitted: its slot's block table row is written now."""
         e = self.engine
-        cfg = e.cfg
-        tok, pos, slot, valid = [], [], [], []
-        tables: list[list[int]] = []
-        maxb = cfg.max_blocks_per_seq
+        model = e.model
+        tok, pos, req_slots, valid = [], [], [], []
         for it in items:
-            blocks = it.request.blocks + [NULL_BLOCK] * (maxb - len(it.request.blocks))
+            if it.start == 0:
+                model.set_slot_blocks(it.request.slot, it.request.blocks)
             for j, t in enumerate(it.feed):
-                p = it.start + j
                 tok.append(t)
-                pos.append(p)
-                slot.append(blocks[p // cfg.block_size] * cfg.block_size + p % cfg.block_size)
-                tables.append(blocks)
+                pos.append(it.start + j)
+                req_slots.append(it.request.slot)
                 valid.append(True)
         pad = n - len(tok)
         tok += [0] * pad
         pos += [0] * pad
-        slot += [0] * pad
-        tables += [[NULL_BLOCK] * maxb] * pad
+        req_slots += [model.null_slot] * pad
         valid += [False] * pad
         dev = e.device
-        return Batch(torch.tensor(tok, device=dev), torch.tensor(pos, device=dev), torch.tensor(slot, device=dev),
-                     torch.tensor(tables, dtype=torch.int64, device=dev).reshape(n, maxb),
-                     torch.tensor(valid, device=dev))
+        return Batch(torch.tensor(tok, device=dev), torch.tensor(pos, device=dev),
+                     torch.tensor(req_slots, dtype=torch.int64, device=dev), torch.tensor(valid, device=dev))
 
     def step(self, items: list[ScheduledItem], hdr: torch.Tensor) -> None:
         e = self.engine
-        counts = torch.zeros(e.cfg.num_experts, dtype=torch.int64, device=e.device)
         # The padded size depends only on the agreed header and the config, never on this rank's
         # graphs: ranks whose captures differ still issue collectives of the same shape.
         size = None
         if int(hdr[H_PREFILL]) == 0:
             size = next((c for c in sorted(e.cfg.capture_sizes) if c >= int(hdr[H_DECODES])), None)
         if size is not None:
-            logits = self.replay(items, size, counts)
+            logits = self.replay(items, size)
         else:
             n = max(1, int(hdr[H_TOKENS]))
-            logits = e.model.forward(self.batch(items, n), e.group, e.workspace, expert_counts=counts)
-        e.eplb.record(counts.tolist())
+            logits = e.model.forward(self.batch(items, n), e.group, e.workspace)
+        e.eplb.record(e.model.take_expert_load())  # what this step's forward pass recorded
         e.steps += 1
         finished = self.apply_logits(items, logits)
         # Stream this step's tokens (fire-and-forget): the router re-submits a request with them
@@ -182,13 +177,13 @@ class StepLoop:
                     finished.append(res)
         return finished
 
-    def replay(self, items: list[ScheduledItem], size: int, counts: torch.Tensor) -> torch.Tensor:
+    def replay(self, items: list[ScheduledItem], size: int) -> torch.Tensor:
         e = self.engine
         batch = self.batch(items, size)
         try:
             step = e.graphs.check(size)
         except (KeyError, GraphReleasedError):  # nothing captured for this size: eager, same shape
-            return e.model.forward(batch, e.group, e.workspace, expert_counts=counts)
+            return e.model.forward(batch, e.group, e.workspace)
         except StaleGraphError as ex:
             # The check refuses the replay; serve this step eagerly at the same padded size so
             # the DP collectives still match, and make the violation visible.
@@ -196,9 +191,7 @@ class StepLoop:
             e.state_reason = f"stale graph refused: {ex}"
             with e.telemetry.phase(e.current_op or "serving", "stale_graph_refused", batch_size=size):
                 pass
-            return e.model.forward(batch, e.group, e.workspace, expert_counts=counts)
-        for name in ("token_ids", "positions", "slot_mapping", "block_tables", "valid"):
+            return e.model.forward(batch, e.group, e.workspace)
+        for name in ("token_ids", "positions", "req_slots", "valid"):
             step.inputs[name].copy_(getattr(batch, name))
-        out = e.graphs.replay(size)
-        counts += step.inputs["expert_counts"]
-        return out
+        return e.graphs.replay(size)  # the captured step recorded its load into the captured expert_load

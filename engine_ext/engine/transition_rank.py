@@ -73,13 +73,19 @@ class RankTransition:
             e.telemetry.set_state(RankState.PREPARING)
         e.faults.hold("prepare", joining=role == "joining")
         try:
+            late = e.faults.active("late_eplb_comm")  # broken variant: the communicator comes after the transfer
             with e.telemetry.phase(plan.op_id, "prepare", role=role) as d:
-                self._form_groups(op)
-                d["eplb_comm_ready_at"] = time.time()
+                self._form_groups(op, eplb=not late)
+                if not late:
+                    d["eplb_comm_ready_at"] = time.time()
             if plan.kind == "scale_up":
                 e.faults.hold("transfer")
                 with e.telemetry.phase(plan.op_id, "transfer") as d:
                     d.update(self._transfer_dense(op))
+            if late:
+                with e.telemetry.phase(plan.op_id, "eplb_comm") as d:
+                    self._form_groups(op, dp=False)
+                    d["eplb_comm_ready_at"] = time.time()
             with e.telemetry.phase(plan.op_id, "prepare_warm_groups"):
                 if op.standby is not None:
                     op.standby.barrier()
@@ -95,23 +101,25 @@ class RankTransition:
             e.loop.start(self._join_commit_then_serve, name="joiner")
         return {"rank": e.rank, "role": role}
 
-    def _form_groups(self, op: OpState) -> None:
+    def _form_groups(self, op: OpState, *, dp: bool = True, eplb: bool = True) -> None:
         """The new world's DP group (standby until commit) and the EPLB communicator: on a
         scale-down the communicator spans the old world, whose ranks are the expert sources."""
         e, plan = self.engine, op.plan
         t = plan.timeout_s
-        if op.role != "removing":
+        if dp and op.role != "removing":
             op.standby = StatelessGroup(plan.rdzv.child("dp"), plan.new_pos(e.rank), plan.new_size, timeout_s=t,
                                         backend=e.cfg.backend, device=e.device)
         comm_world = comm_members(plan)
-        op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), comm_world.index(e.rank), len(comm_world),
-                                      timeout_s=t, device=e.device)
+        if eplb:
+            op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), comm_world.index(e.rank), len(comm_world),
+                                          timeout_s=t, device=e.device)
 
     def _transfer_dense(self, op: OpState) -> dict[str, Any]:
         e, plan = self.engine, op.plan
         pairs = transfer_pairs(plan.old_size, plan.new_size)  # positions; the comm spans the new world
         comm = op.eplb_comm
-        assert comm is not None
+        if comm is None:  # late_eplb_comm: no channel yet, so no weights move
+            return {"skipped": "no EPLB communicator: nothing sent or received"}
         me = plan.new_pos(e.rank)
         vec_len = e.model.dense_vector().numel()
         if me in pairs:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import ray
@@ -20,6 +20,7 @@ from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.orchestrator import Orchestrator
 from engine_ext.engine.rank_control import RankClient
 from engine_ext.protocol import EepError, ExitCode
+from engine_ext.ray import placement
 from engine_ext.ray.names import registry_name
 from engine_ext.ray.rank_actor import RankActor
 
@@ -27,10 +28,11 @@ from engine_ext.ray.rank_actor import RankActor
 class RayRankClient(RankClient):
     """A rank actor, called through its ``call`` method (checked against RANK_METHODS there)."""
 
-    def __init__(self, rank: int, handle: Any, pid: int) -> None:
+    def __init__(self, rank: int, handle: Any, pid: int, release: Any = None) -> None:
         self.rank = rank
         self.handle = handle
         self._pid = pid
+        self._release = release  # frees the rank's placement group once the rank is gone
         self._watch: asyncio.Task | None = None
 
     def watch(self, on_death: Any) -> None:
@@ -56,56 +58,101 @@ class RayRankClient(RankClient):
             ray.kill(self.handle, no_restart=True)
         except Exception:
             pass
+        if self._release is not None:
+            self._release()
 
 
 class RaySpawner:
-    def __init__(self, deployment: str, namespace: str, cfg: EngineConfig, cpus: float, gpus: float) -> None:
+    """Launches rank actors, each in a placement group of its own on the node the deployment's
+    placement policy picks (engine_ext/ray/placement.py)."""
+
+    def __init__(self, deployment: str, namespace: str, cfg: EngineConfig, cpus: float, gpus: float,
+                 spec: placement.PlacementSpec | None = None) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = cfg
         self.cpus = cpus
         self.gpus = gpus
         self.on_death: Any = lambda rank, cause: None
+        self.spec = spec or placement.PlacementSpec()
+        self.rank_nodes: dict[int, placement.Node] = {}
+        self._pgs: dict[int, Any] = {}
+        self._planned: dict[int, placement.Node] = {}  # the last preflight's node per new rank
+
+    def _held(self) -> Counter[str]:
+        return Counter(n.node_id for n in self.rank_nodes.values())
 
     def check_capacity(self, new_ranks: int) -> str | None:
+        """None when the policy can place ``new_ranks`` more ranks, else why not."""
+        self._planned = {}
         if new_ranks <= 0:
             return None
-        avail = ray.available_resources()
-        need_cpu, need_gpu = new_ranks * self.cpus, new_ranks * self.gpus
-        if avail.get("CPU", 0.0) + 1e-9 < need_cpu:
-            return (f"the cluster has {avail.get('CPU', 0.0):g} free CPUs; {new_ranks} new rank(s) need "
-                    f"{need_cpu:g} ({self.cpus:g} each)")
-        if need_gpu and avail.get("GPU", 0.0) + 1e-9 < need_gpu:
-            return f"the cluster has {avail.get('GPU', 0.0):g} free GPUs; {new_ranks} new rank(s) need {need_gpu:g}"
+        try:
+            nodes = placement.predict_nodes(self.spec.policy, self._held(), new_ranks, self.cpus, self.gpus)
+        except placement.PlacementError as e:
+            return str(e)
+        first = len(self.rank_nodes)
+        self._planned = {first + i: n for i, n in enumerate(nodes)}
         return None
+
+    def predicted(self) -> list[dict[str, Any]]:
+        """The node of each new rank, as the last check_capacity planned it (for `--dry-run`)."""
+        return [{"rank": r, "node_id": n.node_id, "node_ip": n.ip} for r, n in sorted(self._planned.items())]
+
+    def forget(self, rank: int) -> None:
+        self.rank_nodes.pop(rank, None)
+        pg = self._pgs.pop(rank, None)
+        if pg is not None:
+            placement.release(pg)
 
     async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> RayRankClient:
         identity = dp_suffixed(self.cfg.instance_id or self.deployment, rank)
         device = "cuda" if self.gpus > 0 else "cpu"
+        node = self._planned.pop(rank, None)
+        if node is None:
+            try:
+                node = placement.predict_nodes(self.spec.policy, self._held(), 1, self.cpus, self.gpus)[0]
+            except placement.PlacementError as e:
+                raise EepError(str(e)) from None
+        self.rank_nodes[rank] = node  # before any await: concurrent joiners see this rank's node
+        try:
+            pg = await placement.reserve(node, self.cpus, self.gpus, self.spec.policy, f"{identity}-pg")
+        except BaseException:
+            self.rank_nodes.pop(rank, None)
+            raise
+        self._pgs[rank] = pg
         actor = ray.remote(RankActor).options(
             name=identity, namespace=self.namespace, lifetime="detached", num_cpus=self.cpus,
-            num_gpus=self.gpus, max_concurrency=64, max_restarts=0,
+            num_gpus=self.gpus, max_concurrency=64, max_restarts=0, scheduling_strategy=placement.scheduling(pg),
         )
         try:
             handle = actor.remote(self.cfg.to_dict(), self.deployment, self.namespace, rank, layout.to_dict(),
-                                  joining, device)
+                                  joining, device, self.spec.ifname)
         except ValueError as e:  # the name is taken: refuse a duplicate identity (I1)
+            self.forget(rank)
             raise EepError(f"identity {identity} is already taken by a live actor: {e}") from None
-        pid = await asyncio.wait_for(handle.pid.remote(), 120)
-        client = RayRankClient(rank, handle, pid)
+        try:
+            pid = await asyncio.wait_for(handle.pid.remote(), 120)
+        except BaseException:
+            ray.kill(handle, no_restart=True)
+            self.forget(rank)
+            raise
+        client = RayRankClient(rank, handle, pid, release=lambda: self.forget(rank))
         client.watch(lambda r, cause: self.on_death(r, cause))
         return client
 
 
 class Controller:
     def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
-                 cpus_per_rank: float, gpus_per_rank: float, on_rank_failure: str = "replace") -> None:
+                 cpus_per_rank: float, gpus_per_rank: float, placement_d: dict[str, Any] | None = None,
+                 on_rank_failure: str = "replace") -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
         self.registry = ray.get_actor(registry_name(deployment), namespace=namespace)
         self._resolved_at = time.time()
-        self.spawner = RaySpawner(deployment, namespace, self.cfg, cpus_per_rank, gpus_per_rank)
+        self.spawner = RaySpawner(deployment, namespace, self.cfg, cpus_per_rank, gpus_per_rank,
+                                  placement.PlacementSpec.from_dict(placement_d))
         self.orch = Orchestrator(deployment, self.cfg, self.spawner, max_dp=max_dp,
                                  emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank,
                                  on_rank_failure=on_rank_failure)
@@ -282,6 +329,7 @@ class Controller:
             plan["running_op"] = self.orch.busy()
             reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size))
             plan["capacity_problem"] = reason
+            plan["placement"] = {"policy": self.spawner.spec.policy, "nodes": self.spawner.predicted()}
             return plan
         except EepError as e:
             return _error(e)

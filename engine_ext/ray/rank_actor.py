@@ -17,7 +17,7 @@ from engine_ext.ray.names import controller_name, registry_name
 
 class RankActor:
     def __init__(self, cfg_d: dict[str, Any], deployment: str, namespace: str, rank: int,
-                 layout_d: dict[str, Any], joining: bool, device: str) -> None:
+                 layout_d: dict[str, Any], joining: bool, device: str, ifname: str = "") -> None:
         from engine_ext.elastic.eplb import ExpertLayout
         from engine_ext.engine.config import EngineConfig
         from engine_ext.engine.rank import RankEngine
@@ -36,7 +36,9 @@ class RankActor:
         except Exception:  # noqa: BLE001
             self._metrics = None
         self.engine = RankEngine(EngineConfig.from_dict(cfg_d), deployment, rank, ExpertLayout.from_dict(layout_d),
-                                 joining=joining, device=device, sink=self._sink)
+                                 joining=joining, device=device, sink=self._sink,
+                                 node_id=ray.get_runtime_context().get_node_id(),
+                                 node_ip=ray.util.get_node_ip_address(), ifname=ifname)
         self.engine.start_heartbeat()
 
     # ---- telemetry: never blocks the step loop ---------------------------------------------------

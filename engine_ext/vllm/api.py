@@ -52,11 +52,19 @@ class VllmApi:
 
     def post(self, path: str, payload: dict[str, Any] | None = None, timeout_s: float | None = None) -> tuple[int, Any]:
         """(HTTP status, decoded body). Raises UnreachableError when nothing answers."""
+        return self._request("POST", path, payload if payload is not None else {}, timeout_s)
+
+    def get(self, path: str, timeout_s: float | None = None) -> tuple[int, Any]:
+        """(HTTP status, decoded body). Raises UnreachableError when nothing answers."""
+        return self._request("GET", path, None, timeout_s)
+
+    def _request(self, method: str, path: str, payload: dict[str, Any] | None,
+                 timeout_s: float | None) -> tuple[int, Any]:
         import httpx
 
         try:
-            resp = httpx.post(self.base_url + path, json=payload if payload is not None else {},
-                              headers=self._headers, timeout=timeout_s or self.timeout_s)
+            resp = httpx.request(method, self.base_url + path, json=payload, headers=self._headers,
+                                 timeout=timeout_s or self.timeout_s)
         except httpx.TimeoutException:
             raise TransitionTimeout(f"vLLM at {self.base_url} did not answer {path} within "
                                     f"{timeout_s or self.timeout_s:.0f}s") from None

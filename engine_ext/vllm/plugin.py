@@ -6,8 +6,11 @@ every error (vLLM does not catch what a plugin's function raises) and stays iner
 debug line, unless the operator named a deployment (``EEPCTL_DEPLOYMENT``) and a Ray cluster
 answers at ``EEPCTL_RAY_ADDRESS`` / ``RAY_ADDRESS``. Then, by process:
 
-* API server: wraps ``build_and_serve`` to learn the listening URL, creates the deployment's
-  registry if missing (kind "vllm") and keeps its info (URL, DP size and bounds) current.
+* API server: puts vLLM's open elastic-EP, RPC and fault-tolerance endpoints behind its own
+  ``--api-key`` check (even without a deployment), wraps ``build_and_serve`` to learn the
+  listening URL, watches scales for the wedged state (engine_ext.vllm.api_patches), creates the
+  deployment's registry if missing (kind "vllm") and keeps its info (URL, DP size and bounds,
+  wedged state) current.
 * engine core: reports its DP rank (identity, live DP rank/size, requests, KV use, and the
   worker's workspace, capture and phase telemetry) about once a second, from a daemon thread.
 * worker: wraps the elastic-EP steps and ``compile_or_warm_up_model`` (engine_ext.vllm.patches)
@@ -119,11 +122,15 @@ def _is_api_main() -> bool:
 
 def _register() -> None:
     global _sink
+    role, ctx = detect_role()
+    if role == "api":  # with or without a deployment: it only closes endpoints vLLM leaves open
+        from engine_ext.vllm.api_patches import guard_endpoints
+
+        guard_endpoints()
     settings, why = settings_from_env()
     if settings is None:
         log.debug("engine_ext: plugin inert in pid %d: %s", os.getpid(), why)
         return
-    role, ctx = detect_role()
     if role == "other":
         log.debug("engine_ext: plugin inert in pid %d: not an API server, engine core or worker", os.getpid())
         return
@@ -185,9 +192,13 @@ def _patch_build_and_serve(settings: Any) -> None:
 
 
 def _api_serving(settings: Any, engine_client: Any, listen_address: str, args: Any) -> None:
+    from engine_ext.vllm.api_patches import ScaleWatch, arm_commit_fault
     from engine_ext.vllm.reporter import ApiServerReporter, public_url
 
     url = public_url(listen_address)
     key_required = bool(getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY"))
-    ApiServerReporter(settings, engine_client.vllm_config, url, key_required).start()
+    watch = ScaleWatch(float(os.environ.get("EEPCTL_VLLM_WEDGED_AFTER_S", "5") or 5))
+    watch.install()
+    arm_commit_fault(engine_client)
+    ApiServerReporter(settings, engine_client.vllm_config, url, key_required, watch=watch).start()
     log.info("engine_ext: API server %s registered for deployment %s", url, settings.deployment)

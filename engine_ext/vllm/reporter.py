@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from engine_ext.elastic.identity import dp_suffixed
 from engine_ext.records import DeploymentKind, RankState, VllmRankStatus, to_builtins
 
 log = logging.getLogger("vllm.engine_ext")
@@ -137,13 +136,15 @@ def _node() -> str:
     return f"{host}/{ip}" if ip else host
 
 
-def identity(deployment: str, rank: int, vllm_config: Any) -> tuple[str, str]:
-    """(instance_id, engine_id) of a DP rank: ``<deployment>_dp<rank>``, and the KV-transfer
-    engine_id exactly as vLLM holds it (so an unsuffixed one shows up as an I1 violation)."""
-    instance_id = dp_suffixed(deployment, rank)
+def identity(vllm_config: Any) -> tuple[str, str]:
+    """(instance_id, engine_id) of a DP rank exactly as vLLM holds them in the engine core's config:
+    ``vllm_config.instance_id`` and the KV-transfer ``engine_id`` ("" without a KV connector).
+    vLLM suffixes both with ``_dp<rank>`` when it starts sibling DP engines
+    (``_apply_dp_identity_suffix``); a missing or doubled suffix then shows up as an I1 violation."""
+    instance_id = str(getattr(vllm_config, "instance_id", "") or "")
     kv = getattr(vllm_config, "kv_transfer_config", None)
     engine_id = str(getattr(kv, "engine_id", "") or "") if kv is not None else ""
-    return instance_id, engine_id or instance_id
+    return instance_id, engine_id
 
 
 class EngineCoreReporter(threading.Thread):
@@ -204,7 +205,7 @@ class EngineCoreReporter(threading.Thread):
         pc = self.vllm_config.parallel_config
         rank = int(getattr(pc, "data_parallel_rank", 0) or 0)  # read live (I6)
         dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
-        instance_id, engine_id = identity(self.settings.deployment, rank, self.vllm_config)
+        instance_id, engine_id = identity(self.vllm_config)
         scheduler = getattr(core, "scheduler", None)
         running = waiting = blocks_total = 0
         usage = 0.0
@@ -247,7 +248,6 @@ class EngineCoreReporter(threading.Thread):
             hook_calls=dict(worker.get("hook_calls", {})),
             hooks=dict(worker.get("hooks", {})),
             worker_pid=int(worker.get("worker_pid", 0)),
-            vllm_instance_id=str(getattr(self.vllm_config, "instance_id", "") or ""),
             dp_backend=str(getattr(pc, "data_parallel_backend", "") or ""),
             elastic_ep=bool(getattr(pc, "enable_elastic_ep", False)),
         ))
@@ -279,19 +279,22 @@ def public_url(listen_address: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "", "", ""))
 
 
-def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool) -> dict[str, Any]:
+def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watch: Any = None) -> dict[str, Any]:
     """What eepctl needs about a vLLM deployment. Never the API key: only whether one is set."""
     pc = getattr(vllm_config, "parallel_config", None)
     mc = getattr(vllm_config, "model_config", None)
     info: dict[str, Any] = {"kind": KIND, "api_url": api_url, "api_pid": os.getpid(), "api_node": _node(),
-                            "api_heartbeat": time.time()}
+                            "api_heartbeat": time.time(),
+                            # vLLM's base identity; it gives DP rank r of a DP > 1 deployment "<base>_dp<r>"
+                            "instance_id": str(getattr(vllm_config, "instance_id", "") or "")}
     if pc is not None:
         dp = int(getattr(pc, "data_parallel_size", 1) or 1)
         info.update({"dp": dp, "max_dp": int(getattr(pc, "elastic_ep_max_dp_size", None) or dp),
                      "elastic_ep": bool(getattr(pc, "enable_elastic_ep", False)),
                      "dp_backend": str(getattr(pc, "data_parallel_backend", "") or ""),
                      "expert_parallel": bool(getattr(pc, "enable_expert_parallel", False)),
-                     "eplb": bool(getattr(pc, "enable_eplb", False))})
+                     "eplb": bool(getattr(pc, "enable_eplb", False)),
+                     "fault_tolerance": bool(getattr(pc, "enable_fault_tolerance", False))})
         try:
             experts = int(mc.get_num_experts()) if mc is not None else 0
             redundant = int(getattr(getattr(pc, "eplb_config", None), "num_redundant_experts", 0) or 0)
@@ -304,6 +307,10 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool) -> d
     if mc is not None:
         info["model"] = str(getattr(mc, "served_model_name", None) or getattr(mc, "model", ""))
     info["api_key_required"] = api_key_required
+    if watch is not None:  # the wedged state (None when healthy) and the scales this server ran
+        from engine_ext.vllm import api_patches
+
+        info.update(wedged=watch.wedge(), scale_calls=watch.calls, api_patches=api_patches.status())
     try:
         import vllm
 
@@ -317,19 +324,20 @@ class ApiServerReporter(threading.Thread):
     """The API-server process: keeps the deployment's info (kind, URL, DP bounds) in the registry."""
 
     def __init__(self, settings: Settings, vllm_config: Any, api_url: str, api_key_required: bool,
-                 interval_s: float = 2.0) -> None:
+                 interval_s: float = 2.0, watch: Any = None) -> None:
         super().__init__(name="eepctl-vllm-api-reporter", daemon=True)
         self.link = RegistryLink(settings)
         self.vllm_config = vllm_config
         self.api_url = api_url
         self.api_key_required = api_key_required
         self.interval_s = interval_s
+        self.watch = watch
 
     def run(self) -> None:
         try:
             while not self.link.disabled:
                 # Rebuilt each time: the DP size lives in the config vLLM updates after a scale.
-                self.link.set_info(deployment_info(self.vllm_config, self.api_url, self.api_key_required))
+                self.link.set_info(deployment_info(self.vllm_config, self.api_url, self.api_key_required, self.watch))
                 time.sleep(self.interval_s)
         except Exception as e:  # noqa: BLE001
             log.warning("engine_ext: API reporter stopped: %s: %s", type(e).__name__, e)

@@ -73,6 +73,16 @@ def _bounds_problem(snap: dict[str, Any], target: int) -> str:
     return ""
 
 
+def wedged_message(name: str, wedge: dict[str, Any]) -> str:
+    """One line: since when the deployment is wedged, in which phase, and the exact remedy."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(wedge.get("since") or 0)))
+    what = (f"a scale to DP {wedge['to_size']} failed in {wedge.get('phase')}" if wedge.get("to_size")
+            else str(wedge.get("cause") or "vLLM's scaling flag stays set"))
+    err = f" ({wedge['error']})" if wedge.get("error") else ""
+    return (f"vLLM deployment {name!r} is wedged since {since}: {what}{err} and vLLM kept its scaling flag set, "
+            f"so it answers 503 to every request; a scale cannot clear it. Remedy: {wedge.get('remedy')}")
+
+
 def _abandoned(op: dict[str, Any] | None) -> bool:
     """A running operation past its deadline: the client that drove it stopped before the end."""
     return bool(op) and float(op.get("deadline", float("inf"))) <= time.time()
@@ -85,6 +95,7 @@ def plan(snap: dict[str, Any], target: int, api_key: str | None = None) -> dict[
     from engine_ext.elastic.identity import dp_suffixed
 
     name = snap["deployment"]
+    base = (snap.get("info") or {}).get("instance_id") or name  # vLLM's own, suffixed per DP rank
     cur = current_size(snap)
     api = api_for(snap, api_key)
     scaling = api.is_scaling()
@@ -94,8 +105,8 @@ def plan(snap: dict[str, Any], target: int, api_key: str | None = None) -> dict[
         "op_id": "dry-run", "kind": KIND, "deployment": name, "api_url": api.base_url,
         "from_size": cur, "to_size": target, "noop": target == cur,
         "elastic_ep": bool((snap.get("info") or {}).get("elastic_ep")),
-        "joining": [{"rank": r, "instance_id": dp_suffixed(name, r)} for r in range(cur, target)],
-        "leaving": [{"rank": r, "instance_id": dp_suffixed(name, r)} for r in range(target, cur)],
+        "joining": [{"rank": r, "instance_id": dp_suffixed(base, r)} for r in range(cur, target)],
+        "leaving": [{"rank": r, "instance_id": dp_suffixed(base, r)} for r in range(target, cur)],
         "transfer_pairs": {str(k): v for k, v in transfer_pairs(cur, target).items()},
         "capacity_problem": _bounds_problem(snap, target),
         "running_op": "vLLM" if scaling else running,
@@ -123,6 +134,9 @@ def scale(registry: Any, snap: dict[str, Any], target: int, *, drain_timeout_s: 
         raise PreconditionError(f"{running['op_id']} is running on {name!r} (DP {running['from_size']} -> "
                                 f"{running['to_size']}); one scale at a time")
     if api.is_scaling():
+        wedge = (snap.get("info") or {}).get("wedged")
+        if wedge:
+            raise PreconditionError(wedged_message(name, wedge))
         raise PreconditionError(f"vLLM reports a scale of {name!r} in progress; one scale at a time")
     problem = _bounds_problem(snap, target)
     if problem:

@@ -1,0 +1,157 @@
+"""Where ranks run: a placement policy over the Ray cluster's nodes.
+
+The policy is deployment-wide (``spread`` means across every rank of the deployment, joiners
+included), but a Ray placement group cannot grow or shrink. So each rank gets a placement group of
+its own (one bundle: its CPUs/GPUs plus a sliver of the chosen node's ``node:<ip>`` resource),
+created with the policy's Ray strategy and removed with the rank. The node is chosen here from the
+deployment's ranks per node and each node's free resources, which is also what ``--dry-run``
+shows (:func:`choose_nodes` is pure; :func:`predict_nodes` feeds it the live cluster).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+POLICIES: dict[str, str] = {"pack": "PACK", "spread": "SPREAD", "strict-spread": "STRICT_SPREAD"}
+DEFAULT_POLICY = "pack"
+NODE_PIN = 0.001  # of a node's `node:<ip>` resource: pins a bundle there without limiting ranks per node
+_EPS = 1e-9
+
+
+class PlacementError(ValueError):
+    """The policy cannot be met on this cluster; the message says why (preflight, exit 4)."""
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """What the operator asked for at `up`: the policy and an optional interface override."""
+
+    policy: str = DEFAULT_POLICY
+    ifname: str = ""
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--placement must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "ifname": self.ifname}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> PlacementSpec:
+        d = d or {}
+        return cls(str(d.get("policy") or DEFAULT_POLICY), str(d.get("ifname") or ""))
+
+
+@dataclass(frozen=True)
+class Node:
+    """An alive Ray node and what is free on it."""
+
+    node_id: str
+    ip: str
+    cpus: float
+    gpus: float
+
+    def label(self) -> str:
+        return f"{self.node_id[:8]}/{self.ip}"
+
+
+def choose_nodes(policy: str, nodes: list[Node], held: Counter[str], count: int, cpus: float,
+                 gpus: float) -> list[Node]:
+    """The node of each of ``count`` new ranks. ``held`` counts this deployment's ranks per node id.
+
+    pack: the node already holding most ranks first; spread: the node holding fewest;
+    strict-spread: only nodes holding none, one rank each."""
+    if policy not in POLICIES:
+        raise PlacementError(f"unknown placement policy {policy!r}")
+    free = {n.node_id: [n.cpus, n.gpus] for n in nodes}
+    held = Counter(held)
+    chosen: list[Node] = []
+    for i in range(count):
+        fits = [n for n in nodes if free[n.node_id][0] + _EPS >= cpus and free[n.node_id][1] + _EPS >= gpus]
+        if policy == "strict-spread":
+            fits = [n for n in fits if held[n.node_id] == 0]
+        if not fits:
+            raise PlacementError(_why(policy, nodes, held, count, i, cpus, gpus))
+        if policy == "pack":
+            node = min(fits, key=lambda n: (-held[n.node_id], -free[n.node_id][0], n.node_id))
+        else:
+            node = min(fits, key=lambda n: (held[n.node_id], -free[n.node_id][0], n.node_id))
+        chosen.append(node)
+        held[node.node_id] += 1
+        free[node.node_id][0] -= cpus
+        free[node.node_id][1] -= gpus
+    return chosen
+
+
+def _why(policy: str, nodes: list[Node], held: Counter[str], count: int, placed: int, cpus: float,
+         gpus: float) -> str:
+    need = f"{cpus:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
+    if policy == "strict-spread":
+        empty = sum(1 for n in nodes if held[n.node_id] == 0) + placed
+        return (f"placement strict-spread puts one rank per node: {count} new rank(s) need {count} node(s) "
+                f"without a rank of this deployment ({need} free each); the cluster has {len(nodes)} alive "
+                f"node(s), {empty} of them without one")
+    free = ", ".join(f"{n.label()}: {n.cpus:g} CPU" + (f" {n.gpus:g} GPU" if gpus else "") for n in nodes)
+    return (f"placement {policy}: {count} new rank(s) need {need} each; only {placed} fit on the cluster's "
+            f"{len(nodes)} alive node(s) (free: {free or 'none'})")
+
+
+# ---- the live cluster (Ray imported only here) ------------------------------------------------------
+def cluster_nodes() -> list[Node]:
+    """Alive nodes with their free CPUs and GPUs, as Ray's GCS reports them."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    avail = available_resources_per_node()
+    out = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        free = avail.get(n["NodeID"], {})
+        out.append(Node(n["NodeID"], n["NodeManagerAddress"], float(free.get("CPU", 0.0)), float(free.get("GPU", 0.0))))
+    return sorted(out, key=lambda n: n.node_id)
+
+
+def predict_nodes(policy: str, held: Counter[str], count: int, cpus: float, gpus: float) -> list[Node]:
+    """choose_nodes on the live cluster (what a scale's `--dry-run` shows)."""
+    return choose_nodes(policy, cluster_nodes(), held, count, cpus, gpus)
+
+
+def bundle(node: Node, cpus: float, gpus: float) -> dict[str, float]:
+    b = {"CPU": cpus, f"node:{node.ip}": NODE_PIN}
+    if gpus:
+        b["GPU"] = gpus
+    return {k: v for k, v in b.items() if v > 0}
+
+
+async def reserve(node: Node, cpus: float, gpus: float, policy: str, name: str, timeout_s: float = 60.0) -> Any:
+    """A ready placement group of one bundle pinned to ``node``; removed again if it is not ready
+    in time (the node went away, or someone else took its resources)."""
+    import asyncio
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([bundle(node, cpus, gpus)], strategy=POLICIES[policy], name=name)
+    try:
+        await asyncio.wait_for(pg.ready(), timeout_s)
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    return pg
+
+
+def scheduling(pg: Any) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+
+
+def release(pg: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - already gone with its creator
+        pass

@@ -1,0 +1,124 @@
+"""vLLM's own fault tolerance (``--enable-fault-tolerance``), read for status and driven by repair.
+
+vLLM 0.32 keeps an engine that raised in its busy loop alive as ``unhealthy`` (or ``dead`` when
+its executor failed) and waits for an instruction: ``GET /fault_tolerance/status`` lists each
+engine's health, ``POST /fault_tolerance/apply {"instruction": "retry"}`` answers 202 and runs
+the recovery in the background; its end shows only in the status (the engine ``healthy`` again,
+or ``ft_error`` with the instruction's ``last_ft_request_id``). ``repair`` follows it to that end
+and maps the outcome onto the scale exit codes. The API key goes into the header only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine_ext.elastic.transition_plan import new_op_id
+from engine_ext.protocol import (
+    EepError,
+    OpState,
+    PreconditionError,
+    TransitionFailed,
+    TransitionTimeout,
+    UnreachableError,
+)
+from engine_ext.vllm.api import message_of
+from engine_ext.vllm.scale_driver import api_for
+
+INSTRUCTION = "retry"  # the only one vLLM 0.32 accepts
+HEALTHY, UNHEALTHY, DEAD = "healthy", "unhealthy", "dead"
+
+
+def status(snap: dict[str, Any], *, api_key: str | None, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """vLLM's fault-tolerance status (``{"total_engines", "engines": [{"id", "status", ...}]}``),
+    or None when the server runs without ``--enable-fault-tolerance``. UnreachableError when
+    nothing answers or the key is refused."""
+    api = api_for(snap, api_key, timeout_s)
+    code, body = api.get("/fault_tolerance/status")
+    if code in (404, 405):
+        return None
+    if code in (401, 403):
+        raise UnreachableError(f"vLLM at {api.base_url} refused the API key (HTTP {code}); "
+                               "pass --api-key or set VLLM_API_KEY")
+    if code == 503:
+        raise PreconditionError(f"vLLM at {api.base_url} answers 503 (scaling, or wedged: `eepctl status`)")
+    if code != 200 or not isinstance(body, dict) or not isinstance(body.get("engines"), list):
+        raise TransitionFailed(f"vLLM at {api.base_url} answered /fault_tolerance/status with HTTP {code}: "
+                               f"{message_of(body)}")
+    return body
+
+
+def health(snap: dict[str, Any], *, api_key: str | None) -> dict[str, Any] | None:
+    """For `eepctl status`: the fault-tolerance status of a server that has it (None when its
+    info says it has none), or ``{"error": why}``; never raises."""
+    if not (snap.get("info") or {}).get("fault_tolerance"):
+        return None
+    try:
+        return status(snap, api_key=api_key, timeout_s=5.0)
+    except EepError as e:
+        return {"error": e.message, "engines": []}
+
+
+def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> dict[str, Any]:
+    """Apply vLLM's recovery instruction to the unhealthy engines and follow it to the end.
+
+    Returns an operation-like record (op_id, state, from_size, to_size, engines, ...). Raises
+    PreconditionError (4) without fault tolerance or for a dead engine, TransitionFailed (5)
+    when vLLM reports the recovery failed, TransitionTimeout (6) past ``timeout_s``,
+    UnreachableError (3) when nothing answers; the record rides in ``detail["operation"]``."""
+    name = snap["deployment"]
+    size = int((snap.get("info") or {}).get("dp") or max(1, len(snap.get("ranks", []))))
+    before = status(snap, api_key=api_key)
+    if before is None:
+        raise PreconditionError(f"vLLM deployment {name!r} runs without --enable-fault-tolerance: "
+                                "it has no recovery to apply (restart it to recover)")
+    op: dict[str, Any] = {"op_id": new_op_id(), "kind": "repair", "deployment": name, "instruction": INSTRUCTION,
+                          "from_size": size, "to_size": size, "state": OpState.RUNNING.value, "started": time.time(),
+                          "finished": None, "error": "", "error_code": 0, "request_id": "",
+                          "engines_before": _health(before), "engines_after": {}}
+    dead = [e for e in before["engines"] if e.get("status") == DEAD]
+    if dead:
+        return _finish(op, before, PreconditionError(
+            f"engine(s) {', '.join(str(e.get('id')) for e in dead)} of {name!r} are dead: vLLM's "
+            f"{INSTRUCTION!r} cannot recover them; restart the vLLM server"))
+    if not any(e.get("status") == UNHEALTHY for e in before["engines"]):
+        op["message"] = "every engine is healthy; nothing to repair"
+        return _finish(op, before, None)
+    api = api_for(snap, api_key, min(timeout_s, 30.0))
+    code, body = api.post("/fault_tolerance/apply", {"instruction": INSTRUCTION, "params": {}})
+    if code != 202:
+        err: EepError = (UnreachableError(f"vLLM refused the API key (HTTP {code}); pass --api-key or set "
+                                          "VLLM_API_KEY") if code in (401, 403)
+                         else TransitionFailed(f"vLLM refused {INSTRUCTION!r}: HTTP {code} {message_of(body)}"))
+        return _finish(op, before, err)
+    op["request_id"] = request_id = str(body.get("request_id", "")) if isinstance(body, dict) else ""
+    deadline = time.time() + timeout_s
+    current = before
+    while time.time() < deadline:
+        time.sleep(0.5)
+        current = status(snap, api_key=api_key) or current
+        engines = current["engines"]
+        failed = [e for e in engines if e.get("ft_error") and e.get("last_ft_request_id") == request_id]
+        if failed or any(e.get("status") == DEAD for e in engines):
+            why = "; ".join(f"engine {e.get('id')}: {e.get('ft_error') or e.get('status')}" for e in
+                            failed or [e for e in engines if e.get("status") == DEAD])
+            return _finish(op, current, TransitionFailed(f"vLLM's {INSTRUCTION!r} failed on {name!r}: {why}"))
+        if all(e.get("status") == HEALTHY for e in engines):
+            return _finish(op, current, None)
+    return _finish(op, current, TransitionTimeout(
+        f"{op['op_id']}: vLLM's {INSTRUCTION!r} did not bring every engine of {name!r} back to healthy within "
+        f"{timeout_s:.0f}s (`eepctl status -n {name}`)"))
+
+
+def _health(body: dict[str, Any]) -> dict[str, str]:
+    return {str(e.get("id")): str(e.get("status")) for e in body.get("engines", [])}
+
+
+def _finish(op: dict[str, Any], last: dict[str, Any], error: EepError | None) -> dict[str, Any]:
+    op.update(finished=time.time(), engines_after=_health(last),
+              state=OpState.SUCCEEDED.value if error is None else
+              OpState.TIMED_OUT.value if isinstance(error, TransitionTimeout) else OpState.FAILED.value)
+    if error is not None:
+        op.update(error=error.message, error_code=int(error.exit_code))
+        raise type(error)(error.message, detail={"operation": op})
+    return op

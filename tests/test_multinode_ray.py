@@ -1,0 +1,164 @@
+"""Multi-node (issue 11): ranks on two real Ray nodes, one of them in a network namespace.
+
+The cluster (tests/multinode.py) has the head on 10.213.0.1 and a second raylet inside a
+namespace on 10.213.0.2. Hostnames here resolve to 127.0.0.1, so a rank that advertises its
+hostname's address (gloo's default device) or a default-route guess for its store cannot be
+reached from the other node: on the code before this issue, `up --dp 2` across the nodes fails in
+gloo's connectFullMesh. The placement-policy tests at the top are pure (no Ray).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from engine_ext.ray.placement import Node, PlacementError, choose_nodes
+from tests import multinode
+from tests.helpers import check_load, eepctl, eepctl_json, last_json, owned_deployments, serving_view, status
+
+A, B, C = (Node("a" * 8, "10.0.0.1", 4, 0), Node("b" * 8, "10.0.0.2", 4, 0), Node("c" * 8, "10.0.0.3", 1, 0))
+
+
+# ---- the policy, pure -------------------------------------------------------------------------------
+def test_pack_fills_the_node_already_used_first():
+    got = choose_nodes("pack", [A, B], Counter({B.node_id: 1}), 3, 1.0, 0.0)
+    assert [n.node_id for n in got] == [B.node_id] * 3
+
+
+def test_spread_balances_with_the_ranks_already_placed():
+    got = choose_nodes("spread", [A, B, C], Counter({A.node_id: 2, B.node_id: 1}), 3, 1.0, 0.0)
+    assert Counter(n.node_id for n in got) == Counter({C.node_id: 1, B.node_id: 1, A.node_id: 1})
+    assert got[0] == C  # the emptiest node first
+
+
+def test_strict_spread_refuses_more_ranks_than_free_nodes():
+    assert {n.node_id for n in choose_nodes("strict-spread", [A, B], Counter(), 2, 1.0, 0.0)} == {A.node_id, B.node_id}
+    with pytest.raises(PlacementError, match=r"one rank per node: 2 new rank\(s\) need 2 node\(s\).*2 alive node\(s\), 1 of them"):
+        choose_nodes("strict-spread", [A, B], Counter({A.node_id: 1}), 2, 1.0, 0.0)
+
+
+def test_capacity_is_per_node():
+    with pytest.raises(PlacementError, match=r"only 5 fit"):
+        choose_nodes("spread", [A, C], Counter(), 6, 1.0, 0.0)
+    with pytest.raises(PlacementError, match="GPU"):
+        choose_nodes("pack", [A], Counter(), 1, 1.0, 1.0)
+
+
+# ---- a real two-node cluster ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory):
+    """The two-node Ray cluster; RAY_ADDRESS (and a state dir) point at it for this module only."""
+    try:
+        cl = multinode.start(num_cpus=6)
+    except multinode.NamespaceRefused as e:
+        pytest.skip(str(e))
+    saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "EEPCTL_STATE_DIR")}
+    os.environ["RAY_ADDRESS"] = cl.address
+    os.environ["EEPCTL_STATE_DIR"] = str(tmp_path_factory.mktemp("eepctl-multinode-state"))
+    try:
+        yield cl
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        cl.stop()
+
+
+@pytest.fixture
+def md(two_nodes):
+    with owned_deployments() as make:
+        yield make
+
+
+def nodes_of(snap: dict[str, Any]) -> dict[int, str]:
+    """rank -> node IP, after checking each rank's node fields are Ray's and never loopback."""
+    ids = {multinode.HEAD_IP: set(), multinode.WORKER_IP: set()}
+    out = {}
+    for r in snap["ranks"]:
+        assert r["node_ip"] in ids, f"rank {r['rank']} advertises {r['node_ip']!r}, not a node IP"
+        assert len(r["node_id"]) >= 8, r
+        ids[r["node_ip"]].add(r["node_id"])
+        out[r["rank"]] = r["node_ip"]
+    assert all(len(v) <= 1 for v in ids.values()), f"one Ray node id per IP: {ids}"
+    return out
+
+
+def check_node_column(name: str, snap: dict[str, Any]) -> None:
+    text = eepctl("status", "--name", name, timeout=60).stdout
+    per_node = Counter()
+    for r in snap["ranks"]:
+        label = f"{r['node_id'][:8]}/{r['node_ip']}"
+        per_node[label] += 1
+        assert any(f"{r['instance_id']}" in ln and label in ln for ln in text.splitlines()), (label, text)
+    want = ", ".join(f"{k} {v}" for k, v in sorted(per_node.items()))
+    assert f"ranks per node: {want}" in text, text
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(360)
+def test_spread_over_two_nodes_and_scale_under_load(md):
+    d = md("mn-spread")
+    res = eepctl("up", "--dp", "2", "--max-dp", "4", "--dtype", "float64", "--placement", "spread",
+                 "--name", d.name, "-o", "json", timeout=240)
+    assert res.returncode == 0, f"up exited {res.returncode}: {res.stderr[-3000:]}"
+    snap = serving_view(d.name, 2)
+    where = nodes_of(snap)
+    assert sorted(where.values()) == sorted([multinode.HEAD_IP, multinode.WORKER_IP]), where
+    check_node_column(d.name, snap)
+    cfg_d = snap["info"]["config"]
+    pids = {r["rank"]: r["pid"] for r in snap["ranks"]}
+
+    plan = eepctl_json("scale", "--dp", "4", "--name", d.name, "--dry-run", timeout=60)
+    predicted = {p["rank"]: p["node_ip"] for p in plan["placement"]["nodes"]}
+    assert plan["placement"]["policy"] == "spread" and sorted(predicted) == [2, 3], plan["placement"]
+    assert sorted(predicted.values()) == sorted([multinode.HEAD_IP, multinode.WORKER_IP]), predicted
+
+    duration = 50
+    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", str(duration), "-o", "json")
+    time.sleep(2.0)
+    for n in (4, 3, 2):
+        op = eepctl_json("scale", "--dp", str(n), "--name", d.name, timeout=240)
+        assert op.get("object") == "scale" and op["state"] == "succeeded", op
+        snap = serving_view(d.name, n)
+        now = nodes_of(snap)
+        if n == 4:
+            assert {r: now[r] for r in predicted} == predicted, "joiners did not land where --dry-run said"
+        for r in range(n):  # survivors keep their node and process; identities are the suffixed names
+            if r in where:
+                assert now[r] == where[r], (r, now[r], where[r])
+        for r in snap["ranks"]:
+            assert r["instance_id"] == f"{d.name}_dp{r['rank']}" and r["dp_size"] == n, r
+            if r["rank"] in pids:
+                assert r["pid"] == pids[r["rank"]], f"rank {r['rank']} was restarted"
+        per_node = Counter(now.values())
+        assert set(per_node) == {multinode.HEAD_IP, multinode.WORKER_IP}, per_node
+        assert max(per_node.values()) - min(per_node.values()) <= 1, f"spread is unbalanced: {per_node}"
+        assert snap["violations"] == [], snap["violations"]
+        check_node_column(d.name, snap)
+        where = {**where, **now}
+        pids = {r["rank"]: r["pid"] for r in snap["ranks"]}
+    assert load.poll() is None, "the load ended before the sequence did: raise its duration"
+    out, err = load.communicate(timeout=duration + 240)
+    assert load.returncode == 0, f"load exited {load.returncode}: {err[-2000:]}"
+    result = last_json(out)
+    assert result["sent"] > 20, result["sent"]
+    check_load(result, cfg_d)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_strict_spread_refuses_more_ranks_than_nodes(md):
+    d = md("mn-strict")
+    res = eepctl("up", "--dp", "3", "--max-dp", "4", "--placement", "strict-spread", "--name", d.name, timeout=120)
+    assert res.returncode == 4, (res.returncode, res.stderr)
+    assert "strict-spread puts one rank per node: 3 new rank(s) need 3 node(s)" in res.stderr, res.stderr
+    assert "the cluster has 2 alive node(s)" in res.stderr, res.stderr
+    listed = eepctl("status", "--name", d.name, timeout=60)
+    assert listed.returncode != 0, listed.stdout  # nothing was left behind
