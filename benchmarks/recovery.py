@@ -90,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     from eepctl import cluster, core
     from engine_ext.engine.config import EngineConfig
-    from engine_ext.engine.oracle import reference_generate
+    from engine_ext.engine.dense_oracle import reference_generate
 
     started = None
     if args.address is None:
