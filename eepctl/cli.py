@@ -112,10 +112,13 @@ def up(
               "hidden_size": hidden, "max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens,
               "dtype": dtype, "seed": seed,
               "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
-    res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
-                  cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
-                  placement={"policy": placement, "ifname": ifname},
-                  on_rank_failure=on_rank_failure)
+    from eepctl.progress import busy
+
+    with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json):
+        res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
+                      cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
+                      placement={"policy": placement, "ifname": ifname},
+                      on_rank_failure=on_rank_failure)
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 
 
@@ -130,7 +133,10 @@ def down(
     """Stop a deployment."""
     from eepctl import core, render
 
-    res = core.down(_target(address, namespace, name), stop_cluster=stop_cluster)
+    from eepctl.progress import busy
+
+    with busy(f"stopping {name}", plain=_plain() or output == Output.json):
+        res = core.down(_target(address, namespace, name), stop_cluster=stop_cluster)
     _emit(render.to_json("down", res) + "\n" if output == Output.json else render.down_text(res))
 
 
@@ -142,28 +148,39 @@ def status(
     output: OutputOpt = Output.table,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until interrupted.")] = False,
     interval: Annotated[float, typer.Option(help="Refresh interval for --watch, seconds.")] = 1.0,
+    state: Annotated[list[str] | None, typer.Option("--state", help="Only ranks in this state (repeat or comma-separate).")] = None,
+    node: Annotated[str | None, typer.Option("--node", help="Only ranks on this node (its id or IP).")] = None,
 ) -> None:
-    """Per-rank status: state, requests, slots, KV, workspace, graphs, EPLB, heartbeat."""
+    """Per-rank status: state, requests, slots, KV, workspace, graphs, EPLB, heartbeat.
+
+    Ranks needing attention (failed, stale, not serving) come first."""
     from eepctl import core, render
 
     t = _target(address, namespace, name)
+    read = core.status_reader(t)  # resolves the deployment once: one registry call per refresh after
+
+    def snap() -> dict[str, Any]:
+        return render.filter_ranks(read(), state, node)
+
     if not watch:
-        snap = core.status(t)
-        _emit(render.to_json("status", snap) + "\n" if output == Output.json
-              else render.status_text(snap, width=_width()))
+        data = snap()
+        _emit(render.to_json("status", data) + "\n" if output == Output.json
+              else render.status_text(data, width=_width()))
         return
     if output == Output.json:
         while True:
-            _emit(render.to_json("status", core.status(t)) + "\n")
+            _emit(render.to_json("status", snap()) + "\n")
             time.sleep(interval)
     from rich.console import Console
     from rich.live import Live
     from rich.text import Text
 
-    with Live(Text(""), console=Console(), auto_refresh=False) as live:
+    with Live(Text(""), console=Console(), auto_refresh=False, screen=False) as live:
         while True:
-            live.update(Text(render.status_text(core.status(t), width=live.console.width)), refresh=True)
-            time.sleep(interval)
+            t0 = time.time()
+            rows = max(1, live.console.height - 12)  # the table fits the screen; the rest is counted
+            live.update(Text(render.status_text(snap(), width=live.console.width, max_rows=rows)), refresh=True)
+            time.sleep(max(0.0, interval - (time.time() - t0)))
 
 
 @app.command()
@@ -215,6 +232,7 @@ def scale(
     timeout: Annotated[float, typer.Option(help="Seconds the whole transition may take (exit 6 after).")] = 300.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and change nothing.")] = False,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the operation id and return.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Live display: add one row per rank.")] = False,
     api_key: ApiKey = None,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
@@ -230,10 +248,10 @@ def scale(
         plan = core.plan(t, dp, api_key=api_key)
         _emit(render.to_json("plan", plan) + "\n" if output == Output.json else render.plan_text(plan))
         return
-    progress = ScaleProgress(json_lines=output == Output.json, plain=_plain())
+    progress = ScaleProgress(json_lines=output == Output.json, plain=_plain(), verbose=verbose)
     with progress:
         res = core.scale(t, dp, drain_timeout_s=drain_timeout, timeout_s=timeout, wait=not no_wait,
-                         on_event=progress.on_event, api_key=api_key)
+                         on_event=progress.on_event, api_key=api_key, on_op=progress.on_operation)
     _emit(render.to_json("scale", res) + "\n" if output == Output.json else render.scale_text(res))
 
 
@@ -241,6 +259,7 @@ def scale(
 def events(
     op: Annotated[str | None, typer.Option("--op", help="Only this operation.")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events (until the operation ends, with --op).")] = False,
+    timeline: Annotated[bool, typer.Option("--timeline", help="With --op: a per-rank Gantt of its phases (-o json: the spans).")] = False,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
@@ -250,7 +269,15 @@ def events(
     from eepctl import core, render
 
     t = _target(address, namespace, name)
+    if timeline and not op:
+        raise UsageError("--timeline needs --op ID")
     data = core.events(t, op)
+    if timeline:
+        from eepctl.timeline import timeline as build, timeline_text
+
+        tl = build(data, op)
+        _emit(render.to_json("timeline", tl) + "\n" if output == Output.json else timeline_text(tl, width=_width()))
+        return
     if not follow:
         _emit(render.to_json("events", data) + "\n" if output == Output.json else render.events_text(data))
         return

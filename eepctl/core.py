@@ -180,6 +180,23 @@ def status(t: Target) -> dict[str, Any]:
     return snap
 
 
+def status_reader(t: Target) -> Callable[[], dict[str, Any]]:
+    """A function returning the registry snapshot, with the deployment resolved once: the light
+    read path (eepctl.readpath) when the registry publishes one, else the Ray driver."""
+    from eepctl import readpath
+
+    t.validated()
+    fast = readpath.reader(t.address, t.namespace, t.name)
+    if fast is not None:
+        return fast
+    _connect(t)
+    registry, _ = _deployment(t, controller=False)
+    if registry is None:
+        raise UnreachableError(f"the registry of {t.name!r} is gone while its controller still runs; "
+                               "per-rank status is unavailable until a registry exists again")
+    return lambda: _get(registry.snapshot.remote(), timeout=10)
+
+
 def events(t: Target, op_id: str | None = None, since_seq: int = 0) -> dict[str, Any]:
     t.validated()
     _connect(t)
@@ -292,7 +309,8 @@ def plan(t: Target, dp: int, api_key: str | None = None) -> dict[str, Any]:
 
 
 def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-          on_event: Callable[[dict[str, Any]], None] = lambda e: None, api_key: str | None = None) -> dict[str, Any]:
+          on_event: Callable[[dict[str, Any]], None] = lambda e: None, api_key: str | None = None,
+          on_op: Callable[[dict[str, Any]], None] = lambda o: None) -> dict[str, Any]:
     t.validated()
     if dp < 1:
         raise UsageError(f"--dp must be >= 1, got {dp}")
@@ -318,6 +336,7 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
     deadline = time.time() + timeout_s + 30
     while True:
         result = _get(controller.wait_op.remote(op_id, 0.25), timeout=30)
+        on_op(result)  # its current phase, for the live display
         if registry is not None:
             try:
                 data = _get(registry.events.remote(op_id, seq), timeout=10)

@@ -108,6 +108,8 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     graph_kind: str = "cpu-static"  # "cuda" where CUDA graphs apply
     graph_replays: int = 0
     last_capture_s: FiniteFloat | None = None
+    capture_times_s: dict[str, FiniteFloat] = {}  # per captured size (as a string): its last capture's seconds
+    last_capture_pass_s: FiniteFloat | None = None  # the last capture pass, all sizes
     captures_this_op: int = 0
     current_op: str = ""
     eplb_step: int = 0
@@ -119,6 +121,11 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_age_s: FiniteFloat = 0.0  # set by the registry's views
     stale_replays_refused: int = 0  # I3
     eplb_logical_load: list[FiniteFloat] = []
+    # The tokens this rank routed to each logical expert over its last EPLB window of steps, and
+    # the logical expert each of its physical slots holds: the registry computes the
+    # deployment's balance from these raw counts (registry_state.eplb_balance).
+    eplb_recent_load: list[FiniteFloat] = []
+    eplb_slots: list[int] = []
 
 
 class VllmRankStatus(RankStatus, kw_only=True, forbid_unknown_fields=True):

@@ -66,6 +66,18 @@ def test_malformed_arguments_exit_2(runner: CliRunner, args: list[str]) -> None:
     assert result.exit_code == ExitCode.USAGE, (result.exit_code, result.output)
 
 
+@pytest.mark.parametrize("command, options", [
+    ("status", ("--state", "--node", "--watch")),
+    ("scale", ("--verbose",)),
+    ("events", ("--timeline",)),
+])
+def test_operator_view_options_are_documented(runner: CliRunner, command: str, options: tuple[str, ...]) -> None:
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for opt in options:
+        assert opt in result.output, (opt, result.output)
+
+
 # ---- checks a command makes before it connects -----------------------------------------------------
 @pytest.mark.parametrize("args, says", [
     (["scale", "--dp", "0"], "--dp"),
@@ -78,6 +90,7 @@ def test_malformed_arguments_exit_2(runner: CliRunner, args: list[str]) -> None:
     (["generate", "-p", "1,two,3"], "comma-separated integers"),
     (["generate", "--rate", "0"], "--rate"),
     (["completion", "tcsh"], "bash, zsh or fish"),
+    (["events", "--timeline"], "--timeline needs --op"),
 ])
 def test_bad_values_are_usage_errors(runner: CliRunner, args: list[str], says: str) -> None:
     err = _typed_error(runner, *args)

@@ -7,6 +7,7 @@ changes with W. Pure Python: the controller plans with it without torch.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -172,6 +173,9 @@ def transfer_pairs(old_size: int, new_size: int) -> dict[int, list[int]]:
     return pairs
 
 
+EPLB_WINDOW_STEPS = 1000  # vLLM's EPLB default window_size
+
+
 @dataclass
 class EplbState:
     """Per-rank EPLB bookkeeping. Updated in place on a transition, never rebuilt (I2)."""
@@ -181,6 +185,8 @@ class EplbState:
     step: int = 0
     async_started: bool = False
     suppressed: int = 0  # >0 while warmup runs: statistics must not move (I5)
+    # The last WINDOW_STEPS steps' counts, the "recent window" vLLM's EPLB balances and logs over.
+    window: deque[list[int]] = field(default_factory=lambda: deque(maxlen=EPLB_WINDOW_STEPS))
 
     def __post_init__(self) -> None:
         if not self.logical_load:
@@ -191,7 +197,16 @@ class EplbState:
             return
         for e, c in enumerate(counts):
             self.logical_load[e] += c
+        self.window.append(list(counts))
         self.step += 1
+
+    def recent_load(self) -> list[float]:
+        """Tokens per logical expert over the recent window (all zero before any load)."""
+        total = [0.0] * self.layout.num_logical
+        for counts in list(self.window):
+            for e, c in enumerate(counts[: len(total)]):
+                total[e] += c
+        return total
 
     def imbalance(self) -> float:
         """Max over mean of the load each rank's slots carry under the current layout."""

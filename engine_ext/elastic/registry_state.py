@@ -62,6 +62,17 @@ class RegistryState:
         self.ops: dict[str, Operation] = {}
         self.rejected: list[str] = []
         self.seq = 0
+        self.started = time.time()
+        # Set by a controller that recreated this registry: how many ranks it runs. Until that
+        # many have reported, the snapshot says it is rebuilding instead of showing a short list.
+        self.expected_ranks: int | None = None
+
+    def set_info(self, info: Mapping[str, Any]) -> None:
+        info = dict(info)
+        expected = info.pop("expected_ranks", None)
+        if isinstance(expected, int) and expected > 0:
+            self.expected_ranks = expected
+        self.info.update(info)
 
     # ---- intake --------------------------------------------------------------------------
     def report_status(self, status: Any) -> dict[str, Any]:
@@ -219,6 +230,8 @@ class RegistryState:
         by_state: dict[str, int] = defaultdict(int)
         for st in live:
             by_state[st.state] += 1
+        if self.expected_ranks is not None and len(live) >= self.expected_ranks:
+            self.expected_ranks = None  # rebuilt
         return {
             "deployment": self.deployment,
             "kind": self.kind,
@@ -229,9 +242,36 @@ class RegistryState:
                         "requests_waiting": sum(st.requests_waiting for st in live)},
             "operation": self.current_op(),
             "violations": self.violations(live),
+            "rebuilding": self.expected_ranks is not None,
+            "expected_ranks": self.expected_ranks,
+            "registry_age_s": round(time.time() - self.started, 2),
+            "eplb": eplb_balance(live),
         }
 
 
 def _gone(st: RankStatus) -> bool:
     return st.state in _TERMINAL
 
+
+
+def eplb_balance(ranks: list[RankStatus]) -> dict[str, Any]:
+    """The deployment's expert-load balance over the ranks' recent EPLB windows, as vLLM's EPLB
+    logs it: each rank's load is what its slots carry (an expert's tokens split evenly over its
+    replicas); imbalance is max/mean of those loads (1.0 balanced). None where there is no load
+    (or the ranks do not report slots: a vLLM rank)."""
+    holders = [st for st in ranks if st.eplb_slots and st.eplb_recent_load]
+    total: dict[int, float] = defaultdict(float)
+    replicas: dict[int, int] = defaultdict(int)
+    for st in holders:
+        for e, n in enumerate(st.eplb_recent_load):
+            total[e] += n
+        for e in st.eplb_slots:
+            replicas[e] += 1
+    load = {st.rank: sum(total[e] / replicas[e] for e in st.eplb_slots) for st in holders}
+    whole = sum(load.values())
+    if not load or whole <= 0:
+        return {"imbalance": None, "rank_load": {}, "rank_share": {}}
+    mean = whole / len(load)
+    return {"imbalance": round(max(load.values()) / mean, 4),
+            "rank_load": {str(r): round(v, 3) for r, v in sorted(load.items())},
+            "rank_share": {str(r): round(v / whole, 4) for r, v in sorted(load.items())}}

@@ -48,11 +48,15 @@ class RankTelemetry:
             workspace_required_bytes=e.required_workspace,
             graphs_captured=len(g.captured_sizes), capture_sizes=g.captured_sizes, graph_kind=g.kind,
             graph_replays=g.stats.replays, last_capture_s=g.stats.last_capture_s,
+            capture_times_s={str(k): round(v, 6) for k, v in sorted(g.stats.capture_durations.items())},
+            last_capture_pass_s=(round(sum(g.stats.capture_durations.values()), 6)
+                                 if g.stats.capture_durations else None),
             captures_this_op=e.capture_passes, current_op=e.current_op,
             eplb_step=e.eplb.step, eplb_imbalance=e.eplb.imbalance(),
             physical_experts=e.eplb.layout.num_physical, logical_experts=e.eplb.layout.num_logical,
             steps=e.steps, last_heartbeat=time.time(),
             stale_replays_refused=e.stale_replays_refused, eplb_logical_load=list(e.eplb.logical_load),
+            eplb_recent_load=e.eplb.recent_load(), eplb_slots=e.eplb.layout.local_logical(e.rank),
         )
         return to_builtins(st)
 

@@ -206,9 +206,10 @@ class Controller:
         return self.registry
 
     async def _watch_registry(self, interval_s: float = 1.0) -> None:
-        """Recreate the registry (same name, namespace, detached) when it is gone, and give it
-        back the deployment info, the operation history and the controller's own events; the
-        ranks re-send theirs when they see a new registry (RankActor._sink)."""
+        """Recreate the registry (same name, namespace, detached) when it is gone, telling it how
+        many ranks to expect (it says it is rebuilding until they report), and give it back the
+        deployment info, the operation history and the controller's own events; the ranks
+        re-send theirs when they see a new registry (RankActor._sink)."""
         from engine_ext.ray.registry import Registry
 
         name = registry_name(self.deployment)
@@ -221,7 +222,8 @@ class Controller:
                 pass
             try:
                 reg = ray.remote(Registry).options(name=name, namespace=self.namespace, lifetime="detached",
-                                                   num_cpus=0).remote(self.deployment)
+                                                   num_cpus=0).remote(self.deployment,
+                                                                      expected_ranks=len(self.orch.clients))
             except ValueError:  # the old name is not released yet, or someone else recreated it
                 continue
             try:
@@ -369,7 +371,10 @@ class Controller:
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout_s)
         except asyncio.TimeoutError:
-            return {"op_id": op_id, "state": "running"}
+            op = self.orch.running_op()  # its current phase and sizes, for eepctl's live display
+            where = ({"phase": op.phase, "from_size": op.from_size, "to_size": op.to_size}
+                     if op is not None and op.op_id == op_id else {})
+            return {"op_id": op_id, "state": "running", **where}
 
 
 def _error(e: EepError) -> dict[str, Any]:
