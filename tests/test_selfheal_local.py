@@ -57,7 +57,7 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
                                    on_rank_failure="shrink") as dep:
             await dep.start(3)
             results, _ = await _load_with_kill(dep, victim)
-            assert [r for _, r in results if r.get("error")] == []
+            assert [r.get("error") for _, r in results if r.get("error")][:2] == []
             assert oracle_mismatch(results, reference, logits=False) == ""
             await dep.orch.recovery.wait()
             assert dep.orch.members == [r for r in range(3) if r != victim]

@@ -94,6 +94,9 @@ class RankRecovery:
         e.telemetry.set_state(RankState.RECOVERING, f"recovering in {op_id}")
         with e.telemetry.phase(op_id, "abort"):
             self._halt()
+            # The interrupted step runs again after recovery: the load it recorded so far is not
+            # statistics (and would read as warm-up pollution to the I5 check).
+            e.model.expert_load.zero_()
         pos = plan.new_pos(e.rank)
         from engine_ext.engine.transition_rank import OpState
 

@@ -128,6 +128,7 @@ class Warmup:
         slots_before = self._live_slot_state()
         kv_before = self.live_kv_checksum()
         eplb_before = e.eplb.snapshot()
+        load_before = model.expert_load.clone()
         # The synthetic batch may use only slots that are free on every rank.
         free = torch.tensor([-sched.slots.free], dtype=torch.int64)
         min_free = -int(e.group.all_reduce_max(free)[0]) if e.group else sched.slots.free
@@ -163,7 +164,7 @@ class Warmup:
             "min_free_slots": min_free,
             "slots_restored": self._live_slot_state() == slots_before,
             "live_kv_unchanged": kv_after == kv_before,
-            "eplb_unchanged": e.eplb.snapshot() == eplb_before and not bool(model.expert_load.any()),
+            "eplb_unchanged": e.eplb.snapshot() == eplb_before and torch.equal(model.expert_load, load_before),
             "live_kv_checksum": kv_before,
             "live_kv_after": kv_after,
         }
