@@ -170,8 +170,13 @@ def status(t: Target) -> dict[str, Any]:
     if registry is None:
         raise UnreachableError(f"the registry of {t.name!r} is gone while its controller still runs; "
                                "per-rank status is unavailable until a registry exists again")
-    snap = _get(registry.snapshot.remote(), timeout=10)
-    if snap.get("kind") == "vllm":  # each engine's health from vLLM's fault tolerance, where it has it
+    return _with_engine_health(_get(registry.snapshot.remote(), timeout=10))
+
+
+def _with_engine_health(snap: dict[str, Any]) -> dict[str, Any]:
+    """A vLLM deployment's snapshot with each engine's health from vLLM's fault tolerance, where
+    the server has it (whichever path read the snapshot)."""
+    if snap.get("kind") == "vllm":
         import os
 
         from engine_ext.vllm.fault_tolerance import health
@@ -188,13 +193,13 @@ def status_reader(t: Target) -> Callable[[], dict[str, Any]]:
     t.validated()
     fast = readpath.reader(t.address, t.namespace, t.name)
     if fast is not None:
-        return fast
+        return lambda: _with_engine_health(fast())
     _connect(t)
     registry, _ = _deployment(t, controller=False)
     if registry is None:
         raise UnreachableError(f"the registry of {t.name!r} is gone while its controller still runs; "
                                "per-rank status is unavailable until a registry exists again")
-    return lambda: _get(registry.snapshot.remote(), timeout=10)
+    return lambda: _with_engine_health(_get(registry.snapshot.remote(), timeout=10))
 
 
 def events(t: Target, op_id: str | None = None, since_seq: int = 0) -> dict[str, Any]:
