@@ -203,9 +203,12 @@ class RegistryState:
         for (op_id, rank), lock in locks.items():
             n = passes.get((op_id, rank), 0)
             counted = lock.detail.get("capture_passes")
-            if n != 1:
+            # Under capture_policy=reuse a surviving rank captures nothing: its lock says so.
+            expected = lock.detail.get("expected_passes", 1)
+            if n != expected:
                 found.append({"invariant": "I4", "rank": str(rank),
-                              "message": f"{n} capture passes in one operation {op_id} (exactly 1 expected)"})
+                              "message": f"{n} capture passes in one operation {op_id} (exactly {expected} expected"
+                                         f" under {lock.detail.get('capture_policy', 'recapture')})"})
             elif counted != n:
                 found.append({"invariant": "I4", "rank": str(rank),
                               "message": f"graph manager counted {counted} capture passes in {op_id}, events show {n}"})

@@ -152,6 +152,8 @@ class LocalDeployment:
 
     def __init__(self, cfg: EngineConfig, name: str = "local", *, max_dp: int = 8, device: str = "cpu",
                  env: dict[str, str] | None = None) -> None:
+        if cfg.capture_policy == "reuse" and not cfg.capture_world:
+            cfg.capture_world = max_dp  # reuse sizes captures for the largest world scale may reach
         self.cfg = cfg
         self.name = name
         self.device = device

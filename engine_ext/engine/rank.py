@@ -31,6 +31,7 @@ from engine_ext.engine.rank_status import RankTelemetry, Sink
 from engine_ext.engine.scheduler import Request, Scheduler
 from engine_ext.engine.step_loop import StepLoop
 from engine_ext.engine.transition_rank import RankTransition
+from engine_ext.engine.capture_reuse import reuse_for
 from engine_ext.engine.warmup import Warmup
 from engine_ext.protocol import RankState
 
@@ -97,6 +98,7 @@ class RankEngine:
         self.telemetry = RankTelemetry(self, sink)
         self.loop = StepLoop(self)
         self.warmup = Warmup(self)
+        self.capture_reuse = reuse_for(self)  # None under the default recapture policy
         self.transition = RankTransition(self)
         self.faults.hold("launch")
 
