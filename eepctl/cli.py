@@ -99,6 +99,7 @@ def up(
     timeout: Annotated[float, typer.Option(help="Seconds to wait until every rank serves.")] = 300.0,
     placement: Annotated[str, typer.Option(help="Ranks over Ray nodes: pack, spread or strict-spread (one per node).")] = "pack",
     ifname: Annotated[str, typer.Option(help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME.")] = "",
+    capture_policy: Annotated[str, typer.Option("--capture-policy", help="recapture: capture once per transition, workspace right-sized; reuse: size captures for --max-dp at start and capture nothing in transitions (more memory).")] = "recapture",
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
@@ -110,6 +111,9 @@ def up(
               "hidden_size": hidden, "max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens,
               "dtype": dtype, "seed": seed,
               "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
+    if capture_policy not in ("recapture", "reuse"):
+        raise UsageError(f"--capture-policy must be recapture or reuse, not {capture_policy!r}")
+    engine.update(capture_policy=capture_policy, capture_world=max_dp if capture_policy == "reuse" else 0)
     from eepctl.progress import busy
 
     with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json):

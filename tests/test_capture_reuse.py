@@ -13,7 +13,8 @@ from engine_ext.engine.capture_memory import workspace_bytes
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.dense_oracle import reference_generate
 from engine_ext.engine.launcher import LocalDeployment
-from tests.engine_helpers import oracle_mismatch, run
+from eepctl import render
+from tests.engine_helpers import oracle_mismatch, run, wait_until
 
 MAX_TOKENS = 4
 PROMPTS = [[7], [1, 2, 3], [200, 13, 99, 5, 5], [(11 * j + 3) % 256 for j in range(9)],
@@ -36,6 +37,12 @@ async def _reuse_path(cfg: EngineConfig) -> list[tuple[int, list[dict], dict[int
     out = []
     async with LocalDeployment(cfg, "reuse", max_dp=4) as dep:
         await dep.start(2)
+        # Status and the dry run say what reuse costs against recapture.
+        plan = (await dep.orch.plan(3)).to_dict()
+        assert "reuse costs +" in render.plan_text(plan), render.plan_text(plan)
+        await wait_until(lambda: dep.registry.snapshot()["ranks"], 30, "rank status")
+        lines = render.status_summary_lines(dep.registry.snapshot())
+        assert any(line.startswith("capture policy reuse: workspace") for line in lines), lines
         prev = 2
         for dp in (2, 4, 3, 2):
             op: dict = {}

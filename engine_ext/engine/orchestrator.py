@@ -18,6 +18,7 @@ from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.rank_control import RankClient
 from engine_ext.engine.router import Router
+from engine_ext.engine.capture_memory import policy_memory
 from engine_ext.engine.scale_plan import ScalePlan, plan_scale
 from engine_ext.protocol import (
     EepError,
@@ -151,7 +152,9 @@ class Orchestrator:
         self.check_target(target)
         assert self.layout is not None
         loads = [] if target == self.size else await self._loads()
-        return plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads)
+        plan = plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads)
+        plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
+        return plan
 
     # ---- scale -------------------------------------------------------------------------------
     def busy(self) -> str | None:
