@@ -141,6 +141,9 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
         lines.append(f"ranks per node: {len(per_node)} nodes, {counts[0]}..{counts[-1]} each (narrow with --node)")
     elif per_node:
         lines.append("ranks per node: " + ", ".join(f"{node} {n}" for node, n in per_node.items()))
+    if s.get("standby"):
+        lines.append(f"standby pool: {s['standby']} rank(s) launched ahead, in no DP group (not counted in DP); "
+                     "a scale-up adopts them as _dp<rank>")
     reuse = [r for r in snap["ranks"] if r.get("capture_policy") == "reuse"]
     if reuse:  # what the reuse capture policy costs against recapture at this world
         held, right = reuse[0].get("workspace_bytes", 0), reuse[0].get("workspace_recapture_bytes", 0)

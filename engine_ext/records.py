@@ -23,6 +23,7 @@ Record = TypeVar("Record", bound=msgspec.Struct)
 
 class RankState(str, enum.Enum):
     STARTING = "starting"
+    STANDBY = "standby"  # launched ahead in the standby pool: in no DP group, serving nothing
     SERVING = "serving"
     PREPARING = "preparing"
     COMMITTING = "committing"

@@ -160,6 +160,8 @@ class RegistryState:
             seen[v.instance_id] = v.rank
             # vLLM suffixes its identities only when it starts sibling DP engines (DP > 1).
             suffixed = v.kind != DeploymentKind.VLLM.value or v.dp_size > 1
+            if v.state == "standby":  # named <base>_standby<N> until a scale-up adopts it (standby_rank)
+                continue
             for field, value in (("instance_id", v.instance_id), ("engine_id", v.engine_id)):
                 if value and ((suffixed and not value.endswith(f"_dp{v.rank}")) or _STACKED.search(value)):
                     found.append({"invariant": "I1", "rank": rank,
@@ -240,7 +242,7 @@ class RegistryState:
             "kind": self.kind,
             "info": self.info,
             "ranks": [to_builtins(st) for st in live],
-            "summary": {"ranks": len(live), "by_state": dict(by_state),
+            "summary": {"ranks": len(live), "by_state": dict(by_state), "standby": by_state.get("standby", 0),
                         "requests_running": sum(st.requests_running for st in live),
                         "requests_waiting": sum(st.requests_waiting for st in live)},
             "operation": self.current_op(),

@@ -31,6 +31,7 @@ from engine_ext.engine.rank_status import RankTelemetry, Sink
 from engine_ext.engine.scheduler import Request, Scheduler
 from engine_ext.engine.step_loop import StepLoop
 from engine_ext.engine.transition_rank import RankTransition
+from engine_ext.engine import standby_rank
 from engine_ext.engine.capture_reuse import reuse_for
 from engine_ext.engine.warmup import Warmup
 from engine_ext.protocol import RankState
@@ -175,6 +176,9 @@ class RankEngine:
 
     def abort(self, op_id: str) -> bool:
         return self.transition.abort(op_id)
+
+    def adopt(self, rank: int, layout_d: dict[str, Any]) -> None:
+        standby_rank.adopt(self, rank, ExpertLayout.from_dict(layout_d))
 
     # ---- shutdown and failure -----------------------------------------------------------------------
     def fail(self, e: BaseException) -> None:
