@@ -170,6 +170,10 @@ class ProcessSpawner:
         return client
 
 
+async def _process_alive(client: RankClient) -> bool:
+    return isinstance(client, ProcessRankClient) and client.proc.is_alive()
+
+
 class LocalDeployment:
     """A deployment whose ranks are child processes of this one. Use ``async with``."""
 
@@ -189,7 +193,7 @@ class LocalDeployment:
                                  forget_rank=self.registry.forget_rank)
         self.pool: StandbyPool | None = None
         if standby > 0:
-            self.pool = StandbyPool(standby, spawner.launch_standby, lambda c: c.proc.is_alive(),  # type: ignore[attr-defined]
+            self.pool = StandbyPool(standby, spawner.launch_standby, _process_alive,
                                     lambda c: c.kill(), self.registry.forget_rank,  # type: ignore[attr-defined]
                                     lambda: self.orch.running_op() is not None)
         self._pool_watch: asyncio.Task[None] | None = None

@@ -24,7 +24,7 @@ class StandbyPool:
     """Keeps ``size`` standby ranks ready; one pool per deployment, driven by its spawner."""
 
     def __init__(self, size: int, launch: Callable[[int], Awaitable[RankClient]],
-                 alive: Callable[[RankClient], bool], kill: Callable[[RankClient], Awaitable[None]],
+                 alive: Callable[[RankClient], Awaitable[bool]], kill: Callable[[RankClient], Awaitable[None]],
                  forget: Callable[[int], None], busy: Callable[[], bool]) -> None:
         self.size = size
         self._launch, self._alive, self._kill, self._forget, self._busy = launch, alive, kill, forget, busy
@@ -34,19 +34,28 @@ class StandbyPool:
         self._refill: asyncio.Task[None] | None = None
         self.taken = 0  # standbys adopted as joiners, over the pool's life
 
+    async def resize(self, size: int) -> None:
+        """``eepctl standby --count``: grow now, or stop the surplus standbys."""
+        self.size = size
+        while len(self.ready) > size:
+            n = max(self.ready)
+            await self._kill(self.ready.pop(n))
+            self._forget(STANDBY_RANK_BASE + n)
+        await self.fill()
+
     def summary(self) -> dict[str, Any]:
         return {"size": self.size, "ready": sorted(self.ready), "launching": self._launching, "taken": self.taken}
 
-    def _drop_dead(self) -> list[int]:
-        dead = [n for n, c in self.ready.items() if not self._alive(c)]
+    async def _drop_dead(self) -> list[int]:
+        dead = [n for n, c in list(self.ready.items()) if not await self._alive(c)]
         for n in dead:
-            self.ready.pop(n)
+            self.ready.pop(n, None)
             self._forget(STANDBY_RANK_BASE + n)
         return dead
 
     async def fill(self) -> None:
         """Launch standbys until ``size`` are ready (dead ones dropped first)."""
-        self._drop_dead()
+        await self._drop_dead()
         missing = self.size - len(self.ready) - self._launching
         if missing <= 0:
             return
@@ -62,7 +71,7 @@ class StandbyPool:
 
     async def take(self, rank: int, layout: ExpertLayout) -> RankClient | None:
         """A ready standby adopted as DP rank ``rank``, or None (the spawner launches one)."""
-        self._drop_dead()
+        await self._drop_dead()
         while self.ready:
             n = min(self.ready)
             client = self.ready.pop(n)
@@ -93,7 +102,7 @@ class StandbyPool:
         """Replace standbys that died, forever (run as a task)."""
         while True:
             await asyncio.sleep(interval_s)
-            if self._drop_dead():
+            if await self._drop_dead():
                 self.refill_later()
 
     async def stop(self) -> None:

@@ -57,7 +57,7 @@ def list_deployments(namespace: str) -> list[str]:
 
 def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, max_dp: int, cpus: float,
                       gpus: float, timeout_s: float, placement: dict[str, Any] | None = None,
-                      ) -> tuple[DeploymentHandles, dict[str, Any]]:
+                      standby: int = 0) -> tuple[DeploymentHandles, dict[str, Any]]:
     """Create the registry and the controller (detached, named) and start ``dp`` ranks.
 
     Returns the handles and the controller's start result. When the start fails, both actors
@@ -74,7 +74,7 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     call(registry.set_info.remote(info))
     controller = ray.remote(Controller).options(
         name=controller_name(name), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
-    ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement)
+    ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, standby)
     try:
         result = call(controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)
         if isinstance(result, dict) and isinstance(result.get("error"), dict):
