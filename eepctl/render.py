@@ -244,7 +244,9 @@ def event_line(ev: dict[str, Any]) -> str:
 def _membership_lines(plan: dict[str, Any]) -> list[str]:
     """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
     where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}" for p in (plan.get("placement") or {}).get("nodes", [])}
-    lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}" for j in plan.get("joining", [])]
+    lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}"
+             + (f" (from the standby pool: {j['from_standby']}, launch skipped)" if j.get("from_standby") else "")
+             for j in plan.get("joining", [])]
     lines += [f"  leave  rank {j['rank']} ({j['instance_id']})" for j in plan.get("leaving", [])]
     lines += [f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
               for src, dsts in plan.get("transfer_pairs", {}).items()]

@@ -41,6 +41,7 @@ def test_scale_up_takes_joiners_from_the_pool_refills_and_replaces_a_killed_stan
             out["violations_before"] = dep.registry.violations()
             pids = {r: c.pid() for r, c in dep.processes.items()}
             standby_pids = sorted(c.pid() for c in dep.pool.ready.values())
+            out["dry_run"] = render.plan_text((await dep.orch.plan(4)).to_dict())
             op = await dep.scale(4, timeout_s=120)
             out["op"] = op
             out["adopted"] = sorted(dep.processes[r].pid() for r in (2, 3)) == standby_pids
@@ -65,6 +66,9 @@ def test_scale_up_takes_joiners_from_the_pool_refills_and_replaces_a_killed_stan
                            base: ("pool_standby0", "standby"), base + 1: ("pool_standby1", "standby")}
     assert any(line.startswith("standby pool: 2 rank(s)") for line in o["status"]), o["status"]
     assert o["violations_before"] == [] and o["violations_after"] == []
+    # --dry-run names the standbys the joiners come from.
+    assert "join   rank 2 as pool_dp2 (from the standby pool: pool_standby0, launch skipped)" in o["dry_run"], o["dry_run"]
+    assert "rank 3 as pool_dp3 (from the standby pool: pool_standby1" in o["dry_run"]
     op = o["op"]
     assert op["state"] == "succeeded", op.get("error")
     assert o["adopted"], "the joiners are the standby processes"

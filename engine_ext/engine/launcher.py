@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.elastic.identity import strip_dp_suffix
 from engine_ext.elastic.registry_state import RegistryState
 from engine_ext.engine.standby_pool import StandbyPool
 from engine_ext.engine.standby_rank import STANDBY_RANK_BASE
@@ -138,6 +139,10 @@ class ProcessSpawner:
     def check_capacity(self, new_ranks: int) -> str | None:
         return None
 
+    @property
+    def pool(self) -> StandbyPool | None:
+        return self.owner.pool
+
     async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> ProcessRankClient:
         o = self.owner
         if joining and o.pool is not None and (taken := await o.pool.take(rank, layout)) is not None:
@@ -196,6 +201,7 @@ class LocalDeployment:
             self.pool = StandbyPool(standby, spawner.launch_standby, _process_alive,
                                     lambda c: c.kill(), self.registry.forget_rank,  # type: ignore[attr-defined]
                                     lambda: self.orch.running_op() is not None)
+            self.pool.identity_base = strip_dp_suffix(cfg.instance_id or name)
         self._pool_watch: asyncio.Task[None] | None = None
 
     def device_for(self, rank: int) -> str:

@@ -20,6 +20,7 @@ from engine_ext.engine.rank_control import RankClient
 from engine_ext.engine.router import Router
 from engine_ext.engine.capture_memory import policy_memory
 from engine_ext.engine.scale_plan import ScalePlan, plan_scale
+from engine_ext.engine.standby_pool import mark_pool_joiners
 from engine_ext.protocol import (
     EepError,
     Event,
@@ -154,6 +155,7 @@ class Orchestrator:
         loads = [] if target == self.size else await self._loads()
         plan = plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads)
         plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
+        mark_pool_joiners(plan, getattr(self.spawner, "pool", None))  # engine/standby_pool.py
         return plan
 
     # ---- scale -------------------------------------------------------------------------------

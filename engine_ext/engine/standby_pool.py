@@ -33,6 +33,7 @@ class StandbyPool:
         self._launching = 0
         self._refill: asyncio.Task[None] | None = None
         self.taken = 0  # standbys adopted as joiners, over the pool's life
+        self.identity_base: str | None = None  # <base> of <base>_standby<N>, for --dry-run
 
     async def resize(self, size: int) -> None:
         """``eepctl standby --count``: grow now, or stop the surplus standbys."""
@@ -111,3 +112,15 @@ class StandbyPool:
         for c in self.ready.values():
             await self._kill(c)
         self.ready.clear()
+
+
+def mark_pool_joiners(plan: Any, pool: StandbyPool | None) -> None:
+    """``--dry-run``: the first joiners come from the pool's ready standbys, in number order."""
+    if pool is None:
+        return
+    for j, n in zip(plan.joining, sorted(pool.ready)):
+        j["from_standby"] = standby_identity_of(pool, n)
+
+
+def standby_identity_of(pool: StandbyPool, n: int) -> str:
+    return f"standby{n}" if pool.identity_base is None else f"{pool.identity_base}_standby{n}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine_ext.elastic.identity import strip_dp_suffix
 from engine_ext.engine.standby_pool import StandbyPool
 from engine_ext.engine.standby_rank import STANDBY_RANK_BASE
 
@@ -32,7 +33,9 @@ def make_pool(ctl: Controller, size: int) -> StandbyPool:
     async def kill(c: RankClient) -> None:
         await c.kill()  # type: ignore[attr-defined]
 
-    return StandbyPool(size, launch, _alive, kill, ctl._forget_rank, lambda: ctl.orch.running_op() is not None)
+    pool = StandbyPool(size, launch, _alive, kill, ctl._forget_rank, lambda: ctl.orch.running_op() is not None)
+    pool.identity_base = strip_dp_suffix(ctl.cfg.instance_id or ctl.deployment)
+    return pool
 
 
 def adopt_placement(spawner: RaySpawner, client: RayRankClient, rank: int) -> RayRankClient:
