@@ -114,7 +114,7 @@ def up(
               "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
     if capture_policy not in ("recapture", "reuse"):
         raise UsageError(f"--capture-policy must be recapture or reuse, not {capture_policy!r}")
-    engine.update(capture_policy=capture_policy, capture_world=max_dp if capture_policy == "reuse" else 0)
+    engine["capture_policy"] = capture_policy
     from eepctl.progress import busy
 
     with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json):

@@ -105,6 +105,8 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     if standby < 0:
         raise UsageError(f"--standby must be >= 0, got {standby}")
     cfg = EngineConfig(**engine, instance_id=t.name)
+    if cfg.capture_policy == "reuse" and not cfg.capture_world:
+        cfg.capture_world = max_dp  # reuse sizes captures for the largest world scale may reach
     try:
         cfg.validate()
     except ValueError as e:
