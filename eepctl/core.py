@@ -92,7 +92,8 @@ def _raise_if_error(result: Any) -> Any:
 # ---- up / down ---------------------------------------------------------------------------------
 def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
        timeout_s: float, say: Callable[[str], None] = lambda s: None,
-       placement: dict[str, Any] | None = None, on_rank_failure: str = "replace") -> dict[str, Any]:
+       placement: dict[str, Any] | None = None, on_rank_failure: str = "replace",
+       standby: int = 0) -> dict[str, Any]:
     from engine_ext.engine.config import EngineConfig
     from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
     from engine_ext.ray.deployment import actor, create_deployment
@@ -104,7 +105,11 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         raise UsageError(f"--max-dp ({max_dp}) must be >= --dp ({dp})")
     if on_rank_failure not in ("shrink", "replace"):
         raise UsageError(f"--on-rank-failure must be shrink or replace, not {on_rank_failure!r}")
+    if standby < 0:
+        raise UsageError(f"--standby must be >= 0, got {standby}")
     cfg = EngineConfig(**engine, instance_id=t.name)
+    if cfg.capture_policy == "reuse" and not cfg.capture_world:
+        cfg.capture_world = max_dp  # reuse sizes captures for the largest world scale may reach
     try:
         cfg.validate()
     except ValueError as e:
@@ -129,7 +134,7 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         raise PreconditionError(f"deployment {t.name!r} already exists in namespace {t.namespace!r}")
     handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
                                         gpus_per_rank, timeout_s, placement=spec.to_dict(),
-                                        on_rank_failure=on_rank_failure)
+                                        on_rank_failure=on_rank_failure, standby=standby)
     # Wait until every rank's heartbeat says it serves.
     deadline = time.time() + 15
     snap: dict[str, Any] = {}
@@ -141,6 +146,18 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     return {"deployment": t.name, "namespace": t.namespace, "address": address, "dp": result["dp"],
             "max_dp": max_dp, "cluster_started": started is not None, "elapsed_s": round(time.time() - t0, 2),
             "ranks": snap.get("ranks", [])}
+
+
+def standby(t: Target, count: int) -> dict[str, Any]:
+    """Resize the deployment's standby pool; returns its summary once the pool is filled."""
+    t.validated()
+    if count < 0:
+        raise UsageError(f"--count must be >= 0, got {count}")
+    _connect(t)
+    _, controller = _deployment(t)
+    if controller is None:
+        raise UnreachableError(f"the controller of {t.name!r} is gone")
+    return _get(controller.set_standby.remote(count), timeout=600)
 
 
 def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:

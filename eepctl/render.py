@@ -142,6 +142,14 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
         lines.append(f"ranks per node: {len(per_node)} nodes, {counts[0]}..{counts[-1]} each (narrow with --node)")
     elif per_node:
         lines.append("ranks per node: " + ", ".join(f"{node} {n}" for node, n in per_node.items()))
+    if s.get("standby"):
+        lines.append(f"standby pool: {s['standby']} rank(s) launched ahead, in no DP group (not counted in DP); "
+                     "a scale-up adopts them as _dp<rank>")
+    reuse = [r for r in snap["ranks"] if r.get("capture_policy") == "reuse"]
+    if reuse:  # what the reuse capture policy costs against recapture at this world
+        held, right = reuse[0].get("workspace_bytes", 0), reuse[0].get("workspace_recapture_bytes", 0)
+        lines.append(f"capture policy reuse: workspace {human_bytes(held)}/rank sized for max DP "
+                     f"(recapture would hold {human_bytes(right)}: +{human_bytes(max(0, held - right))}/rank)")
     if left_out:
         lines.append(f"... {left_out} more rank(s) not shown (narrow with --state / --node)")
     if snap.get("filtered"):
@@ -250,7 +258,9 @@ def event_line(ev: dict[str, Any]) -> str:
 def _membership_lines(plan: dict[str, Any]) -> list[str]:
     """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
     where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}" for p in (plan.get("placement") or {}).get("nodes", [])}
-    lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}" for j in plan.get("joining", [])]
+    lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}"
+             + (f" (from the standby pool: {j['from_standby']}, launch skipped)" if j.get("from_standby") else "")
+             for j in plan.get("joining", [])]
     lines += [f"  leave  rank {j['rank']} ({j['instance_id']})" for j in plan.get("leaving", [])]
     lines += [f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
               for src, dsts in plan.get("transfer_pairs", {}).items()]
@@ -274,6 +284,10 @@ def plan_text(plan: dict[str, Any]) -> str:
         phys = layout["slots_per_rank"] * layout["world_size"]
         lines.append(f"  layout: {phys} physical slots for {layout['num_logical']} experts "
                      f"({phys - layout['num_logical']} redundant)")
+    if plan.get("capture_memory"):
+        from engine_ext.engine.capture_memory import describe  # torch-free
+
+        lines.append(f"  {describe(plan['capture_memory'])}")
     if plan.get("capacity_problem"):
         lines.append(f"  WARNING: {plan['capacity_problem']}")
     if plan.get("running_op"):

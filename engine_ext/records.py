@@ -23,6 +23,7 @@ Record = TypeVar("Record", bound=msgspec.Struct)
 
 class RankState(str, enum.Enum):
     STARTING = "starting"
+    STANDBY = "standby"  # launched ahead in the standby pool: in no DP group, serving nothing
     SERVING = "serving"
     PREPARING = "preparing"
     COMMITTING = "committing"
@@ -103,6 +104,8 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     workspace_bytes: int = 0
     workspace_locked: bool = False
     workspace_required_bytes: int = 0
+    capture_policy: str = "recapture"  # "reuse": workspace and captures sized for max DP at start
+    workspace_recapture_bytes: int = 0  # what "recapture" would hold at this world (reuse's cost)
     graphs_captured: int = 0
     capture_sizes: list[int] = []
     graph_kind: str = "cpu-static"  # "cuda" where CUDA graphs apply

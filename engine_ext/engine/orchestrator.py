@@ -18,7 +18,9 @@ from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.rank_control import RankClient
 from engine_ext.engine.router import Router
+from engine_ext.engine.capture_memory import policy_memory
 from engine_ext.engine.scale_plan import ScalePlan, plan_scale
+from engine_ext.engine.standby_pool import mark_pool_joiners
 from engine_ext.protocol import (
     EepError,
     Event,
@@ -167,8 +169,11 @@ class Orchestrator:
         self.check_target(target)
         assert self.layout is not None
         loads = [] if target == self.size else await self._loads()
-        return plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads,
+        plan = plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads,
                           self.members, self.next_rank)
+        plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
+        mark_pool_joiners(plan, getattr(self.spawner, "pool", None))  # engine/standby_pool.py
+        return plan
 
     # ---- scale -------------------------------------------------------------------------------
     def busy(self) -> str | None:

@@ -32,6 +32,8 @@ from engine_ext.engine.recovery_rank import RankRecovery
 from engine_ext.engine.scheduler import Request, Scheduler
 from engine_ext.engine.step_loop import StepLoop
 from engine_ext.engine.transition_rank import RankTransition
+from engine_ext.engine import standby_rank
+from engine_ext.engine.capture_reuse import reuse_for
 from engine_ext.engine.warmup import Warmup
 from engine_ext.protocol import RankState
 
@@ -99,6 +101,7 @@ class RankEngine:
         self.telemetry = RankTelemetry(self, sink)
         self.loop = StepLoop(self)
         self.warmup = Warmup(self)
+        self.capture_reuse = reuse_for(self)  # None under the default recapture policy
         self.transition = RankTransition(self)
         self.recovery = RankRecovery(self)
         self.faults.hold("launch")
@@ -181,6 +184,9 @@ class RankEngine:
 
     def recover(self, plan: TransitionPlan) -> dict[str, Any]:
         return self.recovery.recover(plan)
+
+    def adopt(self, rank: int, layout_d: dict[str, Any]) -> None:
+        standby_rank.adopt(self, rank, ExpertLayout.from_dict(layout_d))
 
     # ---- shutdown and failure -----------------------------------------------------------------------
     def fail(self, e: BaseException) -> None:

@@ -57,6 +57,9 @@ class RankControl(Protocol):
     def stop(self) -> None:
         """Stop serving and leave the group."""
 
+    def adopt(self, rank: int, layout_d: dict[str, Any]) -> None:
+        """A standby rank becomes DP rank ``rank`` (engine.standby_rank)."""
+
     def recent_events(self) -> list[dict[str, Any]]:
         """The rank's recent phase events."""
 
@@ -100,6 +103,9 @@ class RankClient(ABC):
 
     async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         return await self._invoke("status", timeout=timeout)
+
+    async def adopt(self, rank: int, layout_d: dict[str, Any], *, timeout: float | None = None) -> None:
+        await self._invoke("adopt", rank, layout_d, timeout=timeout)
 
     async def prepare(self, plan: TransitionPlan, *, timeout: float | None = None) -> dict[str, Any]:
         return await self._invoke("prepare", plan, timeout=timeout)

@@ -24,13 +24,14 @@ class ScalePlan:
     expert_moves: list[dict[str, int]] = field(default_factory=list)
     layout: dict[str, Any] = field(default_factory=dict)
     noop: bool = False
+    capture_memory: dict[str, Any] = field(default_factory=dict)  # engine.capture_memory.policy_memory
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "op_id": self.op_id, "from_size": self.from_size, "to_size": self.to_size, "noop": self.noop,
             "joining": self.joining, "leaving": self.leaving,
             "transfer_pairs": {str(k): v for k, v in self.transfer_pairs.items()},
-            "expert_moves": self.expert_moves, "layout": self.layout,
+            "expert_moves": self.expert_moves, "layout": self.layout, "capture_memory": self.capture_memory,
         }
 
 

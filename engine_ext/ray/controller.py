@@ -19,10 +19,13 @@ from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.orchestrator import Orchestrator
 from engine_ext.engine.rank_control import RankClient
+from engine_ext.engine.standby_pool import StandbyPool
+from engine_ext.engine.standby_rank import standby_identity
 from engine_ext.protocol import EepError, ExitCode
 from engine_ext.ray import placement
 from engine_ext.ray.names import registry_name
 from engine_ext.ray.rank_actor import RankActor
+from engine_ext.ray.standby import adopt_placement, make_pool
 
 
 class RayRankClient(RankClient):
@@ -78,6 +81,7 @@ class RaySpawner:
         self.rank_nodes: dict[int, placement.Node] = {}
         self._pgs: dict[int, Any] = {}
         self._planned: dict[int, placement.Node] = {}  # the last preflight's node per new rank
+        self.pool: StandbyPool | None = None  # ranks launched ahead (engine_ext/ray/standby.py)
 
     def _held(self) -> Counter[str]:
         return Counter(n.node_id for n in self.rank_nodes.values())
@@ -105,8 +109,11 @@ class RaySpawner:
         if pg is not None:
             placement.release(pg)
 
-    async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> RayRankClient:
-        identity = dp_suffixed(self.cfg.instance_id or self.deployment, rank)
+    async def spawn(self, rank: int, layout: ExpertLayout, joining: bool, standby: int = -1) -> RayRankClient:
+        if joining and standby < 0 and self.pool is not None and (c := await self.pool.take(rank, layout)) is not None:
+            return adopt_placement(self, c, rank)  # type: ignore[arg-type]  # engine_ext/ray/standby.py
+        base = self.cfg.instance_id or self.deployment
+        identity = dp_suffixed(base, rank) if standby < 0 else standby_identity(base, standby)
         device = "cuda" if self.gpus > 0 else "cpu"
         node = self._planned.pop(rank, None)
         if node is None:
@@ -127,7 +134,7 @@ class RaySpawner:
         )
         try:
             handle = actor.remote(self.cfg.to_dict(), self.deployment, self.namespace, rank, layout.to_dict(),
-                                  joining, device, self.spec.ifname)
+                                  joining, device, self.spec.ifname, standby)
         except ValueError as e:  # the name is taken: refuse a duplicate identity (I1)
             self.forget(rank)
             raise EepError(f"identity {identity} is already taken by a live actor: {e}") from None
@@ -145,7 +152,7 @@ class RaySpawner:
 class Controller:
     def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
                  cpus_per_rank: float, gpus_per_rank: float, placement_d: dict[str, Any] | None = None,
-                 on_rank_failure: str = "replace") -> None:
+                 on_rank_failure: str = "replace", standby: int = 0) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
@@ -158,6 +165,8 @@ class Controller:
                                  on_rank_failure=on_rank_failure)
         self.spawner.on_death = self._on_death
         self._tasks: dict[str, asyncio.Task] = {}
+        self.spawner.pool = make_pool(self, standby) if standby > 0 else None
+        self._pool_watch: asyncio.Task | None = None
         self.started_at = time.time()
         # Registry recreation: what a new registry must be given back (info, ops, own events).
         self._info: dict[str, Any] = {}
@@ -251,7 +260,18 @@ class Controller:
             self._info = {"max_dp": self.orch.max_dp, "config": self.cfg.to_dict()}
         if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch_registry())
+        if self.spawner.pool is not None:
+            await self.set_standby(self.spawner.pool.size)
         return await self.info()
+
+    async def set_standby(self, count: int) -> dict[str, Any]:
+        """``eepctl standby --count``: keep ``count`` ranks launched ahead (0 stops them)."""
+        if self.spawner.pool is None:
+            self.spawner.pool = make_pool(self, count)
+        await self.spawner.pool.resize(count)
+        if self._pool_watch is None:
+            self._pool_watch = asyncio.ensure_future(self.spawner.pool.watch(2.0))
+        return self.spawner.pool.summary()
 
     async def info(self) -> dict[str, Any]:
         self._info_dead()
@@ -267,6 +287,10 @@ class Controller:
         if self._watchdog is not None:  # `down` kills the registry next: do not bring it back
             self._watchdog.cancel()
             self._watchdog = None
+        if self.spawner.pool is not None:
+            if self._pool_watch is not None:
+                self._pool_watch.cancel()
+            await self.spawner.pool.stop()
         await self.orch.stop()
 
     # ---- serving -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from engine_ext.ray.names import controller_name, registry_name
 
 class RankActor:
     def __init__(self, cfg_d: dict[str, Any], deployment: str, namespace: str, rank: int,
-                 layout_d: dict[str, Any], joining: bool, device: str, ifname: str = "") -> None:
+                 layout_d: dict[str, Any], joining: bool, device: str, ifname: str = "", standby: int = -1) -> None:
         from engine_ext.elastic.eplb import ExpertLayout
         from engine_ext.engine.config import EngineConfig
         from engine_ext.engine.rank import RankEngine
@@ -39,6 +39,10 @@ class RankActor:
                                  joining=joining, device=device, sink=self._sink,
                                  node_id=ray.get_runtime_context().get_node_id(),
                                  node_ip=ray.util.get_node_ip_address(), ifname=ifname)
+        if standby >= 0:  # launched ahead for the standby pool (engine_ext/engine/standby_rank.py)
+            from engine_ext.engine.standby_rank import enter_standby
+
+            enter_standby(self.engine, standby)
         self.engine.start_heartbeat()
 
     # ---- telemetry: never blocks the step loop ---------------------------------------------------
