@@ -170,7 +170,7 @@ class Orchestrator:
         assert self.layout is not None
         loads = [] if target == self.size else await self._loads()
         plan = plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads,
-                          self.members, self.next_rank)
+                          self.members, max(self.members, default=-1) + 1)
         plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
         mark_pool_joiners(plan, getattr(self.spawner, "pool", None))  # engine/standby_pool.py
         return plan
@@ -246,6 +246,9 @@ class Orchestrator:
         rdzv = self._rdzv(plan.op_id)
         old_members = list(self.members)
         if new_size > old_size:
+            # Joiners take the global ranks right after the last member: positions never move, and
+            # numbers freed by a scale-down or a death are taken again (their actors are gone).
+            self.next_rank = max(self.members, default=-1) + 1
             new_ranks = list(range(self.next_rank, self.next_rank + new_size - old_size))
             self.next_rank += len(new_ranks)
             new_members = old_members + new_ranks

@@ -57,7 +57,7 @@ class RankTelemetry:
             physical_experts=e.eplb.layout.num_physical, logical_experts=e.eplb.layout.num_logical,
             steps=e.steps, last_heartbeat=time.time(),
             stale_replays_refused=e.stale_replays_refused, eplb_logical_load=list(e.eplb.logical_load),
-            eplb_recent_load=e.eplb.recent_load(), eplb_slots=e.eplb.layout.local_logical(e.rank),
+            eplb_recent_load=e.eplb.recent_load(), eplb_slots=e.eplb.layout.local_logical(e.model.rank),  # the layout slice: its position
         )
         return to_builtins(st)
 

@@ -63,6 +63,11 @@ class Router:
         while True:
             rank = self._pick(set(refused))
             if rank is None:
+                if any("degraded" in m for m in refused.values()):
+                    # A peer died and the survivors saw it before the controller did: the recovery
+                    # that follows the death resumes parked requests.
+                    self._parked.append(wire)
+                    return
                 reasons = "; ".join(f"rank {r}: {m}" for r, m in refused.items()) or "no rank is accepting requests"
                 self._resolve(dict(wire, rank=-1, error=f"no rank accepted the request ({reasons})"))
                 return

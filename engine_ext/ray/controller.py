@@ -190,7 +190,7 @@ class Controller:
     def _record_op(self, op: dict[str, Any]) -> None:
         if self._metrics is not None:
             self._metrics.on_operation(op, self.orch.size)
-        if op.get("finished") and (op.get("kind") == "recover" or self.orch.recovery.dead):
+        if op.get("finished"):  # size, desired size and dead ranks as `eepctl status` shows them
             self._info_dead()
         try:
             self._handle_registry().record_operation.remote(op)
