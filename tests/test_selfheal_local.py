@@ -87,11 +87,13 @@ def test_replace_policy_grows_back_to_desired_size(reference: list[dict]) -> Non
     async def scenario() -> None:
         async with LocalDeployment(_cfg(slots_per_rank=6), "heal-replace", max_dp=4) as dep:
             await dep.start(3)
+            victim_pid = dep.processes[2].pid()
             results, _ = await _load_with_kill(dep, 2)
             assert oracle_mismatch(results, reference, logits=False) == ""
             await wait_until(lambda: len(dep.orch.members) == 3 and not dep.orch.busy(), 120, "DP 3 again")
             await dep.orch.recovery.wait()
-            assert 2 not in dep.orch.members and dep.orch.members[-1] == 3
+            # the replacement takes the dead rank's number (free again), in a new process
+            assert dep.orch.members == [0, 1, 2] and dep.processes[2].pid() != victim_pid
             kinds = [op.get("kind") for op in dep.orch.history]
             assert kinds[-2:] == ["recover", "scale"], kinds
     run(scenario(), 220)
