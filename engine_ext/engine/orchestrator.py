@@ -250,6 +250,8 @@ class Orchestrator:
             # numbers freed by a scale-down or a death are taken again (their actors are gone).
             self.next_rank = max(self.members, default=-1) + 1
             new_ranks = list(range(self.next_rank, self.next_rank + new_size - old_size))
+            for r in new_ranks:  # a number taken again: its dead predecessor is no longer news
+                self.recovery.dead.pop(r, None)
             self.next_rank += len(new_ranks)
             new_members = old_members + new_ranks
         else:
