@@ -166,11 +166,11 @@ def test_strict_spread_refuses_more_ranks_than_nodes(md):
 
 @pytest.mark.ray
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, reason=(
-    "node loss is not healed: after the worker node's processes are SIGKILLed, every `eepctl status` for 90 s "
-    "fails: first exit 3 'an actor of the deployment is gone ... 10.213.0.2 connection refused', then "
-    "'deployment not found in namespace (none exist)': the deployment's control actors (registry/controller) "
-    "can land on the worker node and die with it"))
+@pytest.mark.xfail(strict=False, reason=(
+    "known gap (issue 11 point 4): the deployment's control actors (registry, controller: num_cpus=0) can "
+    "be placed on the worker node and die with it, and then nothing heals (status: 'deployment not found'); "
+    "when they land on the head node the deployment heals and this passes. Not strict because placement "
+    "decides which; the fix is to pin them to the driver's node"))
 def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
     """Issue 11 point 4: the worker node dies (every process in its namespace SIGKILLed) under
     open-loop load; policy shrink keeps serving on the head node's rank with nothing lost."""
