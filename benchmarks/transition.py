@@ -2,7 +2,9 @@
 
 Starts its own local Ray head (and stops it), brings up a reference deployment at DP=2,
 measures steady-state load, then 2->4 and 4->2 under the same load, then a cold restart to
-DP=4 (down, up) for the elastic / cold ratio. Prints a markdown report.
+DP=4 (`down` + `up --dp 4`, timed as one span) for the elastic / cold ratio, then 2->4 under
+the same load with a standby pool of 2 (`up --standby 2`) and with the pool and
+`--capture-policy reuse`. Prints a markdown report.
 
 Usage: .venv/bin/python benchmarks/transition.py [--rate R] [--steady S]
 """
@@ -39,6 +41,26 @@ def op_row(t: core.Target, op: dict[str, Any], wall: float) -> dict[str, Any]:
             "ws_before": max(op["workspace_before"].values()), "ws_after": max(op["workspace_after"].values())}
 
 
+def pool_case(t: core.Target, rate: float, policy: str) -> dict[str, Any]:
+    """2->4 under load on a fresh deployment with two standby ranks, under ``policy``."""
+    core.up(t, dp=2, max_dp=4, engine={"capture_policy": policy},
+            cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300, standby=2)
+    deadline = time.time() + 120
+    while time.time() < deadline and core.status(t)["summary"].get("standby", 0) < 2:
+        time.sleep(0.5)
+    res: dict[str, Any] = {}
+    th = load_during(t, rate, 12.0, res)
+    time.sleep(2.0)
+    t1 = time.time()
+    op = core.scale(t, 4, drain_timeout_s=10.0, timeout_s=300.0, wait=True)
+    row = op_row(t, op, time.time() - t1)
+    row["op"] = f"2->4 standby, {policy}"
+    row["captures"] = op.get("captures_per_rank", {})
+    th.join()
+    core.down(t, stop_cluster=False)
+    return {**row, "load": res}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", type=float, default=4.0)
@@ -62,22 +84,27 @@ def main() -> None:
             rows.append(op_row(t, op, time.time() - t1))
             th.join()
             loads[f"during {rows[-1]['op']}"] = res
+        t2 = time.time()  # the honest baseline: down and up again, one span
         core.down(t, stop_cluster=False)
-        t2 = time.time()
         core.up(t, dp=4, max_dp=4, engine={}, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300)
         cold4 = time.time() - t2
         core.down(t, stop_cluster=False)
+        for policy in ("recapture", "reuse"):
+            row = pool_case(t, args.rate, policy)
+            loads[f"during {row['op']}"] = row.pop("load")
+            rows.append(row)
     finally:
         cluster.stop_process_group(int(head["pgid"]))
 
-    print(f"cold up to DP 2: {up2:.2f}s; cold restart to DP 4 (up until serving): {cold4:.2f}s\n")
+    print(f"cold up to DP 2: {up2:.2f}s; cold restart to DP 4 (down + up until serving): {cold4:.2f}s\n")
     print("| transition | wall s | serving pause s | " + " | ".join(PHASES) + " | workspace before -> after |")
     print("|" + "---|" * (4 + len(PHASES)))
     for r in rows:
         cells = " | ".join("-" if r[p] is None else f"{r[p]:.3f}" for p in PHASES)
         print(f"| {r['op']} | {r['wall']:.2f} | {r['pause']:.3f} | {cells} | {r['ws_before']} B -> {r['ws_after']} B |")
-    up_row = rows[0]
-    print(f"\nelastic 2->4 ÷ cold restart to 4: {up_row['wall']:.2f}s / {cold4:.2f}s = {up_row['wall'] / cold4:.2f}")
+    for r in (rows[0], *rows[2:]):
+        print(f"\n{r['op']} ÷ cold restart to 4: {r['wall']:.2f}s / {cold4:.2f}s = {r['wall'] / cold4:.2f}"
+              + (f"; captures per rank {r['captures']}" if "captures" in r else ""))
     print("\n| load window | sent | completed | failed | p50 ms | p90 ms | p99 ms | max ms |")
     print("|---|---|---|---|---|---|---|---|")
     for label, l in loads.items():

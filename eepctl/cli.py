@@ -97,8 +97,12 @@ def up(
     cpus_per_rank: Annotated[float, typer.Option(help="Ray CPUs per rank.")] = 1.0,
     gpus_per_rank: Annotated[float, typer.Option(help="Ray GPUs per rank (0: CPU ranks).")] = 0.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait until every rank serves.")] = 300.0,
+    on_rank_failure: Annotated[str, typer.Option(help="When a rank dies: shrink (serve at the healthy size) "
+                                                 "or replace (shrink, then grow back to the desired size).")] = "replace",
     placement: Annotated[str, typer.Option(help="Ranks over Ray nodes: pack, spread or strict-spread (one per node).")] = "pack",
     ifname: Annotated[str, typer.Option(help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME.")] = "",
+    standby: Annotated[int, typer.Option("--standby", help="Ranks to keep launched ahead (model and KV loaded, in no DP group): a scale-up adopts them and skips its launch phase.")] = 0,
+    capture_policy: Annotated[str, typer.Option("--capture-policy", help="recapture: capture once per transition, workspace right-sized; reuse: size captures for --max-dp at start and capture nothing in transitions (more memory).")] = "recapture",
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
@@ -110,12 +114,16 @@ def up(
               "hidden_size": hidden, "max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens,
               "dtype": dtype, "seed": seed,
               "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
+    if capture_policy not in ("recapture", "reuse"):
+        raise UsageError(f"--capture-policy must be recapture or reuse, not {capture_policy!r}")
+    engine["capture_policy"] = capture_policy
     from eepctl.progress import busy
 
     with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json):
         res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
                       cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
-                      placement={"policy": placement, "ifname": ifname})
+                      placement={"policy": placement, "ifname": ifname},
+                      on_rank_failure=on_rank_failure, standby=standby)
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 
 
@@ -135,6 +143,23 @@ def down(
     with busy(f"stopping {name}", plain=_plain() or output == Output.json):
         res = core.down(_target(address, namespace, name), stop_cluster=stop_cluster)
     _emit(render.to_json("down", res) + "\n" if output == Output.json else render.down_text(res))
+
+
+@app.command()
+def standby(
+    count: Annotated[int, typer.Option("--count", help="Ranks to keep launched ahead (0 stops them).")],
+    name: Name = DEFAULT_DEPLOYMENT,
+    address: Address = None,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Keep COUNT ranks launched ahead in the standby pool (a scale-up takes its joiners there first)."""
+    from eepctl import core, render
+
+    res = core.standby(_target(address, namespace, name), count)
+    _emit(render.to_json("standby", res) + "\n" if output == Output.json else
+          f"standby pool of {name}: {len(res['ready'])} of {res['size']} ready (standby numbers {res['ready']}), "
+          f"{res['taken']} adopted so far\n")
 
 
 @app.command()
@@ -289,6 +314,25 @@ def events(
             return
         time.sleep(0.5)
         data = core.events(t, op, seq)
+
+
+@app.command()
+def repair(
+    name: Name = DEFAULT_DEPLOYMENT,
+    address: Address = None,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the repair.")] = 300.0,
+    api_key: ApiKey = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Recover what self-healing could not (dead ranks, a size below the desired one); say what was done."""
+    from eepctl import core, render
+
+    res = core.repair(_target(address, namespace, name), timeout_s=timeout, api_key=api_key)
+    if output == Output.json:
+        _emit(render.to_json("repair", res) + "\n")
+    else:
+        _emit("\n".join(f"repair: {a}" for a in res.get("actions", [])) + "\n")
 
 
 @app.command()

@@ -92,7 +92,8 @@ def _raise_if_error(result: Any) -> Any:
 # ---- up / down ---------------------------------------------------------------------------------
 def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
        timeout_s: float, say: Callable[[str], None] = lambda s: None,
-       placement: dict[str, Any] | None = None) -> dict[str, Any]:
+       placement: dict[str, Any] | None = None, on_rank_failure: str = "replace",
+       standby: int = 0) -> dict[str, Any]:
     from engine_ext.engine.config import EngineConfig
     from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
     from engine_ext.ray.deployment import actor, create_deployment
@@ -102,7 +103,13 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         raise UsageError(f"--dp must be >= 1, got {dp}")
     if max_dp < dp:
         raise UsageError(f"--max-dp ({max_dp}) must be >= --dp ({dp})")
+    if on_rank_failure not in ("shrink", "replace"):
+        raise UsageError(f"--on-rank-failure must be shrink or replace, not {on_rank_failure!r}")
+    if standby < 0:
+        raise UsageError(f"--standby must be >= 0, got {standby}")
     cfg = EngineConfig(**engine, instance_id=t.name)
+    if cfg.capture_policy == "reuse" and not cfg.capture_world:
+        cfg.capture_world = max_dp  # reuse sizes captures for the largest world scale may reach
     try:
         cfg.validate()
     except ValueError as e:
@@ -126,7 +133,8 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     if actor(registry_name(t.name), t.namespace) is not None:
         raise PreconditionError(f"deployment {t.name!r} already exists in namespace {t.namespace!r}")
     handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
-                                        gpus_per_rank, timeout_s, placement=spec.to_dict())
+                                        gpus_per_rank, timeout_s, placement=spec.to_dict(),
+                                        on_rank_failure=on_rank_failure, standby=standby)
     # Wait until every rank's heartbeat says it serves.
     deadline = time.time() + 15
     snap: dict[str, Any] = {}
@@ -138,6 +146,18 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     return {"deployment": t.name, "namespace": t.namespace, "address": address, "dp": result["dp"],
             "max_dp": max_dp, "cluster_started": started is not None, "elapsed_s": round(time.time() - t0, 2),
             "ranks": snap.get("ranks", [])}
+
+
+def standby(t: Target, count: int) -> dict[str, Any]:
+    """Resize the deployment's standby pool; returns its summary once the pool is filled."""
+    t.validated()
+    if count < 0:
+        raise UsageError(f"--count must be >= 0, got {count}")
+    _connect(t)
+    _, controller = _deployment(t)
+    if controller is None:
+        raise UnreachableError(f"the controller of {t.name!r} is gone")
+    return _get(controller.set_standby.remote(count), timeout=600)
 
 
 def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:
@@ -359,6 +379,24 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
         except EepError:
             pass
     return check_outcome(result)
+
+
+def repair(t: Target, *, timeout_s: float = 300.0, api_key: str | None = None) -> dict[str, Any]:
+    """Recover what the automatic self-healing could not (dead members, a size below the
+    desired one) and say what was done."""
+    t.validated()
+    _connect(t)
+    registry, controller = _deployment(t)
+    if (snap := _vllm_snapshot(registry, controller)) is not None:
+        try:
+            from engine_ext.vllm import fault_tolerance
+        except ImportError:
+            raise UsageError("repair of vLLM deployments is not available") from None
+        return fault_tolerance.repair(snap, api_key=api_key, timeout_s=timeout_s)
+    if controller is None:
+        raise UnreachableError(f"the controller of {t.name!r} is gone; recreate the deployment "
+                               f"(`eepctl down --name {t.name}` then `eepctl up --name {t.name}`)")
+    return _raise_if_error(_get(controller.repair.remote(), timeout=timeout_s))
 
 
 def check_outcome(op: dict[str, Any]) -> dict[str, Any]:

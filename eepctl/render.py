@@ -135,12 +135,21 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
     states = ", ".join(f"{n} {k}" for k, n in sorted(s["by_state"].items())) or "no ranks"
     lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
              f"waiting {s['requests_waiting']}"]
+    lines += _selfheal_lines(snap)
     per_node = ranks_per_node(snap["ranks"])
     if len(per_node) > 8:  # at scale, a distribution instead of one entry per node
         counts = sorted(per_node.values())
         lines.append(f"ranks per node: {len(per_node)} nodes, {counts[0]}..{counts[-1]} each (narrow with --node)")
     elif per_node:
         lines.append("ranks per node: " + ", ".join(f"{node} {n}" for node, n in per_node.items()))
+    if s.get("standby"):
+        lines.append(f"standby pool: {s['standby']} rank(s) launched ahead, in no DP group (not counted in DP); "
+                     "a scale-up adopts them as _dp<rank>")
+    reuse = [r for r in snap["ranks"] if r.get("capture_policy") == "reuse"]
+    if reuse:  # what the reuse capture policy costs against recapture at this world
+        held, right = reuse[0].get("workspace_bytes", 0), reuse[0].get("workspace_recapture_bytes", 0)
+        lines.append(f"capture policy reuse: workspace {human_bytes(held)}/rank sized for max DP "
+                     f"(recapture would hold {human_bytes(right)}: +{human_bytes(max(0, held - right))}/rank)")
     if left_out:
         lines.append(f"... {left_out} more rank(s) not shown (narrow with --state / --node)")
     if snap.get("filtered"):
@@ -159,6 +168,19 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
     for v in snap.get("violations", []):
         lines.append(f"INVARIANT {v['invariant']} rank {v['rank']}: {v['message']}")
     lines.extend(_vllm_lines(snap))
+    return lines
+
+
+def _selfheal_lines(snap: dict[str, Any]) -> list[str]:
+    """Desired vs current size, and the dead ranks with their cause until they are replaced."""
+    info = snap.get("info") or {}
+    lines = []
+    if "desired_dp" in info:
+        current = len(info.get("members", snap["ranks"]))
+        lines.append(f"DP {current} of desired {info['desired_dp']} (on rank failure: "
+                     f"{info.get('on_rank_failure', 'replace')})")
+    for d in info.get("dead") or []:
+        lines.append(f"rank {d.get('rank')} dead: {d.get('cause', 'unknown cause')}")
     return lines
 
 
@@ -236,7 +258,9 @@ def event_line(ev: dict[str, Any]) -> str:
 def _membership_lines(plan: dict[str, Any]) -> list[str]:
     """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
     where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}" for p in (plan.get("placement") or {}).get("nodes", [])}
-    lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}" for j in plan.get("joining", [])]
+    lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}"
+             + (f" (from the standby pool: {j['from_standby']}, launch skipped)" if j.get("from_standby") else "")
+             for j in plan.get("joining", [])]
     lines += [f"  leave  rank {j['rank']} ({j['instance_id']})" for j in plan.get("leaving", [])]
     lines += [f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
               for src, dsts in plan.get("transfer_pairs", {}).items()]
@@ -260,6 +284,10 @@ def plan_text(plan: dict[str, Any]) -> str:
         phys = layout["slots_per_rank"] * layout["world_size"]
         lines.append(f"  layout: {phys} physical slots for {layout['num_logical']} experts "
                      f"({phys - layout['num_logical']} redundant)")
+    if plan.get("capture_memory"):
+        from engine_ext.engine.capture_memory import describe  # torch-free
+
+        lines.append(f"  {describe(plan['capture_memory'])}")
     if plan.get("capacity_problem"):
         lines.append(f"  WARNING: {plan['capacity_problem']}")
     if plan.get("running_op"):

@@ -23,6 +23,7 @@ Record = TypeVar("Record", bound=msgspec.Struct)
 
 class RankState(str, enum.Enum):
     STARTING = "starting"
+    STANDBY = "standby"  # launched ahead in the standby pool: in no DP group, serving nothing
     SERVING = "serving"
     PREPARING = "preparing"
     COMMITTING = "committing"
@@ -33,6 +34,9 @@ class RankState(str, enum.Enum):
     REMOVED = "removed"
     FAILED = "failed"
     STALE = "stale"
+    DEGRADED = "degraded"  # a peer died: groups aborted, weights/KV/requests kept, not stepping
+    RECOVERING = "recovering"  # rebuilding the world without the dead ranks
+    DEAD = "dead"  # the process is gone (recorded by the controller, with its cause)
 
 
 class Phase(str, enum.Enum):
@@ -49,6 +53,12 @@ class Phase(str, enum.Enum):
     CAPTURE = "capture"
     CLEANUP = "cleanup"
     ROLLBACK = "rollback"
+    # Recovery (an operation of kind "recover"): detect, abort, regroup, restore_experts, warm, capture, resume.
+    DETECT = "detect"
+    ABORT = "abort"
+    REGROUP = "regroup"
+    RESTORE_EXPERTS = "restore_experts"
+    RESUME = "resume"
 
 
 # Phases whose per-operation durations `eepctl events` reports, in protocol order.
@@ -94,6 +104,8 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     workspace_bytes: int = 0
     workspace_locked: bool = False
     workspace_required_bytes: int = 0
+    capture_policy: str = "recapture"  # "reuse": workspace and captures sized for max DP at start
+    workspace_recapture_bytes: int = 0  # what "recapture" would hold at this world (reuse's cost)
     graphs_captured: int = 0
     capture_sizes: list[int] = []
     graph_kind: str = "cpu-static"  # "cuda" where CUDA graphs apply
@@ -180,6 +192,9 @@ class Operation(msgspec.Struct, forbid_unknown_fields=True):
     # Only a vLLM operation (driven from outside the ranks) has these; absent from the JSON otherwise.
     deadline: FiniteFloat | msgspec.UnsetType = msgspec.UNSET  # after it, a still-running op is stale
     rank_ops: list[str] | msgspec.UnsetType = msgspec.UNSET  # the op ids vLLM's ranks used
+    kind: str = "scale"  # "scale" | "recover" (a death turned into a transition)
+    dead_ranks: list[int] = []  # recover: the global ranks that died
+    rerouted_requests: int = 0  # recover: requests of dead ranks re-submitted to survivors
 
 
 def to_builtins(record: Any) -> Any:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The embedded default, end to end: a local Ray head, a reference deployment at DP=2,
-# requests, live scale 2 -> 4 -> 2 under load, status and history; then everything stopped.
+# requests, live scale 2 -> 4 -> 2 under load, status and history; then one rank SIGKILLed under
+# load and the deployment healing itself (no request lost); then everything stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -23,5 +24,21 @@ echo "== eepctl status";               $EEP status --name "$NAME"
 wait "$LOAD"
 echo "== load during the transitions"; cat .eepctl-state/demo-load.txt
 echo "== eepctl events";               $EEP events --name "$NAME"
+
+echo "== self-healing: DP 3, then one rank SIGKILLed by its pid under load"
+$EEP scale --dp 3 --name "$NAME"
+$EEP generate --name "$NAME" --rate 4 --duration 15 > .eepctl-state/demo-heal-load.txt 2>&1 &
+LOAD=$!
+sleep 3
+VICTIM=$($EEP status --name "$NAME" -o json | .venv/bin/python -c \
+  'import json,sys; r=[x for x in json.loads(sys.stdin.read().splitlines()[-1])["ranks"] if x["state"]=="serving"]; print(r[1]["pid"])')
+echo "== kill -9 $VICTIM (a serving rank)"; kill -9 "$VICTIM"
+sleep 1
+echo "== eepctl status (recovering)";  $EEP status --name "$NAME"
+sleep 8
+echo "== eepctl status (recovered)";   $EEP status --name "$NAME"
+wait "$LOAD"
+echo "== load across the death: 0 failed"; cat .eepctl-state/demo-heal-load.txt
+echo "== eepctl events (the recover operation)"; $EEP events --name "$NAME"
 echo "== eepctl down --stop-cluster";  $EEP down --name "$NAME" --stop-cluster
 trap - EXIT

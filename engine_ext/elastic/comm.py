@@ -123,7 +123,10 @@ class StatelessGroup:
         self.size = size
         self.backend = backend
         self.device = device or torch.device("cpu")
-        store = store_client(rdzv.host, rdzv.port)
+        # A connection of its own per group: a rendezvous stuck on a dead peer (a prepare that
+        # waits out its timeout) must not block the next operation's rendezvous (a recovery).
+        store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
         self.store = dist.PrefixStore(rdzv.prefix, store)
         # Wake-ups get connections of their own: the "groups" connection can sit for minutes in
         # a standby group's rendezvous (a joiner that died), and serving must not wait behind it.
@@ -192,6 +195,19 @@ class StatelessGroup:
             w.wait()
         for dev, host in staged:
             dev.copy_(host)
+
+    def abort(self) -> None:
+        """Drop the group at once, failing any collective a thread is blocked in (a peer died:
+        never wait out the backend's timeout)."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            for how in ("abort", "shutdown"):
+                if hasattr(pg, how):
+                    try:
+                        getattr(pg, how)()
+                        return
+                    except Exception:  # a dead peer must not keep us from dropping the group
+                        continue
 
     def destroy(self) -> None:
         pg, self.pg = self.pg, None

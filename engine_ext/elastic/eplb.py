@@ -114,9 +114,18 @@ class ExpertMove:
     def local(self) -> bool:
         return self.src_rank == self.dst_rank
 
+    @property
+    def from_weight_source(self) -> bool:
+        """No live copy: the weights come from the model's weight source (recovery)."""
+        return self.src_rank < 0
 
-def plan_moves(old: ExpertLayout, new: ExpertLayout, alive_sources: set[int] | None = None) -> list[ExpertMove]:
-    """Where each new physical slot gets its weights from. Local copies when possible."""
+
+def plan_moves(old: ExpertLayout, new: ExpertLayout, alive_sources: set[int] | None = None,
+               *, missing_ok: bool = False) -> list[ExpertMove]:
+    """Where each new physical slot gets its weights from. Local copies when possible.
+
+    ``missing_ok`` (recovery): an expert whose every old copy died gets a move with source
+    rank -1, to be restored from the model's weight source."""
     sources = alive_sources if alive_sources is not None else set(range(old.world_size))
     L_old, L_new = old.slots_per_rank, new.slots_per_rank
     holders: dict[int, list[tuple[int, int]]] = {}
@@ -129,6 +138,9 @@ def plan_moves(old: ExpertLayout, new: ExpertLayout, alive_sources: set[int] | N
     for p, e in enumerate(new.phys_to_logical):
         dst_rank, dst_slot = p // L_new, p % L_new
         cands = holders.get(e)
+        if not cands and missing_ok:
+            moves.append(ExpertMove(e, -1, -1, dst_rank, dst_slot))
+            continue
         if not cands:
             raise ValueError(f"logical expert {e} has no live source in the old layout")
         local = [c for c in cands if c[0] == dst_rank]

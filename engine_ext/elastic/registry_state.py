@@ -160,6 +160,8 @@ class RegistryState:
             seen[v.instance_id] = v.rank
             # vLLM suffixes its identities only when it starts sibling DP engines (DP > 1).
             suffixed = v.kind != DeploymentKind.VLLM.value or v.dp_size > 1
+            if v.state == "standby":  # named <base>_standby<N> until a scale-up adopts it (standby_rank)
+                continue
             for field, value in (("instance_id", v.instance_id), ("engine_id", v.engine_id)):
                 if value and ((suffixed and not value.endswith(f"_dp{v.rank}")) or _STACKED.search(value)):
                     found.append({"invariant": "I1", "rank": rank,
@@ -203,9 +205,12 @@ class RegistryState:
         for (op_id, rank), lock in locks.items():
             n = passes.get((op_id, rank), 0)
             counted = lock.detail.get("capture_passes")
-            if n != 1:
+            # Under capture_policy=reuse a surviving rank captures nothing: its lock says so.
+            expected = lock.detail.get("expected_passes", 1)
+            if n != expected:
                 found.append({"invariant": "I4", "rank": str(rank),
-                              "message": f"{n} capture passes in one operation {op_id} (exactly 1 expected)"})
+                              "message": f"{n} capture passes in one operation {op_id} (exactly {expected} expected"
+                                         f" under {lock.detail.get('capture_policy', 'recapture')})"})
             elif counted != n:
                 found.append({"invariant": "I4", "rank": str(rank),
                               "message": f"graph manager counted {counted} capture passes in {op_id}, events show {n}"})
@@ -237,7 +242,7 @@ class RegistryState:
             "kind": self.kind,
             "info": self.info,
             "ranks": [to_builtins(st) for st in live],
-            "summary": {"ranks": len(live), "by_state": dict(by_state),
+            "summary": {"ranks": len(live), "by_state": dict(by_state), "standby": by_state.get("standby", 0),
                         "requests_running": sum(st.requests_running for st in live),
                         "requests_waiting": sum(st.requests_waiting for st in live)},
             "operation": self.current_op(),

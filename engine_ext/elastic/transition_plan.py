@@ -24,16 +24,41 @@ class TransitionPlan:
     """Everything a rank needs for its side of one operation."""
 
     op_id: str
-    kind: str  # "scale_up" | "scale_down"
+    kind: str  # "scale_up" | "scale_down" | "recover"
     old_size: int
     new_size: int
     rdzv: Rendezvous
     old_layout: ExpertLayout
     new_layout: ExpertLayout
     timeout_s: float = 120.0
+    # The ordered global ranks of each world: a rank's position (group rank, layout slice) is
+    # its index here. Empty means 0..size-1 (no rank ever died).
+    old_members: tuple[int, ...] = ()
+    new_members: tuple[int, ...] = ()
+    # recover: members whose expert weights may be half moved (a failed commit); every slot they
+    # held is restored from another copy or the weight source instead.
+    untrusted: tuple[int, ...] = ()
+
+    @property
+    def old_world(self) -> tuple[int, ...]:
+        return self.old_members or tuple(range(self.old_size))
+
+    @property
+    def new_world(self) -> tuple[int, ...]:
+        return self.new_members or tuple(range(self.new_size))
+
+    def old_pos(self, rank: int) -> int:
+        """The position of global rank ``rank`` in the old world (-1: not a member)."""
+        return self.old_world.index(rank) if rank in self.old_world else -1
+
+    def new_pos(self, rank: int) -> int:
+        """The position of global rank ``rank`` in the new world (-1: not a member)."""
+        return self.new_world.index(rank) if rank in self.new_world else -1
 
     def role(self, rank: int) -> str:
-        """existing | joining (scale-up), remaining | removing (scale-down)."""
+        """existing | joining (scale-up), remaining | removing (scale-down), surviving (recover)."""
+        if self.kind == "recover":
+            return "surviving"
         if self.kind == "scale_up":
-            return "existing" if rank < self.old_size else "joining"
-        return "remaining" if rank < self.new_size else "removing"
+            return "existing" if rank in self.old_world else "joining"
+        return "remaining" if rank in self.new_world else "removing"

@@ -31,6 +31,10 @@ class EngineConfig:
     max_num_tokens: int = 64
     max_model_len: int = 128
     capture_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    # "recapture": re-size and capture once per transition; "reuse": size workspace and captures
+    # for capture_world (the deployment's max DP) at start and keep them (engine/capture_reuse.py).
+    capture_policy: str = "recapture"
+    capture_world: int = 0
     # identity (suffixed with _dp<rank> per rank)
     instance_id: str = "moe"
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

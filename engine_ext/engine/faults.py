@@ -28,6 +28,8 @@ VARIANTS: dict[str, str] = {
     "no_warmup_check": "warm-up isolation is measured and reported but not enforced (shows I5's harm)",
     "late_eplb_comm": "the EPLB communicator is formed after the non-expert weight transfer, which "
                       "then has no channel: joining ranks serve with placeholder weights (I2)",
+    "reuse_sized_for_world": "under capture_policy=reuse, captures are sized for the world at launch "
+                             "instead of max DP: the reuse check refuses them on a scale-up",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
 }
 

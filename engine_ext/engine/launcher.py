@@ -16,14 +16,17 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.elastic.identity import strip_dp_suffix
 from engine_ext.elastic.registry_state import RegistryState
+from engine_ext.engine.standby_pool import StandbyPool
+from engine_ext.engine.standby_rank import STANDBY_RANK_BASE
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.orchestrator import Orchestrator
 from engine_ext.engine.rank_control import RANK_METHODS, RankClient
 
 
 def _rank_main(conn: Connection, cfg_d: dict[str, Any], name: str, rank: int, layout_d: dict[str, Any],
-               joining: bool, device: str, env: dict[str, str]) -> None:
+               joining: bool, device: str, env: dict[str, str], standby: int = -1) -> None:
     os.environ.update(env)
     from engine_ext.engine.rank import RankEngine
 
@@ -35,6 +38,10 @@ def _rank_main(conn: Connection, cfg_d: dict[str, Any], name: str, rank: int, la
 
     engine = RankEngine(EngineConfig.from_dict(cfg_d), name, rank, ExpertLayout.from_dict(layout_d),
                         joining=joining, device=device, sink=lambda kind, payload: send((kind, payload)))
+    if standby >= 0:  # launched ahead for the standby pool
+        from engine_ext.engine.standby_rank import enter_standby
+
+        enter_standby(engine, standby)
     engine.start_heartbeat()
 
     def handle(call_id: int, method: str, args: tuple) -> None:
@@ -86,6 +93,8 @@ class ProcessRankClient(RankClient):
             if not self._post(self._dispatch, msg):
                 return
         self._post(self._fail_pending)
+        # The pipe closed: the process is gone (or going). That is the launcher's death signal.
+        self._post(self.owner.on_rank_exit, self.rank, self.proc)
 
     def _post(self, fn: Any, *args: Any) -> bool:
         try:
@@ -132,35 +141,70 @@ class ProcessSpawner:
     def check_capacity(self, new_ranks: int) -> str | None:
         return None
 
+    @property
+    def pool(self) -> StandbyPool | None:
+        return self.owner.pool
+
     async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> ProcessRankClient:
+        o = self.owner
+        if joining and o.pool is not None and (taken := await o.pool.take(rank, layout)) is not None:
+            assert isinstance(taken, ProcessRankClient)
+            taken.rank = rank
+            o.processes[rank] = taken
+            return taken
+        return await self.launch(rank, layout, joining)
+
+    async def launch_standby(self, n: int) -> ProcessRankClient:
+        """A standby process (engine.standby_pool): a joining rank at a rank number no world uses."""
+        assert self.owner.orch.layout is not None
+        return await self.launch(STANDBY_RANK_BASE + n, self.owner.orch.layout, True, standby=n)
+
+    async def launch(self, rank: int, layout: ExpertLayout, joining: bool, standby: int = -1) -> ProcessRankClient:
         parent, child = self.ctx.Pipe()
         o = self.owner
-        device = o.device_for(rank)
-        proc = self.ctx.Process(target=_rank_main, name=f"{o.name}_dp{rank}",
-                                args=(child, o.cfg.to_dict(), o.name, rank, layout.to_dict(), joining, device, o.env),
+        device = o.device_for(rank if standby < 0 else 0)
+        proc = self.ctx.Process(target=_rank_main,
+                                name=f"{o.name}_dp{rank}" if standby < 0 else f"{o.name}_standby{standby}",
+                                args=(child, o.cfg.to_dict(), o.name, rank, layout.to_dict(), joining, device, o.env,
+                                      standby),
                                 daemon=True)
         proc.start()
         child.close()
         client = ProcessRankClient(rank, proc, parent, o)
-        o.processes[rank] = client
+        if standby < 0:
+            o.processes[rank] = client
         await client.status(timeout=300)  # launched = the engine is built and answering
         return client
+
+
+async def _process_alive(client: RankClient) -> bool:
+    return isinstance(client, ProcessRankClient) and client.proc.is_alive()
 
 
 class LocalDeployment:
     """A deployment whose ranks are child processes of this one. Use ``async with``."""
 
     def __init__(self, cfg: EngineConfig, name: str = "local", *, max_dp: int = 8, device: str = "cpu",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, on_rank_failure: str = "replace", standby: int = 0) -> None:
+        if cfg.capture_policy == "reuse" and not cfg.capture_world:
+            cfg.capture_world = max_dp  # reuse sizes captures for the largest world scale may reach
         self.cfg = cfg
         self.name = name
         self.device = device
         self.env = env or {}
         self.processes: dict[int, ProcessRankClient] = {}
         self.registry = RegistryState(name)
-        self.orch = Orchestrator(name, cfg, ProcessSpawner(self), max_dp=max_dp,
+        spawner = ProcessSpawner(self)
+        self.orch = Orchestrator(name, cfg, spawner, max_dp=max_dp,
                                  emit=self.registry.report_event, record_op=self.registry.record_operation,
-                                 forget_rank=self.registry.forget_rank)
+                                 forget_rank=self.registry.forget_rank, on_rank_failure=on_rank_failure)
+        self.pool: StandbyPool | None = None
+        if standby > 0:
+            self.pool = StandbyPool(standby, spawner.launch_standby, _process_alive,
+                                    lambda c: c.kill(), self.registry.forget_rank,  # type: ignore[attr-defined]
+                                    lambda: self.orch.running_op() is not None)
+            self.pool.identity_base = strip_dp_suffix(cfg.instance_id or name)
+        self._pool_watch: asyncio.Task[None] | None = None
 
     def device_for(self, rank: int) -> str:
         if self.device == "cuda-per-rank":
@@ -174,9 +218,21 @@ class LocalDeployment:
             self.registry.report_event(payload)
         elif kind == "results":
             self.orch.router.on_results(payload["results"])
+        elif kind == "tokens":
+            self.orch.router.on_tokens(payload["tokens"])
+
+    def on_rank_exit(self, rank: int, proc: mp.process.BaseProcess) -> None:
+        proc.join(0.5)
+        code = proc.exitcode
+        cause = f"process exited (exit code {code})" if code is not None and code >= 0 else \
+            f"process killed by signal {-code}" if code is not None else "rank pipe closed"
+        self.orch.recovery.on_death(rank, cause)
 
     async def start(self, size: int) -> None:
         await self.orch.start(size)
+        if self.pool is not None:
+            await self.pool.fill()
+            self._pool_watch = asyncio.get_running_loop().create_task(self.pool.watch())
 
     async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         return await self.orch.router.submit(prompt, max_tokens)
@@ -185,6 +241,10 @@ class LocalDeployment:
         return await self.orch.scale(size, **kw)
 
     async def stop(self) -> None:
+        if self.pool is not None:
+            if self._pool_watch is not None:
+                self._pool_watch.cancel()
+            await self.pool.stop()
         await self.orch.stop()
         for c in list(self.processes.values()):
             await c.kill()

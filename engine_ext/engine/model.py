@@ -15,6 +15,7 @@ import torch
 from engine_ext.elastic.comm import StatelessGroup
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.workspace import WorkspaceManager, bytes_for
+from engine_ext.engine.capture_memory import replica_table_width
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.weights import dense_weights, expert_weights, torch_dtype
 
@@ -93,7 +94,15 @@ class MoEModel:
     def _set_routing(self, layout: ExpertLayout) -> None:
         self.layout = layout
         table, counts = layout.replica_table()
+        width = replica_table_width(self.cfg)  # reuse: fixed storage, since reused captures read it
+        if width and getattr(self, "replica_table", None) is not None and self.replica_table.shape[1] == width:
+            t = torch.tensor(table, dtype=torch.int64, device=self.device)
+            self.replica_table.zero_()[:, : t.shape[1]].copy_(t)
+            self.replica_count.copy_(torch.tensor(counts, dtype=torch.int64, device=self.device))
+            return
         self.replica_table = torch.tensor(table, dtype=torch.int64, device=self.device)
+        if width:
+            self.replica_table = torch.nn.functional.pad(self.replica_table, (0, width - self.replica_table.shape[1]))
         self.replica_count = torch.tensor(counts, dtype=torch.int64, device=self.device)
 
     def set_layout(self, layout: ExpertLayout, rank: int) -> None:

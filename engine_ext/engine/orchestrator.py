@@ -18,7 +18,9 @@ from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.rank_control import RankClient
 from engine_ext.engine.router import Router
+from engine_ext.engine.capture_memory import policy_memory
 from engine_ext.engine.scale_plan import ScalePlan, plan_scale
+from engine_ext.engine.standby_pool import mark_pool_joiners
 from engine_ext.protocol import (
     EepError,
     Event,
@@ -56,6 +58,7 @@ class Orchestrator:
         emit: EventSink | None = None,
         record_op: Callable[[dict[str, Any]], Any] | None = None,
         forget_rank: Callable[[int], Any] | None = None,
+        on_rank_failure: str = "replace",
     ) -> None:
         self.name = name
         self.cfg = cfg
@@ -75,6 +78,17 @@ class Orchestrator:
         self._commit_started = False
         self._joiners: dict[int, RankClient] = {}
         self.history: list[dict[str, Any]] = []
+        # Membership: global ranks (identities, never renamed) in position order; joiners get
+        # fresh global ranks, so a dead rank's name is never reused.
+        self.members: list[int] = []
+        self.next_rank = 0
+        self.store_host = 0
+        self.stopping = False
+        self.desired = 0
+        self.on_rank_failure = on_rank_failure
+        from engine_ext.engine.recovery import Recovery
+
+        self.recovery = Recovery(self)
 
     @property
     def size(self) -> int:
@@ -113,6 +127,10 @@ class Orchestrator:
                 await _quiet(c.kill())
             raise
         self.clients = clients
+        self.members = list(range(size))
+        self.next_rank = size
+        self.store_host = 0
+        self.desired = size
         self.router.set_ranks(clients)
 
     def _rdzv(self, tag: str) -> Rendezvous:
@@ -151,7 +169,11 @@ class Orchestrator:
         self.check_target(target)
         assert self.layout is not None
         loads = [] if target == self.size else await self._loads()
-        return plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads)
+        plan = plan_scale(op_id or new_op_id(), self.cfg.instance_id or self.name, self.layout, target, loads,
+                          self.members, max(self.members, default=-1) + 1)
+        plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
+        mark_pool_joiners(plan, getattr(self.spawner, "pool", None))  # engine/standby_pool.py
+        return plan
 
     # ---- scale -------------------------------------------------------------------------------
     def busy(self) -> str | None:
@@ -169,6 +191,7 @@ class Orchestrator:
         busy = self.busy()
         if busy is not None:
             raise PreconditionError(f"a scale is already running: {busy}; one at a time")
+        self.desired = target
         async with self._op_lock:
             plan = await self.plan(target, op_id)
             op = Operation(plan.op_id, self.name, plan.from_size, plan.to_size, plan=plan.to_dict())
@@ -221,9 +244,22 @@ class Orchestrator:
         old_size, new_size = plan.from_size, plan.to_size
         new_layout = ExpertLayout.from_dict(plan.layout)
         rdzv = self._rdzv(plan.op_id)
+        old_members = list(self.members)
+        if new_size > old_size:
+            # Joiners take the global ranks right after the last member: positions never move, and
+            # numbers freed by a scale-down or a death are taken again (their actors are gone).
+            self.next_rank = max(self.members, default=-1) + 1
+            new_ranks = list(range(self.next_rank, self.next_rank + new_size - old_size))
+            for r in new_ranks:  # a number taken again: its dead predecessor is no longer news
+                self.recovery.dead.pop(r, None)
+            self.next_rank += len(new_ranks)
+            new_members = old_members + new_ranks
+        else:
+            new_ranks, new_members = [], old_members[:new_size]
         tplan = TransitionPlan(op_id=plan.op_id, kind="scale_up" if new_size > old_size else "scale_down",
                                old_size=old_size, new_size=new_size, rdzv=rdzv, old_layout=self.layout,
-                               new_layout=new_layout, timeout_s=timeout_s)
+                               new_layout=new_layout, timeout_s=timeout_s,
+                               old_members=tuple(old_members), new_members=tuple(new_members))
         for c in self.clients.values():
             with_ws = await _quiet(c.status(timeout=5))
             if isinstance(with_ws, dict):
@@ -237,18 +273,18 @@ class Orchestrator:
                 op.phase = Phase.LAUNCH.value
                 t = time.time()
                 spawned = await asyncio.gather(
-                    *(self.spawner.spawn(r, new_layout, True) for r in range(old_size, new_size)),
+                    *(self.spawner.spawn(r, new_layout, True) for r in new_ranks),
                     return_exceptions=True)
                 # Keep every rank that did start (the rollback stops them) before failing on one that did not.
-                joiners.update({r: c for r, c in zip(range(old_size, new_size), spawned)
+                joiners.update({r: c for r, c in zip(new_ranks, spawned)
                                 if not isinstance(c, BaseException)})
-                for r, c in zip(range(old_size, new_size), spawned):
+                for r, c in zip(new_ranks, spawned):
                     if isinstance(c, BaseException):
                         raise TransitionFailed(f"launch of rank {r} failed: {_short(c)}")
                 self._phase(op, Phase.LAUNCH, t, ranks=sorted(joiners))
                 world.update(joiners)
             else:
-                for r in range(new_size, old_size):
+                for r in old_members[new_size:]:
                     self.router.excluded.add(r)
             op.phase = Phase.PREPARE.value
             t = time.time()
@@ -257,14 +293,14 @@ class Orchestrator:
             if new_size < old_size:
                 op.phase = Phase.DRAIN.value
                 t = time.time()
-                removing = {r: c for r, c in world.items() if r >= new_size}
+                removing = {r: c for r, c in world.items() if r not in new_members}
                 await self._all(removing, "begin_drain", lambda c: c.begin_drain(plan.op_id, timeout=timeout_s))
-                await self._drain(range(new_size, old_size), drain_timeout_s)
+                await self._drain(sorted(removing), drain_timeout_s)
                 self._phase(op, Phase.DRAIN, t)
             op.phase = Phase.COMMIT.value
             t = time.time()
             self._commit_started = True
-            old_world = {r: c for r, c in world.items() if r < old_size}
+            old_world = {r: c for r, c in world.items() if r in old_members}
             await self._all(old_world, "request_commit", lambda c: c.request_commit(plan.op_id, timeout=30))
             results = await self._all(world, "wait_op", lambda c: c.wait_op(plan.op_id, timeout_s, timeout=timeout_s + 5))
             self._phase(op, Phase.COMMIT, t)
@@ -275,12 +311,13 @@ class Orchestrator:
         moved: list[dict[str, Any]] = []
         for r, res in results.items():
             moved.extend(res.get("moved", []))
-            if r < new_size:
+            if r in new_members:
                 op.captures_per_rank[str(r)] = int(res.get("captures_this_op", 0))
                 op.workspace_after[str(r)] = int(res.get("workspace_after", 0))
                 op.serving_pause_s = max(op.serving_pause_s, float(res.get("pause_s", 0.0)))
-        leaving = {r: c for r, c in world.items() if r >= new_size}
-        self.clients = {r: c for r, c in world.items() if r < new_size}
+        leaving = {r: c for r, c in world.items() if r not in new_members}
+        self.clients = {r: world[r] for r in new_members}
+        self.members = list(new_members)
         self.layout = new_layout
         self.router.set_ranks(self.clients)
         if moved:
@@ -292,7 +329,7 @@ class Orchestrator:
             self.forget_rank(r)
         self._phase(op, Phase.CLEANUP, t, removed=sorted(leaving), moved_requests=len(moved))
 
-    async def _drain(self, ranks: range, timeout_s: float) -> None:
+    async def _drain(self, ranks: list[int], timeout_s: float) -> None:
         """Let removing ranks finish their requests; whatever is left moves at commit."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
@@ -309,9 +346,9 @@ class Orchestrator:
         """Before commit: roll back (drop joiners and standby groups, keep serving).
         During commit: report each rank's state; the deployment stays explainable."""
         commit_started = self._commit_started
-        old_size = op.from_size
-        for r in range(op.to_size, old_size):
-            self.router.excluded.discard(r)
+        for r in self.members:
+            if r not in self.recovery.dead:
+                self.router.excluded.discard(r)
         if not commit_started:
             op.phase_durations.setdefault(Phase.ROLLBACK.value, 0.0)
             t = time.time()
@@ -322,7 +359,16 @@ class Orchestrator:
                 self.forget_rank(r)
             if op.state == OpState.FAILED.value:
                 op.state = OpState.ROLLED_BACK.value
+            if self._joiners:  # their names are free again
+                self.next_rank = min(self.next_rank, min(self._joiners))
             self._phase(op, Phase.ROLLBACK, t)
+        else:
+            # From commit on the world may be half switched: drop the joiners, and rebuild the
+            # members' world, restoring every expert slot (weights may be half moved).
+            for r, c in self._joiners.items():
+                await _quiet(c.kill())
+                self.forget_rank(r)
+            self.recovery.rebuild(f"{op.op_id} failed after commit began", untrusted=True)
         for r, c in list(self.clients.items()):
             st = await _quiet(c.status(timeout=5))
             op.rank_states[str(r)] = st.get("state", "unreachable") if isinstance(st, dict) else "unreachable"
@@ -349,6 +395,7 @@ class Orchestrator:
 
     # ---- stop --------------------------------------------------------------------------------
     async def stop(self) -> None:
+        self.stopping = True
         for c in self.clients.values():
             await _quiet(c.stop(timeout=5))
         for c in self.clients.values():

@@ -28,9 +28,12 @@ from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.faults import Faults
 from engine_ext.engine.model import PLACEHOLDER_SEED_OFFSET, MoEModel
 from engine_ext.engine.rank_status import RankTelemetry, Sink
+from engine_ext.engine.recovery_rank import RankRecovery
 from engine_ext.engine.scheduler import Request, Scheduler
 from engine_ext.engine.step_loop import StepLoop
 from engine_ext.engine.transition_rank import RankTransition
+from engine_ext.engine import standby_rank
+from engine_ext.engine.capture_reuse import reuse_for
 from engine_ext.engine.warmup import Warmup
 from engine_ext.protocol import RankState
 
@@ -87,6 +90,7 @@ class RankEngine:
         self.capture_passes = 0  # capture passes in the current operation (I4: exactly one)
         self.current_op = ""
         self.stopping = False
+        self.halting = False  # a peer died: the step loop stops until recovery resumes it
         self.lock = threading.RLock()
         self.node = socket.gethostname()
         # Ray ranks bind and advertise the node IP Ray reports (or the operator's interface);
@@ -97,7 +101,9 @@ class RankEngine:
         self.telemetry = RankTelemetry(self, sink)
         self.loop = StepLoop(self)
         self.warmup = Warmup(self)
+        self.capture_reuse = reuse_for(self)  # None under the default recapture policy
         self.transition = RankTransition(self)
+        self.recovery = RankRecovery(self)
         self.faults.hold("launch")
 
     def _on_hold(self, phase: str) -> None:
@@ -130,7 +136,8 @@ class RankEngine:
 
     # ---- RankControl: membership, warm-up, serving ---------------------------------------------------
     def host_store(self) -> tuple[str, int]:
-        """Rank 0 hosts the deployment's TCPStore; every rendezvous is a prefix in it."""
+        """Rank 0 hosts the deployment's TCPStore (a survivor hosts a new one when the host
+        died); every rendezvous is a prefix in it."""
         if self._store_master is None:
             self._store_master = host_store()
         return self.ip, int(self._store_master.port)
@@ -150,7 +157,8 @@ class RankEngine:
         self.loop.start()
 
     def add_request(self, wire: dict[str, Any]) -> None:
-        if self.state in (RankState.FAILED, RankState.REMOVED, RankState.REMOVING) or self.stopping:
+        if self.state in (RankState.FAILED, RankState.REMOVED, RankState.REMOVING, RankState.DEGRADED,
+                          RankState.RECOVERING) or self.stopping:
             raise RuntimeError(f"rank {self.rank} is {self.state.value} and takes no requests"
                                + (f": {self.state_reason}" if self.state_reason else ""))
         req = Request.from_wire(wire)
@@ -173,6 +181,12 @@ class RankEngine:
 
     def abort(self, op_id: str) -> bool:
         return self.transition.abort(op_id)
+
+    def recover(self, plan: TransitionPlan) -> dict[str, Any]:
+        return self.recovery.recover(plan)
+
+    def adopt(self, rank: int, layout_d: dict[str, Any]) -> None:
+        standby_rank.adopt(self, rank, ExpertLayout.from_dict(layout_d))
 
     # ---- shutdown and failure -----------------------------------------------------------------------
     def fail(self, e: BaseException) -> None:

@@ -51,8 +51,14 @@ class RankControl(Protocol):
     def abort(self, op_id: str) -> bool:
         """Roll back a prepared, uncommitted operation."""
 
+    def recover(self, plan: TransitionPlan) -> dict[str, Any]:
+        """A peer died: abort the old groups, rebuild the survivors' world, serve again."""
+
     def stop(self) -> None:
         """Stop serving and leave the group."""
+
+    def adopt(self, rank: int, layout_d: dict[str, Any]) -> None:
+        """A standby rank becomes DP rank ``rank`` (engine.standby_rank)."""
 
     def recent_events(self) -> list[dict[str, Any]]:
         """The rank's recent phase events."""
@@ -98,6 +104,9 @@ class RankClient(ABC):
     async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         return await self._invoke("status", timeout=timeout)
 
+    async def adopt(self, rank: int, layout_d: dict[str, Any], *, timeout: float | None = None) -> None:
+        await self._invoke("adopt", rank, layout_d, timeout=timeout)
+
     async def prepare(self, plan: TransitionPlan, *, timeout: float | None = None) -> dict[str, Any]:
         return await self._invoke("prepare", plan, timeout=timeout)
 
@@ -112,6 +121,9 @@ class RankClient(ABC):
 
     async def abort(self, op_id: str, *, timeout: float | None = None) -> bool:
         return bool(await self._invoke("abort", op_id, timeout=timeout))
+
+    async def recover(self, plan: TransitionPlan, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._invoke("recover", plan, timeout=timeout)
 
     async def stop(self, *, timeout: float | None = None) -> None:
         await self._invoke("stop", timeout=timeout)

@@ -21,7 +21,7 @@ from engine_ext.records import to_builtins
 if TYPE_CHECKING:
     from engine_ext.engine.rank import RankEngine
 
-Sink = Callable[[str, dict[str, Any]], None]  # (kind, payload): "status" | "event" | "results"
+Sink = Callable[[str, dict[str, Any]], None]  # (kind, payload): "status" | "event" | "results" | "tokens"
 
 
 class RankTelemetry:
@@ -45,7 +45,8 @@ class RankTelemetry:
             slots_used=s.slots.used, slots_total=s.slots.total,
             kv_blocks_used=s.blocks.used, kv_blocks_total=s.blocks.total,
             workspace_bytes=e.workspace.nbytes, workspace_locked=e.workspace.locked,
-            workspace_required_bytes=e.required_workspace,
+            workspace_required_bytes=e.required_workspace, capture_policy=e.cfg.capture_policy,
+            workspace_recapture_bytes=e.model.moe_workspace_bound(e.world_size),
             graphs_captured=len(g.captured_sizes), capture_sizes=g.captured_sizes, graph_kind=g.kind,
             graph_replays=g.stats.replays, last_capture_s=g.stats.last_capture_s,
             capture_times_s={str(k): round(v, 6) for k, v in sorted(g.stats.capture_durations.items())},
@@ -56,7 +57,7 @@ class RankTelemetry:
             physical_experts=e.eplb.layout.num_physical, logical_experts=e.eplb.layout.num_logical,
             steps=e.steps, last_heartbeat=time.time(),
             stale_replays_refused=e.stale_replays_refused, eplb_logical_load=list(e.eplb.logical_load),
-            eplb_recent_load=e.eplb.recent_load(), eplb_slots=e.eplb.layout.local_logical(e.rank),
+            eplb_recent_load=e.eplb.recent_load(), eplb_slots=e.eplb.layout.local_logical(e.model.rank),  # the layout slice: its position
         )
         return to_builtins(st)
 

@@ -1,5 +1,10 @@
 """The frontend of a deployment: admits requests, spreads them over the serving ranks
-(least in-flight first) and gathers their results."""
+(least in-flight first) and gathers their results.
+
+It keeps every request it has not answered yet, with the tokens its rank streamed so far, so
+a request whose rank died is re-submitted to a survivor and continues where it was (greedy
+outputs do not change). While a recovery runs, requests wait here (``pause``/``resume``).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ class Router:
         self._ids = itertools.count()
         self.completed = 0
         self.failed = 0
+        self.rerouted = 0
+        self._wires: dict[str, dict[str, Any]] = {}  # unanswered requests, with tokens so far
+        self.paused = False
+        self._parked: list[dict[str, Any]] = []
 
     def set_ranks(self, clients: dict[int, RankClient]) -> None:
         self.clients = dict(clients)
@@ -46,10 +55,19 @@ class Router:
     async def _send(self, wire: dict[str, Any]) -> None:
         """Hand the request to the least-loaded rank; a rank that refuses (failed, leaving,
         dead) is skipped for this request, and only when every rank refused does it fail."""
+        self._wires[wire["request_id"]] = wire
+        if self.paused:
+            self._parked.append(wire)
+            return
         refused: dict[int, str] = {}
         while True:
             rank = self._pick(set(refused))
             if rank is None:
+                if any("degraded" in m for m in refused.values()):
+                    # A peer died and the survivors saw it before the controller did: the recovery
+                    # that follows the death resumes parked requests.
+                    self._parked.append(wire)
+                    return
                 reasons = "; ".join(f"rank {r}: {m}" for r, m in refused.items()) or "no rank is accepting requests"
                 self._resolve(dict(wire, rank=-1, error=f"no rank accepted the request ({reasons})"))
                 return
@@ -65,6 +83,7 @@ class Router:
 
     def _resolve(self, res: dict[str, Any]) -> None:
         rid = res["request_id"]
+        self._wires.pop(rid, None)
         rank = self._owner.pop(rid, None)
         if rank is not None:
             self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
@@ -87,6 +106,45 @@ class Router:
             if old is not None:
                 self.inflight[old] = max(0, self.inflight.get(old, 0) - 1)
             await self._send(wire)
+
+    def on_tokens(self, tokens: dict[str, list[float]]) -> None:
+        """Tokens a rank produced this step: ``{request_id: [token, logit]}``."""
+        for rid, (tok, logit) in tokens.items():
+            wire = self._wires.get(rid)
+            if wire is not None:
+                wire.setdefault("output", []).append(int(tok))
+                wire.setdefault("logits", []).append(float(logit))
+
+    def pause(self) -> None:
+        """A recovery starts: new and re-routed requests wait here until ``resume``."""
+        self.paused = True
+
+    async def resume(self) -> None:
+        self.paused = False
+        parked, self._parked = self._parked, []
+        for wire in parked:
+            await self._send(wire)
+
+    def reroute(self, dead: set[int]) -> int:
+        """Requests owned by dead ranks wait for a survivor, with their tokens so far."""
+        n = 0
+        for rid, rank in list(self._owner.items()):
+            if rank in dead:
+                self._owner.pop(rid)
+                self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
+                wire = self._wires.get(rid)
+                if wire is None:
+                    continue
+                wire["moved_from"] = list(wire.get("moved_from", [])) + [rank]
+                self._parked.append(wire)
+                n += 1
+        self.rerouted += n
+        return n
+
+    def fail_parked(self, reason: str) -> None:
+        parked, self._parked = self._parked, []
+        for wire in parked:
+            self._resolve(dict(wire, rank=-1, error=reason))
 
     def fail_all(self, ranks: set[int], reason: str) -> None:
         for rid, rank in list(self._owner.items()):

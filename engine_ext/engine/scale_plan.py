@@ -24,19 +24,23 @@ class ScalePlan:
     expert_moves: list[dict[str, int]] = field(default_factory=list)
     layout: dict[str, Any] = field(default_factory=dict)
     noop: bool = False
+    capture_memory: dict[str, Any] = field(default_factory=dict)  # engine.capture_memory.policy_memory
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "op_id": self.op_id, "from_size": self.from_size, "to_size": self.to_size, "noop": self.noop,
             "joining": self.joining, "leaving": self.leaving,
             "transfer_pairs": {str(k): v for k, v in self.transfer_pairs.items()},
-            "expert_moves": self.expert_moves, "layout": self.layout,
+            "expert_moves": self.expert_moves, "layout": self.layout, "capture_memory": self.capture_memory,
         }
 
 
 def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int,
-               loads: list[float]) -> ScalePlan:
-    """The plan from ``layout``'s world to ``target`` ranks, re-balanced by the measured ``loads``."""
+               loads: list[float], members: list[int] | None = None, next_rank: int | None = None) -> ScalePlan:
+    """The plan from ``layout``'s world to ``target`` ranks, re-balanced by the measured ``loads``.
+
+    ``members`` are the current global ranks in position order and ``next_rank`` the first
+    fresh one (after a recovery they are not 0..N-1); by default no rank ever died."""
     cur = layout.world_size
     plan = ScalePlan(op_id, cur, target, noop=(target == cur))
     if plan.noop:
@@ -44,11 +48,14 @@ def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int
         return plan
     new = build_layout(layout.num_logical, layout.slots_per_rank, target, loads, layout)
     moves = plan_moves(layout, new, set(range(cur)))
+    members = list(range(cur)) if members is None else list(members)
+    first = cur if next_rank is None else next_rank
     if target > cur:
-        plan.joining = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)} for r in range(cur, target)]
+        plan.joining = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)}
+                        for r in range(first, first + target - cur)]
         plan.transfer_pairs = transfer_pairs(cur, target)
     else:
-        plan.leaving = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)} for r in range(target, cur)]
+        plan.leaving = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)} for r in members[target:]]
     plan.expert_moves = [m.__dict__ for m in moves if not m.local]
     plan.layout = new.to_dict()
     return plan

@@ -16,6 +16,7 @@ import torch
 
 from engine_ext.elastic.graphs import GraphReleasedError, StaleGraphError
 from engine_ext.engine.model import Batch
+from engine_ext.engine.recovery_rank import is_peer_failure
 from engine_ext.engine.scheduler import NULL_BLOCK, ScheduledItem
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class StepLoop:
     def run(self) -> None:
         e = self.engine
         try:
-            while not e.stopping:
+            while not e.stopping and not e.halting:
                 with e.lock:
                     items = e.sched.schedule()
                 hdr = e.group.all_reduce_max(self.header(items))  # type: ignore[union-attr]
@@ -79,7 +80,11 @@ class StepLoop:
                     continue
                 self.step(items, hdr)
         except Exception as ex:
-            if not e.stopping:
+            if e.stopping:
+                return
+            if e.halting or is_peer_failure(ex):  # a peer died (or recovery aborted the group)
+                e.recovery.degrade(ex)
+            else:
                 e.fail(ex)
 
     def idle(self) -> None:
@@ -87,15 +92,15 @@ class StepLoop:
         with e.lock:
             self.wake_idx += 1
             idx = self.wake_idx
-            pending = e.sched.has_work or e.transition.commit_ready or e.stopping
+            pending = e.sched.has_work or e.transition.commit_ready or e.stopping or e.halting
         group = e.group
         assert group is not None
         if pending:
             group.wake_store.set(f"wake/{idx}", b"1")
-        if e.rank == 0 and idx >= 3:
+        if group.rank == 0 and idx >= 3:
             with contextlib.suppress(Exception):
                 group.wake_store.delete_key(f"wake/{idx - 2}")
-        while not e.stopping:
+        while not e.stopping and not e.halting:
             try:
                 group.wait_store.wait([f"wake/{idx}"], datetime.timedelta(seconds=30))
                 return
@@ -142,6 +147,12 @@ class StepLoop:
         e.eplb.record(e.model.take_expert_load())  # what this step's forward pass recorded
         e.steps += 1
         finished = self.apply_logits(items, logits)
+        # Stream this step's tokens (fire-and-forget): the router re-submits a request with them
+        # if this rank dies, so it continues where it was.
+        streamed = {it.request.request_id: [it.request.output[-1], it.request.logits[-1]]
+                    for it in items if not it.request.done}
+        if streamed:
+            e.telemetry.send("tokens", {"tokens": streamed})
         if finished:
             e.telemetry.sink("results", {"results": finished})
 

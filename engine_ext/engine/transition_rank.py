@@ -17,6 +17,8 @@ import torch
 from engine_ext.elastic.comm import StatelessGroup
 from engine_ext.elastic.eplb import ExpertLayout, plan_moves, transfer_pairs
 from engine_ext.elastic.transition_plan import TransitionPlan
+from engine_ext.elastic.weight_source import SeededWeightSource
+from engine_ext.engine.recovery_rank import is_peer_failure
 from engine_ext.protocol import RankState
 
 if TYPE_CHECKING:
@@ -40,6 +42,12 @@ class OpState:
         for g in (self.standby, self.eplb_comm):
             if g is not None:
                 g.destroy()
+
+
+def comm_members(plan: TransitionPlan) -> tuple[int, ...]:
+    """The members of an operation's EPLB communicator, in its rank order: the new world on a
+    scale-up and a recovery (the dead cannot send), the old world (the sources) on a scale-down."""
+    return plan.old_world if plan.kind == "scale_down" else plan.new_world
 
 
 class RankTransition:
@@ -85,7 +93,7 @@ class RankTransition:
         except Exception as ex:
             op.error = f"{type(ex).__name__}: {ex}"
             op.drop_groups()
-            if role != "joining":
+            if role != "joining" and e.state is RankState.PREPARING:
                 e.telemetry.set_state(RankState.SERVING, f"prepare of {plan.op_id} failed")
             raise
         op.prepared.set()
@@ -99,27 +107,29 @@ class RankTransition:
         e, plan = self.engine, op.plan
         t = plan.timeout_s
         if dp and op.role != "removing":
-            op.standby = StatelessGroup(plan.rdzv.child("dp"), e.rank, plan.new_size, timeout_s=t,
+            op.standby = StatelessGroup(plan.rdzv.child("dp"), plan.new_pos(e.rank), plan.new_size, timeout_s=t,
                                         backend=e.cfg.backend, device=e.device)
-        comm_size = plan.new_size if plan.kind == "scale_up" else plan.old_size
+        comm_world = comm_members(plan)
         if eplb:
-            op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), e.rank, comm_size, timeout_s=t, device=e.device)
+            op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), comm_world.index(e.rank), len(comm_world),
+                                          timeout_s=t, device=e.device)
 
     def _transfer_dense(self, op: OpState) -> dict[str, Any]:
         e, plan = self.engine, op.plan
-        pairs = transfer_pairs(plan.old_size, plan.new_size)
+        pairs = transfer_pairs(plan.old_size, plan.new_size)  # positions; the comm spans the new world
         comm = op.eplb_comm
         if comm is None:  # late_eplb_comm: no channel yet, so no weights move
             return {"skipped": "no EPLB communicator: nothing sent or received"}
+        me = plan.new_pos(e.rank)
         vec_len = e.model.dense_vector().numel()
-        if e.rank in pairs:
+        if me in pairs:
             vec = e.model.dense_vector()
-            comm.exchange([(vec, dst, 100 + dst) for dst in pairs[e.rank]], [])
-            return {"sent_to": pairs[e.rank], "bytes": vec.numel() * vec.element_size() * len(pairs[e.rank])}
+            comm.exchange([(vec, dst, 100 + dst) for dst in pairs[me]], [])
+            return {"sent_to": pairs[me], "bytes": vec.numel() * vec.element_size() * len(pairs[me])}
         for src, dsts in pairs.items():
-            if e.rank in dsts:
+            if me in dsts:
                 buf = torch.empty(vec_len, dtype=e.model.dtype, device=e.device)
-                comm.exchange([], [(buf, src, 100 + e.rank)])
+                comm.exchange([], [(buf, src, 100 + me)])
                 e.model.load_dense_vector(buf)
                 return {"received_from": src, "bytes": buf.numel() * buf.element_size()}
         return {}
@@ -214,7 +224,10 @@ class RankTransition:
             op.result["pause_s"] = time.time() - t0
         except Exception as ex:
             op.error = f"commit failed on rank {e.rank}: {type(ex).__name__}: {ex}"
-            e.fail(ex)
+            if is_peer_failure(ex) or e.halting:  # a peer died: this rank is healthy, it waits for recovery
+                e.recovery.degrade(ex)
+            else:
+                e.fail(ex)
             op.done.set()
             return False
         with e.lock:
@@ -240,31 +253,51 @@ class RankTransition:
         """Move expert weights into the new layout over the EPLB communicator."""
         e, plan = self.engine, op.plan
         model = e.model
-        moves = plan_moves(plan.old_layout, plan.new_layout, set(range(plan.old_size)))
+        old_w, new_w = plan.old_world, plan.new_world
+        alive = {p for p, m in enumerate(old_w)
+                 if plan.kind != "recover" or (m in new_w and m not in plan.untrusted)}
+        moves = plan_moves(plan.old_layout, plan.new_layout, alive, missing_ok=plan.kind == "recover")
         comm = op.eplb_comm
         assert comm is not None
+        comm_world = comm_members(plan)
         old_w1, old_w2 = model.w1.clone(), model.w2.clone()
 
         def old_vec(slot: int) -> torch.Tensor:
             return torch.cat([old_w1[:, slot].reshape(-1), old_w2[:, slot].reshape(-1)])
 
-        sends, recvs, local = [], [], []
+        sends, recvs, local, restored = [], [], [], []
         vec_len = old_vec(0).numel()
         for i, m in enumerate(moves):
-            if m.local and m.dst_rank == e.rank:
+            src_g = old_w[m.src_rank] if m.src_rank >= 0 else -1
+            dst_g = new_w[m.dst_rank]
+            if m.from_weight_source and dst_g == e.rank:
+                restored.append(m)
+            elif src_g == e.rank and dst_g == e.rank:
                 local.append(m)
-            elif m.src_rank == e.rank and m.dst_rank != e.rank:
-                sends.append((old_vec(m.src_slot), m.dst_rank, 1000 + i))
-            elif m.dst_rank == e.rank and m.src_rank != e.rank:
+            elif src_g == e.rank:
+                sends.append((old_vec(m.src_slot), comm_world.index(dst_g), 1000 + i))
+            elif dst_g == e.rank and src_g >= 0:
                 buf = torch.empty(vec_len, dtype=model.dtype, device=e.device)
-                recvs.append((buf, m.src_rank, 1000 + i, m))
+                recvs.append((buf, comm_world.index(src_g), 1000 + i, m))
         comm.exchange(sends, [(b, s, t) for b, s, t, _ in recvs])
         for m in local:
             model.load_expert_vector(m.dst_slot, old_vec(m.src_slot))
         for buf, _, _, m in recvs:
             model.load_expert_vector(m.dst_slot, buf)
+        for m in restored:
+            model.load_expert_vector(m.dst_slot, self._from_weight_source(m.logical))
         assert e.cfg.slots_per_rank == plan.new_layout.slots_per_rank
-        return {"moves_total": len(moves), "sent": len(sends), "received": len(recvs), "local": len(local)}
+        return {"moves_total": len(moves), "sent": len(sends), "received": len(recvs), "local": len(local),
+                "restored_from_weight_source": sorted({m.logical for m in restored})}
+
+    def _from_weight_source(self, logical: int) -> torch.Tensor:
+        """One expert's (w1, w2) of every layer, flattened as ``load_expert_vector`` wants it."""
+        e = self.engine
+        src = SeededWeightSource(e.cfg)
+        pairs = [src.expert(layer, logical) for layer in range(e.cfg.num_layers)]
+        w1 = torch.stack([a for a, _ in pairs]).to(e.device)
+        w2 = torch.stack([b for _, b in pairs]).to(e.device)
+        return torch.cat([w1.reshape(-1), w2.reshape(-1)])
 
     def _switch(self, op: OpState) -> None:
         """Adopt the standby group as the live DP/EP group and the new layout (I6)."""
@@ -275,7 +308,7 @@ class RankTransition:
             e.loop.reset_wake()
         if old is not None and old is not op.standby:
             old.destroy()
-        e.model.set_layout(op.plan.new_layout, e.rank)
+        e.model.set_layout(op.plan.new_layout, op.plan.new_pos(e.rank))
 
     def _receive_mapping(self, layout: ExpertLayout) -> None:
         """Rank 0 broadcasts the expert mapping; joining ranks learn it, others confirm it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,12 +63,17 @@ class Warmup:
         """Release graphs -> unlock -> right-size -> KV pool -> isolated warm-up -> capture once -> lock."""
         e = self.engine
         faults = e.faults
+        reuse = e.capture_reuse
+        if reuse is not None:  # capture_policy=reuse: survivors keep their captures, joiners capture locally
+            if op_id != "startup":
+                return reuse.transition(op_id) if e.graphs.captured_sizes else reuse.join(op_id)
+            reuse.size_at_start()
         report: dict[str, Any] = {"workspace_before": e.workspace.nbytes, "kv_blocks_before": e.sched.blocks.total}
         if not faults.active("skip_release"):
             report["graphs_released"] = e.graphs.release()
         e.telemetry.set_state(RankState.WARMING)
         faults.hold("warm")
-        bound = e.model.moe_workspace_bound(e.world_size)
+        bound = e.model.moe_workspace_bound(e.world_size if reuse is None else reuse.capacity)
         with e.telemetry.phase(op_id, "warm") as d:
             e.workspace.unlock()
             e.required_workspace = bound
@@ -98,7 +104,7 @@ class Warmup:
             e.telemetry.set_state(RankState.CAPTURING)
             faults.hold("capture")
             e.graphs.begin_pass()
-            with e.telemetry.phase(op_id, "capture") as d:
+            with e.telemetry.phase(op_id, "capture") as d, (reuse.detached() if reuse else nullcontext()):
                 t0 = time.perf_counter()
                 for size in e.cfg.capture_sizes:
                     self.capture(size)
@@ -109,7 +115,8 @@ class Warmup:
                 d["graph_kind"] = e.graphs.kind
         e.capture_passes = e.graphs.passes_this_op
         # The lock admits only the size this world needs: a skipped re-warm fails here, both ways.
-        with e.telemetry.phase(op_id, "lock", capture_passes=e.graphs.passes_this_op, required_bytes=bound) as d:
+        with e.telemetry.phase(op_id, "lock", capture_passes=e.graphs.passes_this_op, required_bytes=bound,
+                               capture_policy=e.cfg.capture_policy, expected_passes=1) as d:
             d["workspace_bytes"] = e.workspace.nbytes
             e.workspace.lock(None if faults.active("no_lock_check") else bound)
         report["workspace_after"] = e.workspace.nbytes
@@ -128,6 +135,7 @@ class Warmup:
         slots_before = self._live_slot_state()
         kv_before = self.live_kv_checksum()
         eplb_before = e.eplb.snapshot()
+        load_before = model.expert_load.clone()
         # The synthetic batch may use only slots that are free on every rank.
         free = torch.tensor([-sched.slots.free], dtype=torch.int64)
         min_free = -int(e.group.all_reduce_max(free)[0]) if e.group else sched.slots.free
@@ -163,7 +171,7 @@ class Warmup:
             "min_free_slots": min_free,
             "slots_restored": self._live_slot_state() == slots_before,
             "live_kv_unchanged": kv_after == kv_before,
-            "eplb_unchanged": e.eplb.snapshot() == eplb_before and not bool(model.expert_load.any()),
+            "eplb_unchanged": e.eplb.snapshot() == eplb_before and torch.equal(model.expert_load, load_before),
             "live_kv_checksum": kv_before,
             "live_kv_after": kv_after,
         }
@@ -182,6 +190,7 @@ class Warmup:
         }
         output = torch.zeros(size, cfg.vocab_size, dtype=model.dtype, device=dev)
         batch = Batch(inputs["token_ids"], inputs["positions"], inputs["req_slots"], inputs["valid"])
-        steps, ns = model.plan(batch, e.group, e.workspace, dense_moe=True, bind_workspace=True)
+        group = e.group if e.capture_reuse is None else e.capture_reuse.handle  # reuse: sized for max DP
+        steps, ns = model.plan(batch, group, e.workspace, dense_moe=True, bind_workspace=True)  # type: ignore[arg-type]
         steps = [*steps, ("compute", lambda: output.copy_(ns["logits"]))]
         e.graphs.capture(size, inputs, output, steps)

@@ -19,10 +19,13 @@ from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.orchestrator import Orchestrator
 from engine_ext.engine.rank_control import RankClient
+from engine_ext.engine.standby_pool import StandbyPool
+from engine_ext.engine.standby_rank import standby_identity
 from engine_ext.protocol import EepError, ExitCode
 from engine_ext.ray import placement
 from engine_ext.ray.names import registry_name
 from engine_ext.ray.rank_actor import RankActor
+from engine_ext.ray.standby import adopt_placement, make_pool
 
 
 class RayRankClient(RankClient):
@@ -33,6 +36,19 @@ class RayRankClient(RankClient):
         self.handle = handle
         self._pid = pid
         self._release = release  # frees the rank's placement group once the rank is gone
+        self._watch: asyncio.Task | None = None
+
+    def watch(self, on_death: Any) -> None:
+        """Call ``on_death(rank, cause)`` the moment the actor dies (its pending ``until_dead`` raises)."""
+        async def wait() -> None:
+            try:
+                await self.handle.until_dead.remote()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - RayActorError: the process is gone
+                on_death(self.rank, f"actor died: {str(e).strip().splitlines()[0][:200]}")
+
+        self._watch = asyncio.ensure_future(wait())
 
     def pid(self) -> int:
         return self._pid
@@ -60,10 +76,12 @@ class RaySpawner:
         self.cfg = cfg
         self.cpus = cpus
         self.gpus = gpus
+        self.on_death: Any = lambda rank, cause: None
         self.spec = spec or placement.PlacementSpec()
         self.rank_nodes: dict[int, placement.Node] = {}
         self._pgs: dict[int, Any] = {}
         self._planned: dict[int, placement.Node] = {}  # the last preflight's node per new rank
+        self.pool: StandbyPool | None = None  # ranks launched ahead (engine_ext/ray/standby.py)
 
     def _held(self) -> Counter[str]:
         return Counter(n.node_id for n in self.rank_nodes.values())
@@ -91,8 +109,11 @@ class RaySpawner:
         if pg is not None:
             placement.release(pg)
 
-    async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> RayRankClient:
-        identity = dp_suffixed(self.cfg.instance_id or self.deployment, rank)
+    async def spawn(self, rank: int, layout: ExpertLayout, joining: bool, standby: int = -1) -> RayRankClient:
+        if joining and standby < 0 and self.pool is not None and (c := await self.pool.take(rank, layout)) is not None:
+            return adopt_placement(self, c, rank)  # type: ignore[arg-type]  # engine_ext/ray/standby.py
+        base = self.cfg.instance_id or self.deployment
+        identity = dp_suffixed(base, rank) if standby < 0 else standby_identity(base, standby)
         device = "cuda" if self.gpus > 0 else "cpu"
         node = self._planned.pop(rank, None)
         if node is None:
@@ -113,7 +134,7 @@ class RaySpawner:
         )
         try:
             handle = actor.remote(self.cfg.to_dict(), self.deployment, self.namespace, rank, layout.to_dict(),
-                                  joining, device, self.spec.ifname)
+                                  joining, device, self.spec.ifname, standby)
         except ValueError as e:  # the name is taken: refuse a duplicate identity (I1)
             self.forget(rank)
             raise EepError(f"identity {identity} is already taken by a live actor: {e}") from None
@@ -123,12 +144,15 @@ class RaySpawner:
             ray.kill(handle, no_restart=True)
             self.forget(rank)
             raise
-        return RayRankClient(rank, handle, pid, release=lambda: self.forget(rank))
+        client = RayRankClient(rank, handle, pid, release=lambda: self.forget(rank))
+        client.watch(lambda r, cause: self.on_death(r, cause))
+        return client
 
 
 class Controller:
     def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
-                 cpus_per_rank: float, gpus_per_rank: float, placement_d: dict[str, Any] | None = None) -> None:
+                 cpus_per_rank: float, gpus_per_rank: float, placement_d: dict[str, Any] | None = None,
+                 on_rank_failure: str = "replace", standby: int = 0) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
@@ -137,8 +161,12 @@ class Controller:
         self.spawner = RaySpawner(deployment, namespace, self.cfg, cpus_per_rank, gpus_per_rank,
                                   placement.PlacementSpec.from_dict(placement_d))
         self.orch = Orchestrator(deployment, self.cfg, self.spawner, max_dp=max_dp,
-                                 emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank)
+                                 emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank,
+                                 on_rank_failure=on_rank_failure)
+        self.spawner.on_death = self._on_death
         self._tasks: dict[str, asyncio.Task] = {}
+        self.spawner.pool = make_pool(self, standby) if standby > 0 else None
+        self._pool_watch: asyncio.Task | None = None
         self.started_at = time.time()
         # Registry recreation: what a new registry must be given back (info, ops, own events).
         self._info: dict[str, Any] = {}
@@ -162,6 +190,8 @@ class Controller:
     def _record_op(self, op: dict[str, Any]) -> None:
         if self._metrics is not None:
             self._metrics.on_operation(op, self.orch.size)
+        if op.get("finished"):  # size, desired size and dead ranks as `eepctl status` shows them
+            self._info_dead()
         try:
             self._handle_registry().record_operation.remote(op)
         except Exception:
@@ -230,10 +260,24 @@ class Controller:
             self._info = {"max_dp": self.orch.max_dp, "config": self.cfg.to_dict()}
         if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch_registry())
+        if self.spawner.pool is not None:
+            await self.set_standby(self.spawner.pool.size)
         return await self.info()
 
+    async def set_standby(self, count: int) -> dict[str, Any]:
+        """``eepctl standby --count``: keep ``count`` ranks launched ahead (0 stops them)."""
+        if self.spawner.pool is None:
+            self.spawner.pool = make_pool(self, count)
+        await self.spawner.pool.resize(count)
+        if self._pool_watch is None:
+            self._pool_watch = asyncio.ensure_future(self.spawner.pool.watch(2.0))
+        return self.spawner.pool.summary()
+
     async def info(self) -> dict[str, Any]:
+        self._info_dead()
         return {"deployment": self.deployment, "dp": self.orch.size, "max_dp": self.orch.max_dp,
+                "desired_dp": self.orch.desired, "on_rank_failure": self.orch.on_rank_failure,
+                "dead": self._dead_shown(),
                 "ranks": {str(r): c.pid() for r, c in self.orch.clients.items()},
                 "running_op": self.orch.busy(),
                 "layout": self.orch.layout.to_dict() if self.orch.layout else None,
@@ -243,11 +287,57 @@ class Controller:
         if self._watchdog is not None:  # `down` kills the registry next: do not bring it back
             self._watchdog.cancel()
             self._watchdog = None
+        if self.spawner.pool is not None:
+            if self._pool_watch is not None:
+                self._pool_watch.cancel()
+            await self.spawner.pool.stop()
         await self.orch.stop()
 
     # ---- serving -------------------------------------------------------------------------------
     def on_results(self, results: list[dict[str, Any]]) -> None:
         self.orch.router.on_results(results)
+
+    def on_tokens(self, tokens: dict[str, list[float]]) -> None:
+        self.orch.router.on_tokens(tokens)
+
+    # ---- self-healing --------------------------------------------------------------------------
+    def _on_death(self, rank: int, cause: str) -> None:
+        self.orch.recovery.on_death(rank, cause)
+        self._info_dead()
+
+    def _info_dead(self) -> None:
+        """The registry's info carries desired size, policy and dead ranks (``eepctl status``)."""
+        extra = {"desired_dp": self.orch.desired, "on_rank_failure": self.orch.on_rank_failure,
+                 "members": list(self.orch.members),
+                 "dead": self._dead_shown()}
+        self._info.update(extra)
+        try:
+            self._handle_registry().set_info.remote(self._info)
+        except Exception:  # noqa: BLE001 - telemetry is best effort
+            pass
+
+    def _dead_shown(self) -> list[dict[str, Any]]:
+        """Dead ranks, shown until replaced (the size is back at the desired one)."""
+        o = self.orch
+        if o.size >= o.desired and o.running_op() is None:
+            return []
+        return list(o.recovery.dead.values())[-8:]
+
+    async def repair(self) -> dict[str, Any]:
+        """Recover what the automatic path could not: dead or unanswering members, then the
+        desired size. Says what it did."""
+        done: list[str] = []
+        await self.orch.recovery.wait()
+        op = await self.orch.recovery.recover()
+        if op:
+            done.append(f"recovered without rank(s) {op.get('dead_ranks')}: {op.get('state')}"
+                        + (f" ({op.get('error')})" if op.get("error") else ""))
+        if self.orch.desired > self.orch.size and not self.orch.busy():
+            res = await self.orch.scale(min(self.orch.desired, self.orch.max_dp))
+            done.append(f"scaled DP {res.get('from_size')} -> {res.get('to_size')}: {res.get('state')}")
+        self._info_dead()
+        return {"deployment": self.deployment, "actions": done or ["nothing to repair"],
+                "dp": self.orch.size, "desired_dp": self.orch.desired}
 
     async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         t0 = time.time()

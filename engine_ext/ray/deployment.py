@@ -57,6 +57,7 @@ def list_deployments(namespace: str) -> list[str]:
 
 def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, max_dp: int, cpus: float,
                       gpus: float, timeout_s: float, placement: dict[str, Any] | None = None,
+                      on_rank_failure: str = "replace", standby: int = 0,
                       ) -> tuple[DeploymentHandles, dict[str, Any]]:
     """Create the registry and the controller (detached, named) and start ``dp`` ranks.
 
@@ -70,11 +71,12 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     registry = ray.remote(Registry).options(name=registry_name(name), namespace=namespace,
                                             lifetime="detached", num_cpus=0).remote(name)
     info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
-            "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}}
+            "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}, "desired_dp": dp,
+            "on_rank_failure": on_rank_failure}
     call(registry.set_info.remote(info))
     controller = ray.remote(Controller).options(
         name=controller_name(name), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
-    ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement)
+    ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby)
     try:
         result = call(controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)
         if isinstance(result, dict) and isinstance(result.get("error"), dict):

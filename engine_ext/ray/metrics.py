@@ -133,6 +133,10 @@ class DeploymentMetrics:
                          tag_keys=("deployment",))
         self._duration = Histogram("eep_transition_seconds", description="Wall time of a scale operation.",
                                    boundaries=PHASE_BOUNDS, tag_keys=("deployment", "state"))
+        self._recovery = Histogram("eep_recovery_seconds", description="From a rank's death to serving again "
+                                   "(a recover operation).", boundaries=PHASE_BOUNDS, tag_keys=("deployment", "state"))
+        self._rerouted = Counter("eep_rerouted_requests_total", description="Requests of dead ranks re-submitted "
+                                 "to survivors.", tag_keys=("deployment",))
 
     def on_operation(self, op: dict[str, Any], dp_size: int) -> None:
         try:
@@ -147,5 +151,11 @@ class DeploymentMetrics:
                                    tags=dict(tags, state=state))
             if op.get("serving_pause_s"):
                 self._pause.observe(float(op["serving_pause_s"]), tags=tags)
+            if op.get("kind") == "recover":
+                detect = float(op.get("phase_durations", {}).get("detect", 0.0))
+                total = float(op["finished"]) - float(op.get("started", op["finished"])) + detect
+                self._recovery.observe(max(0.0, total), tags=dict(tags, state=state))
+                if op.get("rerouted_requests"):
+                    self._rerouted.inc(float(op["rerouted_requests"]), tags=tags)
         except Exception:  # noqa: BLE001
             pass

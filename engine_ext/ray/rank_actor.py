@@ -6,6 +6,7 @@ answered while the rank serves (the actor is threaded).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ from engine_ext.ray.names import controller_name, registry_name
 
 class RankActor:
     def __init__(self, cfg_d: dict[str, Any], deployment: str, namespace: str, rank: int,
-                 layout_d: dict[str, Any], joining: bool, device: str, ifname: str = "") -> None:
+                 layout_d: dict[str, Any], joining: bool, device: str, ifname: str = "", standby: int = -1) -> None:
         from engine_ext.elastic.eplb import ExpertLayout
         from engine_ext.engine.config import EngineConfig
         from engine_ext.engine.rank import RankEngine
@@ -27,6 +28,7 @@ class RankActor:
         self._controller = None
         self._resolve_after = 0.0
         self._registry_id: str | None = None  # the registry actor last reported to
+        self._forever = threading.Event()  # never set: ``until_dead`` returns only by dying
         try:  # Ray metrics (docs/operations.md); best effort, never blocks a rank from starting
             from engine_ext.ray.metrics import RankMetrics
 
@@ -37,6 +39,10 @@ class RankActor:
                                  joining=joining, device=device, sink=self._sink,
                                  node_id=ray.get_runtime_context().get_node_id(),
                                  node_ip=ray.util.get_node_ip_address(), ifname=ifname)
+        if standby >= 0:  # launched ahead for the standby pool (engine_ext/engine/standby_rank.py)
+            from engine_ext.engine.standby_rank import enter_standby
+
+            enter_standby(self.engine, standby)
         self.engine.start_heartbeat()
 
     # ---- telemetry: never blocks the step loop ---------------------------------------------------
@@ -61,9 +67,12 @@ class RankActor:
             elif kind == "event":
                 self._metrics.on_event(payload)
         registry, controller = self._handles()
-        if kind == "results":
+        if kind in ("results", "tokens"):
             if controller is not None:
-                controller.on_results.remote(payload["results"])
+                if kind == "results":
+                    controller.on_results.remote(payload["results"])
+                else:
+                    controller.on_tokens.remote(payload["tokens"])
             return
         if registry is None:  # events stay in the engine's ring and go to the next registry
             return
@@ -98,6 +107,11 @@ class RankActor:
         if method not in RANK_METHODS:
             raise AttributeError(f"rank has no method {method!r}")
         return getattr(self.engine, method)(*args)
+
+    def until_dead(self) -> None:
+        """Never returns: the controller keeps one call pending per rank, and its ObjectRef
+        raises RayActorError the moment this process dies (the Ray death signal)."""
+        self._forever.wait()
 
     def pid(self) -> int:
         import os

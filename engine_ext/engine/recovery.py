@@ -1,0 +1,175 @@
+"""The controller side of self-healing: a rank's death becomes a ``recover`` operation.
+
+A death is reported by the transport that saw it (Ray: the rank actor's ``until_dead`` call
+raised; the launcher: the rank's pipe closed). The router stops sending (requests wait in it),
+the dead rank's requests are queued for re-submission with their tokens so far, and, in single
+flight with scales, the survivors rebuild the world without the dead ranks (a new store if its
+host died), restore the experts, re-warm, capture once and serve. Policy ``replace`` then grows
+back to the desired size through the normal scale-up path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size
+from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
+from engine_ext.protocol import Event, Operation, OpState, to_builtins
+
+if TYPE_CHECKING:
+    from engine_ext.engine.orchestrator import Orchestrator
+
+RANK_RECOVER_TIMEOUT_S = 90.0  # shorter than gloo's 300 s: a stuck recovery fails, it never hangs
+
+
+class Recovery:
+    """Dead ranks, and the recovery operations that replace them."""
+
+    def __init__(self, orch: Orchestrator) -> None:
+        self.orch = orch
+        self.dead: dict[int, dict[str, Any]] = {}  # global rank -> {cause, at}
+        self._task: asyncio.Task | None = None
+        self.recovered = 0
+        self.last_recovery_s = 0.0
+        self.rebuild_reason = ""  # a rebuild is due although no member died (a failed commit)
+        self.untrusted = False
+
+    def on_death(self, rank: int, cause: str) -> None:
+        """A rank's process is gone. Called on the controller's event loop."""
+        o = self.orch
+        if o.stopping or rank in self.dead or rank not in o.members:
+            return  # a joiner of a running scale fails that scale; its rollback cleans up
+        self.dead[rank] = {"rank": rank, "cause": cause, "at": time.time()}
+        o.router.excluded.add(rank)
+        o.router.pause()
+        o.router.reroute({rank})
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    def rebuild(self, reason: str, *, untrusted: bool) -> None:
+        """Rebuild the members' world although none died (a scale failed inside its commit)."""
+        self.rebuild_reason = reason
+        self.untrusted = self.untrusted or untrusted
+        self.orch.router.pause()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        o = self.orch
+        await asyncio.sleep(0.2)  # deaths of one incident arrive together: recover them at once
+        for _ in range(3):
+            if not (any(r in o.members for r in self.dead) or self.rebuild_reason):
+                break
+            if (await self.recover()).get("state") != OpState.SUCCEEDED.value:
+                return  # reported in the operation; `eepctl repair` takes it from here
+        if (o.on_rank_failure == "replace" and not o.stopping and o.desired > len(o.members)
+                and o.router.clients and not o._op_lock.locked()):
+            await o.scale(min(o.desired, o.max_dp))
+
+    async def wait(self) -> None:
+        """Until no recovery (nor the replacement it started) runs."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    def emit(self, op: Operation, phase: str, start: float, end: float, **detail: Any) -> None:
+        o = self.orch
+        op.phase_durations[phase] = round(op.phase_durations.get(phase, 0.0) + end - start, 6)
+        o.emit(to_builtins(Event(op.op_id, -1, phase, start, end, "ok", detail)))
+        o._record(op)
+
+    async def recover(self) -> dict[str, Any]:
+        """One recovery operation, in single flight with scales."""
+        o = self.orch
+        async with o._op_lock:
+            probes = await asyncio.gather(*(_quiet(o.clients[r].status(timeout=3)) for r in o.members
+                                            if r not in self.dead))
+            for r, st in zip([r for r in o.members if r not in self.dead], probes):
+                if not isinstance(st, dict):  # no answer: as good as dead
+                    self.dead.setdefault(r, {"rank": r, "cause": f"did not answer: {st}", "at": time.time()})
+            dead = [r for r in o.members if r in self.dead]
+            if not dead and not self.rebuild_reason:
+                return {}
+            survivors = [r for r in o.members if r not in self.dead]
+            first_death = min([self.dead[r]["at"] for r in dead] or [time.time()])
+            untrusted = tuple(survivors) if self.untrusted else ()
+            self.rebuild_reason, self.untrusted = "", False
+            op = Operation(new_op_id(), o.name, len(o.members), len(survivors), kind="recover",
+                           dead_ranks=dead)
+            op.rerouted_requests = o.router.rerouted
+            o.op = op
+            self.emit(op, "detect", first_death, time.time(), dead=dead,
+                      causes={str(r): self.dead[r]["cause"] for r in dead})
+            try:
+                await asyncio.wait_for(self._rebuild(op, survivors, untrusted), RANK_RECOVER_TIMEOUT_S + 30)
+                op.state = OpState.SUCCEEDED.value
+                self.recovered += 1
+                self.last_recovery_s = time.time() - first_death
+            except Exception as e:  # noqa: BLE001 - reported in the operation record
+                op.state, op.error_code = OpState.FAILED.value, 5
+                op.error = f"recovery failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+                # No healthy world: requests fail now rather than wait (the survivors' own too).
+                o.router.fail_parked(f"no healthy rank: {op.error}")
+                o.router.fail_all(set(o.members), f"no healthy rank: {op.error}")
+                o.router.paused = False
+            finally:
+                op.finished = time.time()
+                o._record(op)
+            return to_builtins(op)
+
+    async def _rebuild(self, op: Operation, survivors: list[int], untrusted: tuple[int, ...]) -> None:
+        o = self.orch
+        assert o.layout is not None
+        need = min_world_size(o.cfg.num_experts, o.cfg.slots_per_rank)
+        if len(survivors) < need:
+            raise RuntimeError(f"{len(survivors)} surviving rank(s) cannot hold {o.cfg.num_experts} experts "
+                               f"({need} needed); `eepctl repair` or `eepctl up` again")
+        old_members = list(o.members)
+        for r in op.dead_ranks:
+            await _quiet(o.clients[r].kill())
+        if o.store_host in op.dead_ranks:  # the store died with its host: a survivor hosts a new one
+            t = time.time()
+            o.store = await o.clients[survivors[0]].host_store(timeout=30)
+            o.store_host = survivors[0]
+            self.emit(op, "regroup", t, time.time(), new_store_host=survivors[0])
+        old = o.layout
+        kept = tuple(e for r in survivors for e in old.local_logical(old_members.index(r)))
+        previous = ExpertLayout(old.num_logical, old.slots_per_rank, len(survivors), kept)
+        new_layout = build_layout(old.num_logical, old.slots_per_rank, len(survivors), None, previous)
+        plan = TransitionPlan(op_id=op.op_id, kind="recover", old_size=len(old_members), new_size=len(survivors),
+                              rdzv=o._rdzv(op.op_id), old_layout=old, new_layout=new_layout,
+                              timeout_s=RANK_RECOVER_TIMEOUT_S, old_members=tuple(old_members),
+                              new_members=tuple(survivors), untrusted=untrusted)
+        op.plan = {"members": survivors, "dead": op.dead_ranks, "layout": new_layout.to_dict()}
+        t = time.time()
+        clients = {r: o.clients[r] for r in survivors}
+        results = await o._all(clients, "recover", lambda c: c.recover(plan, timeout=RANK_RECOVER_TIMEOUT_S))
+        end = time.time()
+        restored: set[int] = set()
+        for r, res in results.items():
+            op.captures_per_rank[str(r)] = int(res.get("captures_this_op", 0))
+            op.workspace_after[str(r)] = int(res.get("workspace_after", 0))
+            op.serving_pause_s = max(op.serving_pause_s, float(res.get("pause_s", 0.0)))
+            restored.update(res.get("restored_from_weight_source", []))
+        spans = [res.get("phase_s", {}) for res in results.values()]
+        for name in ("abort", "regroup", "restore_experts", "warm+capture"):
+            op.phase_durations[name] = round(max((s.get(name, 0.0) for s in spans), default=0.0), 6)
+        self.emit(op, "rebuild", t, end, restored_from_weight_source=sorted(restored))
+        o.clients = clients
+        o.members = list(survivors)
+        o.layout = new_layout
+        for r in op.dead_ranks:
+            o.forget_rank(r)
+        t = time.time()
+        o.router.set_ranks(clients)
+        op.rerouted_requests = o.router.rerouted
+        await o.router.resume()
+        self.emit(op, "resume", t, time.time(), rerouted=o.router.rerouted)
+
+
+async def _quiet(aw: Any) -> Any:
+    try:
+        return await aw
+    except Exception as e:  # noqa: BLE001 - best effort (probes, cleanup)
+        return e

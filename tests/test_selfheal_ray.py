@@ -1,0 +1,266 @@
+"""Self-healing on a real local Ray cluster (issue 10): a rank's process is SIGKILLed by its pid
+under open-loop load; the deployment recovers without it (and grows back under ``replace``),
+no request fails, every output equals the oracle's, and status/events show what happened.
+
+Each test brings its deployment down by name (the ``deployments`` fixture); the only processes
+killed are rank processes of the test's own deployment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from tests.helpers import (
+    NAMESPACE,
+    SMALL_ENGINE,
+    check_load,
+    eepctl,
+    eepctl_json,
+    events,
+    last_json,
+    oracle,
+    scale_json,
+    status,
+    up_cli,
+    wait_for,
+    wait_serving_load,
+)
+
+pytestmark = pytest.mark.ray
+
+
+def _serving(name: str, n: int, timeout: float = 60.0) -> dict[str, Any]:
+    """Status once ``n`` ranks serve at DP ``n`` and no operation runs."""
+    def ok() -> dict[str, Any] | None:
+        res = eepctl("status", "--name", name, "-o", "json", timeout=60)
+        if res.returncode == 3:  # the registry is being recreated (it was killed): ask again
+            return None
+        assert res.returncode == 0, res.stderr
+        s = last_json(res.stdout)
+        live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed")]
+        if (len(live) == n and all(r["state"] == "serving" and r["dp_size"] == n for r in live)
+                and not s.get("operation")):
+            return s
+        return None
+
+    return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: {n} ranks serving")
+
+
+def _recover_ops(name: str) -> list[dict[str, Any]]:
+    return [o for o in events(name)["operations"] if o.get("kind") == "recover"]
+
+
+def _kill(snap: dict[str, Any], rank: int) -> int:
+    pid = int(next(r for r in snap["ranks"] if r["rank"] == rank)["pid"])
+    os.kill(pid, signal.SIGKILL)  # the rank actor's process of this test's own deployment
+    return pid
+
+
+@pytest.mark.timeout(300)
+def test_serving_rank_killed_under_load_shrinks_and_serves(deployments):
+    d = deployments("heal-shrink")
+    up_cli(d, 3, 4, "--slots-per-rank", "6", "--on-rank-failure", "shrink")
+    snap = _serving(d.name, 3)
+    cfg_d = snap["info"]["config"]
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "12", "--max-tokens", "16", "-o", "json")
+    wait_serving_load(d.name)
+    _kill(snap, 1)
+    t_kill = time.time()
+    after = _serving(d.name, 2)
+    served_again_s = time.time() - t_kill
+    out, err = load.communicate(timeout=120)
+    assert load.returncode == 0, err
+    res = last_json(out)
+    assert res["failed"] == 0, [r["error"] for r in res["records"] if r["error"]][:5]
+    for rec in res["records"]:
+        assert rec["output"] == oracle(cfg_d, res["prompts"][rec["prompt_index"]], 16), rec
+
+    assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 2]  # identities kept (I1)
+    text = eepctl("status", "--name", d.name, timeout=60).stdout
+    assert "DP 2 of desired 3" in text and "rank 1 dead" in text, text
+    ops = _recover_ops(d.name)
+    assert len(ops) == 1 and ops[0]["state"] == "succeeded" and ops[0]["dead_ranks"] == [1], ops
+    for phase in ("detect", "abort", "regroup", "restore_experts", "warm+capture", "resume"):
+        assert phase in ops[0]["phase_durations"], ops[0]["phase_durations"]
+    assert set(ops[0]["captures_per_rank"].values()) == {1}, ops[0]  # I4
+    print(f"\n[heal-shrink] serving at DP 2 {served_again_s:.1f}s after SIGKILL; "
+          f"recovery phases {ops[0]['phase_durations']}; load {res['sent']} sent, 0 failed")
+
+    # After recovery a normal scale up and down works and status is clean.
+    assert scale_json(d.name, 3)["state"] == "succeeded"
+    clean = _serving(d.name, 3)
+    assert not clean.get("violations"), clean["violations"]
+    assert sorted(r["rank"] for r in clean["ranks"] if r["state"] == "serving") == [0, 2, 3]
+    assert scale_json(d.name, 2)["state"] == "succeeded"
+    gen = eepctl_json("generate", "--name", d.name, timeout=90)
+    for r in gen["results"]:
+        assert r["error"] is None and r["output"] == oracle(cfg_d, r["prompt"]), r
+    assert not status(d.name).get("violations")
+
+
+@pytest.mark.timeout(300)
+def test_store_host_killed_replace_restores_lost_experts_and_grows_back(deployments):
+    """Rank 0 hosts the store: a survivor hosts a new one. 16 experts at 6 slots per rank: an
+    expert that lived only on the dead rank is restored from the weight source. ``replace``
+    grows back to the desired DP 4."""
+    d = deployments("heal-replace")
+    up_cli(d, 4, 5, "--experts", "16", "--slots-per-rank", "6")
+    snap = _serving(d.name, 4)
+    cfg_d = snap["info"]["config"]
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "10", "-o", "json")
+    wait_serving_load(d.name)
+    _kill(snap, 0)
+    after = _serving(d.name, 4, timeout=120)
+    out, err = load.communicate(timeout=120)
+    assert load.returncode == 0, err
+    check_load(last_json(out), cfg_d)
+    assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [1, 2, 3, 4]
+    ops = _recover_ops(d.name)
+    assert ops and ops[-1]["state"] == "succeeded" and ops[-1]["dead_ranks"] == [0], ops
+    rebuild = [e for e in events(d.name, ops[-1]["op_id"])["events"] if e["phase"] == "rebuild"]
+    assert rebuild and rebuild[-1]["detail"]["restored_from_weight_source"], rebuild
+    assert "dead" not in eepctl("status", "--name", d.name, timeout=60).stdout  # replaced
+
+
+@pytest.mark.timeout(300)
+def test_rank_killed_while_held_in_commit_recovers_consistent_world(deployments):
+    from eepctl import core
+
+    d = deployments("heal-commit")
+    engine = dict(SMALL_ENGINE, faults=["hold:commit@1"], fault_delay_s=8.0)
+    core.up(core.Target(name=d.name, namespace=NAMESPACE), dp=2, max_dp=4, engine=engine, cpus_per_rank=1.0,
+            gpus_per_rank=0.0, timeout_s=300, on_rank_failure="shrink")
+    snap = _serving(d.name, 2)
+    cfg_d = snap["info"]["config"]
+    scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
+    wait_for(lambda: any(r["rank"] == 1 and "held in commit" in (r.get("state_reason") or "")
+                         for r in status(d.name)["ranks"]), timeout=90, interval=0.3, what="rank 1 held in commit")
+    _kill(snap, 1)
+    scale.communicate(timeout=120)
+    assert scale.returncode != 0  # the scale failed in commit ...
+    _serving(d.name, 1, timeout=120)  # ... and the members' world was rebuilt without rank 1
+    ops = _recover_ops(d.name)
+    assert ops and ops[-1]["state"] == "succeeded", ops
+    gen = eepctl_json("generate", "--name", d.name, timeout=90)
+    for r in gen["results"]:
+        assert r["error"] is None and r["output"] == oracle(cfg_d, r["prompt"]), r
+    assert scale_json(d.name, 2)["state"] == "succeeded"
+
+
+@pytest.mark.timeout(300)
+def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, ray_cluster):
+    import ray
+
+    from eepctl import cluster
+    from engine_ext.ray.names import registry_name
+
+    d = deployments("heal-registry")
+    up_cli(d, 3, 4, "--slots-per-rank", "6")
+    snap = _serving(d.name, 3)
+    cfg_d = snap["info"]["config"]
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "10", "-o", "json")
+    wait_serving_load(d.name)
+    cluster.connect(ray_cluster["address"], NAMESPACE)
+    ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
+    _kill(snap, 2)
+    after = _serving(d.name, 3, timeout=120)  # policy replace: back at the desired DP 3
+    out, err = load.communicate(timeout=120)
+    assert load.returncode == 0, err
+    check_load(last_json(out), cfg_d)
+    assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1, 2]  # the dead rank's number, free again
+    assert wait_for(lambda: _recover_ops(d.name), timeout=20, what="the recover operation in the new registry")
+    rep = eepctl("repair", "--name", d.name, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert "repair: nothing to repair" in rep.stdout, rep.stdout
+
+
+def _up_with_fault(name: str, fault: str, delay_s: float) -> dict[str, Any]:
+    """``up --dp 2 --on-rank-failure shrink`` with one hold fault; status once both ranks serve."""
+    from eepctl import core
+
+    engine = dict(SMALL_ENGINE, faults=[fault], fault_delay_s=delay_s)
+    core.up(core.Target(name=name, namespace=NAMESPACE), dp=2, max_dp=4, engine=engine, cpus_per_rank=1.0,
+            gpus_per_rank=0.0, timeout_s=300, on_rank_failure="shrink")
+    return _serving(name, 2)
+
+
+def _held(name: str, rank: int, phase: str) -> dict[str, Any]:
+    """Status once ``rank`` says it is held in ``phase`` (its pid is then listed)."""
+    def ok() -> dict[str, Any] | None:
+        s = status(name)
+        hit = any(r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "") and r.get("pid")
+                  for r in s["ranks"])
+        return s if hit else None
+
+    return wait_for(ok, timeout=90, interval=0.3, what=f"rank {rank} held in {phase}")
+
+
+@pytest.mark.timeout(180)
+def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
+    """The joining rank dies before it joins the world: the scale is rolled back (exit 5), the
+    old world keeps serving the open-loop load, and a later scale to 3 succeeds."""
+    d = deployments("heal-joiner")
+    snap = _up_with_fault(d.name, "hold:launch@2", 8.0)
+    cfg_d = snap["info"]["config"]
+    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "10", "--max-tokens", "16", "-o", "json")
+    wait_serving_load(d.name)
+    scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
+    held = _held(d.name, 2, "launch")
+    _kill(held, 2)
+    out_s, err_s = scale.communicate(timeout=120)
+    assert scale.returncode == 5, (scale.returncode, out_s, err_s[-2000:])
+    scales = [o for o in events(d.name)["operations"] if o.get("kind") == "scale"]
+    assert scales and scales[-1]["state"] == "rolled_back" and scales[-1]["error_code"] == 5, scales
+    after = _serving(d.name, 2)
+    assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1]
+    out, err = load.communicate(timeout=120)
+    assert load.returncode == 0, err
+    res = last_json(out)
+    assert res["failed"] == 0, [r["error"] for r in res["records"] if r["error"]][:5]
+    for rec in res["records"]:
+        assert rec["output"] == oracle(cfg_d, res["prompts"][rec["prompt_index"]], 16), rec
+    # The fault holds rank 2 once more (the new joiner), without a kill the scale just takes longer.
+    assert scale_json(d.name, 3)["state"] == "succeeded"
+    clean = _serving(d.name, 3)
+    assert not clean.get("violations"), clean["violations"]
+
+
+@pytest.mark.timeout(240)
+def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
+    """Rank 1 dies while held in warm of a 2->3 scale (before its commit): the scale fails,
+    ``recover`` (policy shrink) rebuilds the old world without it at DP 1 (the uncommitted joiner is
+    dropped), the load loses nothing, status is clean, and a scale back to 2 works."""
+    d = deployments("heal-warm")
+    snap = _up_with_fault(d.name, "hold:warm@1", 8.0)
+    cfg_d = snap["info"]["config"]
+    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "14", "--max-tokens", "16", "-o", "json")
+    wait_serving_load(d.name)
+    scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
+    held = _held(d.name, 1, "warm")
+    _kill(held, 1)
+    out_s, err_s = scale.communicate(timeout=120)
+    assert scale.returncode == 5, out_s  # the scale failed in its commit ...
+    scales = [o for o in events(d.name)["operations"] if o.get("kind") == "scale"]
+    assert scales and scales[-1]["state"] == "failed", scales
+    # ... (on Ray, warm runs before commit) and the old world was rebuilt without rank 1; the joiner
+    # never joined, so the survivor set is {0}: DP 1.
+    after = _serving(d.name, 1, timeout=120)
+    assert [r["rank"] for r in after["ranks"] if r["state"] == "serving"] == [0]
+    out, err = load.communicate(timeout=120)
+    assert load.returncode == 0, err
+    res = last_json(out)
+    assert res["failed"] == 0, [r["error"] for r in res["records"] if r["error"]][:5]
+    for rec in res["records"]:
+        assert rec["output"] == oracle(cfg_d, res["prompts"][rec["prompt_index"]], 16), rec
+    ops = _recover_ops(d.name)
+    assert ops and ops[-1]["state"] == "succeeded" and ops[-1]["dead_ranks"] == [1], ops
+    text = eepctl("status", "--name", d.name, timeout=60).stdout
+    assert "DP 1 of desired" in text and "rank 1 dead" in text, text
+    assert not status(d.name).get("violations")
+    assert scale_json(d.name, 2)["state"] == "succeeded"
+    assert not _serving(d.name, 2).get("violations")
