@@ -40,3 +40,44 @@ def test_scale_up_adopts_the_standby_actor_and_the_pool_refills(deployments):
     pool = eepctl_json("standby", "--count", "0", "--name", d.name, timeout=120)
     assert pool["ready"] == [] and pool["taken"] == 1
     wait_for(lambda: not _standbys(d.name), 30, what="the standby stopped")
+
+
+@pytest.mark.timeout(300)
+def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
+    """Issue 13 point 1 with issue 10's `replace`: a serving rank SIGKILLed under load; after the
+    recovery the growth back to the desired DP adopts the standby (its process, no launch), the
+    load loses nothing, and the pool refills."""
+    import os
+    import signal
+
+    from tests.helpers import check_load, events, wait_serving_load
+
+    d: Deployment = deployments("sbheal")
+    up_cli(d, 3, 4, "--slots-per-rank", "6", "--standby", "1")  # policy replace is the default
+    spare = wait_for(lambda: _standbys(d.name), 60, what="a standby rank")[0]
+    snap = status(d.name)
+    cfg_d = snap["info"]["config"]
+    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "10", "-o", "json")
+    wait_serving_load(d.name)
+    victim = next(r for r in snap["ranks"] if r["rank"] == 1)
+    os.kill(int(victim["pid"]), signal.SIGKILL)  # this test's own deployment's rank process
+
+    def grown_back() -> dict | None:
+        s = status(d.name)
+        live = {r["rank"]: r for r in s["ranks"] if r["state"] == "serving" and r["dp_size"] == 3}
+        return s if len(live) == 3 and not s.get("operation") else None
+
+    after = wait_for(grown_back, 120, interval=0.5, what="DP 3 again")
+    out, err = load.communicate(timeout=120)
+    assert load.returncode == 0, err
+    check_load(last_json(out), cfg_d)
+    serving = {r["rank"]: r for r in after["ranks"] if r["state"] == "serving"}
+    assert sorted(serving) == [0, 2, 3], serving  # survivors keep their numbers; the joiner is next after them
+    assert serving[3]["pid"] == spare["pid"] and serving[3]["instance_id"] == f"{d.name}_dp3", serving[3]
+    ops = events(d.name)["operations"]
+    kinds = [o.get("kind") for o in ops]
+    assert kinds[-2:] == ["recover", "scale"], kinds
+    grow = ops[-1]
+    assert grow["state"] == "succeeded" and grow["phase_durations"]["launch"] < 1.0, grow["phase_durations"]
+    assert [j.get("from_standby") for j in grow["plan"]["joining"]] == [spare["instance_id"]], grow["plan"]
+    wait_for(lambda: _standbys(d.name), 90, what="the pool refilled")

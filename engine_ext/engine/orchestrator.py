@@ -191,7 +191,7 @@ class Orchestrator:
         busy = self.busy()
         if busy is not None:
             raise PreconditionError(f"a scale is already running: {busy}; one at a time")
-        self.desired = target
+        desired_before, self.desired = self.desired, target
         async with self._op_lock:
             plan = await self.plan(target, op_id)
             op = Operation(plan.op_id, self.name, plan.from_size, plan.to_size, plan=plan.to_dict())
@@ -221,6 +221,10 @@ class Orchestrator:
                 await self._recover(op)
             finally:
                 op.finished = time.time()
+                if op.state != OpState.SUCCEEDED.value:
+                    # A failed scale leaves the desired size as it was: policy `replace` must not
+                    # retry, after the recovery, a size that has just failed.
+                    self.desired = desired_before
                 self._record(op)
             return to_builtins(op)
 

@@ -59,14 +59,17 @@ class Recovery:
     async def _run(self) -> None:
         o = self.orch
         await asyncio.sleep(0.2)  # deaths of one incident arrive together: recover them at once
-        for _ in range(3):
-            if not (any(r in o.members for r in self.dead) or self.rebuild_reason):
-                break
-            if (await self.recover()).get("state") != OpState.SUCCEEDED.value:
-                return  # reported in the operation; `eepctl repair` takes it from here
-        if (o.on_rank_failure == "replace" and not o.stopping and o.desired > len(o.members)
-                and o.router.clients and not o._op_lock.locked()):
-            await o.scale(min(o.desired, o.max_dp))
+        replaced = False
+        for _ in range(4):
+            if any(r in o.members for r in self.dead) or self.rebuild_reason:
+                if (await self.recover()).get("state") != OpState.SUCCEEDED.value:
+                    return  # reported in the operation; `eepctl repair` takes it from here
+            elif (not replaced and o.on_rank_failure == "replace" and not o.stopping
+                  and o.desired > len(o.members) and o.router.clients and not o._op_lock.locked()):
+                replaced = True  # once per incident: a replacement that fails is not retried in a loop
+                await o.scale(min(o.desired, o.max_dp))  # a failure in its commit asks for one more rebuild
+            else:
+                return
 
     async def wait(self) -> None:
         """Until no recovery (nor the replacement it started) runs."""
@@ -112,6 +115,9 @@ class Recovery:
                 # No healthy world: requests fail now rather than wait (the survivors' own too).
                 o.router.fail_parked(f"no healthy rank: {op.error}")
                 o.router.fail_all(set(o.members), f"no healthy rank: {op.error}")
+                # Requests that arrive now fail at once, with why, instead of waiting for a recovery
+                # that is not coming (`eepctl repair` runs one).
+                o.router.unhealthy = f"no healthy rank ({op.op_id} failed; `eepctl repair`)"
                 o.router.paused = False
             finally:
                 op.finished = time.time()

@@ -32,6 +32,7 @@ class Router:
         self._wires: dict[str, dict[str, Any]] = {}  # unanswered requests, with tokens so far
         self.paused = False
         self._parked: list[dict[str, Any]] = []
+        self.unhealthy: str | None = None  # why no rank can serve (a recovery failed), until one succeeds
 
     def set_ranks(self, clients: dict[int, RankClient]) -> None:
         self.clients = dict(clients)
@@ -63,12 +64,14 @@ class Router:
         while True:
             rank = self._pick(set(refused))
             if rank is None:
-                if any("degraded" in m for m in refused.values()):
-                    # A peer died and the survivors saw it before the controller did: the recovery
-                    # that follows the death resumes parked requests.
+                if self.unhealthy is None and (self.paused or _recovery_coming(refused.values())):
+                    # A peer died and the survivors saw it before the controller did, or they are
+                    # rebuilding: the recovery that follows resumes parked requests.
                     self._parked.append(wire)
                     return
                 reasons = "; ".join(f"rank {r}: {m}" for r, m in refused.items()) or "no rank is accepting requests"
+                if self.unhealthy is not None:
+                    reasons = f"{self.unhealthy}; {reasons}"
                 self._resolve(dict(wire, rank=-1, error=f"no rank accepted the request ({reasons})"))
                 return
             self._owner[wire["request_id"]] = rank
@@ -120,7 +123,7 @@ class Router:
         self.paused = True
 
     async def resume(self) -> None:
-        self.paused = False
+        self.paused, self.unhealthy = False, None
         parked, self._parked = self._parked, []
         for wire in parked:
             await self._send(wire)
@@ -150,3 +153,8 @@ class Router:
         for rid, rank in list(self._owner.items()):
             if rank in ranks:
                 self._resolve({"request_id": rid, "rank": rank, "error": reason})
+
+
+def _recovery_coming(refusals: Any) -> bool:
+    """A rank refused because it is degraded (a peer died) or recovering: a recovery resumes it."""
+    return any(f"is {state} and takes no requests" in m for m in refusals for state in ("degraded", "recovering"))

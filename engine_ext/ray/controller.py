@@ -219,6 +219,7 @@ class Controller:
         many ranks to expect (it says it is rebuilding until they report), and give it back the
         deployment info, the operation history and the controller's own events; the ranks
         re-send theirs when they see a new registry (RankActor._sink)."""
+        from engine_ext.ray.placement import on_this_node
         from engine_ext.ray.registry import Registry
 
         name = registry_name(self.deployment)
@@ -231,7 +232,7 @@ class Controller:
                 pass
             try:
                 reg = ray.remote(Registry).options(name=name, namespace=self.namespace, lifetime="detached",
-                                                   num_cpus=0).remote(self.deployment,
+                                                   num_cpus=0, scheduling_strategy=on_this_node()).remote(self.deployment,
                                                                       expected_ranks=len(self.orch.clients))
             except ValueError:  # the old name is not released yet, or someone else recreated it
                 continue
@@ -309,7 +310,7 @@ class Controller:
         """The registry's info carries desired size, policy and dead ranks (``eepctl status``)."""
         extra = {"desired_dp": self.orch.desired, "on_rank_failure": self.orch.on_rank_failure,
                  "members": list(self.orch.members),
-                 "dead": self._dead_shown()}
+                 "dead": self._dead_shown(), "control_node": _this_node()}
         self._info.update(extra)
         try:
             self._handle_registry().set_info.remote(self._info)
@@ -407,3 +408,10 @@ def _error(e: EepError) -> dict[str, Any]:
 
 def _error_code(code: ExitCode, message: str) -> dict[str, Any]:
     return {"error": {"code": int(code), "message": message, "detail": {}}}
+
+
+def _this_node() -> dict[str, str]:
+    """The node the control plane runs on (losing it loses the deployment, as losing Ray's head does)."""
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}

@@ -66,16 +66,18 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     import ray
 
     from engine_ext.ray.controller import Controller
+    from engine_ext.ray.placement import on_this_node
     from engine_ext.ray.registry import Registry
 
-    registry = ray.remote(Registry).options(name=registry_name(name), namespace=namespace,
-                                            lifetime="detached", num_cpus=0).remote(name)
+    registry = ray.remote(Registry).options(name=registry_name(name), namespace=namespace, lifetime="detached",
+                                            num_cpus=0, scheduling_strategy=on_this_node()).remote(name)
     info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
             "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}, "desired_dp": dp,
             "on_rank_failure": on_rank_failure}
     call(registry.set_info.remote(info))
     controller = ray.remote(Controller).options(
         name=controller_name(name), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
+        scheduling_strategy=on_this_node(),
     ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby)
     try:
         result = call(controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)

@@ -148,6 +148,16 @@ def scheduling(pg: Any) -> Any:
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
 
 
+def on_this_node() -> Any:
+    """Pin an actor to the node of the calling process. The control plane (registry, controller)
+    lives where `eepctl up` ran, normally the head node: left to Ray, a zero-CPU actor may land on
+    a worker node and die with it, and then nothing is left to heal the ranks."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def release(pg: Any) -> None:
     from ray.util.placement_group import remove_placement_group
 
