@@ -45,3 +45,58 @@ def test_cuda_graphs_release_and_single_recapture() -> None:
             assert dep.registry.violations() == []
 
     run(scenario(), 280)
+
+
+@pytest.mark.timeout(300)
+def test_cuda_reuse_switches_worlds_without_capturing_on_survivors() -> None:
+    """``reuse`` on real CUDA graphs: captured once for max DP 3, the 2->3->2 transitions make no
+    capture pass on the survivors, replays continue, and every output is the oracle's."""
+    cfg = EngineConfig(dtype="float64", slots_per_rank=8, capture_sizes=[1, 2, 4], capture_policy="reuse")
+    ref = [r["output"] for r in reference_generate(cfg, PROMPTS, 8)]
+
+    async def scenario() -> None:
+        async with LocalDeployment(cfg, "cuda-reuse", device="cuda", max_dp=3) as dep:
+            await dep.start(2)
+            for target, joiners in ((3, {"2"}), (2, set())):
+                inflight = [asyncio.ensure_future(dep.generate(p, 8)) for p in PROMPTS]
+                op = await dep.scale(target)
+                assert op["state"] == "succeeded", op
+                assert {r for r, n in op["captures_per_rank"].items() if n} == joiners, op["captures_per_rank"]
+                assert [o["output"] for o in await asyncio.gather(*inflight)] == ref
+                outs = await asyncio.gather(*(dep.generate(p, 8) for p in PROMPTS))
+                assert [o["output"] for o in outs] == ref
+            views = dep.registry.rank_views()
+            assert {v["graph_kind"] for v in views} == {"cuda"} and all(v["graph_replays"] > 0 for v in views)
+            assert dep.registry.violations() == []
+
+    run(scenario(), 280)
+
+
+@pytest.mark.timeout(300)
+def test_cuda_rank_sigkill_recovers_with_one_capture_and_oracle_outputs() -> None:
+    """Self-healing on the device: a serving rank SIGKILLed under load; the survivors release,
+    re-warm and capture once on the GPU, and no request is lost or changed."""
+    import os
+    import signal
+
+    cfg = EngineConfig(dtype="float64", slots_per_rank=8, capture_sizes=[1, 2, 4])
+    ref = {tuple(p): r["output"] for p, r in zip(PROMPTS, reference_generate(cfg, PROMPTS, 8))}
+
+    async def scenario() -> None:
+        async with LocalDeployment(cfg, "cuda-heal", device="cuda", max_dp=3, on_rank_failure="shrink") as dep:
+            await dep.start(3)
+            inflight = [asyncio.ensure_future(dep.generate(p, 8)) for p in PROMPTS * 3]
+            await asyncio.sleep(0.05)
+            os.kill(dep.processes[1].pid(), signal.SIGKILL)  # this test's own rank process
+            outs = await asyncio.wait_for(asyncio.gather(*inflight), 120)
+            assert [o.get("error") for o in outs if o.get("error")] == []
+            assert [o["output"] for o in outs] == [ref[tuple(p)] for p in PROMPTS * 3]
+            await dep.orch.recovery.wait()
+            op = next(o for o in reversed(dep.orch.history) if o.get("kind") == "recover")
+            assert op["state"] == "succeeded" and op["dead_ranks"] == [1], op
+            assert op["captures_per_rank"] == {"0": 1, "2": 1}, op["captures_per_rank"]
+            views = [v for v in dep.registry.rank_views() if v["rank"] in (0, 2)]
+            assert {v["graph_kind"] for v in views} == {"cuda"}
+            assert dep.registry.violations() == []
+
+    run(scenario(), 280)

@@ -394,7 +394,7 @@ class Orchestrator:
         if bad:
             raise PreconditionError(
                 f"cannot scale {self.name!r}: {'; '.join(bad)}; a transition needs every current rank. "
-                f"Recreate the deployment: `eepctl down --name {self.name}` then `eepctl up --name {self.name}`",
+                f"`eepctl repair --name {self.name}` rebuilds the world without it",
                 detail={"bad_ranks": bad})
 
     # ---- stop --------------------------------------------------------------------------------

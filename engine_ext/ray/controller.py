@@ -21,7 +21,7 @@ from engine_ext.engine.orchestrator import Orchestrator
 from engine_ext.engine.rank_control import RankClient
 from engine_ext.engine.standby_pool import StandbyPool
 from engine_ext.engine.standby_rank import standby_identity
-from engine_ext.protocol import EepError, ExitCode
+from engine_ext.protocol import EepError, ExitCode, OpState
 from engine_ext.ray import placement
 from engine_ext.ray.names import registry_name
 from engine_ext.ray.rank_actor import RankActor
@@ -365,6 +365,12 @@ class Controller:
         busy = self.orch.busy()
         if busy is not None:
             return _error_code(ExitCode.PRECONDITION, f"a scale is already running: {busy}; one at a time")
+        await self.orch.recovery.wait()  # a recovery under way finishes first (single flight)
+        if any(r in self.orch.recovery.dead for r in self.orch.members):
+            healed = await self.orch.recovery.recover()  # `scale` on a degraded deployment heals it first
+            if healed.get("state") not in (None, OpState.SUCCEEDED.value):
+                return _error_code(ExitCode.PRECONDITION, f"cannot scale {self.deployment!r}: its recovery "
+                                   f"{healed.get('op_id')} failed ({healed.get('error')}); see `eepctl events`")
         try:
             self.orch.check_target(target)
             if target != self.orch.size:
