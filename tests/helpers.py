@@ -150,10 +150,19 @@ def oracle(cfg_d: dict[str, Any], prompt: list[int], max_tokens: int = MAX_TOKEN
     return _ORACLE[key]
 
 
-def check_load(load: dict[str, Any], cfg_d: dict[str, Any]) -> None:
+def check_load(load: dict[str, Any], cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS) -> None:
     """No request failed and every output equals the oracle's."""
     assert load["failed"] == 0, [r["error"] for r in load["records"] if r["error"]][:5]
     assert load["sent"] == load["completed"] == len(load["records"]), load
     for i, rec in enumerate(load["records"]):
-        want = oracle(cfg_d, load["prompts"][rec["prompt_index"]])
+        want = oracle(cfg_d, load["prompts"][rec["prompt_index"]], max_tokens)
         assert rec["output"] == want, f"record {i} prompt {rec['prompt_index']}: {rec['output']} != oracle {want}"
+
+
+def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """Wait for an `eepctl generate --rate` process; it exited 0, lost nothing, matched the oracle."""
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, f"load exited {proc.returncode}: {err[-2000:]}"
+    res = last_json(out)
+    check_load(res, cfg_d, max_tokens)
+    return res

@@ -19,7 +19,7 @@ import pytest
 
 from engine_ext.ray.placement import Node, PlacementError, choose_nodes
 from tests import multinode
-from tests.helpers import check_load, eepctl, eepctl_json, last_json, owned_deployments, serving_view, status, wait_for
+from tests.helpers import check_load, eepctl, eepctl_json, finish_load, last_json, owned_deployments, serving_view, status, wait_for
 
 A, B, C = (Node("a" * 8, "10.0.0.1", 4, 0), Node("b" * 8, "10.0.0.2", 4, 0), Node("c" * 8, "10.0.0.3", 1, 0))
 
@@ -205,9 +205,7 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
         raise AssertionError(f"{e}; {len(unavailable)}/{len(seen)} status calls failed, last: {unavailable[-1:]}") from e
     print(f"\n[node-loss] status failed {len(unavailable)} time(s) before recovery: {unavailable[:1]}")
     assert not after.get("violations"), after["violations"]
-    out, err = load.communicate(timeout=120)
-    assert load.returncode == 0, f"load exited {load.returncode}: {err[-2000:]} {out[-3000:]}"
-    check_load(last_json(out), cfg_d)
+    finish_load(load, cfg_d)
     text = eepctl("status", "--name", d.name, timeout=60).stdout
     assert "DP 1 of desired 2" in text and f"rank {lost_rank} dead: " in text, text
     assert f"rank {lost_rank} dead: unknown cause" not in text, text

@@ -18,8 +18,8 @@ import pytest
 from tests.helpers import (
     NAMESPACE,
     SMALL_ENGINE,
-    check_load,
     eepctl,
+    finish_load,
     eepctl_json,
     events,
     last_json,
@@ -73,12 +73,7 @@ def test_serving_rank_killed_under_load_shrinks_and_serves(deployments):
     t_kill = time.time()
     after = _serving(d.name, 2)
     served_again_s = time.time() - t_kill
-    out, err = load.communicate(timeout=120)
-    assert load.returncode == 0, err
-    res = last_json(out)
-    assert res["failed"] == 0, [r["error"] for r in res["records"] if r["error"]][:5]
-    for rec in res["records"]:
-        assert rec["output"] == oracle(cfg_d, res["prompts"][rec["prompt_index"]], 16), rec
+    res = finish_load(load, cfg_d, 16)
 
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 2]  # identities kept (I1)
     text = eepctl("status", "--name", d.name, timeout=60).stdout
@@ -116,9 +111,7 @@ def test_store_host_killed_replace_restores_lost_experts_and_grows_back(deployme
     wait_serving_load(d.name)
     _kill(snap, 0)
     after = _serving(d.name, 4, timeout=120)
-    out, err = load.communicate(timeout=120)
-    assert load.returncode == 0, err
-    check_load(last_json(out), cfg_d)
+    finish_load(load, cfg_d)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [1, 2, 3, 4]
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded" and ops[-1]["dead_ranks"] == [0], ops
@@ -169,9 +162,7 @@ def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, 
     ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
     _kill(snap, 2)
     after = _serving(d.name, 3, timeout=120)  # policy replace: back at the desired DP 3
-    out, err = load.communicate(timeout=120)
-    assert load.returncode == 0, err
-    check_load(last_json(out), cfg_d)
+    finish_load(load, cfg_d)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1, 2]  # the dead rank's number, free again
     assert wait_for(lambda: _recover_ops(d.name), timeout=20, what="the recover operation in the new registry")
     rep = eepctl("repair", "--name", d.name, timeout=120)
@@ -218,12 +209,7 @@ def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
     assert scales and scales[-1]["state"] == "rolled_back" and scales[-1]["error_code"] == 5, scales
     after = _serving(d.name, 2)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1]
-    out, err = load.communicate(timeout=120)
-    assert load.returncode == 0, err
-    res = last_json(out)
-    assert res["failed"] == 0, [r["error"] for r in res["records"] if r["error"]][:5]
-    for rec in res["records"]:
-        assert rec["output"] == oracle(cfg_d, res["prompts"][rec["prompt_index"]], 16), rec
+    finish_load(load, cfg_d, 16)
     # The fault holds rank 2 once more (the new joiner), without a kill the scale just takes longer.
     assert scale_json(d.name, 3)["state"] == "succeeded"
     clean = _serving(d.name, 3)
@@ -251,12 +237,7 @@ def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
     # never joined, so the survivor set is {0}: DP 1.
     after = _serving(d.name, 1, timeout=120)
     assert [r["rank"] for r in after["ranks"] if r["state"] == "serving"] == [0]
-    out, err = load.communicate(timeout=120)
-    assert load.returncode == 0, err
-    res = last_json(out)
-    assert res["failed"] == 0, [r["error"] for r in res["records"] if r["error"]][:5]
-    for rec in res["records"]:
-        assert rec["output"] == oracle(cfg_d, res["prompts"][rec["prompt_index"]], 16), rec
+    finish_load(load, cfg_d, 16)
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded" and ops[-1]["dead_ranks"] == [1], ops
     text = eepctl("status", "--name", d.name, timeout=60).stdout

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import Deployment, eepctl_json, last_json, eepctl, oracle, scale_json, status, up_cli, wait_for
+from tests.helpers import Deployment, eepctl, eepctl_json, finish_load, last_json, oracle, scale_json, status, up_cli, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -50,7 +50,7 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     import os
     import signal
 
-    from tests.helpers import check_load, events, wait_serving_load
+    from tests.helpers import events, wait_serving_load
 
     d: Deployment = deployments("sbheal")
     up_cli(d, 3, 4, "--slots-per-rank", "6", "--standby", "1")  # policy replace is the default
@@ -68,9 +68,7 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
         return s if len(live) == 3 and not s.get("operation") else None
 
     after = wait_for(grown_back, 120, interval=0.5, what="DP 3 again")
-    out, err = load.communicate(timeout=120)
-    assert load.returncode == 0, err
-    check_load(last_json(out), cfg_d)
+    finish_load(load, cfg_d)
     serving = {r["rank"]: r for r in after["ranks"] if r["state"] == "serving"}
     assert sorted(serving) == [0, 2, 3], serving  # survivors keep their numbers; the joiner is next after them
     assert serving[3]["pid"] == spare["pid"] and serving[3]["instance_id"] == f"{d.name}_dp3", serving[3]
