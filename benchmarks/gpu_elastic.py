@@ -19,18 +19,16 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import time
 from typing import Any
 
 from engine_ext.engine.config import EngineConfig
 from engine_ext.engine.dense_oracle import reference_generate
+from benchmarks.gpu_transition import MAX_TOKENS, PROMPTS
+from benchmarks.gpu_transition import client as _client
 from engine_ext.engine.launcher import LocalDeployment
 
-PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99, 7], [200, 13, 13, 8, 250, 3, 61], [5, 6, 7, 8, 9, 10, 11, 12], [128],
-           [77, 78, 79], [9] * 12, [31, 41, 59, 26, 53]]
-MAX_TOKENS = 12
 CLIENTS = 4
 
 
@@ -41,16 +39,6 @@ def _device_used_bytes(device: str) -> int | None:
 
     free, total = torch.cuda.mem_get_info()
     return int(total - free)
-
-
-async def _client(dep: LocalDeployment, stop: asyncio.Event, seed: int, out: list[dict[str, Any]]) -> None:
-    rng = random.Random(seed)
-    while not stop.is_set():
-        i = rng.randrange(len(PROMPTS))
-        t0 = time.perf_counter()
-        res = await dep.generate(PROMPTS[i], MAX_TOKENS)
-        out.append({"prompt": i, "output": res.get("output"), "error": res.get("error"),
-                    "latency_s": time.perf_counter() - t0, "t": time.time()})
 
 
 def _workspace(dep: LocalDeployment) -> dict[str, int]:
