@@ -4,7 +4,7 @@ pool and ``capture_policy=reuse``. Prints a markdown table (wall, launch, servin
 capture passes, failed requests, outputs against the dense oracle).
 
 The Ray path (``eepctl up --standby``) is not wired yet, so this uses
-``engine_ext.engine.launcher.LocalDeployment``; ``benchmarks/transition.py`` stays the Ray figure.
+``engine_ext.launcher.LocalDeployment``; ``benchmarks/transition.py`` stays the Ray figure.
 
 Usage: PYTHONPATH=. python benchmarks/fast_scaleup.py [--rate R]
 """
@@ -16,9 +16,9 @@ import asyncio
 import time
 from typing import Any
 
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.dense_oracle import reference_generate
-from engine_ext.engine.launcher import LocalDeployment
+from engine_ext.config import EngineConfig
+from engine_ext.model.dense_oracle import reference_generate
+from engine_ext.launcher import LocalDeployment
 
 PROMPTS = [[7], [1, 2, 3], [200, 13, 99, 5, 5], [(11 * j + 3) % 256 for j in range(9)]]
 MAX_TOKENS = 6

@@ -23,11 +23,11 @@ import signal
 import time
 from typing import Any
 
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.dense_oracle import reference_generate
+from engine_ext.config import EngineConfig
+from engine_ext.model.dense_oracle import reference_generate
 from benchmarks.gpu_transition import MAX_TOKENS, PROMPTS
 from benchmarks.gpu_transition import client as _client
-from engine_ext.engine.launcher import LocalDeployment
+from engine_ext.launcher import LocalDeployment
 
 CLIENTS = 4
 

@@ -7,9 +7,9 @@ import asyncio
 import sys
 import traceback
 
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.dense_oracle import reference_generate
+from engine_ext.config import EngineConfig
+from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9] * 10]
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.dense_oracle import reference_generate
+from engine_ext.config import EngineConfig
+from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99, 7], [200, 13, 13, 8, 250, 3, 61], [5, 6, 7, 8, 9, 10, 11, 12], [128],
            [77, 78, 79], [9] * 12, [31, 41, 59, 26, 53]]

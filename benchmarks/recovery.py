@@ -89,8 +89,8 @@ def main() -> None:
     ap.add_argument("--name", default="bench-recovery")
     args = ap.parse_args()
     from eepctl import cluster, core
-    from engine_ext.engine.config import EngineConfig
-    from engine_ext.engine.dense_oracle import reference_generate
+    from engine_ext.config import EngineConfig
+    from engine_ext.model.dense_oracle import reference_generate
 
     started = None
     if args.address is None:

@@ -85,8 +85,8 @@ def run_soak(t: Any, transitions: int, seed: int = 0, rate: float = 4.0,
              say: Callable[[str], None] = print) -> dict[str, Any]:
     """On a running deployment at DP 1 (max DP >= 4): ``transitions`` random scales under load."""
     from eepctl import core
-    from engine_ext.engine.config import EngineConfig
-    from engine_ext.engine.dense_oracle import reference_generate
+    from engine_ext.config import EngineConfig
+    from engine_ext.model.dense_oracle import reference_generate
 
     rng = random.Random(seed)
     snap = _whole(t, 1)

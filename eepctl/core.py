@@ -1,7 +1,7 @@
 """What eepctl does, without the command framework: each function returns plain data.
 
 eepctl is a client: actors are created by engine_ext.ray.deployment, a vLLM transition is driven
-by engine_ext.vllm.scale_driver, load comes from eepctl.loadgen. Ray is imported inside the
+by engine_ext.drivers.vllm_scale, load comes from eepctl.loadgen. Ray is imported inside the
 functions that talk to the cluster; torch never is.
 """
 
@@ -78,7 +78,7 @@ def _vllm_snapshot(registry: Any, controller: Any) -> dict[str, Any] | None:
     """The registry snapshot of a vLLM deployment (a registry, no controller), else None."""
     if controller is not None or registry is None:
         return None
-    from engine_ext.vllm.scale_driver import info_if_vllm
+    from engine_ext.drivers.vllm_scale import info_if_vllm
 
     return info_if_vllm(registry)
 
@@ -94,7 +94,7 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
        timeout_s: float, say: Callable[[str], None] = lambda s: None,
        placement: dict[str, Any] | None = None, on_rank_failure: str = "replace",
        standby: int = 0) -> dict[str, Any]:
-    from engine_ext.engine.config import EngineConfig
+    from engine_ext.config import EngineConfig
     from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
     from engine_ext.ray.deployment import actor, create_deployment
 
@@ -196,7 +196,7 @@ def _with_engine_health(snap: dict[str, Any]) -> dict[str, Any]:
     if snap.get("kind") == "vllm":
         import os
 
-        from engine_ext.vllm.fault_tolerance import health
+        from engine_ext.drivers.vllm_fault_tolerance import health
 
         snap["fault_tolerance"] = health(snap, api_key=os.environ.get("VLLM_API_KEY"))
     return snap
@@ -267,7 +267,7 @@ def _requests(t: Target, max_tokens: int, api_key: str | None, timeout_s: float)
             raise UnreachableError(f"the controller of {t.name!r} is gone; the deployment cannot serve requests")
         yield lambda prompt: _RayPending(controller.generate.remote(prompt, max_tokens))
         return
-    from engine_ext.vllm.scale_driver import api_for
+    from engine_ext.drivers.vllm_scale import api_for
 
     api = api_for(snap, api_key, timeout_s=timeout_s)
     model = (snap.get("info") or {}).get("model") or api.served_model()
@@ -322,7 +322,7 @@ def plan(t: Target, dp: int, api_key: str | None = None) -> dict[str, Any]:
     _connect(t)
     registry, controller = _deployment(t)
     if (snap := _vllm_snapshot(registry, controller)) is not None:
-        from engine_ext.vllm import scale_driver
+        from engine_ext.drivers import vllm_scale as scale_driver
 
         return scale_driver.plan(snap, dp, api_key=api_key)
     if controller is None:
@@ -341,7 +341,7 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
     _connect(t)
     registry, controller = _deployment(t)
     if (snap := _vllm_snapshot(registry, controller)) is not None:
-        from engine_ext.vllm import scale_driver
+        from engine_ext.drivers import vllm_scale as scale_driver
 
         if not wait:
             raise UsageError("--no-wait is not available for a vLLM deployment: vLLM answers /scale_elastic_ep "
@@ -389,7 +389,7 @@ def repair(t: Target, *, timeout_s: float = 300.0, api_key: str | None = None) -
     registry, controller = _deployment(t)
     if (snap := _vllm_snapshot(registry, controller)) is not None:
         try:
-            from engine_ext.vllm import fault_tolerance
+            from engine_ext.drivers import vllm_fault_tolerance as fault_tolerance
         except ImportError:
             raise UsageError("repair of vLLM deployments is not available") from None
         return fault_tolerance.repair(snap, api_key=api_key, timeout_s=timeout_s)

@@ -285,7 +285,7 @@ def plan_text(plan: dict[str, Any]) -> str:
         lines.append(f"  layout: {phys} physical slots for {layout['num_logical']} experts "
                      f"({phys - layout['num_logical']} redundant)")
     if plan.get("capture_memory"):
-        from engine_ext.engine.capture_memory import describe  # torch-free
+        from engine_ext.capture_memory import describe  # torch-free
 
         lines.append(f"  {describe(plan['capture_memory'])}")
     if plan.get("capacity_problem"):

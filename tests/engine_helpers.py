@@ -50,7 +50,7 @@ class OneRank:
 
     def __init__(self, cfg: Any, experts: int | None = None) -> None:
         from engine_ext.elastic.eplb import build_layout
-        from engine_ext.engine.rank import RankEngine
+        from engine_ext.rank.engine import RankEngine
 
         self.results: dict[str, dict] = {}
         n = experts or cfg.num_experts

@@ -138,8 +138,8 @@ _ORACLE: dict[tuple, list[int]] = {}
 
 def oracle(cfg_d: dict[str, Any], prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     """Greedy tokens of the single-process reference run, once per distinct (model, prompt)."""
-    from engine_ext.engine.config import EngineConfig
-    from engine_ext.engine.dense_oracle import reference_generate
+    from engine_ext.config import EngineConfig
+    from engine_ext.model.dense_oracle import reference_generate
 
     cfg = EngineConfig.from_dict(cfg_d)
     model_key = {k: v for k, v in cfg.to_dict().items() if k not in ("instance_id", "kv_transfer", "faults",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_ext.elastic.registry_state import RegistryState
+from engine_ext.control.registry_state import RegistryState
 from engine_ext.records import Event, RankStatus, to_builtins
 
 T0 = 1_760_000_000.0  # a fixed wall clock: the snapshots must not depend on today

@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from engine_ext.engine.capture_memory import workspace_bytes
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.dense_oracle import reference_generate
-from engine_ext.engine.launcher import LocalDeployment
+from engine_ext.capture_memory import workspace_bytes
+from engine_ext.config import EngineConfig
+from engine_ext.model.dense_oracle import reference_generate
+from engine_ext.launcher import LocalDeployment
 from eepctl import render
 from tests.engine_helpers import oracle_mismatch, run, wait_until
 
@@ -103,7 +103,7 @@ def test_capture_memory_matches_the_model_bound():
     import torch
 
     from engine_ext.elastic.workspace import bytes_for
-    from engine_ext.engine.capture_memory import policy_memory
+    from engine_ext.capture_memory import policy_memory
 
     for dtype, tdt in (("float32", torch.float32), ("float64", torch.float64)):
         cfg = EngineConfig(dtype=dtype)

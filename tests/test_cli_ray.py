@@ -90,8 +90,8 @@ def _assert_clean_error(res: subprocess.CompletedProcess, code: int, *, contains
 # ---- 1. lifecycle ------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -> None:
-    from engine_ext.engine.config import EngineConfig
-    from engine_ext.engine.dense_oracle import reference_generate
+    from engine_ext.config import EngineConfig
+    from engine_ext.model.dense_oracle import reference_generate
     from eepctl.core import DEFAULT_PROMPTS
 
     name = "cli-a"

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.dense_oracle import reference_generate
+from engine_ext.config import EngineConfig
+from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
 from tests.engine_helpers import run
 
 pytestmark = [

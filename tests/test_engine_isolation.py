@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.dense_oracle import reference_generate
+from engine_ext.config import EngineConfig
+from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
 from tests.engine_helpers import oracle_mismatch, run, wait_until
 
 MAX_TOKENS = 12

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_ext.elastic.registry_state import RegistryState
+from engine_ext.control.registry_state import RegistryState
 from engine_ext.records import Event, Operation, rank_status_type
 
 DOCUMENTED = {0, 2, 3, 4, 5, 6}

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from engine_ext.elastic.eplb import ExpertLayout
-from engine_ext.elastic.registry_state import RegistryState
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.dense_oracle import reference_generate
-from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.warmup import WarmupIsolationError
+from engine_ext.control.registry_state import RegistryState
+from engine_ext.config import EngineConfig
+from engine_ext.model.dense_oracle import reference_generate
+from engine_ext.launcher import LocalDeployment
+from engine_ext.rank.warmup import WarmupIsolationError
 from tests.engine_helpers import OneRank, oracle_mismatch, run
 
 PROMPTS = [[7, 3], [1, 2, 3], [200, 13, 99, 5, 5], [(97 * j + 41) % 256 for j in range(20)]]
@@ -156,7 +156,7 @@ def test_eplb_load_without_suppression_counts_the_warmup():
 
 def test_eplb_pollution_fails_the_warmup():
     from engine_ext.elastic.eplb import build_layout
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
     e = RankEngine(_cfg("eplb_not_suppressed"), "one", 0, build_layout(8, 8, 1))
     with pytest.raises(WarmupIsolationError, match="eplb_unchanged"):
@@ -206,7 +206,7 @@ def test_skip_rewarm_without_the_lock_check_keeps_freed_bytes_from_the_kv_pool()
     """Harm: after 3 -> 2 the workspace still holds the 3-rank bound, so the KV blocks the smaller
     world frees never reach the pool. Only the lock's size check catches it (the test below)."""
     from engine_ext.elastic.eplb import build_layout
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
     [(op, views)] = run(_resize(_cfg("skip_rewarm", "no_lock_check"), [3, 2]), 180)
     assert op["state"] == "succeeded", op
@@ -219,7 +219,7 @@ def test_skip_rewarm_without_the_lock_check_keeps_freed_bytes_from_the_kv_pool()
 
 def test_workspace_bound_shrinks_with_the_world():
     from engine_ext.elastic.eplb import build_layout
-    from engine_ext.engine.model import MoEModel
+    from engine_ext.model.model import MoEModel
 
     m = MoEModel(_cfg(), build_layout(8, 8, 1), 0, torch.device("cpu"), 0)
     bounds = [m.moe_workspace_bound(w) for w in (1, 2, 3, 4)]

@@ -12,10 +12,10 @@ import torch
 from engine_ext.elastic.eplb import ExpertLayout, build_layout, plan_moves, transfer_pairs
 from engine_ext.elastic.graphs import GraphManager, GraphReleasedError, StaleGraphError
 from engine_ext.elastic.identity import apply_dp_identity_suffix, dp_suffixed, strip_dp_suffix
-from engine_ext.elastic.registry_state import RegistryState
+from engine_ext.control.registry_state import RegistryState
 from engine_ext.elastic.workspace import WorkspaceLockedError, WorkspaceManager, WorkspaceSizeError, bytes_for
-from engine_ext.engine.config import EngineConfig, KVTransferConfig
-from engine_ext.engine.scheduler import (
+from engine_ext.config import EngineConfig, KVTransferConfig
+from engine_ext.rank.scheduler import (
     BlockPool,
     NoFreeBlocksError,
     NoFreeSlotError,
@@ -633,7 +633,7 @@ def test_registry_marks_silent_rank_stale():
 
 
 def test_faults_name_known_variants_and_refuse_unknown_ones():
-    from engine_ext.engine.faults import VARIANTS, Faults
+    from engine_ext.rank.faults import VARIANTS, Faults
 
     f = Faults(["skip_release", "hold:commit@1"], 0.0, rank=0)
     assert f.active("skip_release") and not f.active("skip_rewarm")
@@ -650,7 +650,7 @@ def test_faults_name_known_variants_and_refuse_unknown_ones():
 
 
 def test_fault_hold_waits_only_in_its_phase_and_on_its_rank():
-    from engine_ext.engine.faults import Faults
+    from engine_ext.rank.faults import Faults
 
     held: list[str] = []
     f = Faults(["hold:commit@1"], 0.2, rank=1, on_hold=held.append)
@@ -669,7 +669,7 @@ def test_fault_hold_waits_only_in_its_phase_and_on_its_rank():
 
 
 def test_rank_held_at_launch_says_so_while_held():
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
     reports: list[tuple[float, dict]] = []
     cfg = EngineConfig(faults=["hold:launch"], fault_delay_s=0.3)
@@ -685,8 +685,8 @@ def test_rank_held_at_launch_says_so_while_held():
 def test_rank_control_is_the_one_interface_both_sides_implement():
     import inspect
 
-    from engine_ext.engine.rank import RankEngine
-    from engine_ext.engine.rank_control import RANK_METHODS, RankClient, RankControl
+    from engine_ext.rank.engine import RankEngine
+    from engine_ext.control.rank_client import RANK_METHODS, RankClient, RankControl
 
     assert RANK_METHODS == {n for n in vars(RankControl) if not n.startswith("_")}
     assert {"prepare", "begin_drain", "request_commit", "wait_op", "abort", "status"} <= RANK_METHODS
@@ -724,8 +724,8 @@ def test_controller_side_modules_never_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import engine_ext.engine.orchestrator, engine_ext.engine.router, "
-            "engine_ext.engine.scale_plan, engine_ext.engine.rank_control, engine_ext.elastic.transition_plan; "
+    code = ("import sys; import engine_ext.control.orchestrator, engine_ext.control.router, "
+            "engine_ext.control.scale_plan, engine_ext.control.rank_client, engine_ext.elastic.transition_plan; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

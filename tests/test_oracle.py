@@ -1,6 +1,6 @@
 """The correctness oracle: a multi-process expert-parallel deployment (real gloo groups,
 redundant experts, captured decode steps, paged KV) produces the greedy tokens of the dense
-recompute (engine_ext.engine.dense_oracle), logits within a float tolerance, at every DP size
+recompute (engine_ext.model.dense_oracle), logits within a float tolerance, at every DP size
 from 1 to 4 and for a sharded config (16 experts, 6 slots per rank)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import copy
 
 import pytest
 
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.dense_oracle import reference_generate
-from engine_ext.engine.launcher import LocalDeployment
+from engine_ext.config import EngineConfig
+from engine_ext.model.dense_oracle import reference_generate
+from engine_ext.launcher import LocalDeployment
 from tests.engine_helpers import oracle_mismatch, run
 
 MAX_TOKENS = 6

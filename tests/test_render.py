@@ -14,7 +14,7 @@ import pytest
 from eepctl import render
 from eepctl.progress import ProgressModel, progress_text
 from eepctl.timeline import rank_ranges, timeline, timeline_text
-from engine_ext.elastic.registry_state import RegistryState
+from engine_ext.control.registry_state import RegistryState
 from tests.render_records import T0, big_status, rank_status, scale_events
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"

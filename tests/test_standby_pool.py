@@ -12,10 +12,10 @@ import signal
 import pytest
 
 from eepctl import render
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.dense_oracle import reference_generate
-from engine_ext.engine.launcher import LocalDeployment
-from engine_ext.engine.standby_rank import STANDBY_RANK_BASE
+from engine_ext.config import EngineConfig
+from engine_ext.model.dense_oracle import reference_generate
+from engine_ext.launcher import LocalDeployment
+from engine_ext.elastic.identity import STANDBY_RANK_BASE
 from tests.engine_helpers import oracle_mismatch, run, wait_until
 
 PROMPTS = [[7], [1, 2, 3], [200, 13, 99, 5, 5], [(11 * j + 3) % 256 for j in range(9)],

@@ -198,7 +198,7 @@ def test_i1_holds_vllm_ranks_to_vllms_own_suffix_rule() -> None:
     """vLLM suffixes identities with _dp<rank> only for DP > 1 (``_apply_dp_identity_suffix``):
     a DP 1 rank's bare vLLM instance_id is fine, a DP 2 rank without the suffix is not, and a
     doubled suffix never is."""
-    from engine_ext.elastic.registry_state import RegistryState
+    from engine_ext.control.registry_state import RegistryState
 
     def violations(*ids: str, dp: int) -> list[str]:
         state = RegistryState("v", kind="vllm")
@@ -235,7 +235,7 @@ def test_plugin_is_inert_without_a_deployment_or_cluster() -> None:
 
 @pytest.mark.timeout(30)
 def test_vllm_answers_map_to_the_exit_code_table() -> None:
-    from engine_ext.vllm.api import error_for
+    from engine_ext.drivers.vllm_api import error_for
 
     def code(status: int, body: Any, elastic: bool = True) -> int:
         return int(error_for(status, body, 3, {"elastic_ep": elastic}).exit_code)
@@ -430,7 +430,7 @@ def test_fault_tolerance_status_of_a_server_without_it(server: dict[str, Any]) -
     nixl_ep all2all backend, CUDA only), so only the read of a server without it runs here: its
     endpoint is absent (404 behind the key), status shows nothing, repair refuses with exit 4."""
     from engine_ext.protocol import PreconditionError
-    from engine_ext.vllm import fault_tolerance
+    from engine_ext.drivers import vllm_fault_tolerance as fault_tolerance
 
     snap = _status(server["name"])
     assert snap["info"]["fault_tolerance"] is False and snap["fault_tolerance"] is None

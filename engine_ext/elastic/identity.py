@@ -45,3 +45,11 @@ def _set(obj: Any, **changes: Any) -> Any:
     for key, value in changes.items():
         setattr(obj, key, value)
     return obj
+
+
+STANDBY_RANK_BASE = 100_000  # a standby's provisional rank number: outside every DP world
+
+
+def standby_identity(base: str, n: int) -> str:
+    """A standby's identity: ``<base>_standby<n>``, never a ``_dp<r>`` another rank may hold (I1)."""
+    return f"{strip_dp_suffix(base)}_standby{n}"

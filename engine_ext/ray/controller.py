@@ -16,11 +16,11 @@ import ray
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.identity import dp_suffixed
 from engine_ext.elastic.transition_plan import new_op_id
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.orchestrator import Orchestrator
-from engine_ext.engine.rank_control import RankClient
-from engine_ext.engine.standby_pool import StandbyPool
-from engine_ext.engine.standby_rank import standby_identity
+from engine_ext.config import EngineConfig
+from engine_ext.control.orchestrator import Orchestrator
+from engine_ext.control.rank_client import RankClient
+from engine_ext.control.standby_pool import StandbyPool
+from engine_ext.elastic.identity import standby_identity
 from engine_ext.protocol import EepError, ExitCode, OpState
 from engine_ext.ray import placement
 from engine_ext.ray.names import registry_name

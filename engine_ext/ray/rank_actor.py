@@ -19,8 +19,8 @@ class RankActor:
     def __init__(self, cfg_d: dict[str, Any], deployment: str, namespace: str, rank: int,
                  layout_d: dict[str, Any], joining: bool, device: str, ifname: str = "", standby: int = -1) -> None:
         from engine_ext.elastic.eplb import ExpertLayout
-        from engine_ext.engine.config import EngineConfig
-        from engine_ext.engine.rank import RankEngine
+        from engine_ext.config import EngineConfig
+        from engine_ext.rank.engine import RankEngine
 
         self.deployment = deployment
         self.namespace = namespace
@@ -39,8 +39,8 @@ class RankActor:
                                  joining=joining, device=device, sink=self._sink,
                                  node_id=ray.get_runtime_context().get_node_id(),
                                  node_ip=ray.util.get_node_ip_address(), ifname=ifname)
-        if standby >= 0:  # launched ahead for the standby pool (engine_ext/engine/standby_rank.py)
-            from engine_ext.engine.standby_rank import enter_standby
+        if standby >= 0:  # launched ahead for the standby pool (engine_ext/rank/standby.py)
+            from engine_ext.rank.standby import enter_standby
 
             enter_standby(self.engine, standby)
         self.engine.start_heartbeat()
@@ -102,7 +102,7 @@ class RankActor:
     # ---- control -------------------------------------------------------------------------------
     def call(self, method: str, *args: Any) -> Any:
         """Run one ``RankControl`` method on the engine (the only entry for controller calls)."""
-        from engine_ext.engine.rank_control import RANK_METHODS
+        from engine_ext.control.rank_client import RANK_METHODS
 
         if method not in RANK_METHODS:
             raise AttributeError(f"rank has no method {method!r}")

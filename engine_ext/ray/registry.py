@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from engine_ext.elastic.registry_state import RegistryState
+from engine_ext.control.registry_state import RegistryState
 
 KV_NAMESPACE = "eepctl"  # eepctl.readpath reads the same key; engine_ext must not import eepctl
 SECRET_HEADER = "X-Eep-Secret"

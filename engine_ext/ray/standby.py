@@ -1,4 +1,4 @@
-"""The standby pool on Ray (engine_ext.engine.standby_pool): standby rank actors launched by the
+"""The standby pool on Ray (engine_ext.control.standby_pool): standby rank actors launched by the
 RaySpawner under the actor name ``<base>_standby<N>`` (a Ray actor name cannot change, so an
 adopted rank keeps it while its identity becomes ``_dp<rank>``), each in a placement group of its
 own that moves to the DP rank it becomes."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine_ext.elastic.identity import strip_dp_suffix
-from engine_ext.engine.standby_pool import StandbyPool
-from engine_ext.engine.standby_rank import STANDBY_RANK_BASE
+from engine_ext.control.standby_pool import StandbyPool
+from engine_ext.elastic.identity import STANDBY_RANK_BASE
 
 if TYPE_CHECKING:
-    from engine_ext.engine.rank_control import RankClient
+    from engine_ext.control.rank_client import RankClient
     from engine_ext.ray.controller import Controller, RaySpawner, RayRankClient
 
 

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine_ext.engine.model import Batch
-from engine_ext.engine.scheduler import NULL_BLOCK
+from engine_ext.model.model import Batch
+from engine_ext.rank.scheduler import NULL_BLOCK
 from engine_ext.protocol import RankState
 
 if TYPE_CHECKING:
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
 
 class WarmupIsolationError(RuntimeError):

@@ -13,7 +13,7 @@ import itertools
 import uuid
 from typing import Any
 
-from engine_ext.engine.rank_control import RankClient
+from engine_ext.control.rank_client import RankClient
 
 
 class Router:

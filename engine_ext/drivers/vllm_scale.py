@@ -17,7 +17,7 @@ from typing import Any
 
 from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import EepError, OpState, PreconditionError, TransitionTimeout, UnreachableError
-from engine_ext.vllm.api import NOT_ELASTIC_HINT, VllmApi, error_for, message_of
+from engine_ext.drivers.vllm_api import NOT_ELASTIC_HINT, VllmApi, error_for, message_of
 
 KIND = "vllm"
 

@@ -15,12 +15,12 @@ from typing import Any, Protocol
 from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size
 from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.rank_control import RankClient
-from engine_ext.engine.router import Router
-from engine_ext.engine.capture_memory import policy_memory
-from engine_ext.engine.scale_plan import ScalePlan, plan_scale
-from engine_ext.engine.standby_pool import mark_pool_joiners
+from engine_ext.config import EngineConfig
+from engine_ext.control.rank_client import RankClient
+from engine_ext.control.router import Router
+from engine_ext.capture_memory import policy_memory
+from engine_ext.control.scale_plan import ScalePlan, plan_scale
+from engine_ext.control.standby_pool import mark_pool_joiners
 from engine_ext.protocol import (
     EepError,
     Event,
@@ -86,7 +86,7 @@ class Orchestrator:
         self.stopping = False
         self.desired = 0
         self.on_rank_failure = on_rank_failure
-        from engine_ext.engine.recovery import Recovery
+        from engine_ext.control.recovery import Recovery
 
         self.recovery = Recovery(self)
 

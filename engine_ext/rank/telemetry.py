@@ -19,7 +19,7 @@ from engine_ext.protocol import Event, RankState, RankStatus
 from engine_ext.records import to_builtins
 
 if TYPE_CHECKING:
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
 Sink = Callable[[str, dict[str, Any]], None]  # (kind, payload): "status" | "event" | "results" | "tokens"
 

@@ -15,9 +15,9 @@ import torch
 from engine_ext.elastic.comm import StatelessGroup
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.workspace import WorkspaceManager, bytes_for
-from engine_ext.engine.capture_memory import replica_table_width
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.weights import dense_weights, expert_weights, torch_dtype
+from engine_ext.capture_memory import replica_table_width
+from engine_ext.config import EngineConfig
+from engine_ext.model.weights import dense_weights, expert_weights, torch_dtype
 
 PLACEHOLDER_SEED_OFFSET = 7_919_000
 

@@ -7,7 +7,7 @@ reads and writes its collectives through a ``MaxWorldGroup``, which forwards the
 group is live and pads the rows of absent ranks with zeros, so a transition only switches groups
 and layouts. Survivors capture nothing; a joiner captures once, locally, with the collectives
 detached (the capture run's output is never read). The cost is memory: the workspace at
-``capture_world`` instead of at the current world (``engine_ext.engine.capture_memory``).
+``capture_world`` instead of at the current world (``engine_ext.capture_memory``).
 
 The graph manager's staleness check stays on: a capture remembers ``(handle, world)`` where the
 world is ``capture_world`` while the live world fits in it, and the live size once it does not,
@@ -27,7 +27,7 @@ from engine_ext.protocol import RankState
 
 if TYPE_CHECKING:
     from engine_ext.elastic.comm import StatelessGroup
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
 CAPTURE_POLICIES = ("recapture", "reuse")
 

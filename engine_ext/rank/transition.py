@@ -17,12 +17,11 @@ import torch
 from engine_ext.elastic.comm import StatelessGroup
 from engine_ext.elastic.eplb import ExpertLayout, plan_moves, transfer_pairs
 from engine_ext.elastic.transition_plan import TransitionPlan
-from engine_ext.elastic.weight_source import SeededWeightSource
-from engine_ext.engine.recovery_rank import is_peer_failure
+from engine_ext.rank.recovery import is_peer_failure
 from engine_ext.protocol import RankState
 
 if TYPE_CHECKING:
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
 
 @dataclass
@@ -293,7 +292,7 @@ class RankTransition:
     def _from_weight_source(self, logical: int) -> torch.Tensor:
         """One expert's (w1, w2) of every layer, flattened as ``load_expert_vector`` wants it."""
         e = self.engine
-        src = SeededWeightSource(e.cfg)
+        src = e.weight_source
         pairs = [src.expert(layer, logical) for layer in range(e.cfg.num_layers)]
         w1 = torch.stack([a for a, _ in pairs]).to(e.device)
         w2 = torch.stack([b for _, b in pairs]).to(e.device)

@@ -1,6 +1,6 @@
 """The independent correctness oracle: a dense recompute in plain PyTorch.
 
-It shares only the config and the weights (engine_ext.engine.weights) with the serving
+It shares only the config and the weights (engine_ext.model.weights) with the serving
 engine: no KV cache, no paging, no scheduler, no request slots, no expert placement. Every
 step recomputes full causal attention over the whole sequence, and every expert runs on every
 token, mixed by the router's renormalised top-k weights. A bug in the engine's attention,
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.weights import dense_weights, expert_weights, torch_dtype
+from engine_ext.config import EngineConfig
+from engine_ext.model.weights import dense_weights, expert_weights, torch_dtype
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -8,18 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine_ext.elastic.eplb import ExpertLayout
-from engine_ext.elastic.identity import apply_dp_identity_suffix, strip_dp_suffix
+from engine_ext.elastic.identity import apply_dp_identity_suffix, standby_identity
 from engine_ext.protocol import RankState
 
 if TYPE_CHECKING:
-    from engine_ext.engine.rank import RankEngine
-
-STANDBY_RANK_BASE = 100_000  # a standby's provisional rank number: outside every DP world
-
-
-def standby_identity(base: str, n: int) -> str:
-    return f"{strip_dp_suffix(base)}_standby{n}"
-
+    from engine_ext.rank.engine import RankEngine
 
 def enter_standby(engine: RankEngine, n: int) -> None:
     """Name the rank ``<base>_standby<n>`` and report it idle in the pool."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_ext.engine.config import EngineConfig
+from engine_ext.config import EngineConfig
 
 _ALIGN = 64
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}

@@ -17,18 +17,18 @@ from typing import Any
 
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.identity import strip_dp_suffix
-from engine_ext.elastic.registry_state import RegistryState
-from engine_ext.engine.standby_pool import StandbyPool
-from engine_ext.engine.standby_rank import STANDBY_RANK_BASE
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.orchestrator import Orchestrator
-from engine_ext.engine.rank_control import RANK_METHODS, RankClient
+from engine_ext.control.registry_state import RegistryState
+from engine_ext.control.standby_pool import StandbyPool
+from engine_ext.elastic.identity import STANDBY_RANK_BASE
+from engine_ext.config import EngineConfig
+from engine_ext.control.orchestrator import Orchestrator
+from engine_ext.control.rank_client import RANK_METHODS, RankClient
 
 
 def _rank_main(conn: Connection, cfg_d: dict[str, Any], name: str, rank: int, layout_d: dict[str, Any],
                joining: bool, device: str, env: dict[str, str], standby: int = -1) -> None:
     os.environ.update(env)
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
     send_lock = threading.Lock()
 
@@ -39,7 +39,7 @@ def _rank_main(conn: Connection, cfg_d: dict[str, Any], name: str, rank: int, la
     engine = RankEngine(EngineConfig.from_dict(cfg_d), name, rank, ExpertLayout.from_dict(layout_d),
                         joining=joining, device=device, sink=lambda kind, payload: send((kind, payload)))
     if standby >= 0:  # launched ahead for the standby pool
-        from engine_ext.engine.standby_rank import enter_standby
+        from engine_ext.rank.standby import enter_standby
 
         enter_standby(engine, standby)
     engine.start_heartbeat()

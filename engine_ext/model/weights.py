@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from engine_ext.engine.config import EngineConfig
+from engine_ext.config import EngineConfig
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine_ext.elastic.eplb import ExpertLayout
-from engine_ext.engine.rank_control import RankClient
-from engine_ext.engine.standby_rank import STANDBY_RANK_BASE
+from engine_ext.control.rank_client import RankClient
+from engine_ext.elastic.identity import STANDBY_RANK_BASE
 
 
 class StandbyPool:

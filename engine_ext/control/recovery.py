@@ -19,7 +19,7 @@ from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
 from engine_ext.protocol import Event, Operation, OpState, to_builtins
 
 if TYPE_CHECKING:
-    from engine_ext.engine.orchestrator import Orchestrator
+    from engine_ext.control.orchestrator import Orchestrator
 
 RANK_RECOVER_TIMEOUT_S = 90.0  # shorter than gloo's 300 s: a stuck recovery fails, it never hangs
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine_ext.elastic.graphs import GraphReleasedError, StaleGraphError
-from engine_ext.engine.model import Batch
-from engine_ext.engine.recovery_rank import is_peer_failure
-from engine_ext.engine.scheduler import NULL_BLOCK, ScheduledItem
+from engine_ext.model.model import Batch
+from engine_ext.rank.recovery import is_peer_failure
+from engine_ext.rank.scheduler import NULL_BLOCK, ScheduledItem
 
 if TYPE_CHECKING:
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
 # Header of the per-step agreement across DP ranks (all-reduced with MAX).
 H_WORK, H_TOKENS, H_PREFILL, H_DECODES, H_NOT_READY = range(5)

@@ -4,7 +4,7 @@ The parts are collaborating objects, one concept each: ``StepLoop`` (serving),
 ``Warmup`` (warm-up and capture), ``RankTransition`` (the rank side of a transition) and
 ``RankTelemetry`` (status, events, heartbeat); ``Faults`` is the one seam tests break it
 through. Ray-free: the Ray actor (engine_ext.ray.rank_actor) and the process launcher
-(engine_ext.engine.launcher) both drive this class, so hosts without Ray run the same code.
+(engine_ext.launcher) both drive this class, so hosts without Ray run the same code.
 """
 
 from __future__ import annotations
@@ -23,23 +23,25 @@ from engine_ext.elastic.graphs import GraphManager
 from engine_ext.elastic.identity import apply_dp_identity_suffix
 from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.elastic.transition_plan import TransitionPlan
+from engine_ext.elastic.weight_source import WeightSource
 from engine_ext.elastic.workspace import WorkspaceManager
-from engine_ext.engine.config import EngineConfig
-from engine_ext.engine.faults import Faults
-from engine_ext.engine.model import PLACEHOLDER_SEED_OFFSET, MoEModel
-from engine_ext.engine.rank_status import RankTelemetry, Sink
-from engine_ext.engine.recovery_rank import RankRecovery
-from engine_ext.engine.scheduler import Request, Scheduler
-from engine_ext.engine.step_loop import StepLoop
-from engine_ext.engine.transition_rank import RankTransition
-from engine_ext.engine import standby_rank
-from engine_ext.engine.capture_reuse import reuse_for
-from engine_ext.engine.warmup import Warmup
+from engine_ext.config import EngineConfig
+from engine_ext.rank.faults import Faults
+from engine_ext.model.model import PLACEHOLDER_SEED_OFFSET, MoEModel
+from engine_ext.model.seeded_source import SeededWeightSource
+from engine_ext.rank.telemetry import RankTelemetry, Sink
+from engine_ext.rank.recovery import RankRecovery
+from engine_ext.rank.scheduler import Request, Scheduler
+from engine_ext.rank.step_loop import StepLoop
+from engine_ext.rank.transition import RankTransition
+from engine_ext.rank import standby as standby_rank
+from engine_ext.rank.capture_reuse import reuse_for
+from engine_ext.rank.warmup import Warmup
 from engine_ext.protocol import RankState
 
 
 class RankEngine:
-    """Implements ``engine_ext.engine.rank_control.RankControl``."""
+    """Implements ``engine_ext.control.rank_client.RankControl``."""
 
     def __init__(
         self,
@@ -55,6 +57,7 @@ class RankEngine:
         node_id: str = "",
         node_ip: str = "",
         ifname: str = "",
+        weight_source: WeightSource | None = None,
     ) -> None:
         cfg = copy.deepcopy(cfg)
         cfg.validate()
@@ -77,6 +80,8 @@ class RankEngine:
             torch.set_num_threads(max(1, int(os.environ.get("EEP_TORCH_THREADS", "1"))))
         seed = cfg.seed + PLACEHOLDER_SEED_OFFSET + rank if joining else cfg.seed
         self.model = MoEModel(cfg, layout, rank, self.device, seed)
+        # Where experts whose every copy died come from: a checkpoint loader in production.
+        self.weight_source: WeightSource = weight_source or SeededWeightSource(cfg)
         self.workspace = WorkspaceManager(self.device)
         self.graphs = GraphManager(self.device, self.workspace, self.model.buffers)
         self.sched = Scheduler(cfg)

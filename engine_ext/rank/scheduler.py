@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_ext.engine.config import EngineConfig
+from engine_ext.config import EngineConfig
 
 NULL_BLOCK = 0
 

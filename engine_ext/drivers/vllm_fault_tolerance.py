@@ -22,8 +22,8 @@ from engine_ext.protocol import (
     TransitionTimeout,
     UnreachableError,
 )
-from engine_ext.vllm.api import message_of
-from engine_ext.vllm.scale_driver import api_for
+from engine_ext.drivers.vllm_api import message_of
+from engine_ext.drivers.vllm_scale import api_for
 
 INSTRUCTION = "retry"  # the only one vLLM 0.32 accepts
 HEALTHY, UNHEALTHY, DEAD = "healthy", "unhealthy", "dead"

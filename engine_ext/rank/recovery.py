@@ -18,7 +18,7 @@ from engine_ext.elastic.transition_plan import TransitionPlan
 from engine_ext.protocol import RankState
 
 if TYPE_CHECKING:
-    from engine_ext.engine.rank import RankEngine
+    from engine_ext.rank.engine import RankEngine
 
 # Words a collective or store error carries when the other side went away.
 _PEER_WORDS = ("connection reset", "connection closed", "connection refused", "broken pipe", "peer",
@@ -98,7 +98,7 @@ class RankRecovery:
             # statistics (and would read as warm-up pollution to the I5 check).
             e.model.expert_load.zero_()
         pos = plan.new_pos(e.rank)
-        from engine_ext.engine.transition_rank import OpState
+        from engine_ext.rank.transition import OpState
 
         op = OpState(plan, "surviving")
         result: dict[str, Any] = {"rank": e.rank, "position": pos}

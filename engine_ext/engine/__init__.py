@@ -1,1 +1,0 @@
-"""The reference elastic MoE engine: runs wherever torch runs (CPU with gloo, GPU with CUDA graphs)."""

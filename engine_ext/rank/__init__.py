@@ -1,0 +1,1 @@
+"""The rank side: what runs in a rank's process, beside the model (imports torch)."""
