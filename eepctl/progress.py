@@ -185,9 +185,9 @@ def progress_view(model: ProgressModel, now: float | None = None, *, verbose: bo
 
 def progress_text(model: ProgressModel, now: float, *, verbose: bool = False, width: int = 100) -> str:
     """The display as plain text (no spinner animation): what the snapshot tests compare."""
-    from eepctl.render import _text
+    from eepctl.render import rich_text
 
-    return _text([progress_view(model, now, verbose=verbose, spinner=False)], width)
+    return rich_text([progress_view(model, now, verbose=verbose, spinner=False)], width)
 
 
 class _LiveView:

@@ -21,7 +21,7 @@ def to_json(kind: str, data: Any) -> str:
     return msgspec.json.encode(body, enc_hook=str).decode()
 
 
-def _text(renderables: list[Any], width: int = 160) -> str:
+def rich_text(renderables: list[Any], width: int = 160) -> str:
     buf = io.StringIO()
     # markup=False: error texts (gloo's "[/path/pair.cc:553]") must print as they are.
     from rich.console import Console
@@ -126,7 +126,7 @@ def status_text(snap: dict[str, Any], width: int = 160, max_rows: int | None = N
             table.add_row(str(r["rank"]), r["instance_id"], node_label(r), Text(state), run_wait,
                           f"{r['slots_used']}/{r['slots_total']}", kv, ws, capture_cell(r),
                           replays_cell(r), eplb_share(snap, r["rank"]), age)
-    return _text([table, *status_summary_lines(snap, left_out=len(ranks) - len(shown))], width)
+    return rich_text([table, *status_summary_lines(snap, left_out=len(ranks) - len(shown))], width)
 
 
 def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
@@ -237,7 +237,7 @@ def events_text(data: dict[str, Any], width: int = 160) -> str:
         out.append("\n".join(event_line(e) for e in evs))
     if not out:
         out.append("no operations or events yet")
-    return _text(out, width)
+    return rich_text(out, width)
 
 
 def _span(per_rank: dict[str, int]) -> str:

@@ -1,0 +1,110 @@
+"""The house as a contract: the layering (import-linter, pyproject's [tool.importlinter]), module
+and function sizes, and no reach into another module's private names. Each check reads the
+source only: it runs in a second and needs no cluster."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+PACKAGES = ("engine_ext", "eepctl")
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, ast.Module]:
+    """Every first-party module's syntax tree, by its path relative to the repository."""
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p))
+            for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def test_import_contracts_hold():
+    """Layers (CLI > drivers > hosts > controller | rank > model > mechanisms > records), the
+    model imported only by the rank side, no torch on the controller side, no import circle."""
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    assert exe, "import-linter is not installed (it is in the test extra)"
+    res = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert "0 broken" in res.stdout and "BROKEN" not in res.stdout, res.stdout[-2000:]
+
+
+def test_modules_and_functions_are_short():
+    """A reader sees a module's one concept and a function whole."""
+    too_long: list[str] = []
+    for path, tree in _modules().items():
+        lines = len((ROOT / path).read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{path}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if n > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path}:{node.lineno} {node.name}: {n} lines")
+    assert not too_long, "\n".join(too_long)
+
+
+def _private_definitions(tree: ast.Module) -> set[str]:
+    """The private names a module defines: functions, classes, module globals, and attributes it
+    assigns on ``self``/``cls``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _foreign_private_uses(path: str, tree: ast.Module, owners: dict[str, set[str]]) -> list[str]:
+    """``obj._name`` (obj not self/cls) or ``from first_party import _name``, where ``_name`` is a
+    private name another first-party module defines and this one does not."""
+    mine = _private_definitions(tree)
+    foreign = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+               for a in n.names if a.name.split(".")[0] not in PACKAGES}
+    foreign |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and (n.module or "").split(".")[0] not in PACKAGES for a in n.names}
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
+            found += [f"{path}:{node.lineno} imports {node.module}.{a.name}"
+                      for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            if isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in foreign):
+                continue  # its own object, or a third-party module's internals
+            if node.attr not in mine and owners.get(node.attr, set()) - {path}:
+                found.append(f"{path}:{node.lineno} uses {node.attr} of {sorted(owners[node.attr])}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """Interfaces are written down: no first-party module uses a private name that only another
+    first-party module defines (vLLM's, Ray's and torch's internals are the plugin catalogue's and
+    the transport's business, not this check's)."""
+    trees = _modules()
+    owners: dict[str, set[str]] = defaultdict(set)
+    for path, tree in trees.items():
+        for name in _private_definitions(tree):
+            owners[name].add(path)
+    found = [use for path, tree in trees.items() for use in _foreign_private_uses(path, tree, owners)]
+    assert not found, "\n".join(found)
+
+
+def test_the_cli_core_never_asks_which_engine_it_drives():
+    """eepctl.core talks to every deployment through the driver seam (engine_ext.drivers): no
+    "is it vLLM" branch, no import of an engine's driver module."""
+    source = (ROOT / "eepctl" / "core.py").read_text()
+    tree = ast.parse(source)
+    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in imported if "vllm" in m], sorted(imported)
+    assert "vllm" not in source.lower(), [ln for ln in source.splitlines() if "vllm" in ln.lower()]
