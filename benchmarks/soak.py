@@ -1,6 +1,6 @@
 """Soak: random transitions between DP 1 and 4 under continuous load.
 
-Every request's output is compared with the dense oracle (engine/dense_oracle.py, reference_generate); after
+Every request's output is compared with the dense oracle (model/dense_oracle.py, reference_generate); after
 every transition the deployment must be whole (ranks 0..N-1 serving, no running operation, no
 invariant violation) and answer a request. Zero failed, zero wrong, zero wedged is the pass.
 
