@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from eepctl import streams
 from engine_ext.protocol import DEFAULT_DEPLOYMENT, DEFAULT_NAMESPACE, UsageError
 
 app = typer.Typer(
@@ -52,8 +53,9 @@ def _target(address: str | None, namespace: str, name: str) -> Any:
 
 
 def _emit(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    out = streams.output()
+    out.write(text)
+    out.flush()
 
 
 def _say(msg: str) -> None:
@@ -64,11 +66,11 @@ def _width() -> int:
     """The terminal's width on a TTY; 160 when piped (scripts parse -o json, not the table)."""
     import shutil
 
-    return shutil.get_terminal_size((160, 24)).columns if sys.stdout.isatty() else 160
+    return shutil.get_terminal_size((160, 24)).columns if streams.output().isatty() else 160
 
 
 def _plain() -> bool:
-    return not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
+    return not streams.output().isatty() or bool(os.environ.get("NO_COLOR"))
 
 
 @app.callback()
@@ -197,7 +199,7 @@ def status(
     from rich.live import Live
     from rich.text import Text
 
-    with Live(Text(""), console=Console(), auto_refresh=False, screen=False) as live:
+    with Live(Text(""), console=Console(file=streams.output()), auto_refresh=False, screen=False) as live:
         while True:
             t0 = time.time()
             rows = max(1, live.console.height - 12)  # the table fits the screen; the rest is counted

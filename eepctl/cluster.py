@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eepctl import streams
 from engine_ext.protocol import UnreachableError
 
 
@@ -79,6 +80,7 @@ def connect(address: str | None, namespace: str) -> str:
     hostport = None if addr == "auto" else parse_address(addr)
     if hostport is not None and not reachable(*hostport):
         raise UnreachableError(f"no Ray cluster answers at {addr}")
+    streams.divert_library_output()
     if ray.is_initialized():
         return addr
     if hostport is not None:

@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     if "ray" in sys.modules:
         # A Ray driver's atexit shutdown costs about half a second and has nothing to clean
         # up for us (every actor eepctl creates is detached): leave at once.
+        from eepctl import streams
+
+        streams.output().flush()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

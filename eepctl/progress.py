@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from eepctl import streams
 from eepctl.render import event_line, to_json
 
 _PAUSE_STARTS = "commit"  # the serving pause begins with commit and ends inside it (rank detail pause_s)
@@ -229,8 +230,9 @@ class ScaleProgress:
 
     def on_event(self, ev: dict[str, Any]) -> None:
         if self.json_lines:
-            sys.stdout.write(to_json("event", ev) + "\n")
-            sys.stdout.flush()
+            out = streams.output()
+            out.write(to_json("event", ev) + "\n")
+            out.flush()
             return
         if self.plain:
             sys.stderr.write(event_line(ev) + "\n")

@@ -34,6 +34,20 @@ def last_json(text: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """Every non-empty line of an ``-o json`` stdout, each parsed: a line that is not JSON (a
+    library's stray print) fails the test."""
+    objs = []
+    for ln in text.splitlines():
+        if ln.strip():
+            try:
+                objs.append(json.loads(ln))
+            except ValueError:
+                raise AssertionError(f"stdout of -o json holds a line that is not JSON: {ln[:300]!r}") from None
+    assert objs, "no output"
+    return objs
+
+
 def eepctl_json(*args: str, timeout: float = 300) -> dict[str, Any]:
     res = eepctl(*args, "-o", "json", timeout=timeout)
     assert res.returncode == 0, f"eepctl {' '.join(args)} exited {res.returncode}: {res.stderr}"
@@ -163,6 +177,6 @@ def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS) 
     """Wait for an `eepctl generate --rate` process; it exited 0, lost nothing, matched the oracle."""
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, f"load exited {proc.returncode}: {err[-2000:]}"
-    res = last_json(out)
+    res = json_lines(out)[-1]
     check_load(res, cfg_d, max_tokens)
     return res

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections import Counter
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 
 from engine_ext.ray.placement import Node, PlacementError, choose_nodes
 from tests import multinode
-from tests.helpers import check_load, eepctl, eepctl_json, finish_load, last_json, owned_deployments, serving_view, status, wait_for
+from tests.helpers import check_load, eepctl, eepctl_json, finish_load, json_lines, last_json, owned_deployments, serving_view, status, wait_for
 
 A, B, C = (Node("a" * 8, "10.0.0.1", 4, 0), Node("b" * 8, "10.0.0.2", 4, 0), Node("c" * 8, "10.0.0.3", 1, 0))
 
@@ -181,7 +182,10 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
     assert snap["info"]["control_node"]["node_ip"] == multinode.HEAD_IP, snap["info"].get("control_node")
     lost_rank = 1 - head_rank
     cfg_d = snap["info"]["config"]
-    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "14", "-o", "json")
+    # The load outlasts Ray marking the node dead (its health check, ~15 s), which Ray forwards to
+    # every driver as a "(raylet) ..." line: issue 21 point 6, -o json stdout stays only JSON.
+    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "30", "-o", "json")
+    watch = d.popen("status", "--name", d.name, "--watch", "--interval", "0.5", "-o", "json")
     time.sleep(3.0)
     assert two_nodes.kill_worker_node(), "no process in the worker namespace"
 
@@ -205,7 +209,10 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
         raise AssertionError(f"{e}; {len(unavailable)}/{len(seen)} status calls failed, last: {unavailable[-1:]}") from e
     print(f"\n[node-loss] status failed {len(unavailable)} time(s) before recovery: {unavailable[:1]}")
     assert not after.get("violations"), after["violations"]
-    finish_load(load, cfg_d)
+    finish_load(load, cfg_d)  # every line of its stdout parses as JSON
+    watch.send_signal(signal.SIGINT)
+    watched = json_lines(watch.communicate(timeout=30)[0])
+    assert len(watched) >= 5 and all(o.get("object") == "status" for o in watched), watched[-1:]
     text = eepctl("status", "--name", d.name, timeout=60).stdout
     assert "DP 1 of desired 2" in text and f"rank {lost_rank} dead: " in text, text
     assert f"rank {lost_rank} dead: unknown cause" not in text, text

@@ -79,3 +79,21 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     assert grow["state"] == "succeeded" and grow["phase_durations"]["launch"] < 1.0, grow["phase_durations"]
     assert [j.get("from_standby") for j in grow["plan"]["joining"]] == [spare["instance_id"]], grow["plan"]
     wait_for(lambda: _standbys(d.name), 90, what="the pool refilled")
+    # Issue 21 point 5: `down` with the controller gone stops the standbys too (none is orphaned).
+    import ray
+    from ray.util import list_named_actors
+
+    from engine_ext.ray.names import controller_name, is_rank_actor
+
+    refilled = wait_for(lambda: _standbys(d.name), 90, what="the pool refilled")
+    if not ray.is_initialized():
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace="eepctl", logging_level="ERROR", log_to_driver=False)
+    ray.kill(ray.get_actor(controller_name(d.name), namespace="eepctl"), no_restart=True)
+    res = eepctl("down", "--name", d.name, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+    def left() -> list[str]:
+        return [a["name"] for a in list_named_actors(all_namespaces=True)
+                if a.get("namespace") == "eepctl" and (is_rank_actor(d.name, a["name"]) or d.name in a["name"])]
+
+    assert refilled and left() == [], left()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_ext.protocol import EepError, TransitionTimeout, UnreachableError, error_from_record
-from engine_ext.ray.names import REGISTRY_PREFIX, controller_name, registry_name
+from engine_ext.ray.names import REGISTRY_PREFIX, controller_name, is_rank_actor, registry_name
 
 
 @dataclass
@@ -91,9 +91,10 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
 
 
 def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wait_s: float = 30.0) -> list[str]:
-    """Stop the controller (which stops its ranks), kill every actor of the deployment by name and
-    wait until the names are gone, so that returning means stopped. Returns the rank actors that
-    had to be killed by name (the controller no longer knew them)."""
+    """Stop the controller (which stops its ranks), kill every actor of the deployment by name
+    (standbys included: without a controller nothing else would) and wait until the names are
+    gone, so that returning means stopped. Returns the rank actors that had to be killed by name
+    (the controller no longer knew them)."""
     import ray
     from ray.util import list_named_actors
 
@@ -104,7 +105,7 @@ def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wa
             pass
     killed = []
     for a in list_named_actors(all_namespaces=True):  # rank actors are named by identity
-        if a.get("namespace") == namespace and a["name"].startswith(f"{name}_dp"):
+        if a.get("namespace") == namespace and is_rank_actor(name, a["name"]):
             h = actor(a["name"], namespace)
             if h is not None:
                 ray.kill(h, no_restart=True)

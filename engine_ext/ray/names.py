@@ -12,3 +12,14 @@ def controller_name(deployment: str) -> str:
 
 
 REGISTRY_PREFIX = "eep-registry."
+
+
+def is_rank_actor(deployment: str, actor_name: str) -> bool:
+    """Whether ``actor_name`` is one of the deployment's rank actors: a DP rank
+    (``<name>_dp<r>``) or a standby (``<name>_standby<n>``, which keeps that actor name when a
+    scale-up adopts it)."""
+    for kind in ("_dp", "_standby"):
+        rest = actor_name[len(deployment) + len(kind):]
+        if actor_name.startswith(deployment + kind) and rest.isdigit():
+            return True
+    return False
