@@ -158,7 +158,7 @@ class ProcessSpawner:
         return await self.launch(rank, layout, joining)
 
     async def launch_standby(self, n: int) -> ProcessRankClient:
-        """A standby process (engine.standby_pool): a joining rank at a rank number no world uses."""
+        """A standby process (engine_ext.control.standby_pool): a joining rank at a rank number no world uses."""
         assert self.owner.orch.layout is not None
         return await self.launch(STANDBY_RANK_BASE + n, self.owner.orch.layout, True, standby=n)
 

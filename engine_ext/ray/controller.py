@@ -29,7 +29,6 @@ class Controller:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
-        self.cfg.size_captures_for(max_dp)
         self.registry = ray.get_actor(registry_name(deployment), namespace=namespace)
         self._resolved_at = time.time()
         self.spawner = RaySpawner(deployment, namespace, self.cfg, cpus_per_rank, gpus_per_rank,
