@@ -84,6 +84,10 @@ class ProcessRankClient(RankClient):
     def pid(self) -> int:
         return int(self.proc.pid or 0)
 
+    def renumber(self, rank: int) -> None:
+        """The process became DP rank ``rank`` (an adopted standby)."""
+        self.rank = rank
+
     def _read(self) -> None:
         while True:
             try:
@@ -152,7 +156,7 @@ class ProcessSpawner:
         o = self.owner
         if joining and o.pool is not None and (taken := await o.pool.take(rank, layout)) is not None:
             assert isinstance(taken, ProcessRankClient)
-            taken.rank = rank
+            taken.renumber(rank)
             o.processes[rank] = taken
             return taken
         return await self.launch(rank, layout, joining)
