@@ -51,10 +51,9 @@ class Admission:
         """Admit a scale to ``target`` ranks, or raise. ``settle``: first wait for a recovery under
         way and heal a degraded world. ``probe_ranks``: refuse when a current rank does not answer
         (a transition needs every rank of the old world)."""
-        self.refuse_if_busy()
-        if settle:
+        if settle and self.world.busy() is None:  # a busy world is refused below, not waited for
             await self.settle_recovery()
-            self.refuse_if_busy()  # settling waited: another operation may have started meanwhile
+        self.refuse_if_busy()
         self.check_target(target)
         await self.world.op_lock.acquire()  # free: nothing awaited since the last check
         try:
