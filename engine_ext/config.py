@@ -2,8 +2,37 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+
+class Policy(enum.StrEnum):
+    """A policy chosen by name. A StrEnum: it equals, prints and serialises (JSON, Ray
+    arguments, records) as its plain value."""
+
+    @classmethod
+    def parse(cls, value: Any, option: str) -> Any:
+        """The member named ``value``, or ValueError saying what ``option`` accepts."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = " or ".join(m.value for m in cls)
+            raise ValueError(f"{option} must be {names}, not {value!r}") from None
+
+
+class CapturePolicy(Policy):
+    """How ranks capture across transitions (engine_ext/rank/capture_reuse.py)."""
+
+    RECAPTURE = "recapture"  # re-size the workspace and capture once per transition
+    REUSE = "reuse"  # size workspace and captures for capture_world at start and keep them
+
+
+class RankFailurePolicy(Policy):
+    """What a deployment does when a rank dies (engine_ext/control/recovery.py)."""
+
+    SHRINK = "shrink"  # serve at the healthy size
+    REPLACE = "replace"  # shrink, then grow back to the desired size
 
 
 @dataclass
@@ -31,9 +60,9 @@ class EngineConfig:
     max_num_tokens: int = 64
     max_model_len: int = 128
     capture_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    # "recapture": re-size and capture once per transition; "reuse": size workspace and captures
-    # for capture_world (the deployment's max DP) at start and keep them (engine/capture_reuse.py).
-    capture_policy: str = "recapture"
+    # CapturePolicy: "recapture" or "reuse" (then captures are sized for capture_world, the
+    # deployment's max DP by default: size_captures_for).
+    capture_policy: CapturePolicy | str = CapturePolicy.RECAPTURE
     capture_world: int = 0
     # identity (suffixed with _dp<rank> per rank)
     instance_id: str = "moe"
@@ -46,8 +75,20 @@ class EngineConfig:
     faults: list[str] = field(default_factory=list)
     fault_delay_s: float = 5.0
 
+    def __post_init__(self) -> None:
+        if self.capture_policy in CapturePolicy.__members__.values():
+            self.capture_policy = CapturePolicy(self.capture_policy)  # typed; ``validate`` refuses the rest
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["capture_policy"] = str(self.capture_policy)
+        return d
+
+    def size_captures_for(self, max_dp: int) -> None:
+        """Under ``reuse``, captures are sized for the largest world a scale may reach: max DP
+        unless ``capture_world`` was given."""
+        if self.capture_policy == CapturePolicy.REUSE and not self.capture_world:
+            self.capture_world = max_dp
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
@@ -66,6 +107,7 @@ class EngineConfig:
         return -(-self.max_model_len // self.block_size)
 
     def validate(self) -> None:
+        self.capture_policy = CapturePolicy.parse(self.capture_policy, "capture_policy")
         if self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be divisible by num_heads")
         if not 1 <= self.top_k <= self.num_experts:

@@ -84,6 +84,10 @@ class ProcessRankClient(RankClient):
     def pid(self) -> int:
         return int(self.proc.pid or 0)
 
+    def renumber(self, rank: int) -> None:
+        """The process became DP rank ``rank`` (an adopted standby)."""
+        self.rank = rank
+
     def _read(self) -> None:
         while True:
             try:
@@ -134,6 +138,8 @@ class ProcessRankClient(RankClient):
 
 
 class ProcessSpawner:
+    """The launcher's ``Spawner`` (engine_ext.control.spawner): ranks as child processes."""
+
     def __init__(self, owner: LocalDeployment) -> None:
         self.owner = owner
         self.ctx = mp.get_context("spawn")
@@ -146,16 +152,17 @@ class ProcessSpawner:
         return self.owner.pool
 
     async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> ProcessRankClient:
+        """DP rank ``rank``; a joiner is a standby from the pool when one is ready."""
         o = self.owner
         if joining and o.pool is not None and (taken := await o.pool.take(rank, layout)) is not None:
             assert isinstance(taken, ProcessRankClient)
-            taken.rank = rank
+            taken.renumber(rank)
             o.processes[rank] = taken
             return taken
         return await self.launch(rank, layout, joining)
 
     async def launch_standby(self, n: int) -> ProcessRankClient:
-        """A standby process (engine.standby_pool): a joining rank at a rank number no world uses."""
+        """A standby process (engine_ext.control.standby_pool): a joining rank at a rank number no world uses."""
         assert self.owner.orch.layout is not None
         return await self.launch(STANDBY_RANK_BASE + n, self.owner.orch.layout, True, standby=n)
 
@@ -186,8 +193,7 @@ class LocalDeployment:
 
     def __init__(self, cfg: EngineConfig, name: str = "local", *, max_dp: int = 8, device: str = "cpu",
                  env: dict[str, str] | None = None, on_rank_failure: str = "replace", standby: int = 0) -> None:
-        if cfg.capture_policy == "reuse" and not cfg.capture_world:
-            cfg.capture_world = max_dp  # reuse sizes captures for the largest world scale may reach
+        cfg.size_captures_for(max_dp)
         self.cfg = cfg
         self.name = name
         self.device = device

@@ -58,7 +58,7 @@ class RankControl(Protocol):
         """Stop serving and leave the group."""
 
     def adopt(self, rank: int, layout_d: dict[str, Any]) -> None:
-        """A standby rank becomes DP rank ``rank`` (engine.standby_rank)."""
+        """A standby rank becomes DP rank ``rank`` (engine_ext.rank.standby)."""
 
     def recent_events(self) -> list[dict[str, Any]]:
         """The rank's recent phase events."""

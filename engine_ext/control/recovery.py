@@ -5,21 +5,26 @@ raised; the launcher: the rank's pipe closed). The router stops sending (request
 the dead rank's requests are queued for re-submission with their tokens so far, and, in single
 flight with scales, the survivors rebuild the world without the dead ranks (a new store if its
 host died), restore the experts, re-warm, capture once and serve. Policy ``replace`` then grows
-back to the desired size through the normal scale-up path.
+back to the desired size through the normal scale-up path (the orchestrator's ``regrow``).
+
+What the recovery may change, all through ``World`` (engine_ext.control.world): the members,
+their clients and layout (``adopt``, with the survivors), the store (``move_store``, when its
+host died), the router (exclude, pause, reroute, resume, fail requests) and the operation
+record. It never scales by itself: ``regrow`` decides that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+from engine_ext.config import EngineConfig
+from engine_ext.control.world import World, quiet
 from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size
 from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
-from engine_ext.protocol import Event, Operation, OpState, to_builtins
-
-if TYPE_CHECKING:
-    from engine_ext.control.orchestrator import Orchestrator
+from engine_ext.protocol import Operation, OpState, to_builtins
 
 RANK_RECOVER_TIMEOUT_S = 90.0  # shorter than gloo's 300 s: a stuck recovery fails, it never hangs
 
@@ -27,8 +32,10 @@ RANK_RECOVER_TIMEOUT_S = 90.0  # shorter than gloo's 300 s: a stuck recovery fai
 class Recovery:
     """Dead ranks, and the recovery operations that replace them."""
 
-    def __init__(self, orch: Orchestrator) -> None:
-        self.orch = orch
+    def __init__(self, world: World, cfg: EngineConfig, regrow: Callable[[], Awaitable[bool]]) -> None:
+        self.world = world
+        self.cfg = cfg
+        self.regrow = regrow  # policy replace: grow back to the desired size; False when not due
         self.dead: dict[int, dict[str, Any]] = {}  # global rank -> {cause, at}
         self._task: asyncio.Task | None = None
         self.recovered = 0
@@ -38,7 +45,7 @@ class Recovery:
 
     def on_death(self, rank: int, cause: str) -> None:
         """A rank's process is gone. Called on the controller's event loop."""
-        o = self.orch
+        o = self.world
         if o.stopping or rank in self.dead or rank not in o.members:
             return  # a joiner of a running scale fails that scale; its rollback cleans up
         self.dead[rank] = {"rank": rank, "cause": cause, "at": time.time()}
@@ -52,22 +59,21 @@ class Recovery:
         """Rebuild the members' world although none died (a scale failed inside its commit)."""
         self.rebuild_reason = reason
         self.untrusted = self.untrusted or untrusted
-        self.orch.router.pause()
+        self.world.router.pause()
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
-        o = self.orch
         await asyncio.sleep(0.2)  # deaths of one incident arrive together: recover them at once
         replaced = False
         for _ in range(4):
-            if any(r in o.members for r in self.dead) or self.rebuild_reason:
+            if any(r in self.world.members for r in self.dead) or self.rebuild_reason:
                 if (await self.recover()).get("state") != OpState.SUCCEEDED.value:
                     return  # reported in the operation; `eepctl repair` takes it from here
-            elif (not replaced and o.on_rank_failure == "replace" and not o.stopping
-                  and o.desired > len(o.members) and o.router.clients and not o._op_lock.locked()):
+            elif not replaced:
                 replaced = True  # once per incident: a replacement that fails is not retried in a loop
-                await o.scale(min(o.desired, o.max_dp))  # a failure in its commit asks for one more rebuild
+                if not await self.regrow():  # a failure in its commit asks for one more rebuild
+                    return
             else:
                 return
 
@@ -76,17 +82,11 @@ class Recovery:
         while self._task is not None and not self._task.done():
             await asyncio.shield(self._task)
 
-    def emit(self, op: Operation, phase: str, start: float, end: float, **detail: Any) -> None:
-        o = self.orch
-        op.phase_durations[phase] = round(op.phase_durations.get(phase, 0.0) + end - start, 6)
-        o.emit(to_builtins(Event(op.op_id, -1, phase, start, end, "ok", detail)))
-        o._record(op)
-
     async def recover(self) -> dict[str, Any]:
         """One recovery operation, in single flight with scales."""
-        o = self.orch
-        async with o._op_lock:
-            probes = await asyncio.gather(*(_quiet(o.clients[r].status(timeout=3)) for r in o.members
+        o = self.world
+        async with o.op_lock:
+            probes = await asyncio.gather(*(quiet(o.clients[r].status(timeout=3)) for r in o.members
                                             if r not in self.dead))
             for r, st in zip([r for r in o.members if r not in self.dead], probes):
                 if not isinstance(st, dict):  # no answer: as good as dead
@@ -102,8 +102,8 @@ class Recovery:
                            dead_ranks=dead)
             op.rerouted_requests = o.router.rerouted
             o.op = op
-            self.emit(op, "detect", first_death, time.time(), dead=dead,
-                      causes={str(r): self.dead[r]["cause"] for r in dead})
+            o.phase_done(op, "detect", first_death, time.time(), dead=dead,
+                         causes={str(r): self.dead[r]["cause"] for r in dead})
             try:
                 await asyncio.wait_for(self._rebuild(op, survivors, untrusted), RANK_RECOVER_TIMEOUT_S + 30)
                 op.state = OpState.SUCCEEDED.value
@@ -121,36 +121,35 @@ class Recovery:
                 o.router.paused = False
             finally:
                 op.finished = time.time()
-                o._record(op)
+                o.record(op)
             return to_builtins(op)
 
     async def _rebuild(self, op: Operation, survivors: list[int], untrusted: tuple[int, ...]) -> None:
-        o = self.orch
+        o, cfg = self.world, self.cfg
         assert o.layout is not None
-        need = min_world_size(o.cfg.num_experts, o.cfg.slots_per_rank)
+        need = min_world_size(cfg.num_experts, cfg.slots_per_rank)
         if len(survivors) < need:
-            raise RuntimeError(f"{len(survivors)} surviving rank(s) cannot hold {o.cfg.num_experts} experts "
+            raise RuntimeError(f"{len(survivors)} surviving rank(s) cannot hold {cfg.num_experts} experts "
                                f"({need} needed); `eepctl repair` or `eepctl up` again")
         old_members = list(o.members)
         for r in op.dead_ranks:
-            await _quiet(o.clients[r].kill())
+            await quiet(o.clients[r].kill())
         if o.store_host in op.dead_ranks:  # the store died with its host: a survivor hosts a new one
             t = time.time()
-            o.store = await o.clients[survivors[0]].host_store(timeout=30)
-            o.store_host = survivors[0]
-            self.emit(op, "regroup", t, time.time(), new_store_host=survivors[0])
+            o.move_store(await o.clients[survivors[0]].host_store(timeout=30), survivors[0])
+            o.phase_done(op, "regroup", t, time.time(), new_store_host=survivors[0])
         old = o.layout
         kept = tuple(e for r in survivors for e in old.local_logical(old_members.index(r)))
         previous = ExpertLayout(old.num_logical, old.slots_per_rank, len(survivors), kept)
         new_layout = build_layout(old.num_logical, old.slots_per_rank, len(survivors), None, previous)
         plan = TransitionPlan(op_id=op.op_id, kind="recover", old_size=len(old_members), new_size=len(survivors),
-                              rdzv=o._rdzv(op.op_id), old_layout=old, new_layout=new_layout,
+                              rdzv=o.rendezvous(op.op_id), old_layout=old, new_layout=new_layout,
                               timeout_s=RANK_RECOVER_TIMEOUT_S, old_members=tuple(old_members),
                               new_members=tuple(survivors), untrusted=untrusted)
         op.plan = {"members": survivors, "dead": op.dead_ranks, "layout": new_layout.to_dict()}
         t = time.time()
         clients = {r: o.clients[r] for r in survivors}
-        results = await o._all(clients, "recover", lambda c: c.recover(plan, timeout=RANK_RECOVER_TIMEOUT_S))
+        results = await World.call_all(clients, "recover", lambda c: c.recover(plan, timeout=RANK_RECOVER_TIMEOUT_S))
         end = time.time()
         restored: set[int] = set()
         for r, res in results.items():
@@ -161,21 +160,12 @@ class Recovery:
         spans = [res.get("phase_s", {}) for res in results.values()]
         for name in ("abort", "regroup", "restore_experts", "warm+capture"):
             op.phase_durations[name] = round(max((s.get(name, 0.0) for s in spans), default=0.0), 6)
-        self.emit(op, "rebuild", t, end, restored_from_weight_source=sorted(restored))
-        o.clients = clients
-        o.members = list(survivors)
-        o.layout = new_layout
+        o.phase_done(op, "rebuild", t, end, restored_from_weight_source=sorted(restored))
         for r in op.dead_ranks:
             o.forget_rank(r)
         t = time.time()
-        o.router.set_ranks(clients)
+        o.adopt(clients, new_layout)
         op.rerouted_requests = o.router.rerouted
         await o.router.resume()
-        self.emit(op, "resume", t, time.time(), rerouted=o.router.rerouted)
+        o.phase_done(op, "resume", t, time.time(), rerouted=o.router.rerouted)
 
-
-async def _quiet(aw: Any) -> Any:
-    try:
-        return await aw
-    except Exception as e:  # noqa: BLE001 - best effort (probes, cleanup)
-        return e

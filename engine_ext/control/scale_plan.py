@@ -24,7 +24,7 @@ class ScalePlan:
     expert_moves: list[dict[str, int]] = field(default_factory=list)
     layout: dict[str, Any] = field(default_factory=dict)
     noop: bool = False
-    capture_memory: dict[str, Any] = field(default_factory=dict)  # engine.capture_memory.policy_memory
+    capture_memory: dict[str, Any] = field(default_factory=dict)  # engine_ext.capture_memory.policy_memory
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -39,8 +39,9 @@ def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int
                loads: list[float], members: list[int] | None = None, next_rank: int | None = None) -> ScalePlan:
     """The plan from ``layout``'s world to ``target`` ranks, re-balanced by the measured ``loads``.
 
-    ``members`` are the current global ranks in position order and ``next_rank`` the first
-    fresh one (after a recovery they are not 0..N-1); by default no rank ever died."""
+    ``members`` are the current global ranks in position order (after a recovery they are not
+    0..N-1) and ``next_rank`` the first joiner's: the one after the last member's, so a number
+    freed by a scale-down or a death is taken again. By default no rank ever died."""
     cur = layout.world_size
     plan = ScalePlan(op_id, cur, target, noop=(target == cur))
     if plan.noop:

@@ -1,7 +1,7 @@
 """The standby pool: K ranks launched ahead so a scale-up skips its launch phase.
 
 A standby is a rank process started, torch imported, model built and KV allocated, named
-``<deployment>_standby<N>`` (engine.standby_rank), in no DP group and serving nothing: its step
+``<deployment>_standby<N>`` (engine_ext.rank.standby), in no DP group and serving nothing: its step
 loop is not running, so it idles at near-zero CPU. The spawner asks the pool first
 (``take``): the standby is adopted as the joiner's DP rank (identity re-based to ``_dp<rank>``)
 and the rest are launched as before. After the operation the pool refills in the background;

@@ -8,145 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import Any
 
 import ray
 
-from engine_ext.elastic.eplb import ExpertLayout
-from engine_ext.elastic.identity import dp_suffixed
-from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.config import EngineConfig
 from engine_ext.control.orchestrator import Orchestrator
-from engine_ext.control.rank_client import RankClient
-from engine_ext.control.standby_pool import StandbyPool
-from engine_ext.elastic.identity import standby_identity
-from engine_ext.protocol import EepError, ExitCode, OpState
+from engine_ext.protocol import EepError, ExitCode
 from engine_ext.ray import placement
 from engine_ext.ray.names import registry_name
-from engine_ext.ray.rank_actor import RankActor
-from engine_ext.ray.standby import adopt_placement, make_pool
-
-
-class RayRankClient(RankClient):
-    """A rank actor, called through its ``call`` method (checked against RANK_METHODS there)."""
-
-    def __init__(self, rank: int, handle: Any, pid: int, release: Any = None) -> None:
-        self.rank = rank
-        self.handle = handle
-        self._pid = pid
-        self._release = release  # frees the rank's placement group once the rank is gone
-        self._watch: asyncio.Task | None = None
-
-    def watch(self, on_death: Any) -> None:
-        """Call ``on_death(rank, cause)`` the moment the actor dies (its pending ``until_dead`` raises)."""
-        async def wait() -> None:
-            try:
-                await self.handle.until_dead.remote()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - RayActorError: the process is gone
-                on_death(self.rank, f"actor died: {str(e).strip().splitlines()[0][:200]}")
-
-        self._watch = asyncio.ensure_future(wait())
-
-    def pid(self) -> int:
-        return self._pid
-
-    async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
-        return await asyncio.wait_for(self.handle.call.remote(method, *args), timeout)
-
-    async def kill(self) -> None:
-        try:
-            ray.kill(self.handle, no_restart=True)
-        except Exception:
-            pass
-        if self._release is not None:
-            self._release()
-
-
-class RaySpawner:
-    """Launches rank actors, each in a placement group of its own on the node the deployment's
-    placement policy picks (engine_ext/ray/placement.py)."""
-
-    def __init__(self, deployment: str, namespace: str, cfg: EngineConfig, cpus: float, gpus: float,
-                 spec: placement.PlacementSpec | None = None) -> None:
-        self.deployment = deployment
-        self.namespace = namespace
-        self.cfg = cfg
-        self.cpus = cpus
-        self.gpus = gpus
-        self.on_death: Any = lambda rank, cause: None
-        self.spec = spec or placement.PlacementSpec()
-        self.rank_nodes: dict[int, placement.Node] = {}
-        self._pgs: dict[int, Any] = {}
-        self._planned: dict[int, placement.Node] = {}  # the last preflight's node per new rank
-        self.pool: StandbyPool | None = None  # ranks launched ahead (engine_ext/ray/standby.py)
-
-    def _held(self) -> Counter[str]:
-        return Counter(n.node_id for n in self.rank_nodes.values())
-
-    def check_capacity(self, new_ranks: int) -> str | None:
-        """None when the policy can place ``new_ranks`` more ranks, else why not."""
-        self._planned = {}
-        if new_ranks <= 0:
-            return None
-        try:
-            nodes = placement.predict_nodes(self.spec.policy, self._held(), new_ranks, self.cpus, self.gpus)
-        except placement.PlacementError as e:
-            return str(e)
-        first = len(self.rank_nodes)
-        self._planned = {first + i: n for i, n in enumerate(nodes)}
-        return None
-
-    def predicted(self) -> list[dict[str, Any]]:
-        """The node of each new rank, as the last check_capacity planned it (for `--dry-run`)."""
-        return [{"rank": r, "node_id": n.node_id, "node_ip": n.ip} for r, n in sorted(self._planned.items())]
-
-    def forget(self, rank: int) -> None:
-        self.rank_nodes.pop(rank, None)
-        pg = self._pgs.pop(rank, None)
-        if pg is not None:
-            placement.release(pg)
-
-    async def spawn(self, rank: int, layout: ExpertLayout, joining: bool, standby: int = -1) -> RayRankClient:
-        if joining and standby < 0 and self.pool is not None and (c := await self.pool.take(rank, layout)) is not None:
-            return adopt_placement(self, c, rank)  # type: ignore[arg-type]  # engine_ext/ray/standby.py
-        base = self.cfg.instance_id or self.deployment
-        identity = dp_suffixed(base, rank) if standby < 0 else standby_identity(base, standby)
-        device = "cuda" if self.gpus > 0 else "cpu"
-        node = self._planned.pop(rank, None)
-        if node is None:
-            try:
-                node = placement.predict_nodes(self.spec.policy, self._held(), 1, self.cpus, self.gpus)[0]
-            except placement.PlacementError as e:
-                raise EepError(str(e)) from None
-        self.rank_nodes[rank] = node  # before any await: concurrent joiners see this rank's node
-        try:
-            pg = await placement.reserve(node, self.cpus, self.gpus, self.spec.policy, f"{identity}-pg")
-        except BaseException:
-            self.rank_nodes.pop(rank, None)
-            raise
-        self._pgs[rank] = pg
-        actor = ray.remote(RankActor).options(
-            name=identity, namespace=self.namespace, lifetime="detached", num_cpus=self.cpus,
-            num_gpus=self.gpus, max_concurrency=64, max_restarts=0, scheduling_strategy=placement.scheduling(pg),
-        )
-        try:
-            handle = actor.remote(self.cfg.to_dict(), self.deployment, self.namespace, rank, layout.to_dict(),
-                                  joining, device, self.spec.ifname, standby)
-        except ValueError as e:  # the name is taken: refuse a duplicate identity (I1)
-            self.forget(rank)
-            raise EepError(f"identity {identity} is already taken by a live actor: {e}") from None
-        try:
-            pid = await asyncio.wait_for(handle.pid.remote(), 120)
-        except BaseException:
-            ray.kill(handle, no_restart=True)
-            self.forget(rank)
-            raise
-        client = RayRankClient(rank, handle, pid, release=lambda: self.forget(rank))
-        client.watch(lambda r, cause: self.on_death(r, cause))
-        return client
+from engine_ext.ray.spawner import RaySpawner
+from engine_ext.ray.standby import make_pool
 
 
 class Controller:
@@ -165,7 +38,7 @@ class Controller:
                                  on_rank_failure=on_rank_failure)
         self.spawner.on_death = self._on_death
         self._tasks: dict[str, asyncio.Task] = {}
-        self.spawner.pool = make_pool(self, standby) if standby > 0 else None
+        self.spawner.pool = make_pool(self.spawner, self.orch.world, self._forget_rank, standby) if standby > 0 else None
         self._pool_watch: asyncio.Task | None = None
         self.started_at = time.time()
         # Registry recreation: what a new registry must be given back (info, ops, own events).
@@ -268,7 +141,7 @@ class Controller:
     async def set_standby(self, count: int) -> dict[str, Any]:
         """``eepctl standby --count``: keep ``count`` ranks launched ahead (0 stops them)."""
         if self.spawner.pool is None:
-            self.spawner.pool = make_pool(self, count)
+            self.spawner.pool = make_pool(self.spawner, self.orch.world, self._forget_rank, count)
         await self.spawner.pool.resize(count)
         if self._pool_watch is None:
             self._pool_watch = asyncio.ensure_future(self.spawner.pool.watch(2.0))
@@ -277,7 +150,7 @@ class Controller:
     async def info(self) -> dict[str, Any]:
         self._info_dead()
         return {"deployment": self.deployment, "dp": self.orch.size, "max_dp": self.orch.max_dp,
-                "desired_dp": self.orch.desired, "on_rank_failure": self.orch.on_rank_failure,
+                "desired_dp": self.orch.desired, "on_rank_failure": str(self.orch.on_rank_failure),
                 "dead": self._dead_shown(),
                 "ranks": {str(r): c.pid() for r, c in self.orch.clients.items()},
                 "running_op": self.orch.busy(),
@@ -308,7 +181,7 @@ class Controller:
 
     def _info_dead(self) -> None:
         """The registry's info carries desired size, policy and dead ranks (``eepctl status``)."""
-        extra = {"desired_dp": self.orch.desired, "on_rank_failure": self.orch.on_rank_failure,
+        extra = {"desired_dp": self.orch.desired, "on_rank_failure": str(self.orch.on_rank_failure),
                  "members": list(self.orch.members),
                  "dead": self._dead_shown(), "control_node": _this_node()}
         self._info.update(extra)
@@ -362,35 +235,18 @@ class Controller:
             return _error(e)
 
     async def scale(self, target: int, drain_timeout_s: float, timeout_s: float, wait: bool) -> dict[str, Any]:
-        busy = self.orch.busy()
-        if busy is not None:
-            return _error_code(ExitCode.PRECONDITION, f"a scale is already running: {busy}; one at a time")
-        await self.orch.recovery.wait()  # a recovery under way finishes first (single flight)
-        if any(r in self.orch.recovery.dead for r in self.orch.members):
-            healed = await self.orch.recovery.recover()  # `scale` on a degraded deployment heals it first
-            if healed.get("state") not in (None, OpState.SUCCEEDED.value):
-                return _error_code(ExitCode.PRECONDITION, f"cannot scale {self.deployment!r}: its recovery "
-                                   f"{healed.get('op_id')} failed ({healed.get('error')}); see `eepctl events`")
+        """Admit a scale (a recovery under way finishes first; a degraded deployment heals first;
+        every rank must answer), then run it in a task that outlives this call (``--no-wait``)."""
         try:
-            self.orch.check_target(target)
-            if target != self.orch.size:
-                reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size))
-                if reason:
-                    return _error_code(ExitCode.PRECONDITION, reason)
-                await self.orch.check_ranks()
+            admitted = await self.orch.admit(target, settle=True, probe_ranks=True)
         except EepError as e:
             return _error(e)
-        op_id = new_op_id()
-        task = asyncio.ensure_future(self.orch.scale(target, drain_timeout_s=drain_timeout_s,
-                                                     timeout_s=timeout_s, op_id=op_id))
+        op_id = admitted.op.op_id
+        task = asyncio.ensure_future(self.orch.run(admitted, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s))
         self._tasks[op_id] = task
-        await asyncio.sleep(0)  # let the task take the single-flight lock
         if not wait:
             return {"op_id": op_id, "state": "running", "accepted": True}
-        try:
-            return await task
-        except EepError as e:
-            return _error(e)
+        return await task
 
     async def wait_op(self, op_id: str, timeout_s: float) -> dict[str, Any]:
         task = self._tasks.get(op_id)

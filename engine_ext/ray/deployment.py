@@ -65,10 +65,14 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     are killed again, so a failed ``up`` leaves nothing behind."""
     import ray
 
+    from engine_ext.config import EngineConfig
     from engine_ext.ray.controller import Controller
     from engine_ext.ray.placement import on_this_node
     from engine_ext.ray.registry import Registry
 
+    engine_cfg = EngineConfig.from_dict(cfg)
+    engine_cfg.size_captures_for(max_dp)
+    cfg = engine_cfg.to_dict()
     registry = ray.remote(Registry).options(name=registry_name(name), namespace=namespace, lifetime="detached",
                                             num_cpus=0, scheduling_strategy=on_this_node()).remote(name)
     info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,

@@ -1,19 +1,20 @@
 """The standby pool on Ray (engine_ext.control.standby_pool): standby rank actors launched by the
 RaySpawner under the actor name ``<base>_standby<N>`` (a Ray actor name cannot change, so an
 adopted rank keeps it while its identity becomes ``_dp<rank>``), each in a placement group of its
-own that moves to the DP rank it becomes."""
+own that moves to the DP rank it becomes (``RaySpawner.spawn``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from engine_ext.elastic.identity import strip_dp_suffix
+from engine_ext.control.rank_client import RankClient
 from engine_ext.control.standby_pool import StandbyPool
-from engine_ext.elastic.identity import STANDBY_RANK_BASE
+from engine_ext.control.world import World
+from engine_ext.elastic.identity import strip_dp_suffix
 
 if TYPE_CHECKING:
-    from engine_ext.control.rank_client import RankClient
-    from engine_ext.ray.controller import Controller, RaySpawner, RayRankClient
+    from engine_ext.ray.spawner import RaySpawner
 
 
 async def _alive(client: RankClient) -> bool:
@@ -24,27 +25,17 @@ async def _alive(client: RankClient) -> bool:
         return False
 
 
-def make_pool(ctl: Controller, size: int) -> StandbyPool:
-    """The controller's pool: launches through its spawner, refills when no operation runs."""
-    async def launch(n: int) -> Any:
-        assert ctl.orch.layout is not None
-        return await ctl.spawner.spawn(STANDBY_RANK_BASE + n, ctl.orch.layout, True, standby=n)
+async def _kill(client: RankClient) -> None:
+    await client.kill()
 
-    async def kill(c: RankClient) -> None:
-        await c.kill()  # type: ignore[attr-defined]
 
-    pool = StandbyPool(size, launch, _alive, kill, ctl._forget_rank, lambda: ctl.orch.running_op() is not None)
-    pool.identity_base = strip_dp_suffix(ctl.cfg.instance_id or ctl.deployment)
+def make_pool(spawner: RaySpawner, world: World, forget: Callable[[int], None], size: int) -> StandbyPool:
+    """A deployment's pool: launches through its spawner for the world's layout, refills when no
+    operation runs; ``forget`` drops a standby's record from the registry."""
+    async def launch(n: int) -> RankClient:
+        assert world.layout is not None
+        return await spawner.launch_standby(n, world.layout)
+
+    pool = StandbyPool(size, launch, _alive, _kill, forget, lambda: world.running_op() is not None)
+    pool.identity_base = strip_dp_suffix(spawner.cfg.instance_id or spawner.deployment)
     return pool
-
-
-def adopt_placement(spawner: RaySpawner, client: RayRankClient, rank: int) -> RayRankClient:
-    """Move the standby's node and placement group to the DP rank it became."""
-    old = client.rank
-    if old in spawner.rank_nodes:
-        spawner.rank_nodes[rank] = spawner.rank_nodes.pop(old)
-    if old in spawner._pgs:
-        spawner._pgs[rank] = spawner._pgs.pop(old)
-    client.rank = rank
-    client._release = lambda: spawner.forget(rank)
-    return client

@@ -1,0 +1,140 @@
+"""Admission of a scale: the one place that decides whether a scale may run.
+
+``Admission.admit`` checks, in this order, that no operation runs (I9), that a recovery under
+way has finished and a degraded world has healed (when asked), that the target is in range,
+that the cluster has room for the joiners and that every current rank answers (when asked).
+It returns the admitted plan and operation while holding the world's single-flight lock, or
+raises the ``EepError`` that says why not; the run that follows never checks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine_ext.capture_memory import policy_memory
+from engine_ext.config import EngineConfig
+from engine_ext.control.scale_plan import ScalePlan, plan_scale
+from engine_ext.control.spawner import Spawner
+from engine_ext.control.standby_pool import mark_pool_joiners
+from engine_ext.control.world import World, quiet, short_error
+from engine_ext.elastic.eplb import min_world_size
+from engine_ext.elastic.transition_plan import new_op_id
+from engine_ext.protocol import Operation, OpState, PreconditionError, UsageError
+
+if TYPE_CHECKING:
+    from engine_ext.control.recovery import Recovery
+
+
+@dataclass
+class Admitted:
+    """A scale that may run: its plan and operation record. The world's lock is held for it."""
+
+    plan: ScalePlan
+    op: Operation
+
+
+class Admission:
+    """Admits scales to one deployment's world."""
+
+    def __init__(self, world: World, cfg: EngineConfig, spawner: Spawner, recovery: Recovery,
+                 max_dp: int) -> None:
+        self.world = world
+        self.cfg = cfg
+        self.spawner = spawner
+        self.recovery = recovery
+        self.max_dp = max_dp
+
+    async def admit(self, target: int, *, op_id: str | None = None, settle: bool = False,
+                    probe_ranks: bool = False) -> Admitted:
+        """Admit a scale to ``target`` ranks, or raise. ``settle``: first wait for a recovery under
+        way and heal a degraded world. ``probe_ranks``: refuse when a current rank does not answer
+        (a transition needs every rank of the old world)."""
+        if settle and self.world.busy() is None:  # a busy world is refused below, not waited for
+            await self.settle_recovery()
+        self.refuse_if_busy()
+        self.check_target(target)
+        await self.world.op_lock.acquire()  # free: nothing awaited since the last check
+        try:
+            plan = await self.compose(target, op_id)
+            op = Operation(plan.op_id, self.world.name, plan.from_size, plan.to_size, plan=plan.to_dict())
+            if not plan.noop:
+                reason = self.spawner.check_capacity(max(0, target - self.world.size))
+                if reason:
+                    raise PreconditionError(reason)
+                if probe_ranks:
+                    await self.check_ranks()
+        except BaseException:
+            self.world.op_lock.release()
+            raise
+        return Admitted(plan, op)
+
+    def refuse_if_busy(self) -> None:
+        busy = self.world.busy()
+        if busy is not None:
+            raise PreconditionError(f"a scale is already running: {busy}; one at a time")
+
+    def check_target(self, size: int) -> None:
+        if size < 1:
+            raise UsageError(f"--dp must be >= 1, got {size}")
+        if size > self.max_dp:
+            raise PreconditionError(f"target DP size {size} is over this deployment's max DP {self.max_dp}")
+        need = min_world_size(self.cfg.num_experts, self.cfg.slots_per_rank)
+        if size < need:
+            raise PreconditionError(
+                f"{self.cfg.num_experts} experts at {self.cfg.slots_per_rank} slots per rank need at least {need} ranks"
+            )
+
+    async def settle_recovery(self) -> None:
+        """A recovery under way finishes first; a degraded world (a member dead and not yet
+        recovered) is healed before it is scaled."""
+        await self.recovery.wait()
+        if any(r in self.recovery.dead for r in self.world.members):
+            healed = await self.recovery.recover()
+            if healed.get("state") not in (None, OpState.SUCCEEDED.value):
+                raise PreconditionError(f"cannot scale {self.world.name!r}: its recovery {healed.get('op_id')} "
+                                        f"failed ({healed.get('error')}); see `eepctl events`")
+
+    async def compose(self, target: int, op_id: str | None = None) -> ScalePlan:
+        """The plan to ``target`` ranks (``target`` already checked), re-balanced by the measured loads."""
+        w = self.world
+        assert w.layout is not None
+        loads = [] if target == w.size else await self._loads()
+        plan = plan_scale(op_id or new_op_id(), self.cfg.instance_id or w.name, w.layout, target, loads,
+                          w.members, max(w.members, default=-1) + 1)
+        plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
+        mark_pool_joiners(plan, self.spawner.pool)
+        return plan
+
+    async def _loads(self) -> list[float]:
+        total = [0.0] * self.cfg.num_experts
+        for c in self.world.clients.values():
+            try:
+                st = await c.status(timeout=5)
+            except Exception:
+                continue
+            for e, v in enumerate(st.get("eplb_logical_load", [])):
+                total[e] += v
+        return total
+
+    async def check_ranks(self, timeout_s: float = 3.0) -> None:
+        """Refuse a transition (exit 4) when any current rank does not answer or has failed:
+        a transition needs every rank of the old world, and a dead one would only end in a
+        rollback after a rendezvous timeout."""
+        clients = self.world.clients
+        ranks = sorted(clients)
+        probes = await asyncio.gather(*(quiet(clients[r].status(timeout=timeout_s)) for r in ranks))
+        bad: list[str] = []
+        for r, st in zip(ranks, probes):
+            if not isinstance(st, dict):
+                why = "did not answer in time" if isinstance(st, asyncio.TimeoutError) else f"is dead ({short_error(st)})"
+                bad.append(f"rank {r} {why}")
+            elif st.get("state") == "failed":
+                bad.append(f"rank {r} failed ({st.get('state_reason') or 'no reason given'})")
+        if bad:
+            name = self.world.name
+            raise PreconditionError(
+                f"cannot scale {name!r}: {'; '.join(bad)}; a transition needs every current rank. "
+                f"`eepctl repair --name {name}` rebuilds the world without it",
+                detail={"bad_ranks": bad})

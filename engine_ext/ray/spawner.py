@@ -1,0 +1,169 @@
+"""Rank actors on Ray: ``RaySpawner`` launches them (each in a placement group of its own, on the
+node the deployment's placement policy picks) and ``RayRankClient`` calls them.
+
+``RaySpawner`` is the ``Spawner`` (engine_ext.control.spawner) of the Ray controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from engine_ext.config import EngineConfig
+from engine_ext.control.rank_client import RankClient
+from engine_ext.control.standby_pool import StandbyPool
+from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.elastic.identity import STANDBY_RANK_BASE, dp_suffixed, standby_identity
+from engine_ext.protocol import EepError
+from engine_ext.ray import placement
+from engine_ext.ray.rank_actor import RankActor
+
+
+class RayRankClient(RankClient):
+    """A rank actor, called through its ``call`` method (checked against RANK_METHODS there)."""
+
+    def __init__(self, rank: int, handle: Any, pid: int, release: Callable[[], None] | None = None) -> None:
+        self.rank = rank
+        self.handle = handle
+        self._pid = pid
+        self._release = release  # frees the rank's placement group once the rank is gone
+        self._watch: asyncio.Task | None = None
+
+    def renumber(self, rank: int, release: Callable[[], None]) -> None:
+        """The rank became DP rank ``rank`` (an adopted standby): its placement is released as that."""
+        self.rank = rank
+        self._release = release
+
+    def watch(self, on_death: Any) -> None:
+        """Call ``on_death(rank, cause)`` the moment the actor dies (its pending ``until_dead`` raises)."""
+        async def wait() -> None:
+            try:
+                await self.handle.until_dead.remote()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - RayActorError: the process is gone
+                on_death(self.rank, f"actor died: {str(e).strip().splitlines()[0][:200]}")
+
+        self._watch = asyncio.ensure_future(wait())
+
+    def pid(self) -> int:
+        return self._pid
+
+    async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
+        return await asyncio.wait_for(self.handle.call.remote(method, *args), timeout)
+
+    async def kill(self) -> None:
+        try:
+            ray.kill(self.handle, no_restart=True)
+        except Exception:
+            pass
+        if self._release is not None:
+            self._release()
+
+
+class RaySpawner:
+    """Launches rank actors, each in a placement group of its own on the node the deployment's
+    placement policy picks (engine_ext/ray/placement.py)."""
+
+    def __init__(self, deployment: str, namespace: str, cfg: EngineConfig, cpus: float, gpus: float,
+                 spec: placement.PlacementSpec | None = None) -> None:
+        self.deployment = deployment
+        self.namespace = namespace
+        self.cfg = cfg
+        self.cpus = cpus
+        self.gpus = gpus
+        self.on_death: Any = lambda rank, cause: None
+        self.spec = spec or placement.PlacementSpec()
+        self.rank_nodes: dict[int, placement.Node] = {}
+        self._pgs: dict[int, Any] = {}
+        self._planned: dict[int, placement.Node] = {}  # the last preflight's node per new rank
+        self.pool: StandbyPool | None = None  # ranks launched ahead (engine_ext/ray/standby.py)
+
+    def _held(self) -> Counter[str]:
+        return Counter(n.node_id for n in self.rank_nodes.values())
+
+    def check_capacity(self, new_ranks: int) -> str | None:
+        """None when the policy can place ``new_ranks`` more ranks, else why not."""
+        self._planned = {}
+        if new_ranks <= 0:
+            return None
+        try:
+            nodes = placement.predict_nodes(self.spec.policy, self._held(), new_ranks, self.cpus, self.gpus)
+        except placement.PlacementError as e:
+            return str(e)
+        first = len(self.rank_nodes)
+        self._planned = {first + i: n for i, n in enumerate(nodes)}
+        return None
+
+    def predicted(self) -> list[dict[str, Any]]:
+        """The node of each new rank, as the last check_capacity planned it (for `--dry-run`)."""
+        return [{"rank": r, "node_id": n.node_id, "node_ip": n.ip} for r, n in sorted(self._planned.items())]
+
+    def adopt_standby(self, client: RayRankClient, rank: int) -> RayRankClient:
+        """A standby became DP rank ``rank``: its node and placement group move with it."""
+        old = client.rank
+        if old in self.rank_nodes:
+            self.rank_nodes[rank] = self.rank_nodes.pop(old)
+        if old in self._pgs:
+            self._pgs[rank] = self._pgs.pop(old)
+        client.renumber(rank, release=lambda: self.forget(rank))
+        return client
+
+    def forget(self, rank: int) -> None:
+        self.rank_nodes.pop(rank, None)
+        pg = self._pgs.pop(rank, None)
+        if pg is not None:
+            placement.release(pg)
+
+    async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> RayRankClient:
+        """DP rank ``rank``; a joiner is a standby from the pool when one is ready."""
+        if joining and self.pool is not None and (c := await self.pool.take(rank, layout)) is not None:
+            assert isinstance(c, RayRankClient)
+            return self.adopt_standby(c, rank)
+        return await self.launch(rank, layout, joining)
+
+    async def launch_standby(self, n: int, layout: ExpertLayout) -> RayRankClient:
+        """Standby ``n`` of the pool: a joining rank at a rank number no world uses."""
+        return await self.launch(STANDBY_RANK_BASE + n, layout, True, standby=n)
+
+    async def launch(self, rank: int, layout: ExpertLayout, joining: bool, standby: int = -1) -> RayRankClient:
+        """A new rank actor in a placement group of its own (``standby`` >= 0: a standby's)."""
+        base = self.cfg.instance_id or self.deployment
+        identity = dp_suffixed(base, rank) if standby < 0 else standby_identity(base, standby)
+        device = "cuda" if self.gpus > 0 else "cpu"
+        node = self._planned.pop(rank, None)
+        if node is None:
+            try:
+                node = placement.predict_nodes(self.spec.policy, self._held(), 1, self.cpus, self.gpus)[0]
+            except placement.PlacementError as e:
+                raise EepError(str(e)) from None
+        self.rank_nodes[rank] = node  # before any await: concurrent joiners see this rank's node
+        try:
+            pg = await placement.reserve(node, self.cpus, self.gpus, self.spec.policy, f"{identity}-pg")
+        except BaseException:
+            self.rank_nodes.pop(rank, None)
+            raise
+        self._pgs[rank] = pg
+        actor = ray.remote(RankActor).options(
+            name=identity, namespace=self.namespace, lifetime="detached", num_cpus=self.cpus,
+            num_gpus=self.gpus, max_concurrency=64, max_restarts=0, scheduling_strategy=placement.scheduling(pg),
+        )
+        try:
+            handle = actor.remote(self.cfg.to_dict(), self.deployment, self.namespace, rank, layout.to_dict(),
+                                  joining, device, self.spec.ifname, standby)
+        except ValueError as e:  # the name is taken: refuse a duplicate identity (I1)
+            self.forget(rank)
+            raise EepError(f"identity {identity} is already taken by a live actor: {e}") from None
+        try:
+            pid = await asyncio.wait_for(handle.pid.remote(), 120)
+        except BaseException:
+            ray.kill(handle, no_restart=True)
+            self.forget(rank)
+            raise
+        client = RayRankClient(rank, handle, pid, release=lambda: self.forget(rank))
+        client.watch(lambda r, cause: self.on_death(r, cause))
+        return client
