@@ -1,8 +1,12 @@
-"""One DP rank of the reference engine: the state its parts share, and ``RankControl``.
+"""One DP rank of the reference engine: it builds the rank's parts and implements ``RankControl``.
 
-The parts are collaborating objects, one concept each: ``StepLoop`` (serving),
-``Warmup`` (warm-up and capture), ``RankTransition`` (the rank side of a transition) and
-``RankTelemetry`` (status, events, heartbeat); ``Faults`` is the one seam tests break it
+The parts are collaborating objects, one concept each: ``StepLoop`` (serving), ``Warmup``
+(warm-up and capture, under either capture policy), ``RankTransition`` (the rank side of a
+transition), ``RankRecovery`` (degrade on a peer's death, rebuild on a recovery plan),
+``ExpertReshuffle`` (expert moves), ``StandbyIdentity`` and ``RankTelemetry`` (events,
+heartbeat). None of them sees this class: each gets ``RankResources`` (what the rank computes
+with), ``RankShared`` (the state its threads share, with its lock discipline) and the few
+collaborators it calls (engine_ext/rank/shared.py). ``Faults`` is the one seam tests break it
 through. Ray-free: the Ray actor (engine_ext.ray.rank_actor) and the process launcher
 (engine_ext.launcher) both drive this class, so hosts without Ray run the same code.
 """
