@@ -48,7 +48,8 @@ class RankShared:
     reads ``group`` without the lock: the reference swaps only at a commit on that thread or while
     the step loop is halted. ``halting`` is an Event, set from any thread (a peer died) and cleared
     only by recovery once the step loop stopped. ``state`` changes only through ``RankTelemetry.set_state``,
-    which publishes it with its reason (the step loop also notes a refused replay in the reason). Counters (``steps``,
+    which publishes it with its reason (a refused replay and a fault's hold also note
+    themselves in the reason). Counters (``steps``,
     ``stale_replays_refused``) are written by the step thread alone.
     """
 
