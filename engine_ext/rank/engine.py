@@ -244,7 +244,7 @@ class RankEngine:
     def add_request(self, wire: dict[str, Any]) -> None:
         """Queue a request, or raise RankRefused with the code the router decides on."""
         shared = self.shared
-        code = Refusal.STOPPED if shared.stopping else _REFUSING.get(shared.state)
+        code = _REFUSING.get(shared.state) or (Refusal.STOPPED if shared.stopping else None)
         if code is not None:
             raise RankRefused(f"rank {shared.rank} is {code.value} and takes no requests"
                               + (f": {shared.state_reason}" if shared.state_reason else ""), code)
