@@ -37,8 +37,8 @@ from engine_ext.model.seeded_source import SeededWeightSource
 from engine_ext.protocol import RankState, RankStatus, to_builtins
 from engine_ext.rank.capture_reuse import CaptureReuse, max_world_handle
 from engine_ext.rank.faults import Faults
-from engine_ext.rank.reshuffle import ExpertReshuffle
 from engine_ext.rank.recovery import RankRecovery
+from engine_ext.rank.reshuffle import ExpertReshuffle
 from engine_ext.rank.scheduler import Request, Scheduler
 from engine_ext.rank.shared import RankResources, RankShared
 from engine_ext.rank.standby import StandbyIdentity

@@ -88,7 +88,7 @@ class StepLoop:
                     self.idle()
                     continue
                 self.step(items, hdr)
-        except Exception as ex:
+        except Exception as ex:  # noqa: BLE001 - whatever failed, on_error decides what it means
             if not shared.stopping:
                 self.on_error(ex)
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine_ext.protocol import Event, RankState
-from engine_ext.records import to_builtins
 from engine_ext.rank.shared import RankShared
+from engine_ext.records import to_builtins
 
 Sink = Callable[[str, dict[str, Any]], None]  # (kind, payload): "status" | "event" | "results" | "tokens"
 

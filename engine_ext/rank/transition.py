@@ -183,7 +183,7 @@ class RankTransition:
                 self._commit_steps(op)
                 d["pause_s"] = time.time() - t0
             op.result["pause_s"] = time.time() - t0
-        except Exception as ex:
+        except Exception as ex:  # noqa: BLE001 - whatever failed, on_error decides what it means
             op.error = f"commit failed on rank {shared.rank}: {type(ex).__name__}: {ex}"
             self.on_error(ex)  # a peer died: this rank is healthy and waits for recovery; else it failed
             op.done.set()
