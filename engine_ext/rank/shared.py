@@ -43,14 +43,15 @@ class RankShared:
     heartbeat).
 
     Lock discipline: ``lock`` (re-entrant) guards ``group``, ``wake_round``, ``op``,
-    ``commit_ready``, ``current_op``, ``capture_passes``, ``stopping``, ``rank`` and the
-    scheduler's queues; write them only while holding it (the methods below do). The step thread
-    reads ``group`` without the lock: the reference swaps only at a commit on that thread or while
-    the step loop is halted. ``halting`` is an Event, set from any thread (a peer died) and cleared
-    only by recovery once the step loop stopped. ``state`` changes only through ``RankTelemetry.set_state``,
-    which publishes it with its reason (a refused replay and a fault's hold also note
-    themselves in the reason). Counters (``steps``,
-    ``stale_replays_refused``) are written by the step thread alone.
+    ``commit_ready``, ``current_op``, ``stopping``, ``rank`` and the scheduler's queues; write
+    them only while holding it (the methods below do). The step thread reads ``group`` without
+    the lock: the reference swaps only at a commit on that thread or while the step loop is
+    halted. ``halting`` is an Event, set from any thread (a peer died) and cleared only by
+    recovery once the step loop stopped. ``state`` changes only through
+    ``RankTelemetry.set_state``, which publishes it with its reason (a refused replay and a
+    fault's hold also note themselves in the reason). One writer each, no lock:
+    ``capture_passes`` and ``required_workspace`` (the thread running the warm-up, which the
+    operation serializes), ``steps`` and ``stale_replays_refused`` (the step thread).
     """
 
     def __init__(self, rank: int) -> None:
@@ -58,7 +59,7 @@ class RankShared:
         self.rank = rank
         self.group: StatelessGroup | None = None
         self.wake_round = 0  # the idle round of the current group; every rank starts it at 0
-        self.op: OpState | None = None  # the operation this rank is in (RankTransition's, or a recovery's)
+        self.op: OpState | None = None  # the transition this rank is in (kept after commit for wait_op)
         self.commit_ready = False
         self.current_op = ""
         self.capture_passes = 0  # capture passes in the current operation (I4: exactly one)
