@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from engine_ext.records import Refusal
+
 
 class ExitCode(enum.IntEnum):
     """The one exit-code table (README, DESIGN section 7)."""
@@ -62,3 +64,28 @@ def error_from_record(record: dict[str, Any]) -> EepError:
     """Rebuild an error that crossed a process boundary as {"code", "message", "detail"}."""
     cls = _ERRORS_BY_CODE.get(int(record.get("code", 1)), EepError)
     return cls(str(record.get("message", "unknown error")), detail=record.get("detail") or {})
+
+
+class RankRefused(RuntimeError):
+    """A rank takes no requests now; ``code`` says why. It crosses the process pipe pickled
+    (``__reduce__`` keeps the code) and a Ray actor call as the cause of a RayTaskError."""
+
+    def __init__(self, message: str, code: Refusal) -> None:
+        super().__init__(message)
+        self.code = Refusal(code)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.code.value)
+
+
+def refusal_of(error: BaseException) -> Refusal | None:
+    """The refusal code an error carries, on itself, its Ray ``cause`` or what it was raised from."""
+    seen: set[int] = set()
+    cur: BaseException | None = error
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, RankRefused):
+            return cur.code
+        seen.add(id(cur))
+        cause = getattr(cur, "cause", None)
+        cur = cause if isinstance(cause, BaseException) else cur.__cause__
+    return None

@@ -21,6 +21,7 @@ from engine_ext.control.registry_state import RegistryState
 from engine_ext.control.standby_pool import StandbyPool
 from engine_ext.elastic.identity import STANDBY_RANK_BASE
 from engine_ext.config import EngineConfig
+from engine_ext.errors import RankRefused
 from engine_ext.control.orchestrator import Orchestrator
 from engine_ext.control.rank_client import RANK_METHODS, RankClient
 
@@ -51,7 +52,8 @@ def _rank_main(conn: Connection, cfg_d: dict[str, Any], name: str, rank: int, la
             value = getattr(engine, method)(*args)
             send(("reply", call_id, True, value))
         except BaseException as e:  # noqa: BLE001 - the controller gets every failure as a reply
-            send(("reply", call_id, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
+            refusal = e if isinstance(e, RankRefused) else None  # its code crosses the pipe (the router reads it)
+            send(("reply", call_id, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}", refusal))
 
     while True:
         try:
@@ -116,10 +118,15 @@ class ProcessRankClient(RankClient):
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "reply":
-            _, call_id, ok, value = msg
+            _, call_id, ok, value, *refusal = msg
             fut = self._pending.pop(call_id, None)
             if fut is not None and not fut.done():
-                fut.set_result(value) if ok else fut.set_exception(RankCallError(value))
+                if ok:
+                    fut.set_result(value)
+                else:
+                    error = RankCallError(value)
+                    error.__cause__ = refusal[0] if refusal else None
+                    fut.set_exception(error)
         else:
             self.owner.on_report(kind, msg[1])
 

@@ -39,6 +39,22 @@ class RankState(str, enum.Enum):
     DEAD = "dead"  # the process is gone (recorded by the controller, with its cause)
 
 
+class Refusal(str, enum.Enum):
+    """Why a rank refuses a request (``RankRefused.code``); the router parks or fails on it."""
+
+    DEGRADED = "degraded"  # a peer died: a recovery follows and resumes the rank
+    RECOVERING = "recovering"  # the rank is rebuilding the world without the dead ranks
+    REMOVING = "removing"  # committing its removal in a scale-down
+    REMOVED = "removed"  # left the deployment
+    FAILED = "failed"  # broken: it takes nothing until replaced
+    STOPPED = "stopped"  # shutting down
+
+    @property
+    def recovery_coming(self) -> bool:
+        """A recovery that is under way (or follows) resumes the rank: park, do not fail."""
+        return self in (Refusal.DEGRADED, Refusal.RECOVERING)
+
+
 class Phase(str, enum.Enum):
     """Transition phases; the same words for the reference engine and for vLLM."""
 

@@ -14,6 +14,8 @@ import uuid
 from typing import Any
 
 from engine_ext.control.rank_client import RankClient
+from engine_ext.errors import refusal_of
+from engine_ext.records import Refusal
 
 
 class Router:
@@ -61,10 +63,11 @@ class Router:
             self._parked.append(wire)
             return
         refused: dict[int, str] = {}
+        codes: set[Refusal] = set()
         while True:
             rank = self._pick(set(refused))
             if rank is None:
-                if self.unhealthy is None and (self.paused or _recovery_coming(refused.values())):
+                if self.unhealthy is None and (self.paused or any(c.recovery_coming for c in codes)):
                     # A peer died and the survivors saw it before the controller did, or they are
                     # rebuilding: the recovery that follows resumes parked requests.
                     self._parked.append(wire)
@@ -83,6 +86,9 @@ class Router:
                 self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
                 self._owner.pop(wire["request_id"], None)
                 refused[rank] = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+                code = refusal_of(e)  # None: the call itself failed (a dead rank, a timeout)
+                if code is not None:
+                    codes.add(code)
 
     def _resolve(self, res: dict[str, Any]) -> None:
         rid = res["request_id"]
@@ -154,7 +160,3 @@ class Router:
             if rank in ranks:
                 self._resolve({"request_id": rid, "rank": rank, "error": reason})
 
-
-def _recovery_coming(refusals: Any) -> bool:
-    """A rank refused because it is degraded (a peer died) or recovering: a recovery resumes it."""
-    return any(f"is {state} and takes no requests" in m for m in refusals for state in ("degraded", "recovering"))

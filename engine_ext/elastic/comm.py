@@ -8,11 +8,15 @@ lives, and dropped again on rollback.
 from __future__ import annotations
 
 import datetime
+import enum
 import fcntl
+import functools
 import os
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -105,8 +109,54 @@ def store_client(host: str, port: int, timeout_s: float = 60.0, purpose: str = "
     return _clients[key]
 
 
+class GroupFailure(str, enum.Enum):
+    """Why a group's collective or store operation failed, as the transport tells it."""
+
+    PEER_GONE = "peer_gone"  # the other side closed, reset or never answered the connection
+    TIMEOUT = "timeout"  # the backend's or the store's timeout ran out
+    ABORTED = "aborted"  # this process aborted or destroyed the group (recovery stops the step loop so)
+
+
+class GroupError(RuntimeError):
+    """A collective or store operation of a ``StatelessGroup`` failed: a peer (or the store) is
+    gone, not this rank. ``code`` says how; the backend's error is the ``__cause__``."""
+
+    def __init__(self, code: GroupFailure, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+
+
+def _failure_code(ex: BaseException) -> GroupFailure:
+    """The transport's reading of its backend's error (gloo, NCCL and TCPStore say it in words)."""
+    text = str(ex).lower()
+    if isinstance(ex, TimeoutError) or "timeout" in text or "timed out" in text:
+        return GroupFailure.TIMEOUT
+    return GroupFailure.PEER_GONE
+
+
+_Op = TypeVar("_Op", bound=Callable[..., Any])
+
+
+def _collective(fn: _Op) -> _Op:
+    """Raise a backend or connection failure of ``fn`` as a GroupError; local errors (a wrong
+    shape or type: ValueError, TypeError) stay what they are."""
+
+    @functools.wraps(fn)
+    def run(self: StatelessGroup, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except GroupError:
+            raise
+        except (RuntimeError, OSError) as ex:  # torch.distributed.DistError is a RuntimeError
+            code = GroupFailure.ABORTED if self.pg is None else _failure_code(ex)
+            raise GroupError(code, f"{fn.__name__} on {self.rdzv.prefix}: {type(ex).__name__}: {ex}") from ex
+
+    return run  # type: ignore[return-value]
+
+
 class StatelessGroup:
-    """A process group that can be created and dropped at any time."""
+    """A process group that can be created and dropped at any time. Its collectives raise
+    ``GroupError`` (with a ``GroupFailure`` code) when a peer or the store fails."""
 
     def __init__(
         self,
@@ -148,34 +198,53 @@ class StatelessGroup:
 
     def _pg(self) -> dist.ProcessGroup:
         if self.pg is None:
-            raise RuntimeError(f"group {self.rdzv.prefix} was destroyed")
+            raise GroupError(GroupFailure.ABORTED, f"group {self.rdzv.prefix} was destroyed")
         return self.pg
 
+    def wait_wake(self, key: str, timeout: datetime.timedelta) -> bool:
+        """Wait for ``key`` on the wake-up connection: True when it is set, False when the wait
+        timed out (the caller re-arms); a dead store raises GroupError."""
+        try:
+            self.wait_store.wait([key], timeout)
+            return True
+        except (RuntimeError, OSError) as ex:
+            code = _failure_code(ex)
+            if code is GroupFailure.TIMEOUT:
+                return False
+            raise GroupError(code, f"wake-up wait on {self.rdzv.prefix}: {type(ex).__name__}: {ex}") from ex
+
+    @_collective
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         self._pg().allreduce([t], opts).wait()
         return t
 
+    @_collective
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         self._pg().allreduce([t]).wait()
         return t
 
+    @_collective
     def all_gather(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
         self._pg().allgather([outs], [inp]).wait()
 
+    @_collective
     def reduce_scatter(self, out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
         self._pg().reduce_scatter([out], [inputs], dist.ReduceScatterOptions()).wait()
 
+    @_collective
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self._pg().broadcast([t], opts).wait()
         return t
 
+    @_collective
     def barrier(self) -> None:
         self.all_reduce_sum(torch.zeros(1, dtype=torch.int64))
 
+    @_collective
     def exchange(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> None:
         """Post every send (tensor, dst, tag) and recv (tensor, src, tag), then wait for all."""
         pg = self._pg()

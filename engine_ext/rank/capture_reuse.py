@@ -16,18 +16,19 @@ so a capture sized for a smaller world (the ``reuse_sized_for_world`` fault) is 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine_ext.protocol import RankState
+from engine_ext.rank.shared import RankResources, RankShared
+from engine_ext.rank.telemetry import RankTelemetry
 
 if TYPE_CHECKING:
+    from engine_ext.config import EngineConfig
     from engine_ext.elastic.comm import StatelessGroup
-    from engine_ext.rank.engine import RankEngine
+    from engine_ext.rank.faults import Faults
 
 CAPTURE_POLICIES = ("recapture", "reuse")
 
@@ -101,12 +102,15 @@ class MaxWorldGroup:
 
 
 class CaptureReuse:
-    """One rank's side of the ``reuse`` policy."""
+    """One rank's side of the ``reuse`` policy: the max-world handle its captures use, and the
+    check a survivor's kept captures pass in a transition (a joiner's capture is ``Warmup``'s)."""
 
-    def __init__(self, engine: RankEngine, capacity: int) -> None:
-        self.engine = engine
-        self.handle = MaxWorldGroup(lambda: engine.group, capacity)
-        engine.graphs.world_key = self.handle.world_key
+    def __init__(self, handle: MaxWorldGroup, res: RankResources, shared: RankShared,
+                 telemetry: RankTelemetry) -> None:
+        self.handle = handle
+        self.res = res
+        self.shared = shared
+        self.telemetry = telemetry
 
     @property
     def capacity(self) -> int:
@@ -115,7 +119,7 @@ class CaptureReuse:
     def size_at_start(self) -> None:
         """Without a capture world (or under the broken variant), size for the world at launch."""
         if self.handle.capacity <= 0:
-            self.handle.capacity = self.engine.world_size
+            self.handle.capacity = self.shared.world_size
 
     @contextmanager
     def detached(self) -> Iterator[None]:
@@ -127,64 +131,35 @@ class CaptureReuse:
 
     def verify(self) -> list[int]:
         """Every captured size may replay in the live world, else ReusedCaptureError (the check)."""
-        e = self.engine
-        if e.world_size > self.capacity:
+        world, graphs = self.shared.world_size, self.res.graphs
+        if world > self.capacity:
             raise ReusedCaptureError(
                 f"reused capture refused: its buffers are sized for a world of {self.capacity}, "
-                f"the new world has {e.world_size} ranks (size captures for max DP under reuse)")
-        for size in e.graphs.captured_sizes:
-            e.graphs.check(size)  # StaleGraphError if any buffer it reads moved
-        return e.graphs.captured_sizes
+                f"the new world has {world} ranks (size captures for max DP under reuse)")
+        for size in graphs.captured_sizes:
+            graphs.check(size)  # StaleGraphError if any buffer it reads moved
+        return graphs.captured_sizes
 
     def transition(self, op_id: str) -> dict[str, Any]:
         """A survivor under reuse: nothing released, nothing captured; the lock re-checked."""
-        e = self.engine
-        with e.telemetry.phase(op_id, "lock", capture_passes=0, expected_passes=0, capture_policy="reuse",
-                               required_bytes=e.workspace.nbytes) as d:
+        workspace = self.res.workspace
+        with self.telemetry.phase(op_id, "lock", capture_passes=0, expected_passes=0, capture_policy="reuse",
+                                  required_bytes=workspace.nbytes) as d:
             d["reused_sizes"] = self.verify()
-            d["workspace_bytes"] = e.workspace.nbytes
+            d["workspace_bytes"] = workspace.nbytes
             d["capture_world"] = self.capacity
-        e.capture_passes = 0
-        return {"captures_this_op": 0, "capture_policy": "reuse", "workspace_after": e.workspace.nbytes,
-                "kv_blocks_after": e.sched.blocks.total}
-
-    def join(self, op_id: str) -> dict[str, Any]:
-        """A joiner under reuse: size for the capacity, capture once with collectives detached."""
-        e = self.engine
-        self.size_at_start()
-        bound = e.model.moe_workspace_bound(self.capacity)
-        e.telemetry.set_state(RankState.WARMING)
-        with e.telemetry.phase(op_id, "warm", capture_policy="reuse") as d:
-            e.workspace.unlock()
-            e.required_workspace = bound
-            e.workspace.reserve(bound)
-            with e.lock:
-                e.sched.blocks.resize(e.warmup.kv_pool_blocks(e.workspace.nbytes))
-            d.update(workspace_bytes=e.workspace.nbytes, required_bytes=bound, kv_blocks_total=e.sched.blocks.total)
-        e.telemetry.set_state(RankState.CAPTURING)
-        e.graphs.begin_pass()
-        with e.telemetry.phase(op_id, "capture", capture_policy="reuse") as d, self.detached():
-            t0 = time.perf_counter()
-            for size in e.cfg.capture_sizes:
-                e.warmup.capture(size)
-            d.update(sizes=list(e.cfg.capture_sizes), total_s=time.perf_counter() - t0, graph_kind=e.graphs.kind)
-        e.capture_passes = e.graphs.passes_this_op
-        with e.telemetry.phase(op_id, "lock", capture_passes=e.graphs.passes_this_op, expected_passes=1,
-                               capture_policy="reuse", required_bytes=bound) as d:
-            d["workspace_bytes"] = e.workspace.nbytes
-            e.workspace.lock(bound)
-            d["reused_sizes"] = self.verify()
-        return {"captures_this_op": e.graphs.passes_this_op, "capture_policy": "reuse",
-                "workspace_after": e.workspace.nbytes, "kv_blocks_after": e.sched.blocks.total}
+        self.shared.capture_passes = 0
+        return {"captures_this_op": 0, "capture_policy": "reuse", "workspace_after": workspace.nbytes,
+                "kv_blocks_after": self.res.sched.blocks.total}
 
 
-def reuse_for(engine: RankEngine) -> CaptureReuse | None:
-    """The rank's reuse state under ``capture_policy = reuse``, else None (recapture)."""
-    cfg = engine.cfg
+def max_world_handle(cfg: EngineConfig, faults: Faults, shared: RankShared) -> MaxWorldGroup | None:
+    """The group handle captures use under ``capture_policy = reuse``, else None (recapture)."""
     if cfg.capture_policy not in CAPTURE_POLICIES:
         raise ValueError(f"capture_policy must be one of {CAPTURE_POLICIES}, not {cfg.capture_policy!r}")
     if cfg.capture_policy != "reuse":
         return None
-    # The broken variant sizes for the world at launch, as if max DP had been forgotten.
-    capacity = 0 if engine.faults.active("reuse_sized_for_world") else cfg.capture_world
-    return CaptureReuse(engine, capacity)
+    # The capacity is max DP; without one (or under the broken variant, which forgets it), the
+    # world at launch (``size_at_start``).
+    capacity = 0 if faults.active("reuse_sized_for_world") else cfg.capture_world
+    return MaxWorldGroup(lambda: shared.group, capacity)

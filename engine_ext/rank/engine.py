@@ -1,8 +1,12 @@
-"""One DP rank of the reference engine: the state its parts share, and ``RankControl``.
+"""One DP rank of the reference engine: it builds the rank's parts and implements ``RankControl``.
 
-The parts are collaborating objects, one concept each: ``StepLoop`` (serving),
-``Warmup`` (warm-up and capture), ``RankTransition`` (the rank side of a transition) and
-``RankTelemetry`` (status, events, heartbeat); ``Faults`` is the one seam tests break it
+The parts are collaborating objects, one concept each: ``StepLoop`` (serving), ``Warmup``
+(warm-up and capture, under either capture policy), ``RankTransition`` (the rank side of a
+transition), ``RankRecovery`` (degrade on a peer's death, rebuild on a recovery plan),
+``ExpertReshuffle`` (expert moves), ``StandbyIdentity`` and ``RankTelemetry`` (events,
+heartbeat). None of them sees this class: each gets ``RankResources`` (what the rank computes
+with), ``RankShared`` (the state its threads share, with its lock discipline) and the few
+collaborators it calls (engine_ext/rank/shared.py). ``Faults`` is the one seam tests break it
 through. Ray-free: the Ray actor (engine_ext.ray.rank_actor) and the process launcher
 (engine_ext.launcher) both drive this class, so hosts without Ray run the same code.
 """
@@ -12,11 +16,13 @@ from __future__ import annotations
 import copy
 import os
 import socket
-import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from engine_ext.config import EngineConfig
 from engine_ext.elastic.comm import StatelessGroup, configure_node, host_store, local_ip
 from engine_ext.elastic.eplb import EplbState, ExpertLayout
 from engine_ext.elastic.graphs import GraphManager
@@ -25,23 +31,48 @@ from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.elastic.transition_plan import TransitionPlan
 from engine_ext.elastic.weight_source import WeightSource
 from engine_ext.elastic.workspace import WorkspaceManager
-from engine_ext.config import EngineConfig
-from engine_ext.rank.faults import Faults
+from engine_ext.errors import RankRefused
 from engine_ext.model.model import PLACEHOLDER_SEED_OFFSET, MoEModel
 from engine_ext.model.seeded_source import SeededWeightSource
-from engine_ext.rank.telemetry import RankTelemetry, Sink
+from engine_ext.protocol import RankState, RankStatus, to_builtins
+from engine_ext.rank.capture_reuse import CaptureReuse, max_world_handle
+from engine_ext.rank.faults import Faults
 from engine_ext.rank.recovery import RankRecovery
+from engine_ext.rank.reshuffle import ExpertReshuffle
 from engine_ext.rank.scheduler import Request, Scheduler
+from engine_ext.rank.shared import RankResources, RankShared
+from engine_ext.rank.standby import StandbyIdentity
 from engine_ext.rank.step_loop import StepLoop
+from engine_ext.rank.telemetry import RankTelemetry, Sink
 from engine_ext.rank.transition import RankTransition
-from engine_ext.rank import standby as standby_rank
-from engine_ext.rank.capture_reuse import reuse_for
 from engine_ext.rank.warmup import Warmup
-from engine_ext.protocol import RankState
+from engine_ext.records import Refusal
+
+# The states in which a rank takes no requests, and the code its refusal carries. A draining
+# rank still takes what reaches it (the router sends it nothing new).
+_REFUSING = {RankState.FAILED: Refusal.FAILED, RankState.REMOVED: Refusal.REMOVED,
+             RankState.REMOVING: Refusal.REMOVING, RankState.DEGRADED: Refusal.DEGRADED,
+             RankState.RECOVERING: Refusal.RECOVERING}
+
+
+def rank_identity(cfg: EngineConfig, deployment: str, rank: int, faults: Faults) -> EngineConfig:
+    """``cfg`` with the rank's identity: instance and KV engine id ``<base>_dp<rank>`` (I1)."""
+    if not cfg.instance_id:
+        cfg.instance_id = deployment
+    if not cfg.kv_transfer.engine_id:
+        cfg.kv_transfer.engine_id = f"{deployment}-kv"
+    if faults.active("no_suffix"):  # the suffix switched off: every rank claims the base identity
+        return cfg
+    if faults.active("double_suffix"):  # upstream's bug, built by hand: a second layer suffixed again
+        cfg.instance_id = f"{cfg.instance_id}_dp{rank}_dp{rank}"
+        cfg.kv_transfer.engine_id = f"{cfg.kv_transfer.engine_id}_dp{rank}_dp{rank}"
+        return cfg
+    return apply_dp_identity_suffix(cfg, rank)
 
 
 class RankEngine:
-    """Implements ``engine_ext.control.rank_client.RankControl``."""
+    """Implements ``engine_ext.control.rank_client.RankControl``; builds the rank's parts and
+    hands each the few things it needs (``RankResources``, ``RankShared``, its collaborators)."""
 
     def __init__(
         self,
@@ -61,61 +92,57 @@ class RankEngine:
     ) -> None:
         cfg = copy.deepcopy(cfg)
         cfg.validate()
-        self.faults = Faults(cfg.faults, cfg.fault_delay_s, rank, on_hold=self._on_hold)
-        if not cfg.instance_id:
-            cfg.instance_id = deployment
-        if not cfg.kv_transfer.engine_id:
-            cfg.kv_transfer.engine_id = f"{deployment}-kv"
-        if self.faults.active("double_suffix"):  # stacks suffixes (the upstream bug)
-            cfg.instance_id = f"{cfg.instance_id}_dp{rank}_dp{rank}"
-            cfg.kv_transfer.engine_id = f"{cfg.kv_transfer.engine_id}_dp{rank}_dp{rank}"
-        elif not self.faults.active("no_suffix"):  # no_suffix: every rank claims the base identity
-            cfg = apply_dp_identity_suffix(cfg, rank)
-        self.cfg = cfg
-        self.deployment = deployment
-        self.kind = kind
-        self.rank = rank
+        self.shared = shared = RankShared(rank)
+        faults = Faults(cfg.faults, cfg.fault_delay_s, rank, on_hold=self._on_hold)
+        self.cfg = cfg = rank_identity(cfg, deployment, rank, faults)
+        self.deployment, self.kind = deployment, kind
         self.device = torch.device(device)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("EEP_TORCH_THREADS", "1"))))
-        seed = cfg.seed + PLACEHOLDER_SEED_OFFSET + rank if joining else cfg.seed
-        self.model = MoEModel(cfg, layout, rank, self.device, seed)
-        # Where experts whose every copy died come from: a checkpoint loader in production.
-        self.weight_source: WeightSource = weight_source or SeededWeightSource(cfg)
-        self.workspace = WorkspaceManager(self.device)
-        self.graphs = GraphManager(self.device, self.workspace, self.model.buffers)
-        self.sched = Scheduler(cfg)
-        self.eplb = EplbState(layout, async_started=not joining)
-        self.required_workspace = 0
-        self.group: StatelessGroup | None = None
-        self.state = RankState.STARTING
-        self.state_reason = ""
-        self.steps = 0
-        self.stale_replays_refused = 0
-        self.capture_passes = 0  # capture passes in the current operation (I4: exactly one)
-        self.current_op = ""
-        self.stopping = False
-        self.halting = False  # a peer died: the step loop stops until recovery resumes it
-        self.lock = threading.RLock()
         self.node = socket.gethostname()
         # Ray ranks bind and advertise the node IP Ray reports (or the operator's interface);
         # the process launcher (one node, no Ray) keeps the default-route guess.
         self.node_id = node_id
         self.ip = configure_node(node_ip, ifname).ip if (node_ip or ifname) else local_ip()
         self._store_master: Any = None
-        self.telemetry = RankTelemetry(self, sink)
-        self.loop = StepLoop(self)
-        self.warmup = Warmup(self)
-        self.capture_reuse = reuse_for(self)  # None under the default recapture policy
-        self.transition = RankTransition(self)
-        self.recovery = RankRecovery(self)
-        self.faults.hold("launch")
+        handle = max_world_handle(cfg, faults, shared)  # None under the default recapture policy
+        # What a capture is bound to, set here once: the live group, or the max-world handle.
+        self.res = res = self._resources(cfg, layout, joining, faults,
+                                         handle.world_key if handle is not None else shared.world_key)
+        self.telemetry = telemetry = RankTelemetry(shared, sink, self.status)
+        reuse = CaptureReuse(handle, res, shared, telemetry) if handle is not None else None
+        self.warmup = Warmup(res, shared, telemetry, reuse)
+        reshuffle = ExpertReshuffle(res, shared, weight_source or SeededWeightSource(cfg))
+        self.loop = StepLoop(res, shared, telemetry)
+        self.recovery = RankRecovery(res, shared, telemetry, self.loop, self.warmup, reshuffle)
+        self.transition = RankTransition(res, shared, telemetry, self.loop, self.warmup, reshuffle,
+                                         self.recovery.on_error)
+        self.loop.wire(commit=self.transition.commit, on_error=self.recovery.on_error)
+        self.standby = StandbyIdentity(res, shared, telemetry)
+        faults.hold("launch")
+
+    def _resources(self, cfg: EngineConfig, layout: ExpertLayout, joining: bool, faults: Faults,
+                   world_key: Callable[[], tuple[int, int]]) -> RankResources:
+        """Model, workspace, graphs, scheduler and EPLB state of this rank (a joiner's model
+        holds placeholder weights until its transition moves the real ones)."""
+        rank, device = self.shared.rank, self.device
+        seed = cfg.seed + PLACEHOLDER_SEED_OFFSET + rank if joining else cfg.seed
+        model = MoEModel(cfg, layout, rank, device, seed)
+        workspace = WorkspaceManager(device)
+        graphs = GraphManager(device, workspace, model.buffers, world_key)
+        graphs.verify = not faults.active("no_stale_check")
+        return RankResources(cfg=cfg, device=device, model=model, workspace=workspace, graphs=graphs,
+                             sched=Scheduler(cfg), eplb=EplbState(layout, async_started=not joining), faults=faults)
 
     def _on_hold(self, phase: str) -> None:
-        self.state_reason = f"held in {phase} by a test fault"
+        self.shared.state_reason = f"held in {phase} by a test fault"
         self.telemetry.publish()
 
-    # ---- identity ---------------------------------------------------------------------------------
+    # ---- identity and the parts' state, read-only -----------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.shared.rank
+
     @property
     def instance_id(self) -> str:
         return self.cfg.instance_id
@@ -127,11 +154,65 @@ class RankEngine:
     @property
     def world_size(self) -> int:
         """Read live from the current group (I6): never cached from construction."""
-        return 1 if self.group is None else self.group.size
+        return self.shared.world_size
+
+    @property
+    def state(self) -> RankState:
+        return self.shared.state
+
+    @property
+    def stale_replays_refused(self) -> int:
+        return self.shared.stale_replays_refused
+
+    @property
+    def model(self) -> MoEModel:
+        return self.res.model
+
+    @property
+    def graphs(self) -> GraphManager:
+        return self.res.graphs
+
+    @property
+    def workspace(self) -> WorkspaceManager:
+        return self.res.workspace
+
+    @property
+    def sched(self) -> Scheduler:
+        return self.res.sched
+
+    @property
+    def eplb(self) -> EplbState:
+        return self.res.eplb
 
     # ---- RankControl: telemetry ---------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        return self.telemetry.status()
+        shared, res = self.shared, self.res
+        s, g, eplb = res.sched, res.graphs, res.eplb
+        st = RankStatus(
+            deployment=self.deployment, rank=shared.rank, instance_id=self.instance_id, engine_id=self.engine_id,
+            kind=self.kind, node=f"{self.node}/{self.ip}", node_id=self.node_id, node_ip=self.ip,
+            pid=os.getpid(), device=str(self.device),
+            state=shared.state.value, state_reason=shared.state_reason, dp_size=shared.world_size,
+            requests_running=len(s.running), requests_waiting=len(s.waiting),
+            slots_used=s.slots.used, slots_total=s.slots.total,
+            kv_blocks_used=s.blocks.used, kv_blocks_total=s.blocks.total,
+            workspace_bytes=res.workspace.nbytes, workspace_locked=res.workspace.locked,
+            workspace_required_bytes=shared.required_workspace, capture_policy=self.cfg.capture_policy,
+            workspace_recapture_bytes=res.model.moe_workspace_bound(shared.world_size),
+            graphs_captured=len(g.captured_sizes), capture_sizes=g.captured_sizes, graph_kind=g.kind,
+            graph_replays=g.stats.replays, last_capture_s=g.stats.last_capture_s,
+            capture_times_s={str(k): round(v, 6) for k, v in sorted(g.stats.capture_durations.items())},
+            last_capture_pass_s=(round(sum(g.stats.capture_durations.values()), 6)
+                                 if g.stats.capture_durations else None),
+            captures_this_op=shared.capture_passes, current_op=shared.current_op,
+            eplb_step=eplb.step, eplb_imbalance=eplb.imbalance(),
+            physical_experts=eplb.layout.num_physical, logical_experts=eplb.layout.num_logical,
+            steps=shared.steps, last_heartbeat=time.time(),
+            stale_replays_refused=shared.stale_replays_refused, eplb_logical_load=list(eplb.logical_load),
+            eplb_recent_load=eplb.recent_load(),
+            eplb_slots=eplb.layout.local_logical(res.model.rank),  # the layout slice at the model's position
+        )
+        return to_builtins(st)
 
     def recent_events(self) -> list[dict[str, Any]]:
         return self.telemetry.recent_events()
@@ -148,10 +229,9 @@ class RankEngine:
         return self.ip, int(self._store_master.port)
 
     def join(self, rdzv: Rendezvous, world_size: int, timeout_s: float = 120.0) -> None:
-        self.group = StatelessGroup(rdzv.child("dp"), self.rank, world_size, timeout_s=timeout_s,
-                                    backend=self.cfg.backend, device=self.device)
-        self.eplb.layout = self.model.layout
-        self.loop.reset_wake()
+        self.shared.set_group(StatelessGroup(rdzv.child("dp"), self.rank, world_size, timeout_s=timeout_s,
+                                             backend=self.cfg.backend, device=self.device))
+        self.res.eplb.layout = self.res.model.layout
 
     def warm_and_capture(self, op_id: str) -> dict[str, Any]:
         """Runs in lockstep on every rank of the current group (I4, I5, I7)."""
@@ -162,13 +242,15 @@ class RankEngine:
         self.loop.start()
 
     def add_request(self, wire: dict[str, Any]) -> None:
-        if self.state in (RankState.FAILED, RankState.REMOVED, RankState.REMOVING, RankState.DEGRADED,
-                          RankState.RECOVERING) or self.stopping:
-            raise RuntimeError(f"rank {self.rank} is {self.state.value} and takes no requests"
-                               + (f": {self.state_reason}" if self.state_reason else ""))
+        """Queue a request, or raise RankRefused with the code the router decides on."""
+        shared = self.shared
+        code = _REFUSING.get(shared.state) or (Refusal.STOPPED if shared.stopping else None)
+        if code is not None:
+            raise RankRefused(f"rank {shared.rank} is {code.value} and takes no requests"
+                              + (f": {shared.state_reason}" if shared.state_reason else ""), code)
         req = Request.from_wire(wire)
-        with self.lock:
-            self.sched.add(req)
+        with shared.lock:
+            self.res.sched.add(req)
         self.loop.poke()
 
     # ---- RankControl: transitions -------------------------------------------------------------------
@@ -191,21 +273,12 @@ class RankEngine:
         return self.recovery.recover(plan)
 
     def adopt(self, rank: int, layout_d: dict[str, Any]) -> None:
-        standby_rank.adopt(self, rank, ExpertLayout.from_dict(layout_d))
+        self.standby.adopt(rank, ExpertLayout.from_dict(layout_d))
 
-    # ---- shutdown and failure -----------------------------------------------------------------------
-    def fail(self, e: BaseException) -> None:
-        """The rank cannot go on: say why, and report its requests as failed."""
-        self.telemetry.set_state(RankState.FAILED, f"{type(e).__name__}: {e}")
-        self.telemetry.failure(self.current_op or "serving", e)
-        with self.lock:
-            pending = list(self.sched.running) + list(self.sched.waiting)
-        if pending:
-            self.telemetry.send("results", {"results": [dict(r.to_wire(), rank=self.rank, error=str(e))
-                                                        for r in pending]})
-
+    # ---- shutdown ---------------------------------------------------------------------------------
     def stop(self) -> None:
-        self.stopping = True
+        self.shared.stop()
         self.loop.poke()
-        if self.group is not None:
-            self.group.destroy()
+        group = self.shared.group
+        if group is not None:
+            group.destroy()

@@ -3,7 +3,10 @@
 ``EngineConfig.faults`` names them; production code asks a ``Faults`` object
 (``faults.active("skip_release")``, ``faults.hold("prepare")``) and never reads the list itself.
 Each broken variant reproduces one upstream bug so a test can show the matching invariant
-check catches it.
+check catches it. A variant switches a production mechanism off (or reorders it), so the harm
+it shows comes from the missing mechanism; two still build their broken state by hand, because
+no production path applies the suffix twice (``double_suffix``) or rewrites live slots' block
+tables (``warmup_not_isolated``).
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from collections.abc import Callable
 
 # Broken variants: name -> what it breaks (and which invariant check must catch it).
 VARIANTS: dict[str, str] = {
-    "double_suffix": "identities are suffixed twice, `<id>_dp<r>_dp<r>` (the upstream bug; I1)",
+    "double_suffix": "identities are suffixed twice, `<id>_dp<r>_dp<r>` (the upstream bug, built by hand; I1)",
     "no_suffix": "identities are not suffixed: every rank claims the same instance and engine id (I1)",
-    "skip_release": "captured graphs are neither released nor re-captured in a transition, so "
-                    "replays would read the old world's buffers (I3; and 0 capture passes, I4)",
+    "skip_release": "release and re-capture are switched off in a transition: the old captures stay, "
+                    "so replays would read the old world's buffers (I3; and 0 capture passes, I4)",
     "no_stale_check": "the replay staleness check is off: a stale capture replays (shows I3's harm)",
     "skip_rewarm": "the workspace is not right-sized for the new world in a transition: the lock "
                    "refuses it, too small on a scale-up, too large on a scale-down (I4)",
@@ -26,8 +29,9 @@ VARIANTS: dict[str, str] = {
                            "their block tables at live KV blocks that it then writes (I5)",
     "eplb_not_suppressed": "the warm-up batch's routing is recorded as EPLB load (I5)",
     "no_warmup_check": "warm-up isolation is measured and reported but not enforced (shows I5's harm)",
-    "late_eplb_comm": "the EPLB communicator is formed after the non-expert weight transfer, which "
-                      "then has no channel: joining ranks serve with placeholder weights (I2)",
+    "late_eplb_comm": "prepare runs its steps in reverse: the non-expert weight transfer before the "
+                      "groups and the EPLB communicator, so it has no channel and joining ranks serve "
+                      "with placeholder weights (I2)",
     "reuse_sized_for_world": "under capture_policy=reuse, captures are sized for the world at launch "
                              "instead of max DP: the reuse check refuses them on a scale-up",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",

@@ -134,6 +134,9 @@ class ScheduledItem:
 
 
 class Scheduler:
+    """Continuous batching over the slot and block pools. Not thread-safe: callers hold the
+    rank's ``RankShared.lock`` (control calls add, the step thread schedules and finishes)."""
+
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.slots = SlotPool(cfg.max_num_seqs)

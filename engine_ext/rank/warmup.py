@@ -7,16 +7,16 @@ from __future__ import annotations
 import hashlib
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine_ext.model.model import Batch
-from engine_ext.rank.scheduler import NULL_BLOCK
 from engine_ext.protocol import RankState
-
-if TYPE_CHECKING:
-    from engine_ext.rank.engine import RankEngine
+from engine_ext.rank.capture_reuse import CaptureReuse
+from engine_ext.rank.scheduler import NULL_BLOCK
+from engine_ext.rank.shared import RankResources, RankShared
+from engine_ext.rank.telemetry import RankTelemetry
 
 
 class WarmupIsolationError(RuntimeError):
@@ -25,35 +25,37 @@ class WarmupIsolationError(RuntimeError):
 
 
 class Warmup:
-    """Warm-up and capture of one rank, run in lockstep on every rank of its group."""
+    """Warm-up and capture of one rank, run in lockstep on every rank of its group, under either
+    capture policy (``reuse`` is None under ``recapture``)."""
 
-    def __init__(self, engine: RankEngine) -> None:
-        self.engine = engine
-        faults = engine.faults
-        engine.graphs.world_key = lambda: (id(engine.group) if engine.group is not None else 0, engine.world_size)
-        engine.graphs.verify = not faults.active("no_stale_check")
-        model, cfg = engine.model, engine.cfg
+    def __init__(self, res: RankResources, shared: RankShared, telemetry: RankTelemetry,
+                 reuse: CaptureReuse | None) -> None:
+        self.res = res
+        self.shared = shared
+        self.telemetry = telemetry
+        self.reuse = reuse
+        model, cfg = res.model, res.cfg
         self.block_bytes = model.kv[:, : cfg.block_size].numel() * model.kv.element_size()
         # The rank's memory budget for KV + MoE workspace: every block at world 1.
         self.memory_budget = cfg.num_blocks * self.block_bytes + model.moe_workspace_bound(1)
 
     def live_kv_checksum(self) -> str:
         """A digest of the KV blocks live requests hold: warm-up must leave it unchanged (I5)."""
-        e = self.engine
-        blocks = e.sched.live_blocks()
+        res = self.res
+        blocks = res.sched.live_blocks()
         if not blocks:
             return "empty"
-        bs = e.cfg.block_size
-        idx = torch.tensor([b * bs + j for b in blocks for j in range(bs)], device=e.device)
-        data = e.model.kv[:, idx].contiguous().cpu()
+        bs = res.cfg.block_size
+        idx = torch.tensor([b * bs + j for b in blocks for j in range(bs)], device=res.device)
+        data = res.model.kv[:, idx].contiguous().cpu()
         return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
 
     def _live_slot_state(self) -> tuple[tuple[int, ...], list[list[int]]]:
         """The free-slot list and the block-table rows of the slots live requests hold."""
-        e = self.engine
-        live = sorted(r.slot for r in e.sched.running)
-        rows = e.model.block_table[live].tolist() if live else []
-        return e.sched.slots.snapshot(), rows
+        sched = self.res.sched
+        live = sorted(r.slot for r in sched.running)
+        rows = self.res.model.block_table[live].tolist() if live else []
+        return sched.slots.snapshot(), rows
 
     def kv_pool_blocks(self, workspace_bytes: int) -> int:
         """KV blocks (null block excluded) the budget leaves beside a workspace of this size."""
@@ -61,84 +63,127 @@ class Warmup:
 
     def warm_and_capture(self, op_id: str) -> dict[str, Any]:
         """Release graphs -> unlock -> right-size -> KV pool -> isolated warm-up -> capture once -> lock."""
-        e = self.engine
-        faults = e.faults
-        reuse = e.capture_reuse
+        res, faults, telemetry = self.res, self.res.faults, self.telemetry
+        graphs, workspace = res.graphs, res.workspace
+        reuse = self.reuse
         if reuse is not None:  # capture_policy=reuse: survivors keep their captures, joiners capture locally
             if op_id != "startup":
-                return reuse.transition(op_id) if e.graphs.captured_sizes else reuse.join(op_id)
+                return reuse.transition(op_id) if graphs.captured_sizes else self._join_under_reuse(op_id, reuse)
             reuse.size_at_start()
-        report: dict[str, Any] = {"workspace_before": e.workspace.nbytes, "kv_blocks_before": e.sched.blocks.total}
-        if not faults.active("skip_release"):
-            report["graphs_released"] = e.graphs.release()
-        e.telemetry.set_state(RankState.WARMING)
+        # Release and re-capture belong together; "skip_release" switches both off in a transition,
+        # so the old captures stay (I3) and no pass is made (I4).
+        recapture = op_id == "startup" or not faults.active("skip_release")
+        report: dict[str, Any] = {"workspace_before": workspace.nbytes, "kv_blocks_before": res.sched.blocks.total}
+        if recapture:
+            report["graphs_released"] = graphs.release()
+        telemetry.set_state(RankState.WARMING)
         faults.hold("warm")
-        bound = e.model.moe_workspace_bound(e.world_size if reuse is None else reuse.capacity)
-        with e.telemetry.phase(op_id, "warm") as d:
-            e.workspace.unlock()
-            e.required_workspace = bound
-            if not (faults.active("skip_rewarm") and op_id != "startup"):
-                e.workspace.reserve(bound)
-                with e.lock:
-                    e.sched.blocks.resize(self.kv_pool_blocks(e.workspace.nbytes))
-            d["kv_blocks_total"] = e.sched.blocks.total
+        bound = res.model.moe_workspace_bound(self.shared.world_size if reuse is None else reuse.capacity)
+        report.update(self._warm(op_id, bound, resize=not (faults.active("skip_rewarm") and op_id != "startup")))
+        # "double_capture" reproduces upstream before its fix: the re-warm captured a second time.
+        passes = (2 if faults.active("double_capture") else 1) if recapture else 0
+        for _ in range(passes):
+            self._capture_pass(op_id)
+        self.shared.capture_passes = graphs.passes_this_op
+        # The lock admits only the size this world needs: a skipped re-warm fails here, both ways.
+        with telemetry.phase(op_id, "lock", capture_passes=graphs.passes_this_op, required_bytes=bound,
+                             capture_policy=res.cfg.capture_policy, expected_passes=1) as d:
+            d["workspace_bytes"] = workspace.nbytes
+            workspace.lock(None if faults.active("no_lock_check") else bound)
+        report["workspace_after"] = workspace.nbytes
+        report["kv_blocks_after"] = res.sched.blocks.total
+        report["captures_this_op"] = graphs.passes_this_op
+        return report
+
+    def _resize(self, bound: int) -> None:
+        """Unlock, reserve the workspace this world needs and give the rest of the budget to KV."""
+        res = self.res
+        res.workspace.unlock()
+        self.shared.required_workspace = bound
+        res.workspace.reserve(bound)
+        with self.shared.lock:
+            res.sched.blocks.resize(self.kv_pool_blocks(res.workspace.nbytes))
+
+    def _warm(self, op_id: str, bound: int, *, resize: bool) -> dict[str, Any]:
+        """Right-size (unless the re-warm is skipped) and run the isolated warm-up; one verdict
+        for the group, so every rank stops together and none waits in a capture collective."""
+        res, faults = self.res, self.res.faults
+        with self.telemetry.phase(op_id, "warm") as d:
+            if resize:
+                self._resize(bound)
+            else:  # skip_rewarm: the workspace keeps the size it had, unlocked
+                res.workspace.unlock()
+                self.shared.required_workspace = bound
+            d["kv_blocks_total"] = res.sched.blocks.total
             d.update(self.isolated_warmup())
-            d["workspace_bytes"] = e.workspace.nbytes
+            d["workspace_bytes"] = res.workspace.nbytes
             d["required_bytes"] = bound
-            report.update(d)
             broken = [k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged") if not d[k]]
-            # One verdict for the group: every rank stops together, none waits in a capture collective.
             flag = torch.tensor([1 if broken else 0], dtype=torch.int64)
-            anyone = bool(e.group.all_reduce_max(flag)[0]) if e.group is not None else bool(broken)
+            group = self.shared.group
+            anyone = bool(group.all_reduce_max(flag)[0]) if group is not None else bool(broken)
             if anyone and not faults.active("no_warmup_check"):
                 where = (f"{', '.join(broken)} false; live KV checksum {d['live_kv_checksum']} -> "
                          f"{d['live_kv_after']}") if broken else "on another rank of the group"
                 raise WarmupIsolationError(f"warm-up touched serving state ({where})")
-        # "skip_release" keeps the old captures (none are made where none were released);
-        # "double_capture" reproduces upstream before its fix: the re-warm captured a second time.
-        if faults.active("skip_release") and op_id != "startup":  # every rank alike: captures are collective
-            passes = 0
-        else:
-            passes = 2 if faults.active("double_capture") else 1
-        for _ in range(passes):
-            e.telemetry.set_state(RankState.CAPTURING)
-            faults.hold("capture")
-            e.graphs.begin_pass()
-            with e.telemetry.phase(op_id, "capture") as d, (reuse.detached() if reuse else nullcontext()):
-                t0 = time.perf_counter()
-                for size in e.cfg.capture_sizes:
-                    self.capture(size)
-                d["sizes"] = list(e.cfg.capture_sizes)
-                d["per_size_s"] = {str(k): round(v, 6) for k, v in e.graphs.stats.capture_durations.items()}
-                d["total_s"] = time.perf_counter() - t0
-                d["graphs_this_op"] = e.graphs.stats.captures_this_op
-                d["graph_kind"] = e.graphs.kind
-        e.capture_passes = e.graphs.passes_this_op
-        # The lock admits only the size this world needs: a skipped re-warm fails here, both ways.
-        with e.telemetry.phase(op_id, "lock", capture_passes=e.graphs.passes_this_op, required_bytes=bound,
-                               capture_policy=e.cfg.capture_policy, expected_passes=1) as d:
-            d["workspace_bytes"] = e.workspace.nbytes
-            e.workspace.lock(None if faults.active("no_lock_check") else bound)
-        report["workspace_after"] = e.workspace.nbytes
-        report["kv_blocks_after"] = e.sched.blocks.total
-        report["captures_this_op"] = e.graphs.passes_this_op
-        return report
+            return dict(d)
+
+    def _capture_pass(self, op_id: str) -> None:
+        """One capture pass over every capture size."""
+        res, telemetry, reuse = self.res, self.telemetry, self.reuse
+        telemetry.set_state(RankState.CAPTURING)
+        res.faults.hold("capture")
+        res.graphs.begin_pass()
+        with telemetry.phase(op_id, "capture") as d, (reuse.detached() if reuse else nullcontext()):
+            t0 = time.perf_counter()
+            for size in res.cfg.capture_sizes:
+                self.capture(size)
+            d["sizes"] = list(res.cfg.capture_sizes)
+            d["per_size_s"] = {str(k): round(v, 6) for k, v in res.graphs.stats.capture_durations.items()}
+            d["total_s"] = time.perf_counter() - t0
+            d["graphs_this_op"] = res.graphs.stats.captures_this_op
+            d["graph_kind"] = res.graphs.kind
+
+    def _join_under_reuse(self, op_id: str, reuse: CaptureReuse) -> dict[str, Any]:
+        """A joiner under reuse: size for the capacity, capture once with collectives detached."""
+        res, telemetry = self.res, self.telemetry
+        reuse.size_at_start()
+        bound = res.model.moe_workspace_bound(reuse.capacity)
+        telemetry.set_state(RankState.WARMING)
+        with telemetry.phase(op_id, "warm", capture_policy="reuse") as d:
+            self._resize(bound)
+            d.update(workspace_bytes=res.workspace.nbytes, required_bytes=bound, kv_blocks_total=res.sched.blocks.total)
+        telemetry.set_state(RankState.CAPTURING)
+        res.graphs.begin_pass()
+        with telemetry.phase(op_id, "capture", capture_policy="reuse") as d, reuse.detached():
+            t0 = time.perf_counter()
+            for size in res.cfg.capture_sizes:
+                self.capture(size)
+            d.update(sizes=list(res.cfg.capture_sizes), total_s=time.perf_counter() - t0, graph_kind=res.graphs.kind)
+        self.shared.capture_passes = res.graphs.passes_this_op
+        with telemetry.phase(op_id, "lock", capture_passes=res.graphs.passes_this_op, expected_passes=1,
+                             capture_policy="reuse", required_bytes=bound) as d:
+            d["workspace_bytes"] = res.workspace.nbytes
+            res.workspace.lock(bound)
+            d["reused_sizes"] = reuse.verify()
+        return {"captures_this_op": res.graphs.passes_this_op, "capture_policy": "reuse",
+                "workspace_after": res.workspace.nbytes, "kv_blocks_after": res.sched.blocks.total}
 
     def isolated_warmup(self) -> dict[str, Any]:
         """A max_num_tokens batch through the real slot, block-table and KV path, touching no
         serving state (I5): only slots free on every rank, their rows pointing at the null block,
         and no EPLB load recorded."""
-        e = self.engine
-        cfg, sched, model = e.cfg, e.sched, e.model
-        broken = e.faults.active("warmup_not_isolated")
-        record_load = e.faults.active("eplb_not_suppressed")
+        res, group = self.res, self.shared.group
+        cfg, sched, model = res.cfg, res.sched, res.model
+        broken = res.faults.active("warmup_not_isolated")
+        record_load = res.faults.active("eplb_not_suppressed")
         slots_before = self._live_slot_state()
         kv_before = self.live_kv_checksum()
-        eplb_before = e.eplb.snapshot()
+        eplb_before = res.eplb.snapshot()
         load_before = model.expert_load.clone()
         # The synthetic batch may use only slots that are free on every rank.
         free = torch.tensor([-sched.slots.free], dtype=torch.int64)
-        min_free = -int(e.group.all_reduce_max(free)[0]) if e.group else sched.slots.free
+        min_free = -int(group.all_reduce_max(free)[0]) if group else sched.slots.free
         n = cfg.max_num_tokens
         live = sched.live_blocks()
         if broken:
@@ -152,15 +197,15 @@ class Warmup:
             taken = [sched.slots.allocate() for _ in range(max(0, min(min_free, cfg.max_num_seqs)))]
             for s in taken:
                 model.set_slot_blocks(s, [NULL_BLOCK] * cfg.max_blocks_per_seq)
-        dev = e.device
+        dev = res.device
         per = max(1, -(-n // max(1, len(taken))))
         req_slots = [taken[i // per] if taken else model.null_slot for i in range(n)]
         positions = [i % per for i in range(n)]
-        g = torch.Generator().manual_seed(1234 + e.rank)
+        g = torch.Generator().manual_seed(1234 + self.shared.rank)
         batch = Batch(torch.randint(0, cfg.vocab_size, (n,), generator=g).to(dev),
                       torch.tensor(positions, device=dev), torch.tensor(req_slots, dtype=torch.int64, device=dev),
                       torch.ones(n, dtype=torch.bool, device=dev))
-        model.forward(batch, e.group, e.workspace, record_load=record_load)
+        model.forward(batch, group, res.workspace, record_load=record_load)
         if not broken:
             for s in reversed(taken):
                 sched.slots.release(s)
@@ -171,7 +216,7 @@ class Warmup:
             "min_free_slots": min_free,
             "slots_restored": self._live_slot_state() == slots_before,
             "live_kv_unchanged": kv_after == kv_before,
-            "eplb_unchanged": e.eplb.snapshot() == eplb_before and torch.equal(model.expert_load, load_before),
+            "eplb_unchanged": res.eplb.snapshot() == eplb_before and torch.equal(model.expert_load, load_before),
             "live_kv_checksum": kv_before,
             "live_kv_after": kv_after,
         }
@@ -179,8 +224,8 @@ class Warmup:
     def capture(self, size: int) -> None:
         """Capture the decode step for ``size`` sequences against static input buffers; the plan
         binds its tensors now, so replays read exactly these."""
-        e = self.engine
-        cfg, dev, model = e.cfg, e.device, e.model
+        res = self.res
+        cfg, dev, model = res.cfg, res.device, res.model
         inputs = {
             "token_ids": torch.zeros(size, dtype=torch.int64, device=dev),
             "positions": torch.zeros(size, dtype=torch.int64, device=dev),
@@ -190,7 +235,7 @@ class Warmup:
         }
         output = torch.zeros(size, cfg.vocab_size, dtype=model.dtype, device=dev)
         batch = Batch(inputs["token_ids"], inputs["positions"], inputs["req_slots"], inputs["valid"])
-        group = e.group if e.capture_reuse is None else e.capture_reuse.handle  # reuse: sized for max DP
-        steps, ns = model.plan(batch, group, e.workspace, dense_moe=True, bind_workspace=True)  # type: ignore[arg-type]
+        group = self.shared.group if self.reuse is None else self.reuse.handle  # reuse: sized for max DP
+        steps, ns = model.plan(batch, group, res.workspace, dense_moe=True, bind_workspace=True)  # type: ignore[arg-type]
         steps = [*steps, ("compute", lambda: output.copy_(ns["logits"]))]
-        e.graphs.capture(size, inputs, output, steps)
+        res.graphs.capture(size, inputs, output, steps)

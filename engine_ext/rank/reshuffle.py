@@ -1,0 +1,70 @@
+"""The expert reshuffle a transition's commit and a recovery both run: expert weights move into
+the operation's new layout over its EPLB communicator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine_ext.elastic.eplb import plan_moves
+from engine_ext.elastic.weight_source import WeightSource
+from engine_ext.rank.operation import OpState, comm_members
+from engine_ext.rank.shared import RankResources, RankShared
+
+
+class ExpertReshuffle:
+    """Moves expert weights into an operation's new layout over its EPLB communicator; experts
+    whose every copy died come from the weight source (a checkpoint loader in production)."""
+
+    def __init__(self, res: RankResources, shared: RankShared, weight_source: WeightSource) -> None:
+        self.res = res
+        self.shared = shared
+        self.weight_source = weight_source
+
+    def run(self, op: OpState) -> dict[str, Any]:
+        """This rank's sends, receives, local copies and restores of ``op``'s expert moves."""
+        plan, model, me = op.plan, self.res.model, self.shared.rank
+        old_w, new_w = plan.old_world, plan.new_world
+        alive = {p for p, m in enumerate(old_w)
+                 if plan.kind != "recover" or (m in new_w and m not in plan.untrusted)}
+        moves = plan_moves(plan.old_layout, plan.new_layout, alive, missing_ok=plan.kind == "recover")
+        comm = op.eplb_comm
+        assert comm is not None
+        comm_world = comm_members(plan)
+        old_w1, old_w2 = model.w1.clone(), model.w2.clone()
+
+        def old_vec(slot: int) -> torch.Tensor:
+            return torch.cat([old_w1[:, slot].reshape(-1), old_w2[:, slot].reshape(-1)])
+
+        sends, recvs, local, restored = [], [], [], []
+        vec_len = old_vec(0).numel()
+        for i, m in enumerate(moves):
+            src_g = old_w[m.src_rank] if m.src_rank >= 0 else -1
+            dst_g = new_w[m.dst_rank]
+            if m.from_weight_source and dst_g == me:
+                restored.append(m)
+            elif src_g == me and dst_g == me:
+                local.append(m)
+            elif src_g == me:
+                sends.append((old_vec(m.src_slot), comm_world.index(dst_g), 1000 + i))
+            elif dst_g == me and src_g >= 0:
+                buf = torch.empty(vec_len, dtype=model.dtype, device=self.res.device)
+                recvs.append((buf, comm_world.index(src_g), 1000 + i, m))
+        comm.exchange(sends, [(b, s, t) for b, s, t, _ in recvs])
+        for m in local:
+            model.load_expert_vector(m.dst_slot, old_vec(m.src_slot))
+        for buf, _, _, m in recvs:
+            model.load_expert_vector(m.dst_slot, buf)
+        for m in restored:
+            model.load_expert_vector(m.dst_slot, self.from_weight_source(m.logical))
+        assert self.res.cfg.slots_per_rank == plan.new_layout.slots_per_rank
+        return {"moves_total": len(moves), "sent": len(sends), "received": len(recvs), "local": len(local),
+                "restored_from_weight_source": sorted({m.logical for m in restored})}
+
+    def from_weight_source(self, logical: int) -> torch.Tensor:
+        """One expert's (w1, w2) of every layer, flattened as ``load_expert_vector`` wants it."""
+        pairs = [self.weight_source.expert(layer, logical) for layer in range(self.res.cfg.num_layers)]
+        w1 = torch.stack([a for a, _ in pairs]).to(self.res.device)
+        w2 = torch.stack([b for _, b in pairs]).to(self.res.device)
+        return torch.cat([w1.reshape(-1), w2.reshape(-1)])
