@@ -4,8 +4,9 @@ A vLLM deployment's registry (created by the plugin, kind "vllm") holds the API 
 the DP bounds; the ranks report into it like reference ranks. vLLM runs the transition itself:
 the driver checks what it can first (single flight, bounds), posts ``/scale_elastic_ep``,
 follows ``/is_scaling_elastic_ep`` and the ranks' events, maps vLLM's answer onto the exit-code
-table and writes the operation record into the registry. Clients (eepctl) pass parameters and
-render what comes back; they never build or write operation records.
+table and writes the operation record into the registry. Clients reach it through
+``drivers.vllm.VllmDriver``: they pass parameters and render what comes back; they never build or
+write operation records.
 """
 
 from __future__ import annotations
