@@ -8,7 +8,6 @@ cluster; torch never is.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,11 +172,6 @@ def status(t: Target) -> dict[str, Any]:
     return _ray_status_reader(t)()
 
 
-def _with_engine_health(snap: dict[str, Any]) -> dict[str, Any]:
-    """The snapshot as `status` shows it (the API key, for a vLLM server's health, from the environment)."""
-    return status_view(snap, api_key=os.environ.get("VLLM_API_KEY"))
-
-
 def _ray_status_reader(t: Target) -> Callable[[], dict[str, Any]]:
     """The registry snapshot through a Ray driver, with the registry handle looked up once."""
     _connect(t)
@@ -185,7 +179,7 @@ def _ray_status_reader(t: Target) -> Callable[[], dict[str, Any]]:
     if registry is None:
         raise UnreachableError(f"the registry of {t.name!r} is gone while its controller still runs; "
                                "per-rank status is unavailable until a registry exists again")
-    return lambda: _with_engine_health(_get(registry.snapshot.remote(), timeout=10))
+    return lambda: status_view(_get(registry.snapshot.remote(), timeout=10))
 
 
 def status_reader(t: Target) -> Callable[[], dict[str, Any]]:
@@ -196,7 +190,7 @@ def status_reader(t: Target) -> Callable[[], dict[str, Any]]:
     t.validated()
     fast = readpath.reader(t.address, t.namespace, t.name)
     if fast is not None:
-        return lambda: _with_engine_health(fast())
+        return lambda: status_view(fast())
     return _ray_status_reader(t)
 
 

@@ -35,11 +35,11 @@ def open_deployment(name: str, registry: Any, controller: Any, *, api_key: str |
     return ReferenceDriver(name, registry, controller)
 
 
-def status_view(snap: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
+def status_view(snap: dict[str, Any]) -> dict[str, Any]:
     """A registry snapshot as `status` shows it, whichever path read it: a vLLM deployment's adds
     each engine's health from vLLM's fault tolerance where the server has it."""
     if snap.get("kind") == DeploymentKind.VLLM.value:
         from engine_ext.drivers.vllm import with_health
 
-        return with_health(snap, api_key)
+        return with_health(snap)
     return snap

@@ -7,6 +7,7 @@ any operation in flight) and delegates to vllm_scale (dry run, scale), vllm_faul
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,11 +34,12 @@ class HttpPending:
             raise TransitionTimeout(f"vLLM did not answer within {timeout_s:.0f}s") from None
 
 
-def with_health(snap: dict[str, Any], api_key: str | None) -> dict[str, Any]:
-    """The snapshot with each engine's health from vLLM's fault tolerance, where the server has it."""
+def with_health(snap: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot with each engine's health from vLLM's fault tolerance, where the server has it.
+    `status` takes no --api-key: the key comes from VLLM_API_KEY, the other commands' default."""
     from engine_ext.drivers.vllm_fault_tolerance import health
 
-    snap["fault_tolerance"] = health(snap, api_key=api_key)
+    snap["fault_tolerance"] = health(snap, api_key=os.environ.get("VLLM_API_KEY"))
     return snap
 
 
