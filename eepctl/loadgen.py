@@ -2,7 +2,7 @@
 
 It knows nothing of Ray or HTTP: a ``submit`` function sends one prompt and returns a ``Pending``
 whose ``wait(timeout_s)`` gives the engine's answer (``output``, ``latency_s``, ``error``,
-``moved_from``). The reference controller and a vLLM API server each provide one (eepctl.core).
+``moved_from``). Each deployment's driver provides one (``engine_ext.drivers``, its ``requests``).
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
+from engine_ext.drivers.base import Pending, Submit
 from engine_ext.protocol import EepError
+
+__all__ = ["DEFAULT_PROMPTS", "Pending", "Submit", "error_text", "open_loop", "percentiles"]
 
 DEFAULT_PROMPTS: list[list[int]] = [
     [1, 2, 3, 4, 5],
@@ -23,15 +25,6 @@ DEFAULT_PROMPTS: list[list[int]] = [
     [128],
     [77, 78, 79],
 ]
-
-
-class Pending(Protocol):
-    """One request in flight."""
-
-    def wait(self, timeout_s: float) -> dict[str, Any]: ...
-
-
-Submit = Callable[[list[int]], Pending]
 
 
 def error_text(answer: dict[str, Any]) -> str | None:

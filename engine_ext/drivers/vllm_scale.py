@@ -4,8 +4,9 @@ A vLLM deployment's registry (created by the plugin, kind "vllm") holds the API 
 the DP bounds; the ranks report into it like reference ranks. vLLM runs the transition itself:
 the driver checks what it can first (single flight, bounds), posts ``/scale_elastic_ep``,
 follows ``/is_scaling_elastic_ep`` and the ranks' events, maps vLLM's answer onto the exit-code
-table and writes the operation record into the registry. Clients (eepctl) pass parameters and
-render what comes back; they never build or write operation records.
+table and writes the operation record into the registry. Clients reach it through
+``drivers.vllm.VllmDriver``: they pass parameters and render what comes back; they never build or
+write operation records.
 """
 
 from __future__ import annotations
@@ -15,11 +16,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine_ext.elastic.transition_plan import new_op_id
-from engine_ext.protocol import EepError, OpState, PreconditionError, TransitionTimeout, UnreachableError
 from engine_ext.drivers.vllm_api import NOT_ELASTIC_HINT, VllmApi, error_for, message_of
+from engine_ext.elastic.transition_plan import new_op_id
+from engine_ext.protocol import (
+    DeploymentKind,
+    EepError,
+    OpState,
+    PreconditionError,
+    TransitionTimeout,
+    UnreachableError,
+)
 
-KIND = "vllm"
+KIND = DeploymentKind.VLLM.value
 
 # What a `scale --dry-run` cannot learn from vLLM: it decides these inside the transition.
 NOT_EXPOSED = (
@@ -125,6 +133,29 @@ def scale(registry: Any, snap: dict[str, Any], target: int, *, drain_timeout_s: 
     name = snap["deployment"]
     api = api_for(snap, api_key)
     cur = current_size(snap)
+    _admit(registry, snap, api, target)
+    info = snap.get("info") or {}
+    drain = max(1, int(round(drain_timeout_s)))
+    if target == cur:  # vLLM answers 200 and does nothing; no operation to record
+        code, body = api.scale(target, drain, timeout_s)
+        if code != 200:
+            raise error_for(code, body, target, info)
+        return {"op_id": "-", "deployment": name, "from_size": cur, "to_size": target,
+                "state": OpState.SUCCEEDED.value, "message": message_of(body)}
+    op = {"op_id": new_op_id(), "deployment": name, "from_size": cur, "to_size": target,
+          "state": OpState.RUNNING.value, "phase": "prepare", "started": time.time(), "finished": None, "error": "",
+          "error_code": 0, "phase_durations": {}, "serving_pause_s": 0.0, "captures_per_rank": {},
+          "workspace_before": _workspace(snap), "workspace_after": {}, "rank_states": {},
+          "deadline": time.time() + timeout_s + 60, "plan": {"kind": KIND, "api_url": api.base_url}}
+    seq = _last_seq(registry)
+    _record(registry, op)
+    return _run(registry, api, op, drain, timeout_s, seq, on_event, info)
+
+
+def _admit(registry: Any, snap: dict[str, Any], api: VllmApi, target: int) -> None:
+    """Refuse (PreconditionError) what the driver can see before asking vLLM: another operation,
+    vLLM already scaling or wedged, a target out of bounds. An abandoned operation is closed first."""
+    name = snap["deployment"]
     running = snap.get("operation")
     if _abandoned(running):  # close it so it cannot wedge the deployment
         _record(registry, dict(running, state=OpState.FAILED.value, finished=time.time(), error_code=5,
@@ -141,21 +172,13 @@ def scale(registry: Any, snap: dict[str, Any], target: int, *, drain_timeout_s: 
     problem = _bounds_problem(snap, target)
     if problem:
         raise PreconditionError(problem)
-    info = snap.get("info") or {}
-    drain = max(1, int(round(drain_timeout_s)))
-    if target == cur:  # vLLM answers 200 and does nothing; no operation to record
-        code, body = api.scale(target, drain, timeout_s)
-        if code != 200:
-            raise error_for(code, body, target, info)
-        return {"op_id": "-", "deployment": name, "from_size": cur, "to_size": target,
-                "state": OpState.SUCCEEDED.value, "message": message_of(body)}
-    op = {"op_id": new_op_id(), "deployment": name, "from_size": cur, "to_size": target,
-          "state": OpState.RUNNING.value, "phase": "prepare", "started": time.time(), "finished": None, "error": "",
-          "error_code": 0, "phase_durations": {}, "serving_pause_s": 0.0, "captures_per_rank": {},
-          "workspace_before": _workspace(snap), "workspace_after": {}, "rank_states": {},
-          "deadline": time.time() + timeout_s + 60, "plan": {"kind": KIND, "api_url": api.base_url}}
-    seq = _last_seq(registry)
-    _record(registry, op)
+
+
+def _run(registry: Any, api: VllmApi, op: dict[str, Any], drain: int, timeout_s: float, seq: int,
+         on_event: EventSink, info: dict[str, Any]) -> dict[str, Any]:
+    """Post the scale on a thread (vLLM answers when the transition has ended) and follow the
+    ranks' events and vLLM's flag until then; the finished operation."""
+    target, name = op["to_size"], op["deployment"]
     answer: dict[str, Any] = {}
 
     def post() -> None:
@@ -183,16 +206,14 @@ def scale(registry: Any, snap: dict[str, Any], target: int, *, drain_timeout_s: 
                        TransitionTimeout(f"{op['op_id']}: vLLM did not finish the scale to DP {target} within "
                                          f"{timeout_s:.0f}s (it may still be running: `eepctl status -n {name}`)"))
     time.sleep(0.3)  # the ranks' last reports
-    seq = _follow(registry, seq, events, on_event)
+    _follow(registry, seq, events, on_event)
     if "error" in answer:
         err = answer["error"]
-        state = OpState.TIMED_OUT.value if isinstance(err, TransitionTimeout) else OpState.FAILED.value
-        return _finish(registry, op, events, state, err)
-    code, body = answer["reply"]
-    if code == 200:
-        return _finish(registry, op, events, OpState.SUCCEEDED.value, None)
-    err = error_for(code, body, target, info)
-    state = OpState.TIMED_OUT.value if isinstance(err, TransitionTimeout) else OpState.FAILED.value
+    else:
+        code, body = answer["reply"]
+        err = None if code == 200 else error_for(code, body, target, info)
+    state = (OpState.SUCCEEDED.value if err is None else
+             OpState.TIMED_OUT.value if isinstance(err, TransitionTimeout) else OpState.FAILED.value)
     return _finish(registry, op, events, state, err)
 
 

@@ -1,0 +1,51 @@
+"""The one interface a client drives a deployment through, whatever engine serves it.
+
+Modelled on kubectl's ``scale.Scaler``: one interface, one implementation per engine kind
+(``drivers.reference``, ``drivers.vllm``), chosen once by ``drivers.open_deployment``; the client
+never asks which kind it holds. Options are validated by the client before a driver is called;
+a driver raises the exit-code table's errors (engine_ext.protocol) for what only it can refuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+EventSink = Callable[[dict[str, Any]], None]
+"""Receives each rank event of a running operation, for a live display."""
+
+
+class Pending(Protocol):
+    """One request in flight."""
+
+    def wait(self, timeout_s: float) -> dict[str, Any]: ...
+
+
+Submit = Callable[[list[int]], Pending]
+"""Sends one prompt (token ids); its answer has ``output``, ``latency_s``, ``error``, ``moved_from``."""
+
+
+class Driver(Protocol):
+    """What a client can ask of one deployment."""
+
+    name: str
+    kind: str
+
+    def plan(self, dp: int) -> dict[str, Any]:
+        """What a scale to ``dp`` would do; changes nothing."""
+        ...
+
+    def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
+              on_event: EventSink, on_op: EventSink) -> dict[str, Any]:
+        """Scale to ``dp``: the finished operation (``wait``) or the accepted one. ``on_op`` gets the
+        operation as it runs where the engine reports it, ``on_event`` each rank event."""
+        ...
+
+    def repair(self, *, timeout_s: float) -> dict[str, Any]:
+        """Recover what self-healing could not; the record of what was done."""
+        ...
+
+    def requests(self, max_tokens: int, timeout_s: float) -> AbstractContextManager[Submit]:
+        """How to send prompts to the deployment while the context is open."""
+        ...

@@ -1,0 +1,139 @@
+"""The reference engine's driver: its controller and registry actors on Ray.
+
+The controller admits and runs scales and repairs and routes requests; the registry holds the
+ranks' events and adds their phase timings to a finished operation. Either handle may be None
+(its actor is gone); each method says what is lost then.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from engine_ext.drivers.base import EventSink, Submit
+from engine_ext.protocol import (
+    DeploymentKind,
+    EepError,
+    OpState,
+    PreconditionError,
+    TransitionFailed,
+    TransitionTimeout,
+    UnreachableError,
+    error_from_record,
+)
+
+KIND = DeploymentKind.REFERENCE.value
+
+
+def _get(ref: Any, timeout: float | None = 30.0) -> Any:
+    from engine_ext.ray.deployment import call
+
+    return call(ref, timeout=timeout)
+
+
+def raise_if_error(result: Any) -> Any:
+    """``result``, unless it is the controller's record of a refusal: then that error."""
+    if isinstance(result, dict) and isinstance(result.get("error"), dict):
+        raise error_from_record(result["error"])
+    return result
+
+
+def check_outcome(op: dict[str, Any]) -> dict[str, Any]:
+    """Map a finished operation to the exit-code table (raises for every failure)."""
+    raise_if_error(op)
+    state = op.get("state")
+    if state == OpState.SUCCEEDED.value:
+        return op
+    msg = f"{op['op_id']} {state.replace('_', ' ')}: {op.get('error') or 'no reason given'}"
+    if op.get("rank_states"):
+        msg += " (ranks: " + ", ".join(f"{r}={s}" for r, s in sorted(op["rank_states"].items())) + ")"
+    code = int(op.get("error_code") or 5)
+    if state == OpState.TIMED_OUT.value or code == 6:
+        raise TransitionTimeout(msg, detail={"operation": op})
+    if code == 4:
+        raise PreconditionError(msg, detail={"operation": op})
+    raise TransitionFailed(msg, detail={"operation": op})
+
+
+class RayPending:
+    """A request to the reference controller."""
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        return _get(self.ref, timeout=timeout_s)
+
+
+class ReferenceDriver:
+    """A reference deployment through its controller and registry actor handles."""
+
+    kind = KIND
+
+    def __init__(self, name: str, registry: Any, controller: Any) -> None:
+        self.name = name
+        self.registry = registry
+        self.controller = controller
+
+    def _controller(self, consequence: str) -> Any:
+        if self.controller is None:
+            raise UnreachableError(f"the controller of {self.name!r} is gone; {consequence}")
+        return self.controller
+
+    def plan(self, dp: int) -> dict[str, Any]:
+        controller = self._controller("there is nothing to plan with")
+        return raise_if_error(_get(controller.plan.remote(dp), timeout=30))
+
+    def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
+              on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None) -> dict[str, Any]:
+        controller = self._controller("the deployment cannot scale")
+        accepted = raise_if_error(_get(controller.scale.remote(dp, drain_timeout_s, timeout_s, False), timeout=60))
+        op_id = accepted["op_id"]
+        if not wait:
+            return accepted
+        seq = 0
+        deadline = time.time() + timeout_s + 30
+        while True:
+            result = _get(controller.wait_op.remote(op_id, 0.25), timeout=30)
+            on_op(result)  # its current phase, for the live display
+            seq = self._follow(op_id, seq, on_event)
+            if result.get("state") != "running":
+                break
+            if time.time() > deadline:
+                raise TransitionTimeout(f"{op_id} still running after {timeout_s:.0f}s")
+        return check_outcome(self._with_phase_durations(result))
+
+    def _follow(self, op_id: str, seq: int, on_event: EventSink) -> int:
+        """Pass on the operation's rank events after ``seq``; the last seq seen."""
+        if self.registry is None:
+            return seq
+        try:
+            data = _get(self.registry.events.remote(op_id, seq), timeout=10)
+        except EepError:
+            return seq
+        for ev in data["events"]:
+            seq = max(seq, ev["seq"])
+            on_event(ev)
+        return seq
+
+    def _with_phase_durations(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The finished operation with the ranks' phase timings, which the registry merges in."""
+        if self.registry is None or "op_id" not in result:
+            return result
+        try:
+            merged = _get(self.registry.events.remote(result["op_id"], 0), timeout=10)["operations"]
+        except EepError:
+            return result
+        return dict(result, phase_durations=merged[-1]["phase_durations"]) if merged else result
+
+    def repair(self, *, timeout_s: float) -> dict[str, Any]:
+        controller = self._controller(f"recreate the deployment (`eepctl down --name {self.name}` then "
+                                      f"`eepctl up --name {self.name}`)")
+        return raise_if_error(_get(controller.repair.remote(), timeout=timeout_s))
+
+    @contextmanager
+    def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:
+        controller = self._controller("the deployment cannot serve requests")
+        yield lambda prompt: RayPending(controller.generate.remote(prompt, max_tokens))

@@ -1,0 +1,98 @@
+"""The vLLM driver: a vLLM server's API and the registry its plugin created (kind "vllm").
+
+It holds the registry snapshot read when the deployment was opened (the API URL, the DP bounds,
+any operation in flight) and delegates to vllm_scale (dry run, scale), vllm_fault_tolerance
+(repair, health) and vllm_api (completions). The API key goes only into their request headers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from typing import Any
+
+from engine_ext.drivers.base import EventSink, Submit
+from engine_ext.protocol import DeploymentKind, TransitionTimeout, UsageError
+
+KIND = DeploymentKind.VLLM.value
+
+
+class HttpPending:
+    """A request to a vLLM API server, run on a client thread."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            return self.future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise TransitionTimeout(f"vLLM did not answer within {timeout_s:.0f}s") from None
+
+
+def with_health(snap: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot with each engine's health from vLLM's fault tolerance, where the server has it.
+    `status` takes no --api-key: the key comes from VLLM_API_KEY, the other commands' default."""
+    from engine_ext.drivers.vllm_fault_tolerance import health
+
+    snap["fault_tolerance"] = health(snap, api_key=os.environ.get("VLLM_API_KEY"))
+    return snap
+
+
+class VllmDriver:
+    """A vLLM deployment, through the API server its registry names."""
+
+    kind = KIND
+
+    def __init__(self, registry: Any, snap: dict[str, Any], api_key: str | None = None) -> None:
+        self.name = str(snap["deployment"])
+        self.registry = registry
+        self.snap = snap
+        self._api_key = api_key
+
+    def plan(self, dp: int) -> dict[str, Any]:
+        from engine_ext.drivers import vllm_scale
+
+        return vllm_scale.plan(self.snap, dp, api_key=self._api_key)
+
+    def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
+              on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None) -> dict[str, Any]:
+        """vLLM reports no phase while it scales, so ``on_op`` is not called; rank events are."""
+        from engine_ext.drivers import vllm_scale
+
+        if not wait:
+            raise UsageError("--no-wait is not available for a vLLM deployment: vLLM answers /scale_elastic_ep "
+                             "only when the transition has ended")
+        return vllm_scale.scale(self.registry, self.snap, dp, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s,
+                                api_key=self._api_key, on_event=on_event)
+
+    def repair(self, *, timeout_s: float) -> dict[str, Any]:
+        try:
+            from engine_ext.drivers import vllm_fault_tolerance as fault_tolerance
+        except ImportError:
+            raise UsageError("repair of vLLM deployments is not available") from None
+        return fault_tolerance.repair(self.snap, api_key=self._api_key, timeout_s=timeout_s)
+
+    @contextmanager
+    def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:
+        """Prompts as token ids through the OpenAI completions API, on up to 32 client threads."""
+        from engine_ext.drivers.vllm_scale import api_for
+
+        api = api_for(self.snap, self._api_key, timeout_s=timeout_s)
+        model = (self.snap.get("info") or {}).get("model") or api.served_model()
+
+        def complete(prompt: list[int], submitted: float) -> dict[str, Any]:
+            answer = api.complete(model, prompt, max_tokens, timeout_s)
+            if answer["error"] is None:  # open loop: a request waiting for a client thread counts too
+                answer["latency_s"] = round(time.time() - submitted, 4)
+            return answer
+
+        pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="eepctl-request")
+        try:
+            yield lambda prompt: HttpPending(pool.submit(complete, prompt, time.time()))
+        finally:  # after a timeout, do not wait for answers nobody reads
+            pool.shutdown(wait=False, cancel_futures=True)
