@@ -283,7 +283,7 @@ def server_process(ray_cluster: dict[str, Any], model_dir: Path,
                EEPCTL_VLLM_DEBUG_FAIL_COMMIT=str(fail_commit))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--gpu-memory-utilization", "0.25",
-           "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8", "--disable-log-stats",
+           "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8",
            "--kv-cache-memory-bytes", str(64 * 2**20), "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
