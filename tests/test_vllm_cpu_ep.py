@@ -2,7 +2,8 @@
 
 Stage 1 of issue #23: a static DP=2 + EP server gives, token for token, what a DP=1 server gives
 on a random tiny Mixtral checkpoint written by the test (vLLM's dummy weights are the same on
-every rank and would hide a rank that computes with the wrong expert). Without the plugin's
+every rank and would hide a rank that computes with the wrong expert). Stage 2: with EPLB and a
+forced rearrangement, expert weights move between ranks and the outputs stay the oracle's. Without the plugin's
 communicator the DP=2 server fails its first request (``all_gatherv`` raises
 NotImplementedError); without the expert-map patch its worker dies in the CPU MoE kernel (both
 seen when these tests were written). Also here: the communicator's collectives on real gloo
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,35 +57,86 @@ def run_prompts(server: Server, prompts: list[list[int]]) -> list[list[int]]:
     return [body["choices"][0]["token_ids"] for _, body in answers]
 
 
+EPLB_CONFIG = '{"window_size": 8, "step_interval": 16, "num_redundant_experts": 2}'
+MOVED = re.compile(r"EPLB rearrangement moved (\d+) of \d+ expert slots; physical_to_logical (\[\[.*\]\])")
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_mixtral(tmp_path_factory.mktemp("random-mixtral"))
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """The DP=1 oracle, a static DP=2 + EP server and a DP=2 + EP + EPLB server of one random
+    checkpoint, all started at once (their ~60 s starts overlap). float32: the random model has
+    near-ties in bf16, where the order of a sum over ranks alone can flip a greedy token."""
+    tmp = tmp_path_factory.mktemp("cpu-ep")
+    model = write_random_mixtral(tmp / "random-mixtral")
+    entry = platform_entry_path(tmp / "entry")
+    ep_env = {"PYTHONPATH": pythonpath(entry), "EEPCTL_VLLM_CPU_EP": "1"}
+    dp2 = ["--dtype", "float32", "--data-parallel-size", "2", "--enable-expert-parallel"]
+    started = {"oracle": start(model, tmp / "dp1.log", ["--dtype", "float32"], env={"PYTHONPATH": pythonpath()}),
+               "ep": start(model, tmp / "dp2-ep.log", dp2, env=ep_env),
+               "eplb": start(model, tmp / "dp2-eplb.log", [*dp2, "--enable-eplb", "--eplb-config", EPLB_CONFIG],
+                             env=ep_env)}
+    try:
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(servers: dict[str, Server]) -> list[list[int]]:
+    """The oracle's greedy outputs; its server is stopped afterwards (it is not needed again)."""
+    oracle = servers["oracle"]
+    oracle.wait_healthy()
+    try:
+        return run_prompts(oracle, PROMPTS)
+    finally:
+        oracle.stop()
+
+
+def _patched_processes(server: Server, names: tuple[str, ...]) -> int:
+    lines = [ln for ln in server.text().splitlines() if "CPU expert-parallel patches in pid" in ln]
+    return sum(all(f"'{n}': 'active'" in ln for n in names) for ln in lines)
 
 
 @pytest.mark.timeout(600)
-def test_static_dp2_ep_equals_dp1_token_for_token(checkpoint: Path, tmp_path: Path) -> None:
-    entry = platform_entry_path(tmp_path / "entry")
-    oracle = start(checkpoint, tmp_path / "dp1.log", [], env={"PYTHONPATH": pythonpath()})
-    ep = start(checkpoint, tmp_path / "dp2.log", ["--data-parallel-size", "2", "--enable-expert-parallel"],
-               env={"PYTHONPATH": pythonpath(entry), "EEPCTL_VLLM_CPU_EP": "1"})
-    try:
-        oracle.wait_healthy()
-        expected = run_prompts(oracle, PROMPTS)
-        oracle.stop()
-        ep.wait_healthy()
-        got = run_prompts(ep, PROMPTS)
-        assert got == expected
-        assert run_prompts(ep, PROMPTS[:1]) == expected[:1]  # a lone request: the other rank runs dummy batches
-        per_engine = served_per_engine(ep)
-        assert set(per_engine) == {"0", "1"} and all(n > 0 for n in per_engine.values()), per_engine
-        assert sum(per_engine.values()) == len(PROMPTS) + 1
-        log = ep.text()
-        patched = re.findall(r"CPU expert-parallel patches in pid \d+: \{'cpu_experts_expert_map': 'active'\}", log)
-        assert len(patched) >= 4, log[-3000:]  # each DP rank's engine core and worker, on EepCpuPlatform only
-        assert "Error" not in "".join(ln for ln in log.splitlines() if "Tokenizer" not in ln and "ulimit" not in ln)
-    finally:
-        oracle.stop()
-        ep.stop()
+def test_static_dp2_ep_equals_dp1_token_for_token(servers: dict[str, Server], expected: list[list[int]]) -> None:
+    ep = servers["ep"]
+    ep.wait_healthy()
+    assert run_prompts(ep, PROMPTS) == expected
+    assert run_prompts(ep, PROMPTS[:1]) == expected[:1]  # a lone request: the other rank runs dummy batches
+    per_engine = served_per_engine(ep)
+    assert set(per_engine) == {"0", "1"} and all(n > 0 for n in per_engine.values()), per_engine
+    assert sum(per_engine.values()) == len(PROMPTS) + 1
+    # Each DP rank's engine core and worker ran on EepCpuPlatform (the line is logged only there).
+    assert _patched_processes(ep, ("cpu_experts_expert_map",)) >= 4, ep.text()[-3000:]
+    assert "Error" not in "".join(ln for ln in ep.text().splitlines() if "Tokenizer" not in ln and "ulimit" not in ln)
+
+
+@pytest.mark.timeout(600)
+def test_static_eplb_moves_real_expert_weights_and_outputs_stay(servers: dict[str, Server],
+                                                                 expected: list[list[int]]) -> None:
+    """Stage 2: EPLB every 16 steps with 2 redundant experts over 2 ranks (3 slots each). vLLM
+    starts with physical slot i holding logical expert i % 4; a rearrangement that puts on a rank
+    an expert it did not hold had to send that expert's weights over gloo. Outputs after it equal
+    the oracle's, so the weights arrived where the new map says."""
+    eplb = servers["eplb"]
+    eplb.wait_healthy()
+    assert run_prompts(eplb, PROMPTS) == expected
+    for _ in range(10):  # enough steps for the rearrangement (every 16 engine steps)
+        if any(int(m[1]) for m in MOVED.finditer(eplb.text())):
+            break
+        run_prompts(eplb, PROMPTS[:2])
+    moves = [(int(m[1]), json.loads(m[2])) for m in MOVED.finditer(eplb.text())]
+    assert moves and any(n > 0 for n, _ in moves), eplb.text()[-3000:]
+    new_map = next(mp for n, mp in moves if n > 0)
+    initial = [[slot % 4 for slot in range(6)]] * len(new_map)
+    crossed = [(layer, rank) for layer, (old, new) in enumerate(zip(initial, new_map)) for rank in range(2)
+               if set(new[3 * rank: 3 * rank + 3]) - set(old[3 * rank: 3 * rank + 3])]
+    assert crossed, (initial, new_map)  # some rank received an expert it did not hold
+    assert run_prompts(eplb, PROMPTS) == expected  # after the move
+    log = eplb.text()
+    assert "Rearranged experts" in log and "EPLB on CPU runs synchronously" in log
+    assert _patched_processes(eplb, ("router_map_and_record", "eplb_allowed", "eplb_host_events", "cpu_runner_eplb")) >= 4
 
 
 GLOO_PROBE = r"""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +48,12 @@ def test_every_hook_matches_each_supported_release(version: str) -> None:
     assert isinstance(prefix, tuple) and not "/scale_elastic_ep".startswith(prefix)  # #55536 still open
     assert rec["vllm.entrypoints.serve.elastic_ep.middleware:get_scaling_elastic_ep"]["params"] == []
     assert version in patches.TESTED_VLLM_VERSIONS
+    ok = signatures.verified(version)
+    assert all(ok[s.key] for s in patches.CATALOGUE), ok  # every wrapped hook, in both releases
+    from engine_ext.vllm import cpu_patches
+
+    if version in cpu_patches.VERIFIED_VERSIONS:
+        assert all(ok[p.name] for p in cpu_patches.CATALOGUE), ok
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
@@ -54,6 +61,8 @@ def test_installed_vllm_reproduces_its_record_and_ast_agrees_with_inspect() -> N
     read, version = signatures.installed_reader()
     got = signatures.extract(read, signatures.plugin_symbols())
     assert got == signatures.record(version)
+    assert signatures.snippet_counts(read) == json.loads(
+        (signatures.RECORDS_DIR / f"vllm-{version}.json").read_text())["snippets"]
     checked = 0
     for symbol, rec in got.items():
         if rec is None or rec["kind"] != "function":
@@ -93,3 +102,5 @@ def test_record_reproduces_from_the_release_wheel(version: str) -> None:
     read, wheel_version = signatures.wheel_reader(wheel)
     assert wheel_version == version
     assert signatures.extract(read, signatures.plugin_symbols()) == signatures.record(version)
+    assert signatures.snippet_counts(read) == json.loads(
+        (signatures.RECORDS_DIR / f"vllm-{version}.json").read_text())["snippets"]

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine_ext.vllm import cpu_fixes
+
 log = logging.getLogger("vllm.engine_ext")
 
 VERIFIED_VERSIONS = ("0.32.0",)
@@ -26,45 +28,47 @@ _MOE = "vllm.model_executor.layers.fused_moe"
 
 @dataclass(frozen=True)
 class CpuPatch:
-    """One replaced vLLM function: ``make(original)`` returns the replacement."""
+    """One replaced vLLM object: ``make(original)`` returns the replacement. ``params``: the
+    function's expected parameters, or None for a module global (a module-scoped view). ``source``:
+    (snippet, how many times vLLM's module source holds it), the lines the patch stands in for."""
 
     name: str
     module: str
-    qualname: str  # "Owner.attr" or "function"
-    params: tuple[str, ...]
-    make: Callable[[Callable[..., Any]], Callable[..., Any]]
+    qualname: str  # "Owner.attr", "function" or "global"
+    params: tuple[str, ...] | None
+    make: Callable[[Any], Any]
+    source: tuple[tuple[str, int], ...] = ()
 
 
-def _local_expert_ids(original: Callable[..., Any]) -> Callable[..., Any]:
-    """CPU experts ignore ``expert_map`` (vllm ``experts/cpu_moe.py:269-315``): under EP they index
-    their local weights with global expert ids. Map ids to local ones as the CUDA kernels do;
-    a token's slot on an expert held elsewhere gets weight 0 (its rank adds it in the combine)."""
-    import torch
-
-    def apply(self: Any, *args: Any, **kw: Any) -> Any:
-        expert_map = kw.get("expert_map")
-        if expert_map is None or args:
-            return original(self, *args, **kw)
-        local = expert_map[kw["topk_ids"].long()]
-        held = local >= 0
-        kw["topk_ids"] = torch.where(held, local, 0).to(kw["topk_ids"].dtype)
-        kw["topk_weights"] = torch.where(held, kw["topk_weights"], 0).to(kw["topk_weights"].dtype)
-        result = original(self, **kw)
-        if kw.get("apply_router_weight_on_input"):  # weights already applied: zero rows held elsewhere
-            kw["output"][~held.any(dim=-1)] = 0
-        return result
-
-    return apply
-
+_EXPERTS_APPLY = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
+                  "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13", "workspace2",
+                  "expert_tokens_meta", "apply_router_weight_on_input")
+_MAP_RECORD = ("topk_ids", "expert_load_view", "logical_to_physical_map", "logical_replica_count",
+               "record_enabled", "num_unpadded_tokens")
 
 CATALOGUE: tuple[CpuPatch, ...] = (
-    CpuPatch("cpu_experts_expert_map", f"{_MOE}.experts.cpu_moe", "CPUUnquantizedExperts.apply",
-             ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
-              "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13", "workspace2",
-              "expert_tokens_meta", "apply_router_weight_on_input"), _local_expert_ids),
+    CpuPatch("cpu_experts_expert_map", f"{_MOE}.experts.cpu_moe", "CPUUnquantizedExperts.apply", _EXPERTS_APPLY,
+             cpu_fixes.local_expert_ids),
+    CpuPatch("router_map_and_record", f"{_MOE}.router.base_router", "eplb_map_to_physical_and_record", _MAP_RECORD,
+             cpu_fixes.map_to_physical_and_record,
+             source=(("def eplb_map_to_physical_and_record(", 2), ("return eplb_map_to_physical_and_record(", 1))),
+    CpuPatch("eplb_allowed", "vllm.config.parallel", "current_platform", None, cpu_fixes.eplb_platform_view,
+             source=(("current_platform.is_cuda_alike()", 1),
+                     ("if not current_platform.is_cuda_alike() and not current_platform.is_xpu():", 1))),
+    CpuPatch("eplb_host_events", "vllm.distributed.eplb.eplb_state", "torch", None, cpu_fixes.eplb_host_torch,
+             source=(("torch.Event(enable_timing=True)", 2), ("torch.cuda", 0))),
+    CpuPatch("eplb_host_stream", "vllm.distributed.eplb.eplb_communicator", "torch", None,
+             cpu_fixes.eplb_host_torch, source=(("torch.accelerator.current_stream().synchronize()", 1),
+                                                ("torch.Event", 0), ("torch.cuda", 0))),
+    CpuPatch("eplb_moves_logged", "vllm.distributed.eplb.eplb_state", "EplbState.rearrange",
+             ("self", "is_profile", "rank_mapping", "use_last_expert_load"), cpu_fixes.eplb_moves_logged),
+    CpuPatch("cpu_runner_eplb", "vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model",
+             ("self", "load_dummy_weights"), cpu_fixes.cpu_runner_eplb,
+             source=(("Is not supported by the CPU Model Runner.", 1), ("eplb", 0))),
 )
 
 _status: dict[str, str] = {}
+_originals: dict[str, Any] = {}  # module globals we replaced: name -> vLLM's object
 _lock = threading.Lock()
 
 
@@ -82,6 +86,8 @@ def _resolve(p: CpuPatch) -> tuple[Any, str, Callable[..., Any] | None, str]:
     current = (owner.__dict__ if isinstance(owner, type) else vars(owner)).get(attr)
     if current is None:
         return owner, attr, None, f"{p.qualname} not found"
+    if p.params is None:  # a module global: the one we replaced remembers vLLM's
+        return owner, attr, _originals.get(p.name, current), ""
     func = getattr(current, "__eepctl_original__", current)
     params = tuple(inspect.signature(func).parameters)
     if params != p.params:
@@ -98,11 +104,17 @@ def refusal(patches: tuple[CpuPatch, ...] = CATALOGUE) -> str:
     read, version = signatures.installed_reader()
     if version not in VERIFIED_VERSIONS:
         return f"vLLM {version} is not a release they were verified against ({', '.join(VERIFIED_VERSIONS)})"
-    found = signatures.extract(read, tuple(f"{p.module}:{p.qualname}" for p in patches))
-    for p in patches:
+    functions = tuple(p for p in patches if p.params is not None)
+    found = signatures.extract(read, tuple(f"{p.module}:{p.qualname}" for p in functions))
+    for p in functions:
         rec = found[f"{p.module}:{p.qualname}"]
         if rec is None or rec.get("params") != list(p.params):
             return f"{p.qualname} in {p.module} is {rec and rec.get('params')}, expected {list(p.params)}"
+    for p in patches:
+        text = read(p.module.replace(".", "/") + ".py") or ""
+        for snippet, times in p.source:
+            if text.count(snippet) != times:
+                return f"{p.module} holds {snippet!r} {text.count(snippet)} times, expected {times} ({p.name})"
     return ""
 
 
@@ -117,13 +129,16 @@ def apply(patches: tuple[CpuPatch, ...] = CATALOGUE) -> dict[str, str]:
             return dict(_status)
         for p in patches:
             owner, attr, original, _ = _resolve(p)
-            if getattr((owner.__dict__ if isinstance(owner, type) else vars(owner))[attr], "__eepctl_patch__", None):
+            if p.name in _originals or getattr(getattr(owner, attr), "__eepctl_patch__", None):
                 _status[p.name] = "active"
                 continue
             replacement = p.make(original)
-            replacement.__eepctl_patch__ = p.name  # type: ignore[attr-defined]
-            replacement.__eepctl_original__ = original  # type: ignore[attr-defined]
-            replacement.__wrapped__ = original  # type: ignore[attr-defined]
+            if p.params is None:
+                _originals[p.name] = original
+            else:
+                replacement.__eepctl_patch__ = p.name
+                replacement.__eepctl_original__ = original
+                replacement.__wrapped__ = original
             setattr(owner, attr, replacement)
             _status[p.name] = "active"
         return dict(_status)
@@ -136,6 +151,7 @@ def remove(patches: tuple[CpuPatch, ...] = CATALOGUE) -> None:
             owner, attr, original, _ = _resolve(p)
             if owner is not None and original is not None:
                 setattr(owner, attr, original)
+            _originals.pop(p.name, None)
             _status.pop(p.name, None)
 
 

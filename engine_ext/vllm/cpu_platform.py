@@ -83,5 +83,17 @@ def _build() -> type:
         def get_device_communicator_cls(cls) -> str:
             return COMMUNICATOR
 
+        @classmethod
+        def check_and_update_config(cls, vllm_config: Any) -> None:
+            """vLLM's CPU checks, then: EPLB runs synchronously. Its async worker thread needs an
+            accelerator device index (``eplb/async_worker.py:32``); on CPU the thread dies at once
+            and the mapping changes while the weights stay where they were."""
+            super().check_and_update_config(vllm_config)
+            parallel = vllm_config.parallel_config
+            if parallel.enable_eplb and parallel.eplb_config.use_async:
+                log.warning("engine_ext: EPLB on CPU runs synchronously (use_async=False): its async "
+                            "worker needs an accelerator stream")
+                parallel.eplb_config.use_async = False
+
     EepCpuPlatform.__module__ = __name__
     return EepCpuPlatform

@@ -39,7 +39,7 @@ def plugin_symbols() -> tuple[str, ...]:
     from engine_ext.vllm import cpu_patches, patches
 
     wrapped = tuple(f"{s.module}:{s.owner}.{s.attr}" for s in patches.CATALOGUE)
-    cpu = tuple(f"{p.module}:{p.qualname}" for p in cpu_patches.CATALOGUE)
+    cpu = tuple(f"{p.module}:{p.qualname}" for p in cpu_patches.CATALOGUE if p.params is not None)
     return wrapped + cpu + EXTRA_SYMBOLS
 
 
@@ -54,15 +54,29 @@ def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     return names
 
 
+def _flat(body: list[ast.stmt]) -> list[ast.stmt]:
+    """A scope's statements in source order, with those under ``if``/``else``/``try`` inlined
+    (vLLM defines some functions per platform, e.g. ``if current_platform.is_cuda_alike(): ...``)."""
+    out: list[ast.stmt] = []
+    for node in body:
+        if isinstance(node, ast.If):
+            out += _flat(node.body) + _flat(node.orelse)
+        elif isinstance(node, ast.Try):
+            out += _flat(node.body) + [s for h in node.handlers for s in _flat(h.body)] + _flat(node.orelse)
+        else:
+            out.append(node)
+    return out
+
+
 def _find(tree: ast.Module, qualname: str) -> dict | None:
     """The record of ``qualname`` in a parsed module, or None where it is not defined."""
-    scope: list[ast.stmt] = tree.body
+    scope: list[ast.stmt] = _flat(tree.body)
     *outer, last = qualname.split(".")
     for part in outer:
         cls = next((n for n in scope if isinstance(n, ast.ClassDef) and n.name == part), None)
         if cls is None:
             return None
-        scope = cls.body
+        scope = _flat(cls.body)
     for node in reversed(scope):  # the last definition wins, as at run time
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == last:
             names = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)})
@@ -90,6 +104,31 @@ def extract(read: Callable[[str], str | None], symbols: tuple[str, ...]) -> dict
             trees[path] = ast.parse(src) if src is not None else None
         tree = trees[path]
         out[symbol] = _find(tree, qualname) if tree is not None else None
+    return out
+
+
+def snippet_counts(read: Callable[[str], str | None]) -> dict[str, dict[str, int]]:
+    """For each CPU patch, how often its module's source holds each snippet the patch stands in for."""
+    from engine_ext.vllm import cpu_patches
+
+    out: dict[str, dict[str, int]] = {}
+    for p in cpu_patches.CATALOGUE:
+        text = read(p.module.replace(".", "/") + ".py") or ""
+        out[p.name] = {snippet: text.count(snippet) for snippet, _ in p.source}
+    return out
+
+
+def verified(version: str) -> dict[str, bool]:
+    """Per patch or hook (CATALOGUE key / CPU patch name): does its check hold on ``version``'s record?"""
+    from engine_ext.vllm import cpu_patches, patches
+
+    data = json.loads((RECORDS_DIR / f"vllm-{version}.json").read_text())
+    symbols, snippets = data["symbols"], data.get("snippets", {})
+    out = {s.key: (symbols.get(f"{s.module}:{s.owner}.{s.attr}") or {}).get("params") == list(s.params)
+           for s in patches.CATALOGUE}
+    for p in cpu_patches.CATALOGUE:
+        ok = p.params is None or (symbols.get(f"{p.module}:{p.qualname}") or {}).get("params") == list(p.params)
+        out[p.name] = ok and all(snippets.get(p.name, {}).get(sn) == n for sn, n in p.source)
     return out
 
 
@@ -127,8 +166,9 @@ def record(version: str) -> dict[str, dict | None]:
     return json.loads((RECORDS_DIR / f"vllm-{version}.json").read_text())["symbols"]
 
 
-def render(version: str, source: str, symbols: dict[str, dict | None]) -> str:
-    return json.dumps({"vllm": version, "source": source, "symbols": symbols}, indent=1, sort_keys=True) + "\n"
+def render(version: str, source: str, symbols: dict[str, dict | None], snippets: dict[str, dict[str, int]]) -> str:
+    return json.dumps({"vllm": version, "source": source, "symbols": symbols, "snippets": snippets}, indent=1,
+                      sort_keys=True) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     read, version = wheel_reader(a.wheel) if a.wheel else installed_reader()
     source = a.wheel.name if a.wheel else "installed"
-    text = render(version, source, extract(read, plugin_symbols()))
+    text = render(version, source, extract(read, plugin_symbols()), snippet_counts(read))
     if a.write:
         (RECORDS_DIR / f"vllm-{version}.json").write_text(text)
     else:
