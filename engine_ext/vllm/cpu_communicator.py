@@ -52,8 +52,31 @@ def _build() -> type:
     import torch.distributed as dist
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
+    from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
+
     class EepCpuCommunicator(CpuCommunicator):
-        """vLLM's CPU communicator plus variable-size gather/reduce-scatter and batched p2p."""
+        """vLLM's CPU communicator plus variable-size gather/reduce-scatter and batched p2p, also
+        over elastic EP's stateless groups (which vLLM builds only with ``CudaCommunicator``)."""
+
+        def __init__(self, cpu_group: Any, device: Any = None, device_group: Any = None, unique_name: str = "",
+                     global_ranks: list[int] | None = None, global_world_size: int | None = None,
+                     tcp_store_group: Any = None, use_all2all: bool = False) -> None:
+            from torch.distributed.distributed_c10d import _world
+
+            self.stateless = _world.pg_map.get(cpu_group) is None
+            if not self.stateless:
+                super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
+                return
+            # A stateless group is unknown to torch.distributed: no shared-memory fast path (it needs
+            # the group's global ranks from torch), vLLM's CPU all2all manager over it.
+            DeviceCommunicatorBase.__init__(self, cpu_group, device, device_group, unique_name, global_ranks,
+                                            global_world_size, use_all2all=use_all2all)
+            self.dist_module = dist
+            self.supports_tensor_dict = False
+            if self.use_all2all:
+                from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
+
+                self.all2all_manager = AgRsAll2AllManager(self.cpu_group, tcp_store_group)
 
         def all_gatherv(self, input_: Any, dim: int = 0, sizes: list[int] | None = None) -> Any:
             if dim != 0:
@@ -102,7 +125,10 @@ def _build() -> type:
                 peer = getattr(op, "group_peer", None)
                 peer = peer if peer is not None else self.ranks.index(op.peer)
                 group = getattr(op, "group", None) or self.device_group
-                if op.op in (dist.isend, dist.send):
+                sending = op.op in (dist.isend, dist.send)
+                if self.stateless:  # torch cannot map ranks of a group it does not know: the group's own p2p
+                    works.append(group.send([op.tensor], peer, 0) if sending else group.recv([op.tensor], peer, 0))
+                elif sending:
                     works.append(dist.isend(op.tensor, group=group, group_dst=peer))
                 else:
                     works.append(dist.irecv(op.tensor, group=group, group_src=peer))
@@ -110,3 +136,37 @@ def _build() -> type:
                 w.wait()
 
     return EepCpuCommunicator
+
+
+def host_eplb_communicator(cpu_group: Any) -> Any:
+    """An EPLB communicator over a (stateless) gloo process group: queued sends and receives of
+    host tensors, run point to point with the group's own ``send``/``recv`` in ``execute``."""
+    from vllm.distributed.eplb.eplb_communicator import EplbCommunicator
+
+    class HostEplbCommunicator(EplbCommunicator):
+        def __init__(self) -> None:
+            self._group = cpu_group
+            self._stream = None
+            self._ops: list[tuple[bool, Any, int]] = []
+            self._log_initialized()
+
+        def add_send(self, tensors: list, dst_rank: int, expert_id: int) -> None:
+            self._ops += [(True, t, dst_rank) for t in tensors]
+
+        def add_recv(self, tensors: list, src_rank: int, expert_id: int) -> None:
+            self._ops += [(False, t, src_rank) for t in tensors]
+
+        def execute(self) -> None:
+            ops, self._ops = self._ops, []
+            works, staged = [], []
+            for sending, tensor, peer in ops:
+                buf = tensor.contiguous() if sending else tensor.new_empty(tensor.shape).contiguous()
+                works.append(self._group.send([buf], peer, 0) if sending else self._group.recv([buf], peer, 0))
+                if not sending:
+                    staged.append((tensor, buf))
+            for w in works:
+                w.wait()
+            for dst, buf in staged:
+                dst.copy_(buf)
+
+    return HostEplbCommunicator()

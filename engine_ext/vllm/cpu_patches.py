@@ -24,6 +24,7 @@ log = logging.getLogger("vllm.engine_ext")
 
 VERIFIED_VERSIONS = ("0.32.0",)
 _MOE = "vllm.model_executor.layers.fused_moe"
+_ELASTIC = "vllm.distributed.elastic_ep.elastic_execute"
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,23 @@ CATALOGUE: tuple[CpuPatch, ...] = (
                                                 ("torch.Event", 0), ("torch.cuda", 0))),
     CpuPatch("eplb_moves_logged", "vllm.distributed.eplb.eplb_state", "EplbState.rearrange",
              ("self", "is_profile", "rank_mapping", "use_last_expert_load"), cpu_fixes.eplb_moves_logged),
+    CpuPatch("stateless_cpu_communicator", "vllm.distributed.stateless_coordinator", "CudaCommunicator", None,
+             cpu_fixes.stateless_cpu_communicator,
+             source=(("assert device_comm_cls == CudaCommunicator", 1), ("CudaCommunicator(", 1))),
+    CpuPatch("stateless_host_eplb_communicator", "vllm.distributed.eplb.eplb_state", "create_eplb_communicator",
+             None, cpu_fixes.stateless_host_eplb_communicator,
+             source=(("from .eplb_communicator import EplbCommunicator, create_eplb_communicator", 1),)),
+    CpuPatch("elastic_host_torch", _ELASTIC, "torch", None, cpu_fixes.eplb_host_torch,
+             source=(("torch.accelerator.synchronize()", 4), ("torch.accelerator.empty_cache()", 1),
+                     ("torch.Stream(device=dp_group.device)", 1), ("torch.cuda", 0))),
+    CpuPatch("elastic_workspace_unlock", _ELASTIC, "unlock_workspace", None, cpu_fixes.workspace_if_any,
+             source=(("unlock_workspace()", 1),)),
+    CpuPatch("elastic_workspace_lock", _ELASTIC, "lock_workspace", None, cpu_fixes.workspace_if_any,
+             source=(("    lock_workspace()", 1),)),
+    CpuPatch("elastic_kernel_warmup", _ELASTIC, "kernel_warmup", None, cpu_fixes.no_gpu_kernel_warmup,
+             source=(("kernel_warmup(self.worker, process_local_only=True)", 1),)),
+    CpuPatch("elastic_live_linear_weights", "vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm",
+             ("layer", "remove_weight"), cpu_fixes.live_linear_weights),
     CpuPatch("cpu_runner_eplb", "vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model",
              ("self", "load_dummy_weights"), cpu_fixes.cpu_runner_eplb,
              source=(("Is not supported by the CPU Model Runner.", 1), ("eplb", 0))),

@@ -22,6 +22,9 @@ log = logging.getLogger("vllm.engine_ext")
 
 ENABLE_ENV = "EEPCTL_VLLM_CPU_EP"
 QUALNAME = "engine_ext.vllm.cpu_platform.EepCpuPlatform"
+CARRY_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+DEVICE_KEY_ENV = "EEPCTL_VLLM_RAY_DEVICE_KEY"  # the Ray resource a DP rank's worker takes one unit of
+DEFAULT_DEVICE_KEY = "vllm_cpu_rank"
 _cls: type | None = None
 
 
@@ -79,17 +82,36 @@ def _build() -> type:
     class EepCpuPlatform(CpuPlatform):
         """vLLM's CPU platform with a device communicator that has DP + EP's collectives."""
 
+        # vLLM's Ray DP backend places each DP rank's workers on one unit each of this Ray resource
+        # (v1/engine/utils.py:691,882); vLLM's CPU platform names none ("No  found in Ray cluster").
+        # Not "CPU": a scale-up counts used units as ranks (utils.py:900-904), and every engine actor
+        # also takes a CPU, so the joiner's local rank would overshoot (an assert in core.py:2204).
+        # The cluster advertises it: `ray start --resources '{"vllm_cpu_rank": N}'`.
+        ray_device_key: str = os.environ.get(DEVICE_KEY_ENV, "") or DEFAULT_DEVICE_KEY
+
         @classmethod
         def get_device_communicator_cls(cls) -> str:
             return COMMUNICATOR
 
         @classmethod
         def check_and_update_config(cls, vllm_config: Any) -> None:
-            """vLLM's CPU checks, then: EPLB runs synchronously. Its async worker thread needs an
+            """vLLM's CPU checks, then: workers are processes, and EPLB runs synchronously. Its async worker thread needs an
             accelerator device index (``eplb/async_worker.py:32``); on CPU the thread dies at once
             and the mapping changes while the weights stay where they were."""
             super().check_and_update_config(vllm_config)
             parallel = vllm_config.parallel_config
+            if parallel.data_parallel_backend == "ray":
+                # Ray starts each DP rank's engine actor with only the variables vLLM copies
+                # (vllm/ray/ray_env.py): ours must reach it, or the actor runs vLLM's CPU platform.
+                carried = os.environ.get(CARRY_ENV, "")
+                if "EEPCTL_" not in carried.split(","):
+                    os.environ[CARRY_ENV] = ",".join(p for p in (carried, "EEPCTL_") if p)
+            if parallel.distributed_executor_backend == "ray":
+                # vLLM picks Ray workers for the Ray DP backend; on CPU those refuse to start
+                # ("current platform cpu does not support ray", v1/executor/ray_utils.py:572-576).
+                # Each DP rank's engine actor starts its workers as processes instead.
+                log.info("engine_ext: workers of each DP rank run as processes (mp), not Ray actors")
+                parallel.distributed_executor_backend = "mp"
             if parallel.enable_eplb and parallel.eplb_config.use_async:
                 log.warning("engine_ext: EPLB on CPU runs synchronously (use_async=False): its async "
                             "worker needs an accelerator stream")
