@@ -7,9 +7,11 @@ vLLM chooses its platform as if the plugin were absent (a GPU vLLM with the plug
 behaves exactly as before). vLLM resolves the platform in every process it starts, so each one
 decides the same way from the same environment.
 
-``EepCpuPlatform`` differs from vLLM's ``CpuPlatform`` only in its device communicator
-(engine_ext.vllm.cpu_communicator: the variable-size collectives DP + EP needs). The class is
-built on first access: importing this module imports nothing of vLLM.
+``EepCpuPlatform`` differs from vLLM's ``CpuPlatform`` in its device communicator
+(engine_ext.vllm.cpu_communicator: the variable-size collectives DP + EP needs), a Ray device key
+for the Ray DP backend, process (``mp``) workers inside Ray engine actors, and synchronous EPLB;
+engine_ext.vllm.cpu_patches holds the rest. The class is built on first access: importing this
+module imports nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def _build() -> type:
     from engine_ext.vllm.cpu_communicator import QUALNAME as COMMUNICATOR
 
     class EepCpuPlatform(CpuPlatform):
-        """vLLM's CPU platform with a device communicator that has DP + EP's collectives."""
+        """vLLM's CPU platform with DP + EP's collectives, a Ray device key, process workers under
+        the Ray DP backend and synchronous EPLB."""
 
         # vLLM's Ray DP backend places each DP rank's workers on one unit each of this Ray resource
         # (v1/engine/utils.py:691,882); vLLM's CPU platform names none ("No  found in Ray cluster").
@@ -95,9 +98,9 @@ def _build() -> type:
 
         @classmethod
         def check_and_update_config(cls, vllm_config: Any) -> None:
-            """vLLM's CPU checks, then: workers are processes, and EPLB runs synchronously. Its async worker thread needs an
-            accelerator device index (``eplb/async_worker.py:32``); on CPU the thread dies at once
-            and the mapping changes while the weights stay where they were."""
+            """vLLM's CPU checks, then: our variables reach Ray engine actors, workers are processes,
+            and EPLB runs synchronously (its async worker thread asserts an accelerator device
+            index, ``eplb/async_worker.py:32``, outside its ``try``: on CPU it dies at once)."""
             super().check_and_update_config(vllm_config)
             parallel = vllm_config.parallel_config
             if parallel.data_parallel_backend == "ray":
