@@ -168,6 +168,7 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs(deployment: dict[str
              if r["body"]["choices"][0]["token_ids"] != expected[r["i"]]]
     assert wrong == [], wrong
     assert all(r["code"] == 503 and r["body"] == SCALING_503 for r in refused), refused
+    assert all(any(t0 <= r["start"] <= t1 for t0, t1 in windows) for r in refused), (windows, refused)  # during a switch
     for t0, t1 in windows:  # answered requests that ran while a scale was in flight
         assert any(t0 < r["end"] and r["start"] < t1 for r in ok), (t0, t1)
     assert any(r["start"] > windows[-1][1] for r in ok)
