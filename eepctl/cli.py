@@ -109,6 +109,7 @@ def up(
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
     from eepctl import core, render
+    from engine_ext.config import CapturePolicy
 
     if dtype not in ("float32", "float64", "bfloat16", "float16"):
         raise UsageError(f"--dtype must be float32, float64, bfloat16 or float16, not {dtype!r}")
@@ -116,8 +117,10 @@ def up(
               "hidden_size": hidden, "max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens,
               "dtype": dtype, "seed": seed,
               "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
-    if capture_policy not in ("recapture", "reuse"):
-        raise UsageError(f"--capture-policy must be recapture or reuse, not {capture_policy!r}")
+    try:  # the config validates it too; here the message names the option
+        CapturePolicy.parse(capture_policy, "--capture-policy")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     engine["capture_policy"] = capture_policy
     from eepctl.progress import busy
 

@@ -81,7 +81,7 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
        timeout_s: float, say: Callable[[str], None] = lambda s: None,
        placement: dict[str, Any] | None = None, on_rank_failure: str = "replace",
        standby: int = 0) -> dict[str, Any]:
-    from engine_ext.config import EngineConfig
+    from engine_ext.config import EngineConfig, RankFailurePolicy
     from engine_ext.ray.deployment import actor, create_deployment
     from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
 
@@ -90,14 +90,15 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         raise UsageError(f"--dp must be >= 1, got {dp}")
     if max_dp < dp:
         raise UsageError(f"--max-dp ({max_dp}) must be >= --dp ({dp})")
-    if on_rank_failure not in ("shrink", "replace"):
-        raise UsageError(f"--on-rank-failure must be shrink or replace, not {on_rank_failure!r}")
+    try:
+        RankFailurePolicy.parse(on_rank_failure, "--on-rank-failure")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if standby < 0:
         raise UsageError(f"--standby must be >= 0, got {standby}")
-    cfg = EngineConfig(**engine, instance_id=t.name)
-    if cfg.capture_policy == "reuse" and not cfg.capture_world:
-        cfg.capture_world = max_dp  # reuse sizes captures for the largest world scale may reach
     try:
+        cfg = EngineConfig(**engine, instance_id=t.name)
+        cfg.size_captures_for(max_dp)
         cfg.validate()
     except ValueError as e:
         raise UsageError(f"invalid engine option: {e}") from None

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from engine_ext.elastic.comm import StatelessGroup
     from engine_ext.rank.faults import Faults
 
-CAPTURE_POLICIES = ("recapture", "reuse")
 
 
 class ReusedCaptureError(RuntimeError):
@@ -155,8 +154,6 @@ class CaptureReuse:
 
 def max_world_handle(cfg: EngineConfig, faults: Faults, shared: RankShared) -> MaxWorldGroup | None:
     """The group handle captures use under ``capture_policy = reuse``, else None (recapture)."""
-    if cfg.capture_policy not in CAPTURE_POLICIES:
-        raise ValueError(f"capture_policy must be one of {CAPTURE_POLICIES}, not {cfg.capture_policy!r}")
     if cfg.capture_policy != "reuse":
         return None
     # The capacity is max DP; without one (or under the broken variant, which forgets it), the
