@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from engine_ext.protocol import DEFAULT_NAMESPACE, UsageError
 
@@ -39,7 +40,11 @@ def deployment_names() -> list[str]:
         host, port = cluster.parse_address(addr)
         if not cluster.reachable(host, port, 0.3):
             return []
-        cluster.connect(addr, os.environ.get("EEPCTL_NAMESPACE", DEFAULT_NAMESPACE))
+        stdout = sys.stdout
+        try:
+            cluster.connect(addr, os.environ.get("EEPCTL_NAMESPACE", DEFAULT_NAMESPACE))
+        finally:  # connecting diverts stdout to stderr (eepctl.streams); click prints completions there
+            sys.stdout = stdout
         from eepctl.core import list_deployments
 
         return list_deployments(os.environ.get("EEPCTL_NAMESPACE", DEFAULT_NAMESPACE))

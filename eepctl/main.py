@@ -35,10 +35,12 @@ def main(argv: list[str] | None = None) -> None:
 def run(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or "--traceback" in args or bool(os.environ.get("EEPCTL_DEBUG"))
+    from eepctl import streams
     from eepctl.cli import app
     from eepctl.completion import install_completion_classes
 
     install_completion_classes()
+    streams.own_stdout()
     try:
         rv = app(args=args, prog_name="eepctl", standalone_mode=False)
         return int(rv) if isinstance(rv, int) else int(ExitCode.OK)

@@ -12,12 +12,20 @@ import sys
 from typing import TextIO
 
 _output: TextIO | None = None
+_owned = False  # whether this process is the eepctl command (not a script using eepctl.core)
+
+
+def own_stdout() -> None:
+    """This process is the eepctl command: its stdout is its own output only (eepctl.main)."""
+    global _owned
+    _owned = True
 
 
 def divert_library_output() -> None:
-    """From now on, what libraries print goes to stderr; ``output()`` stays the real stdout."""
+    """In the eepctl command, what libraries print from now on goes to stderr; ``output()``
+    stays the real stdout. A script that imports eepctl.core keeps its stdout as it is."""
     global _output
-    if sys.stdout is not sys.stderr:
+    if _owned and sys.stdout is not sys.stderr:
         _output = sys.stdout
         sys.stdout = sys.stderr
 
