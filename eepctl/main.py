@@ -23,9 +23,6 @@ def main(argv: list[str] | None = None) -> None:
     if "ray" in sys.modules:
         # A Ray driver's atexit shutdown costs about half a second and has nothing to clean
         # up for us (every actor eepctl creates is detached): leave at once.
-        from eepctl import streams
-
-        streams.output().flush()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -33,6 +30,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
+    stdout = sys.stdout
+    try:
+        return _run(argv)
+    finally:  # an in-process caller gets its stdout back (connecting diverts it: eepctl.streams)
+        sys.stdout = stdout
+
+
+def _run(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or "--traceback" in args or bool(os.environ.get("EEPCTL_DEBUG"))
     from eepctl import streams
