@@ -105,6 +105,7 @@ def up(
     ifname: Annotated[str, typer.Option(help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME.")] = "",
     standby: Annotated[int, typer.Option("--standby", help="Ranks to keep launched ahead (model and KV loaded, in no DP group): a scale-up adopts them and skips its launch phase.")] = 0,
     capture_policy: Annotated[str, typer.Option("--capture-policy", help="recapture: capture once per transition, workspace right-sized; reuse: size captures for --max-dp at start and capture nothing in transitions (more memory).")] = "recapture",
+    health_deadline: Annotated[float, typer.Option("--health-deadline", help="Seconds a rank may stay silent (no probe answer, token or result) before it is fenced and recovered around; also how long a serving step waits for a peer.")] = 5.0,
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
@@ -122,13 +123,14 @@ def up(
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine["capture_policy"] = capture_policy
+    engine["step_timeout_s"] = health_deadline
     from eepctl.progress import busy
 
     with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json):
         res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
                       cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
                       placement={"policy": placement, "ifname": ifname},
-                      on_rank_failure=on_rank_failure, standby=standby)
+                      on_rank_failure=on_rank_failure, standby=standby, health_deadline_s=health_deadline)
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 
 
@@ -259,6 +261,7 @@ def scale(
     timeout: Annotated[float, typer.Option(help="Seconds the whole transition may take (exit 6 after).")] = 300.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and change nothing.")] = False,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the operation id and return.")] = False,
+    request_id: Annotated[str | None, typer.Option("--request-id", help="Idempotency key: a retry with the same id returns the same operation instead of starting another.", show_default=False)] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Live display: add one row per rank.")] = False,
     api_key: ApiKey = None,
     name: Name = DEFAULT_DEPLOYMENT,
@@ -278,7 +281,8 @@ def scale(
     progress = ScaleProgress(json_lines=output == Output.json, plain=_plain(), verbose=verbose)
     with progress:
         res = core.scale(t, dp, drain_timeout_s=drain_timeout, timeout_s=timeout, wait=not no_wait,
-                         on_event=progress.on_event, api_key=api_key, on_op=progress.on_operation)
+                         on_event=progress.on_event, api_key=api_key, on_op=progress.on_operation,
+                         request_id=request_id)
     _emit(render.to_json("scale", res) + "\n" if output == Output.json else render.scale_text(res))
 
 

@@ -80,7 +80,7 @@ def _driver(t: Target, api_key: str | None) -> Driver:
 def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
        timeout_s: float, say: Callable[[str], None] = lambda s: None,
        placement: dict[str, Any] | None = None, on_rank_failure: str = "replace",
-       standby: int = 0) -> dict[str, Any]:
+       standby: int = 0, health_deadline_s: float = 5.0) -> dict[str, Any]:
     from engine_ext.config import EngineConfig, RankFailurePolicy
     from engine_ext.ray.deployment import actor, create_deployment
     from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
@@ -96,6 +96,8 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         raise UsageError(str(e)) from None
     if standby < 0:
         raise UsageError(f"--standby must be >= 0, got {standby}")
+    if not health_deadline_s > 0:
+        raise UsageError(f"--health-deadline must be > 0, got {health_deadline_s}")
     try:
         cfg = EngineConfig(**engine, instance_id=t.name)
         cfg.size_captures_for(max_dp)
@@ -122,7 +124,8 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         raise PreconditionError(f"deployment {t.name!r} already exists in namespace {t.namespace!r}")
     handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
                                         gpus_per_rank, timeout_s, placement=spec.to_dict(),
-                                        on_rank_failure=on_rank_failure, standby=standby)
+                                        on_rank_failure=on_rank_failure, standby=standby,
+                                        health_deadline_s=health_deadline_s)
     # Wait until every rank's heartbeat says it serves.
     deadline = time.time() + 15
     snap: dict[str, Any] = {}
@@ -247,14 +250,17 @@ def plan(t: Target, dp: int, api_key: str | None = None) -> dict[str, Any]:
 
 def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
           on_event: Callable[[dict[str, Any]], None] = lambda e: None, api_key: str | None = None,
-          on_op: Callable[[dict[str, Any]], None] = lambda o: None) -> dict[str, Any]:
+          on_op: Callable[[dict[str, Any]], None] = lambda o: None,
+          request_id: str | None = None) -> dict[str, Any]:
     t.validated()
     if dp < 1:
         raise UsageError(f"--dp must be >= 1, got {dp}")
     if timeout_s <= 0 or drain_timeout_s < 0:
         raise UsageError("--timeout must be > 0 and --drain-timeout >= 0")
+    if request_id is not None and not (0 < len(request_id) <= 128 and request_id.isprintable()):
+        raise UsageError("--request-id must be 1 to 128 printable characters")
     return _driver(t, api_key).scale(dp, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s, wait=wait,
-                                     on_event=on_event, on_op=on_op)
+                                     on_event=on_event, on_op=on_op, request_id=request_id)
 
 
 def repair(t: Target, *, timeout_s: float = 300.0, api_key: str | None = None) -> dict[str, Any]:

@@ -41,21 +41,22 @@ def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s:
     rng = random.Random(seed)
     n = max(1, int(rate * duration_s))
     t0 = time.time()
-    sent: list[tuple[int, Pending]] = []
+    sent: list[tuple[int, float, Pending]] = []
     for i in range(n):
         delay = t0 + i / rate - time.time()
         if delay > 0:
             time.sleep(delay)
         idx = rng.randrange(len(prompts))
-        sent.append((idx, submit(prompts[idx])))
+        sent.append((idx, time.time(), submit(prompts[idx])))
     records = []
-    for idx, pending in sent:
+    for idx, sent_at, pending in sent:
         try:
             r = pending.wait(max(1.0, timeout_s - (time.time() - t0)))
         except EepError as e:
             r = {"error": e.message}
         records.append({"prompt_index": idx, "output": r.get("output", []), "error": error_text(r),
-                        "latency_s": r.get("latency_s"), "moved_from": r.get("moved_from", [])})
+                        "latency_s": r.get("latency_s"), "moved_from": r.get("moved_from", []),
+                        "sent_at": round(sent_at, 3)})
     lat = sorted(r["latency_s"] for r in records if not r["error"] and r["latency_s"] is not None)
     return {"sent": n, "completed": len(lat), "failed": n - len(lat), "duration_s": round(time.time() - t0, 2),
             "rate": rate, "latency_s": percentiles(lat), "prompts": prompts, "records": records}

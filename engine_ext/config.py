@@ -70,6 +70,11 @@ class EngineConfig:
     # collectives
     backend: str = "gloo"
     group_timeout_s: float = 120.0
+    # A serving step's collectives wait this long for a peer (gloo's per-operation timeout on the
+    # live group while it serves): a peer that hangs or is cut off fails the step in seconds, the
+    # survivors degrade and the controller fences it, instead of every rank waiting
+    # ``group_timeout_s``. Operations (warm-up, reshuffle) keep ``group_timeout_s``.
+    step_timeout_s: float = 5.0
     # Deliberately broken variants and phase holds (engine_ext.rank.faults.VARIANTS says what
     # each breaks), used by tests to show each mechanism matters and each check fires.
     faults: list[str] = field(default_factory=list)
@@ -112,6 +117,8 @@ class EngineConfig:
             raise ValueError("hidden_size must be divisible by num_heads")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError("top_k must be between 1 and num_experts")
+        if not self.step_timeout_s > 0:
+            raise ValueError("step_timeout_s must be > 0")
         if self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
         if max(self.capture_sizes, default=0) > self.max_num_seqs:

@@ -23,6 +23,7 @@ from engine_ext.elastic.identity import STANDBY_RANK_BASE
 from engine_ext.config import EngineConfig
 from engine_ext.errors import RankRefused
 from engine_ext.control.orchestrator import Orchestrator
+from engine_ext.control.reconciler import Reconciler
 from engine_ext.control.rank_client import RANK_METHODS, RankClient
 
 
@@ -199,7 +200,8 @@ class LocalDeployment:
     """A deployment whose ranks are child processes of this one. Use ``async with``."""
 
     def __init__(self, cfg: EngineConfig, name: str = "local", *, max_dp: int = 8, device: str = "cpu",
-                 env: dict[str, str] | None = None, on_rank_failure: str = "replace", standby: int = 0) -> None:
+                 env: dict[str, str] | None = None, on_rank_failure: str = "replace", standby: int = 0,
+                 health_deadline_s: float = 5.0) -> None:
         cfg.size_captures_for(max_dp)
         self.cfg = cfg
         self.name = name
@@ -211,6 +213,9 @@ class LocalDeployment:
         self.orch = Orchestrator(name, cfg, spawner, max_dp=max_dp,
                                  emit=self.registry.report_event, record_op=self.registry.record_operation,
                                  forget_rank=self.registry.forget_rank, on_rank_failure=on_rank_failure)
+        # The same reconcile loop as the Ray controller: fences a silent or failed rank (SIGKILL),
+        # rebuilds from the weight source when no healthy rank is left, grows back.
+        self.reconciler = Reconciler(self.orch, deadline_s=health_deadline_s)
         self.pool: StandbyPool | None = None
         if standby > 0:
             self.pool = StandbyPool(standby, spawner.launch_standby, _process_alive,
@@ -243,6 +248,7 @@ class LocalDeployment:
 
     async def start(self, size: int) -> None:
         await self.orch.start(size)
+        self.reconciler.start()
         if self.pool is not None:
             await self.pool.fill()
             self._pool_watch = asyncio.get_running_loop().create_task(self.pool.watch())
@@ -254,6 +260,7 @@ class LocalDeployment:
         return await self.orch.scale(size, **kw)
 
     async def stop(self) -> None:
+        self.reconciler.stop()
         if self.pool is not None:
             if self._pool_watch is not None:
                 self._pool_watch.cancel()

@@ -37,6 +37,7 @@ class RankState(str, enum.Enum):
     DEGRADED = "degraded"  # a peer died: groups aborted, weights/KV/requests kept, not stepping
     RECOVERING = "recovering"  # rebuilding the world without the dead ranks
     DEAD = "dead"  # the process is gone (recorded by the controller, with its cause)
+    FENCED = "fenced"  # excluded from the world by epoch (it hung, failed or was cut off): it serves nothing
 
 
 class Refusal(str, enum.Enum):
@@ -48,6 +49,7 @@ class Refusal(str, enum.Enum):
     REMOVED = "removed"  # left the deployment
     FAILED = "failed"  # broken: it takes nothing until replaced
     STOPPED = "stopped"  # shutting down
+    FENCED = "fenced"  # excluded from the world by epoch: it never serves again
 
     @property
     def recovery_coming(self) -> bool:
@@ -139,6 +141,7 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     last_heartbeat: FiniteFloat = 0.0
     heartbeat_age_s: FiniteFloat = 0.0  # set by the registry's views
     stale_replays_refused: int = 0  # I3
+    epoch: int = 0  # the world (rendezvous) the rank serves in; a fenced rank's older epoch is ignored
     eplb_logical_load: list[FiniteFloat] = []
     # The tokens this rank routed to each logical expert over its last EPLB window of steps, and
     # the logical expert each of its physical slots holds: the registry computes the

@@ -10,6 +10,7 @@ admitted in ``Admission`` (engine_ext.control.admission) and run by ``ScaleRun``
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +23,9 @@ from engine_ext.control.router import Router
 from engine_ext.control.scale_plan import ScalePlan
 from engine_ext.control.scale_run import ScaleRun
 from engine_ext.control.spawner import Spawner
-from engine_ext.control.world import EventSink, World, quiet
-from engine_ext.elastic.eplb import ExpertLayout, build_layout
+from engine_ext.control.world import EventSink, World, quiet, short_error
+from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size
+from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import Operation, OpState, PreconditionError, to_builtins
 
 __all__ = ["Orchestrator", "Spawner"]  # Spawner: engine_ext.control.spawner
@@ -53,6 +55,7 @@ class Orchestrator:
         self.world = World(name, emit=emit, record_op=record_op, forget_rank=forget_rank)
         self.recovery = Recovery(self.world, cfg, self.regrow)
         self.admission = Admission(self.world, cfg, spawner, self.recovery, max_dp)
+        self.fenced_clients: dict[int, RankClient] = {}  # to tell (and end) a fenced rank that comes back
 
     # ---- the world, read-only (World owns it) --------------------------------------------------
     @property
@@ -95,6 +98,12 @@ class Orchestrator:
         reason = self.spawner.check_capacity(size)
         if reason:
             raise PreconditionError(reason)
+        await self.form_world(size, "startup", timeout_s)
+        self.desired = size
+
+    async def form_world(self, size: int, op_id: str, timeout_s: float) -> None:
+        """Launch ranks 0..size-1 from the weight source, form their group, warm, capture and
+        serve them, and adopt them as the world (start, and a rebuild from nothing)."""
         w = self.world
         layout = build_layout(self.cfg.num_experts, self.cfg.slots_per_rank, size)
         rank0 = await self.spawner.spawn(0, layout, False)
@@ -103,17 +112,16 @@ class Orchestrator:
             w.move_store(await rank0.host_store(), 0)
             for r in range(1, size):
                 clients[r] = await self.spawner.spawn(r, layout, False)
-            rdzv = w.rendezvous("start")
+            rdzv = w.rendezvous(op_id)
             await World.call_all(clients, "join", lambda c: c.join(rdzv, size, timeout=timeout_s))
             await World.call_all(clients, "warm_and_capture",
-                                 lambda c: c.warm_and_capture("startup", timeout=timeout_s))
+                                 lambda c: c.warm_and_capture(op_id, timeout=timeout_s))
             await World.call_all(clients, "serve", lambda c: c.serve(timeout=60))
         except BaseException:
             for c in clients.values():
                 await quiet(c.kill())
             raise
-        w.adopt(clients, layout)
-        self.desired = size
+        w.adopt(clients, layout, rdzv.epoch)
 
     # ---- planning and scaling ------------------------------------------------------------------
     async def plan(self, target: int, op_id: str | None = None) -> ScalePlan:
@@ -169,6 +177,71 @@ class Orchestrator:
             return False
         await self.scale(min(self.desired, self.max_dp))
         return True
+
+    # ---- health: fence, rebuild ---------------------------------------------------------------
+    async def fence(self, rank: int, reason: str) -> None:
+        """Exclude an unhealthy member by epoch, tell it so when it can hear, end its process
+        when it can be reached, and recover the world without it."""
+        w = self.world
+        client = w.clients.get(rank)
+        if client is None or rank in w.fenced and rank in self.recovery.dead:
+            return
+        epoch = w.fence(rank, reason)
+        self.fenced_clients[rank] = client
+        w.emit({"op_id": w.op.op_id if w.op is not None else "", "rank": rank, "phase": "fence",
+                "start": time.time(), "end": time.time(), "status": "ok",
+                "detail": {"epoch": epoch, "reason": reason}})
+        asyncio.ensure_future(quiet(client.fence(epoch, reason, timeout=2)))  # a hung rank never answers
+        await quiet(client.kill())
+        self.recovery.on_death(rank, f"fenced at epoch {epoch}: {reason}")
+
+    def refence(self, rank: int) -> None:
+        """A fenced rank was heard from (it came back: SIGCONT, a healed partition): tell it
+        again and end it again, at most every few seconds."""
+        client = self.fenced_clients.get(rank)
+        fenced = self.world.fenced.get(rank)
+        if client is None or fenced is None or time.time() - fenced.get("told", 0.0) < 3.0:
+            return
+        fenced["told"] = time.time()
+        asyncio.ensure_future(quiet(client.fence(int(fenced["epoch"]), str(fenced["reason"]), timeout=2)))
+        asyncio.ensure_future(quiet(client.kill()))
+
+    async def rebuild(self, reason: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        """No healthy world is left (every member dead, or a recovery that failed): launch the
+        desired size afresh from the weight source, as a recorded ``rebuild`` operation. Requests
+        wait in the router meanwhile and resume, with their tokens so far, on the new world."""
+        w = self.world
+        async with w.op_lock:
+            size = max(self.desired, min_world_size(self.cfg.num_experts, self.cfg.slots_per_rank))
+            size = min(size, self.max_dp)
+            old = list(w.members)
+            op = Operation(new_op_id(), self.name, len(old), size, kind="rebuild", dead_ranks=old,
+                           plan={"reason": reason})
+            w.op = op
+            w.router.pause()
+            w.router.reroute(set(old))  # what the old ranks held continues on the new world
+            op.rerouted_requests = w.router.rerouted - self.recovery.rerouted_base
+            w.record(op)
+            t = time.time()
+            try:
+                for r in old:
+                    await quiet(w.clients[r].kill())
+                    w.forget_rank(r)
+                await asyncio.wait_for(self.form_world(size, op.op_id, timeout_s), timeout_s)
+                self.recovery.dead.clear()
+                self.recovery.failed_reason = ""
+                w.phase_done(op, "rebuild", t, members=list(w.members))
+                op.state = OpState.SUCCEEDED.value
+                await w.router.resume()
+            except Exception as e:  # noqa: BLE001 - recorded; the reconcile loop retries with backoff
+                op.state, op.error_code = OpState.FAILED.value, 5
+                op.error = f"rebuild failed: {type(e).__name__}: {short_error(e)}"
+                w.router.unhealthy = f"no healthy rank; {op.error}"
+            finally:
+                op.finished = time.time()
+                self.recovery.rerouted_base = w.router.rerouted
+                w.record(op)
+            return to_builtins(op)
 
     # ---- stop --------------------------------------------------------------------------------
     async def stop(self) -> None:

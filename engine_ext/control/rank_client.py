@@ -57,6 +57,9 @@ class RankControl(Protocol):
     def stop(self) -> None:
         """Stop serving and leave the group."""
 
+    def fence(self, epoch: int, reason: str) -> None:
+        """The world moved on without this rank at ``epoch``: serve nothing more."""
+
     def adopt(self, rank: int, layout_d: dict[str, Any]) -> None:
         """A standby rank becomes DP rank ``rank`` (engine_ext.rank.standby)."""
 
@@ -66,6 +69,10 @@ class RankControl(Protocol):
 
 RANK_METHODS: frozenset[str] = frozenset(
     name for name, value in vars(RankControl).items() if callable(value) and not name.startswith("_"))
+
+
+class MissingRank(Exception):
+    """A member whose process was gone when a restarted controller re-attached to its world."""
 
 
 class RankClient(ABC):
@@ -128,5 +135,26 @@ class RankClient(ABC):
     async def stop(self, *, timeout: float | None = None) -> None:
         await self._invoke("stop", timeout=timeout)
 
+    async def fence(self, epoch: int, reason: str, *, timeout: float | None = None) -> None:
+        await self._invoke("fence", epoch, reason, timeout=timeout)
+
     async def recent_events(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         return await self._invoke("recent_events", timeout=timeout)
+
+
+class GoneRankClient(RankClient):
+    """A member a restarted controller could not find: every call fails (the recovery then runs
+    without it) and there is no process to end."""
+
+    def __init__(self, rank: int, why: str) -> None:
+        self.rank = rank
+        self.why = why
+
+    async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
+        raise MissingRank(f"rank {self.rank} is gone: {self.why}")
+
+    async def kill(self) -> None:
+        return None
+
+    def pid(self) -> int:
+        return -1

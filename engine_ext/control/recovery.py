@@ -42,6 +42,10 @@ class Recovery:
         self.last_recovery_s = 0.0
         self.rebuild_reason = ""  # a rebuild is due although no member died (a failed commit)
         self.untrusted = False
+        # Why the last recovery failed, until a rebuild from the weight source succeeds: the
+        # reconcile loop rebuilds the world while requests wait in the router.
+        self.failed_reason = ""
+        self.rerouted_base = 0  # the router's re-route count when the last recovery ended
 
     def on_death(self, rank: int, cause: str) -> None:
         """A rank's process is gone. Called on the controller's event loop."""
@@ -77,6 +81,10 @@ class Recovery:
             else:
                 return
 
+    def running(self) -> bool:
+        """Whether a recovery (or the replacement it started) runs now."""
+        return self._task is not None and not self._task.done()
+
     async def wait(self) -> None:
         """Until no recovery (nor the replacement it started) runs."""
         while self._task is not None and not self._task.done():
@@ -100,7 +108,7 @@ class Recovery:
             self.rebuild_reason, self.untrusted = "", False
             op = Operation(new_op_id(), o.name, len(o.members), len(survivors), kind="recover",
                            dead_ranks=dead)
-            op.rerouted_requests = o.router.rerouted
+            op.rerouted_requests = o.router.rerouted - self.rerouted_base
             o.op = op
             o.phase_done(op, "detect", first_death, time.time(), dead=dead,
                          causes={str(r): self.dead[r]["cause"] for r in dead})
@@ -112,15 +120,14 @@ class Recovery:
             except Exception as e:  # noqa: BLE001 - reported in the operation record
                 op.state, op.error_code = OpState.FAILED.value, 5
                 op.error = f"recovery failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-                # No healthy world: requests fail now rather than wait (the survivors' own too).
-                o.router.fail_parked(f"no healthy rank: {op.error}")
-                o.router.fail_all(set(o.members), f"no healthy rank: {op.error}")
-                # Requests that arrive now fail at once, with why, instead of waiting for a recovery
-                # that is not coming (`eepctl repair` runs one).
-                o.router.unhealthy = f"no healthy rank ({op.op_id} failed; `eepctl repair`)"
-                o.router.paused = False
+                # No healthy world: the reconcile loop rebuilds it from the weight source. Requests
+                # (the survivors' own too) wait in the router for it, up to the router's bound.
+                self.failed_reason = f"{op.op_id} failed: {op.error}"
+                o.router.reroute(set(o.members))
+                o.router.unhealthy = f"no healthy rank ({op.op_id} failed; rebuilding from the weight source)"
             finally:
                 op.finished = time.time()
+                self.rerouted_base = o.router.rerouted
                 o.record(op)
             return to_builtins(op)
 
@@ -164,8 +171,8 @@ class Recovery:
         for r in op.dead_ranks:
             o.forget_rank(r)
         t = time.time()
-        o.adopt(clients, new_layout)
-        op.rerouted_requests = o.router.rerouted
+        o.adopt(clients, new_layout, plan.rdzv.epoch)
+        op.rerouted_requests = o.router.rerouted - self.rerouted_base
         await o.router.resume()
-        o.phase_done(op, "resume", t, time.time(), rerouted=o.router.rerouted)
+        o.phase_done(op, "resume", t, time.time(), rerouted=op.rerouted_requests)
 

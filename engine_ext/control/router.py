@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from typing import Any
 
@@ -34,6 +35,7 @@ class Router:
         self._wires: dict[str, dict[str, Any]] = {}  # unanswered requests, with tokens so far
         self.paused = False
         self._parked: list[dict[str, Any]] = []
+        self._parked_at: dict[str, float] = {}  # request id -> when it first waited for a world
         self.unhealthy: str | None = None  # why no rank can serve (a recovery failed), until one succeeds
 
     def set_ranks(self, clients: dict[int, RankClient]) -> None:
@@ -60,7 +62,7 @@ class Router:
         dead) is skipped for this request, and only when every rank refused does it fail."""
         self._wires[wire["request_id"]] = wire
         if self.paused:
-            self._parked.append(wire)
+            self._park(wire)
             return
         refused: dict[int, str] = {}
         codes: set[Refusal] = set()
@@ -70,7 +72,7 @@ class Router:
                 if self.unhealthy is None and (self.paused or any(c.recovery_coming for c in codes)):
                     # A peer died and the survivors saw it before the controller did, or they are
                     # rebuilding: the recovery that follows resumes parked requests.
-                    self._parked.append(wire)
+                    self._park(wire)
                     return
                 reasons = "; ".join(f"rank {r}: {m}" for r, m in refused.items()) or "no rank is accepting requests"
                 if self.unhealthy is not None:
@@ -93,6 +95,7 @@ class Router:
     def _resolve(self, res: dict[str, Any]) -> None:
         rid = res["request_id"]
         self._wires.pop(rid, None)
+        self._parked_at.pop(rid, None)
         rank = self._owner.pop(rid, None)
         if rank is not None:
             self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
@@ -124,6 +127,14 @@ class Router:
                 wire.setdefault("output", []).append(int(tok))
                 wire.setdefault("logits", []).append(float(logit))
 
+    def _park(self, wire: dict[str, Any]) -> None:
+        self._parked_at.setdefault(wire["request_id"], time.time())
+        self._parked.append(wire)
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
     def pause(self) -> None:
         """A recovery starts: new and re-routed requests wait here until ``resume``."""
         self.paused = True
@@ -145,10 +156,25 @@ class Router:
                 if wire is None:
                     continue
                 wire["moved_from"] = list(wire.get("moved_from", [])) + [rank]
-                self._parked.append(wire)
+                self._park(wire)
                 n += 1
         self.rerouted += n
         return n
+
+    def expire_parked(self, max_wait_s: float, reason: str) -> int:
+        """Fail the requests that waited longer than ``max_wait_s`` for a world to serve them
+        (a rebuild that cannot happen): a bounded wait, with why in the error."""
+        now = time.time()
+        keep: list[dict[str, Any]] = []
+        expired = 0
+        for wire in self._parked:
+            if now - self._parked_at.get(wire["request_id"], now) > max_wait_s:
+                self._resolve(dict(wire, rank=-1, error=f"waited {max_wait_s:.0f}s for a healthy world: {reason}"))
+                expired += 1
+            else:
+                keep.append(wire)
+        self._parked = keep
+        return expired
 
     def fail_parked(self, reason: str) -> None:
         parked, self._parked = self._parked, []

@@ -88,10 +88,10 @@ class ScaleRun:
         except RankCallFailed as e:
             raise TransitionFailed(f"phase {self.op.phase} failed on rank {e.rank}: {short_error(e.error)}",
                                    detail={"phase": self.op.phase, "rank": e.rank}) from None
-        await self._adopt(world, results, tplan.new_layout)
+        await self._adopt(world, results, tplan.new_layout, tplan.rdzv.epoch)
 
     async def _launch(self, layout: ExpertLayout) -> dict[int, RankClient]:
-        self.op.phase = Phase.LAUNCH.value
+        self.world.enter_phase(self.op, Phase.LAUNCH.value)
         t = time.time()
         spawned = await asyncio.gather(*(self.spawner.spawn(r, layout, True) for r in self.new_ranks),
                                        return_exceptions=True)
@@ -104,14 +104,14 @@ class ScaleRun:
         return dict(self.joiners)
 
     async def _prepare(self, world: dict[int, RankClient], tplan: TransitionPlan) -> None:
-        self.op.phase = Phase.PREPARE.value
+        self.world.enter_phase(self.op, Phase.PREPARE.value)
         t = time.time()
         await World.call_all(world, "prepare", lambda c: c.prepare(tplan, timeout=self.timeout_s))
         self.world.phase_done(self.op, Phase.PREPARE.value, t)
 
     async def _drain(self, world: dict[int, RankClient]) -> None:
         """Let removing ranks finish their requests; whatever is left moves at commit."""
-        self.op.phase = Phase.DRAIN.value
+        self.world.enter_phase(self.op, Phase.DRAIN.value)
         t = time.time()
         removing = {r: c for r, c in world.items() if r not in self.new_members}
         await World.call_all(removing, "begin_drain", lambda c: c.begin_drain(self.plan.op_id, timeout=self.timeout_s))
@@ -128,7 +128,7 @@ class ScaleRun:
         self.world.phase_done(self.op, Phase.DRAIN.value, t)
 
     async def _commit(self, world: dict[int, RankClient]) -> dict[int, Any]:
-        self.op.phase = Phase.COMMIT.value
+        self.world.enter_phase(self.op, Phase.COMMIT.value)
         t = time.time()
         self.commit_started = True
         op_id, timeout_s = self.plan.op_id, self.timeout_s
@@ -138,7 +138,8 @@ class ScaleRun:
         self.world.phase_done(self.op, Phase.COMMIT.value, t)
         return results
 
-    async def _adopt(self, world: dict[int, RankClient], results: dict[int, Any], layout: ExpertLayout) -> None:
+    async def _adopt(self, world: dict[int, RankClient], results: dict[int, Any], layout: ExpertLayout,
+                     epoch: int) -> None:
         """Commit succeeded everywhere: adopt the new world, re-submit moved requests, stop leavers."""
         op, w = self.op, self.world
         moved: list[dict[str, Any]] = []
@@ -149,10 +150,10 @@ class ScaleRun:
                 op.workspace_after[str(r)] = int(res.get("workspace_after", 0))
                 op.serving_pause_s = max(op.serving_pause_s, float(res.get("pause_s", 0.0)))
         leaving = {r: c for r, c in world.items() if r not in self.new_members}
-        w.adopt({r: world[r] for r in self.new_members}, layout)
+        w.adopt({r: world[r] for r in self.new_members}, layout, epoch)
         if moved:
             await w.router.resubmit(moved)
-        op.phase = Phase.CLEANUP.value
+        w.enter_phase(op, Phase.CLEANUP.value)
         t = time.time()
         for r, c in leaving.items():
             await quiet(c.kill())

@@ -4,9 +4,11 @@ store, the router in front of them and the single-flight lock (I9).
 ``World`` is the one owner of that state. The orchestrator (start, scale, stop) and the
 recovery (a rank died) both change it, and only through these methods:
 
-* ``adopt`` — a transition or recovery committed: the new members, their clients and layout,
-  handed to the router in one step. Nothing else writes ``members``, ``clients`` or ``layout``
-  after start (``stop`` empties ``clients``).
+* ``adopt`` — a transition or recovery committed: the new members, their clients, layout and
+  epoch, handed to the router in one step. Nothing else writes ``members``, ``clients`` or
+  ``layout`` after start (``stop`` empties ``clients``).
+* ``fence`` / ``accepts`` — a rank excluded by epoch (it hung, failed or was cut off): nothing it
+  sends from that epoch or an older one is taken (tokens, results, reports).
 * ``move_store`` — the store's host died: a survivor hosts the new one (recovery only).
 * ``rendezvous`` — a fresh rendezvous on the store for the next group (one epoch each).
 * ``call_all`` — one control call on every rank of a world, failing on the first error.
@@ -57,6 +59,8 @@ class World:
         self.store: tuple[str, int] | None = None
         self.store_host = 0  # the member whose process hosts the store
         self.epoch = 0  # one per rendezvous: group names are never reused
+        self.serving_epoch = 0  # the epoch of the committed world (its members serve in it)
+        self.fenced: dict[int, dict[str, Any]] = {}  # rank -> {epoch, reason, at}: never heard from again
         self.router = Router()
         self.op: Operation | None = None  # the newest operation (scale or recover)
         self.op_lock = asyncio.Lock()
@@ -71,12 +75,24 @@ class World:
         return len(self.clients)
 
     # ---- membership ----------------------------------------------------------------------------
-    def adopt(self, clients: dict[int, RankClient], layout: ExpertLayout) -> None:
-        """The committed world: ``clients`` in position order become the members."""
+    def adopt(self, clients: dict[int, RankClient], layout: ExpertLayout, epoch: int) -> None:
+        """The committed world of ``epoch``: ``clients`` in position order become the members."""
         self.clients = dict(clients)
         self.members = list(clients)
         self.layout = layout
+        self.serving_epoch = max(self.serving_epoch, epoch)
         self.router.set_ranks(self.clients)
+
+    def fence(self, rank: int, reason: str) -> int:
+        """Exclude ``rank`` by epoch: what it sends from the serving epoch or an older one is
+        ignored from now on (a new rank given its number later joins a newer epoch)."""
+        self.fenced[rank] = {"rank": rank, "epoch": self.serving_epoch, "reason": reason, "at": time.time()}
+        return self.serving_epoch
+
+    def accepts(self, rank: int, epoch: int) -> bool:
+        """Whether a message of ``rank`` produced in ``epoch`` may count (not from a fenced world)."""
+        fenced = self.fenced.get(rank)
+        return fenced is None or epoch > fenced["epoch"]
 
     def move_store(self, store: tuple[str, int], host: int) -> None:
         self.store, self.store_host = store, host
@@ -84,7 +100,7 @@ class World:
     def rendezvous(self, tag: str) -> Rendezvous:
         assert self.store is not None
         self.epoch += 1
-        return Rendezvous(self.store[0], self.store[1], f"{self.name}/e{self.epoch}-{tag}")
+        return Rendezvous(self.store[0], self.store[1], f"{self.name}/e{self.epoch}-{tag}", self.epoch)
 
     @staticmethod
     async def call_all(clients: dict[int, RankClient], method: str, call: RankCall) -> dict[int, Any]:
@@ -123,6 +139,11 @@ class World:
             self.history[-1] = d
         self.history = self.history[-100:]
         self.record_op(d)
+
+    def enter_phase(self, op: Operation, phase: str) -> None:
+        """``op`` enters ``phase``: recorded at once, so a restarted controller knows where it was."""
+        op.phase = phase
+        self.record(op)
 
     def phase_done(self, op: Operation, phase: str, start: float, end: float | None = None,
                    **detail: Any) -> None:

@@ -37,9 +37,10 @@ class Driver(Protocol):
         ...
 
     def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-              on_event: EventSink, on_op: EventSink) -> dict[str, Any]:
+              on_event: EventSink, on_op: EventSink, request_id: str | None = None) -> dict[str, Any]:
         """Scale to ``dp``: the finished operation (``wait``) or the accepted one. ``on_op`` gets the
-        operation as it runs where the engine reports it, ``on_event`` each rank event."""
+        operation as it runs where the engine reports it, ``on_event`` each rank event.
+        ``request_id``: a retry with the same id is the same operation."""
         ...
 
     def repair(self, *, timeout_s: float) -> dict[str, Any]:

@@ -58,13 +58,26 @@ def check_outcome(op: dict[str, Any]) -> dict[str, Any]:
 
 
 class RayPending:
-    """A request to the reference controller."""
+    """A request to the reference controller. When the controller is being restarted (it died
+    with the request in flight, or before it arrived), the request is sent again once it
+    serves: a generate has no effect but its answer, so a retry is safe."""
 
-    def __init__(self, ref: Any) -> None:
-        self.ref = ref
+    def __init__(self, controller: Any, prompt: list[int], max_tokens: int) -> None:
+        self.send = lambda: controller.generate.remote(prompt, max_tokens)
+        self.ref = self.send()
+        self.retries = 0
 
     def wait(self, timeout_s: float) -> dict[str, Any]:
-        return _get(self.ref, timeout=timeout_s)
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                return _get(self.ref, timeout=max(0.1, deadline - time.time()))
+            except UnreachableError as e:
+                if not e.detail.get("retriable") or time.time() + 0.5 > deadline:
+                    raise
+            self.retries += 1
+            time.sleep(0.5)
+            self.ref = self.send()
 
 
 class ReferenceDriver:
@@ -87,9 +100,11 @@ class ReferenceDriver:
         return raise_if_error(_get(controller.plan.remote(dp), timeout=30))
 
     def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-              on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None) -> dict[str, Any]:
+              on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None,
+              request_id: str | None = None) -> dict[str, Any]:
         controller = self._controller("the deployment cannot scale")
-        accepted = raise_if_error(_get(controller.scale.remote(dp, drain_timeout_s, timeout_s, False), timeout=60))
+        accepted = raise_if_error(_get(controller.scale.remote(dp, drain_timeout_s, timeout_s, False, request_id),
+                                       timeout=60))
         op_id = accepted["op_id"]
         if not wait:
             return accepted
@@ -136,4 +151,4 @@ class ReferenceDriver:
     @contextmanager
     def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:
         controller = self._controller("the deployment cannot serve requests")
-        yield lambda prompt: RayPending(controller.generate.remote(prompt, max_tokens))
+        yield lambda prompt: RayPending(controller, prompt, max_tokens)

@@ -60,7 +60,8 @@ class VllmDriver:
         return vllm_scale.plan(self.snap, dp, api_key=self._api_key)
 
     def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-              on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None) -> dict[str, Any]:
+              on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None,
+              request_id: str | None = None) -> dict[str, Any]:
         """vLLM reports no phase while it scales, so ``on_op`` is not called; rank events are."""
         from engine_ext.drivers import vllm_scale
 

@@ -173,6 +173,7 @@ class StatelessGroup:
         self.size = size
         self.backend = backend
         self.device = device or torch.device("cpu")
+        self.timeout_s = timeout_s  # what ``restore_waits`` goes back to
         # A connection of its own per group: a rendezvous stuck on a dead peer (a prepare that
         # waits out its timeout) must not block the next operation's rendezvous (a recovery).
         store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False, wait_for_workers=False,
@@ -264,6 +265,18 @@ class StatelessGroup:
             w.wait()
         for dev, host in staged:
             dev.copy_(host)
+
+    def limit_waits(self, seconds: float) -> None:
+        """From now on a collective waits at most ``seconds`` for a peer (serving steps: a peer
+        that hangs or is cut off fails the step instead of holding every rank for the group's
+        timeout; gloo cannot abort a collective blocked on a silent peer)."""
+        pg = self.pg
+        if pg is not None and hasattr(pg, "set_timeout"):
+            pg.set_timeout(datetime.timedelta(seconds=seconds))
+
+    def restore_waits(self) -> None:
+        """Collectives wait the group's own timeout again (an operation's collectives)."""
+        self.limit_waits(self.timeout_s)
 
     def abort(self) -> None:
         """Drop the group at once, failing any collective a thread is blocked in (a peer died:

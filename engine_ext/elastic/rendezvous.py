@@ -12,6 +12,9 @@ class Rendezvous:
     host: str
     port: int
     prefix: str
+    # The world this rendezvous forms: one per rendezvous, increasing. Ranks carry it in every
+    # report and token stream, so a rank fenced out of an older world is recognised and ignored.
+    epoch: int = 0
 
     def child(self, name: str) -> Rendezvous:
-        return Rendezvous(self.host, self.port, f"{self.prefix}/{name}")
+        return Rendezvous(self.host, self.port, f"{self.prefix}/{name}", self.epoch)

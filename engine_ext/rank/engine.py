@@ -52,7 +52,7 @@ from engine_ext.records import Refusal
 # rank still takes what reaches it (the router sends it nothing new).
 _REFUSING = {RankState.FAILED: Refusal.FAILED, RankState.REMOVED: Refusal.REMOVED,
              RankState.REMOVING: Refusal.REMOVING, RankState.DEGRADED: Refusal.DEGRADED,
-             RankState.RECOVERING: Refusal.RECOVERING}
+             RankState.RECOVERING: Refusal.RECOVERING, RankState.FENCED: Refusal.FENCED}
 
 
 def rank_identity(cfg: EngineConfig, deployment: str, rank: int, faults: Faults) -> EngineConfig:
@@ -93,7 +93,7 @@ class RankEngine:
         cfg = copy.deepcopy(cfg)
         cfg.validate()
         self.shared = shared = RankShared(rank)
-        faults = Faults(cfg.faults, cfg.fault_delay_s, rank, on_hold=self._on_hold)
+        faults = Faults(cfg.faults, cfg.fault_delay_s, rank, on_hold=self._on_hold, joining=joining)
         self.cfg = cfg = rank_identity(cfg, deployment, rank, faults)
         self.deployment, self.kind = deployment, kind
         self.device = torch.device(device)
@@ -207,7 +207,7 @@ class RankEngine:
             captures_this_op=shared.capture_passes, current_op=shared.current_op,
             eplb_step=eplb.step, eplb_imbalance=eplb.imbalance(),
             physical_experts=eplb.layout.num_physical, logical_experts=eplb.layout.num_logical,
-            steps=shared.steps, last_heartbeat=time.time(),
+            steps=shared.steps, last_heartbeat=time.time(), epoch=shared.epoch,
             stale_replays_refused=shared.stale_replays_refused, eplb_logical_load=list(eplb.logical_load),
             eplb_recent_load=eplb.recent_load(),
             eplb_slots=eplb.layout.local_logical(res.model.rank),  # the layout slice at the model's position
@@ -274,6 +274,11 @@ class RankEngine:
 
     def adopt(self, rank: int, layout_d: dict[str, Any]) -> None:
         self.standby.adopt(rank, ExpertLayout.from_dict(layout_d))
+
+    def fence(self, epoch: int, reason: str) -> None:
+        """The controller excluded this rank at ``epoch`` (it hung, failed or was cut off) and
+        the world moved on without it: stop stepping, drop the groups, serve nothing more."""
+        self.recovery.fence(f"fenced at epoch {epoch}: {reason}")
 
     # ---- shutdown ---------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -39,21 +39,28 @@ VARIANTS: dict[str, str] = {
 
 # Phases a rank can be held in with "hold:<phase>" or "hold:<phase>@<rank>".
 HOLD_PHASES = ("launch", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture")
+# "fail:step@<rank>": that rank's step raises a local error (as an out-of-memory would) once, at its
+# first step ``fault_delay_s`` after it started; the process stays alive. Only a rank started with
+# the deployment fails (its replacement, a joiner, does not).
+FAIL_PHASES = ("step",)
 
 
 class Faults:
     """The faults configured for one rank."""
 
     def __init__(self, names: list[str], delay_s: float, rank: int,
-                 on_hold: Callable[[str], None] | None = None) -> None:
-        unknown = [n for n in names if n not in VARIANTS and not _is_hold(n)]
+                 on_hold: Callable[[str], None] | None = None, joining: bool = False) -> None:
+        unknown = [n for n in names if n not in VARIANTS and not _is_hold(n) and not _is_fail(n)]
         if unknown:
-            raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(VARIANTS)} and "
-                             f"hold:<phase>[@<rank>] with phase in {HOLD_PHASES}")
+            raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(VARIANTS)}, "
+                             f"hold:<phase>[@<rank>] with phase in {HOLD_PHASES} and fail:step@<rank>")
         self.names = frozenset(names)
         self.delay_s = delay_s
         self.rank = rank
         self.on_hold = on_hold or (lambda phase: None)
+        self.started = time.time()
+        self.joining = joining
+        self.failed: set[str] = set()
 
     def active(self, variant: str) -> bool:
         """Whether the broken variant ``variant`` is configured."""
@@ -66,6 +73,14 @@ class Faults:
             return True
         return phase == "prepare" and joining and "slow_prepare" in self.names
 
+    def fail_now(self, phase: str) -> bool:
+        """Whether a "fail:<phase>@<rank>" fault makes this rank fail now (once)."""
+        name = f"fail:{phase}@{self.rank}"
+        if self.joining or name not in self.names or name in self.failed or time.time() - self.started < self.delay_s:
+            return False
+        self.failed.add(name)
+        return True
+
     def hold(self, phase: str, *, joining: bool = False) -> bool:
         """Wait ``fault_delay_s`` at the start of ``phase`` when a hold names it, so a test can
         kill the rank there. Returns whether it held."""
@@ -76,6 +91,11 @@ class Faults:
         self.on_hold(phase)
         time.sleep(self.delay_s)
         return True
+
+
+def _is_fail(name: str) -> bool:
+    phase, _, rank = name[len("fail:"):].partition("@")
+    return name.startswith("fail:") and phase in FAIL_PHASES and rank.isdigit()
 
 
 def _is_hold(name: str) -> bool:

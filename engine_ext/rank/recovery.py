@@ -10,6 +10,7 @@ on the new group (I3, I4, I5, I7), and serve again with the requests it held.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -61,15 +62,12 @@ class RankRecovery:
             self.fail(ex)
 
     def fail(self, ex: BaseException) -> None:
-        """The rank cannot go on: say why, and report its requests as failed."""
-        shared = self.shared
+        """The rank cannot go on: say why and stop stepping. Its requests are not failed: the
+        controller's reconcile loop fences the rank on its next probe and they continue, with
+        their tokens so far, on the world rebuilt without it."""
+        self.shared.halting.set()
         self.telemetry.set_state(RankState.FAILED, f"{type(ex).__name__}: {ex}")
-        self.telemetry.failure(shared.current_op or "serving", ex)
-        with shared.lock:
-            pending = list(self.res.sched.running) + list(self.res.sched.waiting)
-        if pending:
-            self.telemetry.send("results", {"results": [dict(r.to_wire(), rank=shared.rank, error=str(ex))
-                                                        for r in pending]})
+        self.telemetry.failure(self.shared.current_op or "serving", ex)
 
     def _abort_groups(self) -> None:
         shared = self.shared
@@ -90,6 +88,13 @@ class RankRecovery:
             text = str(ex).strip()
             why = ex if isinstance(ex, str) else f"{type(ex).__name__}: {text.splitlines()[0][:200] if text else ''}"
             self.telemetry.set_state(RankState.DEGRADED, f"a peer failed: {why}")
+
+    def fence(self, reason: str) -> None:
+        """Excluded from the world: stop stepping and say so at once; the groups are dropped in
+        the background (dropping a gloo group blocks while a collective waits on a silent peer)."""
+        self.shared.halting.set()
+        self.telemetry.set_state(RankState.FENCED, reason)
+        threading.Thread(target=self._abort_groups, name=f"fence-{self.shared.rank}", daemon=True).start()
 
     def _halt(self, timeout_s: float = 10.0) -> None:
         """Stop the step loop wherever it is (a collective, an idle wait) and wait for it."""

@@ -77,6 +77,12 @@ class RankShared:
         group = self.group
         return 1 if group is None else group.size
 
+    @property
+    def epoch(self) -> int:
+        """The world this rank serves in (its live group's rendezvous epoch), 0 before it joins."""
+        group = self.group
+        return 0 if group is None else group.rdzv.epoch
+
     def world_key(self) -> tuple[int, int]:
         """What a capture is bound to under ``recapture``: the live group and its size."""
         group = self.group

@@ -75,12 +75,19 @@ class StepLoop:
 
     def run(self) -> None:
         shared = self.shared
+        limited = None  # the group whose waits are limited to the step timeout
         try:
             while self._running():
+                if shared.group is not limited:  # a new group (start, commit, recovery) serves now
+                    limited = shared.group
+                    limited.limit_waits(self.res.cfg.step_timeout_s)  # type: ignore[union-attr]
                 with shared.lock:
                     items = self.res.sched.schedule()
                 hdr = shared.group.all_reduce_max(self.header(items))  # type: ignore[union-attr]
                 if hdr[H_NOT_READY] == 0:
+                    # A commit's collectives wait as long as the operation allows, not a step's.
+                    limited.restore_waits()  # type: ignore[union-attr]
+                    limited = None
                     if not self.commit():
                         return  # this rank left the deployment
                     continue
@@ -134,6 +141,8 @@ class StepLoop:
 
     def step(self, items: list[ScheduledItem], hdr: torch.Tensor) -> None:
         res, shared = self.res, self.shared
+        if res.faults.fail_now("step"):
+            raise RuntimeError("injected by a test fault: out of memory in this rank's step")
         # The padded size depends only on the agreed header and the config, never on this rank's
         # graphs: ranks whose captures differ still issue collectives of the same shape.
         size = None

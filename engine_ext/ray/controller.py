@@ -1,7 +1,10 @@
-"""The controller: a named, detached async actor per deployment.
+"""The controller: a named, detached async actor per deployment, restarted by Ray when it dies.
 
-It owns the rank actors, routes requests (the frontend) and runs scale operations, so a
-transition survives the eepctl process that asked for it (``--no-wait``).
+It owns the rank actors, routes requests (the frontend), runs scale operations (so a transition
+survives the eepctl process that asked for it) and runs the reconcile loop
+(engine_ext.control.reconciler). Its state is durable (engine_ext.ray.durable): a restarted
+controller re-attaches to the live ranks and settles what was running
+(engine_ext.ray.controller_memory).
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import ray
 
 from engine_ext.config import EngineConfig
 from engine_ext.control.orchestrator import Orchestrator
-from engine_ext.protocol import EepError, ExitCode
+from engine_ext.control.reconciler import Reconciler
+from engine_ext.protocol import EepError, ExitCode, PreconditionError
 from engine_ext.ray import placement
+from engine_ext.ray.controller_memory import rank_actor_names, snapshot, sweep_orphans, take_over
+from engine_ext.ray.durable import DurableState
 from engine_ext.ray.names import registry_name
 from engine_ext.ray.spawner import RaySpawner
 from engine_ext.ray.standby import make_pool
@@ -25,7 +31,7 @@ from engine_ext.ray.standby import make_pool
 class Controller:
     def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
                  cpus_per_rank: float, gpus_per_rank: float, placement_d: dict[str, Any] | None = None,
-                 on_rank_failure: str = "replace", standby: int = 0) -> None:
+                 on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
@@ -46,6 +52,18 @@ class Controller:
         self._emitted: deque[dict[str, Any]] = deque(maxlen=2000)
         self._watchdog: asyncio.Task | None = None
         self.registry_recreated = 0
+        self.fenced_dropped = 0  # messages from fenced ranks that were not taken
+        self.reconciler = Reconciler(self.orch, deadline_s=health_deadline_s, on_tick=self._persist,
+                                     sweep=self._sweep_orphans)
+        self.durable = DurableState(namespace, deployment)
+        self.restarts = 0
+        self.requests: dict[str, str] = {}  # idempotency key -> op id (`scale --request-id`)
+        self.took_over: list[str] = []  # what a restarted controller did first
+        self._published: dict[str, Any] = {}
+        self._ready = asyncio.Event()  # set once started, or once a restarted controller took over
+        saved = self.durable.load()
+        if saved is not None and saved.get("started"):
+            self._resuming = asyncio.get_event_loop().create_task(self._take_over(saved))
         try:
             from engine_ext.ray.metrics import DeploymentMetrics
 
@@ -55,6 +73,7 @@ class Controller:
 
     def _emit(self, event: dict[str, Any]) -> None:
         self._emitted.append(event)
+        self._persist()
         try:
             self._handle_registry().report_events.remote([event])
         except Exception:
@@ -65,6 +84,7 @@ class Controller:
             self._metrics.on_operation(op, self.orch.size)
         if op.get("finished"):  # size, desired size and dead ranks as `eepctl status` shows them
             self._info_dead()
+        self._persist()
         try:
             self._handle_registry().record_operation.remote(op)
         except Exception:
@@ -128,6 +148,9 @@ class Controller:
             await self.orch.start(size, timeout_s)
         except EepError as e:
             return _error(e)
+        self._ready.set()
+        self._persist()
+        self.reconciler.start()
         try:
             self._info = dict((await self.registry.snapshot.remote()).get("info") or {})
         except Exception:  # noqa: BLE001 - recreation then restores what the controller knows
@@ -147,6 +170,11 @@ class Controller:
             self._pool_watch = asyncio.ensure_future(self.spawner.pool.watch(2.0))
         return self.spawner.pool.summary()
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     async def info(self) -> dict[str, Any]:
         self._info_dead()
         return {"deployment": self.deployment, "dp": self.orch.size, "max_dp": self.orch.max_dp,
@@ -155,9 +183,13 @@ class Controller:
                 "ranks": {str(r): c.pid() for r, c in self.orch.clients.items()},
                 "running_op": self.orch.busy(),
                 "layout": self.orch.layout.to_dict() if self.orch.layout else None,
-                "config": self.cfg.to_dict(), "history": self.orch.history[-20:]}
+                "config": self.cfg.to_dict(), "history": self.orch.history[-20:],
+                "control": self._info.get("control", {})}
 
     async def stop(self) -> None:
+        self.reconciler.stop()
+        self.durable.delete()  # `down`: nothing is left to take over
+        self.orch.world.stopping = True
         if self._watchdog is not None:  # `down` kills the registry next: do not bring it back
             self._watchdog.cancel()
             self._watchdog = None
@@ -168,11 +200,25 @@ class Controller:
         await self.orch.stop()
 
     # ---- serving -------------------------------------------------------------------------------
-    def on_results(self, results: list[dict[str, Any]]) -> None:
-        self.orch.router.on_results(results)
+    def on_results(self, results: list[dict[str, Any]], rank: int = -1, epoch: int = -1) -> None:
+        if self._accept(rank, epoch):
+            self.orch.router.on_results(results)
 
-    def on_tokens(self, tokens: dict[str, list[float]]) -> None:
-        self.orch.router.on_tokens(tokens)
+    def on_tokens(self, tokens: dict[str, list[float]], rank: int = -1, epoch: int = -1) -> None:
+        if self._accept(rank, epoch):
+            self.orch.router.on_tokens(tokens)
+
+    def _accept(self, rank: int, epoch: int) -> bool:
+        """Whether what ``rank`` sent from ``epoch`` counts: never from a fenced world (a rank
+        that hung or was cut off and came back); it is told again, and ended again."""
+        if rank < 0:
+            return True
+        if self.orch.world.accepts(rank, epoch):
+            self.reconciler.health.seen(rank)
+            return True
+        self.fenced_dropped += 1
+        self.orch.refence(rank)
+        return False
 
     # ---- self-healing --------------------------------------------------------------------------
     def _on_death(self, rank: int, cause: str) -> None:
@@ -180,15 +226,58 @@ class Controller:
         self._info_dead()
 
     def _info_dead(self) -> None:
-        """The registry's info carries desired size, policy and dead ranks (``eepctl status``)."""
+        """The registry's info carries desired size, policy, dead and fenced ranks and the
+        reconcile loop's view (``eepctl status``); sent when it changed."""
+        control = self.reconciler.view()
+        for h in control["health"].values():
+            h.pop("age_s", None)  # the registry shows heartbeat ages itself; this changes every tick
         extra = {"desired_dp": self.orch.desired, "on_rank_failure": str(self.orch.on_rank_failure),
-                 "members": list(self.orch.members),
-                 "dead": self._dead_shown(), "control_node": _this_node()}
+                 "members": list(self.orch.members), "dead": self._dead_shown(), "control_node": _this_node(),
+                 "control": {**control, "controller_restarts": self.restarts, "took_over": self.took_over,
+                             "fenced_messages_dropped": self.fenced_dropped}}
         self._info.update(extra)
+        if self._info == self._published:
+            return
+        self._published = json_copy(self._info)
         try:
             self._handle_registry().set_info.remote(self._info)
         except Exception:  # noqa: BLE001 - telemetry is best effort
             pass
+
+    def _persist(self) -> None:
+        """Write the durable state (when it changed) and publish what status shows."""
+        if not self._ready.is_set() or self.orch.world.stopping:
+            return  # nothing to take over before start; `down` deletes it
+        pool = self.spawner.pool
+        self.durable.save(snapshot(self.orch, started=True, restarts=self.restarts, info=self._info,
+                                   standby=pool.size if pool is not None else 0,
+                                   requests=dict(list(self.requests.items())[-100:]),
+                                   events=list(self._emitted)[-300:]))
+        self._info_dead()
+
+    async def _sweep_orphans(self) -> list[str]:
+        return await sweep_orphans(self.orch, self.spawner, self.namespace, self.deployment)
+
+    async def _take_over(self, saved: dict[str, Any]) -> None:
+        """This controller was restarted by Ray: take the deployment over from the durable state."""
+        self.restarts = int(saved.get("restarts", 0)) + 1
+        self._info = dict(saved.get("info") or {})
+        self._emitted.extend(saved.get("events") or [])
+        self.requests = dict(saved.get("requests") or {})
+        names = rank_actor_names(self.namespace, self.deployment)
+        try:
+            self.took_over = await take_over(self.orch, self.spawner, saved, names)
+        except Exception as e:  # noqa: BLE001 - the loop rebuilds what could not be taken over
+            self.reconciler.failed("take over", e)
+        self._emit({"op_id": "", "rank": -1, "phase": "controller_restarted", "start": time.time(),
+                    "end": time.time(), "status": "ok",
+                    "detail": {"restarts": self.restarts, "actions": self.took_over}})
+        self._ready.set()
+        self._persist()
+        self._watchdog = asyncio.ensure_future(self._watch_registry())
+        if int(saved.get("standby", 0)) > 0:
+            await self.set_standby(int(saved["standby"]))
+        self.reconciler.start()
 
     def _dead_shown(self) -> list[dict[str, Any]]:
         """Dead ranks, shown until replaced (the size is back at the desired one)."""
@@ -198,23 +287,30 @@ class Controller:
         return list(o.recovery.dead.values())[-8:]
 
     async def repair(self) -> dict[str, Any]:
-        """Recover what the automatic path could not: dead or unanswering members, then the
-        desired size. Says what it did."""
+        """Bring the deployment to its desired state now, whatever is wrong (dead, failed,
+        silent or degraded members, no healthy rank left, a size below the desired one), and say
+        what was done: the reconcile loop's actions, run at once and without backoff."""
+        await self._ready.wait()
         done: list[str] = []
         await self.orch.recovery.wait()
         op = await self.orch.recovery.recover()
         if op:
             done.append(f"recovered without rank(s) {op.get('dead_ranks')}: {op.get('state')}"
                         + (f" ({op.get('error')})" if op.get("error") else ""))
-        if self.orch.desired > self.orch.size and not self.orch.busy():
-            res = await self.orch.scale(min(self.orch.desired, self.orch.max_dp))
-            done.append(f"scaled DP {res.get('from_size')} -> {res.get('to_size')}: {res.get('state')}")
+        for _ in range(3):
+            self.reconciler.reset_backoff()
+            actions = await self.reconciler.tick()
+            await self.orch.recovery.wait()
+            done += actions
+            if not actions:
+                break
         self._info_dead()
         return {"deployment": self.deployment, "actions": done or ["nothing to repair"],
                 "dp": self.orch.size, "desired_dp": self.orch.desired}
 
     async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         t0 = time.time()
+        await self._ready.wait()  # a restarted controller serves once it took the ranks back
         try:
             res = await self.orch.router.submit(prompt, max_tokens)
         except EepError as e:
@@ -234,19 +330,39 @@ class Controller:
         except EepError as e:
             return _error(e)
 
-    async def scale(self, target: int, drain_timeout_s: float, timeout_s: float, wait: bool) -> dict[str, Any]:
+    async def scale(self, target: int, drain_timeout_s: float, timeout_s: float, wait: bool,
+                    request_id: str | None = None) -> dict[str, Any]:
         """Admit a scale (a recovery under way finishes first; a degraded deployment heals first;
-        every rank must answer), then run it in a task that outlives this call (``--no-wait``)."""
+        every rank must answer), then run it in a task that outlives this call (``--no-wait``).
+        The controller enforces ``timeout_s`` (before commit: roll back; from commit on: recover).
+        ``request_id``: a retry with the same id gets the same operation, never a second one."""
+        await self._ready.wait()
+        if request_id and request_id in self.requests:
+            return await self._same_request(request_id, target, wait)
         try:
             admitted = await self.orch.admit(target, settle=True, probe_ranks=True)
         except EepError as e:
             return _error(e)
         op_id = admitted.op.op_id
+        if request_id:
+            self.requests[request_id] = op_id
+            self._persist()
         task = asyncio.ensure_future(self.orch.run(admitted, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s))
         self._tasks[op_id] = task
         if not wait:
             return {"op_id": op_id, "state": "running", "accepted": True}
         return await task
+
+    async def _same_request(self, request_id: str, target: int, wait: bool) -> dict[str, Any]:
+        op_id = self.requests[request_id]
+        known = next((op for op in reversed(self.orch.history) if op["op_id"] == op_id), None)
+        if known is not None and known.get("to_size") != target:
+            return _error(PreconditionError(f"request id {request_id!r} was used for {op_id} "
+                                            f"(DP {known.get('from_size')}->{known.get('to_size')}), not DP {target}"))
+        if not wait or op_id not in self._tasks:
+            return {**(known or {"op_id": op_id}), "op_id": op_id, "accepted": True, "repeated": True,
+                    **({} if known is None or known.get("finished") else {"state": "running"})}
+        return await self.wait_op(op_id, 1e9)
 
     async def wait_op(self, op_id: str, timeout_s: float) -> dict[str, Any]:
         task = self._tasks.get(op_id)
@@ -270,6 +386,12 @@ def _error(e: EepError) -> dict[str, Any]:
 
 def _error_code(code: ExitCode, message: str) -> dict[str, Any]:
     return {"error": {"code": int(code), "message": message, "detail": {}}}
+
+
+def json_copy(d: dict[str, Any]) -> dict[str, Any]:
+    import json
+
+    return json.loads(json.dumps(d, default=str))
 
 
 def _this_node() -> dict[str, str]:

@@ -26,12 +26,15 @@ class DeploymentHandles:
 def call(ref: Any, timeout: float | None = 30.0) -> Any:
     """``ray.get`` with Ray's failures turned into the exit-code table's errors."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
     try:
         return ray.get(ref, timeout=timeout)
     except GetTimeoutError:
         raise TransitionTimeout(f"the cluster did not answer within {timeout:.0f}s") from None
+    except ActorUnavailableError as e:  # a controller being restarted by Ray: the call may be retried
+        raise UnreachableError(f"an actor of the deployment is restarting; retry: {str(e).splitlines()[0]}",
+                               detail={"retriable": True}) from None
     except RayActorError as e:
         raise UnreachableError(f"an actor of the deployment is gone: {str(e).splitlines()[0]}") from None
 
@@ -57,7 +60,7 @@ def list_deployments(namespace: str) -> list[str]:
 
 def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, max_dp: int, cpus: float,
                       gpus: float, timeout_s: float, placement: dict[str, Any] | None = None,
-                      on_rank_failure: str = "replace", standby: int = 0,
+                      on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0,
                       ) -> tuple[DeploymentHandles, dict[str, Any]]:
     """Create the registry and the controller (detached, named) and start ``dp`` ranks.
 
@@ -70,6 +73,9 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     from engine_ext.ray.placement import on_this_node
     from engine_ext.ray.registry import Registry
 
+    from engine_ext.ray.durable import DurableState
+
+    DurableState(namespace, name).delete()  # a new deployment takes nothing over from an old one
     engine_cfg = EngineConfig.from_dict(cfg)
     engine_cfg.size_captures_for(max_dp)
     cfg = engine_cfg.to_dict()
@@ -79,10 +85,12 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
             "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}, "desired_dp": dp,
             "on_rank_failure": on_rank_failure}
     call(registry.set_info.remote(info))
+    # Restarted by Ray whenever it dies (its state is durable: engine_ext.ray.durable); calls in
+    # flight at its death fail, and are not retried, so a scale is never sent twice.
     controller = ray.remote(Controller).options(
         name=controller_name(name), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
-        scheduling_strategy=on_this_node(),
-    ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby)
+        scheduling_strategy=on_this_node(), max_restarts=-1, max_task_retries=0,
+    ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby, health_deadline_s)
     try:
         result = call(controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)
         if isinstance(result, dict) and isinstance(result.get("error"), dict):
@@ -117,6 +125,10 @@ def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wa
     for h in (handles.controller, handles.registry):
         if h is not None:
             ray.kill(h, no_restart=True)
+    _remove_reservations(name)
+    from engine_ext.ray.durable import DurableState
+
+    DurableState(namespace, name).delete()
     # ray.kill only queues the request: wait until the names are really gone.
     names = {registry_name(name), controller_name(name), *killed}
     deadline = time.time() + wait_s
@@ -129,3 +141,20 @@ def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wa
             raise TransitionTimeout(f"deployment {name!r} did not stop within {wait_s:.0f}s "
                                     f"(still alive: {sorted(alive)})")
         time.sleep(0.2)
+
+
+def _remove_reservations(name: str) -> None:
+    """Remove the rank placement groups of deployment ``name`` (detached: they outlive a
+    controller, so `down` removes them by name, with or without a controller)."""
+    from ray.util import placement_group_table
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+    from ray._raylet import PlacementGroupID
+
+    for pg_id, info in placement_group_table().items():
+        pg_name = info.get("name") or ""
+        if info.get("state") == "REMOVED" or not pg_name.endswith("-pg") or not is_rank_actor(name, pg_name[:-3]):
+            continue
+        try:
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+        except Exception:  # noqa: BLE001 - already removed
+            pass

@@ -133,7 +133,9 @@ async def reserve(node: Node, cpus: float, gpus: float, policy: str, name: str, 
 
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    pg = placement_group([bundle(node, cpus, gpus)], strategy=POLICIES[policy], name=name)
+    # Detached: a rank's reservation outlives a controller restart (the rank keeps running in
+    # it); `eepctl down` and the controller remove it (``release``, ``remove_named``).
+    pg = placement_group([bundle(node, cpus, gpus)], strategy=POLICIES[policy], name=name, lifetime="detached")
     try:
         await asyncio.wait_for(pg.ready(), timeout_s)
     except BaseException:

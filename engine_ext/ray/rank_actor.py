@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from engine_ext.ray.names import controller_name, registry_name
+from engine_ext.records import RankState
 
 
 class RankActor:
@@ -66,13 +67,18 @@ class RankActor:
                 self._metrics.on_status(payload)
             elif kind == "event":
                 self._metrics.on_event(payload)
+        engine = getattr(self, "engine", None)  # None while the engine is being built
+        if engine is not None and engine.state is RankState.FENCED:
+            return  # the world moved on without this rank: it reports nothing more
         registry, controller = self._handles()
         if kind in ("results", "tokens"):
-            if controller is not None:
+            # Tagged with the world they were produced in: the controller drops what a fenced
+            # rank of an older world sends (no split brain after a hang or a healed partition).
+            if controller is not None and engine is not None:
                 if kind == "results":
-                    controller.on_results.remote(payload["results"])
+                    controller.on_results.remote(payload["results"], engine.rank, engine.shared.epoch)
                 else:
-                    controller.on_tokens.remote(payload["tokens"])
+                    controller.on_tokens.remote(payload["tokens"], engine.rank, engine.shared.epoch)
             return
         if registry is None:  # events stay in the engine's ring and go to the next registry
             return

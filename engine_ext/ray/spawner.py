@@ -26,9 +26,12 @@ from engine_ext.ray.rank_actor import RankActor
 class RayRankClient(RankClient):
     """A rank actor, called through its ``call`` method (checked against RANK_METHODS there)."""
 
-    def __init__(self, rank: int, handle: Any, pid: int, release: Callable[[], None] | None = None) -> None:
+    def __init__(self, rank: int, handle: Any, pid: int, release: Callable[[], None] | None = None,
+                 actor_name: str = "", node_id: str = "") -> None:
         self.rank = rank
         self.handle = handle
+        self.actor_name = actor_name  # a restarted controller finds the rank by it
+        self.node_id = node_id  # on the controller's node, a fence ends the process by pid at once
         self._pid = pid
         self._release = release  # frees the rank's placement group once the rank is gone
         self._watch: asyncio.Task | None = None
@@ -57,12 +60,35 @@ class RayRankClient(RankClient):
         return await asyncio.wait_for(self.handle.call.remote(method, *args), timeout)
 
     async def kill(self) -> None:
+        """End the rank: SIGKILL by pid when it runs on this node (a stopped process too, at
+        once), and through Ray in every case; then wait briefly until Ray says it is gone, so
+        its name is free for a new rank."""
+        _kill_local(self._pid, self.node_id)
         try:
             ray.kill(self.handle, no_restart=True)
         except Exception:
             pass
+        if self._watch is not None and not self._watch.done():
+            await asyncio.wait({self._watch}, timeout=10)
         if self._release is not None:
             self._release()
+
+
+def _kill_local(pid: int, node_id: str) -> None:
+    """SIGKILL ``pid`` if it is a rank actor's process on this node (Ray's own kill of a stopped
+    process waits out a grace period first)."""
+    import os
+    import signal
+
+    if pid <= 0 or not node_id or node_id != ray.get_runtime_context().get_node_id():
+        return
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"RankActor" not in f.read():
+                return  # the pid was reused by another process
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 class RaySpawner:
@@ -164,6 +190,43 @@ class RaySpawner:
             ray.kill(handle, no_restart=True)
             self.forget(rank)
             raise
-        client = RayRankClient(rank, handle, pid, release=lambda: self.forget(rank))
+        client = RayRankClient(rank, handle, pid, release=lambda: self.forget(rank), actor_name=identity,
+                               node_id=node.node_id)
+        client.watch(lambda r, cause: self.on_death(r, cause))
+        return client
+
+    async def kill_by_name(self, actor_name: str) -> None:
+        """End a rank actor of this deployment no world knows (a restarted controller's orphan)
+        and remove its reservation."""
+        from ray.util import get_placement_group
+
+        try:
+            ray.kill(ray.get_actor(actor_name, namespace=self.namespace), no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        try:
+            placement.release(get_placement_group(f"{actor_name}-pg"))
+        except Exception:  # noqa: BLE001 - no reservation left
+            pass
+
+    async def reattach(self, rank: int, actor_name: str) -> RayRankClient | None:
+        """A restarted controller takes back the live rank actor ``actor_name`` as DP rank
+        ``rank`` (its placement group is detached and found by name); None when it is gone."""
+        from ray.util import get_placement_group
+
+        try:
+            handle = ray.get_actor(actor_name, namespace=self.namespace)
+            pid = await asyncio.wait_for(handle.pid.remote(), 10)
+            st = await asyncio.wait_for(handle.call.remote("status"), 10)
+        except Exception:  # noqa: BLE001 - gone, or not answering: the recovery runs without it
+            return None
+        node = placement.Node(st.get("node_id", ""), st.get("node_ip", ""), self.cpus, self.gpus)
+        self.rank_nodes[rank] = node
+        try:
+            self._pgs[rank] = get_placement_group(f"{actor_name}-pg")
+        except Exception:  # noqa: BLE001 - an adopted standby's group has its standby name
+            pass
+        client = RayRankClient(rank, handle, pid, release=lambda: self.forget(rank), actor_name=actor_name,
+                               node_id=node.node_id)
         client.watch(lambda r, cause: self.on_death(r, cause))
         return client

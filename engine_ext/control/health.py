@@ -1,0 +1,87 @@
+"""Health beyond process death: what the controller observes about each member every tick.
+
+A member is unhealthy when its process is dead (the transport said so), when it reports
+``failed`` (a local error: it stays alive but serves nothing), or when it has not answered a
+probe, nor sent a token or a result, for longer than the deadline (a hang, a wedged device, a
+paused VM, a node cut off). The reconcile loop (engine_ext.control.reconciler) fences an
+unhealthy member and recovers around it. Torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from engine_ext.control.world import World, quiet
+
+DEFAULT_DEADLINE_S = 5.0
+
+
+class Health:
+    """Each member's last sign of life and last reported state."""
+
+    def __init__(self, world: World, deadline_s: float = DEFAULT_DEADLINE_S) -> None:
+        self.world = world
+        self.deadline_s = deadline_s
+        self.last_seen: dict[int, float] = {}  # rank -> when it last answered or sent something
+        self.reported: dict[int, dict[str, Any]] = {}  # rank -> {state, reason} of its last answer
+        self.probe_error: dict[int, str] = {}
+
+    def seen(self, rank: int) -> None:
+        """A token, a result or an answer came from ``rank`` (of an accepted epoch)."""
+        self.last_seen[rank] = time.time()
+        self.probe_error.pop(rank, None)
+
+    async def probe(self, ranks: list[int]) -> None:
+        """Ask each of ``ranks`` for its status at once; an answer is a sign of life."""
+        clients = [(r, self.world.clients[r]) for r in ranks if r in self.world.clients]
+        now = time.time()
+        for r, _ in clients:
+            self.last_seen.setdefault(r, now)  # a new member's clock starts when it is first probed
+        wait = max(1.0, self.deadline_s / 2)  # several probes fit in one deadline
+        answers = await asyncio.gather(*(quiet(c.status(timeout=wait)) for _, c in clients))
+        for (r, _), st in zip(clients, answers):
+            if isinstance(st, dict) and self.world.accepts(r, int(st.get("epoch", 0))):
+                self.seen(r)
+                self.reported[r] = {"state": st.get("state", ""), "reason": st.get("state_reason", "")}
+            else:
+                self.probe_error[r] = _why(st)
+
+    def unhealthy(self, ranks: list[int]) -> dict[int, str]:
+        """Why each of ``ranks`` is unhealthy (absent: healthy)."""
+        now = time.time()
+        out: dict[int, str] = {}
+        for r in ranks:
+            rep = self.reported.get(r, {})
+            age = now - self.last_seen.get(r, now)
+            if rep.get("state") == "failed":
+                out[r] = f"reported failed: {rep.get('reason', '')}"[:300]
+            elif age > self.deadline_s:
+                why = self.probe_error.get(r, "no answer")
+                out[r] = f"silent for {age:.1f}s (deadline {self.deadline_s:g}s; probe: {why})"[:300]
+        return out
+
+    def forget(self, rank: int) -> None:
+        """``rank`` left the world (or was fenced): its number may be given to a new rank."""
+        self.last_seen.pop(rank, None)
+        self.reported.pop(rank, None)
+        self.probe_error.pop(rank, None)
+
+    def view(self, ranks: list[int]) -> dict[str, dict[str, Any]]:
+        """Per member: heartbeat age and the reason it is unhealthy, for ``eepctl status``."""
+        now = time.time()
+        bad = self.unhealthy(ranks)
+        return {str(r): {"age_s": round(now - self.last_seen.get(r, now), 2), "unhealthy": bad.get(r, "")}
+                for r in ranks}
+
+
+def _why(answer: Any) -> str:
+    if isinstance(answer, asyncio.TimeoutError):
+        return "timed out"
+    if isinstance(answer, BaseException):
+        text = str(answer).strip().splitlines()
+        return (text[-1] if text else type(answer).__name__)[:200]
+    if isinstance(answer, dict):
+        return f"answer from a fenced epoch {answer.get('epoch')}"
+    return "no answer"

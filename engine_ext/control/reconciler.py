@@ -1,0 +1,171 @@
+"""The controller's reconcile loop: level-triggered, like Kubernetes controllers and Ray Serve's.
+
+Every tick it compares what is desired (the DP size, the failure policy) with what is observed
+(each member's answer to a probe, its reported state, the running operation, requests waiting)
+and takes the next action, one at a time: fence an unhealthy member (the recovery runs without
+it), heal a world whose members all degraded with no one dead, rebuild from the weight source
+when no healthy rank is left, grow back to the desired size, fail requests that waited past the
+bound. Events (a death, a fence) only wake it early. An action that raises is recorded with its
+time (``eepctl status`` shows it) and retried with backoff; the loop itself never dies.
+Torch-free and transport-free: the Ray controller and the process launcher both run it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from engine_ext.config import RankFailurePolicy
+from engine_ext.control.health import DEFAULT_DEADLINE_S, Health
+from engine_ext.control.world import short_error
+
+if TYPE_CHECKING:
+    from engine_ext.control.orchestrator import Orchestrator
+
+TICK_S = 1.0
+PARK_BOUND_S = 120.0  # a request waits this long for a world to serve it, then fails with why
+BACKOFF_MAX_S = 30.0
+SWEEP_EVERY = 5  # ticks between two looks for orphaned rank processes
+
+
+class Reconciler:
+    """Drives one deployment's observed state towards its desired state."""
+
+    def __init__(self, orch: Orchestrator, *, deadline_s: float = DEFAULT_DEADLINE_S, tick_s: float = TICK_S,
+                 park_bound_s: float = PARK_BOUND_S, on_tick: Callable[[], None] | None = None,
+                 sweep: Callable[[], Awaitable[list[str]]] | None = None) -> None:
+        self.orch = orch
+        self.on_tick = on_tick or (lambda: None)  # after each tick: persist, publish
+        self.sweep = sweep  # ends rank processes no world knows (a joiner launched by a dead controller)
+        self.health = Health(orch.world, deadline_s)
+        self.tick_s = tick_s
+        self.park_bound_s = park_bound_s
+        self.working_on = ""  # the difference the loop is acting on, for `eepctl status`
+        self.last_error: dict[str, Any] | None = None  # {at, action, error}
+        self.errors = 0
+        self.ticks = 0
+        self._backoff_until = 0.0
+        self._backoff_s = 0.0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self.run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def wake(self) -> None:
+        """Something happened (a death, a message from a fenced rank): tick now."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while not self.orch.world.stopping:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - recorded, retried with backoff; the loop lives
+                self.failed(self.working_on or "reconcile", e)
+            try:
+                self.on_tick()
+            except Exception as e:  # noqa: BLE001 - the loop lives
+                self.failed("persist", e)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def failed(self, action: str, error: BaseException | str) -> None:
+        """An action failed: say so (with its time) and wait longer before the next try."""
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {short_error(error)}"
+        self.last_error = {"at": time.time(), "action": action, "error": text}
+        self.errors += 1
+        self._backoff_s = min(BACKOFF_MAX_S, max(1.0, self._backoff_s * 2))
+        self._backoff_until = time.time() + self._backoff_s
+
+    def reset_backoff(self) -> None:
+        """An operator asked (``eepctl repair``): act now."""
+        self._backoff_s, self._backoff_until = 0.0, 0.0
+
+    def _succeeded(self) -> None:
+        self._backoff_s, self._backoff_until = 0.0, 0.0
+
+    async def tick(self) -> list[str]:
+        """One pass: observe, then take the first action due. Returns what it did."""
+        o, w = self.orch, self.orch.world
+        self.ticks += 1
+        done: list[str] = []
+        live = [r for r in w.members if r not in o.recovery.dead]
+        await self.health.probe(live)
+        for rank, reason in self.health.unhealthy(live).items():
+            self.working_on = f"fence rank {rank}: {reason}"
+            await o.fence(rank, reason)
+            self.health.forget(rank)
+            done.append(f"fenced rank {rank} ({reason})")
+        expired = w.router.expire_parked(self.park_bound_s, w.router.unhealthy or "no rank could take it")
+        if expired:
+            done.append(f"failed {expired} request(s) that waited over {self.park_bound_s:.0f}s")
+        if w.op_lock.locked() or o.recovery.running():
+            running = w.running_op()
+            self.working_on = f"{running.kind} {running.op_id} in {running.phase}" if running else "recovery"
+            return done
+        if time.time() < self._backoff_until:
+            return done
+        done += await self._converge()
+        return done
+
+    async def _converge(self) -> list[str]:
+        """The first difference between desired and observed that an action can close."""
+        o, w = self.orch, self.orch.world
+        if o.desired <= 0:
+            self.working_on = ""
+            return []
+        healthy = [r for r in w.members if r not in o.recovery.dead]
+        if not healthy or o.recovery.failed_reason:
+            why = o.recovery.failed_reason or "every member is dead"
+            self.working_on = f"rebuild DP {o.desired} from the weight source: {why}"
+            res = await o.rebuild(why)
+            return self._outcome("rebuild", res)
+        degraded = [r for r in healthy if self.health.reported.get(r, {}).get("state") == "degraded"]
+        if degraded and len(degraded) == len(healthy):
+            self.working_on = f"heal: every member degraded ({degraded}) and none is dead"
+            o.recovery.rebuild("every member degraded and none is dead", untrusted=False)
+            return [self.working_on]
+        if o.on_rank_failure == RankFailurePolicy.REPLACE and o.desired > w.size:
+            target = min(o.desired, o.max_dp)
+            reason = o.spawner.check_capacity(target - w.size)
+            if reason:
+                self.working_on = f"grow DP {w.size} -> {target}: waiting for capacity ({reason})"
+                self.failed("grow", f"no capacity to grow DP {w.size} -> {target}: {reason}")
+                return []
+            self.working_on = f"grow DP {w.size} -> {target} (policy replace)"
+            res = await o.scale(target)
+            return self._outcome("grow", res)
+        self.working_on = ""
+        self._succeeded()
+        if self.sweep is not None and self.ticks % SWEEP_EVERY == 0:
+            return await self.sweep()
+        return []
+
+    def _outcome(self, action: str, res: dict[str, Any]) -> list[str]:
+        text = f"{action} {res.get('op_id')}: {res.get('state')}"
+        if res.get("state") == "succeeded":
+            self._succeeded()
+        else:
+            self.failed(action, f"{res.get('op_id')} {res.get('state')}: {res.get('error')}")
+        return [text]
+
+    def view(self) -> dict[str, Any]:
+        """What ``eepctl status`` shows of the loop."""
+        w = self.orch.world
+        return {"working_on": self.working_on, "last_error": self.last_error, "errors": self.errors,
+                "deadline_s": self.health.deadline_s, "health": self.health.view(list(w.members)),
+                "fenced": {str(r): f for r, f in w.fenced.items()}, "parked_requests": w.router.parked,
+                "backoff_s": round(max(0.0, self._backoff_until - time.time()), 1)}

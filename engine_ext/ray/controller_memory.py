@@ -1,0 +1,138 @@
+"""What a controller writes down so that a restarted one can take over, and how it takes over.
+
+``snapshot`` is the durable state (engine_ext.ray.durable): the desired spec, the members with
+their actor names and the world's epoch, the store, the layout, the fenced ranks, the operation
+log with the running operation's last recorded phase, the idempotency keys and the controller's
+own events. ``take_over`` is the restarted controller's first act: re-attach to the live rank
+actors by name, end every rank actor of the deployment that is not a member (a joiner of the
+interrupted scale, a standby: the pool refills), then settle the interrupted operation — one
+that had not begun commit is rolled back; one that had is driven to a consistent world by a
+recovery that restores every expert from the weight source.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine_ext.control.rank_client import GoneRankClient, RankClient
+from engine_ext.control.world import quiet
+from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.protocol import Operation, OpState, Phase
+from engine_ext.records import from_builtins
+
+if TYPE_CHECKING:
+    from engine_ext.control.orchestrator import Orchestrator
+    from engine_ext.ray.spawner import RaySpawner
+
+STATE_VERSION = 1
+_AFTER_COMMIT = (Phase.COMMIT.value, Phase.CLEANUP.value)
+
+
+def snapshot(orch: Orchestrator, **extra: Any) -> dict[str, Any]:
+    """The controller's durable state (JSON-ready)."""
+    w = orch.world
+    running = w.running_op()
+    return {
+        "version": STATE_VERSION, "desired": orch.desired, "members": list(w.members),
+        "actors": {str(r): getattr(c, "actor_name", "") for r, c in w.clients.items()},
+        "epoch": w.epoch, "serving_epoch": w.serving_epoch, "store": list(w.store) if w.store else None,
+        "store_host": w.store_host, "layout": w.layout.to_dict() if w.layout else None,
+        "fenced": {str(r): f for r, f in w.fenced.items()}, "history": w.history[-100:],
+        "running": running.op_id if running is not None else None,
+        "rerouted_base": orch.recovery.rerouted_base, **extra,
+    }
+
+
+async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, Any],
+                    rank_actor_names: list[str]) -> list[str]:
+    """Re-attach to the world ``state`` describes and settle its interrupted operation.
+    ``rank_actor_names``: every live rank actor of the deployment. Returns what it did."""
+    w, done = orch.world, []
+    orch.desired = int(state.get("desired", 0))
+    w.epoch, w.serving_epoch = int(state.get("epoch", 0)), int(state.get("serving_epoch", 0))
+    w.fenced = {int(r): f for r, f in (state.get("fenced") or {}).items()}
+    w.history = list(state.get("history") or [])
+    orch.recovery.rerouted_base = int(state.get("rerouted_base", 0))
+    if state.get("store"):
+        w.move_store((state["store"][0], int(state["store"][1])), int(state.get("store_host", 0)))
+    actors = state.get("actors") or {}
+    clients: dict[int, RankClient] = {}
+    gone: list[int] = []
+    for r in state.get("members") or []:
+        name = actors.get(str(r), "")
+        client = await spawner.reattach(r, name) if name else None
+        if client is None:
+            clients[r] = GoneRankClient(r, "gone when the controller restarted")
+            gone.append(r)
+        else:
+            clients[r] = client
+    if state.get("layout"):
+        w.adopt(clients, ExpertLayout.from_dict(state["layout"]), w.serving_epoch)
+    done.append(f"re-attached to rank(s) {sorted(set(clients) - set(gone))}"
+                + (f"; rank(s) {gone} gone" if gone else ""))
+    kept = {getattr(c, "actor_name", "") for c in clients.values()}
+    orphans = [n for n in rank_actor_names if n not in kept]
+    for name in orphans:
+        await spawner.kill_by_name(name)
+    if orphans:
+        done.append(f"ended rank actor(s) that were not members: {sorted(orphans)}")
+    done += await _settle(orch, state)
+    for r in gone:
+        orch.recovery.on_death(r, "gone when the controller restarted")
+    return done
+
+
+async def _settle(orch: Orchestrator, state: dict[str, Any]) -> list[str]:
+    """The operation that was running when the controller died: rolled back before commit,
+    recovered from commit on."""
+    w = orch.world
+    running = state.get("running")
+    rec = next((h for h in reversed(w.history) if h.get("op_id") == running), None) if running else None
+    if rec is None:
+        return []
+    op = from_builtins(rec, Operation)
+    w.op = op
+    if op.kind == "scale":  # a scale that did not finish leaves the desired size as it was
+        orch.desired = op.from_size
+    phase = op.phase
+    if op.kind == "scale" and phase not in _AFTER_COMMIT:
+        t = time.time()
+        for c in list(w.clients.values()):
+            await quiet(c.abort(op.op_id, timeout=10))
+        op.state, op.error_code = OpState.ROLLED_BACK.value, 5
+        op.error = f"the controller restarted while the scale was in phase {phase}: rolled back"
+        w.phase_done(op, Phase.ROLLBACK.value, t)
+        action = f"rolled back {op.op_id} (interrupted in {phase})"
+    else:
+        op.state, op.error_code = OpState.FAILED.value, 5
+        op.error = (f"the controller restarted while the {op.kind} was in phase {phase}: the world is "
+                    "rebuilt by a recovery (every expert restored from the weight source)")
+        orch.recovery.rebuild(f"{op.op_id} interrupted by a controller restart in {phase}", untrusted=True)
+        action = f"recovering after {op.op_id} (interrupted in {phase})"
+    op.finished = time.time()
+    w.record(op)
+    return [action]
+
+
+def rank_actor_names(namespace: str, deployment: str) -> list[str]:
+    """Every live rank actor of the deployment (DP ranks and standbys), by name."""
+    from ray.util import list_named_actors
+
+    from engine_ext.ray.names import is_rank_actor
+
+    return [a["name"] for a in list_named_actors(all_namespaces=True)
+            if a.get("namespace") == namespace and is_rank_actor(deployment, a["name"])]
+
+
+async def sweep_orphans(orch: Orchestrator, spawner: RaySpawner, namespace: str, deployment: str) -> list[str]:
+    """End DP rank actors of the deployment that no world knows while no operation runs (a
+    joiner a dead controller was launching, which finished starting after the take-over)."""
+    if orch.world.op_lock.locked():
+        return []
+    kept = {getattr(c, "actor_name", "") for c in orch.clients.values()}
+    orphans = [n for n in rank_actor_names(namespace, deployment)
+               if "_standby" not in n[len(deployment):] and n not in kept]
+    for name in orphans:
+        await spawner.kill_by_name(name)
+    return [f"ended orphaned rank actor {n}" for n in orphans]
