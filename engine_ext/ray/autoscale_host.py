@@ -1,0 +1,136 @@
+"""The controller's autoscaling side: the policy the deployment keeps, the window of rank
+signals, the decisions, and the three actor methods ``eepctl autoscale`` calls through the
+reference driver (``set_autoscale``, ``autoscale_show``, ``autoscale_decisions``).
+
+The controller owns one ``AutoscaleHost`` (``autoscale_host``) and mounts ``AutoscaleMethods``
+as a base class. Its reconcile loop calls ``tick`` once per round with the ranks' status
+records, acts on a decision whose ``act`` is set through the orchestrator's scale, and reports
+the outcome with ``record_outcome``. Durable state goes out through ``persist`` (the controller
+keeps it in Ray's GCS KV) and comes back as ``saved`` after a controller restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine_ext.control.autoscale_policy import AutoscalePolicy
+from engine_ext.control.autoscale_signals import SignalWindow
+from engine_ext.control.autoscaler import Autoscaler, Decision
+from engine_ext.protocol import EepError, PreconditionError, UsageError
+
+Persist = Callable[[dict[str, Any]], None]
+"""Stores the host's durable state (``AutoscaleHost.state``): the policy and the last decisions."""
+
+
+def _error(e: EepError) -> dict[str, Any]:
+    return {"error": {"code": int(e.exit_code), "message": e.message, "detail": e.detail}}
+
+
+class AutoscaleHost:
+    """One deployment's autoscaler as the controller holds it."""
+
+    def __init__(self, deployment: str, max_dp: int, persist: Persist, saved: dict[str, Any] | None = None,
+                 metrics: Any = None) -> None:
+        self.deployment = deployment
+        self.max_dp = max_dp
+        self.persist = persist
+        self.metrics = metrics  # engine_ext.ray.metrics.AutoscalerMetrics, or None
+        self.autoscaler: Autoscaler | None = None
+        self.window = SignalWindow()
+        saved = saved or {}
+        if saved.get("policy"):
+            self.autoscaler = Autoscaler(AutoscalePolicy.from_dict(saved["policy"]), saved.get("decisions"))
+            self.window.window_s = self.autoscaler.policy.window_s
+
+    @property
+    def policy(self) -> AutoscalePolicy | None:
+        return self.autoscaler.policy if self.autoscaler is not None else None
+
+    def state(self) -> dict[str, Any]:
+        """The durable state: the policy (None: never set) and the last 200 decisions."""
+        a = self.autoscaler
+        return {"policy": a.policy.to_dict() if a else None, "decisions": a.recent(200) if a else []}
+
+    # ---- the actor methods -------------------------------------------------------------------
+    def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Set the policy: ``changes`` over the current one (or the defaults, mode advisory)."""
+        before = self.policy.to_dict() if self.policy else None
+        try:
+            policy = AutoscalePolicy.from_dict({**(before or {}), **changes})
+        except ValueError as e:
+            return _error(UsageError(str(e)))
+        if policy.max_dp > self.max_dp:
+            return _error(PreconditionError(f"--max-dp {policy.max_dp} is over the deployment's max DP "
+                                            f"{self.max_dp} (set at `eepctl up --max-dp`)"))
+        if self.autoscaler is None:
+            self.autoscaler = Autoscaler(policy)
+        else:
+            self.autoscaler.set_policy(policy)
+        self.window.window_s = policy.window_s
+        self._persist()
+        return {"deployment": self.deployment, "policy": policy.to_dict(), "previous": before}
+
+    def autoscale_show(self) -> dict[str, Any]:
+        """The policy, its mode, and the latest recommendation and why."""
+        a = self.autoscaler
+        last = a.decisions[-1].to_dict() if a and a.decisions else None
+        return {"deployment": self.deployment, "policy": a.policy.to_dict() if a else None, "last": last}
+
+    def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
+        """Decisions taken after ``since`` (a time), oldest first, at most ``limit``."""
+        a = self.autoscaler
+        rows = [d.to_dict() for d in (a.decisions if a else []) if d.at > since]
+        return {"deployment": self.deployment, "policy": a.policy.to_dict() if a else None,
+                "decisions": rows[-max(1, limit):]}
+
+    # ---- what the reconcile loop calls -------------------------------------------------------
+    def tick(self, statuses: list[dict[str, Any]], members: list[int], *, now: float | None = None,
+             busy: str | None = None, num_experts: int = 1, slots_per_rank: int = 1, standby_ready: int = 0,
+             capacity: Callable[[int], str | None] | None = None) -> Decision | None:
+        """One round: record the ranks' signals and decide (None: no policy set). The loop scales
+        to ``decision.recommendation`` when ``decision.act``, then calls ``record_outcome``."""
+        now = time.time() if now is None else now
+        self.window.add(now, statuses)
+        if self.autoscaler is None:
+            return None
+        imbalance = max((float(s.get("eplb_imbalance") or 0.0) for s in statuses if isinstance(s, dict)), default=None)
+        obs = self.window.observed(now, list(members), busy=busy, num_experts=num_experts,
+                                   slots_per_rank=slots_per_rank, standby_ready=standby_ready, capacity=capacity,
+                                   eplb_imbalance=imbalance)
+        decision = self.autoscaler.decide(now, obs)
+        if self.metrics is not None:
+            self.metrics.on_decision(decision)
+        self._persist()
+        return decision
+
+    def record_outcome(self, decision_id: str, ok: bool, detail: str = "") -> None:
+        """How the loop's scale for ``decision_id`` ended; a failure backs the autoscaler off."""
+        if self.autoscaler is not None:
+            self.autoscaler.record_outcome(decision_id, ok, detail)
+            if self.metrics is not None:
+                self.metrics.on_outcome(ok)
+            self._persist()
+
+    def _persist(self) -> None:
+        try:
+            self.persist(self.state())
+        except Exception:  # noqa: BLE001 - the next change persists again; the loop never dies of it
+            pass
+
+
+class AutoscaleMethods:
+    """The controller's actor methods for ``eepctl autoscale``; mount as a base class of the
+    controller, which sets ``self.autoscale_host``."""
+
+    autoscale_host: AutoscaleHost
+
+    def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
+        return self.autoscale_host.set_autoscale(changes)
+
+    def autoscale_show(self) -> dict[str, Any]:
+        return self.autoscale_host.autoscale_show()
+
+    def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
+        return self.autoscale_host.autoscale_decisions(since, limit)
