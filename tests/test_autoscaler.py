@@ -3,11 +3,19 @@ signal sequences (bounds, no flapping, panic only up, step, busy, advisory, cool
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_ext.control.autoscaler import AutoscalePolicy, Autoscaler, Observed, RankSignals, p95
+from engine_ext.control.autoscaler import (
+    AutoscalePolicy,
+    Autoscaler,
+    Observed,
+    RankSignals,
+    p95,
+)
 
 
 def obs(dp: int, per_rank: float = 0.0, kv: float = 0.0, ttft: list[float] | None = None, **kw) -> Observed:
@@ -39,7 +47,7 @@ def replay(policy: AutoscalePolicy, seq, experts: int = 8, slots: int = 4):
 @settings(max_examples=150, deadline=None)
 @given(policies, ticks)
 def test_decisions_keep_every_rule(policy: AutoscalePolicy, seq) -> None:
-    a, out = replay(policy, seq)
+    _, out = replay(policy, seq)
     lo, hi = max(policy.min_dp, 2), policy.max_dp  # 8 experts at 4 slots need 2 ranks
     acts = [(dp, d) for dp, d in out if d.act]
     for dp, d in out:
@@ -51,7 +59,7 @@ def test_decisions_keep_every_rule(policy: AutoscalePolicy, seq) -> None:
         if d.act:
             assert policy.mode == "on" and not d.action.startswith("blocked"), "advisory never acts"
             assert "running" not in d.action
-    for (_, a1), (_, a2) in zip(acts, acts[1:]):
+    for (_, a1), (_, a2) in itertools.pairwise(acts):
         assert a2.panic or a2.at - a1.at >= policy.cooldown_s, "a cooldown after each action"
 
 

@@ -6,6 +6,7 @@ the driver and ``eepctl autoscale`` share one check. Defaults and why: docs/auto
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -48,7 +49,7 @@ class AutoscalePolicy:
         for name in ("target_queue", "target_kv", "slo_ttft_ms", "slo_tpot_ms", "up_delay_s", "down_delay_s",
                      "tolerance", "cooldown_s", "window_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
                 raise ValueError(f"{OPTION[name]} must be a number >= 0, not {v!r}")
             setattr(self, name, float(v))
         if self.target_kv > 1.0:
