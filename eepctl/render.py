@@ -255,13 +255,24 @@ def event_line(ev: dict[str, Any]) -> str:
     return f"{ts} {ev['op_id']} {who:<10} {ev['phase']:<22} {ev['outcome']:<5} {ev.get('duration_s', 0.0):8.3f}s{extra}"
 
 
+def _leave_reason(j: dict[str, Any]) -> str:
+    """Why a rank leaves: named by --retire, or chosen for its little work (requests, KV blocks)."""
+    if j.get("chosen_by") == "--retire":
+        return ", named by --retire"
+    if j.get("chosen_by"):
+        work = "did not answer" if j.get("requests") is None else \
+            f"{j['requests']:g} requests, {j.get('kv_blocks_used') or 0:g} KV blocks in use"
+        return f", least work: {work}"
+    return ""
+
+
 def _membership_lines(plan: dict[str, Any]) -> list[str]:
     """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
     where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}" for p in (plan.get("placement") or {}).get("nodes", [])}
     lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}"
              + (f" (from the standby pool: {j['from_standby']}, launch skipped)" if j.get("from_standby") else "")
              for j in plan.get("joining", [])]
-    lines += [f"  leave  rank {j['rank']} ({j['instance_id']})" for j in plan.get("leaving", [])]
+    lines += [f"  leave  rank {j['rank']} ({j['instance_id']}){_leave_reason(j)}" for j in plan.get("leaving", [])]
     lines += [f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
               for src, dsts in plan.get("transfer_pairs", {}).items()]
     return lines

@@ -223,9 +223,9 @@ class Controller:
         return res
 
     # ---- scaling -------------------------------------------------------------------------------
-    async def plan(self, target: int) -> dict[str, Any]:
+    async def plan(self, target: int, retire: list[int] | None = None) -> dict[str, Any]:
         try:
-            plan = (await self.orch.plan(target)).to_dict()
+            plan = (await self.orch.plan(target, retire=retire)).to_dict()
             plan["running_op"] = self.orch.busy()
             reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size))
             plan["capacity_problem"] = reason
@@ -234,11 +234,13 @@ class Controller:
         except EepError as e:
             return _error(e)
 
-    async def scale(self, target: int, drain_timeout_s: float, timeout_s: float, wait: bool) -> dict[str, Any]:
+    async def scale(self, target: int, drain_timeout_s: float, timeout_s: float, wait: bool,
+                    retire: list[int] | None = None) -> dict[str, Any]:
         """Admit a scale (a recovery under way finishes first; a degraded deployment heals first;
-        every rank must answer), then run it in a task that outlives this call (``--no-wait``)."""
+        every rank must answer), then run it in a task that outlives this call (``--no-wait``).
+        A scale-down removes ``retire``, else the ranks with the least work."""
         try:
-            admitted = await self.orch.admit(target, settle=True, probe_ranks=True)
+            admitted = await self.orch.admit(target, settle=True, probe_ranks=True, retire=retire)
         except EepError as e:
             return _error(e)
         op_id = admitted.op.op_id
