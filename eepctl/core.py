@@ -251,7 +251,8 @@ def plan(t: Target, dp: int, api_key: str | None = None, retire: list[int] | Non
     t.validated()
     if dp < 1:
         raise UsageError(f"--dp must be >= 1, got {dp}")
-    return _driver(t, api_key).plan(dp, check_retire(retire))
+    retire = check_retire(retire)
+    return _driver(t, api_key).plan(dp, retire)
 
 
 def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
@@ -262,8 +263,9 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
         raise UsageError(f"--dp must be >= 1, got {dp}")
     if timeout_s <= 0 or drain_timeout_s < 0:
         raise UsageError("--timeout must be > 0 and --drain-timeout >= 0")
+    retire = check_retire(retire)
     return _driver(t, api_key).scale(dp, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s, wait=wait,
-                                     on_event=on_event, on_op=on_op, retire=check_retire(retire))
+                                     on_event=on_event, on_op=on_op, retire=retire)
 
 
 # ---- autoscale -----------------------------------------------------------------------------------
@@ -286,7 +288,8 @@ def autoscale(t: Target, changes: dict[str, Any], api_key: str | None = None) ->
     t.validated()
     if not changes:
         raise UsageError("nothing to set: give --min-dp/--max-dp, --mode or a target (or --show)")
-    return _driver(t, api_key).set_autoscale(check_autoscale_changes(changes))
+    changes = check_autoscale_changes(changes)
+    return _driver(t, api_key).set_autoscale(changes)
 
 
 def autoscale_show(t: Target, api_key: str | None = None) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def _panel(title: str, series: list[tuple[str, list[float | None]]], height: int
     out = [title]
     for i, row in enumerate(grid):
         value = hi - span * i / max(1, height - 1)
-        out.append(f"{value:>{label_w - 1}.4g}{unit[:1] if i == 0 else ' '}|" + "".join(row))
+        out.append(f"{value:>{label_w - 1}.4g}{(unit[:1] or ' ') if i == 0 else ' '}|" + "".join(row))
     return out
 
 
@@ -112,7 +112,7 @@ def plot_text(data: dict[str, Any], width: int = 100, height: int = 6) -> str:
     dp_hi = float(max([p.get("max_dp", 1)] + [max(d["current_dp"], d["recommendation"]) for d in rows]))
     out = _panel("DP  (# actual, * recommended)", [("#", [d["current_dp"] if d else None for d in cols]),
                                                     ("*", [d["recommendation"] if d else None for d in cols])],
-                 height, 0.0, dp_hi)
+                 int(dp_hi) + 1 if dp_hi <= 12 else height, 0.0, dp_hi)  # one row per size when few
     load_names = ("queue",) if p.get("target_queue") else ("kv",)
     load = [_signal(d, load_names, "value") for d in cols]
     target = _signal(rows[-1], load_names, "target")

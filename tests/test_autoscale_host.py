@@ -48,3 +48,11 @@ def test_the_window_averages_load_and_keeps_latency_readings() -> None:
     assert o.ranks[0].requests == 5.0 and o.ranks[0].kv_use == 0.5 and o.ranks[0].ttft_ms == [100.0]
     assert o.busy == "op-1" and o.dp == 1
     assert kv_use({"kind": "vllm", "kv_usage": 0.7, "kv_blocks_total": 0}) == 0.7
+
+
+def test_a_new_world_starts_a_new_window() -> None:
+    host = AutoscaleHost("moe", max_dp=8, persist=lambda s: None)
+    host.set_autoscale({"target_queue": 4.0, "up_delay_s": 0.0})
+    host.tick([status(0, 40, 0), status(1, 40, 0)], members=[0, 1], now=0.0)
+    d = host.tick([status(0, 4, 0), status(1, 4, 0), status(2, 4, 0)], members=[0, 1, 2], now=1.0)
+    assert d is not None and d.signals[0].value == 4.0, "the old world's queue is not averaged in"

@@ -39,6 +39,7 @@ class AutoscaleHost:
         self.metrics = metrics  # engine_ext.ray.metrics.AutoscalerMetrics, or None
         self.autoscaler: Autoscaler | None = None
         self.window = SignalWindow()
+        self._members: list[int] = []
         saved = saved or {}
         if saved.get("policy"):
             self.autoscaler = Autoscaler(AutoscalePolicy.from_dict(saved["policy"]), saved.get("decisions"))
@@ -92,6 +93,9 @@ class AutoscaleHost:
         """One round: record the ranks' signals and decide (None: no policy set). The loop scales
         to ``decision.recommendation`` when ``decision.act``, then calls ``record_outcome``."""
         now = time.time() if now is None else now
+        if list(members) != self._members:  # readings of another world say nothing about this one
+            self.window.readings.clear()
+            self._members = list(members)
         self.window.add(now, statuses)
         if self.autoscaler is None:
             return None
