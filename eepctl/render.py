@@ -136,6 +136,7 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
     lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
              f"waiting {s['requests_waiting']}"]
     lines += _selfheal_lines(snap)
+    lines += _autoscale_lines(snap)
     per_node = ranks_per_node(snap["ranks"])
     if len(per_node) > 8:  # at scale, a distribution instead of one entry per node
         counts = sorted(per_node.values())
@@ -181,6 +182,22 @@ def _selfheal_lines(snap: dict[str, Any]) -> list[str]:
                      f"{info.get('on_rank_failure', 'replace')})")
     for d in info.get("dead") or []:
         lines.append(f"rank {d.get('rank')} dead: {d.get('cause', 'unknown cause')}")
+    return lines
+
+
+def _autoscale_lines(snap: dict[str, Any]) -> list[str]:
+    """The autoscaling policy, its mode and the current recommendation and why (the controller
+    keeps ``AutoscaleHost.autoscale_show()`` in the registry's info as ``autoscale``)."""
+    from eepctl.render_autoscale import policy_line
+
+    shown = (snap.get("info") or {}).get("autoscale") or {}
+    if not shown.get("policy"):
+        return []
+    lines = [f"autoscale: {policy_line(shown['policy'])}"]
+    last = shown.get("last")
+    if last:
+        lines.append(f"autoscale recommends DP {last['recommendation']} (now {last['current_dp']}), "
+                     f"{last['action']}: {last['rule']}")
     return lines
 
 

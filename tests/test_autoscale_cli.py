@@ -96,3 +96,14 @@ def test_the_dry_run_says_why_each_rank_leaves() -> None:
     text = render.plan_text(plan)
     assert "leave  rank 1 (moe_dp1), named by --retire" in text
     assert "leave  rank 3 (moe_dp3), least work: 0 requests, 2 KV blocks in use" in text
+
+
+def test_status_shows_the_policy_and_the_recommendation() -> None:
+    data = _trail()
+    snap = {"summary": {"ranks": 0, "by_state": {}, "requests_running": 0, "requests_waiting": 0}, "ranks": [],
+            "info": {"autoscale": {"policy": data["policy"], "last": data["decisions"][20]}}}
+    lines = render.status_summary_lines(snap)
+    assert any(ln.startswith("autoscale: mode on, DP 1..6") for ln in lines), lines
+    assert "autoscale recommends DP 5 (now 6), scaled: ttft held down for 30s (>= 30s): DP 5" in lines, lines
+    snap["info"] = {}
+    assert not any(ln.startswith("autoscale") for ln in render.status_summary_lines(snap))
