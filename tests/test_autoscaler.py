@@ -33,7 +33,7 @@ ticks = st.lists(st.tuples(st.floats(0, 40), st.floats(0, 500), st.booleans()), 
 
 def replay(policy: AutoscalePolicy, seq, experts: int = 8, slots: int = 4):
     """Drive the autoscaler with ``seq`` as a loop would: act on every ``act`` at once."""
-    a, dp, out = Autoscaler(policy), policy.min_dp, []
+    a, dp, out = Autoscaler(policy), max(policy.min_dp, -(-experts // slots)), []
     for i, (load, ttft, busy) in enumerate(seq):
         o = obs(dp, load, ttft=[ttft], experts=experts, slots=slots, busy="op-x" if busy else None)
         d = a.decide(float(i * 3), o)
@@ -59,6 +59,13 @@ def test_decisions_keep_every_rule(policy: AutoscalePolicy, seq) -> None:
         if d.act:
             assert policy.mode == "on" and not d.action.startswith("blocked"), "advisory never acts"
             assert "running" not in d.action
+    for i, (dp, d) in enumerate(out):  # a calm move waited its delay: every tick in it asked the same way
+        if d.act and not d.panic:
+            delay = policy.up_delay_s if d.recommendation > dp else policy.down_delay_s
+            ticks_in = [e for _, e in out[:i + 1] if e.at >= d.at - delay]
+            assert out[0][1].at <= d.at - delay or delay == 0, "acted before a full delay was observed"
+            assert all((e.raw_recommendation > dp) == (d.recommendation > dp) and e.raw_recommendation != dp
+                       for e in ticks_in), "stabilisation: the whole delay asked the same way"
     for (_, a1), (_, a2) in itertools.pairwise(acts):
         assert a2.panic or a2.at - a1.at >= policy.cooldown_s, "a cooldown after each action"
 
