@@ -28,6 +28,8 @@ def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
     (["autoscale", "--max-step", "0"], "--max-step"),
     (["autoscale", "--show", "--mode", "on"], "change nothing"),
     (["autoscale"], "nothing to set"),
+    (["autoscale", "--target-queue", "0", "--target-kv", "0", "--slo-ttft-ms", "0", "--slo-tpot-ms", "0"],
+     "give at least one target"),
     (["scale", "--dp", "2", "--retire", "three"], "--retire takes comma-separated rank numbers"),
     (["scale", "--dp", "2", "--retire", "1,1"], "--retire takes distinct rank numbers"),
     (["scale", "--dp", "2", "--dry-run", "--retire", "-1"], "--retire takes distinct rank numbers"),
@@ -37,6 +39,13 @@ def test_bad_values_are_usage_errors(runner: CliRunner, args: list[str], says: s
     err = result.exception
     assert isinstance(err, EepError), (result.exit_code, result.output, err)
     assert isinstance(err, UsageError) and err.exit_code == ExitCode.USAGE and says in err.message, err.message
+
+
+def test_dropping_one_target_is_checked_by_the_controller_not_refused_here() -> None:
+    from eepctl.core import check_autoscale_changes
+
+    assert check_autoscale_changes({"target_queue": 0.0}) == {"target_queue": 0.0}
+    assert check_autoscale_changes({"min_dp": 3}) == {"min_dp": 3}
 
 
 def test_help_documents_the_options(runner: CliRunner) -> None:
