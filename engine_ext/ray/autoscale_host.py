@@ -11,14 +11,18 @@ keeps it in Ray's GCS KV) and comes back as ``saved`` after a controller restart
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from engine_ext.control.autoscale_policy import AutoscalePolicy
 from engine_ext.control.autoscale_signals import SignalWindow
 from engine_ext.control.autoscaler import Autoscaler, Decision
 from engine_ext.protocol import EepError, PreconditionError, UsageError
+
+if TYPE_CHECKING:
+    from engine_ext.control.orchestrator import Orchestrator
 
 Persist = Callable[[dict[str, Any]], None]
 """Stores the host's durable state (``AutoscaleHost.state``): the policy and the last decisions."""
@@ -138,3 +142,43 @@ class AutoscaleMethods:
 
     def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
         return self.autoscale_host.autoscale_decisions(since, limit)
+
+
+Act = Callable[[Decision], Awaitable[dict[str, Any]]]
+"""Moves the desired size to ``decision.recommendation`` and returns the finished operation."""
+
+
+def busy_reason(orch: Orchestrator) -> str | None:
+    """Why no scale may be decided now: an operation holds the world, or a member is dead (a
+    recovery runs or is due)."""
+    running = orch.busy()
+    if running:
+        return running
+    dead = sorted(r for r in orch.recovery.dead if r in orch.members)
+    return f"recovery of rank(s) {', '.join(map(str, dead))}" if dead else None
+
+
+async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | None = None,
+                          now: float | None = None) -> Decision | None:
+    """One autoscaling round of a controller's loop over ``orch``'s world: read every member's
+    status, decide, and when the decision acts, ``act`` on it and record the outcome. Without
+    ``act`` the decision is only returned (the loop acts later and calls ``record_outcome``)."""
+    clients = orch.clients
+    answers = await asyncio.gather(*(c.status(timeout=3) for c in clients.values()), return_exceptions=True)
+    statuses = [a for a in answers if isinstance(a, dict)]
+    pool = orch.spawner.pool
+    decision = host.tick(statuses, list(orch.members), now=now, busy=busy_reason(orch),
+                         num_experts=orch.cfg.num_experts, slots_per_rank=orch.cfg.slots_per_rank,
+                         standby_ready=len(pool.ready) if pool is not None else 0,
+                         capacity=orch.spawner.check_capacity)
+    if decision is None or not decision.act or act is None:
+        return decision
+    try:
+        op = await act(decision)
+    except Exception as e:  # noqa: BLE001 - a refused or failed scale backs the autoscaler off
+        host.record_outcome(decision.id, False, f"{type(e).__name__}: {e}"[:300])
+        return decision
+    ok = op.get("state") == "succeeded"
+    host.record_outcome(decision.id, ok, f"{op.get('op_id', '')} DP {op.get('from_size')} -> {op.get('to_size')}"
+                        if ok else f"{op.get('op_id', '')} {op.get('state')}: {op.get('error')}")
+    return decision
