@@ -7,7 +7,17 @@ from typing import Annotated, Any
 
 import typer
 
-from eepctl.options import Address, ApiKey, Name, Namespace, Output, OutputOpt, emit, target, width
+from eepctl.options import (
+    Address,
+    ApiKey,
+    Name,
+    Namespace,
+    Output,
+    OutputOpt,
+    emit,
+    target,
+    width,
+)
 from engine_ext.protocol import DEFAULT_DEPLOYMENT, DEFAULT_NAMESPACE, UsageError
 
 

@@ -9,7 +9,12 @@ from typer.testing import CliRunner
 
 from eepctl import render, render_autoscale
 from eepctl.cli import app
-from engine_ext.control.autoscaler import AutoscalePolicy, Autoscaler, Observed, RankSignals
+from engine_ext.control.autoscaler import (
+    AutoscalePolicy,
+    Autoscaler,
+    Observed,
+    RankSignals,
+)
 from engine_ext.protocol import EepError, ExitCode, UsageError
 
 

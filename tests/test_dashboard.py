@@ -14,7 +14,7 @@ def test_the_dashboard_loads_with_the_documented_panels_and_real_metrics() -> No
     dash = json.loads((ROOT / "docs" / "grafana" / "eepctl-autoscaler.json").read_text())
     docs = (ROOT / "docs" / "autoscaling.md").read_text()
     section = docs.split("## Metrics and the Grafana dashboard", 1)[1].split("\n## ", 1)[0]
-    documented = re.findall(r"^- \*\*(.+?)\*\*$", section, flags=re.M)
+    documented = re.findall(r"^- \*\*(.+?)\*\*$", section, flags=re.MULTILINE)
     assert [p["title"] for p in dash["panels"]] == documented
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     exported = (ROOT / "engine_ext" / "ray" / "metrics.py").read_text()

@@ -127,7 +127,7 @@ class Admission:
         for r, c in self.world.clients.items():
             try:
                 st = await c.status(timeout=5)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a rank that does not answer is treated as busy
                 work[r] = (float("inf"), float("inf"))
                 continue
             for e, v in enumerate(st.get("eplb_logical_load", [])):
