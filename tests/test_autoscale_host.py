@@ -56,3 +56,14 @@ def test_a_new_world_starts_a_new_window() -> None:
     host.tick([status(0, 40, 0), status(1, 40, 0)], members=[0, 1], now=0.0)
     d = host.tick([status(0, 4, 0), status(1, 4, 0), status(2, 4, 0)], members=[0, 1, 2], now=1.0)
     assert d is not None and d.signals[0].value == 4.0, "the old world's queue is not averaged in"
+
+
+def test_quiet_ticks_are_persisted_sparingly() -> None:
+    saved: list[dict] = []
+    host = AutoscaleHost("moe", max_dp=8, persist=saved.append)
+    host.set_autoscale({"target_queue": 4.0, "up_delay_s": 0.0})
+    for t in range(12):  # on target: every decision is "none"
+        host.tick([status(0, 2, 2)], members=[0], now=float(t))
+    assert len(saved) == 1 + 2  # the policy, then one quiet tick per 10 s (at 0 and 10)
+    host.tick([status(0, 400, 0)], members=[0], now=12.0)  # advisory: a recommendation to record
+    assert len(saved) == 4 and saved[-1]["decisions"][-1]["action"] == "advisory: not acted"

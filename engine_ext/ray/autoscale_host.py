@@ -24,6 +24,8 @@ from engine_ext.protocol import EepError, PreconditionError, UsageError
 if TYPE_CHECKING:
     from engine_ext.control.orchestrator import Orchestrator
 
+PERSIST_QUIET_S = 10.0  # ticks that change nothing are persisted at most this often
+
 Persist = Callable[[dict[str, Any]], None]
 """Stores the host's durable state (``AutoscaleHost.state``): the policy and the last decisions."""
 
@@ -44,6 +46,7 @@ class AutoscaleHost:
         self.autoscaler: Autoscaler | None = None
         self.window = SignalWindow()
         self._members: list[int] = []
+        self._persisted_at = -PERSIST_QUIET_S
         saved = saved or {}
         if saved.get("policy"):
             self.autoscaler = Autoscaler(AutoscalePolicy.from_dict(saved["policy"]), saved.get("decisions"))
@@ -110,7 +113,9 @@ class AutoscaleHost:
         decision = self.autoscaler.decide(now, obs)
         if self.metrics is not None:
             self.metrics.on_decision(decision)
-        self._persist()
+        if decision.action != "none" or now - self._persisted_at >= PERSIST_QUIET_S:
+            self._persist()  # a quiet tick is not worth a write; one in PERSIST_QUIET_S keeps the trail
+            self._persisted_at = now
         return decision
 
     def record_outcome(self, decision_id: str, ok: bool, detail: str = "") -> None:
