@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-import enum
-import os
-import sys
 import time
 from typing import Annotated, Any
 
 import typer
 
 from eepctl import streams
+from eepctl.cli_autoscale import autoscale
+from eepctl.options import Address, ApiKey, Name, Namespace, Output, OutputOpt
+from eepctl.options import emit as _emit
+from eepctl.options import plain as _plain
+from eepctl.options import say as _say
+from eepctl.options import target as _target
+from eepctl.options import width as _width
 from engine_ext.protocol import DEFAULT_DEPLOYMENT, DEFAULT_NAMESPACE, UsageError
 
 app = typer.Typer(
@@ -22,55 +26,6 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
-class Output(str, enum.Enum):
-    table = "table"
-    json = "json"
-
-
-def _complete_name(incomplete: str) -> list[str]:
-    """Deployment names from the cluster when one is reachable; silent and quick otherwise."""
-    from eepctl.completion import deployment_names
-
-    return [n for n in deployment_names() if n.startswith(incomplete)]
-
-
-Address = Annotated[str | None, typer.Option("--address", envvar="RAY_ADDRESS", show_envvar=True,
-                                             help="Ray cluster address HOST:PORT.")]
-Namespace = Annotated[str, typer.Option("--namespace", envvar="EEPCTL_NAMESPACE", help="Ray namespace.")]
-Name = Annotated[str, typer.Option("--name", "-n", envvar="EEPCTL_NAME", help="Deployment name.",
-                                   autocompletion=_complete_name)]
-ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="VLLM_API_KEY", show_envvar=True, show_default=False,
-                                            help="Bearer key of a vLLM deployment's API server (never printed or stored).")]
-OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="Output format.", case_sensitive=False)]
-
-
-def _target(address: str | None, namespace: str, name: str) -> Any:
-    from eepctl.core import Target
-
-    return Target(address, namespace, name).validated()
-
-
-def _emit(text: str) -> None:
-    out = streams.output()
-    out.write(text)
-    out.flush()
-
-
-def _say(msg: str) -> None:
-    sys.stderr.write(msg + "\n")
-
-
-def _width() -> int:
-    """The terminal's width on a TTY; 160 when piped (scripts parse -o json, not the table)."""
-    import shutil
-
-    return shutil.get_terminal_size((160, 24)).columns if streams.output().isatty() else 160
-
-
-def _plain() -> bool:
-    return not streams.output().isatty() or bool(os.environ.get("NO_COLOR"))
 
 
 @app.callback()
@@ -262,6 +217,7 @@ def scale(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and change nothing.")] = False,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the operation id and return.")] = False,
     request_id: Annotated[str | None, typer.Option("--request-id", help="Idempotency key: a retry with the same id returns the same operation instead of starting another.", show_default=False)] = None,
+    retire: Annotated[str | None, typer.Option("--retire", help="A scale-down removes these ranks (comma-separated; as many as it removes). Default: the ranks with the fewest requests and least KV in use.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Live display: add one row per rank.")] = False,
     api_key: ApiKey = None,
     name: Name = DEFAULT_DEPLOYMENT,
@@ -274,16 +230,26 @@ def scale(
     from eepctl.progress import ScaleProgress
 
     t = _target(address, namespace, name)
+    leaving = _parse_ranks(retire, "--retire")
     if dry_run:
-        plan = core.plan(t, dp, api_key=api_key)
+        plan = core.plan(t, dp, api_key=api_key, retire=leaving)
         _emit(render.to_json("plan", plan) + "\n" if output == Output.json else render.plan_text(plan))
         return
     progress = ScaleProgress(json_lines=output == Output.json, plain=_plain(), verbose=verbose)
     with progress:
         res = core.scale(t, dp, drain_timeout_s=drain_timeout, timeout_s=timeout, wait=not no_wait,
                          on_event=progress.on_event, api_key=api_key, on_op=progress.on_operation,
-                         request_id=request_id)
+                         request_id=request_id, retire=leaving)
     _emit(render.to_json("scale", res) + "\n" if output == Output.json else render.scale_text(res))
+
+
+def _parse_ranks(text: str | None, option: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", ",").split(",") if x]
+    except ValueError:
+        raise UsageError(f"{option} takes comma-separated rank numbers, got {text!r}") from None
 
 
 @app.command()
@@ -291,6 +257,7 @@ def events(
     op: Annotated[str | None, typer.Option("--op", help="Only this operation.")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events (until the operation ends, with --op).")] = False,
     timeline: Annotated[bool, typer.Option("--timeline", help="With --op: a per-rank Gantt of its phases (-o json: the spans).")] = False,
+    autoscaler: Annotated[bool, typer.Option("--autoscaler", help="The autoscaler's decisions instead: signals, rule fired, recommendation, action.")] = False,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
@@ -300,6 +267,9 @@ def events(
     from eepctl import core, render
 
     t = _target(address, namespace, name)
+    if autoscaler:
+        _autoscaler_events(t, follow, output)
+        return
     if timeline and not op:
         raise UsageError("--timeline needs --op ID")
     data = core.events(t, op)
@@ -323,6 +293,28 @@ def events(
             return
         time.sleep(0.5)
         data = core.events(t, op, seq)
+
+
+def _autoscaler_events(t: Any, follow: bool, output: Output) -> None:
+    """`events --autoscaler`: the decisions, then (``--follow``) each new one as it is taken."""
+    from eepctl import core, render, render_autoscale
+
+    data = core.autoscale_decisions(t)
+    if not follow:
+        _emit(render.to_json("autoscale_decisions", data) + "\n" if output == Output.json
+              else render_autoscale.decisions_text(data))
+        return
+    since = 0.0
+    while True:
+        for d in data["decisions"]:
+            since = max(since, d["at"])
+            _emit(render.to_json("autoscale_decision", d) + "\n" if output == Output.json
+                  else render_autoscale.decision_line(d) + "\n")
+        time.sleep(1.0)
+        data = core.autoscale_decisions(t, since)
+
+
+app.command(name="autoscale")(autoscale)
 
 
 @app.command()

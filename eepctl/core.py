@@ -27,7 +27,7 @@ from engine_ext.protocol import (
 from engine_ext.ray.deployment import list_deployments
 from engine_ext.ray.names import controller_name, registry_name
 
-__all__ = ["DEFAULT_PROMPTS", "Target", "check_outcome", "down", "events", "generate", "list_deployments", "load",
+__all__ = ["DEFAULT_PROMPTS", "Target", "autoscale", "autoscale_decisions", "autoscale_show", "check_outcome", "down", "events", "generate", "list_deployments", "load",
            "percentiles", "plan", "scale", "status", "up"]
 
 
@@ -241,17 +241,27 @@ def load(t: Target, prompts: list[list[int]], max_tokens: int, rate: float, dura
 
 
 # ---- scale / repair ------------------------------------------------------------------------------------
-def plan(t: Target, dp: int, api_key: str | None = None) -> dict[str, Any]:
+def check_retire(retire: list[int] | None) -> list[int] | None:
+    """``--retire``: distinct rank numbers >= 0 (whether they are members is the controller's check)."""
+    if retire is None:
+        return None
+    if any(r < 0 for r in retire) or len(set(retire)) != len(retire):
+        raise UsageError(f"--retire takes distinct rank numbers >= 0, got {','.join(map(str, retire))}")
+    return sorted(retire)
+
+
+def plan(t: Target, dp: int, api_key: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
     t.validated()
     if dp < 1:
         raise UsageError(f"--dp must be >= 1, got {dp}")
-    return _driver(t, api_key).plan(dp)
+    retire = check_retire(retire)
+    return _driver(t, api_key).plan(dp, retire)
 
 
 def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
           on_event: Callable[[dict[str, Any]], None] = lambda e: None, api_key: str | None = None,
           on_op: Callable[[dict[str, Any]], None] = lambda o: None,
-          request_id: str | None = None) -> dict[str, Any]:
+          request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
     t.validated()
     if dp < 1:
         raise UsageError(f"--dp must be >= 1, got {dp}")
@@ -259,8 +269,46 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
         raise UsageError("--timeout must be > 0 and --drain-timeout >= 0")
     if request_id is not None and not (0 < len(request_id) <= 128 and request_id.isprintable()):
         raise UsageError("--request-id must be 1 to 128 printable characters")
+    retire = check_retire(retire)
     return _driver(t, api_key).scale(dp, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s, wait=wait,
-                                     on_event=on_event, on_op=on_op, request_id=request_id)
+                                     on_event=on_event, on_op=on_op, request_id=request_id, retire=retire)
+
+
+# ---- autoscale -----------------------------------------------------------------------------------
+def check_autoscale_changes(changes: dict[str, Any]) -> dict[str, Any]:
+    """Each given policy field's type and range, before the cluster is asked (the controller
+    checks the merged policy again)."""
+    from engine_ext.control.autoscale_policy import AutoscalePolicy
+
+    lo = changes.get("min_dp", 1)
+    probe: dict[str, Any] = {"min_dp": lo, "max_dp": max(lo, changes.get("max_dp", lo)) if isinstance(lo, int) else 1}
+    untouched = [k for k in ("target_queue", "target_kv", "slo_ttft_ms", "slo_tpot_ms") if k not in changes]
+    if untouched:  # a target the deployment may keep: "at least one target" is the controller's check
+        probe[untouched[0]] = 0.5
+    try:
+        AutoscalePolicy(**{**probe, **changes}).validated()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return changes
+
+
+def autoscale(t: Target, changes: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
+    """Set the autoscaling policy (``changes`` over the one the deployment keeps)."""
+    t.validated()
+    if not changes:
+        raise UsageError("nothing to set: give --min-dp/--max-dp, --mode or a target (or --show)")
+    changes = check_autoscale_changes(changes)
+    return _driver(t, api_key).set_autoscale(changes)
+
+
+def autoscale_show(t: Target, api_key: str | None = None) -> dict[str, Any]:
+    t.validated()
+    return _driver(t, api_key).autoscale_policy()
+
+
+def autoscale_decisions(t: Target, since: float = 0.0, api_key: str | None = None) -> dict[str, Any]:
+    t.validated()
+    return _driver(t, api_key).autoscale_decisions(since)
 
 
 def repair(t: Target, *, timeout_s: float = 300.0, api_key: str | None = None) -> dict[str, Any]:

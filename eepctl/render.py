@@ -136,6 +136,7 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
     lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
              f"waiting {s['requests_waiting']}"]
     lines += _selfheal_lines(snap)
+    lines += _autoscale_lines(snap)
     per_node = ranks_per_node(snap["ranks"])
     if len(per_node) > 8:  # at scale, a distribution instead of one entry per node
         counts = sorted(per_node.values())
@@ -181,6 +182,22 @@ def _selfheal_lines(snap: dict[str, Any]) -> list[str]:
                      f"{info.get('on_rank_failure', 'replace')})")
     for d in info.get("dead") or []:
         lines.append(f"rank {d.get('rank')} dead: {d.get('cause', 'unknown cause')}")
+    return lines
+
+
+def _autoscale_lines(snap: dict[str, Any]) -> list[str]:
+    """The autoscaling policy, its mode and the current recommendation and why (the controller
+    keeps ``AutoscaleHost.autoscale_show()`` in the registry's info as ``autoscale``)."""
+    from eepctl.render_autoscale import policy_line
+
+    shown = (snap.get("info") or {}).get("autoscale") or {}
+    if not shown.get("policy"):
+        return []
+    lines = [f"autoscale: {policy_line(shown['policy'])}"]
+    last = shown.get("last")
+    if last:
+        lines.append(f"autoscale recommends DP {last['recommendation']} (now {last['current_dp']}), "
+                     f"{last['action']}: {last['rule']}")
     return lines
 
 
@@ -255,13 +272,24 @@ def event_line(ev: dict[str, Any]) -> str:
     return f"{ts} {ev['op_id']} {who:<10} {ev['phase']:<22} {ev['outcome']:<5} {ev.get('duration_s', 0.0):8.3f}s{extra}"
 
 
+def _leave_reason(j: dict[str, Any]) -> str:
+    """Why a rank leaves: named by --retire, or chosen for its little work (requests, KV blocks)."""
+    if j.get("chosen_by") == "--retire":
+        return ", named by --retire"
+    if j.get("chosen_by"):
+        work = "did not answer" if j.get("requests") is None else \
+            f"{j['requests']:g} requests, {j.get('kv_blocks_used') or 0:g} KV blocks in use"
+        return f", least work: {work}"
+    return ""
+
+
 def _membership_lines(plan: dict[str, Any]) -> list[str]:
     """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
     where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}" for p in (plan.get("placement") or {}).get("nodes", [])}
     lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}"
              + (f" (from the standby pool: {j['from_standby']}, launch skipped)" if j.get("from_standby") else "")
              for j in plan.get("joining", [])]
-    lines += [f"  leave  rank {j['rank']} ({j['instance_id']})" for j in plan.get("leaving", [])]
+    lines += [f"  leave  rank {j['rank']} ({j['instance_id']}){_leave_reason(j)}" for j in plan.get("leaving", [])]
     lines += [f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
               for src, dsts in plan.get("transfer_pairs", {}).items()]
     return lines

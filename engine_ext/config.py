@@ -35,6 +35,14 @@ class RankFailurePolicy(Policy):
     REPLACE = "replace"  # shrink, then grow back to the desired size
 
 
+class AutoscaleMode(Policy):
+    """What the autoscaler does with its recommendations (engine_ext/control/autoscaler.py)."""
+
+    ADVISORY = "advisory"  # compute and record them, act on none (the default when first enabled)
+    ON = "on"  # act: move the desired size
+    OFF = "off"  # record signals only; recommend nothing for action
+
+
 @dataclass
 class KVTransferConfig:
     engine_id: str = ""

@@ -148,6 +148,14 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # deployment's balance from these raw counts (registry_state.eplb_balance).
     eplb_recent_load: list[FiniteFloat] = []
     eplb_slots: list[int] = []
+    # Per-request latency measured by this rank over its last ``latency_window_s`` seconds
+    # (engine_ext/rank/latency.py): the autoscaler's SLO signals. None: no request finished.
+    ttft_ms_p50: FiniteFloat | None = None
+    ttft_ms_p95: FiniteFloat | None = None
+    tpot_ms_p50: FiniteFloat | None = None
+    tpot_ms_p95: FiniteFloat | None = None
+    latency_samples: int = 0
+    latency_window_s: FiniteFloat = 0.0
 
 
 class VllmRankStatus(RankStatus, kw_only=True, forbid_unknown_fields=True):

@@ -115,7 +115,8 @@ def test_rank_and_transition_metrics_reach_the_ray_endpoint(metrics_cluster):
         want = {"ray_eep_rank_requests_running", "ray_eep_rank_kv_blocks_used", "ray_eep_rank_kv_blocks_total",
                 "ray_eep_rank_workspace_bytes", "ray_eep_rank_state", "ray_eep_rank_graph_captures_total",
                 "ray_eep_rank_capture_seconds_count", "ray_eep_transition_phase_seconds_count",
-                "ray_eep_serving_pause_seconds_count", "ray_eep_transitions_total", "ray_eep_rank_steps_total"}
+                "ray_eep_serving_pause_seconds_count", "ray_eep_transitions_total", "ray_eep_rank_steps_total",
+                "ray_eep_rank_ttft_p95_seconds", "ray_eep_rank_tpot_p95_seconds"}  # the autoscaler's SLO signals
         samples: list = []
 
         def ready() -> bool:

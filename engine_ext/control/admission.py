@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from engine_ext.capture_memory import policy_memory
 from engine_ext.config import EngineConfig
-from engine_ext.control.scale_plan import ScalePlan, plan_scale
+from engine_ext.control.scale_plan import ScalePlan, choose_leaving, plan_scale
 from engine_ext.control.spawner import Spawner
 from engine_ext.control.standby_pool import mark_pool_joiners
 from engine_ext.control.world import World, quiet, short_error
@@ -47,17 +47,17 @@ class Admission:
         self.max_dp = max_dp
 
     async def admit(self, target: int, *, op_id: str | None = None, settle: bool = False,
-                    probe_ranks: bool = False) -> Admitted:
+                    probe_ranks: bool = False, retire: list[int] | None = None) -> Admitted:
         """Admit a scale to ``target`` ranks, or raise. ``settle``: first wait for a recovery under
         way and heal a degraded world. ``probe_ranks``: refuse when a current rank does not answer
-        (a transition needs every rank of the old world)."""
+        (a transition needs every rank of the old world). ``retire``: the ranks a scale-down removes."""
         if settle and self.world.busy() is None:  # a busy world is refused below, not waited for
             await self.settle_recovery()
         self.refuse_if_busy()
         self.check_target(target)
         await self.world.op_lock.acquire()  # free: nothing awaited since the last check
         try:
-            plan = await self.compose(target, op_id)
+            plan = await self.compose(target, op_id, retire)
             op = Operation(plan.op_id, self.world.name, plan.from_size, plan.to_size, plan=plan.to_dict())
             if not plan.noop:
                 reason = self.spawner.check_capacity(max(0, target - self.world.size))
@@ -96,27 +96,45 @@ class Admission:
                 raise PreconditionError(f"cannot scale {self.world.name!r}: its recovery {healed.get('op_id')} "
                                         f"failed ({healed.get('error')}); see `eepctl events`")
 
-    async def compose(self, target: int, op_id: str | None = None) -> ScalePlan:
-        """The plan to ``target`` ranks (``target`` already checked), re-balanced by the measured loads."""
+    async def compose(self, target: int, op_id: str | None = None, retire: list[int] | None = None) -> ScalePlan:
+        """The plan to ``target`` ranks (``target`` already checked), re-balanced by the measured
+        loads; a scale-down removes ``retire``, else the ranks with the least work (choose_leaving)."""
         w = self.world
         assert w.layout is not None
-        loads = [] if target == w.size else await self._loads()
+        if retire and target >= w.size:
+            raise UsageError(f"--retire is for a scale-down; DP {w.size} -> {target} removes no rank")
+        loads, work = ([], {}) if target == w.size else await self._loads()
+        try:
+            leaving = choose_leaving(list(w.members), target, work, retire, keep=w.store_host)
+        except ValueError as e:
+            raise PreconditionError(str(e)) from None
         plan = plan_scale(op_id or new_op_id(), self.cfg.instance_id or w.name, w.layout, target, loads,
-                          w.members, max(w.members, default=-1) + 1)
+                          w.members, max(w.members, default=-1) + 1, leaving)
+        for j in plan.leaving:  # why each leaves, for the dry run and the operation record
+            requests, kv = work.get(j["rank"], (None, None))
+            j.update(chosen_by="--retire" if retire else "least work",
+                     requests=requests if requests != float("inf") else None,
+                     kv_blocks_used=kv if kv != float("inf") else None)
         plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
         mark_pool_joiners(plan, self.spawner.pool)
         return plan
 
-    async def _loads(self) -> list[float]:
+    async def _loads(self) -> tuple[list[float], dict[int, tuple[float, float]]]:
+        """The deployment's expert loads and each rank's work: (requests, KV blocks in use).
+        A rank that does not answer counts as busy, so it is not chosen to leave for being quiet."""
         total = [0.0] * self.cfg.num_experts
-        for c in self.world.clients.values():
+        work: dict[int, tuple[float, float]] = {}
+        for r, c in self.world.clients.items():
             try:
                 st = await c.status(timeout=5)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a rank that does not answer is treated as busy
+                work[r] = (float("inf"), float("inf"))
                 continue
             for e, v in enumerate(st.get("eplb_logical_load", [])):
                 total[e] += v
-        return total
+            work[r] = (float(st.get("requests_running", 0) + st.get("requests_waiting", 0)),
+                       float(st.get("kv_blocks_used", 0)))
+        return total, work
 
     async def check_ranks(self, timeout_s: float = 3.0) -> None:
         """Refuse a transition (exit 4) when any current rank does not answer or has failed:

@@ -124,15 +124,16 @@ class Orchestrator:
         w.adopt(clients, layout, rdzv.epoch)
 
     # ---- planning and scaling ------------------------------------------------------------------
-    async def plan(self, target: int, op_id: str | None = None) -> ScalePlan:
+    async def plan(self, target: int, op_id: str | None = None, retire: list[int] | None = None) -> ScalePlan:
         """What a scale to ``target`` would do (``--dry-run``); admits nothing."""
         self.check_target(target)
-        return await self.admission.compose(target, op_id)
+        return await self.admission.compose(target, op_id, retire)
 
     async def admit(self, target: int, *, op_id: str | None = None, settle: bool = False,
-                    probe_ranks: bool = False) -> Admitted:
+                    probe_ranks: bool = False, retire: list[int] | None = None) -> Admitted:
         """Admit a scale (engine_ext.control.admission); ``run`` it next, which releases the lock."""
-        return await self.admission.admit(target, op_id=op_id, settle=settle, probe_ranks=probe_ranks)
+        return await self.admission.admit(target, op_id=op_id, settle=settle, probe_ranks=probe_ranks,
+                                          retire=retire)
 
     async def run(self, admitted: Admitted, *, drain_timeout_s: float = 30.0,
                   timeout_s: float = 300.0) -> dict[str, Any]:
@@ -162,9 +163,9 @@ class Orchestrator:
             w.op_lock.release()
 
     async def scale(self, target: int, *, drain_timeout_s: float = 30.0, timeout_s: float = 300.0,
-                    op_id: str | None = None) -> dict[str, Any]:
+                    op_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
         """Admit and run a scale to ``target`` ranks; raises when it is not admitted."""
-        admitted = await self.admit(target, op_id=op_id)
+        admitted = await self.admit(target, op_id=op_id, retire=retire)
         return await self.run(admitted, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)
 
     async def regrow(self) -> bool:

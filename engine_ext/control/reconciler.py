@@ -35,10 +35,12 @@ class Reconciler:
 
     def __init__(self, orch: Orchestrator, *, deadline_s: float = DEFAULT_DEADLINE_S, tick_s: float = TICK_S,
                  park_bound_s: float = PARK_BOUND_S, on_tick: Callable[[], None] | None = None,
-                 sweep: Callable[[], Awaitable[list[str]]] | None = None) -> None:
+                 sweep: Callable[[], Awaitable[list[str]]] | None = None,
+                 autoscale: Callable[[], Awaitable[list[str]]] | None = None) -> None:
         self.orch = orch
         self.on_tick = on_tick or (lambda: None)  # after each tick: persist, publish
         self.sweep = sweep  # ends rank processes no world knows (a joiner launched by a dead controller)
+        self.autoscale = autoscale  # moves the desired size from the load (engine_ext.ray.autoscale_host)
         self.health = Health(orch.world, deadline_s)
         self.tick_s = tick_s
         self.park_bound_s = park_bound_s
@@ -150,9 +152,10 @@ class Reconciler:
             return self._outcome("grow", res)
         self.working_on = ""
         self._succeeded()
-        if self.sweep is not None and self.ticks % SWEEP_EVERY == 0:
-            return await self.sweep()
-        return []
+        done = await self.sweep() if self.sweep is not None and self.ticks % SWEEP_EVERY == 0 else []
+        if self.autoscale is not None:  # only once the world is what was desired
+            done += await self.autoscale()
+        return done
 
     def _outcome(self, action: str, res: dict[str, Any]) -> list[str]:
         text = f"{action} {res.get('op_id')}: {res.get('state')}"

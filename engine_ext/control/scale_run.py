@@ -35,7 +35,9 @@ class ScaleRun:
         # Joiners take the global ranks right after the last member (the plan's): positions never
         # move, and numbers freed by a scale-down or a death are taken again (their actors are gone).
         self.new_ranks = [int(j["rank"]) for j in plan.joining] if self.growing else []
-        self.new_members = self.old_members + self.new_ranks if self.growing else self.old_members[:plan.to_size]
+        self.leaving = [int(j["rank"]) for j in plan.leaving]  # the scale-down's choice (scale_plan.choose_leaving)
+        self.new_members = (self.old_members + self.new_ranks if self.growing
+                            else [m for m in self.old_members if m not in self.leaving])
         self.joiners: dict[int, RankClient] = {}  # ranks this run launched (the rollback stops them)
         self.commit_started = False
 
@@ -79,7 +81,7 @@ class ScaleRun:
             if self.growing:
                 world.update(await self._launch(tplan.new_layout))
             else:
-                for r in self.old_members[self.plan.to_size:]:
+                for r in self.leaving:
                     self.world.router.excluded.add(r)
             await self._prepare(world, tplan)
             if not self.growing:

@@ -32,12 +32,14 @@ class Driver(Protocol):
     name: str
     kind: str
 
-    def plan(self, dp: int) -> dict[str, Any]:
-        """What a scale to ``dp`` would do; changes nothing."""
+    def plan(self, dp: int, retire: list[int] | None = None) -> dict[str, Any]:
+        """What a scale to ``dp`` would do (a scale-down removes the ``retire`` ranks, else the
+        emptiest); changes nothing."""
         ...
 
     def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-              on_event: EventSink, on_op: EventSink, request_id: str | None = None) -> dict[str, Any]:
+              on_event: EventSink, on_op: EventSink, request_id: str | None = None,
+              retire: list[int] | None = None) -> dict[str, Any]:
         """Scale to ``dp``: the finished operation (``wait``) or the accepted one. ``on_op`` gets the
         operation as it runs where the engine reports it, ``on_event`` each rank event.
         ``request_id``: a retry with the same id is the same operation."""
@@ -45,6 +47,19 @@ class Driver(Protocol):
 
     def repair(self, *, timeout_s: float) -> dict[str, Any]:
         """Recover what self-healing could not; the record of what was done."""
+        ...
+
+    def set_autoscale(self, policy: dict[str, Any]) -> dict[str, Any]:
+        """Change the autoscaling policy the deployment keeps (``policy`` over the current one);
+        the policy set and the one before."""
+        ...
+
+    def autoscale_policy(self) -> dict[str, Any]:
+        """The policy (None: never set) and the latest decision."""
+        ...
+
+    def autoscale_decisions(self, since: float = 0.0) -> dict[str, Any]:
+        """The autoscaler's decisions after ``since`` (a time), oldest first."""
         ...
 
     def requests(self, max_tokens: int, timeout_s: float) -> AbstractContextManager[Submit]:

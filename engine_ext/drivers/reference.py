@@ -95,15 +95,17 @@ class ReferenceDriver:
             raise UnreachableError(f"the controller of {self.name!r} is gone; {consequence}")
         return self.controller
 
-    def plan(self, dp: int) -> dict[str, Any]:
+    def plan(self, dp: int, retire: list[int] | None = None) -> dict[str, Any]:
         controller = self._controller("there is nothing to plan with")
-        return raise_if_error(_get(controller.plan.remote(dp), timeout=30))
+        extra = [retire] if retire else []  # an older controller takes no retire argument
+        return raise_if_error(_get(controller.plan.remote(dp, *extra), timeout=30))
 
     def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
               on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None,
-              request_id: str | None = None) -> dict[str, Any]:
+              request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
         controller = self._controller("the deployment cannot scale")
-        accepted = raise_if_error(_get(controller.scale.remote(dp, drain_timeout_s, timeout_s, False, request_id),
+        extra = [request_id, retire] if retire else [request_id] if request_id else []
+        accepted = raise_if_error(_get(controller.scale.remote(dp, drain_timeout_s, timeout_s, False, *extra),
                                        timeout=60))
         op_id = accepted["op_id"]
         if not wait:
@@ -147,6 +149,18 @@ class ReferenceDriver:
         controller = self._controller(f"recreate the deployment (`eepctl down --name {self.name}` then "
                                       f"`eepctl up --name {self.name}`)")
         return raise_if_error(_get(controller.repair.remote(), timeout=timeout_s))
+
+    def set_autoscale(self, policy: dict[str, Any]) -> dict[str, Any]:
+        controller = self._controller("no loop runs an autoscaler")
+        return raise_if_error(_get(controller.set_autoscale.remote(policy), timeout=30))
+
+    def autoscale_policy(self) -> dict[str, Any]:
+        controller = self._controller("its autoscaling policy went with it")
+        return raise_if_error(_get(controller.autoscale_show.remote(), timeout=30))
+
+    def autoscale_decisions(self, since: float = 0.0) -> dict[str, Any]:
+        controller = self._controller("its autoscaler's decisions went with it")
+        return raise_if_error(_get(controller.autoscale_decisions.remote(since), timeout=30))
 
     @contextmanager
     def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from engine_ext.drivers.base import EventSink, Submit
-from engine_ext.protocol import DeploymentKind, TransitionTimeout, UsageError
+from engine_ext.protocol import DeploymentKind, PreconditionError, TransitionTimeout, UsageError
 
 KIND = DeploymentKind.VLLM.value
 
@@ -43,6 +43,17 @@ def with_health(snap: dict[str, Any]) -> dict[str, Any]:
     return snap
 
 
+NO_AUTOSCALER = ("a vLLM deployment has no controller to run an autoscaler in: `eepctl autoscale` serves "
+                 "reference deployments (vLLM advisory mode is planned, issue 24)")
+
+
+def refuse_retire(retire: list[int] | None) -> None:
+    """vLLM's /scale_elastic_ep always removes the highest ranks: naming others is refused."""
+    if retire:
+        raise PreconditionError("--retire is not available for a vLLM deployment: vLLM removes its highest "
+                                "ranks on a scale-down")
+
+
 class VllmDriver:
     """A vLLM deployment, through the API server its registry names."""
 
@@ -54,17 +65,19 @@ class VllmDriver:
         self.snap = snap
         self._api_key = api_key
 
-    def plan(self, dp: int) -> dict[str, Any]:
+    def plan(self, dp: int, retire: list[int] | None = None) -> dict[str, Any]:
         from engine_ext.drivers import vllm_scale
 
+        refuse_retire(retire)
         return vllm_scale.plan(self.snap, dp, api_key=self._api_key)
 
     def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
               on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None,
-              request_id: str | None = None) -> dict[str, Any]:
+              request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
         """vLLM reports no phase while it scales, so ``on_op`` is not called; rank events are."""
         from engine_ext.drivers import vllm_scale
 
+        refuse_retire(retire)
         if not wait:
             raise UsageError("--no-wait is not available for a vLLM deployment: vLLM answers /scale_elastic_ep "
                              "only when the transition has ended")
@@ -77,6 +90,15 @@ class VllmDriver:
         except ImportError:
             raise UsageError("repair of vLLM deployments is not available") from None
         return fault_tolerance.repair(self.snap, api_key=self._api_key, timeout_s=timeout_s)
+
+    def set_autoscale(self, policy: dict[str, Any]) -> dict[str, Any]:
+        raise PreconditionError(NO_AUTOSCALER)
+
+    def autoscale_policy(self) -> dict[str, Any]:
+        raise PreconditionError(NO_AUTOSCALER)
+
+    def autoscale_decisions(self, since: float = 0.0) -> dict[str, Any]:
+        raise PreconditionError(NO_AUTOSCALER)
 
     @contextmanager
     def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:

@@ -211,6 +211,7 @@ class RankEngine:
             stale_replays_refused=shared.stale_replays_refused, eplb_logical_load=list(eplb.logical_load),
             eplb_recent_load=eplb.recent_load(),
             eplb_slots=eplb.layout.local_logical(res.model.rank),  # the layout slice at the model's position
+            **s.latency.summary(),  # windowed TTFT/TPOT p50/p95 (engine_ext/rank/latency.py)
         )
         return to_builtins(st)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_ext.config import EngineConfig
+from engine_ext.rank.latency import LatencyWindow
 
 NULL_BLOCK = 0
 
@@ -107,6 +108,7 @@ class Request:
     num_computed: int = 0
     arrival: float = field(default_factory=time.time)
     moved_from: list[int] = field(default_factory=list)
+    first_token_at: float | None = None  # on this rank (engine_ext/rank/latency.py)
 
     @property
     def tokens(self) -> list[int]:
@@ -143,6 +145,7 @@ class Scheduler:
         self.blocks = BlockPool(cfg.num_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.latency = LatencyWindow()  # TTFT/TPOT of the requests finished here
 
     def validate(self, req: Request) -> None:
         cfg = self.cfg

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from engine_ext.elastic.graphs import GraphReleasedError, StaleGraphError
 from engine_ext.model.model import Batch
+from engine_ext.rank.latency import request_latency
 from engine_ext.rank.scheduler import ScheduledItem
 from engine_ext.rank.shared import RankResources, RankShared
 from engine_ext.rank.telemetry import RankTelemetry
@@ -178,10 +180,16 @@ class StepLoop:
                 tok = int(torch.argmax(last))
                 req.output.append(tok)
                 req.logits.append(float(last[tok]))
+                now = time.time()
+                if len(req.output) == 1:  # its first token (a request moved here with tokens has none)
+                    req.first_token_at = now
                 if req.done:
                     self.res.sched.finish(req)
                     out = req.to_wire()
                     out["rank"] = self.shared.rank
+                    out["ttft_ms"], out["tpot_ms"] = request_latency(req.arrival, req.first_token_at, now,
+                                                                     len(req.output))
+                    self.res.sched.latency.add(out["ttft_ms"], out["tpot_ms"], now)
                     finished.append(out)
         return finished
 

@@ -21,22 +21,23 @@ from engine_ext.control.orchestrator import Orchestrator
 from engine_ext.control.reconciler import Reconciler
 from engine_ext.protocol import EepError, ExitCode, PreconditionError
 from engine_ext.ray import placement
+from engine_ext.ray.autoscale_host import AutoscaleHost, AutoscaleMethods, autoscale_round
 from engine_ext.ray.controller_memory import rank_actor_names, snapshot, sweep_orphans, take_over
 from engine_ext.ray.durable import DurableState
-from engine_ext.ray.names import registry_name
+from engine_ext.ray.registry_keeper import RegistryKeeper
 from engine_ext.ray.spawner import RaySpawner
 from engine_ext.ray.standby import make_pool
 
 
-class Controller:
+class Controller(AutoscaleMethods):
     def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
                  cpus_per_rank: float, gpus_per_rank: float, placement_d: dict[str, Any] | None = None,
                  on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
-        self.registry = ray.get_actor(registry_name(deployment), namespace=namespace)
-        self._resolved_at = time.time()
+        self.keeper = RegistryKeeper(deployment, namespace, expected_ranks=lambda: len(self.orch.clients),
+                                     restore=lambda: (self._info, list(self.orch.history), list(self._emitted)))
         self.spawner = RaySpawner(deployment, namespace, self.cfg, cpus_per_rank, gpus_per_rank,
                                   placement.PlacementSpec.from_dict(placement_d))
         self.orch = Orchestrator(deployment, self.cfg, self.spawner, max_dp=max_dp,
@@ -50,11 +51,9 @@ class Controller:
         # Registry recreation: what a new registry must be given back (info, ops, own events).
         self._info: dict[str, Any] = {}
         self._emitted: deque[dict[str, Any]] = deque(maxlen=2000)
-        self._watchdog: asyncio.Task | None = None
-        self.registry_recreated = 0
         self.fenced_dropped = 0  # messages from fenced ranks that were not taken
         self.reconciler = Reconciler(self.orch, deadline_s=health_deadline_s, on_tick=self._persist,
-                                     sweep=self._sweep_orphans)
+                                     sweep=self._sweep_orphans, autoscale=self._autoscale)
         self.durable = DurableState(namespace, deployment)
         self.restarts = 0
         self.requests: dict[str, str] = {}  # idempotency key -> op id (`scale --request-id`)
@@ -62,6 +61,8 @@ class Controller:
         self._published: dict[str, Any] = {}
         self._ready = asyncio.Event()  # set once started, or once a restarted controller took over
         saved = self.durable.load()
+        self.autoscale_host = AutoscaleHost(deployment, max_dp, persist=lambda st: self._persist(),
+                                            saved=(saved or {}).get("autoscale"), metrics=_autoscaler_metrics(deployment))
         if saved is not None and saved.get("started"):
             self._resuming = asyncio.get_event_loop().create_task(self._take_over(saved))
         try:
@@ -75,7 +76,7 @@ class Controller:
         self._emitted.append(event)
         self._persist()
         try:
-            self._handle_registry().report_events.remote([event])
+            self.keeper.handle().report_events.remote([event])
         except Exception:
             pass
 
@@ -86,61 +87,15 @@ class Controller:
             self._info_dead()
         self._persist()
         try:
-            self._handle_registry().record_operation.remote(op)
+            self.keeper.handle().record_operation.remote(op)
         except Exception:
             pass
 
     def _forget_rank(self, rank: int) -> None:
         try:
-            self._handle_registry().forget_rank.remote(rank)
+            self.keeper.handle().forget_rank.remote(rank)
         except Exception:
             pass
-
-    def _handle_registry(self) -> Any:
-        """The registry handle, re-resolved by name at most every 2 s (it may be recreated)."""
-        now = time.time()
-        if now - self._resolved_at > 2.0:
-            self._resolved_at = now
-            try:
-                self.registry = ray.get_actor(registry_name(self.deployment), namespace=self.namespace)
-            except ValueError:
-                pass
-        return self.registry
-
-    async def _watch_registry(self, interval_s: float = 1.0) -> None:
-        """Recreate the registry (same name, namespace, detached) when it is gone, telling it how
-        many ranks to expect (it says it is rebuilding until they report), and give it back the
-        deployment info, the operation history and the controller's own events; the ranks
-        re-send theirs when they see a new registry (RankActor._sink)."""
-        from engine_ext.ray.placement import on_this_node
-        from engine_ext.ray.registry import Registry
-
-        name = registry_name(self.deployment)
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                ray.get_actor(name, namespace=self.namespace)
-                continue
-            except ValueError:
-                pass
-            try:
-                reg = ray.remote(Registry).options(name=name, namespace=self.namespace, lifetime="detached",
-                                                   num_cpus=0, scheduling_strategy=on_this_node()).remote(self.deployment,
-                                                                      expected_ranks=len(self.orch.clients))
-            except ValueError:  # the old name is not released yet, or someone else recreated it
-                continue
-            try:
-                if self._info:
-                    await reg.set_info.remote(self._info)
-                for op in list(self.orch.history):
-                    await reg.record_operation.remote(op)
-                if self._emitted:
-                    await reg.report_events.remote(list(self._emitted))
-            except Exception:  # noqa: BLE001 - the next round retries with whatever exists then
-                continue
-            self.registry = reg
-            self._resolved_at = time.time()
-            self.registry_recreated += 1
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, size: int, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -152,11 +107,10 @@ class Controller:
         self._persist()
         self.reconciler.start()
         try:
-            self._info = dict((await self.registry.snapshot.remote()).get("info") or {})
+            self._info = dict((await self.keeper.registry.snapshot.remote()).get("info") or {})
         except Exception:  # noqa: BLE001 - recreation then restores what the controller knows
             self._info = {"max_dp": self.orch.max_dp, "config": self.cfg.to_dict()}
-        if self._watchdog is None:
-            self._watchdog = asyncio.ensure_future(self._watch_registry())
+        self.keeper.start()
         if self.spawner.pool is not None:
             await self.set_standby(self.spawner.pool.size)
         return await self.info()
@@ -190,9 +144,7 @@ class Controller:
         self.reconciler.stop()
         self.durable.delete()  # `down`: nothing is left to take over
         self.orch.world.stopping = True
-        if self._watchdog is not None:  # `down` kills the registry next: do not bring it back
-            self._watchdog.cancel()
-            self._watchdog = None
+        self.keeper.stop()
         if self.spawner.pool is not None:
             if self._pool_watch is not None:
                 self._pool_watch.cancel()
@@ -240,7 +192,7 @@ class Controller:
             return
         self._published = json_copy(self._info)
         try:
-            self._handle_registry().set_info.remote(self._info)
+            self.keeper.handle().set_info.remote(self._info)
         except Exception:  # noqa: BLE001 - telemetry is best effort
             pass
 
@@ -250,10 +202,25 @@ class Controller:
             return  # nothing to take over before start; `down` deletes it
         pool = self.spawner.pool
         self.durable.save(snapshot(self.orch, started=True, restarts=self.restarts, info=self._info,
+                                   autoscale=self.autoscale_host.state(),
                                    standby=pool.size if pool is not None else 0,
                                    requests=dict(list(self.requests.items())[-100:]),
                                    events=list(self._emitted)[-300:]))
         self._info_dead()
+
+    async def _autoscale(self) -> list[str]:
+        """One autoscaling round (a policy is set and not off): the decision moves the desired
+        size through a normal scale; advisory decisions are only recorded."""
+        host = self.autoscale_host
+        if host.policy is None or str(host.policy.mode) == "off":
+            return []
+
+        async def act(decision: Any) -> dict[str, Any]:
+            return await self.orch.scale(int(decision.recommendation))
+
+        d = await autoscale_round(host, self.orch, act)
+        self._info["autoscale"] = host.autoscale_show()
+        return [f"autoscale {d.id}: {d.action}"] if d is not None and d.act else []
 
     async def _sweep_orphans(self) -> list[str]:
         return await sweep_orphans(self.orch, self.spawner, self.namespace, self.deployment)
@@ -274,7 +241,7 @@ class Controller:
                     "detail": {"restarts": self.restarts, "actions": self.took_over}})
         self._ready.set()
         self._persist()
-        self._watchdog = asyncio.ensure_future(self._watch_registry())
+        self.keeper.start()
         if int(saved.get("standby", 0)) > 0:
             await self.set_standby(int(saved["standby"]))
         self.reconciler.start()
@@ -319,9 +286,9 @@ class Controller:
         return res
 
     # ---- scaling -------------------------------------------------------------------------------
-    async def plan(self, target: int) -> dict[str, Any]:
+    async def plan(self, target: int, retire: list[int] | None = None) -> dict[str, Any]:
         try:
-            plan = (await self.orch.plan(target)).to_dict()
+            plan = (await self.orch.plan(target, retire=retire)).to_dict()
             plan["running_op"] = self.orch.busy()
             reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size))
             plan["capacity_problem"] = reason
@@ -331,16 +298,17 @@ class Controller:
             return _error(e)
 
     async def scale(self, target: int, drain_timeout_s: float, timeout_s: float, wait: bool,
-                    request_id: str | None = None) -> dict[str, Any]:
+                    request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
         """Admit a scale (a recovery under way finishes first; a degraded deployment heals first;
         every rank must answer), then run it in a task that outlives this call (``--no-wait``).
-        The controller enforces ``timeout_s`` (before commit: roll back; from commit on: recover).
+        A scale-down removes ``retire``, else the ranks with the least work. The controller
+        enforces ``timeout_s`` (before commit: roll back; from commit on: recover).
         ``request_id``: a retry with the same id gets the same operation, never a second one."""
         await self._ready.wait()
         if request_id and request_id in self.requests:
             return await self._same_request(request_id, target, wait)
         try:
-            admitted = await self.orch.admit(target, settle=True, probe_ranks=True)
+            admitted = await self.orch.admit(target, settle=True, probe_ranks=True, retire=retire)
         except EepError as e:
             return _error(e)
         op_id = admitted.op.op_id
@@ -386,6 +354,15 @@ def _error(e: EepError) -> dict[str, Any]:
 
 def _error_code(code: ExitCode, message: str) -> dict[str, Any]:
     return {"error": {"code": int(code), "message": message, "detail": {}}}
+
+
+def _autoscaler_metrics(deployment: str) -> Any:
+    try:
+        from engine_ext.ray.metrics import AutoscalerMetrics
+
+        return AutoscalerMetrics(deployment)
+    except Exception:  # noqa: BLE001 - metrics are best effort
+        return None
 
 
 def json_copy(d: dict[str, Any]) -> dict[str, Any]:

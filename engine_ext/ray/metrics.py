@@ -37,6 +37,13 @@ RANK_GAUGES: dict[str, tuple[str, str]] = {
                                 "EPLB load imbalance: max/mean rank load (1.0 = perfectly balanced; 0 before any load)."),
     "eep_rank_last_capture_seconds": ("last_capture_s", "Duration of the rank's last capture pass."),
 }
+# gauge name -> (status field in ms, description): set in seconds (the autoscaler's SLO signals)
+RANK_LATENCY_GAUGES: dict[str, tuple[str, str]] = {
+    "eep_rank_ttft_p50_seconds": ("ttft_ms_p50", "Time to first token, p50 over the rank's latency window."),
+    "eep_rank_ttft_p95_seconds": ("ttft_ms_p95", "Time to first token, p95 over the rank's latency window."),
+    "eep_rank_tpot_p50_seconds": ("tpot_ms_p50", "Time per output token, p50 over the rank's latency window."),
+    "eep_rank_tpot_p95_seconds": ("tpot_ms_p95", "Time per output token, p95 over the rank's latency window."),
+}
 # counter name -> (monotonic status field, description): incremented by the reported delta
 RANK_COUNTERS: dict[str, tuple[str, str]] = {
     "eep_rank_steps_total": ("steps", "Forward steps run by the rank."),
@@ -56,6 +63,7 @@ class RankMetrics:
         self._lock = threading.Lock()
         self._gauges = {n: Gauge(n, description=d, tag_keys=RANK_TAGS) for n, (_, d) in RANK_GAUGES.items()}
         self._counters = {n: Counter(n, description=d, tag_keys=RANK_TAGS) for n, (_, d) in RANK_COUNTERS.items()}
+        self._latency = {n: Gauge(n, description=d, tag_keys=RANK_TAGS) for n, (_, d) in RANK_LATENCY_GAUGES.items()}
         self._state = Gauge("eep_rank_state", description="1 for the rank's current state, 0 for the others.",
                             tag_keys=(*RANK_TAGS, "state"))
         self._captures = Counter("eep_rank_graph_captures_total", description="Graph capture passes (one per "
@@ -82,6 +90,10 @@ class RankMetrics:
                     v = st.get(key)
                     if v is not None:
                         self._gauges[name].set(float(v), tags=tags)
+                for name, (key, _) in RANK_LATENCY_GAUGES.items():
+                    v = st.get(key)
+                    if v is not None:
+                        self._latency[name].set(float(v) / 1000.0, tags=tags)
                 for name, (key, _) in RANK_COUNTERS.items():
                     v = float(st.get(key) or 0)
                     delta = v - self._last.get(key, 0.0)
@@ -159,3 +171,64 @@ class DeploymentMetrics:
                     self._rerouted.inc(float(op["rerouted_requests"]), tags=tags)
         except Exception:  # noqa: BLE001
             pass
+
+
+# The autoscaler's signals by name (engine_ext/control/autoscaler.py readings) and their units.
+AUTOSCALER_SIGNALS = ("queue", "kv", "ttft", "tpot")
+
+
+class AutoscalerMetrics:
+    """The autoscaler's view: every signal (value, target, the size it recommends) and every
+    decision (sizes, panic, the action taken), so a dashboard can replay what it decided and why."""
+
+    def __init__(self, deployment: str) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self.deployment = deployment
+        tags = ("deployment",)
+        sig = ("deployment", "signal")
+        self._value = Gauge("eep_autoscaler_signal_value", description="A signal's aggregate over the window "
+                            "(queue: requests per rank; kv: 0..1; ttft/tpot: p95 ms).", tag_keys=sig)
+        self._target = Gauge("eep_autoscaler_signal_target", description="The policy's target for the signal.",
+                             tag_keys=sig)
+        self._ratio = Gauge("eep_autoscaler_signal_ratio", description="Signal / target (1.0 = on target).",
+                            tag_keys=sig)
+        self._per_signal = Gauge("eep_autoscaler_signal_recommended_dp", description="The DP size the signal "
+                                 "alone recommends.", tag_keys=sig)
+        self._current = Gauge("eep_autoscaler_current_dp", description="DP size the autoscaler saw.", tag_keys=tags)
+        self._recommended = Gauge("eep_autoscaler_recommended_dp", description="DP size recommended after "
+                                  "stabilisation, step and bounds.", tag_keys=tags)
+        self._panic = Gauge("eep_autoscaler_panic", description="1 while an SLO is breached 2x (panic mode).",
+                            tag_keys=tags)
+        self._decisions = Counter("eep_autoscaler_decisions_total", description="Decisions by what was done "
+                                  "(none, advisory, scale, blocked, off).", tag_keys=("deployment", "action"))
+        self._outcomes = Counter("eep_autoscaler_scales_total", description="Scales the autoscaler asked for, by "
+                                 "outcome.", tag_keys=("deployment", "outcome"))
+
+    def on_decision(self, d: Any) -> None:
+        try:
+            tags = {"deployment": self.deployment}
+            for s in d.signals:
+                t = dict(tags, signal=s.name)
+                self._value.set(float(s.value), tags=t)
+                self._target.set(float(s.target), tags=t)
+                self._ratio.set(float(s.ratio), tags=t)
+                self._per_signal.set(float(s.recommendation), tags=t)
+            self._current.set(float(d.current_dp), tags=tags)
+            self._recommended.set(float(d.recommendation), tags=tags)
+            self._panic.set(1.0 if d.panic else 0.0, tags=tags)
+            self._decisions.inc(1.0, tags=dict(tags, action=action_kind(d.action)))
+        except Exception:  # noqa: BLE001 - metrics never disturb the loop
+            pass
+
+    def on_outcome(self, ok: bool) -> None:
+        try:
+            self._outcomes.inc(1.0, tags={"deployment": self.deployment, "outcome": "scaled" if ok else "failed"})
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def action_kind(action: str) -> str:
+    """A decision's action as a low-cardinality label: none, advisory, scale, blocked, off, scaled, failed."""
+    head = action.split(":", 1)[0].strip()
+    return head if head in ("none", "advisory", "scale", "blocked", "off", "scaled", "failed") else "other"

@@ -1,0 +1,61 @@
+"""Options and output helpers every eepctl command shares (eepctl.cli, eepctl.cli_autoscale)."""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from eepctl import streams
+
+
+class Output(str, enum.Enum):
+    table = "table"
+    json = "json"
+
+
+def complete_name(incomplete: str) -> list[str]:
+    """Deployment names from the cluster when one is reachable; silent and quick otherwise."""
+    from eepctl.completion import deployment_names
+
+    return [n for n in deployment_names() if n.startswith(incomplete)]
+
+
+Address = Annotated[str | None, typer.Option("--address", envvar="RAY_ADDRESS", show_envvar=True,
+                                             help="Ray cluster address HOST:PORT.")]
+Namespace = Annotated[str, typer.Option("--namespace", envvar="EEPCTL_NAMESPACE", help="Ray namespace.")]
+Name = Annotated[str, typer.Option("--name", "-n", envvar="EEPCTL_NAME", help="Deployment name.",
+                                   autocompletion=complete_name)]
+ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="VLLM_API_KEY", show_envvar=True, show_default=False,
+                                            help="Bearer key of a vLLM deployment's API server (never printed or stored).")]
+OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="Output format.", case_sensitive=False)]
+
+
+def target(address: str | None, namespace: str, name: str) -> Any:
+    from eepctl.core import Target
+
+    return Target(address, namespace, name).validated()
+
+
+def emit(text: str) -> None:
+    out = streams.output()
+    out.write(text)
+    out.flush()
+
+
+def say(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+
+
+def width() -> int:
+    """The terminal's width on a TTY; 160 when piped (scripts parse -o json, not the table)."""
+    import shutil
+
+    return shutil.get_terminal_size((160, 24)).columns if streams.output().isatty() else 160
+
+
+def plain() -> bool:
+    return not streams.output().isatty() or bool(os.environ.get("NO_COLOR"))

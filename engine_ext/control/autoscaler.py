@@ -1,0 +1,267 @@
+"""The EP-width autoscaler's decision: from a window of rank signals to a desired DP size.
+
+Pure and torch/Ray-free: ``Autoscaler.decide`` is called once per tick of the controller's
+reconcile loop with what the controller observed, and returns a ``Decision``, the audit record
+of that tick. It only ever proposes a desired size; the loop acts on it (mode ``on``) through
+the orchestrator's scale, and reports the outcome back with ``Autoscaler.record_outcome``.
+
+The rules follow Kubernetes' HPA (desired = ceil(current x signal / target), a tolerance band,
+stabilisation windows), Knative's panic mode and AIBrix/KEDA's "largest recommendation of
+several signals wins", adapted to EP width (docs/autoscaling.md says why each default).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine_ext.config import AutoscaleMode
+from engine_ext.control.autoscale_policy import AutoscalePolicy
+
+__all__ = ["AutoscaleMode", "AutoscalePolicy", "Autoscaler", "Decision", "Observed", "RankSignals",
+           "SignalReading", "p95"]
+
+CapacityCheck = Callable[[int], str | None]
+"""The placement preflight: why ``n`` more ranks would not fit the cluster, or None."""
+
+
+def p95(samples: list[float]) -> float | None:
+    """The 95th percentile (nearest rank) of ``samples``; None when there are none."""
+    if not samples:
+        return None
+    s = sorted(samples)
+    return s[min(len(s) - 1, max(0, math.ceil(0.95 * len(s)) - 1))]
+
+
+@dataclass
+class RankSignals:
+    """One rank's signals over the window: mean requests (waiting + running), mean KV-cache use
+    (0..1), and the TTFT/TPOT samples (ms) of the requests it finished in the window."""
+
+    rank: int
+    requests: float = 0.0
+    kv_use: float = 0.0
+    ttft_ms: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Observed:
+    """What the controller saw this tick. ``busy`` names a running operation or recovery."""
+
+    dp: int
+    ranks: list[RankSignals]
+    window_s: float = 60.0
+    busy: str | None = None
+    num_experts: int = 1
+    slots_per_rank: int = 1
+    standby_ready: int = 0
+    capacity: CapacityCheck | None = None  # not recorded; its verdict is
+    eplb_imbalance: float | None = None  # shown, not a scaling target
+
+
+@dataclass
+class SignalReading:
+    """One signal's aggregate, its target and the size it alone recommends."""
+
+    name: str
+    value: float
+    target: float
+    ratio: float
+    recommendation: int
+    samples: int = 0
+
+
+@dataclass
+class Decision:
+    """The audit record of one tick. ``act`` says the loop must scale to ``recommendation``."""
+
+    id: str
+    at: float
+    mode: str
+    current_dp: int
+    window_s: float
+    signals: list[SignalReading]
+    raw_recommendation: int
+    recommendation: int
+    rule: str
+    action: str
+    act: bool = False
+    panic: bool = False
+    eplb_imbalance: float | None = None
+    outcome: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Decision:
+        data = dict(d)
+        data["signals"] = [SignalReading(**s) for s in d.get("signals", [])]
+        return cls(**data)
+
+
+def _hpa(current: int, value: float, target: float, tolerance: float) -> tuple[float, int]:
+    """HPA's rule: (ratio, ceil(current x ratio)), or the current size inside the tolerance band."""
+    ratio = value / target
+    if abs(ratio - 1.0) <= tolerance:
+        return ratio, current
+    return ratio, max(1, math.ceil(current * ratio - 1e-9))
+
+
+def readings(policy: AutoscalePolicy, obs: Observed) -> list[SignalReading]:
+    """Each configured signal's reading; a latency signal with no samples in the window is left out."""
+    n, out = max(1, obs.dp), []
+    aggregates: list[tuple[str, float | None, float, int]] = [
+        ("queue", sum(r.requests for r in obs.ranks) / n, policy.target_queue, len(obs.ranks)),
+        ("kv", sum(r.kv_use for r in obs.ranks) / n, policy.target_kv, len(obs.ranks)),
+    ]
+    for name, attr, slo in (("ttft", "ttft_ms", policy.slo_ttft_ms), ("tpot", "tpot_ms", policy.slo_tpot_ms)):
+        samples = [x for r in obs.ranks for x in getattr(r, attr)]
+        aggregates.append((name, p95(samples), slo, len(samples)))
+    for name, value, target, count in aggregates:
+        if target <= 0 or value is None or not obs.ranks:
+            continue
+        ratio, rec = _hpa(obs.dp, value, target, policy.tolerance)
+        out.append(SignalReading(name, round(value, 6), target, round(ratio, 6), rec, count))
+    return out
+
+
+class Autoscaler:
+    """Decides one deployment's desired DP size, tick by tick; keeps its last decisions."""
+
+    def __init__(self, policy: AutoscalePolicy, decisions: list[dict[str, Any]] | None = None,
+                 keep: int = 500) -> None:
+        self.policy = policy.validated()
+        self.decisions: deque[Decision] = deque((Decision.from_dict(d) for d in decisions or []), maxlen=keep)
+        self.history: deque[tuple[float, int]] = deque(maxlen=4096)  # (at, raw recommendation)
+        self.last_action_at = max((d.at for d in self.decisions if d.act), default=-math.inf)
+        self.failures = 0
+
+    # ---- the tick --------------------------------------------------------------------------------
+    def decide(self, now: float, observed: Observed) -> Decision:
+        """This tick's decision (recorded in ``decisions``). Never raises on odd input."""
+        p, obs = self.policy, observed
+        sig = readings(p, obs)
+        raw = max((s.recommendation for s in sig), default=obs.dp)  # the largest recommendation wins
+        self.history.append((now, raw))
+        self._prune(now)
+        panic = [s for s in sig if s.name in ("ttft", "tpot") and s.ratio >= 2.0]
+        d = Decision(id=f"as-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:4]}",
+                     at=now, mode=str(p.mode), current_dp=obs.dp, window_s=obs.window_s, signals=sig,
+                     raw_recommendation=raw, recommendation=obs.dp, rule="", action="", panic=bool(panic),
+                     eplb_imbalance=obs.eplb_imbalance)
+        target, d.rule = self._stabilised(now, obs.dp, raw, sig, panic)
+        target = self._bounded(obs, target, d)
+        d.recommendation = target
+        d.action = self._action(now, obs, d)
+        d.act = d.action == "scale" and p.mode == AutoscaleMode.ON
+        if d.act:
+            self.last_action_at = now
+        self.decisions.append(d)
+        return d
+
+    def _prune(self, now: float) -> None:
+        horizon = max(self.policy.up_delay_s, self.policy.down_delay_s) + 1.0
+        while self.history and self.history[0][0] < now - horizon:
+            self.history.popleft()
+
+    def _streak(self, current: int, above: bool) -> tuple[float, list[int]]:
+        """How long (seconds back from the newest) every recommendation stayed above (or below)
+        ``current``, and those recommendations."""
+        recs: list[int] = []
+        start = self.history[-1][0]
+        for at, rec in reversed(self.history):
+            if (rec > current) != above or rec == current:
+                break
+            recs.append(rec)
+            start = at
+        return self.history[-1][0] - start, recs
+
+    def _stabilised(self, now: float, current: int, raw: int, sig: list[SignalReading],
+                    panic: list[SignalReading]) -> tuple[int, str]:
+        """HPA's stabilisation: up to the smallest recommendation held for ``up_delay_s``, down to
+        the largest held for ``down_delay_s``; in panic (an SLO breached 2x) up at once."""
+        p = self.policy
+        winner = max(sig, key=lambda s: s.recommendation).name if sig else "none"
+        if panic:
+            worst = max(panic, key=lambda s: s.ratio)
+            return max(raw, current + 1), f"panic: {worst.name} p95 {worst.value:g} ms is {worst.ratio:.1f}x its SLO"
+        if not sig:
+            return current, "no signal: no target configured or no samples in the window"
+        if raw == current:
+            return current, f"within tolerance ({p.tolerance:.0%} band)"
+        held, recs = self._streak(current, above=raw > current)
+        delay = p.up_delay_s if raw > current else p.down_delay_s
+        way = "up" if raw > current else "down"
+        if held < delay:
+            return current, f"{winner} asks {way} to DP {raw}; stabilising {held:.0f}s of {delay:.0f}s"
+        target = min(recs) if raw > current else max(recs)
+        return target, f"{winner} held {way} for {held:.0f}s (>= {delay:.0f}s): DP {target}"
+
+    def _bounded(self, obs: Observed, target: int, d: Decision) -> int:
+        """Max step, min/max bounds, every expert held, the pool preferred, the cluster's room."""
+        p, current = self.policy, obs.dp
+        step = max(-p.max_step, min(p.max_step, target - current))
+        target = current + step
+        need = -(-obs.num_experts // max(1, obs.slots_per_rank))
+        lo, hi = max(p.min_dp, need), p.max_dp
+        bounded = max(lo, min(hi, target))
+        if bounded != target:
+            d.rule += f"; bounded to [{lo}, {hi}]" + (f" ({obs.num_experts} experts need {need})" if need > p.min_dp else "")
+        target = bounded
+        pooled = current + obs.standby_ready
+        if (not d.panic and obs.standby_ready > 0 and current < pooled < target
+                and target <= math.ceil(pooled * (1 + p.tolerance))):
+            d.rule += f"; DP {pooled} preferred (the standby pool serves it at once)"
+            target = pooled
+        return target
+
+    def _action(self, now: float, obs: Observed, d: Decision) -> str:
+        """What happens to the recommendation: nothing, blocked (and why), advisory, or scale."""
+        p, target = self.policy, d.recommendation
+        if p.mode == AutoscaleMode.OFF:
+            return "off: not evaluated for action"
+        if target == obs.dp:
+            return "none"
+        if target > p.max_dp:
+            return f"blocked: every expert needs DP {target}, over --max-dp {p.max_dp}"
+        if obs.busy:
+            return f"blocked: {obs.busy} is running"
+        wait = self.cooldown_s() - (now - self.last_action_at)
+        if wait > 0 and not d.panic:
+            return f"blocked: cooldown, {wait:.0f}s left"
+        if target > obs.dp and obs.capacity is not None:
+            why = obs.capacity(target - obs.dp)
+            if why:
+                return f"blocked: capacity: {why}"
+        if p.mode == AutoscaleMode.ADVISORY:
+            return "advisory: not acted"
+        return "scale"
+
+    def cooldown_s(self) -> float:
+        """The cooldown after an action; doubled per failed scale in a row (capped at the down-delay)."""
+        base = self.policy.cooldown_s
+        return min(max(base, self.policy.down_delay_s), base * 2 ** self.failures) if self.failures else base
+
+    # ---- what the loop reports back --------------------------------------------------------------
+    def record_outcome(self, decision_id: str, ok: bool, detail: str = "") -> None:
+        """The loop acted on ``decision_id``: "scaled" or "failed: ..." (a failure backs off)."""
+        self.failures = 0 if ok else self.failures + 1
+        for d in reversed(self.decisions):
+            if d.id == decision_id:
+                d.outcome = "scaled" + (f": {detail}" if detail else "") if ok else f"failed: {detail or 'no reason given'}"
+                d.action = d.outcome
+                return
+
+    def set_policy(self, policy: AutoscalePolicy) -> None:
+        """A new policy (``eepctl autoscale`` again); the decision trail and cooldown carry over."""
+        self.policy = policy.validated()
+
+    def recent(self, limit: int = 100) -> list[dict[str, Any]]:
+        return [d.to_dict() for d in list(self.decisions)[-limit:]]

@@ -1,0 +1,189 @@
+"""The controller's autoscaling side: the policy the deployment keeps, the window of rank
+signals, the decisions, and the three actor methods ``eepctl autoscale`` calls through the
+reference driver (``set_autoscale``, ``autoscale_show``, ``autoscale_decisions``).
+
+The controller owns one ``AutoscaleHost`` (``autoscale_host``) and mounts ``AutoscaleMethods``
+as a base class. Its reconcile loop calls ``tick`` once per round with the ranks' status
+records, acts on a decision whose ``act`` is set through the orchestrator's scale, and reports
+the outcome with ``record_outcome``. Durable state goes out through ``persist`` (the controller
+keeps it in Ray's GCS KV) and comes back as ``saved`` after a controller restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from engine_ext.control.autoscale_policy import AutoscalePolicy
+from engine_ext.control.autoscale_signals import SignalWindow
+from engine_ext.control.autoscaler import Autoscaler, Decision
+from engine_ext.protocol import EepError, PreconditionError, UsageError
+
+if TYPE_CHECKING:
+    from engine_ext.control.orchestrator import Orchestrator
+
+PERSIST_QUIET_S = 10.0  # ticks that change nothing are persisted at most this often
+
+Persist = Callable[[dict[str, Any]], None]
+"""Stores the host's durable state (``AutoscaleHost.state``): the policy and the last decisions."""
+
+
+def _error(e: EepError) -> dict[str, Any]:
+    return {"error": {"code": int(e.exit_code), "message": e.message, "detail": e.detail}}
+
+
+class AutoscaleHost:
+    """One deployment's autoscaler as the controller holds it."""
+
+    def __init__(self, deployment: str, max_dp: int, persist: Persist, saved: dict[str, Any] | None = None,
+                 metrics: Any = None) -> None:
+        self.deployment = deployment
+        self.max_dp = max_dp
+        self.persist = persist
+        self.metrics = metrics  # engine_ext.ray.metrics.AutoscalerMetrics, or None
+        self.autoscaler: Autoscaler | None = None
+        self.window = SignalWindow()
+        self._members: list[int] = []
+        self._persisted_at = -PERSIST_QUIET_S
+        saved = saved or {}
+        if saved.get("policy"):
+            self.autoscaler = Autoscaler(AutoscalePolicy.from_dict(saved["policy"]), saved.get("decisions"))
+            self.window.window_s = self.autoscaler.policy.window_s
+
+    @property
+    def policy(self) -> AutoscalePolicy | None:
+        return self.autoscaler.policy if self.autoscaler is not None else None
+
+    def state(self) -> dict[str, Any]:
+        """The durable state: the policy (None: never set) and the last 200 decisions."""
+        a = self.autoscaler
+        return {"policy": a.policy.to_dict() if a else None, "decisions": a.recent(200) if a else []}
+
+    # ---- the actor methods -------------------------------------------------------------------
+    def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Set the policy: ``changes`` over the current one (or the defaults, mode advisory)."""
+        before = self.policy.to_dict() if self.policy else None
+        try:
+            policy = AutoscalePolicy.from_dict({**(before or {}), **changes})
+        except ValueError as e:
+            return _error(UsageError(str(e)))
+        if policy.max_dp > self.max_dp:
+            return _error(PreconditionError(f"--max-dp {policy.max_dp} is over the deployment's max DP "
+                                            f"{self.max_dp} (set at `eepctl up --max-dp`)"))
+        if self.autoscaler is None:
+            self.autoscaler = Autoscaler(policy)
+        else:
+            self.autoscaler.set_policy(policy)
+        self.window.window_s = policy.window_s
+        self._persist()
+        return {"deployment": self.deployment, "policy": policy.to_dict(), "previous": before}
+
+    def autoscale_show(self) -> dict[str, Any]:
+        """The policy, its mode, and the latest recommendation and why."""
+        a = self.autoscaler
+        last = a.decisions[-1].to_dict() if a and a.decisions else None
+        return {"deployment": self.deployment, "policy": a.policy.to_dict() if a else None, "last": last}
+
+    def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
+        """Decisions taken after ``since`` (a time), oldest first, at most ``limit``."""
+        a = self.autoscaler
+        rows = [d.to_dict() for d in (a.decisions if a else []) if d.at > since]
+        return {"deployment": self.deployment, "policy": a.policy.to_dict() if a else None,
+                "decisions": rows[-max(1, limit):]}
+
+    # ---- what the reconcile loop calls -------------------------------------------------------
+    def tick(self, statuses: list[dict[str, Any]], members: list[int], *, now: float | None = None,
+             busy: str | None = None, num_experts: int = 1, slots_per_rank: int = 1, standby_ready: int = 0,
+             capacity: Callable[[int], str | None] | None = None) -> Decision | None:
+        """One round: record the ranks' signals and decide (None: no policy set). The loop scales
+        to ``decision.recommendation`` when ``decision.act``, then calls ``record_outcome``."""
+        now = time.time() if now is None else now
+        if list(members) != self._members:  # readings of another world say nothing about this one
+            self.window.readings.clear()
+            self._members = list(members)
+        self.window.add(now, statuses)
+        if self.autoscaler is None:
+            return None
+        imbalance = max((float(s.get("eplb_imbalance") or 0.0) for s in statuses if isinstance(s, dict)), default=None)
+        obs = self.window.observed(now, list(members), busy=busy, num_experts=num_experts,
+                                   slots_per_rank=slots_per_rank, standby_ready=standby_ready, capacity=capacity,
+                                   eplb_imbalance=imbalance)
+        decision = self.autoscaler.decide(now, obs)
+        if self.metrics is not None:
+            self.metrics.on_decision(decision)
+        if decision.action != "none" or now - self._persisted_at >= PERSIST_QUIET_S:
+            self._persist()  # a quiet tick is not worth a write; one in PERSIST_QUIET_S keeps the trail
+            self._persisted_at = now
+        return decision
+
+    def record_outcome(self, decision_id: str, ok: bool, detail: str = "") -> None:
+        """How the loop's scale for ``decision_id`` ended; a failure backs the autoscaler off."""
+        if self.autoscaler is not None:
+            self.autoscaler.record_outcome(decision_id, ok, detail)
+            if self.metrics is not None:
+                self.metrics.on_outcome(ok)
+            self._persist()
+
+    def _persist(self) -> None:
+        try:
+            self.persist(self.state())
+        except Exception:  # noqa: BLE001 - the next change persists again; the loop never dies of it
+            pass
+
+
+class AutoscaleMethods:
+    """The controller's actor methods for ``eepctl autoscale``; mount as a base class of the
+    controller, which sets ``self.autoscale_host``."""
+
+    autoscale_host: AutoscaleHost
+
+    def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
+        return self.autoscale_host.set_autoscale(changes)
+
+    def autoscale_show(self) -> dict[str, Any]:
+        return self.autoscale_host.autoscale_show()
+
+    def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
+        return self.autoscale_host.autoscale_decisions(since, limit)
+
+
+Act = Callable[[Decision], Awaitable[dict[str, Any]]]
+"""Moves the desired size to ``decision.recommendation`` and returns the finished operation."""
+
+
+def busy_reason(orch: Orchestrator) -> str | None:
+    """Why no scale may be decided now: an operation holds the world, or a member is dead (a
+    recovery runs or is due)."""
+    running = orch.busy()
+    if running:
+        return running
+    dead = sorted(r for r in orch.recovery.dead if r in orch.members)
+    return f"recovery of rank(s) {', '.join(map(str, dead))}" if dead else None
+
+
+async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | None = None,
+                          now: float | None = None) -> Decision | None:
+    """One autoscaling round of a controller's loop over ``orch``'s world: read every member's
+    status, decide, and when the decision acts, ``act`` on it and record the outcome. Without
+    ``act`` the decision is only returned (the loop acts later and calls ``record_outcome``)."""
+    clients = orch.clients
+    answers = await asyncio.gather(*(c.status(timeout=3) for c in clients.values()), return_exceptions=True)
+    statuses = [a for a in answers if isinstance(a, dict)]
+    pool = orch.spawner.pool
+    decision = host.tick(statuses, list(orch.members), now=now, busy=busy_reason(orch),
+                         num_experts=orch.cfg.num_experts, slots_per_rank=orch.cfg.slots_per_rank,
+                         standby_ready=len(pool.ready) if pool is not None else 0,
+                         capacity=orch.spawner.check_capacity)
+    if decision is None or not decision.act or act is None:
+        return decision
+    try:
+        op = await act(decision)
+    except Exception as e:  # noqa: BLE001 - a refused or failed scale backs the autoscaler off
+        host.record_outcome(decision.id, False, f"{type(e).__name__}: {e}"[:300])
+        return decision
+    ok = op.get("state") == "succeeded"
+    host.record_outcome(decision.id, ok, f"{op.get('op_id', '')} DP {op.get('from_size')} -> {op.get('to_size')}"
+                        if ok else f"{op.get('op_id', '')} {op.get('state')}: {op.get('error')}")
+    return decision

@@ -1,0 +1,69 @@
+"""The controller's autoscaling side (engine_ext/ray/autoscale_host.py) without a cluster: the
+policy kept and persisted, the window of rank statuses turned into decisions, a restart from the
+persisted state, and the errors ``eepctl autoscale`` shows."""
+
+from __future__ import annotations
+
+from engine_ext.control.autoscale_signals import SignalWindow, kv_use
+from engine_ext.ray.autoscale_host import AutoscaleHost
+
+
+def status(rank: int, waiting: int, running: int, kv_used: int = 0, ttft: float | None = None) -> dict:
+    return {"rank": rank, "requests_waiting": waiting, "requests_running": running, "kv_blocks_used": kv_used,
+            "kv_blocks_total": 100, "ttft_ms_p95": ttft, "tpot_ms_p95": None, "eplb_imbalance": 1.2}
+
+
+def test_policy_kept_persisted_and_restored_with_its_trail() -> None:
+    saved: list[dict] = []
+    host = AutoscaleHost("moe", max_dp=8, persist=saved.append)
+    res = host.set_autoscale({"min_dp": 2, "max_dp": 6, "target_queue": 4.0, "up_delay_s": 0.0, "cooldown_s": 0.0})
+    assert res["previous"] is None and res["policy"]["mode"] == "advisory", "advisory first"
+    assert host.set_autoscale({"mode": "on"})["policy"]["target_queue"] == 4.0, "a change keeps the rest"
+    d = host.tick([status(0, 6, 4), status(1, 5, 5), status(7, 50, 0)], members=[0, 1], now=100.0,
+                  num_experts=8, slots_per_rank=8)
+    assert d is not None and d.act and d.recommendation == 4  # ceil(2 x 10/4) = 5, max step 2; rank 7 not a member
+    assert d.eplb_imbalance == 1.2 and {s.name for s in d.signals} == {"queue"}
+    host.record_outcome(d.id, False, "capacity gone")
+    restarted = AutoscaleHost("moe", max_dp=8, persist=saved.append, saved=saved[-1])
+    assert restarted.autoscale_show()["policy"]["mode"] == "on"
+    trail = restarted.autoscale_decisions()["decisions"]
+    assert [x["action"] for x in trail] == ["failed: capacity gone"] and trail[0]["id"] == d.id
+    assert restarted.autoscale_decisions(since=100.0)["decisions"] == []
+
+
+def test_refusals_carry_the_exit_code() -> None:
+    host = AutoscaleHost("moe", max_dp=4, persist=lambda s: None)
+    assert host.set_autoscale({"max_dp": 6, "target_queue": 2})["error"]["code"] == 4
+    err = host.set_autoscale({"mode": "sometimes", "target_queue": 2})["error"]
+    assert err["code"] == 2 and "--mode must be advisory or on or off" in err["message"]
+    assert host.autoscale_show()["policy"] is None and host.tick([status(0, 1, 1)], [0]) is None
+
+
+def test_the_window_averages_load_and_keeps_latency_readings() -> None:
+    w = SignalWindow(window_s=10.0)
+    w.add(0.0, [status(0, 10, 0, ttft=500.0)])
+    w.add(5.0, [status(0, 2, 2, kv_used=50, ttft=100.0)])
+    w.add(12.0, [status(0, 0, 6, kv_used=50)])  # the first reading falls out of the window
+    o = w.observed(12.0, [0], busy="op-1")
+    assert o.ranks[0].requests == 5.0 and o.ranks[0].kv_use == 0.5 and o.ranks[0].ttft_ms == [100.0]
+    assert o.busy == "op-1" and o.dp == 1
+    assert kv_use({"kind": "vllm", "kv_usage": 0.7, "kv_blocks_total": 0}) == 0.7
+
+
+def test_a_new_world_starts_a_new_window() -> None:
+    host = AutoscaleHost("moe", max_dp=8, persist=lambda s: None)
+    host.set_autoscale({"target_queue": 4.0, "up_delay_s": 0.0})
+    host.tick([status(0, 40, 0), status(1, 40, 0)], members=[0, 1], now=0.0)
+    d = host.tick([status(0, 4, 0), status(1, 4, 0), status(2, 4, 0)], members=[0, 1, 2], now=1.0)
+    assert d is not None and d.signals[0].value == 4.0, "the old world's queue is not averaged in"
+
+
+def test_quiet_ticks_are_persisted_sparingly() -> None:
+    saved: list[dict] = []
+    host = AutoscaleHost("moe", max_dp=8, persist=saved.append)
+    host.set_autoscale({"target_queue": 4.0, "up_delay_s": 0.0})
+    for t in range(12):  # on target: every decision is "none"
+        host.tick([status(0, 2, 2)], members=[0], now=float(t))
+    assert len(saved) == 1 + 2  # the policy, then one quiet tick per 10 s (at 0 and 10)
+    host.tick([status(0, 400, 0)], members=[0], now=12.0)  # advisory: a recommendation to record
+    assert len(saved) == 4 and saved[-1]["decisions"][-1]["action"] == "advisory: not acted"

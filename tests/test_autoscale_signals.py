@@ -1,0 +1,37 @@
+"""The autoscaler's rank-side signals: per-request TTFT/TPOT measured by the rank, in its result
+records and, windowed (p50/p95), in its status record (engine_ext/rank/latency.py)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine_ext.config import EngineConfig
+from engine_ext.rank.latency import LatencyWindow, request_latency
+from engine_ext.records import RankStatus
+from tests.engine_helpers import OneRank
+
+
+def test_the_rank_measures_ttft_and_tpot_per_request_and_windows_them() -> None:
+    o = OneRank(EngineConfig(max_num_seqs=1, capture_sizes=[1]))  # one slot: the second request queues
+    o.add([[1, 2, 3], [4, 5, 6]], max_tokens=4)
+    o.engine.add_request({"request_id": "moved", "prompt": [7, 8], "max_tokens": 3, "output": [9, 10],
+                          "logits": [0.0, 0.0]})  # moved here with tokens: its first token was elsewhere
+    o.steps()
+    first, queued, moved = o.results["0"], o.results["1"], o.results["moved"]
+    assert first["ttft_ms"] > 0 and first["tpot_ms"] > 0
+    assert queued["ttft_ms"] > first["ttft_ms"], "a request that waited for a slot has the longer TTFT"
+    assert moved["ttft_ms"] is None and moved["tpot_ms"] is None
+    st = msgspec.convert(o.engine.status(), RankStatus)  # the schema declares every field sent
+    assert st.latency_samples == 3
+    assert st.ttft_ms_p50 == first["ttft_ms"] and st.ttft_ms_p95 == queued["ttft_ms"]
+    assert st.tpot_ms_p95 is not None and st.tpot_ms_p95 >= st.tpot_ms_p50  # type: ignore[operator]
+
+
+def test_the_window_forgets_old_requests() -> None:
+    w = LatencyWindow(window_s=10.0)
+    w.add(100.0, 5.0, now=0.0)
+    w.add(300.0, 9.0, now=8.0)
+    assert w.summary(now=9.0)["ttft_ms_p95"] == 300.0 and w.summary(now=9.0)["latency_samples"] == 2
+    assert w.summary(now=15.0)["ttft_ms_p50"] == 300.0 and w.summary(now=15.0)["latency_samples"] == 1
+    assert w.summary(now=30.0)["ttft_ms_p95"] is None
+    assert request_latency(0.0, 0.1, 0.4, 4) == (100.0, 100.0) and request_latency(0.0, None, 1.0, 3) == (None, None)

@@ -1,0 +1,61 @@
+"""Which ranks a scale-down removes (engine_ext/control/scale_plan.choose_leaving), on real rank
+processes (the process launcher, real gloo, DP 4 -> 3): the default dry run picks the emptiest rank, not the
+last; ``retire`` moves exactly the named ranks out and the rest serve the oracle's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_ext.config import EngineConfig
+from engine_ext.control.scale_plan import choose_leaving
+from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
+from engine_ext.protocol import PreconditionError, UsageError
+from tests.engine_helpers import oracle_mismatch, run
+
+PROMPTS = [[7], [1, 2, 3], [200, 13, 99, 5, 5], [(11 * j + 3) % 256 for j in range(9)]]
+MAX_TOKENS = 5
+
+
+def test_choose_leaving_rules() -> None:
+    load = {0: (0.0, 0.0), 1: (5.0, 40.0), 2: (0.0, 8.0), 3: (0.0, 8.0), 5: (2.0, 0.0)}
+    members = [0, 1, 2, 3, 5]
+    assert choose_leaving(members, 3, load, keep=0) == [2, 3]  # fewest requests, then least KV; 0 keeps the store
+    assert choose_leaving(members, 4, {}, keep=0) == [5], "idle: the last rank leaves, as before"
+    assert choose_leaving(members, 3, load, retire=[5, 1], keep=0) == [1, 5]
+    for retire, msg in (([1], "names 1 rank"), ([1, 4], "not members"), ([0, 1], "hosts the deployment's rendezvous")):
+        with pytest.raises(ValueError, match=msg):
+            choose_leaving(members, 3, load, retire=retire, keep=0)
+
+
+async def _scenario(cfg: EngineConfig) -> tuple[dict, dict, list[dict], list[int]]:
+    async with LocalDeployment(cfg, "retire", max_dp=4) as dep:
+        await dep.start(4)
+        busy = dep.orch.clients[3]  # work straight onto rank 3: the old rule (the last rank leaves) would move it
+        for i in range(16):
+            await busy.add_request({"request_id": f"busy-{i}", "prompt": [(5 * i + j) % 256 for j in range(20)],
+                                    "max_tokens": 100}, timeout=30)
+        plan = (await dep.orch.plan(3)).to_dict()
+        with pytest.raises(PreconditionError, match="hosts the deployment's rendezvous store"):
+            await dep.orch.plan(3, retire=[0])
+        with pytest.raises(PreconditionError, match="names 2 rank"):
+            await dep.orch.plan(3, retire=[1, 2])
+        with pytest.raises(UsageError, match="is for a scale-down"):
+            await dep.orch.plan(4, retire=[1])
+        op = await dep.scale(3, retire=[1], timeout_s=120)  # neither the emptiest (2) nor the last (3)
+        results = [await dep.generate(p, MAX_TOKENS) for p in PROMPTS]
+        return plan, op, results, list(dep.orch.members)
+
+
+@pytest.mark.timeout(240)
+def test_default_picks_the_emptiest_and_retire_moves_exactly_the_named() -> None:
+    cfg = EngineConfig(dtype="float64")
+    plan, op, results, members = run(_scenario(cfg), 200)
+    # 1 and 2 idle, 3 busy, 0 hosts the store: the idle tie goes to the higher number
+    assert [(j["rank"], j["chosen_by"]) for j in plan["leaving"]] == [(2, "least work")], plan["leaving"]
+    assert plan["leaving"][0]["requests"] == 0
+    assert op["state"] == "succeeded", op
+    assert [(j["rank"], j["chosen_by"]) for j in op["plan"]["leaving"]] == [(1, "--retire")]
+    assert members == [0, 2, 3]
+    assert {r["rank"] for r in results} <= {0, 2, 3}
+    assert oracle_mismatch(list(enumerate(results)), reference_generate(cfg, PROMPTS, MAX_TOKENS)) == ""
