@@ -24,6 +24,7 @@ from engine_ext.config import EngineConfig
 from engine_ext.control.world import World, quiet
 from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size
 from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
+from engine_ext.faults import variant_on
 from engine_ext.protocol import Operation, OpState, to_builtins
 
 RANK_RECOVER_TIMEOUT_S = 90.0  # shorter than gloo's 300 s: a stuck recovery fails, it never hangs
@@ -51,7 +52,8 @@ class Recovery:
         self.dead[rank] = {"rank": rank, "cause": cause, "at": time.time()}
         o.router.excluded.add(rank)
         o.router.pause()
-        o.router.reroute({rank})
+        if not variant_on(self.cfg.faults, "no_reroute"):
+            o.router.reroute({rank})
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
 
@@ -68,7 +70,8 @@ class Recovery:
         replaced = False
         for _ in range(4):
             if any(r in self.world.members for r in self.dead) or self.rebuild_reason:
-                if (await self.recover()).get("state") != OpState.SUCCEEDED.value:
+                done = await self.recover()
+                if done.get("state") != OpState.SUCCEEDED.value and not self._died_during(done.get("dead_ranks", [])):
                     return  # reported in the operation; `eepctl repair` takes it from here
             elif not replaced:
                 replaced = True  # once per incident: a replacement that fails is not retried in a loop
@@ -76,6 +79,20 @@ class Recovery:
                     return
             else:
                 return
+
+    def _give_up(self, op: Operation) -> None:
+        """No healthy world: requests fail now rather than wait (the survivors' own too), and
+        requests that arrive fail at once, with why, instead of waiting for a recovery that is
+        not coming (`eepctl repair` runs one)."""
+        o = self.world
+        o.router.fail_parked(f"no healthy rank: {op.error}")
+        o.router.fail_all(set(o.members), f"no healthy rank: {op.error}")
+        o.router.unhealthy = f"no healthy rank ({op.op_id} failed; `eepctl repair`)"
+        o.router.paused = False
+
+    def _died_during(self, dead: list[int]) -> bool:
+        """A member died while the recovery of ``dead`` ran (and failed it): recover again."""
+        return any(r in self.world.members and r not in dead for r in self.dead)
 
     async def wait(self) -> None:
         """Until no recovery (nor the replacement it started) runs."""
@@ -112,13 +129,8 @@ class Recovery:
             except Exception as e:  # noqa: BLE001 - reported in the operation record
                 op.state, op.error_code = OpState.FAILED.value, 5
                 op.error = f"recovery failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-                # No healthy world: requests fail now rather than wait (the survivors' own too).
-                o.router.fail_parked(f"no healthy rank: {op.error}")
-                o.router.fail_all(set(o.members), f"no healthy rank: {op.error}")
-                # Requests that arrive now fail at once, with why, instead of waiting for a recovery
-                # that is not coming (`eepctl repair` runs one).
-                o.router.unhealthy = f"no healthy rank ({op.op_id} failed; `eepctl repair`)"
-                o.router.paused = False
+                if not self._died_during(dead):  # else a member died in it: the next recovery takes the requests
+                    self._give_up(op)
             finally:
                 op.finished = time.time()
                 o.record(op)
@@ -134,7 +146,7 @@ class Recovery:
         old_members = list(o.members)
         for r in op.dead_ranks:
             await quiet(o.clients[r].kill())
-        if o.store_host in op.dead_ranks:  # the store died with its host: a survivor hosts a new one
+        if o.store_host in op.dead_ranks and not variant_on(cfg.faults, "no_store_rehost"):  # the store died with its host: a survivor hosts a new one
             t = time.time()
             o.move_store(await o.clients[survivors[0]].host_store(timeout=30), survivors[0])
             o.phase_done(op, "regroup", t, time.time(), new_store_host=survivors[0])
