@@ -45,6 +45,19 @@ async def _load_with_kill(dep: LocalDeployment, victim: int, *, kill_after_s: fl
     return results, killed_at
 
 
+def _watch_states(dep: LocalDeployment) -> dict[int, set[str]]:
+    """Every state each rank reported, as the registry received them."""
+    seen: dict[int, set[str]] = {}
+    report = dep.registry.report_status
+
+    def spy(status: dict) -> dict:
+        seen.setdefault(status["rank"], set()).add(status["state"])
+        return report(status)
+
+    dep.registry.report_status = spy  # type: ignore[method-assign]
+    return seen
+
+
 def _statuses(dep: LocalDeployment) -> dict[int, dict]:
     return {r: dep.registry.ranks[r] for r in dep.orch.members if r in dep.registry.ranks}
 
@@ -56,14 +69,21 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
         async with LocalDeployment(_cfg(slots_per_rank=6), f"heal{victim}", max_dp=4,
                                    on_rank_failure="shrink") as dep:
             await dep.start(3)
+            states = _watch_states(dep)
             results, _ = await _load_with_kill(dep, victim)
             assert [r.get("error") for _, r in results if r.get("error")][:2] == []
+            # degrade-vs-fail: the survivors took the peer's death for a peer's failure, none failed
+            # (they degraded, or the recovery's halt reached them first; `no_degrade` shows the harm)
+            assert not any("failed" in states.get(r, set()) for r in range(3)), states
             assert oracle_mismatch(results, reference, logits=False) == ""
             await dep.orch.recovery.wait()
             assert dep.orch.members == [r for r in range(3) if r != victim]
             ops = [op for op in dep.orch.history if op.get("kind") == "recover"]
             assert ops and ops[-1]["state"] == "succeeded", ops
             assert ops[-1]["dead_ranks"] == [victim]
+            regroup = [e for e in dep.registry.events_for(ops[-1]["op_id"]) if e.get("phase") == "regroup" and e.get("rank") == -1]
+            # store re-hosting: only when the store's host died, a survivor hosts a new one
+            assert [e["detail"]["new_store_host"] for e in regroup] == ([1] if victim == 0 else []), regroup
             assert set(ops[-1]["captures_per_rank"].values()) == {1}  # I4: exactly one capture
             assert dep.orch.router.rerouted >= 1, "the victim had requests in flight"
             # The survivors serve, keep their identities (I1) and see the new DP size (I6).
