@@ -44,6 +44,8 @@ VARIANTS: dict[str, str] = {
                   "off): it fails instead of degrading, and fails the requests it held",
     "no_store_rehost": "a recovery does not re-host the store when its host died: the survivors "
                        "regroup on the dead store and the recovery fails",
+    "no_group_abort": "a degrading or recovering rank does not abort its groups: a thread blocked in a "
+                      "collective with a survivor that stopped waits out the backend's timeout",
     "no_weight_source_restore": "a recovery does not load experts whose every copy died from the weight "
                                 "source: their slots keep another expert's weights (wrong tokens)",
 }

@@ -75,11 +75,13 @@ class RankRecovery:
         shared = self.shared
         op = shared.take_op()
         group = shared.group
+        abort = not self.res.faults.active("no_group_abort")
         if op is not None:
-            op.abort_groups(keep=group)
+            if abort:
+                op.abort_groups(keep=group)
             op.error = op.error or "aborted: a peer died"
             op.done.set()
-        if group is not None:
+        if group is not None and abort:
             group.abort()
 
     def degrade(self, ex: BaseException | str) -> None:
