@@ -245,7 +245,7 @@ def test_late_eplb_communicator_fails_the_scale_and_is_flagged(reference):
     assert op["state"] == "rolled_back", op
     assert "eplb_comm" in op["error"] or "NoneType" in op["error"], op["error"]
     assert {r["rank"] for r in results} <= {0, 1}
-    assert oracle_mismatch(list((i % len(PROMPTS), r) for i, r in enumerate(results)), reference) == ""
+    assert oracle_mismatch([(i % len(PROMPTS), r) for i, r in enumerate(results)], reference) == ""
     i2 = [v for v in violations if v["invariant"] == "I2"]
     assert {v["rank"] for v in i2} == {"0", "1", "2"}, violations  # the check fires on every rank
 
