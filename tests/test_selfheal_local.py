@@ -81,7 +81,8 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
             ops = [op for op in dep.orch.history if op.get("kind") == "recover"]
             assert ops and ops[-1]["state"] == "succeeded", ops
             assert ops[-1]["dead_ranks"] == [victim]
-            regroup = [e for e in dep.registry.events_for(ops[-1]["op_id"]) if e.get("phase") == "regroup" and e.get("rank") == -1]
+            regroup = [e for e in dep.registry.events_for(ops[-1]["op_id"])
+                       if e.get("phase") == "regroup" and e.get("rank") == -1]
             # store re-hosting: only when the store's host died, a survivor hosts a new one
             assert [e["detail"]["new_store_host"] for e in regroup] == ([1] if victim == 0 else []), regroup
             assert set(ops[-1]["captures_per_rank"].values()) == {1}  # I4: exactly one capture

@@ -146,7 +146,8 @@ class Recovery:
         old_members = list(o.members)
         for r in op.dead_ranks:
             await quiet(o.clients[r].kill())
-        if o.store_host in op.dead_ranks and not variant_on(cfg.faults, "no_store_rehost"):  # the store died with its host: a survivor hosts a new one
+        # the store died with its host: a survivor hosts a new one
+        if o.store_host in op.dead_ranks and not variant_on(cfg.faults, "no_store_rehost"):
             t = time.time()
             o.move_store(await o.clients[survivors[0]].host_store(timeout=30), survivors[0])
             o.phase_done(op, "regroup", t, time.time(), new_store_host=survivors[0])
