@@ -83,7 +83,7 @@ class EngineConfig:
     # survivors degrade and the controller fences it, instead of every rank waiting
     # ``group_timeout_s``. Operations (warm-up, reshuffle) keep ``group_timeout_s``.
     step_timeout_s: float = 5.0
-    # Deliberately broken variants and phase holds (engine_ext.rank.faults.VARIANTS says what
+    # Deliberately broken variants and phase holds (engine_ext.faults.VARIANTS says what
     # each breaks), used by tests to show each mechanism matters and each check fires.
     faults: list[str] = field(default_factory=list)
     fault_delay_s: float = 5.0

@@ -209,6 +209,7 @@ class LocalDeployment:
         self.env = env or {}
         self.processes: dict[int, ProcessRankClient] = {}
         self.registry = RegistryState(name)
+        self.registry.set_info({"max_dp": max_dp, "config": cfg.to_dict()})  # as the Ray controller records it
         spawner = ProcessSpawner(self)
         self.orch = Orchestrator(name, cfg, spawner, max_dp=max_dp,
                                  emit=self.registry.report_event, record_op=self.registry.record_operation,

@@ -585,16 +585,36 @@ def test_registry_flags_a_refused_workspace_lock():
     assert [x["invariant"] for x in v] == ["I4"] and "holds 10 bytes" in v[0]["message"]
 
 
-def test_registry_flags_weight_transfer_before_the_eplb_communicator():
+def test_registry_flags_weight_transfer_received_before_the_eplb_communicator():
+    """I2 from the order the registry receives the rank's events in, whatever times they carry."""
     reg = RegistryState("d")
-    reg.report_event(_event("op1", 0, "prepare", 1.0, eplb_comm_ready_at=1.005))
+    reg.report_event(_event("op1", 0, "prepare", 1.0))
     reg.report_event(_event("op1", 0, "transfer", 1.02))
     assert reg.violations() == []
-    reg.report_event(_event("op1", 2, "transfer", 1.02))  # no communicator reported at all
+    reg.report_event(_event("op1", 2, "transfer", 1.02))  # no communicator reported before it
     assert [(x["invariant"], x["rank"]) for x in reg.violations()] == [("I2", "2")]
-    reg.report_event(_event("op1", 2, "eplb_comm", 1.03, eplb_comm_ready_at=1.04))  # formed after
+    reg2 = RegistryState("d")
+    reg2.report_event(_event("op1", 1, "transfer", 5.0))
+    reg2.report_event(_event("op1", 1, "prepare", 1.0))  # an earlier start time does not excuse it
+    assert [(x["invariant"], x["rank"]) for x in reg2.violations()] == [("I2", "1")]
+
+
+def test_registry_expects_capture_passes_from_the_policy_not_from_the_rank():
+    """I4's expectation comes from the deployment's capture policy and the rank's history in the
+    registry; what the rank's lock event says it expected does not count."""
+    reg = RegistryState("d")
+    reg.set_info({"config": {"capture_policy": "reuse"}})
+    reg.report_event(_event("startup", 0, "capture", 1.0))
+    reg.report_event(_lock("startup", 0, 1.5, 1, expected_passes=1))
+    assert reg.violations() == []  # a new rank captures once
+    reg.report_event(_event("op1", 0, "capture", 2.0))
+    reg.report_event(_lock("op1", 0, 2.5, 1, expected_passes=1))  # a survivor under reuse captured again
     v = reg.violations()
-    assert [(x["invariant"], x["rank"]) for x in v] == [("I2", "2")] and "after it started" in v[0]["message"]
+    assert [(x["invariant"], x["rank"]) for x in v] == [("I4", "0")] and "exactly 0 expected" in v[0]["message"]
+    reg.forget_rank(0)  # rank 0 left; a new process with its number is a joiner: one pass is right
+    reg.report_event(_event("op2", 0, "capture", 3.0))
+    reg.report_event(_lock("op2", 0, 3.5, 1, expected_passes=0))
+    assert [x["rank"] for x in reg.violations()] == ["0"]  # still only op1's
 
 
 def test_registry_flags_warmup_touching_serving_state():
@@ -633,7 +653,7 @@ def test_registry_marks_silent_rank_stale():
 
 
 def test_faults_name_known_variants_and_refuse_unknown_ones():
-    from engine_ext.rank.faults import VARIANTS, Faults
+    from engine_ext.faults import VARIANTS, Faults
 
     f = Faults(["skip_release", "hold:commit@1"], 0.0, rank=0)
     assert f.active("skip_release") and not f.active("skip_rewarm")
@@ -650,7 +670,7 @@ def test_faults_name_known_variants_and_refuse_unknown_ones():
 
 
 def test_fault_hold_waits_only_in_its_phase_and_on_its_rank():
-    from engine_ext.rank.faults import Faults
+    from engine_ext.faults import Faults
 
     held: list[str] = []
     f = Faults(["hold:commit@1"], 0.2, rank=1, on_hold=held.append)

@@ -24,6 +24,7 @@ from engine_ext.config import EngineConfig
 from engine_ext.control.world import World, quiet
 from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size
 from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
+from engine_ext.faults import variant_on
 from engine_ext.protocol import Operation, OpState, to_builtins
 
 RANK_RECOVER_TIMEOUT_S = 90.0  # shorter than gloo's 300 s: a stuck recovery fails, it never hangs
@@ -55,7 +56,8 @@ class Recovery:
         self.dead[rank] = {"rank": rank, "cause": cause, "at": time.time()}
         o.router.excluded.add(rank)
         o.router.pause()
-        o.router.reroute({rank})
+        if not variant_on(self.cfg.faults, "no_reroute"):
+            o.router.reroute({rank})
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
 
@@ -72,7 +74,8 @@ class Recovery:
         replaced = False
         for _ in range(4):
             if any(r in self.world.members for r in self.dead) or self.rebuild_reason:
-                if (await self.recover()).get("state") != OpState.SUCCEEDED.value:
+                done = await self.recover()
+                if done.get("state") != OpState.SUCCEEDED.value and not self._died_during(done.get("dead_ranks", [])):
                     return  # reported in the operation; `eepctl repair` takes it from here
             elif not replaced:
                 replaced = True  # once per incident: a replacement that fails is not retried in a loop
@@ -84,6 +87,10 @@ class Recovery:
     def running(self) -> bool:
         """Whether a recovery (or the replacement it started) runs now."""
         return self._task is not None and not self._task.done()
+
+    def _died_during(self, dead: list[int]) -> bool:
+        """A member died while the recovery of ``dead`` ran (and failed it): recover again."""
+        return any(r in self.world.members and r not in dead for r in self.dead)
 
     async def wait(self) -> None:
         """Until no recovery (nor the replacement it started) runs."""
@@ -120,11 +127,12 @@ class Recovery:
             except Exception as e:  # noqa: BLE001 - reported in the operation record
                 op.state, op.error_code = OpState.FAILED.value, 5
                 op.error = f"recovery failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-                # No healthy world: the reconcile loop rebuilds it from the weight source. Requests
-                # (the survivors' own too) wait in the router for it, up to the router's bound.
-                self.failed_reason = f"{op.op_id} failed: {op.error}"
-                o.router.reroute(set(o.members))
-                o.router.unhealthy = f"no healthy rank ({op.op_id} failed; rebuilding from the weight source)"
+                if not self._died_during(dead):  # else a member died in it: the next recovery takes the requests
+                    # No healthy world: the reconcile loop rebuilds it from the weight source.
+                    # Requests (the survivors' own too) wait in the router, up to its bound.
+                    self.failed_reason = f"{op.op_id} failed: {op.error}"
+                    o.router.reroute(set(o.members))
+                    o.router.unhealthy = f"no healthy rank ({op.op_id} failed; rebuilding from the weight source)"
             finally:
                 op.finished = time.time()
                 self.rerouted_base = o.router.rerouted
@@ -141,7 +149,8 @@ class Recovery:
         old_members = list(o.members)
         for r in op.dead_ranks:
             await quiet(o.clients[r].kill())
-        if o.store_host in op.dead_ranks:  # the store died with its host: a survivor hosts a new one
+        # the store died with its host: a survivor hosts a new one
+        if o.store_host in op.dead_ranks and not variant_on(cfg.faults, "no_store_rehost"):
             t = time.time()
             o.move_store(await o.clients[survivors[0]].host_store(timeout=30), survivors[0])
             o.phase_done(op, "regroup", t, time.time(), new_store_host=survivors[0])

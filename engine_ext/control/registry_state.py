@@ -62,6 +62,7 @@ class RegistryState:
         self.ops: dict[str, Operation] = {}
         self.rejected: list[str] = []
         self.seq = 0
+        self._left_at: dict[int, list[int]] = {}  # rank -> the event seqs at which it was forgotten
         self.started = time.time()
         # Set by a controller that recreated this registry: how many ranks it runs. Until that
         # many have reported, the snapshot says it is rebuilding instead of showing a short list.
@@ -103,6 +104,8 @@ class RegistryState:
         self.ops[record.op_id] = record
 
     def forget_rank(self, rank: int) -> None:
+        """The rank left the deployment: a process that takes its number later is a new joiner."""
+        self._left_at.setdefault(rank, []).append(self.seq)
         self.ranks.pop(rank, None)
         self.received_at.pop(rank, None)
 
@@ -178,39 +181,59 @@ class RegistryState:
         return found
 
     def _event_violations(self) -> list[dict[str, str]]:
-        """I2, I4 and I5 from the ranks' phase events of each operation."""
+        """I2, I4 and I5 from the ranks' phase events of each operation, in the order received."""
         found: list[dict[str, str]] = []
         passes: dict[tuple[str, int], int] = defaultdict(int)
-        locks: dict[tuple[str, int], Event] = {}
-        comm_ready: dict[tuple[str, int], float] = {}
-        transfers: dict[tuple[str, int], Event] = {}
-        for _, e in self.events:
+        locks: dict[tuple[str, int], tuple[int, Event]] = {}
+        comm_formed: set[tuple[str, int]] = set()
+        for seq, e in self.events:
             key = (e.op_id, e.rank)
             if e.phase == "capture" and e.outcome == "ok":
-                passes[key] += 1
+                passes[key] += 1  # one event per pass, sent where the pass runs
             elif e.phase == "lock":
-                locks[key] = e
-            elif e.phase == "transfer":
-                transfers[key] = e
-            if isinstance(e.detail.get("eplb_comm_ready_at"), (int, float)):
-                comm_ready[key] = float(e.detail["eplb_comm_ready_at"])
+                locks[key] = (seq, e)
+            elif e.phase == "prepare" and e.outcome == "ok":
+                comm_formed.add(key)  # the groups and the EPLB communicator are formed
+            elif e.phase == "transfer" and key not in comm_formed:
+                # I2: the rank's report that it formed the communicator must arrive before its
+                # weight transfer's: the order of receipt, not timestamps the rank writes.
+                found.append({"invariant": "I2", "rank": str(e.rank),
+                              "message": f"weight transfer in {e.op_id} reported before the EPLB communicator was"})
             if e.phase == "warm":
                 broken = [k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged")
                           if e.detail.get(k) is False]
                 if broken:
                     found.append({"invariant": "I5", "rank": str(e.rank),
                                   "message": f"warm-up in {e.op_id} touched serving state ({', '.join(broken)} false)"})
-        # I4: every rank that re-warmed and locked (the survivors of a transition) captured once,
-        # as its own graph manager counted and as its capture events show.
-        for (op_id, rank), lock in locks.items():
+        found.extend(self._capture_violations(passes, locks))
+        return found
+
+    def _capture_passes_expected(self, rank: int, lock_seq: int) -> int:
+        """I4's expectation, from the deployment's capture policy (the controller's record) and the
+        rank's history here: under ``reuse`` a rank that locked an earlier world since it last
+        (re)joined keeps its captures (0 passes); every other rank captures exactly once."""
+        policy = (self.info.get("config") or {}).get("capture_policy", "recapture")
+        if policy != "reuse":
+            return 1
+        since = max((s for s in self._left_at.get(rank, []) if s < lock_seq), default=0)
+        earlier = any(e.phase == "lock" and e.rank == rank and since < seq < lock_seq and e.outcome == "ok"
+                      for seq, e in self.events)
+        return 0 if earlier else 1
+
+    def _capture_violations(self, passes: dict[tuple[str, int], int],
+                            locks: dict[tuple[str, int], tuple[int, Event]]) -> list[dict[str, str]]:
+        """I4: every rank that re-warmed and locked captured as many times as the registry expects,
+        as its capture events show and as its own graph manager counted."""
+        found: list[dict[str, str]] = []
+        policy = (self.info.get("config") or {}).get("capture_policy", "recapture")
+        for (op_id, rank), (seq, lock) in locks.items():
             n = passes.get((op_id, rank), 0)
             counted = lock.detail.get("capture_passes")
-            # Under capture_policy=reuse a surviving rank captures nothing: its lock says so.
-            expected = lock.detail.get("expected_passes", 1)
+            expected = self._capture_passes_expected(rank, seq)
             if n != expected:
                 found.append({"invariant": "I4", "rank": str(rank),
                               "message": f"{n} capture passes in one operation {op_id} (exactly {expected} expected"
-                                         f" under {lock.detail.get('capture_policy', 'recapture')})"})
+                                         f" under {policy})"})
             elif counted != n:
                 found.append({"invariant": "I4", "rank": str(rank),
                               "message": f"graph manager counted {counted} capture passes in {op_id}, events show {n}"})
@@ -221,13 +244,6 @@ class RegistryState:
             if n > 1 and (op_id, rank) not in locks:
                 found.append({"invariant": "I4", "rank": str(rank),
                               "message": f"{n} capture passes in one operation {op_id}"})
-        # I2: the EPLB communicator existed before the first weight transfer of the rank.
-        for (op_id, rank), xfer in transfers.items():
-            ready = comm_ready.get((op_id, rank))
-            if ready is None or ready > xfer.start:
-                when = "never reported" if ready is None else f"formed {ready - xfer.start:.3f}s after it started"
-                found.append({"invariant": "I2", "rank": str(rank),
-                              "message": f"weight transfer in {op_id} before the EPLB communicator ({when})"})
         return found
 
     def snapshot(self) -> dict[str, Any]:

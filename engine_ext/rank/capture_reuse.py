@@ -28,7 +28,7 @@ from engine_ext.rank.telemetry import RankTelemetry
 if TYPE_CHECKING:
     from engine_ext.config import EngineConfig
     from engine_ext.elastic.comm import StatelessGroup
-    from engine_ext.rank.faults import Faults
+    from engine_ext.faults import Faults
 
 
 

@@ -36,7 +36,7 @@ from engine_ext.model.model import PLACEHOLDER_SEED_OFFSET, MoEModel
 from engine_ext.model.seeded_source import SeededWeightSource
 from engine_ext.protocol import RankState, RankStatus, to_builtins
 from engine_ext.rank.capture_reuse import CaptureReuse, max_world_handle
-from engine_ext.rank.faults import Faults
+from engine_ext.faults import Faults
 from engine_ext.rank.recovery import RankRecovery
 from engine_ext.rank.reshuffle import ExpertReshuffle
 from engine_ext.rank.scheduler import Request, Scheduler

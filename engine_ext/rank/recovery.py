@@ -56,7 +56,7 @@ class RankRecovery:
     def on_error(self, ex: BaseException) -> None:
         """A step or a commit failed: a peer died (or recovery aborted the group), so degrade and
         wait for recovery; else this rank is broken, so fail."""
-        if self.shared.halting.is_set() or is_peer_failure(ex):
+        if self.shared.halting.is_set() or (is_peer_failure(ex) and not self.res.faults.active("no_degrade")):
             self.degrade(ex)
         else:
             self.fail(ex)
@@ -73,11 +73,13 @@ class RankRecovery:
         shared = self.shared
         op = shared.take_op()
         group = shared.group
+        abort = not self.res.faults.active("no_group_abort")
         if op is not None:
-            op.abort_groups(keep=group)
+            if abort:
+                op.abort_groups(keep=group)
             op.error = op.error or "aborted: a peer died"
             op.done.set()
-        if group is not None:
+        if group is not None and abort:
             group.abort()
 
     def degrade(self, ex: BaseException | str) -> None:
@@ -133,6 +135,7 @@ class RankRecovery:
         result["phase_s"] = phase_s
         try:
             t = time.time()
+            res.faults.hold("regroup")
             with telemetry.phase(op_id, "regroup", position=pos, size=plan.new_size):
                 self._regroup(op, pos)
             phase_s["regroup"], t = time.time() - t, time.time()
@@ -147,7 +150,8 @@ class RankRecovery:
             phase_s["warm+capture"] = time.time() - t
         except Exception as ex:
             op.abort_groups(keep=shared.group)
-            telemetry.set_state(RankState.DEGRADED, f"recovery {op_id} failed: {type(ex).__name__}: {ex}")
+            if shared.current_op == op_id:  # not when a later recovery (a peer died in this one) took over
+                telemetry.set_state(RankState.DEGRADED, f"recovery {op_id} failed: {type(ex).__name__}: {ex}")
             raise
         if op.eplb_comm is not None:
             op.eplb_comm.destroy()

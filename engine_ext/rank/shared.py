@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from engine_ext.elastic.graphs import GraphManager
     from engine_ext.elastic.workspace import WorkspaceManager
     from engine_ext.model.model import MoEModel
-    from engine_ext.rank.faults import Faults
+    from engine_ext.faults import Faults
     from engine_ext.rank.operation import OpState
     from engine_ext.rank.scheduler import Scheduler
 

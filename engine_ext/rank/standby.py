@@ -45,6 +45,7 @@ class StandbyIdentity:
             res.model.set_layout(layout, rank)
             res.eplb.layout = layout
         self.telemetry.set_state(RankState.STARTING, f"taken from the standby pool as rank {rank}")
+        res.faults.hold("adopt")
 
 
 class StandbyHost(Protocol):

@@ -85,7 +85,6 @@ class RankTransition:
             comm_world = comm_members(plan)
             op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), comm_world.index(me), len(comm_world),
                                           timeout_s=t, device=res.device)
-            d["eplb_comm_ready_at"] = time.time()
 
     def _transfer_phase(self, op: OpState) -> None:
         """A scale-up sends the non-expert weights to the joiners over the EPLB communicator."""
@@ -99,8 +98,6 @@ class RankTransition:
         plan, model = op.plan, self.res.model
         pairs = transfer_pairs(plan.old_size, plan.new_size)  # positions; the comm spans the new world
         comm = op.eplb_comm
-        if comm is None:  # the communicator is not formed yet (I2 broken): no channel, so no weights move
-            return {"skipped": "no EPLB communicator: nothing sent or received"}
         me = plan.new_pos(self.shared.rank)
         if me in pairs:
             vec = model.dense_vector()

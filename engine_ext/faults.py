@@ -1,7 +1,9 @@
-"""Deliberate faults, the one seam through which tests break a rank on purpose.
+"""Deliberate faults, the one seam through which tests break a rank or the controller on purpose.
 
-``EngineConfig.faults`` names them; production code asks a ``Faults`` object
-(``faults.active("skip_release")``, ``faults.hold("prepare")``) and never reads the list itself.
+``EngineConfig.faults`` names them; rank code asks a ``Faults`` object
+(``faults.active("skip_release")``, ``faults.hold("prepare")``), controller code asks
+``variant_on(cfg.faults, "no_reroute")``; neither reads the list itself. Torch-free, so both
+sides import it.
 Each broken variant reproduces one upstream bug so a test can show the matching invariant
 check catches it. A variant switches a production mechanism off (or reorders it), so the harm
 it shows comes from the missing mechanism; two still build their broken state by hand, because
@@ -30,15 +32,28 @@ VARIANTS: dict[str, str] = {
     "eplb_not_suppressed": "the warm-up batch's routing is recorded as EPLB load (I5)",
     "no_warmup_check": "warm-up isolation is measured and reported but not enforced (shows I5's harm)",
     "late_eplb_comm": "prepare runs its steps in reverse: the non-expert weight transfer before the "
-                      "groups and the EPLB communicator, so it has no channel and joining ranks serve "
-                      "with placeholder weights (I2)",
+                      "groups and the EPLB communicator, so the transfer finds no channel and the scale "
+                      "fails (I2)",
     "reuse_sized_for_world": "under capture_policy=reuse, captures are sized for the world at launch "
                              "instead of max DP: the reuse check refuses them on a scale-up",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
+    # Self-healing mechanisms switched off: the harm shows when a rank dies.
+    "no_reroute": "the controller does not re-route a dead rank's requests (router park/re-route): "
+                  "they stay owned by the dead rank and are never answered",
+    "no_degrade": "a survivor takes a peer's death for its own failure (degrade-vs-fail classification "
+                  "off): it fails instead of degrading, and fails the requests it held",
+    "no_store_rehost": "a recovery does not re-host the store when its host died: the survivors "
+                       "regroup on the dead store and the recovery fails",
+    "no_group_abort": "a degrading or recovering rank does not abort its groups: a thread blocked in a "
+                      "collective with a survivor that stopped waits out the backend's timeout",
+    "no_weight_source_restore": "a recovery does not load experts whose every copy died from the weight "
+                                "source: their slots keep another expert's weights (wrong tokens)",
 }
 
-# Phases a rank can be held in with "hold:<phase>" or "hold:<phase>@<rank>".
-HOLD_PHASES = ("launch", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture")
+# Phases a rank can be held in with "hold:<phase>" or "hold:<phase>@<rank>" (``adopt``: a standby taken
+# from the pool, after it got its DP rank; ``regroup``: a survivor at the start of a recovery's regroup).
+HOLD_PHASES = ("launch", "adopt", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture",
+               "regroup")
 # "fail:step@<rank>": that rank's step raises a local error (as an out-of-memory would) once, at its
 # first step ``fault_delay_s`` after it started; the process stays alive. Only a rank started with
 # the deployment fails (its replacement, a joiner, does not).
@@ -96,6 +111,13 @@ class Faults:
 def _is_fail(name: str) -> bool:
     phase, _, rank = name[len("fail:"):].partition("@")
     return name.startswith("fail:") and phase in FAIL_PHASES and rank.isdigit()
+
+
+def variant_on(names: list[str], variant: str) -> bool:
+    """Whether the broken variant ``variant`` is among ``names`` (the controller side's check)."""
+    if variant not in VARIANTS:
+        raise KeyError(f"no fault variant {variant!r}")
+    return variant in names
 
 
 def _is_hold(name: str) -> bool:

@@ -1,0 +1,117 @@
+"""Every self-healing mechanism is load-bearing: a fault variant switches one off (through the
+one fault seam, engine_ext.faults), a serving rank is SIGKILLed with requests on it, and the
+harm shows: requests lost or failed, or wrong tokens against the dense oracle.
+
+The same scenario with the mechanism on is in tests/test_selfheal_local.py, which also shows
+each mechanism's evidence (re-routed requests, degraded survivors, the new store host, the
+experts restored from the weight source)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from engine_ext.config import EngineConfig
+from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
+from tests.engine_helpers import oracle_mismatch, run, wait_until
+
+MAX_TOKENS = 24
+PROMPTS = [[(13 * i + 7 * j + 1) % 256 for j in range(3 + i % 9)] for i in range(12)]
+LOST_AFTER_S = 15.0  # several times a healthy recovery here (seconds): a request still open then is lost
+ANSWER_BOUND_S = 120.0
+
+# variant -> (experts, start DP, victim). The victim holds requests when it is killed.
+VARIANTS = {
+    "no_reroute": (8, 3, 1),
+    "no_degrade": (8, 3, 1),
+    "no_store_rehost": (8, 3, 0),
+    "no_weight_source_restore": (16, 4, 1),
+    "no_group_abort": (8, 4, 1),  # at DP 4 rank 3 never talks to rank 1 in a collective
+}
+LOSES_REQUESTS = {"no_reroute", "no_store_rehost"}
+
+
+def _cfg(variant: str) -> EngineConfig:
+    experts = VARIANTS[variant][0]
+    # Without the group abort, a survivor blocked in a collective is released only by the step
+    # timeout: long here, so the abort is the one thing that releases it.
+    step_timeout_s = 60.0 if variant == "no_group_abort" else EngineConfig.step_timeout_s
+    return EngineConfig(dtype="float64", num_experts=experts, slots_per_rank=6, faults=[variant],
+                        step_timeout_s=step_timeout_s)
+
+
+def _watch_states(dep: LocalDeployment) -> dict[int, set[str]]:
+    """Every state each rank reported, as the registry received them."""
+    seen: dict[int, set[str]] = {}
+    report = dep.registry.report_status
+
+    def spy(status: dict) -> dict:
+        seen.setdefault(status["rank"], set()).add(status["state"])
+        return report(status)
+
+    dep.registry.report_status = spy  # type: ignore[method-assign]
+    return seen
+
+
+async def _kill_under_load(dep: LocalDeployment, victim: int, bound_s: float) -> tuple[list[dict | None], int]:
+    """Submit every prompt, SIGKILL ``victim`` once it holds requests; each result answered within
+    ``bound_s`` (None: still open), and how many requests the victim held."""
+    tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS]
+    held = await wait_until(lambda: dep.orch.router.inflight.get(victim, 0), 30, f"requests on rank {victim}")
+    os.kill(dep.processes[victim].pid(), signal.SIGKILL)
+    _, pending = await asyncio.wait(tasks, timeout=bound_s)
+    return [None if t in pending else t.result() for t in tasks], held
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
+    experts, start, victim = VARIANTS[variant]
+    reference = reference_generate(EngineConfig(dtype="float64", num_experts=experts, slots_per_rank=6),
+                                   PROMPTS, MAX_TOKENS)
+
+    async def scenario() -> None:
+        async with LocalDeployment(_cfg(variant), f"harm-{variant}", max_dp=4, on_rank_failure="shrink") as dep:
+            await dep.start(start)
+            states = _watch_states(dep)
+            results, held = await _kill_under_load(dep, victim, LOST_AFTER_S if variant in LOSES_REQUESTS
+                                                   else ANSWER_BOUND_S)
+            lost = sum(r is None for r in results)
+            failed = [r["error"] for r in results if r is not None and r.get("error")]
+
+            def recovers() -> list[dict]:
+                return [op for op in dep.orch.history if op.get("kind") == "recover"]
+
+            if variant == "no_reroute":
+                # the dead rank's requests stay owned by it: nobody answers them, nobody fails them
+                assert lost >= held > 0 and not failed and dep.orch.router.rerouted == 0, (lost, held, failed)
+            elif variant == "no_store_rehost":
+                # the survivors regroup on the dead rank's store: the recovery hangs until its
+                # timeout, every request with it
+                assert lost > 0 and not [op for op in recovers() if op["state"] == "succeeded"], (lost, recovers())
+            elif variant == "no_degrade":
+                # the survivors take the peer's death for their own failure: healthy ranks report
+                # `failed` (status shows them broken, and the reconcile loop fences a rank it
+                # finds failed before the recovery reaches it)
+                assert any("failed" in states.get(r, set()) for r in range(start) if r != victim), states
+            elif variant == "no_group_abort":
+                # a survivor blocked in a collective with another survivor is never released: its
+                # step loop does not stop and the recovery fails; only a rebuild of the whole
+                # world from the weight source brings serving back
+                await dep.orch.recovery.wait()
+                ops = recovers()
+                assert ops and ops[-1]["state"] == "failed" and "did not stop" in ops[-1]["error"], ops
+                await wait_until(lambda: any(op.get("kind") == "rebuild" for op in dep.orch.history), 60,
+                                 "a rebuild of the whole world")
+            else:  # no_weight_source_restore: the slot of the lost expert keeps another expert's weights
+                assert lost == 0
+                await dep.orch.recovery.wait()
+                ops = recovers()
+                assert ops and ops[-1]["state"] == "succeeded", ops
+                again = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS))
+                assert "tokens" in oracle_mismatch(list(enumerate(again)), reference, logits=False)
+    run(scenario(), 180)
