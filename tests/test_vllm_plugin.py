@@ -235,7 +235,7 @@ def test_plugin_is_inert_without_a_deployment_or_cluster() -> None:
 
 @pytest.mark.timeout(30)
 def test_vllm_answers_map_to_the_exit_code_table() -> None:
-    from engine_ext.drivers.vllm_api import error_for
+    from engine_ext.control.vllm_api import error_for
 
     def code(status: int, body: Any, elastic: bool = True) -> int:
         return int(error_for(status, body, 3, {"elastic_ep": elastic}).exit_code)
@@ -534,7 +534,14 @@ def test_scale_gets_vllms_refusal_and_the_server_keeps_serving(server: dict[str,
     joining = [{"rank": 1, "instance_id": _vllm_config(server)["instance_id"] + "_dp1"}]
     assert body["kind"] == "vllm" and body["joining"] == joining
     assert any("expert moves" in n for n in body["not_exposed"])
-    assert _cli("scale", "--dp", "2", "--no-wait", "--name", name).returncode == ExitCode.USAGE
+    # --no-wait: the deployment's in-cluster controller accepts the scale and ends it without this
+    # client (issue 22 point 8); vLLM's refusal lands in the record.
+    accepted = _cli("scale", "--dp", "2", "--no-wait", "--name", name, "-o", "json", env={"VLLM_API_KEY": API_KEY})
+    assert accepted.returncode == 0, accepted.stderr
+    op_id = json.loads(accepted.stdout)["op_id"]
+    ended = wait_for(lambda: [o for o in json.loads(_cli("events", "--name", name, "--op", op_id, "-o", "json").stdout)
+                              ["operations"] if o["state"] != "running"], timeout=60, what=f"{op_id} ending")
+    assert ended[0]["state"] == "failed" and "HTTP 500 Scale failed" in ended[0]["error"], ended
     assert _status(name)["operation"] is None
     assert _complete(server)[0] == 200
 
