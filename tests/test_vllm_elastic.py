@@ -247,6 +247,8 @@ def test_scale_ends_in_the_cluster_when_the_cli_is_killed_after_sending(deployme
         proc.wait(timeout=30)
     assert proc.returncode == -9 and sent["state"] == "running", (proc.returncode, sent)
     op_id = sent["op_id"]
+    other = _cli(address, "scale", "--dp", str(size), timeout=120)  # one scale at a time, named
+    assert other.returncode == 4 and f"{op_id} is running" in other.stderr, (other.returncode, other.stderr)
 
     def ended() -> dict[str, Any] | None:
         op = next(o for o in _operations(address) if o["op_id"] == op_id)

@@ -547,6 +547,34 @@ def test_scale_gets_vllms_refusal_and_the_server_keeps_serving(server: dict[str,
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_a_retried_request_id_gets_the_same_operation(server: dict[str, Any], ray_cluster: dict) -> None:
+    """Idempotent scales through the driver API (issue 22 §6, for vLLM): the vLLM controller
+    answers a retry of a request id with that request's operation (here: vLLM's refusal, recorded
+    once) and refuses the same id for another target (exit 4)."""
+    from eepctl import cluster
+    from engine_ext.drivers import open_deployment
+    from engine_ext.protocol import PreconditionError, TransitionFailed
+    from engine_ext.ray.deployment import actor
+    from engine_ext.ray.names import registry_name
+
+    name = server["name"]
+    cluster.connect(ray_cluster["address"], "eepctl")
+    driver = open_deployment(name, actor(registry_name(name), "eepctl"), None, api_key=API_KEY)
+    ask = {"drain_timeout_s": 1, "timeout_s": 60, "wait": True, "request_id": "retry-1"}
+    with pytest.raises(TransitionFailed) as first:
+        driver.scale(2, **ask)
+    recorded = len(json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"])
+    with pytest.raises(TransitionFailed) as again:
+        driver.scale(2, **ask)
+    assert again.value.detail["operation"]["op_id"] == first.value.detail["operation"]["op_id"]
+    assert len(json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]) == recorded
+    with pytest.raises(PreconditionError, match="request id 'retry-1' already asked for DP 2") as other:
+        driver.scale(3, **ask)
+    assert other.value.exit_code == ExitCode.PRECONDITION
+
+
+@pytest.mark.ray
 @pytest.mark.timeout(180)
 def test_generate_and_load_go_through_the_completions_api(server: dict[str, Any]) -> None:
     """`eepctl generate` (and `--rate`) against the vLLM deployment: token-id prompts through
