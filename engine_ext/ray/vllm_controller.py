@@ -33,6 +33,7 @@ from engine_ext.protocol import (
     PreconditionError,
     TransitionFailed,
     TransitionTimeout,
+    UnreachableError,
 )
 from engine_ext.ray.names import registry_name, vllm_controller_name
 
@@ -58,7 +59,10 @@ class VllmController:
 
     def _registry(self) -> Any:
         """Looked up by name at each use: the registry may have been recreated."""
-        return ray.get_actor(registry_name(self.deployment), namespace=self.namespace)
+        try:
+            return ray.get_actor(registry_name(self.deployment), namespace=self.namespace)
+        except ValueError:
+            raise UnreachableError(f"the registry of vLLM deployment {self.deployment!r} is gone") from None
 
     def _call(self, method: str, *args: Any) -> Any:
         from engine_ext.ray.deployment import call
@@ -73,7 +77,7 @@ class VllmController:
             self._changed.notify_all()
         try:
             self._call("record_operation", dict(op))
-        except (EepError, ValueError):
+        except EepError:
             pass  # the registry is being recreated; the final record is written again at the end
 
     # ---- what clients call -------------------------------------------------------------------
@@ -230,7 +234,7 @@ class VllmController:
         """New rank events since ``seq`` (vLLM's ranks name their own operation ids)."""
         try:
             data = self._call("events", None, seq)
-        except (EepError, ValueError):
+        except EepError:
             return seq
         for ev in data["events"]:
             seq = max(seq, ev["seq"])
@@ -241,7 +245,7 @@ class VllmController:
     def _last_seq(self) -> int:
         try:
             return max((e["seq"] for e in self._call("events", None, 0)["events"]), default=0)
-        except (EepError, ValueError):
+        except EepError:
             return 0
 
     def _finish(self, op: dict[str, Any], api: VllmApi, events: list[dict[str, Any]],
@@ -258,7 +262,7 @@ class VllmController:
             op["rank_states"] = {str(r["rank"]): r["state"] for r in snap.get("ranks", [])}
             if (snap.get("info") or {}).get("fault_tolerance"):
                 op["plan"] = dict(op["plan"], engines_after=_engine_health(api))
-        except (EepError, ValueError):
+        except EepError:
             pass
         op.update(phase_durations=phases, captures_per_rank=captures, rank_ops=sorted({ev["op_id"] for ev in events}),
                   finished=time.time(), state=OpState.SUCCEEDED.value if error is None else
