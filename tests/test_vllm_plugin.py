@@ -684,6 +684,8 @@ def test_failed_commit_wedges_vllm_and_status_and_scale_say_so(server: dict[str,
     assert _status(name)["operation"] is None  # nothing queued behind it
     ops = json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]
     assert ops[-1]["to_size"] == 2 and ops[-1]["state"] == "failed"
+    # The vLLM controller reconciled vLLM's flag after the answer: the record says it is wedged.
+    assert "scaling flag is still set" in ops[-1]["error"] and "wedged" in ops[-1]["error"], ops[-1]["error"]
 
 
 @pytest.mark.timeout(120)

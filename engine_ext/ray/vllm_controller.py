@@ -211,18 +211,22 @@ class VllmController:
         else:
             code, body = answer["reply"]
             error = None if code == 200 else error_for(code, body, op["to_size"], info)
-        error = self._reconcile_flag(op, api, error)
+        error = self._reconcile_flag(op, api, error, answered=not poster.is_alive())
         time.sleep(0.3)  # the ranks' last reports
         self._follow(seq, events)
         self._finish(op, api, events, error)
 
-    def _reconcile_flag(self, op: dict[str, Any], api: VllmApi, error: EepError | None) -> EepError | None:
-        """vLLM's scaling flag after its answer: still set once it has had time to lower it, the
-        deployment is wedged (it answers 503 to everything), whatever vLLM answered."""
-        settle = time.time() + FLAG_SETTLE_S
+    def _reconcile_flag(self, op: dict[str, Any], api: VllmApi, error: EepError | None,
+                        answered: bool) -> EepError | None:
+        """vLLM's scaling flag at the end. Still set once vLLM has answered and had time to lower
+        it: the deployment is wedged (503 to everything), whatever vLLM answered. Still set at the
+        deadline with no answer: said in the timeout's reason."""
+        settle = time.time() + (FLAG_SETTLE_S if answered else 0.0)
         while _scaling(api) is True:
-            if time.time() > settle:
-                why = (f"vLLM's scaling flag is still set {FLAG_SETTLE_S:.0f}s after the scale ended, so it answers "
+            if time.time() >= settle:
+                why = ("vLLM's scaling flag is still set at the controller's deadline: it answers 503 to every "
+                       "request until its scale ends (or, wedged, until its API server restarts)" if not answered
+                       else f"vLLM's scaling flag is still set {FLAG_SETTLE_S:.0f}s after it answered, so it answers "
                        "503 to every request (wedged; restart the vLLM API server)")
                 if error is None:
                     return TransitionFailed(f"{op['op_id']}: {why}")
