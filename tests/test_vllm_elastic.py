@@ -207,15 +207,11 @@ def _check_operations(address: str) -> None:
 
 
 def _operations(address: str) -> list[dict[str, Any]]:
-    """The registry's operation records, read over Ray by this process (no CLI start per poll)."""
-    import ray
-
-    from eepctl import cluster
-    from engine_ext.ray.names import registry_name
-
-    cluster.connect(address, "eepctl")
-    registry = ray.get_actor(registry_name(NAME), namespace="eepctl")
-    return ray.get(registry.events.remote(None, 0), timeout=30)["operations"]
+    """The recorded operations as `eepctl events` shows them (a CLI process of its own: this
+    test process may be connected to another module's Ray cluster)."""
+    res = _cli(address, "events", "-o", "json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)["operations"]
 
 
 @pytest.mark.timeout(600)
@@ -241,7 +237,7 @@ def test_scale_ends_in_the_cluster_when_the_cli_is_killed_after_sending(deployme
                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=ROOT)
     try:
         sent = wait_for(lambda: next((o for o in _operations(address) if o["op_id"] not in known), None),
-                        timeout=120, interval=0.1, what="the scale's operation recorded")
+                        timeout=120, interval=0.0, what="the scale's operation recorded")
     finally:
         os.kill(proc.pid, 9)  # SIGKILL, by pid
         proc.wait(timeout=30)
@@ -254,7 +250,7 @@ def test_scale_ends_in_the_cluster_when_the_cli_is_killed_after_sending(deployme
         op = next(o for o in _operations(address) if o["op_id"] == op_id)
         return op if op["state"] != "running" else None
 
-    done = wait_for(ended, timeout=timeout_s + 30, interval=1.0,
+    done = wait_for(ended, timeout=timeout_s + 30, interval=0.5,
                     what=f"{op_id} ending in the cluster after its eepctl was killed")
     assert done["state"] == "succeeded", done
     assert (done["from_size"], done["to_size"]) == (size, target) and done["finished"] <= done["deadline"], done
