@@ -15,7 +15,12 @@ import pytest
 from engine_ext import drivers
 from engine_ext.drivers.reference import ReferenceDriver
 from engine_ext.drivers.vllm import VllmDriver
-from engine_ext.protocol import ExitCode, TransitionFailed, UnreachableError, UsageError
+from engine_ext.protocol import (
+    ExitCode,
+    PreconditionError,
+    TransitionFailed,
+    UnreachableError,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,11 +74,29 @@ def test_a_reference_deployment_without_controller_says_what_is_lost() -> None:
         pass
 
 
-def test_vllm_refuses_no_wait_with_exit_2() -> None:
+def test_vllm_scale_is_asked_of_the_in_cluster_controller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vLLM driver only asks (issue 22 point 8): --no-wait returns the controller's accepted
+    record; waiting follows it and maps its end onto the exit-code table, refusals included."""
+    asked: list[tuple[Any, ...]] = []
+    failed = {"op_id": "op-1", "state": "failed", "error": "vLLM refused", "error_code": 5}
+
+    class VllmController:
+        def __init__(self) -> None:
+            self.scale = _Method(lambda *a: asked.append(a) or {"op_id": "op-1", "state": "running", "deadline": 9e9})
+            self.wait_op = _Method(lambda op_id, wait_s: failed)
+
+    monkeypatch.setattr("engine_ext.ray.vllm_controller.controller_for", lambda name: VllmController())
     d = drivers.open_deployment("v", _Registry({"kind": "vllm", "deployment": "v", "info": {}}), None)
-    with pytest.raises(UsageError, match="--no-wait is not available for a vLLM deployment") as e:
-        d.scale(2, drain_timeout_s=1, timeout_s=5, wait=False, on_event=print, on_op=print)
-    assert e.value.exit_code == ExitCode.USAGE
+    accepted = d.scale(2, drain_timeout_s=1, timeout_s=5, wait=False, on_event=print, on_op=print)
+    assert accepted["state"] == "running" and asked == [(2, 1, 5, None, None)]
+    with pytest.raises(TransitionFailed, match="op-1 failed: vLLM refused"):
+        d.scale(2, drain_timeout_s=1, timeout_s=5, wait=True, on_event=print, on_op=print, request_id="r1")
+    assert asked[-1] == (2, 1, 5, "r1", None)
+    refusal = {"error": {"code": int(ExitCode.PRECONDITION), "message": "op-0 is running", "detail": {}}}
+    monkeypatch.setattr("engine_ext.ray.vllm_controller.controller_for",
+                        lambda name: type("C", (), {"scale": _Method(lambda *a: refusal)})())
+    with pytest.raises(PreconditionError, match="op-0 is running"):
+        d.scale(3, drain_timeout_s=1, timeout_s=5, wait=False, on_event=print, on_op=print)
 
 
 def test_reference_scale_follows_events_and_maps_the_outcome() -> None:

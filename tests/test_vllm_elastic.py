@@ -204,3 +204,60 @@ def _check_operations(address: str) -> None:
     ranks = sorted(snap["ranks"], key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks if r["state"] == "serving"] == [0, 1], ranks
     assert all(r["workspace_available"] is False and "CPU" in r["workspace_note"] for r in ranks[:2])
+
+
+def _operations(address: str) -> list[dict[str, Any]]:
+    """The recorded operations as `eepctl events` shows them (a CLI process of its own: this
+    test process may be connected to another module's Ray cluster)."""
+    res = _cli(address, "events", "-o", "json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)["operations"]
+
+
+@pytest.mark.timeout(600)
+def test_scale_ends_in_the_cluster_when_the_cli_is_killed_after_sending(deployment: dict[str, Any]) -> None:
+    """Issue 22 point 8: a vLLM scale runs in the deployment's in-cluster controller, not in the
+    eepctl process. eepctl is SIGKILLed (by pid) as soon as its operation is recorded as running;
+    the operation still ends in the cluster, succeeded with vLLM's phases and within the controller's
+    deadline, `eepctl events` shows it, and the server answers the oracle's tokens at the new size.
+    (Before, the scale ran in a thread of the eepctl process: its record stayed `running`.)"""
+    import sys
+
+    from tests.helpers import ROOT, wait_for
+
+    server: Server = deployment["elastic"]
+    address, expected = deployment["address"], deployment["expected"]
+    server.wait_healthy()
+    size = _status(address)["info"]["dp"]
+    target = 3 if size == 2 else 2
+    known = {o["op_id"] for o in _operations(address)}
+    timeout_s = 300
+    proc = subprocess.Popen([sys.executable, "-m", "eepctl", "scale", "--dp", str(target), "--timeout", str(timeout_s),
+                             "--name", NAME, "--address", address], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        sent = wait_for(lambda: next((o for o in _operations(address) if o["op_id"] not in known), None),
+                        timeout=120, interval=0.0, what="the scale's operation recorded")
+    finally:
+        os.kill(proc.pid, 9)  # SIGKILL, by pid
+        proc.wait(timeout=30)
+    assert proc.returncode == -9 and sent["state"] == "running", (proc.returncode, sent)
+    op_id = sent["op_id"]
+    other = _cli(address, "scale", "--dp", str(size), timeout=120)  # one scale at a time, named
+    assert other.returncode == 4 and f"{op_id} is running" in other.stderr, (other.returncode, other.stderr)
+
+    def ended() -> dict[str, Any] | None:
+        op = next(o for o in _operations(address) if o["op_id"] == op_id)
+        return op if op["state"] != "running" else None
+
+    done = wait_for(ended, timeout=timeout_s + 30, interval=0.5,
+                    what=f"{op_id} ending in the cluster after its eepctl was killed")
+    assert done["state"] == "succeeded", done
+    assert (done["from_size"], done["to_size"]) == (size, target) and done["finished"] <= done["deadline"], done
+    assert {"prepare", "switch", "commit"} <= set(done["phase_durations"]), done["phase_durations"]
+    res = _cli(address, "events", "--op", op_id, "-o", "json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert [(o["op_id"], o["state"]) for o in json.loads(res.stdout)["operations"]] == [(op_id, "succeeded")]
+    snap = _status(address)
+    assert snap["info"]["dp"] == target and snap["operation"] is None, snap
+    assert run_prompts(server, PROMPTS) == expected

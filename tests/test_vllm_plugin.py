@@ -235,7 +235,7 @@ def test_plugin_is_inert_without_a_deployment_or_cluster() -> None:
 
 @pytest.mark.timeout(30)
 def test_vllm_answers_map_to_the_exit_code_table() -> None:
-    from engine_ext.drivers.vllm_api import error_for
+    from engine_ext.control.vllm_api import error_for
 
     def code(status: int, body: Any, elastic: bool = True) -> int:
         return int(error_for(status, body, 3, {"elastic_ep": elastic}).exit_code)
@@ -534,9 +534,44 @@ def test_scale_gets_vllms_refusal_and_the_server_keeps_serving(server: dict[str,
     joining = [{"rank": 1, "instance_id": _vllm_config(server)["instance_id"] + "_dp1"}]
     assert body["kind"] == "vllm" and body["joining"] == joining
     assert any("expert moves" in n for n in body["not_exposed"])
-    assert _cli("scale", "--dp", "2", "--no-wait", "--name", name).returncode == ExitCode.USAGE
+    # --no-wait: the deployment's in-cluster controller accepts the scale and ends it without this
+    # client (issue 22 point 8); vLLM's refusal lands in the record.
+    accepted = _cli("scale", "--dp", "2", "--no-wait", "--name", name, "-o", "json", env={"VLLM_API_KEY": API_KEY})
+    assert accepted.returncode == 0, accepted.stderr
+    op_id = json.loads(accepted.stdout)["op_id"]
+    ended = wait_for(lambda: [o for o in json.loads(_cli("events", "--name", name, "--op", op_id, "-o", "json").stdout)
+                              ["operations"] if o["state"] != "running"], timeout=60, what=f"{op_id} ending")
+    assert ended[0]["state"] == "failed" and "HTTP 500 Scale failed" in ended[0]["error"], ended
     assert _status(name)["operation"] is None
     assert _complete(server)[0] == 200
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_a_retried_request_id_gets_the_same_operation(server: dict[str, Any], ray_cluster: dict) -> None:
+    """Idempotent scales through the driver API (issue 22 §6, for vLLM): the vLLM controller
+    answers a retry of a request id with that request's operation (here: vLLM's refusal, recorded
+    once) and refuses the same id for another target (exit 4)."""
+    from eepctl import cluster
+    from engine_ext.drivers import open_deployment
+    from engine_ext.protocol import PreconditionError, TransitionFailed
+    from engine_ext.ray.deployment import actor
+    from engine_ext.ray.names import registry_name
+
+    name = server["name"]
+    cluster.connect(ray_cluster["address"], "eepctl")
+    driver = open_deployment(name, actor(registry_name(name), "eepctl"), None, api_key=API_KEY)
+    ask = {"drain_timeout_s": 1, "timeout_s": 60, "wait": True, "request_id": "retry-1"}
+    with pytest.raises(TransitionFailed) as first:
+        driver.scale(2, **ask)
+    recorded = len(json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"])
+    with pytest.raises(TransitionFailed) as again:
+        driver.scale(2, **ask)
+    assert again.value.detail["operation"]["op_id"] == first.value.detail["operation"]["op_id"]
+    assert len(json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]) == recorded
+    with pytest.raises(PreconditionError, match="request id 'retry-1' already asked for DP 2") as other:
+        driver.scale(3, **ask)
+    assert other.value.exit_code == ExitCode.PRECONDITION
 
 
 @pytest.mark.ray
@@ -649,6 +684,8 @@ def test_failed_commit_wedges_vllm_and_status_and_scale_say_so(server: dict[str,
     assert _status(name)["operation"] is None  # nothing queued behind it
     ops = json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]
     assert ops[-1]["to_size"] == 2 and ops[-1]["state"] == "failed"
+    # The vLLM controller reconciled vLLM's flag after the answer: the record says it is wedged.
+    assert "scaling flag is still set" in ops[-1]["error"] and "wedged" in ops[-1]["error"], ops[-1]["error"]
 
 
 @pytest.mark.timeout(120)

@@ -1,8 +1,9 @@
 """The vLLM driver: a vLLM server's API and the registry its plugin created (kind "vllm").
 
 It holds the registry snapshot read when the deployment was opened (the API URL, the DP bounds,
-any operation in flight) and delegates to vllm_scale (dry run, scale), vllm_fault_tolerance
-(repair, health) and vllm_api (completions). The API key goes only into their request headers.
+any operation in flight) and delegates to vllm_scale (dry run; a scale is asked of the deployment's
+in-cluster controller, engine_ext.ray.vllm_controller), vllm_fault_tolerance (repair, health) and
+control.vllm_api (completions). The API key goes only into their request headers.
 """
 
 from __future__ import annotations
@@ -74,15 +75,15 @@ class VllmDriver:
     def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
               on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None,
               request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
-        """vLLM reports no phase while it scales, so ``on_op`` is not called; rank events are."""
+        """Asked of the deployment's in-cluster controller, which runs and records it; ``on_op``
+        gets the record as it stands there, ``on_event`` each rank event. A retry with the same
+        ``request_id`` gets the same operation."""
         from engine_ext.drivers import vllm_scale
 
         refuse_retire(retire)
-        if not wait:
-            raise UsageError("--no-wait is not available for a vLLM deployment: vLLM answers /scale_elastic_ep "
-                             "only when the transition has ended")
         return vllm_scale.scale(self.registry, self.snap, dp, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s,
-                                api_key=self._api_key, on_event=on_event)
+                                wait=wait, api_key=self._api_key, request_id=request_id, on_event=on_event,
+                                on_op=on_op)
 
     def repair(self, *, timeout_s: float) -> dict[str, Any]:
         try:
@@ -103,7 +104,7 @@ class VllmDriver:
     @contextmanager
     def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:
         """Prompts as token ids through the OpenAI completions API, on up to 32 client threads."""
-        from engine_ext.drivers.vllm_scale import api_for
+        from engine_ext.control.vllm_deployment import api_for
 
         api = api_for(self.snap, self._api_key, timeout_s=timeout_s)
         model = (self.snap.get("info") or {}).get("model") or api.served_model()

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine_ext.drivers.vllm_api import message_of
-from engine_ext.drivers.vllm_scale import api_for
+from engine_ext.control.vllm_api import message_of
+from engine_ext.control.vllm_deployment import api_for
 from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import (
     EepError,

@@ -11,8 +11,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine_ext.protocol import EepError, TransitionTimeout, UnreachableError, error_from_record
-from engine_ext.ray.names import REGISTRY_PREFIX, controller_name, is_rank_actor, registry_name
+from engine_ext.protocol import (
+    EepError,
+    TransitionTimeout,
+    UnreachableError,
+    error_from_record,
+)
+from engine_ext.ray.names import (
+    REGISTRY_PREFIX,
+    controller_name,
+    is_rank_actor,
+    registry_name,
+    vllm_controller_name,
+)
 
 
 @dataclass
@@ -117,7 +128,8 @@ def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wa
             pass
     killed = []
     for a in list_named_actors(all_namespaces=True):  # rank actors are named by identity
-        if a.get("namespace") == namespace and is_rank_actor(name, a["name"]):
+        if a.get("namespace") == namespace and (is_rank_actor(name, a["name"])
+                                                or a["name"] == vllm_controller_name(name)):
             h = actor(a["name"], namespace)
             if h is not None:
                 ray.kill(h, no_restart=True)

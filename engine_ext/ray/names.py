@@ -23,3 +23,8 @@ def is_rank_actor(deployment: str, actor_name: str) -> bool:
         if actor_name.startswith(deployment + kind) and rest.isdigit():
             return True
     return False
+
+
+def vllm_controller_name(deployment: str) -> str:
+    """The in-cluster controller that runs a vLLM deployment's scales (engine_ext.ray.vllm_controller)."""
+    return f"eep-vllm-controller.{deployment}"
