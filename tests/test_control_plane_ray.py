@@ -189,3 +189,36 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
     for r in gen["results"]:
         assert r["error"] is None and r["output"] == oracle(cfg_d, r["prompt"]), r
     del ray
+
+
+@pytest.mark.timeout(300)
+def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployments, ray_cluster):
+    """DP 1 under open-loop load: the registry and the controller are killed together (both come
+    back, the history intact), then the only rank is SIGKILLed: no healthy rank is left, so the
+    controller rebuilds DP 1 from the weight source as a recorded operation while requests wait;
+    no request fails and every output equals the oracle."""
+    import ray
+
+    from eepctl import cluster
+    from engine_ext.ray.names import registry_name
+
+    cluster.connect(ray_cluster["address"], NAMESPACE)
+    d = deployments("cp-rebuild")
+    snap = _up(d.name, 1, 2)
+    cfg_d = snap["info"]["config"]
+    before = [o["op_id"] for o in events(d.name)["operations"]]
+    ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
+    _kill_controller(d.name)
+    snap = _serving(d.name, [0], timeout=120)
+    assert [o["op_id"] for o in events(d.name)["operations"]][:len(before)] == before  # history intact
+    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "16", "--max-tokens", "16",
+                   "-o", "json")
+    wait_serving_load(d.name)
+    os.kill(_pid_of(snap, 0), signal.SIGKILL)  # the only rank of this test's own deployment
+    _serving(d.name, [0], timeout=120)
+    res = finish_load(load, cfg_d, 16)
+    rebuilds = _ops(d.name, "rebuild")
+    assert rebuilds and rebuilds[-1]["state"] == "succeeded" and rebuilds[-1]["dead_ranks"] == [0], rebuilds
+    assert any(0 in r["moved_from"] for r in res["records"]), "no request was on the rank that died"
+    text = eepctl("status", "--name", d.name, timeout=60).stdout
+    assert "controller restarted 1 time(s)" in text, text

@@ -1,0 +1,43 @@
+"""Status lines for the control plane: what the reconcile loop works on, unhealthy and fenced
+ranks with why, the controller's restarts and the last reconcile error with its age. Pure:
+data in, text out (the controller keeps the view in the registry's info as ``control``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+FENCED_SHOWN_S = 600.0  # a fence is shown this long after it happened
+
+
+def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
+    control = (snap.get("info") or {}).get("control") or {}
+    if not control:
+        return []
+    now = time.time() if now is None else now
+    lines: list[str] = []
+    if control.get("controller_restarts"):
+        lines.append(f"controller restarted {control['controller_restarts']} time(s); "
+                     f"took over: {'; '.join(control.get('took_over') or []) or 'nothing to do'}")
+    if control.get("working_on"):
+        lines.append(f"reconciling: {control['working_on']}")
+    for rank, h in sorted((control.get("health") or {}).items(), key=lambda kv: int(kv[0])):
+        if h.get("unhealthy"):
+            lines.append(f"rank {rank} unhealthy: {h['unhealthy']}")
+    for rank, f in sorted((control.get("fenced") or {}).items(), key=lambda kv: int(kv[0])):
+        if now - float(f.get("at", 0.0)) <= FENCED_SHOWN_S:
+            lines.append(f"rank {rank} fenced at epoch {f.get('epoch')} {_ago(now, f.get('at'))}: {f.get('reason')}")
+    if control.get("parked_requests"):
+        lines.append(f"{control['parked_requests']} request(s) waiting for a healthy world")
+    err = control.get("last_error")
+    if err:
+        lines.append(f"last reconcile error {_ago(now, err.get('at'))} in {err.get('action')}: {err.get('error')}"
+                     + (f" (retry in {control['backoff_s']:.0f}s)" if control.get("backoff_s") else ""))
+    return lines
+
+
+def _ago(now: float, at: Any) -> str:
+    try:
+        return f"{max(0.0, now - float(at)):.0f}s ago"
+    except (TypeError, ValueError):
+        return "at an unknown time"
