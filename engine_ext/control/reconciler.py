@@ -111,6 +111,7 @@ class Reconciler:
             await o.fence(rank, reason)
             self.health.forget(rank)
             done.append(f"fenced rank {rank} ({reason})")
+        await w.router.retry_parked()  # requests no rank took a moment ago, when nothing holds them
         expired = w.router.expire_parked(self.park_bound_s, w.router.unhealthy or "no rank could take it")
         if expired:
             done.append(f"failed {expired} request(s) that waited over {self.park_bound_s:.0f}s")

@@ -36,6 +36,8 @@ class Router:
         self.paused = False
         self._parked: list[dict[str, Any]] = []
         self._parked_at: dict[str, float] = {}  # request id -> when it first waited for a world
+        self._parked_why: dict[str, str] = {}  # request id -> why no rank took it
+        self.closed = False  # the deployment stops: requests fail at once
         self.unhealthy: str | None = None  # why no rank can serve (a recovery failed), until one succeeds
 
     def set_ranks(self, clients: dict[int, RankClient]) -> None:
@@ -59,7 +61,9 @@ class Router:
 
     async def _send(self, wire: dict[str, Any]) -> None:
         """Hand the request to the least-loaded rank; a rank that refuses (failed, leaving,
-        dead) is skipped for this request, and only when every rank refused does it fail."""
+        dead) is skipped for this request. When every rank refused, the request waits here for a
+        world that can serve it (a recovery, a rebuild, the reconcile loop's retry), up to the
+        bound after which it fails with why; it fails at once only while the deployment stops."""
         self._wires[wire["request_id"]] = wire
         if self.paused:
             self._park(wire)
@@ -69,12 +73,12 @@ class Router:
         while True:
             rank = self._pick(set(refused))
             if rank is None:
-                if self.unhealthy is None and (self.paused or any(c.recovery_coming for c in codes)):
-                    # A peer died and the survivors saw it before the controller did, or they are
-                    # rebuilding: the recovery that follows resumes parked requests.
-                    self._park(wire)
-                    return
                 reasons = "; ".join(f"rank {r}: {m}" for r, m in refused.items()) or "no rank is accepting requests"
+                if not self.closed:
+                    # A rank died or hung and the controller has not acted yet, the survivors are
+                    # rebuilding, or no healthy rank is left: what follows resumes parked requests.
+                    self._park(wire, reasons)
+                    return
                 if self.unhealthy is not None:
                     reasons = f"{self.unhealthy}; {reasons}"
                 self._resolve(dict(wire, rank=-1, error=f"no rank accepted the request ({reasons})"))
@@ -96,6 +100,7 @@ class Router:
         rid = res["request_id"]
         self._wires.pop(rid, None)
         self._parked_at.pop(rid, None)
+        self._parked_why.pop(rid, None)
         rank = self._owner.pop(rid, None)
         if rank is not None:
             self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
@@ -127,9 +132,18 @@ class Router:
                 wire.setdefault("output", []).append(int(tok))
                 wire.setdefault("logits", []).append(float(logit))
 
-    def _park(self, wire: dict[str, Any]) -> None:
+    def _park(self, wire: dict[str, Any], why: str = "") -> None:
         self._parked_at.setdefault(wire["request_id"], time.time())
+        if why:
+            self._parked_why[wire["request_id"]] = why
         self._parked.append(wire)
+
+    async def retry_parked(self) -> None:
+        """Send the waiting requests again (the reconcile loop, when no recovery holds them)."""
+        if not self.paused and self._parked:
+            parked, self._parked = self._parked, []
+            for wire in parked:
+                await self._send(wire)
 
     @property
     def parked(self) -> int:
@@ -169,7 +183,9 @@ class Router:
         expired = 0
         for wire in self._parked:
             if now - self._parked_at.get(wire["request_id"], now) > max_wait_s:
-                self._resolve(dict(wire, rank=-1, error=f"waited {max_wait_s:.0f}s for a healthy world: {reason}"))
+                why = self._parked_why.get(wire["request_id"]) or reason
+                self._resolve(dict(wire, rank=-1, error=f"no rank accepted the request within {max_wait_s:.0f}s "
+                                                        f"({why}; {reason})"))
                 expired += 1
             else:
                 keep.append(wire)

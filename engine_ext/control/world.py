@@ -156,6 +156,8 @@ class World:
     async def stop(self) -> None:
         """Stop every rank, then end its process; deaths reported from now on are expected."""
         self.stopping = True
+        self.router.closed = True
+        self.router.fail_parked("the deployment is stopping")
         for c in self.clients.values():
             await quiet(c.stop(timeout=5))
         for c in self.clients.values():

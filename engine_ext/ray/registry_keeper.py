@@ -24,15 +24,16 @@ class RegistryKeeper:
         self.namespace = namespace
         self.expected_ranks = expected_ranks
         self.restore = restore  # -> (info, operations, events) a new registry is given
-        self.registry: Any = ray.get_actor(registry_name(deployment), namespace=namespace)
-        self._resolved_at = time.time()
+        self.registry: Any = None  # None while it is gone (a restarted controller may find it so)
+        self._resolved_at = 0.0
+        self.handle()
         self._watchdog: asyncio.Task | None = None
         self.recreated = 0
 
     def handle(self) -> Any:
         """The registry handle, re-resolved by name at most every 2 s (it may be recreated)."""
         now = time.time()
-        if now - self._resolved_at > 2.0:
+        if self.registry is None or now - self._resolved_at > 2.0:
             self._resolved_at = now
             try:
                 self.registry = ray.get_actor(registry_name(self.deployment), namespace=self.namespace)
