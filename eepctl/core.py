@@ -220,7 +220,8 @@ def generate(t: Target, prompts: list[list[int]], max_tokens: int, timeout_s: fl
         results = [p.wait(max(0.1, deadline - time.time())) for p in pending]
     return {"deployment": t.name, "results": [
         {"prompt": p, "output": r.get("output", []), "error": loadgen.error_text(r),
-         "latency_s": round(r.get("latency_s") or 0.0, 4), "rank": r.get("rank"), "moved_from": r.get("moved_from", [])}
+         "latency_s": round(r.get("latency_s") or 0.0, 4), "rank": r.get("rank"), "moved_from": r.get("moved_from", []),
+         "resumed_with": r.get("resumed_with", 0)}
         for p, r in zip(prompts, results)]}
 
 

@@ -180,3 +180,26 @@ def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS) 
     res = json_lines(out)[-1]
     check_load(res, cfg_d, max_tokens)
     return res
+
+
+def moved_off(records: list[dict[str, Any]], victim: int) -> list[dict[str, Any]]:
+    """The records of requests that were on ``victim`` when it died and completed elsewhere,
+    continuing with the tokens it had streamed (``resumed_with`` > 0); fails when there are none,
+    so a kill that found nothing in flight, or a lost stream, cannot pass."""
+    moved = [r for r in records if victim in (r.get("moved_from") or [])]
+    assert moved, f"no request was in flight on rank {victim} at the kill (none has moved_from naming it)"
+    for r in moved:
+        assert r.get("error") is None and r.get("rank") not in (None, victim), r
+    resumed = [r for r in moved if (r.get("resumed_with") or 0) > 0]
+    assert resumed, f"requests moved off rank {victim} restarted from their prompts (resumed_with 0): {moved[:3]}"
+    return resumed
+
+
+def wait_in_flight(name: str, rank: int, timeout: float = 30.0) -> dict[str, Any]:
+    """Status once ``rank`` reports requests running (so a kill now finds requests on it)."""
+    def ok() -> dict[str, Any] | None:
+        s = status(name)
+        hit = any(r["rank"] == rank and r.get("requests_running", 0) > 0 for r in s["ranks"])
+        return s if hit else None
+
+    return wait_for(ok, timeout=timeout, interval=0.2, what=f"{name}: requests running on rank {rank}")

@@ -34,6 +34,8 @@ VARIANTS: dict[str, str] = {
                       "with placeholder weights (I2)",
     "reuse_sized_for_world": "under capture_policy=reuse, captures are sized for the world at launch "
                              "instead of max DP: the reuse check refuses them on a scale-up",
+    "no_token_stream": "the rank does not stream its tokens to the router: a request moved off a dead "
+                       "rank re-prefills from its prompt only (resumed_with 0; greedy outputs hide it)",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
 }
 
