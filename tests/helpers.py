@@ -195,11 +195,23 @@ def moved_off(records: list[dict[str, Any]], victim: int) -> list[dict[str, Any]
     return resumed
 
 
-def wait_in_flight(name: str, rank: int, timeout: float = 30.0) -> dict[str, Any]:
-    """Status once ``rank`` reports requests running (so a kill now finds requests on it)."""
+def up_with_faults(name: str, dp: int, max_dp: int, faults: list[str], delay_s: float, *,
+                   on_rank_failure: str = "replace", standby: int = 0, **engine: Any) -> dict[str, Any]:
+    """``up`` (in this process, as the CLI does) with the CLI's engine and test faults."""
+    from eepctl import core
+
+    eng = dict(SMALL_ENGINE, faults=faults, fault_delay_s=delay_s, **engine)
+    return core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=eng,
+                   cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300, on_rank_failure=on_rank_failure,
+                   standby=standby)
+
+
+def wait_held(name: str, rank: int, phase: str, timeout: float = 90.0) -> dict[str, Any]:
+    """Status once ``rank`` says a test fault holds it in ``phase`` (its pid is then listed)."""
     def ok() -> dict[str, Any] | None:
         s = status(name)
-        hit = any(r["rank"] == rank and r.get("requests_running", 0) > 0 for r in s["ranks"])
+        hit = any(r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "") and r.get("pid")
+                  for r in s["ranks"])
         return s if hit else None
 
-    return wait_for(ok, timeout=timeout, interval=0.2, what=f"{name}: requests running on rank {rank}")
+    return wait_for(ok, timeout=timeout, interval=0.3, what=f"rank {rank} held in {phase}")

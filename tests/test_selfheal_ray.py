@@ -23,11 +23,13 @@ from tests.helpers import (
     eepctl_json,
     events,
     last_json,
+    moved_off,
     oracle,
     scale_json,
     status,
-    up_cli,
+    up_with_faults,
     wait_for,
+    wait_held,
     wait_serving_load,
 )
 
@@ -64,16 +66,17 @@ def _kill(snap: dict[str, Any], rank: int) -> int:
 @pytest.mark.timeout(300)
 def test_serving_rank_killed_under_load_shrinks_and_serves(deployments):
     d = deployments("heal-shrink")
-    up_cli(d, 3, 4, "--slots-per-rank", "6", "--on-rank-failure", "shrink")
+    # Rank 1 holds once, in its first step with a request mid-decode: the kill finds requests on it.
+    up_with_faults(d.name, 3, 4, ["hold:step@1"], 60.0, slots_per_rank=6, on_rank_failure="shrink")
     snap = _serving(d.name, 3)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "12", "--max-tokens", "16", "-o", "json")
-    wait_serving_load(d.name)
-    _kill(snap, 1)
+    _kill(wait_held(d.name, 1, "step"), 1)
     t_kill = time.time()
     after = _serving(d.name, 2)
     served_again_s = time.time() - t_kill
     res = finish_load(load, cfg_d, 16)
+    moved_off(res["records"], 1)  # the victim's requests continued on a survivor with their tokens
 
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 2]  # identities kept (I1)
     text = eepctl("status", "--name", d.name, timeout=60).stdout
@@ -104,14 +107,13 @@ def test_store_host_killed_replace_restores_lost_experts_and_grows_back(deployme
     expert that lived only on the dead rank is restored from the weight source. ``replace``
     grows back to the desired DP 4."""
     d = deployments("heal-replace")
-    up_cli(d, 4, 5, "--experts", "16", "--slots-per-rank", "6")
+    up_with_faults(d.name, 4, 5, ["hold:step@0"], 60.0, num_experts=16, slots_per_rank=6)
     snap = _serving(d.name, 4)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "10", "-o", "json")
-    wait_serving_load(d.name)
-    _kill(snap, 0)
+    _kill(wait_held(d.name, 0, "step"), 0)
     after = _serving(d.name, 4, timeout=120)
-    finish_load(load, cfg_d)
+    moved_off(finish_load(load, cfg_d)["records"], 0)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [1, 2, 3, 4]
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded" and ops[-1]["dead_ranks"] == [0], ops
@@ -153,16 +155,17 @@ def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, 
     from engine_ext.ray.names import registry_name
 
     d = deployments("heal-registry")
-    up_cli(d, 3, 4, "--slots-per-rank", "6")
+    # The replacement takes number 2 again and holds once too: a short hold keeps that stall short.
+    up_with_faults(d.name, 3, 4, ["hold:step@2"], 12.0, slots_per_rank=6)
     snap = _serving(d.name, 3)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "10", "-o", "json")
-    wait_serving_load(d.name)
+    held = wait_held(d.name, 2, "step")
     cluster.connect(ray_cluster["address"], NAMESPACE)
     ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
-    _kill(snap, 2)
+    _kill(held, 2)
     after = _serving(d.name, 3, timeout=120)  # policy replace: back at the desired DP 3
-    finish_load(load, cfg_d)
+    moved_off(finish_load(load, cfg_d)["records"], 2)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1, 2]  # the dead rank's number, free again
     assert wait_for(lambda: _recover_ops(d.name), timeout=20, what="the recover operation in the new registry")
     rep = eepctl("repair", "--name", d.name, timeout=120)
@@ -180,17 +183,6 @@ def _up_with_fault(name: str, fault: str, delay_s: float) -> dict[str, Any]:
     return _serving(name, 2)
 
 
-def _held(name: str, rank: int, phase: str) -> dict[str, Any]:
-    """Status once ``rank`` says it is held in ``phase`` (its pid is then listed)."""
-    def ok() -> dict[str, Any] | None:
-        s = status(name)
-        hit = any(r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "") and r.get("pid")
-                  for r in s["ranks"])
-        return s if hit else None
-
-    return wait_for(ok, timeout=90, interval=0.3, what=f"rank {rank} held in {phase}")
-
-
 @pytest.mark.timeout(180)
 def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
     """The joining rank dies before it joins the world: the scale is rolled back (exit 5), the
@@ -201,7 +193,7 @@ def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
     load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "10", "--max-tokens", "16", "-o", "json")
     wait_serving_load(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
-    held = _held(d.name, 2, "launch")
+    held = wait_held(d.name, 2, "launch")
     _kill(held, 2)
     out_s, err_s = scale.communicate(timeout=120)
     assert scale.returncode == 5, (scale.returncode, out_s, err_s[-2000:])
@@ -227,7 +219,7 @@ def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
     load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "14", "--max-tokens", "16", "-o", "json")
     wait_serving_load(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
-    held = _held(d.name, 1, "warm")
+    held = wait_held(d.name, 1, "warm")
     _kill(held, 1)
     out_s, err_s = scale.communicate(timeout=120)
     assert scale.returncode == 5, out_s  # the scale failed in its commit ...

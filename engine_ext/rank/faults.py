@@ -40,7 +40,10 @@ VARIANTS: dict[str, str] = {
 }
 
 # Phases a rank can be held in with "hold:<phase>" or "hold:<phase>@<rank>".
-HOLD_PHASES = ("launch", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture")
+# "step" holds once per process, at the first step where a request it serves already has output
+# tokens: a window to kill a rank that certainly holds requests with tokens to continue with.
+HOLD_PHASES = ("launch", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture", "step")
+ONCE_PHASES = frozenset({"step"})
 
 
 class Faults:
@@ -56,6 +59,7 @@ class Faults:
         self.delay_s = delay_s
         self.rank = rank
         self.on_hold = on_hold or (lambda phase: None)
+        self.held: set[str] = set()  # phases of ONCE_PHASES already held
 
     def active(self, variant: str) -> bool:
         """Whether the broken variant ``variant`` is configured."""
@@ -73,8 +77,10 @@ class Faults:
         kill the rank there. Returns whether it held."""
         if phase not in HOLD_PHASES:
             raise KeyError(f"no hold phase {phase!r}")
-        if not self.holds(phase, joining=joining):
+        if not self.holds(phase, joining=joining) or phase in self.held:
             return False
+        if phase in ONCE_PHASES:
+            self.held.add(phase)
         self.on_hold(phase)
         time.sleep(self.delay_s)
         return True
