@@ -196,14 +196,15 @@ def moved_off(records: list[dict[str, Any]], victim: int) -> list[dict[str, Any]
 
 
 def up_with_faults(name: str, dp: int, max_dp: int, faults: list[str], delay_s: float, *,
-                   on_rank_failure: str = "replace", standby: int = 0, **engine: Any) -> dict[str, Any]:
+                   on_rank_failure: str = "replace", standby: int = 0, placement: str = "pack",
+                   **engine: Any) -> dict[str, Any]:
     """``up`` (in this process, as the CLI does) with the CLI's engine and test faults."""
     from eepctl import core
 
     eng = dict(SMALL_ENGINE, faults=faults, fault_delay_s=delay_s, **engine)
     return core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=eng,
                    cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300, on_rank_failure=on_rank_failure,
-                   standby=standby)
+                   standby=standby, placement={"policy": placement, "ifname": ""})
 
 
 def wait_held(name: str, rank: int, phase: str, timeout: float = 90.0) -> dict[str, Any]:
