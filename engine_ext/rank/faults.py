@@ -36,6 +36,9 @@ VARIANTS: dict[str, str] = {
                              "instead of max DP: the reuse check refuses them on a scale-up",
     "no_token_stream": "the rank does not stream its tokens to the router: a request moved off a dead "
                        "rank re-prefills from its prompt only (resumed_with 0; greedy outputs hide it)",
+    "reuse_drops_captures": "under capture_policy=reuse, survivors release their captures in a transition "
+                            "instead of keeping them: they serve decodes eagerly (outputs unchanged; the "
+                            "eager-fallback counter and the registry show it)",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
 }
 

@@ -183,7 +183,8 @@ class StepLoop:
         batch = self.batch(items, size)
         try:
             step = res.graphs.check(size)
-        except (KeyError, GraphReleasedError):  # nothing captured for this size: eager, same shape
+        except (KeyError, GraphReleasedError):  # nothing captured for this size: eager, same shape,
+            res.graphs.count_eager(size)  # counted: the config captures this size (the registry flags it)
             return res.model.forward(batch, shared.group, res.workspace)
         except StaleGraphError as ex:
             # The check refuses the replay; serve this step eagerly at the same padded size so
