@@ -89,7 +89,10 @@ def test_serving_rank_killed_under_load_shrinks_and_serves(deployments):
     print(f"\n[heal-shrink] serving at DP 2 {served_again_s:.1f}s after SIGKILL; "
           f"recovery phases {ops[0]['phase_durations']}; load {res['sent']} sent, 0 failed")
 
-    # After recovery a normal scale up and down works and status is clean.
+    # After recovery the dry run names the joiner the scale will use (3, after the survivors 0
+    # and 2, on a node), and a normal scale up and down works and status is clean.
+    plan = eepctl_json("scale", "--dp", "3", "--name", d.name, "--dry-run", timeout=60)
+    assert [j["rank"] for j in plan["joining"]] == [p["rank"] for p in plan["placement"]["nodes"]] == [3], plan
     assert scale_json(d.name, 3)["state"] == "succeeded"
     clean = _serving(d.name, 3)
     assert not clean.get("violations"), clean["violations"]

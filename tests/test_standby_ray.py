@@ -24,6 +24,11 @@ def test_scale_up_adopts_the_standby_actor_and_the_pool_refills(deployments):
     assert [r["instance_id"] for r in first] == [f"{d.name}_standby0"]
     snap = status(d.name)
     assert snap["summary"]["standby"] == 1 and snap["violations"] == []
+    # The dry run names the rank the scale will use (2) and places it on the standby's node.
+    plan = eepctl_json("scale", "--dp", "3", "--name", d.name, "--dry-run", timeout=60)
+    assert [j["rank"] for j in plan["joining"]] == [2], plan["joining"]
+    assert [(p["rank"], p.get("from_standby"), p["node_id"]) for p in plan["placement"]["nodes"]] == \
+        [(2, 0, first[0]["node_id"])], plan["placement"]
     op = scale_json(d.name, 3)
     assert op["state"] == "succeeded", op
     assert op["phase_durations"]["launch"] < 1.0, op["phase_durations"]
