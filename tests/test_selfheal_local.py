@@ -30,9 +30,9 @@ def reference() -> list[dict]:
     return reference_generate(_cfg(slots_per_rank=6), PROMPTS, MAX_TOKENS)
 
 
-async def _kill_while_decoding(dep: LocalDeployment, victim: int) -> None:
-    """SIGKILL ``victim`` by pid once its live status shows requests that have run two more steps
-    since it was first seen holding them: each of those has tokens to continue with."""
+async def _decoding(dep: LocalDeployment, victim: int) -> None:
+    """Return once ``victim``'s live status shows requests that have run two more steps since it
+    was first seen holding them: each of those has tokens to continue with."""
     client = dep.orch.router.clients[victim]
     first: int | None = None
     while True:
@@ -41,9 +41,14 @@ async def _kill_while_decoding(dep: LocalDeployment, victim: int) -> None:
             if first is None:
                 first = st["steps"]
             elif st["steps"] >= first + 2:
-                os.kill(dep.processes[victim].pid(), signal.SIGKILL)
                 return
         await asyncio.sleep(0.005)  # poll interval of the wait, not a synchronisation
+
+
+async def _kill_while_decoding(dep: LocalDeployment, victim: int) -> None:
+    """SIGKILL ``victim`` by pid while requests decode on it."""
+    await _decoding(dep, victim)
+    os.kill(dep.processes[victim].pid(), signal.SIGKILL)
 
 
 async def _load_with_kill(dep: LocalDeployment, victim: int, *, rate_per_s: float = 12.0) -> list[tuple[int, dict]]:
@@ -164,11 +169,13 @@ def test_two_ranks_killed_at_once(reference: list[dict]) -> None:
         async with LocalDeployment(_cfg(slots_per_rank=6), "heal-two", max_dp=4, on_rank_failure="shrink") as dep:
             await dep.start(4)
             tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS]
-            await asyncio.sleep(0.5)
+            await asyncio.wait_for(asyncio.gather(_decoding(dep, 1), _decoding(dep, 2)), 60)
             for victim in (1, 2):
                 os.kill(dep.processes[victim].pid(), signal.SIGKILL)
             results = [await asyncio.wait_for(t, 120) for t in tasks]
             assert oracle_mismatch(list(enumerate(results)), reference, logits=False) == ""
+            for victim in (1, 2):  # both held requests mid-decode, which continued on a survivor
+                moved_off(results, victim)
             await dep.orch.recovery.wait()
             assert dep.orch.members == [0, 3]
             ops = [op for op in dep.orch.history if op.get("kind") == "recover"]

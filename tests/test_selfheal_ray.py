@@ -140,7 +140,7 @@ def test_rank_killed_while_held_in_commit_recovers_consistent_world(deployments)
                          for r in status(d.name)["ranks"]), timeout=90, interval=0.3, what="rank 1 held in commit")
     _kill(snap, 1)
     scale.communicate(timeout=120)
-    assert scale.returncode != 0  # the scale failed in commit ...
+    assert scale.returncode == 5, scale.returncode  # the scale failed in commit (exit 5, not a crash) ...
     _serving(d.name, 1, timeout=120)  # ... and the members' world was rebuilt without rank 1
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded", ops
@@ -213,9 +213,11 @@ def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
 
 @pytest.mark.timeout(240)
 def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
-    """Rank 1 dies while held in warm of a 2->3 scale (before its commit): the scale fails,
-    ``recover`` (policy shrink) rebuilds the old world without it at DP 1 (the uncommitted joiner is
-    dropped), the load loses nothing, status is clean, and a scale back to 2 works."""
+    """Rank 1 dies while held in warm of a 2->3 scale. Warm runs inside the commit, after the
+    switch to the new group (``RankTransition._commit_steps``), so the scale fails in its commit;
+    ``recover`` (policy shrink) rebuilds the old members' world without it at DP 1 (the joiner,
+    whose commit never completed, is dropped), the load loses nothing, status is clean, and a
+    scale back to 2 works."""
     d = deployments("heal-warm")
     snap = _up_with_fault(d.name, "hold:warm@1", 8.0)
     cfg_d = snap["info"]["config"]
@@ -228,8 +230,8 @@ def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
     assert scale.returncode == 5, out_s  # the scale failed in its commit ...
     scales = [o for o in events(d.name)["operations"] if o.get("kind") == "scale"]
     assert scales and scales[-1]["state"] == "failed", scales
-    # ... (on Ray, warm runs before commit) and the old world was rebuilt without rank 1; the joiner
-    # never joined, so the survivor set is {0}: DP 1.
+    # ... and the old members' world was rebuilt without rank 1; the joiner's commit never
+    # completed, so the survivor set is {0}: DP 1.
     after = _serving(d.name, 1, timeout=120)
     assert [r["rank"] for r in after["ranks"] if r["state"] == "serving"] == [0]
     finish_load(load, cfg_d, 16)
