@@ -148,18 +148,19 @@ def test_reuse_check_refuses_a_capture_sized_for_the_launch_world():
 
 
 def test_capture_memory_matches_the_model_bound():
-    """eepctl's torch-free figure equals the bound the rank sizes its workspace by."""
+    """eepctl's torch-free figure equals the bound the rank sizes its workspace by: the model's
+    own ``moe_workspace_bound`` (the one the lock checks), not a copy of its buffer list."""
     import torch
 
-    from engine_ext.elastic.workspace import bytes_for
     from engine_ext.capture_memory import policy_memory
+    from engine_ext.elastic.eplb import build_layout
+    from engine_ext.model.model import MoEModel
 
-    for dtype, tdt in (("float32", torch.float32), ("float64", torch.float64)):
-        cfg = EngineConfig(dtype=dtype)
-        for w in (1, 2, 4, 8):
-            n = w * cfg.max_num_tokens
-            specs = [((n, cfg.hidden_size), tdt), ((n, cfg.top_k), torch.int64), ((n, cfg.top_k), tdt),
-                     ((n, cfg.hidden_size), tdt), ((n, cfg.hidden_size), tdt), ((n, cfg.expert_hidden), tdt)]
-            assert workspace_bytes(cfg, w) == bytes_for(specs)
+    for dtype in ("float32", "float64"):
+        for hidden, top_k in ((64, 2), (48, 3)):
+            cfg = EngineConfig(dtype=dtype, hidden_size=hidden, top_k=top_k)
+            model = MoEModel(cfg, build_layout(cfg.num_experts, cfg.slots_per_rank, 1), 0, torch.device("cpu"), 0)
+            for w in (1, 2, 4, 8):
+                assert workspace_bytes(cfg, w) == model.moe_workspace_bound(w), (dtype, hidden, top_k, w)
     mem = policy_memory(EngineConfig(capture_policy="reuse"), 2, 4)
     assert mem["held_bytes"] == mem["reuse_bytes"] > mem["recapture_bytes"] and mem["reuse_extra_bytes"] > 0
