@@ -182,17 +182,20 @@ def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS) 
     return res
 
 
-def moved_off(records: list[dict[str, Any]], victim: int) -> list[dict[str, Any]]:
+def moved_off(records: list[dict[str, Any]], victim: int, *, resumed: bool = True) -> list[dict[str, Any]]:
     """The records of requests that were on ``victim`` when it died and completed elsewhere,
     continuing with the tokens it had streamed (``resumed_with`` > 0); fails when there are none,
-    so a kill that found nothing in flight, or a lost stream, cannot pass."""
+    so a kill that found nothing in flight, or a lost stream, cannot pass. ``resumed=False``: a
+    victim killed where it holds requests that may not have decoded yet (held in a transition)."""
     moved = [r for r in records if victim in (r.get("moved_from") or [])]
     assert moved, f"no request was in flight on rank {victim} at the kill (none has moved_from naming it)"
     for r in moved:
         assert r.get("error") is None and r.get("rank") not in (None, victim), r
-    resumed = [r for r in moved if (r.get("resumed_with") or 0) > 0]
-    assert resumed, f"requests moved off rank {victim} restarted from their prompts (resumed_with 0): {moved[:3]}"
-    return resumed
+    if not resumed:
+        return moved
+    continued = [r for r in moved if (r.get("resumed_with") or 0) > 0]
+    assert continued, f"requests moved off rank {victim} restarted from their prompts (resumed_with 0): {moved[:3]}"
+    return continued
 
 
 def up_with_faults(name: str, dp: int, max_dp: int, faults: list[str], delay_s: float, *,
