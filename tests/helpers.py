@@ -201,8 +201,15 @@ def moved_off(records: list[dict[str, Any]], victim: int, *, resumed: bool = Tru
 def up_with_faults(name: str, dp: int, max_dp: int, faults: list[str], delay_s: float, *,
                    on_rank_failure: str = "replace", standby: int = 0, placement: str = "pack",
                    **engine: Any) -> dict[str, Any]:
-    """``up`` (in this process, as the CLI does) with the CLI's engine and test faults."""
+    """``up`` (in this process, as the CLI does) with the CLI's engine and test faults. This
+    process's Ray connection is dropped first: it may belong to another test's cluster (the
+    multi-node one points RAY_ADDRESS elsewhere), and a connected driver never re-reads it."""
+    import ray
+
     from eepctl import core
+
+    if ray.is_initialized():
+        ray.shutdown()
 
     eng = dict(SMALL_ENGINE, faults=faults, fault_delay_s=delay_s, **engine)
     return core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=eng,
