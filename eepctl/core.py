@@ -20,6 +20,8 @@ from engine_ext.drivers.reference import check_outcome
 from engine_ext.protocol import (
     DEFAULT_NAMESPACE,
     PreconditionError,
+    TransitionFailed,
+    TransitionTimeout,
     UnreachableError,
     UsageError,
     validate_name,
@@ -126,17 +128,32 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
                                         gpus_per_rank, timeout_s, placement=spec.to_dict(),
                                         on_rank_failure=on_rank_failure, standby=standby,
                                         health_deadline_s=health_deadline_s)
-    # Wait until every rank's heartbeat says it serves.
-    deadline = time.time() + 15
-    snap: dict[str, Any] = {}
-    while time.time() < deadline:
-        snap = _get(handles.registry.snapshot.remote())
-        if len(snap["ranks"]) == dp and all(r["state"] == "serving" for r in snap["ranks"]):
-            break
-        time.sleep(0.2)
+    # Heartbeats lag the start by up to a second: never less than a few seconds for them.
+    deadline = max(t0 + timeout_s, time.time() + 5.0)
+    snap = wait_serving(lambda: _get(handles.registry.snapshot.remote()), t.name, dp, deadline)
     return {"deployment": t.name, "namespace": t.namespace, "address": address, "dp": result["dp"],
             "max_dp": max_dp, "cluster_started": started is not None, "elapsed_s": round(time.time() - t0, 2),
             "ranks": snap.get("ranks", [])}
+
+
+def wait_serving(snapshot: Callable[[], dict[str, Any]], name: str, dp: int, deadline: float,
+                 interval_s: float = 0.2) -> dict[str, Any]:
+    """The registry's snapshot once ``dp`` DP ranks report serving (their heartbeats lag the
+    start): a rank that failed ends the wait at once (exit 5), the deadline (``up --timeout``)
+    with exit 6, each naming the ranks' states."""
+    while True:
+        snap = snapshot()
+        ranks = [r for r in snap["ranks"] if r["state"] not in ("standby", "removed")]
+        states = ", ".join(f"rank {r['rank']} {r['state']}" for r in sorted(ranks, key=lambda r: r["rank"])) or "no rank reported"
+        if [r for r in ranks if r["state"] == "failed"]:
+            raise TransitionFailed(f"{name!r} did not come up: {states}; `eepctl status --name {name}` says why, "
+                                   f"`eepctl down --name {name}` removes it")
+        if len(ranks) == dp and all(r["state"] == "serving" for r in ranks):
+            return snap
+        if time.time() >= deadline:
+            raise TransitionTimeout(f"{name!r} did not serve at DP {dp} before --timeout: {states}; "
+                                    f"`eepctl down --name {name}` removes it")
+        time.sleep(interval_s)  # the poll interval
 
 
 def standby(t: Target, count: int) -> dict[str, Any]:
@@ -223,7 +240,8 @@ def generate(t: Target, prompts: list[list[int]], max_tokens: int, timeout_s: fl
         results = [p.wait(max(0.1, deadline - time.time())) for p in pending]
     return {"deployment": t.name, "results": [
         {"prompt": p, "output": r.get("output", []), "error": loadgen.error_text(r),
-         "latency_s": round(r.get("latency_s") or 0.0, 4), "rank": r.get("rank"), "moved_from": r.get("moved_from", [])}
+         "latency_s": round(r.get("latency_s") or 0.0, 4), "rank": r.get("rank"), "moved_from": r.get("moved_from", []),
+         "resumed_with": r.get("resumed_with", 0)}
         for p, r in zip(prompts, results)]}
 
 

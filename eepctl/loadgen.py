@@ -2,7 +2,7 @@
 
 It knows nothing of Ray or HTTP: a ``submit`` function sends one prompt and returns a ``Pending``
 whose ``wait(timeout_s)`` gives the engine's answer (``output``, ``latency_s``, ``error``,
-``moved_from``). Each deployment's driver provides one (``engine_ext.drivers``, its ``requests``).
+``moved_from``, ``resumed_with``). Each deployment's driver provides one (``engine_ext.drivers``, its ``requests``).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s:
         except EepError as e:
             r = {"error": e.message}
         records.append({"prompt_index": idx, "output": r.get("output", []), "error": error_text(r),
-                        "latency_s": r.get("latency_s"), "moved_from": r.get("moved_from", []),
-                        "sent_at": round(sent_at, 3)})
+                        "latency_s": r.get("latency_s"), "rank": r.get("rank"), "moved_from": r.get("moved_from", []),
+                        "resumed_with": r.get("resumed_with", 0), "sent_at": round(sent_at, 3)})
     lat = sorted(r["latency_s"] for r in records if not r["error"] and r["latency_s"] is not None)
     return {"sent": n, "completed": len(lat), "failed": n - len(lat), "duration_s": round(time.time() - t0, 2),
             "rate": rate, "latency_s": percentiles(lat), "prompts": prompts, "records": records}

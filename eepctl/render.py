@@ -287,7 +287,8 @@ def _leave_reason(j: dict[str, Any]) -> str:
 
 def _membership_lines(plan: dict[str, Any]) -> list[str]:
     """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
-    where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}" for p in (plan.get("placement") or {}).get("nodes", [])}
+    where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}"
+             for p in (plan.get("placement") or {}).get("nodes", []) if p.get("node_id")}
     lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}"
              + (f" (from the standby pool: {j['from_standby']}, launch skipped)" if j.get("from_standby") else "")
              for j in plan.get("joining", [])]

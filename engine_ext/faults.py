@@ -36,6 +36,11 @@ VARIANTS: dict[str, str] = {
                       "fails (I2)",
     "reuse_sized_for_world": "under capture_policy=reuse, captures are sized for the world at launch "
                              "instead of max DP: the reuse check refuses them on a scale-up",
+    "no_token_stream": "the rank does not stream its tokens to the router: a request moved off a dead "
+                       "rank re-prefills from its prompt only (resumed_with 0; greedy outputs hide it)",
+    "reuse_drops_captures": "under capture_policy=reuse, survivors release their captures in a transition "
+                            "instead of keeping them: they serve decodes eagerly (outputs unchanged; the "
+                            "eager-fallback counter and the registry show it)",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
     # Self-healing mechanisms switched off: the harm shows when a rank dies.
     "no_reroute": "the controller does not re-route a dead rank's requests (router park/re-route): "
@@ -52,8 +57,11 @@ VARIANTS: dict[str, str] = {
 
 # Phases a rank can be held in with "hold:<phase>" or "hold:<phase>@<rank>" (``adopt``: a standby taken
 # from the pool, after it got its DP rank; ``regroup``: a survivor at the start of a recovery's regroup).
+# "step" holds once per process, at the first step where a request it serves already has output
+# tokens: a window to kill a rank that certainly holds requests with tokens to continue with.
 HOLD_PHASES = ("launch", "adopt", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture",
-               "regroup")
+               "regroup", "step")
+ONCE_PHASES = frozenset({"step"})
 # "fail:step@<rank>": that rank's step raises a local error (as an out-of-memory would) once, at its
 # first step ``fault_delay_s`` after it started; the process stays alive. Only a rank started with
 # the deployment fails (its replacement, a joiner, does not).
@@ -76,6 +84,7 @@ class Faults:
         self.started = time.time()
         self.joining = joining
         self.failed: set[str] = set()
+        self.held: set[str] = set()  # phases of ONCE_PHASES already held
 
     def active(self, variant: str) -> bool:
         """Whether the broken variant ``variant`` is configured."""
@@ -101,8 +110,10 @@ class Faults:
         kill the rank there. Returns whether it held."""
         if phase not in HOLD_PHASES:
             raise KeyError(f"no hold phase {phase!r}")
-        if not self.holds(phase, joining=joining):
+        if not self.holds(phase, joining=joining) or phase in self.held:
             return False
+        if phase in ONCE_PHASES:
+            self.held.add(phase)
         self.on_hold(phase)
         time.sleep(self.delay_s)
         return True

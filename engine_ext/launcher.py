@@ -152,7 +152,7 @@ class ProcessSpawner:
         self.owner = owner
         self.ctx = mp.get_context("spawn")
 
-    def check_capacity(self, new_ranks: int) -> str | None:
+    def check_capacity(self, new_ranks: int, ranks: list[int] | None = None) -> str | None:
         return None
 
     @property

@@ -142,6 +142,14 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_age_s: FiniteFloat = 0.0  # set by the registry's views
     stale_replays_refused: int = 0  # I3
     epoch: int = 0  # the world (rendezvous) the rank serves in; a fenced rank's older epoch is ignored
+    # Since the rank switched to its current world (``switch_op``'s): replays and eager fallbacks
+    # (no capture for the size) per batch size (as a string), and the operation each capture was made in.
+    switch_op: str = ""
+    replays_since_switch: dict[str, int] = {}
+    eager_since_switch: dict[str, int] = {}
+    eager_fallbacks: int = 0  # since start-up
+    capture_sizes_expected: list[int] = []  # the sizes the config captures
+    captured_in: dict[str, str] = {}
     eplb_logical_load: list[FiniteFloat] = []
     # The tokens this rank routed to each logical expert over its last EPLB window of steps, and
     # the logical expert each of its physical slots holds: the registry computes the

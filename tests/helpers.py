@@ -180,3 +180,49 @@ def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS) 
     res = json_lines(out)[-1]
     check_load(res, cfg_d, max_tokens)
     return res
+
+
+def moved_off(records: list[dict[str, Any]], victim: int, *, resumed: bool = True) -> list[dict[str, Any]]:
+    """The records of requests that were on ``victim`` when it died and completed elsewhere,
+    continuing with the tokens it had streamed (``resumed_with`` > 0); fails when there are none,
+    so a kill that found nothing in flight, or a lost stream, cannot pass. ``resumed=False``: a
+    victim killed where it holds requests that may not have decoded yet (held in a transition)."""
+    moved = [r for r in records if victim in (r.get("moved_from") or [])]
+    assert moved, f"no request was in flight on rank {victim} at the kill (none has moved_from naming it)"
+    for r in moved:
+        assert r.get("error") is None and r.get("rank") not in (None, victim), r
+    if not resumed:
+        return moved
+    continued = [r for r in moved if (r.get("resumed_with") or 0) > 0]
+    assert continued, f"requests moved off rank {victim} restarted from their prompts (resumed_with 0): {moved[:3]}"
+    return continued
+
+
+def up_with_faults(name: str, dp: int, max_dp: int, faults: list[str], delay_s: float, *,
+                   on_rank_failure: str = "replace", standby: int = 0, placement: str = "pack",
+                   **engine: Any) -> dict[str, Any]:
+    """``up`` (in this process, as the CLI does) with the CLI's engine and test faults. This
+    process's Ray connection is dropped first: it may belong to another test's cluster (the
+    multi-node one points RAY_ADDRESS elsewhere), and a connected driver never re-reads it."""
+    import ray
+
+    from eepctl import core
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+    eng = dict(SMALL_ENGINE, faults=faults, fault_delay_s=delay_s, **engine)
+    return core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=eng,
+                   cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300, on_rank_failure=on_rank_failure,
+                   standby=standby, placement={"policy": placement, "ifname": ""})
+
+
+def wait_held(name: str, rank: int, phase: str, timeout: float = 90.0) -> dict[str, Any]:
+    """Status once ``rank`` says a test fault holds it in ``phase`` (its pid is then listed)."""
+    def ok() -> dict[str, Any] | None:
+        s = status(name)
+        hit = any(r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "") and r.get("pid")
+                  for r in s["ranks"])
+        return s if hit else None
+
+    return wait_for(ok, timeout=timeout, interval=0.3, what=f"rank {rank} held in {phase}")

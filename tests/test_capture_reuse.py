@@ -1,7 +1,9 @@
 """The ``reuse`` capture policy on the process launcher: captures sized once for max DP serve
 2 -> 4 -> 3 -> 2 with zero capture passes on the survivors and the dense oracle's tokens, the
-registry reports no I4 violation for those zero passes, and a capture sized for the launch
-world instead of max DP is refused on the scale-up."""
+survivors replay their pre-transition captures after each switch (counted per batch size since
+the switch, none served eagerly), the registry reports no I4 violation for those zero passes,
+survivors that drop their captures are flagged, and a capture sized for the launch world instead
+of max DP is refused on the scale-up."""
 
 from __future__ import annotations
 
@@ -33,7 +35,12 @@ def _capture_events(dep: LocalDeployment, op_id: str) -> list[int]:
     return [e.rank for _, e in dep.registry.events if e.op_id == op_id and e.phase == "capture"]
 
 
-async def _reuse_path(cfg: EngineConfig) -> list[tuple[int, list[dict], dict[int, dict], list[int], list]]:
+async def _live_status(dep: LocalDeployment) -> dict[int, dict]:
+    """Each member's status, asked now (not a heartbeat's)."""
+    return {r: await dep.orch.router.clients[r].status(timeout=10) for r in dep.orch.members}
+
+
+async def _reuse_path(cfg: EngineConfig) -> list[tuple]:
     out = []
     async with LocalDeployment(cfg, "reuse", max_dp=4) as dep:
         await dep.start(2)
@@ -54,7 +61,8 @@ async def _reuse_path(cfg: EngineConfig) -> list[tuple[int, list[dict], dict[int
             results = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
             op_id = op.get("op_id", "")
             out.append((dp, results, _lock_events(dep, op_id) if op_id else {},
-                        _capture_events(dep, op_id) if op_id else [], dep.registry.violations()))
+                        _capture_events(dep, op_id) if op_id else [], dep.registry.violations(),
+                        await _live_status(dep), op_id))
     return out
 
 
@@ -64,7 +72,8 @@ def test_reuse_serves_2_4_3_2_with_no_capture_on_survivors_and_oracle_outputs():
     reference = reference_generate(_cfg(), PROMPTS, MAX_TOKENS)
     path = run(_reuse_path(cfg), 240)
     assert [dp for dp, *_ in path] == [2, 4, 3, 2]
-    for i, (dp, results, locks, captures, violations) in enumerate(path):
+    grown_in = path[1][6]  # the 2 -> 4 operation, which the joiners captured in
+    for i, (dp, results, locks, captures, violations, live, op_id) in enumerate(path):
         assert all(not r.get("error") for r in results), results
         assert {r["rank"] for r in results} <= set(range(dp))
         assert oracle_mismatch(list(enumerate(results)), reference) == "", f"at DP {dp}"
@@ -79,6 +88,46 @@ def test_reuse_serves_2_4_3_2_with_no_capture_on_survivors_and_oracle_outputs():
             assert d["capture_policy"] == "reuse"
             assert d["capture_passes"] == d["expected_passes"] == (1 if rank in joiners else 0)
             assert d["workspace_bytes"] == workspace_bytes(cfg, 4)
+        # After the switch every rank replayed, per batch size and counted since the switch, the
+        # captures it made before it: at start-up (survivors) or when it joined, and none ran eagerly.
+        for rank, st in live.items():
+            assert st["switch_op"] == op_id, (rank, st["switch_op"], op_id)
+            assert sum(st["replays_since_switch"].values()) > 0, (rank, st["switch_op"], st["replays_since_switch"])
+            assert set(st["replays_since_switch"]) <= {str(c) for c in cfg.capture_sizes}
+            assert st["eager_since_switch"] == {}, (rank, st["eager_since_switch"])
+            made_in = "startup" if rank < 2 else grown_in
+            assert set(st["captured_in"].values()) == {made_in}, (rank, st["captured_in"])
+
+
+@pytest.mark.timeout(150)
+def test_survivors_that_drop_their_captures_serve_eagerly_and_are_flagged():
+    """``reuse_drops_captures``: survivors release their captures in the transition instead of
+    keeping them. Outputs still equal the oracle and no capture pass is missing, so only the
+    replay counts show it: no replay since the switch, eager fallbacks per batch size, and the
+    registry's I4 flag for a size the config captures."""
+    cfg = _cfg(faults=["reuse_drops_captures"])
+    reference = reference_generate(_cfg(), PROMPTS, MAX_TOKENS)
+
+    async def go() -> tuple[dict, list[dict], dict[int, dict], list]:
+        async with LocalDeployment(cfg, "reusedrop", max_dp=4) as dep:
+            await dep.start(2)
+            op = await dep.scale(3, timeout_s=60)
+            results = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
+            live = await _live_status(dep)
+            def eager_flags() -> list[dict]:
+                found = [v for v in dep.registry.violations() if "served eagerly" in v["message"]]
+                return found if {v["rank"] for v in found} >= {"0", "1"} else []
+
+            flagged = await wait_until(eager_flags, 15, "the registry flagging both survivors' eager decode steps")
+            return op, results, live, flagged
+
+    op, results, live, flagged = run(go(), 140)
+    assert op["state"] == "succeeded", op
+    assert oracle_mismatch(list(enumerate(results)), reference) == ""
+    for rank in (0, 1):  # the survivors
+        assert live[rank]["replays_since_switch"] == {} and live[rank]["eager_since_switch"], live[rank]
+    assert sum(live[2]["replays_since_switch"].values()) > 0  # the joiner captured and replays
+    assert {v["rank"] for v in flagged} == {"0", "1"} and all(v["invariant"] == "I4" for v in flagged), flagged
 
 
 @pytest.mark.timeout(200)
@@ -99,18 +148,19 @@ def test_reuse_check_refuses_a_capture_sized_for_the_launch_world():
 
 
 def test_capture_memory_matches_the_model_bound():
-    """eepctl's torch-free figure equals the bound the rank sizes its workspace by."""
+    """eepctl's torch-free figure equals the bound the rank sizes its workspace by: the model's
+    own ``moe_workspace_bound`` (the one the lock checks), not a copy of its buffer list."""
     import torch
 
-    from engine_ext.elastic.workspace import bytes_for
     from engine_ext.capture_memory import policy_memory
+    from engine_ext.elastic.eplb import build_layout
+    from engine_ext.model.model import MoEModel
 
-    for dtype, tdt in (("float32", torch.float32), ("float64", torch.float64)):
-        cfg = EngineConfig(dtype=dtype)
-        for w in (1, 2, 4, 8):
-            n = w * cfg.max_num_tokens
-            specs = [((n, cfg.hidden_size), tdt), ((n, cfg.top_k), torch.int64), ((n, cfg.top_k), tdt),
-                     ((n, cfg.hidden_size), tdt), ((n, cfg.hidden_size), tdt), ((n, cfg.expert_hidden), tdt)]
-            assert workspace_bytes(cfg, w) == bytes_for(specs)
+    for dtype in ("float32", "float64"):
+        for hidden, top_k in ((64, 2), (48, 3)):
+            cfg = EngineConfig(dtype=dtype, hidden_size=hidden, top_k=top_k)
+            model = MoEModel(cfg, build_layout(cfg.num_experts, cfg.slots_per_rank, 1), 0, torch.device("cpu"), 0)
+            for w in (1, 2, 4, 8):
+                assert workspace_bytes(cfg, w) == model.moe_workspace_bound(w), (dtype, hidden, top_k, w)
     mem = policy_memory(EngineConfig(capture_policy="reuse"), 2, 4)
     assert mem["held_bytes"] == mem["reuse_bytes"] > mem["recapture_bytes"] and mem["reuse_extra_bytes"] > 0

@@ -195,3 +195,25 @@ def test_generate_and_load_text() -> None:
             "latency_s": loadgen.percentiles([0.1, 0.2, 0.3])}
     assert render.load_text(load).splitlines() == [
         "sent 8 at 4/s over 2.0s: completed 7, failed 1", "latency p50 200 ms, p90 300 ms, p99 300 ms, max 300 ms"]
+
+
+def test_up_waits_until_every_rank_serves_or_exits_with_the_documented_code():
+    """`up` returns once every DP rank's heartbeat says serving (standbys aside); a failed rank
+    ends it with exit 5 and the deadline (--timeout) with exit 6, naming each rank's state."""
+    import time
+
+    from eepctl.core import wait_serving
+    from engine_ext.errors import EepError
+
+    def ranks(*states: str, standby: bool = False) -> dict:
+        out = [{"rank": r, "state": s} for r, s in enumerate(states)]
+        return {"ranks": out + ([{"rank": 100000, "state": "standby"}] if standby else [])}
+
+    seq = iter([ranks("starting", "serving"), ranks("serving"), ranks("serving", "serving", standby=True)])
+    assert wait_serving(lambda: next(seq), "d", 2, time.time() + 30, interval_s=0) == ranks("serving", "serving", standby=True)
+    with pytest.raises(EepError, match="rank 1 failed") as failed:
+        wait_serving(lambda: ranks("serving", "failed"), "d", 2, time.time() + 30, interval_s=0)
+    assert int(failed.value.exit_code) == 5
+    with pytest.raises(EepError, match="did not serve at DP 2 before --timeout: rank 0 serving, rank 1 starting") as late:
+        wait_serving(lambda: ranks("serving", "starting"), "d", 2, time.time() + 0.2, interval_s=0.01)
+    assert int(late.value.exit_code) == 6

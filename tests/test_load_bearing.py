@@ -17,7 +17,7 @@ from engine_ext.config import EngineConfig
 from engine_ext.model.dense_oracle import reference_generate
 from engine_ext.launcher import LocalDeployment
 from engine_ext.rank.warmup import WarmupIsolationError
-from tests.engine_helpers import OneRank, oracle_mismatch, run
+from tests.engine_helpers import OneRank, oracle_mismatch, run, wait_until
 
 PROMPTS = [[7, 3], [1, 2, 3], [200, 13, 99, 5, 5], [(97 * j + 41) % 256 for j in range(20)]]
 MAX_TOKENS = 10
@@ -170,8 +170,12 @@ async def _resize(cfg: EngineConfig, sizes: list[int]) -> list[tuple[dict, list[
         await dep.start(sizes[0])
         for dp in sizes[1:]:
             op = await dep.scale(dp, timeout_s=120)
-            await asyncio.sleep(1.5)  # a heartbeat carries the new kv_blocks_total
-            out.append((op, [v for v in dep.registry.rank_views() if v["state"] != "removed"]))
+
+            def beaten() -> list[dict]:  # every rank's heartbeat since the op ended carries its kv_blocks_total
+                views = [v for v in dep.registry.rank_views() if v["state"] != "removed"]
+                return views if all(v["last_heartbeat"] > op["finished"] for v in views) else []
+
+            out.append((op, await wait_until(beaten, 10, "a heartbeat from every rank after the scale")))
             if op["state"] != "succeeded":
                 break
     return out
@@ -232,7 +236,10 @@ async def _scale_up_and_serve(cfg: EngineConfig) -> tuple[dict, list[dict], list
         await dep.start(2)
         op = await dep.scale(3, timeout_s=120)
         results = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS * 2))
-        await asyncio.sleep(0.5)
+        # The I2 check reads the ranks' events of the scale: wait until every rank's lock event arrived.
+        await wait_until(lambda: {e.rank for _, e in dep.registry.events
+                                  if e.op_id == op["op_id"] and e.phase == "lock"} >= {0, 1, 2}, 10,
+                         "every rank's events of the scale")
         return op, list(results), dep.registry.violations()
 
 
@@ -263,7 +270,9 @@ def test_prepared_eplb_communicator_serves_right_on_the_joiner(reference):
 async def _start_and_view(cfg: EngineConfig, dp: int) -> tuple[list[dict], list[dict]]:
     async with LocalDeployment(cfg, "ids", max_dp=dp) as dep:
         await dep.start(dp)
-        await asyncio.sleep(1.5)  # a heartbeat from every rank
+        # Every rank reported, listed or refused (a second claim of one identity is refused).
+        await wait_until(lambda: len(dep.registry.rank_views()) + len(dep.registry.rejected) >= dp, 10,
+                         "a status from every rank")
         return dep.registry.rank_views(), dep.registry.violations()
 
 

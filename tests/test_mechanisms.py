@@ -688,6 +688,17 @@ def test_fault_hold_waits_only_in_its_phase_and_on_its_rank():
     assert slow.holds("prepare", joining=True) and not slow.holds("prepare") and not slow.holds("commit", joining=True)
 
 
+def test_step_hold_holds_once_per_process():
+    """``hold:step`` is a kill window in serving: once, so a rank that survives it serves on."""
+    from engine_ext.rank.faults import Faults
+
+    held: list[str] = []
+    f = Faults(["hold:step@1"], 0.0, rank=1, on_hold=held.append)
+    assert f.holds("step") and f.hold("step") is True and f.hold("step") is False
+    assert held == ["step"]
+    assert Faults(["hold:step@1"], 0.0, rank=0).hold("step") is False
+
+
 def test_rank_held_at_launch_says_so_while_held():
     from engine_ext.rank.engine import RankEngine
 

@@ -15,6 +15,7 @@ from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
 from tests.engine_helpers import oracle_mismatch, run, wait_until
+from tests.helpers import moved_off
 
 MAX_TOKENS = 24
 PROMPTS = [[(13 * i + 7 * j + 1) % 256 for j in range(3 + i % 9)] for i in range(18)]
@@ -29,20 +30,39 @@ def reference() -> list[dict]:
     return reference_generate(_cfg(slots_per_rank=6), PROMPTS, MAX_TOKENS)
 
 
-async def _load_with_kill(dep: LocalDeployment, victim: int, *, kill_after_s: float = 0.6,
-                          rate_per_s: float = 12.0) -> tuple[list[tuple[int, dict]], float]:
-    """Open-loop arrivals; SIGKILL ``victim`` by pid while requests run on it."""
-    tasks: list[tuple[int, asyncio.Task]] = []
-    t0 = time.monotonic()
-    killed_at = 0.0
-    for i, p in enumerate(PROMPTS):
-        tasks.append((i, asyncio.ensure_future(dep.generate(p, MAX_TOKENS))))
-        await asyncio.sleep(1.0 / rate_per_s)
-        if not killed_at and time.monotonic() - t0 >= kill_after_s:
-            os.kill(dep.processes[victim].pid(), signal.SIGKILL)
-            killed_at = time.monotonic()
-    results = [(i, await asyncio.wait_for(t, 120)) for i, t in tasks]
-    return results, killed_at
+async def _decoding(dep: LocalDeployment, victim: int) -> None:
+    """Return once ``victim``'s live status shows requests that have run two more steps since it
+    was first seen holding them: each of those has tokens to continue with."""
+    client = dep.orch.router.clients[victim]
+    first: int | None = None
+    while True:
+        st = await client.status(timeout=10)
+        if st["requests_running"] > 0:
+            if first is None:
+                first = st["steps"]
+            elif st["steps"] >= first + 2:
+                return
+        await asyncio.sleep(0.005)  # poll interval of the wait, not a synchronisation
+
+
+async def _kill_while_decoding(dep: LocalDeployment, victim: int) -> None:
+    """SIGKILL ``victim`` by pid while requests decode on it."""
+    await _decoding(dep, victim)
+    os.kill(dep.processes[victim].pid(), signal.SIGKILL)
+
+
+async def _load_with_kill(dep: LocalDeployment, victim: int, *, rate_per_s: float = 12.0) -> list[tuple[int, dict]]:
+    """Open-loop arrivals; SIGKILL ``victim`` by pid while requests decode on it."""
+    async def arrivals() -> list[tuple[int, asyncio.Task]]:
+        tasks = []
+        for i, p in enumerate(PROMPTS):
+            tasks.append((i, asyncio.ensure_future(dep.generate(p, MAX_TOKENS))))
+            await asyncio.sleep(1.0 / rate_per_s)  # the arrival rate
+        return tasks
+
+    sender = asyncio.ensure_future(arrivals())
+    await asyncio.wait_for(_kill_while_decoding(dep, victim), 60)
+    return [(i, await asyncio.wait_for(t, 120)) for i, t in await sender]
 
 
 def _watch_states(dep: LocalDeployment) -> dict[int, set[str]]:
@@ -70,7 +90,7 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
                                    on_rank_failure="shrink") as dep:
             await dep.start(3)
             states = _watch_states(dep)
-            results, _ = await _load_with_kill(dep, victim)
+            results = await _load_with_kill(dep, victim)
             assert [r.get("error") for _, r in results if r.get("error")][:2] == []
             # degrade-vs-fail: the survivors took the peer's death for a peer's failure, none failed
             # (they degraded, or the recovery's halt reached them first; `no_degrade` shows the harm)
@@ -87,6 +107,7 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
             assert [e["detail"]["new_store_host"] for e in regroup] == ([1] if victim == 0 else []), regroup
             assert set(ops[-1]["captures_per_rank"].values()) == {1}  # I4: exactly one capture
             assert dep.orch.router.rerouted >= 1, "the victim had requests in flight"
+            moved_off([r for _, r in results], victim)  # ... which continued elsewhere with their tokens
             # The survivors serve, keep their identities (I1) and see the new DP size (I6).
             await wait_until(lambda: all(s.state == "serving" and s.dp_size == 2 for s in _statuses(dep).values())
                              and len(_statuses(dep)) == 2, 10, "survivors serving at DP 2")
@@ -103,13 +124,31 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
     run(scenario(), 220)
 
 
+@pytest.mark.timeout(120)
+def test_without_token_streaming_moved_requests_restart_from_the_prompt(reference: list[dict]) -> None:
+    """The fault no_token_stream switches the rank's token stream off: greedy outputs still equal
+    the oracle (so an output check alone cannot see it), but the moved requests arrive on the
+    survivor with no tokens (resumed_with 0), and ``moved_off`` fails, as the kill tests rely on."""
+    async def scenario() -> None:
+        async with LocalDeployment(_cfg(slots_per_rank=6, faults=["no_token_stream"]), "heal-nostream", max_dp=4,
+                                   on_rank_failure="shrink") as dep:
+            await dep.start(3)
+            results = await _load_with_kill(dep, 1)
+            assert oracle_mismatch(results, reference, logits=False) == ""
+            moved = [r for _, r in results if 1 in r["moved_from"]]
+            assert moved and all(r["resumed_with"] == 0 for r in moved), moved
+            with pytest.raises(AssertionError, match="restarted from their prompts"):
+                moved_off([r for _, r in results], 1)
+    run(scenario(), 110)
+
+
 @pytest.mark.timeout(240)
 def test_replace_policy_grows_back_to_desired_size(reference: list[dict]) -> None:
     async def scenario() -> None:
         async with LocalDeployment(_cfg(slots_per_rank=6), "heal-replace", max_dp=4) as dep:
             await dep.start(3)
             victim_pid = dep.processes[2].pid()
-            results, _ = await _load_with_kill(dep, 2)
+            results = await _load_with_kill(dep, 2)
             assert oracle_mismatch(results, reference, logits=False) == ""
             await wait_until(lambda: len(dep.orch.members) == 3 and not dep.orch.busy(), 120, "DP 3 again")
             await dep.orch.recovery.wait()
@@ -133,7 +172,7 @@ def test_expert_only_on_dead_rank_restored_from_weight_source() -> None:
             only_there = [e for e in layout.local_logical(victim)
                           if all(layout.rank_of(p) == victim for p in layout.replicas(e))]
             assert only_there, "the test needs an expert whose only copy is on the victim"
-            results, _ = await _load_with_kill(dep, victim)
+            results = await _load_with_kill(dep, victim)
             assert oracle_mismatch(results, ref, logits=False) == ""
             await dep.orch.recovery.wait()
             op = [op for op in dep.orch.history if op.get("kind") == "recover"][-1]
@@ -151,11 +190,13 @@ def test_two_ranks_killed_at_once(reference: list[dict]) -> None:
         async with LocalDeployment(_cfg(slots_per_rank=6), "heal-two", max_dp=4, on_rank_failure="shrink") as dep:
             await dep.start(4)
             tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS]
-            await asyncio.sleep(0.5)
+            await asyncio.wait_for(asyncio.gather(_decoding(dep, 1), _decoding(dep, 2)), 60)
             for victim in (1, 2):
                 os.kill(dep.processes[victim].pid(), signal.SIGKILL)
             results = [await asyncio.wait_for(t, 120) for t in tasks]
             assert oracle_mismatch(list(enumerate(results)), reference, logits=False) == ""
+            for victim in (1, 2):  # both held requests mid-decode, which continued on a survivor
+                moved_off(results, victim)
             await dep.orch.recovery.wait()
             assert dep.orch.members == [0, 3]
             ops = [op for op in dep.orch.history if op.get("kind") == "recover"]

@@ -23,11 +23,13 @@ from tests.helpers import (
     eepctl_json,
     events,
     last_json,
+    moved_off,
     oracle,
     scale_json,
     status,
-    up_cli,
+    up_with_faults,
     wait_for,
+    wait_held,
     wait_serving_load,
 )
 
@@ -64,16 +66,17 @@ def _kill(snap: dict[str, Any], rank: int) -> int:
 @pytest.mark.timeout(300)
 def test_serving_rank_killed_under_load_shrinks_and_serves(deployments):
     d = deployments("heal-shrink")
-    up_cli(d, 3, 4, "--slots-per-rank", "6", "--on-rank-failure", "shrink")
+    # Rank 1 holds once, in its first step with a request mid-decode: the kill finds requests on it.
+    up_with_faults(d.name, 3, 4, ["hold:step@1"], 60.0, slots_per_rank=6, on_rank_failure="shrink")
     snap = _serving(d.name, 3)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "12", "--max-tokens", "16", "-o", "json")
-    wait_serving_load(d.name)
-    _kill(snap, 1)
+    _kill(wait_held(d.name, 1, "step"), 1)
     t_kill = time.time()
     after = _serving(d.name, 2)
     served_again_s = time.time() - t_kill
     res = finish_load(load, cfg_d, 16)
+    moved_off(res["records"], 1)  # the victim's requests continued on a survivor with their tokens
 
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 2]  # identities kept (I1)
     text = eepctl("status", "--name", d.name, timeout=60).stdout
@@ -86,7 +89,10 @@ def test_serving_rank_killed_under_load_shrinks_and_serves(deployments):
     print(f"\n[heal-shrink] serving at DP 2 {served_again_s:.1f}s after SIGKILL; "
           f"recovery phases {ops[0]['phase_durations']}; load {res['sent']} sent, 0 failed")
 
-    # After recovery a normal scale up and down works and status is clean.
+    # After recovery the dry run names the joiner the scale will use (3, after the survivors 0
+    # and 2, on a node), and a normal scale up and down works and status is clean.
+    plan = eepctl_json("scale", "--dp", "3", "--name", d.name, "--dry-run", timeout=60)
+    assert [j["rank"] for j in plan["joining"]] == [p["rank"] for p in plan["placement"]["nodes"]] == [3], plan
     assert scale_json(d.name, 3)["state"] == "succeeded"
     clean = _serving(d.name, 3)
     assert not clean.get("violations"), clean["violations"]
@@ -104,14 +110,13 @@ def test_store_host_killed_replace_restores_lost_experts_and_grows_back(deployme
     expert that lived only on the dead rank is restored from the weight source. ``replace``
     grows back to the desired DP 4."""
     d = deployments("heal-replace")
-    up_cli(d, 4, 5, "--experts", "16", "--slots-per-rank", "6")
+    up_with_faults(d.name, 4, 5, ["hold:step@0"], 60.0, num_experts=16, slots_per_rank=6)
     snap = _serving(d.name, 4)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "10", "-o", "json")
-    wait_serving_load(d.name)
-    _kill(snap, 0)
+    _kill(wait_held(d.name, 0, "step"), 0)
     after = _serving(d.name, 4, timeout=120)
-    finish_load(load, cfg_d)
+    moved_off(finish_load(load, cfg_d)["records"], 0)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [1, 2, 3, 4]
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded" and ops[-1]["dead_ranks"] == [0], ops
@@ -135,7 +140,7 @@ def test_rank_killed_while_held_in_commit_recovers_consistent_world(deployments)
                          for r in status(d.name)["ranks"]), timeout=90, interval=0.3, what="rank 1 held in commit")
     _kill(snap, 1)
     scale.communicate(timeout=120)
-    assert scale.returncode != 0  # the scale failed in commit ...
+    assert scale.returncode == 5, scale.returncode  # the scale failed in commit (exit 5, not a crash) ...
     _serving(d.name, 1, timeout=120)  # ... and the members' world was rebuilt without rank 1
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded", ops
@@ -153,16 +158,17 @@ def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, 
     from engine_ext.ray.names import registry_name
 
     d = deployments("heal-registry")
-    up_cli(d, 3, 4, "--slots-per-rank", "6")
+    # The replacement takes number 2 again and holds once too: a short hold keeps that stall short.
+    up_with_faults(d.name, 3, 4, ["hold:step@2"], 12.0, slots_per_rank=6)
     snap = _serving(d.name, 3)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "10", "-o", "json")
-    wait_serving_load(d.name)
+    held = wait_held(d.name, 2, "step")
     cluster.connect(ray_cluster["address"], NAMESPACE)
     ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
-    _kill(snap, 2)
+    _kill(held, 2)
     after = _serving(d.name, 3, timeout=120)  # policy replace: back at the desired DP 3
-    finish_load(load, cfg_d)
+    moved_off(finish_load(load, cfg_d)["records"], 2)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1, 2]  # the dead rank's number, free again
     assert wait_for(lambda: _recover_ops(d.name), timeout=20, what="the recover operation in the new registry")
     rep = eepctl("repair", "--name", d.name, timeout=120)
@@ -180,17 +186,6 @@ def _up_with_fault(name: str, fault: str, delay_s: float) -> dict[str, Any]:
     return _serving(name, 2)
 
 
-def _held(name: str, rank: int, phase: str) -> dict[str, Any]:
-    """Status once ``rank`` says it is held in ``phase`` (its pid is then listed)."""
-    def ok() -> dict[str, Any] | None:
-        s = status(name)
-        hit = any(r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "") and r.get("pid")
-                  for r in s["ranks"])
-        return s if hit else None
-
-    return wait_for(ok, timeout=90, interval=0.3, what=f"rank {rank} held in {phase}")
-
-
 @pytest.mark.timeout(180)
 def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
     """The joining rank dies before it joins the world: the scale is rolled back (exit 5), the
@@ -201,7 +196,7 @@ def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
     load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "10", "--max-tokens", "16", "-o", "json")
     wait_serving_load(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
-    held = _held(d.name, 2, "launch")
+    held = wait_held(d.name, 2, "launch")
     _kill(held, 2)
     out_s, err_s = scale.communicate(timeout=120)
     assert scale.returncode == 5, (scale.returncode, out_s, err_s[-2000:])
@@ -218,26 +213,30 @@ def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
 
 @pytest.mark.timeout(240)
 def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
-    """Rank 1 dies while held in warm of a 2->3 scale (before its commit): the scale fails,
-    ``recover`` (policy shrink) rebuilds the old world without it at DP 1 (the uncommitted joiner is
-    dropped), the load loses nothing, status is clean, and a scale back to 2 works."""
+    """Rank 1 dies while held in warm of a 2->3 scale. Warm runs inside the commit, after the
+    switch to the new group (``RankTransition._commit_steps``), so the scale fails in its commit;
+    ``recover`` (policy shrink) rebuilds the old members' world without it at DP 1 (the joiner,
+    whose commit never completed, is dropped), the load loses nothing, status is clean, and a
+    scale back to 2 works."""
     d = deployments("heal-warm")
     snap = _up_with_fault(d.name, "hold:warm@1", 8.0)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "14", "--max-tokens", "16", "-o", "json")
     wait_serving_load(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
-    held = _held(d.name, 1, "warm")
+    held = wait_held(d.name, 1, "warm")
     _kill(held, 1)
     out_s, err_s = scale.communicate(timeout=120)
     assert scale.returncode == 5, out_s  # the scale failed in its commit ...
     scales = [o for o in events(d.name)["operations"] if o.get("kind") == "scale"]
     assert scales and scales[-1]["state"] == "failed", scales
-    # ... (on Ray, warm runs before commit) and the old world was rebuilt without rank 1; the joiner
-    # never joined, so the survivor set is {0}: DP 1.
+    # ... and the old members' world was rebuilt without rank 1; the joiner's commit never
+    # completed, so the survivor set is {0}: DP 1.
     after = _serving(d.name, 1, timeout=120)
     assert [r["rank"] for r in after["ranks"] if r["state"] == "serving"] == [0]
-    finish_load(load, cfg_d, 16)
+    # Held in its commit for 8 s under the open-loop load, rank 1 had been handed requests: they
+    # completed on rank 0 (those handed during the hold had not decoded yet: no resumed check).
+    moved_off(finish_load(load, cfg_d, 16)["records"], 1, resumed=False)
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded" and ops[-1]["dead_ranks"] == [1], ops
     text = eepctl("status", "--name", d.name, timeout=60).stdout

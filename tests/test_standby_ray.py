@@ -24,6 +24,11 @@ def test_scale_up_adopts_the_standby_actor_and_the_pool_refills(deployments):
     assert [r["instance_id"] for r in first] == [f"{d.name}_standby0"]
     snap = status(d.name)
     assert snap["summary"]["standby"] == 1 and snap["violations"] == []
+    # The dry run names the rank the scale will use (2) and places it on the standby's node.
+    plan = eepctl_json("scale", "--dp", "3", "--name", d.name, "--dry-run", timeout=60)
+    assert [j["rank"] for j in plan["joining"]] == [2], plan["joining"]
+    assert [(p["rank"], p.get("from_standby"), p["node_id"]) for p in plan["placement"]["nodes"]] == \
+        [(2, 0, first[0]["node_id"])], plan["placement"]
     op = scale_json(d.name, 3)
     assert op["state"] == "succeeded", op
     assert op["phase_durations"]["launch"] < 1.0, op["phase_durations"]
@@ -50,16 +55,15 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     import os
     import signal
 
-    from tests.helpers import events, wait_serving_load
+    from tests.helpers import events, moved_off, up_with_faults, wait_held
 
     d: Deployment = deployments("sbheal")
-    up_cli(d, 3, 4, "--slots-per-rank", "6", "--standby", "1")  # policy replace is the default
+    # policy replace is the default; rank 1 holds once mid-decode, so the kill finds requests on it
+    up_with_faults(d.name, 3, 4, ["hold:step@1"], 60.0, slots_per_rank=6, standby=1)
     spare = wait_for(lambda: _standbys(d.name), 60, what="a standby rank")[0]
-    snap = status(d.name)
-    cfg_d = snap["info"]["config"]
+    cfg_d = status(d.name)["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "10", "-o", "json")
-    wait_serving_load(d.name)
-    victim = next(r for r in snap["ranks"] if r["rank"] == 1)
+    victim = next(r for r in wait_held(d.name, 1, "step")["ranks"] if r["rank"] == 1)
     os.kill(int(victim["pid"]), signal.SIGKILL)  # this test's own deployment's rank process
 
     def grown_back() -> dict | None:
@@ -68,7 +72,7 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
         return s if len(live) == 3 and not s.get("operation") else None
 
     after = wait_for(grown_back, 120, interval=0.5, what="DP 3 again")
-    finish_load(load, cfg_d)
+    moved_off(finish_load(load, cfg_d)["records"], 1)
     serving = {r["rank"]: r for r in after["ranks"] if r["state"] == "serving"}
     assert sorted(serving) == [0, 2, 3], serving  # survivors keep their numbers; the joiner is next after them
     assert serving[3]["pid"] == spare["pid"] and serving[3]["instance_id"] == f"{d.name}_dp3", serving[3]

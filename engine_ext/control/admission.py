@@ -60,7 +60,8 @@ class Admission:
             plan = await self.compose(target, op_id, retire)
             op = Operation(plan.op_id, self.world.name, plan.from_size, plan.to_size, plan=plan.to_dict())
             if not plan.noop:
-                reason = self.spawner.check_capacity(max(0, target - self.world.size))
+                reason = self.spawner.check_capacity(max(0, target - self.world.size),
+                                                     [int(j["rank"]) for j in plan.joining])
                 if reason:
                     raise PreconditionError(reason)
                 if probe_ranks:

@@ -176,6 +176,12 @@ class RegistryState:
             if v.stale_replays_refused:
                 found.append({"invariant": "I3", "rank": rank,
                               "message": f"{v.stale_replays_refused} replay(s) against a reallocated buffer refused"})
+            eager = {s: n for s, n in v.eager_since_switch.items() if int(s) in v.capture_sizes_expected}
+            if eager:
+                sizes = ", ".join(f"{n} at batch size {s}" for s, n in eager.items())
+                found.append({"invariant": "I4", "rank": rank,
+                              "message": f"decode steps served eagerly since {v.switch_op or 'start-up'} "
+                                         f"({sizes}): no capture for a size the config captures"})
         found.extend(self._event_violations())
         found.extend({"invariant": "I1", "rank": "-", "message": m} for m in self.rejected[-5:])
         return found

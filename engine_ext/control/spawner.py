@@ -18,8 +18,9 @@ class Spawner(Protocol):
     async def spawn(self, rank: int, layout: ExpertLayout, joining: bool) -> RankClient:
         """DP rank ``rank`` of ``layout``, started (a joiner may be a standby adopted from the pool)."""
 
-    def check_capacity(self, new_ranks: int) -> str | None:
-        """None if the cluster can host ``new_ranks`` more ranks, else the reason."""
+    def check_capacity(self, new_ranks: int, ranks: list[int] | None = None) -> str | None:
+        """None if the cluster can host ``new_ranks`` more ranks (numbered ``ranks``, the plan's
+        joiners, when given), else the reason."""
 
     @property
     def pool(self) -> StandbyPool | None:

@@ -7,7 +7,10 @@ stale replay computes with stale tensors. A capture therefore remembers the stor
 buffer it reads (static inputs, KV cache, weights, routing and block tables, MoE workspace)
 and the group and world size it was captured in, and ``check`` refuses to replay once any of
 them changed. ``verify=False`` (the ``no_stale_check`` fault) skips that check, to show the harm.
-The manager also counts capture passes (one per transition, I4) where they happen.
+The manager also counts capture passes (one per transition, I4) where they happen, and, since
+the last world switch (``open_window``), the replays per batch size and the steps served eagerly
+because no capture existed for a size the config captures: "survivors kept replaying their
+captures after the switch" is then read from counts, not from the captures merely existing.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class CapturedStep:
     run: Callable[[], None]
     pieces: list[tuple[str, object]] | None = None  # CUDA: ("graph", CUDAGraph) | ("comm", fn)
     replays: int = 0
+    captured_in: str = "startup"  # the operation whose capture pass made it
 
 
 @dataclass
@@ -59,6 +63,16 @@ class GraphStats:
     replays: int = 0
     last_capture_s: float | None = None
     capture_durations: dict[int, float] = field(default_factory=dict)
+    eager_fallbacks: int = 0  # decode steps served eagerly for want of a capture, since start-up
+
+
+@dataclass
+class ReplayWindow:
+    """What the rank replayed since it switched to its current world (``op_id``'s)."""
+
+    op_id: str = "startup"
+    replays: dict[int, int] = field(default_factory=dict)  # batch size -> replays
+    eager: dict[int, int] = field(default_factory=dict)  # batch size -> eager fallbacks
 
 
 class GraphManager:
@@ -85,6 +99,8 @@ class GraphManager:
         self._captured: dict[int, CapturedStep] = {}
         self.descriptors: dict[int, CaptureDescriptor] = {}
         self.stats = GraphStats()
+        self.window = ReplayWindow()
+        self.op_id = "startup"  # the operation under way (captures are labelled with it)
         self._pool = None
 
     @property
@@ -98,9 +114,23 @@ class GraphManager:
     def needs_capture(self, batch_size: int) -> bool:
         return batch_size in self.descriptors and batch_size not in self._captured
 
-    def begin_operation(self) -> None:
+    def begin_operation(self, op_id: str = "") -> None:
         self.stats.captures_this_op = 0
         self.passes_this_op = 0
+        self.op_id = op_id or self.op_id
+
+    def open_window(self, op_id: str) -> None:
+        """The rank serves in the world ``op_id`` made from now on: count its replays afresh."""
+        self.window = ReplayWindow(op_id)
+
+    def count_eager(self, batch_size: int) -> None:
+        """A decode step of ``batch_size`` ran eagerly: no capture exists for it."""
+        self.stats.eager_fallbacks += 1
+        self.window.eager[batch_size] = self.window.eager.get(batch_size, 0) + 1
+
+    @property
+    def captured_in(self) -> dict[int, str]:
+        return {size: step.captured_in for size, step in sorted(self._captured.items())}
 
     def begin_pass(self) -> None:
         """A capture pass over every capture size starts (I4: exactly one per transition)."""
@@ -139,6 +169,7 @@ class GraphManager:
             world=self.world_key(),
             run=run,
             pieces=pieces,
+            captured_in=self.op_id,
         )
         self._captured[batch_size] = step
         desc = CaptureDescriptor(batch_size, duration, time.time())
@@ -229,6 +260,7 @@ class GraphManager:
             step.run()
         step.replays += 1
         self.stats.replays += 1
+        self.window.replays[batch_size] = self.window.replays.get(batch_size, 0) + 1
         return step.output
 
     def release(self) -> int:

@@ -140,16 +140,19 @@ class CaptureReuse:
         return graphs.captured_sizes
 
     def transition(self, op_id: str) -> dict[str, Any]:
-        """A survivor under reuse: nothing released, nothing captured; the lock re-checked."""
-        workspace = self.res.workspace
-        with self.telemetry.phase(op_id, "lock", capture_passes=0, expected_passes=0, capture_policy="reuse",
-                                  required_bytes=workspace.nbytes) as d:
+        """A survivor under reuse: nothing released, nothing captured; the lock re-checked. The
+        passes it reports are the graph manager's count, where a capture pass would be counted."""
+        workspace, graphs = self.res.workspace, self.res.graphs
+        if self.res.faults.active("reuse_drops_captures"):
+            graphs.release()  # the captures are not kept: the survivor serves its decodes eagerly
+        with self.telemetry.phase(op_id, "lock", capture_passes=graphs.passes_this_op, expected_passes=0,
+                                  capture_policy="reuse", required_bytes=workspace.nbytes) as d:
             d["reused_sizes"] = self.verify()
             d["workspace_bytes"] = workspace.nbytes
             d["capture_world"] = self.capacity
-        self.shared.capture_passes = 0
-        return {"captures_this_op": 0, "capture_policy": "reuse", "workspace_after": workspace.nbytes,
-                "kv_blocks_after": self.res.sched.blocks.total}
+        self.shared.capture_passes = graphs.passes_this_op
+        return {"captures_this_op": graphs.passes_this_op, "capture_policy": "reuse",
+                "workspace_after": workspace.nbytes, "kv_blocks_after": self.res.sched.blocks.total}
 
 
 def max_world_handle(cfg: EngineConfig, faults: Faults, shared: RankShared) -> MaxWorldGroup | None:

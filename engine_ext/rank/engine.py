@@ -209,6 +209,10 @@ class RankEngine:
             physical_experts=eplb.layout.num_physical, logical_experts=eplb.layout.num_logical,
             steps=shared.steps, last_heartbeat=time.time(), epoch=shared.epoch,
             stale_replays_refused=shared.stale_replays_refused, eplb_logical_load=list(eplb.logical_load),
+            switch_op=g.window.op_id, replays_since_switch={str(k): v for k, v in sorted(g.window.replays.items())},
+            eager_since_switch={str(k): v for k, v in sorted(g.window.eager.items())},
+            eager_fallbacks=g.stats.eager_fallbacks, capture_sizes_expected=list(self.cfg.capture_sizes),
+            captured_in={str(k): v for k, v in g.captured_in.items()},
             eplb_recent_load=eplb.recent_load(),
             eplb_slots=eplb.layout.local_logical(res.model.rank),  # the layout slice at the model's position
             **s.latency.summary(),  # windowed TTFT/TPOT p50/p95 (engine_ext/rank/latency.py)

@@ -121,7 +121,7 @@ class RankRecovery:
         op_id = plan.op_id
         t0 = time.time()
         shared.begin_op(op_id)
-        res.graphs.begin_operation()
+        res.graphs.begin_operation(op_id)
         telemetry.set_state(RankState.RECOVERING, f"recovering in {op_id}")
         with telemetry.phase(op_id, "abort"):
             self._halt()

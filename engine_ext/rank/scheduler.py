@@ -109,6 +109,9 @@ class Request:
     arrival: float = field(default_factory=time.time)
     moved_from: list[int] = field(default_factory=list)
     first_token_at: float | None = None  # on this rank (engine_ext/rank/latency.py)
+    # Output tokens the request already had when this rank took it: a request re-routed off a
+    # dead rank carries the tokens that rank streamed, so this is > 0 exactly when it continued.
+    resumed_with: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -120,12 +123,15 @@ class Request:
 
     def to_wire(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "prompt": list(self.prompt), "max_tokens": self.max_tokens,
-                "output": list(self.output), "logits": list(self.logits), "moved_from": list(self.moved_from)}
+                "output": list(self.output), "logits": list(self.logits), "moved_from": list(self.moved_from),
+                "resumed_with": self.resumed_with}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Request:
-        return cls(d["request_id"], list(d["prompt"]), int(d["max_tokens"]), list(d.get("output", [])),
-                   list(d.get("logits", [])), moved_from=list(d.get("moved_from", [])))
+        """The request as this rank takes it: ``resumed_with`` counts the tokens it arrives with."""
+        output = list(d.get("output", []))
+        return cls(d["request_id"], list(d["prompt"]), int(d["max_tokens"]), output,
+                   list(d.get("logits", [])), moved_from=list(d.get("moved_from", [])), resumed_with=len(output))
 
 
 @dataclass

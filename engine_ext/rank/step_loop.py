@@ -145,6 +145,8 @@ class StepLoop:
         res, shared = self.res, self.shared
         if res.faults.fail_now("step"):
             raise RuntimeError("injected by a test fault: out of memory in this rank's step")
+        if res.faults.holds("step") and any(it.request.output for it in items):
+            res.faults.hold("step")  # a test's window to kill this rank with requests mid-decode
         # The padded size depends only on the agreed header and the config, never on this rank's
         # graphs: ranks whose captures differ still issue collectives of the same shape.
         size = None
@@ -159,10 +161,10 @@ class StepLoop:
         shared.steps += 1
         finished = self.apply_logits(items, logits)
         # Stream this step's tokens (fire-and-forget): the router re-submits a request with them
-        # if this rank dies, so it continues where it was.
+        # if this rank dies, so it continues where it was (the fault no_token_stream switches it off).
         streamed = {it.request.request_id: [it.request.output[-1], it.request.logits[-1]]
                     for it in items if not it.request.done}
-        if streamed:
+        if streamed and not res.faults.active("no_token_stream"):
             self.telemetry.send("tokens", {"tokens": streamed})
         if finished:
             self.telemetry.sink("results", {"results": finished})
@@ -198,7 +200,8 @@ class StepLoop:
         batch = self.batch(items, size)
         try:
             step = res.graphs.check(size)
-        except (KeyError, GraphReleasedError):  # nothing captured for this size: eager, same shape
+        except (KeyError, GraphReleasedError):  # nothing captured for this size: eager, same shape,
+            res.graphs.count_eager(size)  # counted: the config captures this size (the registry flags it)
             return res.model.forward(batch, shared.group, res.workspace)
         except StaleGraphError as ex:
             # The check refuses the replay; serve this step eagerly at the same padded size so

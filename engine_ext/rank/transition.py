@@ -47,7 +47,7 @@ class RankTransition:
         role = plan.role(shared.rank)
         op = OpState(plan, role)
         shared.begin_op(plan.op_id, op)
-        self.res.graphs.begin_operation()
+        self.res.graphs.begin_operation(plan.op_id)
         if role != "joining":
             telemetry.set_state(RankState.PREPARING)
         faults.hold("prepare", joining=role == "joining")

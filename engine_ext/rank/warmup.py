@@ -62,6 +62,12 @@ class Warmup:
         return (self.memory_budget - workspace_bytes) // self.block_bytes - 1
 
     def warm_and_capture(self, op_id: str) -> dict[str, Any]:
+        """Ready the rank's captures for the world ``op_id`` made; its replays count afresh from here."""
+        report = self._warm_and_capture(op_id)
+        self.res.graphs.open_window(op_id)
+        return report
+
+    def _warm_and_capture(self, op_id: str) -> dict[str, Any]:
         """Release graphs -> unlock -> right-size -> KV pool -> isolated warm-up -> capture once -> lock."""
         res, faults, telemetry = self.res, self.res.faults, self.telemetry
         graphs, workspace = res.graphs, res.workspace

@@ -290,7 +290,8 @@ class Controller(AutoscaleMethods):
         try:
             plan = (await self.orch.plan(target, retire=retire)).to_dict()
             plan["running_op"] = self.orch.busy()
-            reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size))
+            reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size),
+                                                      [int(j["rank"]) for j in plan["joining"]])
             plan["capacity_problem"] = reason
             plan["placement"] = {"policy": self.spawner.spec.policy, "nodes": self.spawner.predicted()}
             return plan

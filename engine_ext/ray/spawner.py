@@ -107,27 +107,42 @@ class RaySpawner:
         self.rank_nodes: dict[int, placement.Node] = {}
         self._pgs: dict[int, Any] = {}
         self._planned: dict[int, placement.Node] = {}  # the last preflight's node per new rank
+        self._pooled: dict[int, tuple[int, placement.Node | None]] = {}  # joiner -> (standby, its node)
         self.pool: StandbyPool | None = None  # ranks launched ahead (engine_ext/ray/standby.py)
 
     def _held(self) -> Counter[str]:
         return Counter(n.node_id for n in self.rank_nodes.values())
 
-    def check_capacity(self, new_ranks: int) -> str | None:
-        """None when the policy can place ``new_ranks`` more ranks, else why not."""
-        self._planned = {}
+    def check_capacity(self, new_ranks: int, ranks: list[int] | None = None) -> str | None:
+        """None when the policy can place ``new_ranks`` more ranks, else why not. ``ranks`` are
+        the joiners' numbers (the plan's); the first ones are taken from the standby pool, in the
+        order it hands them out, and need no new node."""
+        self._planned, self._pooled = {}, {}
         if new_ranks <= 0:
             return None
+        if ranks is None:  # after the last DP rank (standbys' provisional numbers are not DP ranks)
+            first = max((r for r in self.rank_nodes if r < STANDBY_RANK_BASE), default=-1) + 1
+            ranks = list(range(first, first + new_ranks))
+        ready = sorted(self.pool.ready) if self.pool is not None else []
+        self._pooled = {r: (n, self.rank_nodes.get(STANDBY_RANK_BASE + n)) for r, n in zip(ranks, ready)}
+        fresh = ranks[len(self._pooled):]
+        if not fresh:
+            return None
         try:
-            nodes = placement.predict_nodes(self.spec.policy, self._held(), new_ranks, self.cpus, self.gpus)
+            nodes = placement.predict_nodes(self.spec.policy, self._held(), len(fresh), self.cpus, self.gpus)
         except placement.PlacementError as e:
             return str(e)
-        first = len(self.rank_nodes)
-        self._planned = {first + i: n for i, n in enumerate(nodes)}
+        self._planned = dict(zip(fresh, nodes))
         return None
 
     def predicted(self) -> list[dict[str, Any]]:
-        """The node of each new rank, as the last check_capacity planned it (for `--dry-run`)."""
-        return [{"rank": r, "node_id": n.node_id, "node_ip": n.ip} for r, n in sorted(self._planned.items())]
+        """The node of each new rank, as the last check_capacity planned it (for `--dry-run`): a
+        standby's own node for a joiner taken from the pool."""
+        rows = [{"rank": r, "node_id": n.node_id, "node_ip": n.ip} for r, n in self._planned.items()]
+        for r, (n, node) in self._pooled.items():
+            rows.append({"rank": r, "node_id": node.node_id if node else None, "node_ip": node.ip if node else None,
+                         "from_standby": n})
+        return sorted(rows, key=lambda row: row["rank"])
 
     def adopt_standby(self, client: RayRankClient, rank: int) -> RayRankClient:
         """A standby became DP rank ``rank``: its node and placement group move with it."""
