@@ -204,7 +204,7 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
 
     cluster.connect(ray_cluster["address"], NAMESPACE)
     d = deployments("cp-rebuild")
-    snap = _up(d.name, 1, 2)
+    snap = _up(d.name, 1, 2, faults=["hold:step@0"], delay_s=4.0)
     cfg_d = snap["info"]["config"]
     before = [o["op_id"] for o in events(d.name)["operations"]]
     ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
@@ -213,12 +213,14 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     assert [o["op_id"] for o in events(d.name)["operations"]][:len(before)] == before  # history intact
     load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "16", "--max-tokens", "16",
                    "-o", "json")
-    wait_serving_load(d.name)
+    _held(d.name, 0, "step")  # it holds requests mid-decode
     os.kill(_pid_of(snap, 0), signal.SIGKILL)  # the only rank of this test's own deployment
     _serving(d.name, [0], timeout=120)
     res = finish_load(load, cfg_d, 16)
     rebuilds = _ops(d.name, "rebuild")
     assert rebuilds and rebuilds[-1]["state"] == "succeeded" and rebuilds[-1]["dead_ranks"] == [0], rebuilds
-    assert any(0 in r["moved_from"] for r in res["records"]), "no request was on the rank that died"
+    moved = [r for r in res["records"] if 0 in r["moved_from"]]
+    # what the dead rank held continued on the rebuilt world with the tokens it had streamed
+    assert moved and any(r["resumed_with"] > 0 for r in moved), moved
     text = eepctl("status", "--name", d.name, timeout=60).stdout
     assert "controller restarted 1 time(s)" in text, text

@@ -690,7 +690,7 @@ def test_fault_hold_waits_only_in_its_phase_and_on_its_rank():
 
 def test_step_hold_holds_once_per_process():
     """``hold:step`` is a kill window in serving: once, so a rank that survives it serves on."""
-    from engine_ext.rank.faults import Faults
+    from engine_ext.faults import Faults
 
     held: list[str] = []
     f = Faults(["hold:step@1"], 0.0, rank=1, on_hold=held.append)

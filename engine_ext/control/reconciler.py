@@ -171,5 +171,6 @@ class Reconciler:
         w = self.orch.world
         return {"working_on": self.working_on, "last_error": self.last_error, "errors": self.errors,
                 "deadline_s": self.health.deadline_s, "health": self.health.view(list(w.members)),
-                "fenced": {str(r): f for r, f in w.fenced.items()}, "parked_requests": w.router.parked,
+                "fenced": {str(r): f for r, f in w.fenced.items()}, "parked_requests": w.router.parked, "router_paused": w.router.paused,
+                "ticks": self.ticks,
                 "backoff_s": round(max(0.0, self._backoff_until - time.time()), 1)}

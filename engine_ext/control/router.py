@@ -41,8 +41,9 @@ class Router:
         self.unhealthy: str | None = None  # why no rank can serve (a recovery failed), until one succeeds
 
     def set_ranks(self, clients: dict[int, RankClient]) -> None:
+        # A rank number now held by a new process (a rebuild, a joiner) is not excluded any more.
+        self.excluded = {r for r in self.excluded if r in clients and clients[r] is self.clients.get(r)}
         self.clients = dict(clients)
-        self.excluded &= set(clients)
         for r in clients:
             self.inflight.setdefault(r, 0)
 
