@@ -69,6 +69,10 @@ class TwoNodeCluster:
                 pass
         return pids
 
+    def set_link(self, up: bool) -> None:
+        """Cut the worker node off (its processes live, no packet crosses) or connect it again."""
+        _run("ip", "link", "set", self.veth_root, "up" if up else "down")
+
     def stop(self) -> None:
         """Stop both nodes (our process groups, then whatever is left in the namespace) and
         remove the namespace and veth pair. Safe to call twice and after a partial start."""

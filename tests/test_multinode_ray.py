@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections import Counter
 from typing import Any
 
@@ -177,6 +178,46 @@ def test_strict_spread_refuses_more_ranks_than_nodes(md):
     assert "the cluster has 2 alive node(s)" in res.stderr, res.stderr
     listed = eepctl("status", "--name", d.name, timeout=60)
     assert listed.returncode == 3, (listed.returncode, listed.stdout)  # not found: nothing was left behind
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_nodes):
+    """Issue 22 point 4: the worker node's link is set down under open-loop load (its processes
+    live): its rank goes silent, is fenced by epoch after the health deadline, and the head's
+    rank serves alone; when the link comes back, nothing of the old world serves or reports into
+    the new one. Runs before the node-loss test, which takes the worker node away."""
+    d = md("mn-partition")
+    up_with_faults(d.name, 2, 4, [], 5.0, placement="spread", on_rank_failure="shrink")
+    snap = serving_view(d.name, 2)
+    where = nodes_of(snap)
+    head_rank = next(r for r, ip in where.items() if ip == multinode.HEAD_IP)
+    cut_rank = 1 - head_rank
+    cfg_d = snap["info"]["config"]
+    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "24", "-o", "json")
+    wait_serving_load(d.name)
+    two_nodes.set_link(False)
+    try:
+        def alone() -> dict[str, Any] | None:
+            s = status(d.name)
+            live = [r for r in s["ranks"] if r["state"] == "serving"]
+            return s if [r["rank"] for r in live] == [head_rank] and live[0]["dp_size"] == 1 else None
+
+        wait_for(alone, timeout=60, interval=0.5, what="the head rank serving alone at DP 1")
+    finally:
+        two_nodes.set_link(True)
+    link_up = time.time()
+    heard: list[dict[str, Any]] = []
+    while time.time() < link_up + 8:  # the cut-off rank is reachable again: it must stay silent
+        heard += [r for r in status(d.name)["ranks"] if r["rank"] == cut_rank]
+        time.sleep(0.5)
+    assert heard == [], heard[-1:]
+    res = finish_load(load, cfg_d)
+    control = status(d.name)["info"]["control"]
+    assert "silent for" in control["fenced"][str(cut_rank)]["reason"], control
+    recover = [o for o in eepctl_json("events", "--name", d.name, timeout=60)["operations"] if o.get("kind") == "recover"]
+    assert recover and recover[-1]["state"] == "succeeded" and recover[-1]["dead_ranks"] == [cut_rank], recover
+    assert res["failed"] == 0
 
 
 @pytest.mark.ray

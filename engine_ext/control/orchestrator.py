@@ -193,7 +193,9 @@ class Orchestrator:
                 "start": time.time(), "end": time.time(), "status": "ok",
                 "detail": {"epoch": epoch, "reason": reason}})
         asyncio.ensure_future(quiet(client.fence(epoch, reason, timeout=2)))  # a hung rank never answers
-        await quiet(client.kill())
+        # Not awaited: a rank cut off by a partition dies only when its node is reachable again,
+        # and the recovery without it must not wait for that.
+        asyncio.ensure_future(quiet(client.kill()))
         self.recovery.on_death(rank, f"fenced at epoch {epoch}: {reason}")
 
     def refence(self, rank: int) -> None:

@@ -55,6 +55,7 @@ class RegistryState:
         self.deployment = deployment
         self.kind = kind
         self.info: dict[str, Any] = {}
+        self.fenced_reports = 0  # status reports refused from fenced ranks
         self.ranks: dict[int, RankStatus] = {}
         self.received_at: dict[int, float] = {}  # by rank: heartbeat age is measured on this clock
         self.events: deque[tuple[int, Event]] = deque(maxlen=_MAX_EVENTS)  # (seq, event)
@@ -80,6 +81,12 @@ class RegistryState:
         """Accept a rank's status. A second live rank claiming an identity is refused (I1)."""
         kind = status.get("kind") if isinstance(status, Mapping) else None
         st = _intake(status, rank_status_type(kind), "status")
+        fenced = ((self.info.get("control") or {}).get("fenced") or {}).get(str(st.rank))
+        if fenced is not None and getattr(st, "epoch", 0) <= int(fenced.get("epoch", 0)):
+            # A rank of a world the controller fenced it out of (it hung or was cut off, and came
+            # back): its reports never count again; a new rank given its number has a newer epoch.
+            self.fenced_reports += 1
+            return {"accepted": False, "reason": f"rank {st.rank} was fenced at epoch {fenced.get('epoch')}"}
         for other in self.ranks.values():
             if other.rank != st.rank and other.instance_id == st.instance_id and not _gone(other):
                 msg = f"duplicate identity {st.instance_id!r}: ranks {other.rank} and {st.rank}"

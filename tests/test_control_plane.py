@@ -1,0 +1,121 @@
+"""The control plane's pure parts, without processes: epoch fencing (what a fenced rank sends
+never counts; a new rank given its number does), health from signs of life, the router's
+bounded wait for a world, and the status lines. The same parts run for real in
+tests/test_control_plane_ray.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from eepctl.render_control import control_lines
+from engine_ext.control.health import Health
+from engine_ext.control.rank_client import RankClient
+from engine_ext.control.registry_state import RegistryState
+from engine_ext.control.router import Router
+from engine_ext.control.world import World
+from engine_ext.elastic.eplb import build_layout
+
+
+class _Answers(RankClient):
+    """A rank client whose answers a test sets (a real process cannot hang on cue here)."""
+
+    def __init__(self, rank: int, answer: Any) -> None:
+        self.rank, self.answer = rank, answer
+
+    async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    async def kill(self) -> None:
+        return None
+
+    def pid(self) -> int:
+        return 0
+
+
+def test_a_fenced_rank_is_never_heard_again_but_a_new_rank_with_its_number_is() -> None:
+    w = World("t")
+    layout = build_layout(8, 8, 2)
+    w.adopt({0: _Answers(0, {}), 1: _Answers(1, {})}, layout, epoch=3)
+    assert w.accepts(1, 3)
+    assert w.fence(1, "silent") == 3
+    assert not w.accepts(1, 3) and not w.accepts(1, 2)  # its world and older ones
+    assert w.accepts(0, 3)  # a survivor's messages of the same world still count
+    assert w.accepts(1, 4)  # a joiner that took number 1 in a newer world
+
+
+def test_health_fences_on_silence_and_on_a_reported_failure_not_on_an_answer() -> None:
+    w = World("t")
+    w.adopt({0: _Answers(0, {"state": "serving", "epoch": 1}), 1: _Answers(1, TimeoutError()),
+             2: _Answers(2, {"state": "failed", "state_reason": "out of memory", "epoch": 1})},
+            build_layout(8, 8, 3), epoch=1)
+    h = Health(w, deadline_s=0.3)
+    asyncio.run(h.probe([0, 1, 2]))
+    assert h.unhealthy([0, 1, 2]) == {2: "reported failed: out of memory"}  # silence not yet past the deadline
+    time.sleep(0.35)
+    asyncio.run(h.probe([0, 1, 2]))
+    bad = h.unhealthy([0, 1, 2])
+    assert set(bad) == {1, 2} and bad[1].startswith("silent for") and "deadline 0.3s" in bad[1], bad
+    w.fence(0, "test")  # an answer from a fenced world is no sign of life
+    time.sleep(0.35)
+    asyncio.run(h.probe([0]))
+    assert "fenced epoch" in h.unhealthy([0])[0]
+
+
+def test_a_request_no_rank_takes_waits_and_fails_with_why_after_the_bound() -> None:
+    async def scenario() -> None:
+        r = Router()
+        r.set_ranks({0: _Answers(0, ConnectionError("actor died"))})
+        task = asyncio.ensure_future(r.submit([1, 2], 4))
+        await asyncio.sleep(0.05)
+        assert not task.done() and r.parked == 1  # the dead rank's refusal parks it
+        assert r.expire_parked(60.0, "no healthy rank") == 0
+        await asyncio.sleep(0.1)
+        assert r.expire_parked(0.05, "no healthy rank") == 1
+        res = await task
+        assert "actor died" in res["error"] and "no healthy rank" in res["error"], res
+        r.closed = True  # a stopping deployment fails at once
+        assert "actor died" in (await r.submit([1], 1))["error"]
+
+    asyncio.run(scenario())
+
+
+def test_a_new_process_with_an_excluded_number_is_served() -> None:
+    r = Router()
+    old = _Answers(0, {})
+    r.set_ranks({0: old})
+    r.excluded.add(0)  # it died
+    r.set_ranks({0: old})
+    assert r.excluded == {0}  # the same process stays excluded
+    r.set_ranks({0: _Answers(0, {})})  # rebuilt: a new process took number 0
+    assert r.excluded == set()
+
+
+def test_the_registry_refuses_reports_from_a_fenced_world() -> None:
+    reg = RegistryState("t")
+    reg.set_info({"control": {"fenced": {"1": {"epoch": 4, "reason": "silent"}}}})
+    base = {"deployment": "t", "instance_id": "t_dp1", "engine_id": "t_dp1", "state": "serving"}
+    assert reg.report_status(dict(base, rank=1, epoch=4))["accepted"] is False
+    assert reg.report_status(dict(base, rank=1, epoch=5))["accepted"] is True  # a new rank 1
+
+
+def test_status_lines_say_what_the_control_plane_does() -> None:
+    now = 1000.0
+    snap = {"info": {"control": {
+        "working_on": "rebuild DP 2 from the weight source: every member is dead",
+        "health": {"0": {"unhealthy": ""}, "1": {"unhealthy": "silent for 6.0s (deadline 5s; probe: timed out)"}},
+        "fenced": {"2": {"epoch": 7, "reason": "reported failed: oom", "at": 990.0}},
+        "parked_requests": 3, "controller_restarts": 2, "took_over": ["re-attached to rank(s) [0, 1]"],
+        "last_error": {"at": 995.0, "action": "grow", "error": "no capacity"}, "backoff_s": 4.0}}}
+    assert control_lines(snap, now) == [
+        "controller restarted 2 time(s); took over: re-attached to rank(s) [0, 1]",
+        "reconciling: rebuild DP 2 from the weight source: every member is dead",
+        "rank 1 unhealthy: silent for 6.0s (deadline 5s; probe: timed out)",
+        "rank 2 fenced at epoch 7 10s ago: reported failed: oom",
+        "3 request(s) waiting for a healthy world",
+        "last reconcile error 5s ago in grow: no capacity (retry in 4s)",
+    ]
+    assert control_lines({"info": {}}) == []
