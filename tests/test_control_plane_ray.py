@@ -167,14 +167,23 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
     print(f"controller death: {len(failed)} request(s) in flight at the kill failed, {res['completed']} served")
 
     for phase in ("launch", "prepare", "commit"):
-        scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
+        scale = d.popen("scale", "--dp", "3", "--name", d.name, "--request-id", f"cp-{phase}", "-o", "json")
         _held(d.name, 2, phase)
+        if phase == "launch":  # a retry with the same request id is the same operation
+            again = eepctl_json("scale", "--dp", "3", "--name", d.name, "--request-id", "cp-launch", "--no-wait")
+            other = eepctl("scale", "--dp", "2", "--name", d.name, "--request-id", "cp-launch", timeout=60)
+            assert other.returncode == 4 and "cp-launch" in other.stderr, other.stderr
         _kill_controller(d.name)
         scale.communicate(timeout=120)
         _serving(d.name, [0, 1], timeout=180)
         op = [o for o in events(d.name)["operations"] if o.get("kind") == "scale"][-1]
         assert "controller restarted" in op["error"], op
         assert op["state"] == ("failed" if phase == "commit" else "rolled_back"), op
+        if phase == "launch":
+            assert again["op_id"] == op["op_id"], (again, op)
+            # ... and after the controller's restart too: the key is durable, the op is not re-run
+            retry = eepctl_json("scale", "--dp", "3", "--name", d.name, "--request-id", "cp-launch", "--no-wait")
+            assert retry["op_id"] == op["op_id"] and retry["state"] == "rolled_back", retry
     recovers = _ops(d.name, "recover")
     assert recovers and recovers[-1]["state"] == "succeeded", recovers
     control = status(d.name)["info"]["control"]
