@@ -12,7 +12,7 @@ import torch
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import run
+from tests.engine_helpers import run, wait_until
 
 pytestmark = [
     pytest.mark.cuda,
@@ -86,7 +86,7 @@ def test_cuda_rank_sigkill_recovers_with_one_capture_and_oracle_outputs() -> Non
         async with LocalDeployment(cfg, "cuda-heal", device="cuda", max_dp=3, on_rank_failure="shrink") as dep:
             await dep.start(3)
             inflight = [asyncio.ensure_future(dep.generate(p, 8)) for p in PROMPTS * 3]
-            await asyncio.sleep(0.05)
+            await wait_until(lambda: dep.orch.router.inflight.get(1, 0), 30, "requests on rank 1")
             os.kill(dep.processes[1].pid(), signal.SIGKILL)  # this test's own rank process
             outs = await asyncio.wait_for(asyncio.gather(*inflight), 120)
             assert [o.get("error") for o in outs if o.get("error")] == []

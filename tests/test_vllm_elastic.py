@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from eepctl.cluster import reachable, stop_process_group
-from tests.helpers import eepctl
+from tests.helpers import eepctl, wait_for
 from tests.vllm_checkpoint import write_random_mixtral
 from tests.vllm_servers import (PROMPTS, Server, free_port, platform_entry_path, pythonpath, run_prompts,
                                 served_per_engine, start)
@@ -149,14 +149,16 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs(deployment: dict[str
     load.start()
     windows = []
     try:
-        time.sleep(3)
+        wait_for(lambda: sum(r["code"] == 200 for r in list(records)) >= 2, timeout=60, interval=0.2,
+                 what="the load being answered before the first scale")
         for size in (3, 2):
             t0 = time.time()
             res = _cli(address, "scale", "--dp", str(size), "-o", "json", "--timeout", "500")
             windows.append((t0, time.time()))
             assert res.returncode == 0, (size, res.returncode, res.stdout[-3000:], res.stderr[-3000:])
             assert _status(address)["info"]["dp"] == size
-        time.sleep(3)
+        wait_for(lambda: any(r["code"] == 200 and r["start"] > windows[-1][1] for r in list(records)), timeout=60,
+                 interval=0.2, what="a request sent after the last scale answered")
     finally:
         stop.set()
         load.join(timeout=300)
