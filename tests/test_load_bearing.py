@@ -236,9 +236,11 @@ async def _scale_up_and_serve(cfg: EngineConfig) -> tuple[dict, list[dict], list
         await dep.start(2)
         op = await dep.scale(3, timeout_s=120)
         results = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS * 2))
-        # The I2 check reads the ranks' events of the scale: wait until every rank's lock event arrived.
+        # The I2 check reads the ranks' events of the scale: wait until every rank's last event of
+        # it arrived (its lock; a scale that failed in prepare ends at the transfer).
+        last = "lock" if op["state"] == "succeeded" else "transfer"
         await wait_until(lambda: {e.rank for _, e in dep.registry.events
-                                  if e.op_id == op["op_id"] and e.phase == "lock"} >= {0, 1, 2}, 10,
+                                  if e.op_id == op["op_id"] and e.phase == last} >= {0, 1, 2}, 10,
                          "every rank's events of the scale")
         return op, list(results), dep.registry.violations()
 
