@@ -79,6 +79,12 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory):
     try:
         yield cl
     finally:
+        import ray
+
+        # This process may be connected to the two-node cluster (tests that `up` in-process): a
+        # driver whose cluster is gone is ended by Ray a minute later, with the whole test run.
+        if ray.is_initialized():
+            ray.shutdown()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
