@@ -77,3 +77,17 @@ class OneRank:
 
     def outputs(self, count: int) -> list[dict]:
         return [self.results[str(i)] for i in range(count)]
+
+
+def watch_reported_states(dep: Any) -> dict[int, set[str]]:
+    """Every state each rank of a ``LocalDeployment`` reported, as its registry received them
+    (the reports themselves are passed on unchanged)."""
+    seen: dict[int, set[str]] = {}
+    report = dep.registry.report_status
+
+    def spy(status: dict) -> dict:
+        seen.setdefault(status["rank"], set()).add(status["state"])
+        return report(status)
+
+    dep.registry.report_status = spy
+    return seen

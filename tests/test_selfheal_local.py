@@ -14,7 +14,7 @@ import pytest
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import oracle_mismatch, run, wait_until
+from tests.engine_helpers import oracle_mismatch, run, wait_until, watch_reported_states
 from tests.helpers import moved_off
 
 MAX_TOKENS = 24
@@ -65,19 +65,6 @@ async def _load_with_kill(dep: LocalDeployment, victim: int, *, rate_per_s: floa
     return [(i, await asyncio.wait_for(t, 120)) for i, t in await sender]
 
 
-def _watch_states(dep: LocalDeployment) -> dict[int, set[str]]:
-    """Every state each rank reported, as the registry received them."""
-    seen: dict[int, set[str]] = {}
-    report = dep.registry.report_status
-
-    def spy(status: dict) -> dict:
-        seen.setdefault(status["rank"], set()).add(status["state"])
-        return report(status)
-
-    dep.registry.report_status = spy  # type: ignore[method-assign]
-    return seen
-
-
 def _statuses(dep: LocalDeployment) -> dict[int, dict]:
     return {r: dep.registry.ranks[r] for r in dep.orch.members if r in dep.registry.ranks}
 
@@ -89,7 +76,7 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
         async with LocalDeployment(_cfg(slots_per_rank=6), f"heal{victim}", max_dp=4,
                                    on_rank_failure="shrink") as dep:
             await dep.start(3)
-            states = _watch_states(dep)
+            states = watch_reported_states(dep)
             results = await _load_with_kill(dep, victim)
             assert [r.get("error") for _, r in results if r.get("error")][:2] == []
             # degrade-vs-fail: the survivors took the peer's death for a peer's failure, none failed

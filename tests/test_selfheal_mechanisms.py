@@ -17,7 +17,7 @@ import pytest
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import oracle_mismatch, run, wait_until
+from tests.engine_helpers import oracle_mismatch, run, wait_until, watch_reported_states
 
 MAX_TOKENS = 24
 PROMPTS = [[(13 * i + 7 * j + 1) % 256 for j in range(3 + i % 9)] for i in range(12)]
@@ -44,19 +44,6 @@ def _cfg(variant: str) -> EngineConfig:
                         step_timeout_s=step_timeout_s)
 
 
-def _watch_states(dep: LocalDeployment) -> dict[int, set[str]]:
-    """Every state each rank reported, as the registry received them."""
-    seen: dict[int, set[str]] = {}
-    report = dep.registry.report_status
-
-    def spy(status: dict) -> dict:
-        seen.setdefault(status["rank"], set()).add(status["state"])
-        return report(status)
-
-    dep.registry.report_status = spy  # type: ignore[method-assign]
-    return seen
-
-
 async def _kill_under_load(dep: LocalDeployment, victim: int, bound_s: float) -> tuple[list[dict | None], int]:
     """Submit every prompt, SIGKILL ``victim`` once it holds requests; each result answered within
     ``bound_s`` (None: still open), and how many requests the victim held."""
@@ -77,7 +64,7 @@ def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
     async def scenario() -> None:
         async with LocalDeployment(_cfg(variant), f"harm-{variant}", max_dp=4, on_rank_failure="shrink") as dep:
             await dep.start(start)
-            states = _watch_states(dep)
+            states = watch_reported_states(dep)
             results, held = await _kill_under_load(dep, victim, LOST_AFTER_S if variant in LOSES_REQUESTS
                                                    else ANSWER_BOUND_S)
             lost = sum(r is None for r in results)
