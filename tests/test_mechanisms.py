@@ -697,6 +697,7 @@ def test_step_hold_holds_once_per_process():
     assert f.holds("step") and f.hold("step") is True and f.hold("step") is False
     assert held == ["step"]
     assert Faults(["hold:step@1"], 0.0, rank=0).hold("step") is False
+    assert Faults(["hold:step@1"], 0.0, rank=1, joining=True).hold("step") is False  # a replacement serves on
 
 
 def test_rank_held_at_launch_says_so_while_held():

@@ -26,6 +26,7 @@ from tests.helpers import (
     eepctl_json,
     events,
     last_json,
+    members_after,
     oracle,
     scale_json,
     serving_view,
@@ -50,13 +51,15 @@ def up_inproc(d: Deployment, dp: int, max_dp: int, faults: list[str], fault_dela
                    cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300)
 
 
-def op_events(name: str, op_id: str, ranks: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """`events --op`: the operation record and its rank "warm" events, once every rank 0..ranks-1
-    has reported one (ranks push events fire-and-forget)."""
+def op_events(name: str, op_id: str, ranks: int | list[int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`events --op`: the operation record and its rank "warm" events, once every rank (of the list,
+    or 0..ranks-1) has reported one (ranks push events fire-and-forget)."""
+    want = set(ranks) if isinstance(ranks, list) else set(range(ranks))
+
     def got():
         data = events(name, op_id)
         evs = [e for e in data["events"] if e["phase"] == "warm" and e["rank"] >= 0]
-        if {e["rank"] for e in evs} >= set(range(ranks)):
+        if {e["rank"] for e in evs} >= want:
             assert len(data["operations"]) == 1, data["operations"]
             return data["operations"][0], evs
         return None
@@ -89,13 +92,17 @@ def test_scale_sequence_under_load(deployments):
     load_proc = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", str(duration), "-o", "json")
     wait_serving_load(d.name)  # the load is being served before the first transition
     t_start = time.time()
+    members = sorted(before)
     for n in (2, 4, 3, 1):
         op = scale_json(d.name, n)
         assert op["state"] == "succeeded", op
         assert op["to_size"] == n
         op_id = op["op_id"]
+        if n < len(members):  # without --retire, the ranks with the least work leave
+            assert all(j["chosen_by"] == "least work" for j in op["plan"]["leaving"]), op["plan"]["leaving"]
+        members = members_after(members, op)
 
-        snap = serving_view(d.name, n)
+        snap = serving_view(d.name, members)
         ranks = snap["ranks"]
         assert snap["summary"]["ranks"] == n and len(ranks) == n
         ids = [r["instance_id"] for r in ranks]
@@ -113,16 +120,16 @@ def test_scale_sequence_under_load(deployments):
         assert snap["violations"] == [], snap["violations"]
         before = {r["rank"]: r["pid"] for r in ranks}
 
-        rec, warm = op_events(d.name, op_id, n)
+        rec, warm = op_events(d.name, op_id, members)
         per_rank = Counter(e["rank"] for e in warm)
-        assert per_rank == Counter(range(n)), f"{op_id}: warm events per rank {dict(per_rank)}"
+        assert per_rank == Counter(members), f"{op_id}: warm events per rank {dict(per_rank)}"
         for e in warm:
             for flag in WARM_FLAGS:
                 assert e["detail"].get(flag) is True, (op_id, e["rank"], flag, e["detail"])
 
         assert rec["op_id"] == op_id and rec["state"] == "succeeded", rec
         caps = rec["captures_per_rank"]
-        assert sorted(caps) == [str(r) for r in range(n)] and set(caps.values()) == {1}, caps
+        assert sorted(caps) == sorted(str(r) for r in members) and set(caps.values()) == {1}, caps
         print(f"\n[seq] {op_id} DP {op['from_size']}->{n}: {fmt_phases(rec)}; "
               f"serving pause {rec['serving_pause_s'] * 1000:.0f}ms; captures {caps}")
     elapsed = time.time() - t_start
@@ -285,7 +292,7 @@ def test_scale_down_moves_inflight_requests(deployments):
     cfg_d = status(d.name)["info"]["config"]
     load_proc = d.popen("generate", "--name", d.name, "--rate", "6", "--duration", "15", "-o", "json")
     wait_serving_load(d.name)
-    op = scale_json(d.name, 2, "--drain-timeout", "0")
+    op = scale_json(d.name, 2, "--drain-timeout", "0", "--retire", "2")
     assert op["state"] == "succeeded" and op["to_size"] == 2, op
     assert load_proc.poll() is None, "the load ended before the scale-down"
     out, err = load_proc.communicate(timeout=240)

@@ -232,7 +232,9 @@ def test_rank_killed_while_held_in_a_scale_phase(reference: list[dict], case: st
     async def scenario() -> None:
         async with LocalDeployment(cfg, f"heal-{case}", max_dp=4, on_rank_failure="shrink", standby=standby) as dep:
             await dep.start(start)
-            scale = asyncio.ensure_future(dep.scale(target, timeout_s=120))
+            # a scale-down names its leaver: by default the least-loaded ranks leave, and the hold is on the victim
+            retire = [victim] if target < start else None
+            scale = asyncio.ensure_future(dep.scale(target, timeout_s=120, retire=retire))
             phase = faults[0].split(":")[1].split("@")[0]
             tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS[:8]]
             killed = await _kill_when_held(dep, victim, phase)

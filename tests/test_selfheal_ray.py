@@ -162,7 +162,7 @@ def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, 
     from engine_ext.ray.names import registry_name
 
     d = deployments("heal-registry")
-    # The replacement takes number 2 again and holds once too: a short hold keeps that stall short.
+    # The replacement takes number 2 again; it joins, so it does not hold.
     up_with_faults(d.name, 3, 4, ["hold:step@2"], 12.0, slots_per_rank=6)
     snap = _serving(d.name, 3)
     cfg_d = snap["info"]["config"]
