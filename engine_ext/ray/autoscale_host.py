@@ -164,13 +164,16 @@ def busy_reason(orch: Orchestrator) -> str | None:
 
 
 async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | None = None,
-                          now: float | None = None) -> Decision | None:
-    """One autoscaling round of a controller's loop over ``orch``'s world: read every member's
-    status, decide, and when the decision acts, ``act`` on it and record the outcome. Without
-    ``act`` the decision is only returned (the loop acts later and calls ``record_outcome``)."""
-    clients = orch.clients
-    answers = await asyncio.gather(*(c.status(timeout=3) for c in clients.values()), return_exceptions=True)
-    statuses = [a for a in answers if isinstance(a, dict)]
+                          now: float | None = None, statuses: list[dict[str, Any]] | None = None) -> Decision | None:
+    """One autoscaling round of a controller's loop over ``orch``'s world: decide from the
+    members' status records, and when the decision acts, ``act`` on it and record the outcome.
+    Without ``act`` the decision is only returned (the loop acts later and calls
+    ``record_outcome``). ``statuses``: the records the loop's health probe already has this
+    tick (``Health.statuses``), so a tick asks each rank once; None asks every member here."""
+    if statuses is None:
+        answers = await asyncio.gather(*(c.status(timeout=3) for c in orch.clients.values()),
+                                       return_exceptions=True)
+        statuses = [a for a in answers if isinstance(a, dict)]
     pool = orch.spawner.pool
     decision = host.tick(statuses, list(orch.members), now=now, busy=busy_reason(orch),
                          num_experts=orch.cfg.num_experts, slots_per_rank=orch.cfg.slots_per_rank,

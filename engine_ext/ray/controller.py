@@ -218,7 +218,8 @@ class Controller(AutoscaleMethods):
         async def act(decision: Any) -> dict[str, Any]:
             return await self.orch.scale(int(decision.recommendation))
 
-        d = await autoscale_round(host, self.orch, act)
+        d = await autoscale_round(host, self.orch, act,  # the probe's answers: one status call per rank a tick
+                                  statuses=self.reconciler.health.statuses(list(self.orch.members)))
         self._info["autoscale"] = host.autoscale_show()
         return [f"autoscale {d.id}: {d.action}"] if d is not None and d.act else []
 
