@@ -84,6 +84,25 @@ def _load(dep: Any, rate: float, duration: float) -> Any:
                      "--max-tokens", str(TOKENS), "-o", "json")
 
 
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _idle_cpu(name: str, snap: dict[str, Any], seconds: float) -> str:
+    """The controller's and each rank's CPU share over ``seconds`` of no load (a figure, not a check)."""
+    import ray
+
+    from engine_ext.ray.names import controller_name
+
+    pids = {"controller": ray.get(ray.get_actor(controller_name(name), namespace=NAMESPACE).pid.remote(), timeout=30)}
+    pids.update({f"rank {r['rank']}": int(r["pid"]) for r in snap["ranks"] if r.get("pid")})
+    before = {k: _cpu_s(p) for k, p in pids.items()}
+    time.sleep(seconds)
+    return ", ".join(f"{k} {100 * (_cpu_s(p) - before[k]) / seconds:.1f}% CPU" for k, p in pids.items())
+
+
 def _acted(trail: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d for d in trail if d["act"]]
 
@@ -197,11 +216,13 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     assert [(j["rank"], j["chosen_by"], j["requests"]) for j in leaving] == [(1, "least work", 0), (2, "least work", 0)]
     final = _serving(dep.name, [0])
     assert len(_acted(_decisions(dep.name))) == 2, "up after the recovery, down: nothing else"
+    assert final["info"]["autoscale"]["policy"]["mode"] == "on"
+    eepctl_json("autoscale", "--name", dep.name, "--mode", "advisory")  # the last requests must not scale up
     gen = eepctl_json("generate", "--name", dep.name, "--max-tokens", str(TOKENS), timeout=90)
     assert all(not r["error"] for r in gen["results"]), gen
-    assert final["info"]["autoscale"]["policy"]["mode"] == "on"
+    idle = _idle_cpu(dep.name, final, 10.0)  # the loop's cost with a policy deciding every tick (printed)
     print(f"autoscale e2e: target queue {target:.2f}/rank; recovery {rec['finished'] - t_kill:.1f}s after the kill "
           f"(held {HOLD_S:g}s); up {up['finished'] - rec['finished']:.1f}s after it ({asked_to_start_s:.1f}s after "
           f"first asked, transition {transition_s:.1f}s); "
           f"down {held:.1f}s after it was first asked in a row; scenario {time.time() - t_ready:.0f}s, "
-          f"with up {time.time() - t0:.0f}s")
+          f"with up {time.time() - t0:.0f}s; idle with a policy: {idle}")
