@@ -174,9 +174,9 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     # 4. Mode on, a 4x step, and a member SIGKILLed as it begins: while the recovery runs (held
     # in its regroup for HOLD_S, longer than the signal takes to cross the band plus the
     # up-delay), no decision is acted on; after it, the autoscaler scales the survivor up.
-    step = _load(dep, 4 * RATE, 25)
-    time.sleep(1.0)
     victim = int(next(r for r in _serving(dep.name, [0, 2])["ranks"] if r["rank"] == 2)["pid"])
+    step = _load(dep, 4 * RATE, 25)
+    time.sleep(1.0)  # requests in flight; the signal has not crossed the band plus the up-delay yet
     t_kill = time.time()
     os.kill(victim, signal.SIGKILL)  # the rank actor's process of this test's own deployment
     rec = wait_for(lambda: [o for o in _ops(dep.name) if o["kind"] == "recover" and o.get("finished")],

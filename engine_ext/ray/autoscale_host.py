@@ -47,6 +47,9 @@ class AutoscaleHost:
         self.window = SignalWindow()
         self._members: list[int] = []
         self._persisted_at = -PERSIST_QUIET_S
+        self._said: tuple[str, int, int] = ("none", 0, 0)  # (action, recommendation, DP) last persisted
+        self._durable: dict[str, Any] | None = None  # what was persisted last (``state``)
+        self._shown: tuple[tuple[Any, ...], float, dict[str, Any]] | None = None  # (key, at, view)
         saved = saved or {}
         if saved.get("policy"):
             self.autoscaler = Autoscaler(AutoscalePolicy.from_dict(saved["policy"]), saved.get("decisions"))
@@ -57,9 +60,29 @@ class AutoscaleHost:
         return self.autoscaler.policy if self.autoscaler is not None else None
 
     def state(self) -> dict[str, Any]:
-        """The durable state: the policy (None: never set) and the last 200 decisions."""
+        """The durable state as last persisted: the policy (None: never set) and the last 200
+        decisions. The controller writes its whole snapshot every tick when it changed, so this
+        moves only when the host persists (a change, or a quiet tick every PERSIST_QUIET_S): an
+        idle deployment's tick writes nothing."""
+        if self._durable is None:
+            self._durable = self._live_state()
+        return self._durable
+
+    def _live_state(self) -> dict[str, Any]:
         a = self.autoscaler
         return {"policy": a.policy.to_dict() if a else None, "decisions": a.recent(200) if a else []}
+
+    def shown(self, now: float | None = None) -> dict[str, Any]:
+        """``autoscale_show()`` for `eepctl status`, refreshed when what it says changes (policy,
+        sizes, action, rule) or every PERSIST_QUIET_S: an idle deployment publishes nothing new."""
+        now = time.time() if now is None else now
+        a = self.autoscaler
+        last = a.decisions[-1] if a and a.decisions else None
+        key = (repr(a.policy.to_dict()) if a else None,
+               (last.current_dp, last.recommendation, last.action, last.rule, last.mode) if last else None)
+        if self._shown is None or self._shown[0] != key or now - self._shown[1] >= PERSIST_QUIET_S:
+            self._shown = (key, now, self.autoscale_show())
+        return self._shown[2]
 
     # ---- the actor methods -------------------------------------------------------------------
     def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
@@ -113,9 +136,11 @@ class AutoscaleHost:
         decision = self.autoscaler.decide(now, obs)
         if self.metrics is not None:
             self.metrics.on_decision(decision)
-        if decision.action != "none" or now - self._persisted_at >= PERSIST_QUIET_S:
-            self._persist()  # a quiet tick is not worth a write; one in PERSIST_QUIET_S keeps the trail
-            self._persisted_at = now
+        said = (decision.action, decision.recommendation, decision.current_dp)
+        if decision.act or said != self._said or now - self._persisted_at >= PERSIST_QUIET_S:
+            self._persist()  # a tick that says what the last one said is not worth a write; one in
+            self._persisted_at = now  # PERSIST_QUIET_S keeps the trail
+            self._said = said
         return decision
 
     def record_outcome(self, decision_id: str, ok: bool, detail: str = "") -> None:
@@ -127,8 +152,9 @@ class AutoscaleHost:
             self._persist()
 
     def _persist(self) -> None:
+        self._durable = self._live_state()
         try:
-            self.persist(self.state())
+            self.persist(self._durable)
         except Exception:  # noqa: BLE001 - the next change persists again; the loop never dies of it
             pass
 
