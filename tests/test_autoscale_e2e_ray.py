@@ -7,10 +7,11 @@ transitions act on it, a real SIGKILL (by pid) interrupts it. One deployment, on
 2. Advisory mode under a 4x load step: recommendations recorded and shown (`status`, `events
    --autoscaler`), 0 operations.
 3. Mode on, load wandering inside the tolerance band: 0 operations.
-4. Mode on, a 4x load step: up within the up-delay plus one transition.
-5. A member SIGKILLed under that load: the recovery first (no decision acted on from the kill to
-   the recovery's end), then the autoscaler goes on and scales back up.
-6. Load gone: down only once the down-delay passed, the ranks with the least work leaving.
+4. Mode on, a 4x load step with a member SIGKILLed (by pid) as it begins, its recovery held at
+   its regroup by a test fault: no decision acted on from the kill to the recovery's end; then
+   the autoscaler scales the survivor up (1 -> 3, the max step) within the up-delay of its first
+   recommendation plus one transition.
+5. Load gone: down (3 -> 1) only once the down-delay passed, the ranks with the least work leaving.
 Every request of every load succeeds and equals the oracle.
 
 The queue target is measured, not guessed: the base load's queue per rank, read from the
