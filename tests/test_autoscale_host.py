@@ -84,12 +84,3 @@ def test_an_idle_tick_changes_neither_the_durable_state_nor_what_status_shows() 
     assert host.state()["decisions"][-1]["action"] == "advisory: not acted"
     assert host.shown(now=111.0)["last"]["recommendation"] == 3
 
-
-def test_a_standing_advisory_recommendation_is_persisted_once_not_every_tick() -> None:
-    saved: list[dict] = []
-    host = AutoscaleHost("moe", max_dp=8, persist=saved.append)
-    host.set_autoscale({"target_queue": 4.0, "up_delay_s": 0.0})
-    for t in range(5):  # the same recommendation, tick after tick
-        host.tick([status(0, 40, 0)], members=[0], now=float(t))
-    assert len(saved) == 1 + 1, [[x["action"] for x in d["decisions"][-1:]] for d in saved]
-    assert host.autoscale_decisions()["decisions"][-1]["at"] == 4.0, "the live trail has every tick"

@@ -47,7 +47,6 @@ class AutoscaleHost:
         self.window = SignalWindow()
         self._members: list[int] = []
         self._persisted_at = -PERSIST_QUIET_S
-        self._said: tuple[str, int, int] = ("none", 0, 0)  # (action, recommendation, DP) last persisted
         self._durable: dict[str, Any] | None = None  # what was persisted last (``state``)
         self._shown: tuple[tuple[Any, ...], float, dict[str, Any]] | None = None  # (key, at, view)
         saved = saved or {}
@@ -136,11 +135,9 @@ class AutoscaleHost:
         decision = self.autoscaler.decide(now, obs)
         if self.metrics is not None:
             self.metrics.on_decision(decision)
-        said = (decision.action, decision.recommendation, decision.current_dp)
-        if decision.act or said != self._said or now - self._persisted_at >= PERSIST_QUIET_S:
-            self._persist()  # a tick that says what the last one said is not worth a write; one in
-            self._persisted_at = now  # PERSIST_QUIET_S keeps the trail
-            self._said = said
+        if decision.action != "none" or now - self._persisted_at >= PERSIST_QUIET_S:
+            self._persist()  # a quiet tick is not worth a write; one in PERSIST_QUIET_S keeps the trail
+            self._persisted_at = now
         return decision
 
     def record_outcome(self, decision_id: str, ok: bool, detail: str = "") -> None:
