@@ -67,3 +67,20 @@ def test_quiet_ticks_are_persisted_sparingly() -> None:
     assert len(saved) == 1 + 2  # the policy, then one quiet tick per 10 s (at 0 and 10)
     host.tick([status(0, 400, 0)], members=[0], now=12.0)  # advisory: a recommendation to record
     assert len(saved) == 4 and saved[-1]["decisions"][-1]["action"] == "advisory: not acted"
+
+
+def test_an_idle_tick_changes_neither_the_durable_state_nor_what_status_shows() -> None:
+    """The controller writes its durable snapshot and publishes status when they change: a quiet
+    tick must change neither (an idle deployment costs no write), a recommendation must."""
+    host = AutoscaleHost("moe", max_dp=8, persist=lambda s: None)
+    host.set_autoscale({"target_queue": 4.0, "up_delay_s": 0.0})
+    host.tick([status(0, 2, 2)], members=[0], now=100.0)
+    durable, shown = host.state(), host.shown(now=100.0)
+    for t in (101.0, 102.0, 103.0):
+        host.tick([status(0, 2, 2)], members=[0], now=t)
+        assert host.state() is durable and host.shown(now=t) is shown
+    assert host.shown(now=100.0 + 10) is not shown, "refreshed every PERSIST_QUIET_S"
+    host.tick([status(0, 40, 0)], members=[0], now=111.0)
+    assert host.state()["decisions"][-1]["action"] == "advisory: not acted"
+    assert host.shown(now=111.0)["last"]["recommendation"] == 3
+

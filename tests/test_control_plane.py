@@ -65,6 +65,37 @@ def test_health_fences_on_silence_and_on_a_reported_failure_not_on_an_answer() -
     assert "fenced epoch" in h.unhealthy([0])[0]
 
 
+def test_the_probe_keeps_each_answer_for_the_autoscaler_one_call_per_rank() -> None:
+    """The autoscaler reads its signals from the health probe's answers (``Health.statuses``): a
+    tick asks each rank once. A rank that timed out or answers from a fenced world gives none."""
+    from engine_ext.ray.autoscale_host import AutoscaleHost
+
+    calls: list[int] = []
+
+    class _Counted(_Answers):
+        async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
+            calls.append(self.rank)
+            return await super()._invoke(method, *args, timeout=timeout)
+
+    st = {"state": "serving", "epoch": 1, "requests_waiting": 6, "requests_running": 2}
+    w = World("t")
+    w.adopt({0: _Counted(0, {**st, "rank": 0}), 1: _Counted(1, {**st, "rank": 1}), 2: _Counted(2, TimeoutError())},
+            build_layout(8, 8, 3), epoch=1)
+    h = Health(w, deadline_s=5.0)
+    asyncio.run(h.probe([0, 1, 2]))
+    assert sorted(calls) == [0, 1, 2], "one status call per rank"
+    assert [a["rank"] for a in h.statuses([0, 1, 2])] == [0, 1]
+    host = AutoscaleHost("t", max_dp=8, persist=lambda s: None)
+    host.set_autoscale({"target_queue": 4.0, "up_delay_s": 0.0})
+    d = host.tick(h.statuses([0, 1]), [0, 1], now=1.0, num_experts=8, slots_per_rank=8)
+    assert d is not None and d.signals[0].value == 8.0 and d.recommendation == 4, d
+    w.fence(1, "test")
+    asyncio.run(h.probe([0, 1]))
+    assert [a["rank"] for a in h.statuses([0, 1])] == [0], "a fenced world's answer is not kept"
+    h.forget(0)
+    assert h.statuses([0, 1]) == []
+
+
 def test_a_request_no_rank_takes_waits_and_fails_with_why_after_the_bound() -> None:
     async def scenario() -> None:
         r = Router()

@@ -26,6 +26,9 @@ class Health:
         self.deadline_s = deadline_s
         self.last_seen: dict[int, float] = {}  # rank -> when it last answered or sent something
         self.reported: dict[int, dict[str, Any]] = {}  # rank -> {state, reason} of its last answer
+        # rank -> its whole status record from the last probe (absent: no accepted answer then);
+        # the autoscaler reads its signals from these, so one tick asks each rank once.
+        self.answers: dict[int, dict[str, Any]] = {}
         self.probe_error: dict[int, str] = {}
 
     def seen(self, rank: int) -> None:
@@ -45,8 +48,14 @@ class Health:
             if isinstance(st, dict) and self.world.accepts(r, int(st.get("epoch", 0))):
                 self.seen(r)
                 self.reported[r] = {"state": st.get("state", ""), "reason": st.get("state_reason", "")}
+                self.answers[r] = st
             else:
                 self.probe_error[r] = _why(st)
+                self.answers.pop(r, None)
+
+    def statuses(self, ranks: list[int]) -> list[dict[str, Any]]:
+        """The last probe's status records of ``ranks`` (a rank that did not answer is left out)."""
+        return [self.answers[r] for r in ranks if r in self.answers]
 
     def unhealthy(self, ranks: list[int]) -> dict[int, str]:
         """Why each of ``ranks`` is unhealthy (absent: healthy)."""
@@ -67,6 +76,7 @@ class Health:
         self.last_seen.pop(rank, None)
         self.reported.pop(rank, None)
         self.probe_error.pop(rank, None)
+        self.answers.pop(rank, None)
 
     def view(self, ranks: list[int]) -> dict[str, dict[str, Any]]:
         """Per member: heartbeat age and the reason it is unhealthy, for ``eepctl status``."""

@@ -47,6 +47,8 @@ class AutoscaleHost:
         self.window = SignalWindow()
         self._members: list[int] = []
         self._persisted_at = -PERSIST_QUIET_S
+        self._durable: dict[str, Any] | None = None  # what was persisted last (``state``)
+        self._shown: tuple[tuple[Any, ...], float, dict[str, Any]] | None = None  # (key, at, view)
         saved = saved or {}
         if saved.get("policy"):
             self.autoscaler = Autoscaler(AutoscalePolicy.from_dict(saved["policy"]), saved.get("decisions"))
@@ -57,9 +59,29 @@ class AutoscaleHost:
         return self.autoscaler.policy if self.autoscaler is not None else None
 
     def state(self) -> dict[str, Any]:
-        """The durable state: the policy (None: never set) and the last 200 decisions."""
+        """The durable state as last persisted: the policy (None: never set) and the last 200
+        decisions. The controller writes its whole snapshot every tick when it changed, so this
+        moves only when the host persists (a change, or a quiet tick every PERSIST_QUIET_S): an
+        idle deployment's tick writes nothing."""
+        if self._durable is None:
+            self._durable = self._live_state()
+        return self._durable
+
+    def _live_state(self) -> dict[str, Any]:
         a = self.autoscaler
         return {"policy": a.policy.to_dict() if a else None, "decisions": a.recent(200) if a else []}
+
+    def shown(self, now: float | None = None) -> dict[str, Any]:
+        """``autoscale_show()`` for `eepctl status`, refreshed when what it says changes (policy,
+        sizes, action, rule) or every PERSIST_QUIET_S: an idle deployment publishes nothing new."""
+        now = time.time() if now is None else now
+        a = self.autoscaler
+        last = a.decisions[-1] if a and a.decisions else None
+        key = (repr(a.policy.to_dict()) if a else None,
+               (last.current_dp, last.recommendation, last.action, last.rule, last.mode) if last else None)
+        if self._shown is None or self._shown[0] != key or now - self._shown[1] >= PERSIST_QUIET_S:
+            self._shown = (key, now, self.autoscale_show())
+        return self._shown[2]
 
     # ---- the actor methods -------------------------------------------------------------------
     def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
@@ -127,8 +149,9 @@ class AutoscaleHost:
             self._persist()
 
     def _persist(self) -> None:
+        self._durable = self._live_state()
         try:
-            self.persist(self.state())
+            self.persist(self._durable)
         except Exception:  # noqa: BLE001 - the next change persists again; the loop never dies of it
             pass
 
@@ -164,13 +187,16 @@ def busy_reason(orch: Orchestrator) -> str | None:
 
 
 async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | None = None,
-                          now: float | None = None) -> Decision | None:
-    """One autoscaling round of a controller's loop over ``orch``'s world: read every member's
-    status, decide, and when the decision acts, ``act`` on it and record the outcome. Without
-    ``act`` the decision is only returned (the loop acts later and calls ``record_outcome``)."""
-    clients = orch.clients
-    answers = await asyncio.gather(*(c.status(timeout=3) for c in clients.values()), return_exceptions=True)
-    statuses = [a for a in answers if isinstance(a, dict)]
+                          now: float | None = None, statuses: list[dict[str, Any]] | None = None) -> Decision | None:
+    """One autoscaling round of a controller's loop over ``orch``'s world: decide from the
+    members' status records, and when the decision acts, ``act`` on it and record the outcome.
+    Without ``act`` the decision is only returned (the loop acts later and calls
+    ``record_outcome``). ``statuses``: the records the loop's health probe already has this
+    tick (``Health.statuses``), so a tick asks each rank once; None asks every member here."""
+    if statuses is None:
+        answers = await asyncio.gather(*(c.status(timeout=3) for c in orch.clients.values()),
+                                       return_exceptions=True)
+        statuses = [a for a in answers if isinstance(a, dict)]
     pool = orch.spawner.pool
     decision = host.tick(statuses, list(orch.members), now=now, busy=busy_reason(orch),
                          num_experts=orch.cfg.num_experts, slots_per_rank=orch.cfg.slots_per_rank,

@@ -218,8 +218,9 @@ class Controller(AutoscaleMethods):
         async def act(decision: Any) -> dict[str, Any]:
             return await self.orch.scale(int(decision.recommendation))
 
-        d = await autoscale_round(host, self.orch, act)
-        self._info["autoscale"] = host.autoscale_show()
+        d = await autoscale_round(host, self.orch, act,  # the probe's answers: one status call per rank a tick
+                                  statuses=self.reconciler.health.statuses(list(self.orch.members)))
+        self._info["autoscale"] = host.shown()  # changes when what status says does
         return [f"autoscale {d.id}: {d.action}"] if d is not None and d.act else []
 
     async def _sweep_orphans(self) -> list[str]:
