@@ -211,7 +211,9 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     """DP 1 under open-loop load: the registry and the controller are killed together (both come
     back, the history intact), then the only rank is SIGKILLed: no healthy rank is left, so the
     controller rebuilds DP 1 from the weight source as a recorded operation while requests wait;
-    no request fails and every output equals the oracle."""
+    no request fails and every output equals the oracle. Then a scale 1 -> 3 whose only member is
+    SIGKILLed while a joiner is held in launch: rolled back onto a dead world, rebuilt likewise,
+    the requests sent meanwhile served; a later scale to 3 works."""
     import ray
 
     from eepctl import cluster
