@@ -11,7 +11,6 @@ from eepctl import streams
 from eepctl.cli_autoscale import autoscale
 from eepctl.options import Address, ApiKey, Name, Namespace, Output, OutputOpt
 from eepctl.options import emit as _emit
-from eepctl.options import emit_until_interrupted
 from eepctl.options import plain as _plain
 from eepctl.options import say as _say
 from eepctl.options import target as _target
@@ -153,7 +152,9 @@ def status(
               else render.status_text(data, width=_width()))
         return
     if output == Output.json:
-        emit_until_interrupted(lambda: render.to_json("status", snap()) + "\n", interval)
+        while True:
+            _emit(render.to_json("status", snap()) + "\n")
+            time.sleep(interval)
     from rich.console import Console
     from rich.live import Live
     from rich.text import Text

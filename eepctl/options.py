@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import os
 import sys
-from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -45,34 +44,6 @@ def emit(text: str) -> None:
     out = streams.output()
     out.write(text)
     out.flush()
-
-
-def emit_until_interrupted(line: Callable[[], str], interval: float) -> None:
-    """``--watch -o json``: one whole line per refresh until SIGINT. An interrupt that lands
-    while a line is written takes effect once it is written, so a reader never gets half a line
-    (a status line is larger than one pipe write)."""
-    import signal
-    import threading
-
-    stop = threading.Event()
-    writing = [False]
-
-    def on_int(signum: int, frame: Any) -> None:
-        stop.set()
-        if not writing[0]:
-            raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGINT, on_int)
-    try:
-        while not stop.is_set():
-            text = line()
-            writing[0] = True
-            emit(text)
-            writing[0] = False
-            stop.wait(interval)
-    finally:
-        signal.signal(signal.SIGINT, old)
-    raise KeyboardInterrupt
 
 
 def say(msg: str) -> None:
