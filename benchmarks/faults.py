@@ -1,16 +1,21 @@
 """Faults the control plane answers: time from the fault to serving again, and requests failed.
 
 One run, each fault on a fresh DP-3 deployment (policy shrink, health deadline --deadline)
-under open-loop load plus a back-to-back probe (its completion times show the serving pause):
+under open-loop load plus a back-to-back probe (one request at a time: its completions show the
+serving pause):
 
 * hang          rank 1 SIGSTOPped (fenced after the deadline, recovered around)
 * failed-alive  rank 1's step raises (fault ``fail:step@1``; its process stays alive)
 * controller    the controller actor SIGKILLed (Ray restarts it; it takes the ranks over)
+* partition     (``--partition``, needs root: the test suite's two-node network-namespace
+                cluster, tests/multinode.py) DP 2 spread over the nodes, the worker's link set down
 
 and, in the same run, ``down`` + ``up`` + the first completion (a cold restart) for comparison.
-A partition needs a second node (the test suite's network namespace): tests/test_multinode_ray.py.
+Per fault: ``serving_again_s`` (from the fault to the first probe completion after the longest
+gap), ``pause_s`` (that gap), ``recovered_s`` (to the end of the recovery operation), requests
+sent and failed, and how many of the failed were sent before the fault (in flight at it).
 
-Usage: .venv/bin/python benchmarks/faults.py [--rate 4] [--deadline 4] [--address HOST:PORT]
+Usage: .venv/bin/python benchmarks/faults.py [--rate 4] [--deadline 4] [--address HOST:PORT] [--partition]
 Without --address it starts a local Ray head (own process group, own state dir) and stops it.
 """
 
@@ -47,12 +52,14 @@ def _controller_pid(t: Any) -> int:
 
 
 def _scenario(core: Any, t: Any, rate: float, deadline_s: float, faults: list[str],
-              inject: Callable[[], float]) -> dict[str, Any]:
-    """Up DP 3, load, ``inject`` the fault (returns its time), wait for DP 2 (or 3) serving."""
-    engine = dict(ENGINE, faults=faults, fault_delay_s=FAIL_AFTER_S, step_timeout_s=deadline_s)
-    core.up(t, dp=3, max_dp=4, engine=engine, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
-            on_rank_failure="shrink", health_deadline_s=deadline_s)
-    _wait_serving(core, t, 3)
+              inject: Callable[[], float], *, dp: int = 3, placement: str = "pack",
+              cleanup: Callable[[], None] = lambda: None, **engine_over: Any) -> dict[str, Any]:
+    """Up DP ``dp``, load, ``inject`` the fault (returns its time), measure, down."""
+    engine = dict(ENGINE, faults=faults, fault_delay_s=FAIL_AFTER_S, step_timeout_s=deadline_s, **engine_over)
+    core.up(t, dp=dp, max_dp=4, engine=engine, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
+            on_rank_failure="shrink", health_deadline_s=deadline_s,
+            placement={"policy": placement, "ifname": ""})
+    _wait_serving(core, t, dp)
     load: dict[str, Any] = {}
     loader = threading.Thread(target=lambda: load.update(core.load(t, core.DEFAULT_PROMPTS, 8, rate, 30.0,
                                                                    timeout_s=300)))
@@ -60,14 +67,65 @@ def _scenario(core: Any, t: Any, rate: float, deadline_s: float, faults: list[st
         loader.start()
         time.sleep(3.0)
         t_fault = inject()
-        loader.join(300)
-    around = [d for d in probe.done if d > t_fault - 5]
-    gaps = [b - a for a, b in zip(around, around[1:]) if b > t_fault]
+        try:
+            loader.join(300)
+            time.sleep(1.0)  # a probe completion after the load
+        finally:
+            cleanup()
+    return _measure(core, t, t_fault, probe.done, load)
+
+
+def _measure(core: Any, t: Any, t_fault: float, done: list[float], load: dict[str, Any]) -> dict[str, Any]:
+    around = [t_fault] + [d for d in done if d > t_fault]
+    gaps = [(b - a, b) for a, b in zip(around, around[1:])]
+    pause, back = max(gaps) if gaps else (None, None)
     ops = core.events(t)["operations"]
+    ended = [o["finished"] for o in ops if o.get("kind") in ("recover", "rebuild") and o.get("finished")
+             and o["finished"] > t_fault and o.get("state") == "succeeded"]
+    failed = [r for r in load.get("records", []) if r.get("error")]
     core.down(t, stop_cluster=False)
-    return {"serving_pause_s": round(max(gaps), 3) if gaps else None,
+    return {"serving_again_s": round(back - t_fault, 3) if back else None,
+            "pause_s": round(pause, 3) if pause else None,
+            "recovered_s": round(min(ended) - t_fault, 3) if ended else None,
             "requests": load.get("sent"), "failed": load.get("failed"),
+            "failed_sent_before_fault": sum(1 for r in failed if r.get("sent_at", 0) < t_fault),
             "operations": [f"{o.get('kind')}:{o.get('state')}" for o in ops]}
+
+
+def _partition(rate: float, deadline_s: float) -> dict[str, Any]:
+    """The worker node of a two-node cluster cut off (its processes live) under load."""
+    import ray
+
+    from eepctl import core
+    from tests import multinode
+
+    cl = multinode.start(num_cpus=6)
+    saved = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = cl.address
+    try:
+        if ray.is_initialized():
+            ray.shutdown()
+        t = core.Target(address=cl.address, name="bench-partition")
+
+        def cut() -> float:
+            cl.set_link(False)
+            return time.time()
+
+        def heal() -> None:
+            cl.set_link(True)
+
+        # 8 slots per rank: the head's rank alone holds every expert (at 6, DP 1 cannot, the
+        # recovery fails and the deployment waits for the link to rebuild DP 2).
+        return _scenario(core, t, rate, deadline_s, [], cut, dp=2, placement="spread", cleanup=heal,
+                         slots_per_rank=8)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = saved
+        cl.stop()
 
 
 def main() -> None:
@@ -75,6 +133,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--deadline", type=float, default=4.0)
     ap.add_argument("--address", default=None)
+    ap.add_argument("--partition", action="store_true", help="also the two-node partition (root)")
     args = ap.parse_args()
     from eepctl import cluster, core
 
@@ -114,6 +173,8 @@ def main() -> None:
         core.generate(t, [PROBE], 1, 120)
         out["down_up_s"] = round(time.time() - t0, 3)
         core.down(t, stop_cluster=False)
+        if args.partition:
+            out["partition"] = _partition(args.rate, args.deadline)
     finally:
         for pid in stopped:  # the process this run stopped, if it is still there
             try:

@@ -73,9 +73,11 @@ class Deployment:
         self.name = name
         self.procs: list[subprocess.Popen] = []
 
-    def popen(self, *args: str) -> subprocess.Popen:
+    def popen(self, *args: str, stdout: Any = subprocess.PIPE) -> subprocess.Popen:
+        """The CLI in the background; ``stdout`` a file for a long ``--watch`` (a pipe nobody
+        reads fills, and its writer blocks)."""
         env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
-        p = subprocess.Popen([sys.executable, "-m", "eepctl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        p = subprocess.Popen([sys.executable, "-m", "eepctl", *args], stdout=stdout, stderr=subprocess.PIPE,
                              text=True, env=env, cwd=ROOT)
         self.procs.append(p)
         return p

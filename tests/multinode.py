@@ -69,6 +69,20 @@ class TwoNodeCluster:
                 pass
         return pids
 
+    def restart_worker_node(self, timeout_s: float = 90.0) -> None:
+        """Start a fresh worker raylet in the namespace (capacity coming back after a node loss):
+        same IP, a new Ray node id; returns once the cluster has two alive nodes again."""
+        env = dict(os.environ)
+        env.pop("RAY_ADDRESS", None)
+        n = len(self.procs)
+        log = open(self.temp_root / f"worker{n}.log", "w")
+        self.procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, _ray_bin(), "start", f"--address={self.address}",
+             f"--node-ip-address={WORKER_IP}", f"--temp-dir={self.temp_root / f'worker{n}'}",
+             f"--num-cpus={self.num_cpus}", "--disable-usage-stats", "--block"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env))
+        _wait_nodes(self.address, 2, timeout_s)
+
     def set_link(self, up: bool) -> None:
         """Cut the worker node off (its processes live, no packet crosses) or connect it again."""
         _run("ip", "link", "set", self.veth_root, "up" if up else "down")

@@ -211,7 +211,9 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     """DP 1 under open-loop load: the registry and the controller are killed together (both come
     back, the history intact), then the only rank is SIGKILLed: no healthy rank is left, so the
     controller rebuilds DP 1 from the weight source as a recorded operation while requests wait;
-    no request fails and every output equals the oracle."""
+    no request fails and every output equals the oracle. Then a scale 1 -> 3 whose only member is
+    SIGKILLed while a joiner is held in launch: rolled back onto a dead world, rebuilt likewise,
+    the requests sent meanwhile served; a later scale to 3 works."""
     import ray
 
     from eepctl import cluster
@@ -219,7 +221,7 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
 
     cluster.connect(ray_cluster["address"], NAMESPACE)
     d = deployments("cp-rebuild")
-    snap = _up(d.name, 1, 2, faults=["hold:step@0"], delay_s=4.0)
+    snap = _up(d.name, 1, 3, faults=["hold:step@0", "hold:launch@1"], delay_s=4.0)
     cfg_d = snap["info"]["config"]
     before = [o["op_id"] for o in events(d.name)["operations"]]
     ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
@@ -239,3 +241,24 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     assert moved and any(r["resumed_with"] > 0 for r in moved), moved
     text = eepctl("status", "--name", d.name, timeout=60).stdout
     assert "controller restarted 1 time(s)" in text, text
+
+    # A scale-up whose only member dies in launch: DP 1 -> 3 held while joiner 1 launches, the
+    # only serving rank SIGKILLed there. The scale rolls back onto a dead world; the loop rebuilds
+    # the desired size (1: a failed scale leaves it as it was) from the weight source, requests
+    # sent meanwhile wait and are served, and a later scale to 3 works.
+    snap = status(d.name)
+    scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
+    _held(d.name, 1, "launch")
+    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "8", "--max-tokens", "16",
+                   "-o", "json")
+    os.kill(_pid_of(snap, 0), signal.SIGKILL)  # the only serving rank, while the scale is in launch
+    scale.communicate(timeout=180)
+    _serving(d.name, [0], timeout=180)
+    finish_load(load, cfg_d, 16)  # raises on any failed request or output unlike the oracle
+    ops = events(d.name)["operations"]
+    failed_scale = [o for o in ops if o.get("kind") == "scale" and o.get("to_size") == 3]
+    assert failed_scale and failed_scale[-1]["state"] in ("failed", "rolled_back"), failed_scale
+    later = [o for o in ops if o.get("kind") == "rebuild" and o["started"] > failed_scale[-1]["started"]]
+    assert later and later[-1]["state"] == "succeeded" and later[-1]["to_size"] == 1, later
+    up = eepctl_json("scale", "--dp", "3", "--name", d.name, timeout=300)
+    assert up["state"] == "succeeded", up

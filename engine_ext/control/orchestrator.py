@@ -176,7 +176,10 @@ class Orchestrator:
         if (self.on_rank_failure != RankFailurePolicy.REPLACE or w.stopping or self.desired <= w.size
                 or not w.router.clients or w.op_lock.locked()):
             return False
-        await self.scale(min(self.desired, self.max_dp))
+        try:
+            await self.scale(min(self.desired, self.max_dp))
+        except PreconditionError:  # no capacity: the reconcile loop says why and retries
+            return False
         return True
 
     # ---- health: fence, rebuild ---------------------------------------------------------------
