@@ -43,6 +43,17 @@ def expert_bytes(expert_hidden: int) -> int:
     return BASE["num_layers"] * BASE["num_experts"] * 2 * BASE["hidden_size"] * expert_hidden * 4
 
 
+def kv_blocks(cfg: Any, max_dp: int) -> int:
+    """KV blocks such that the rank's memory budget (KV + MoE workspace, both sized at world 1:
+    engine_ext/rank/warmup.py) still leaves the default 128 blocks at ``max_dp``: the workspace
+    grows with the world x expert_hidden, and a budget it eats whole leaves no KV block, so no
+    request is admitted (at expert_hidden 32768, DP 4 and the default 128 blocks the scale
+    succeeds and every request then waits forever)."""
+    block = cfg.num_layers * cfg.block_size * 2 * cfg.hidden_size * 8  # bytes per block, float64 bound
+    work = max_dp * cfg.max_num_tokens * (4 * cfg.hidden_size + cfg.expert_hidden + 4 * cfg.top_k) * 8
+    return 128 + -(-work // block)
+
+
 # ---- link: raw socket vs the transfer path, between the same two processes ---------------------
 def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, device: str) -> None:
     """Role 0 receives, role 1 sends; both sides' buffers are allocated and touched up front.
@@ -184,6 +195,7 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
     from engine_ext.launcher import LocalDeployment
 
     cfg = EngineConfig(**cfg_d)
+    cfg.num_blocks = kv_blocks(cfg, max(target, 4))
     dep = LocalDeployment(cfg, name, max_dp=max(target, 4), standby=standby, device=device)
     t_up = time.perf_counter()
     await dep.start(start)
@@ -226,6 +238,7 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
             got = d.get("bytes_received", d.get("received", 0) * per_expert)  # the latter: before bytes were reported
             dd = dense.get(r, {"duration_s": 0.0, "detail": {}})
             tx.append({"rank": r, "reshuffle_s": e["duration_s"], "expert_bytes": got,
+                       "bytes_reported": "bytes_received" in d,
                        "dense_s": dd["duration_s"], "dense_bytes": dd["detail"].get("bytes", 0)})
         row["joiners"] = tx
         row["transfer_s"] = max((j["reshuffle_s"] + j["dense_s"] for j in tx), default=None)
@@ -320,6 +333,20 @@ def _f(v: Any, nd: int = 3) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
 
+def save(a: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Write what is measured so far (a long run stopped half way keeps its curves)."""
+    res["loadavg_end"] = os.getloadavg()
+    res.setdefault("bytes", [])
+    res.setdefault("world", [])
+    tag = ("_quick" if a.quick else "") + ("" if a.device == "cpu" else "_" + a.device.replace(":", ""))
+    with open(os.path.join(a.out, f"curves{tag}.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    write_svg(os.path.join(a.out, f"curves{tag}.svg"), res)
+    write_csv(os.path.join(a.out, f"curves{tag}.csv"), res)
+    print(f"(wrote {a.out}/curves{tag}.json, .svg, .csv; load average {res['loadavg_start']} -> {res['loadavg_end']})",
+          flush=True)
+
+
 async def main(a: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(a.out, exist_ok=True)
     res: dict[str, Any] = {"quick": a.quick, "base_config": BASE, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -344,7 +371,9 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     if "bytes" in a.parts:
         for eh in ehs:
             print(f"bytes: expert_hidden {eh}: {rss_budget_note(eh, 4)}", flush=True)
-            row = await transition({**BASE, "expert_hidden": eh}, f"cb{eh}", 2, 4, device=dev)
+            # No captures on this curve: a capture's decode runs every local slot densely, which at
+            # GiBs of experts makes each CPU step take seconds; eager decode runs top-k experts only.
+            row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": []}, f"cb{eh}", 2, 4, device=dev)
             row.update(expert_hidden=eh, expert_MiB=expert_bytes(eh) / MIB)
             res["bytes"].append(row)
         print("\n| expert MiB | per expert MiB | wall s | launch s | pause s | commit s | transfer s (joiner) "
@@ -355,11 +384,24 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                   f"{_f(r['pause_s'])} | {_f(r['phases'].get('commit'))} | {_f(r['transfer_s'])} | "
                   f"{_f(r['transfer_GBps_per_joiner'], 2)} | {r['failed']}/{r['requests']} |", flush=True)
 
+    save(a, res)
+    if "pause" in a.parts:
+        row = await transition({**BASE, "expert_hidden": 128, "capture_policy": "reuse"}, "cpause", 2, 4,
+                               standby=2, step=True, device=dev)
+        row["pause_in_steps"] = row["pause_s"] / max(1e-9, row["step_after_s"])
+        res["pause"] = row
+        print(f"\npause: 2->4, standby 2, reuse: serving pause {row['pause_s']:.3f} s; one decode step "
+              f"{row['step_before_s'] * 1e3:.1f} ms at DP 2, {row['step_after_s'] * 1e3:.1f} ms at DP 4; "
+              f"pause = {row['pause_in_steps']:.1f} steps (DP 4)")
+        for ph in ("commit", "reshuffle", "warm", "capture", "lock"):
+            print(f"  {ph} by rank: {row.get(f'{ph}_by_rank', {})}", flush=True)
+        save(a, res)
     res["world"] = []
     if "world" in a.parts:
         for s, t in worlds:
             row = await transition({**BASE, "expert_hidden": a.world_expert_hidden}, f"cw{t}", s, t, device=dev)
             res["world"].append(row)
+            save(a, res)
         print(f"\n(world curve: expert_hidden {a.world_expert_hidden}, "
               f"{expert_bytes(a.world_expert_hidden) / MIB:.0f} MiB of experts)")
         print("| op | wall s | launch s | pause s | prepare s | transfer s | commit s | reshuffle s | warm s | capture s "
@@ -372,23 +414,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                   f"{_f(ph.get('prepare'))} | {_f(r['transfer_s'])} | {_f(ph.get('commit'))} | {_f(ph.get('reshuffle'))} | "
                   f"{_f(ph.get('warm'))} | {_f(ph.get('capture'))} | {r['pause_s'] / p0:.2f} |", flush=True)
 
-    if "pause" in a.parts:
-        row = await transition({**BASE, "expert_hidden": 128, "capture_policy": "reuse"}, "cpause", 2, 4,
-                               standby=2, step=True, device=dev)
-        row["pause_in_steps"] = row["pause_s"] / max(1e-9, row["step_after_s"])
-        res["pause"] = row
-        print(f"\npause: 2->4, standby 2, reuse: serving pause {row['pause_s']:.3f} s; one decode step "
-              f"{row['step_before_s'] * 1e3:.1f} ms at DP 2, {row['step_after_s'] * 1e3:.1f} ms at DP 4; "
-              f"pause = {row['pause_in_steps']:.1f} steps (DP 4)")
-        for ph in ("commit", "reshuffle", "warm", "capture", "lock"):
-            print(f"  {ph} by rank: {row.get(f'{ph}_by_rank', row['commit_by_rank'] if ph == 'commit' else {})}")
-    res["loadavg_end"] = os.getloadavg()
-    tag = ("_quick" if a.quick else "") + ("" if dev == "cpu" else "_" + dev.replace(":", ""))
-    with open(os.path.join(a.out, f"curves{tag}.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    write_svg(os.path.join(a.out, f"curves{tag}.svg"), res)
-    write_csv(os.path.join(a.out, f"curves{tag}.csv"), res)
-    print(f"\nwrote {a.out}/curves{tag}.json, .svg, .csv; load average {res['loadavg_start']} -> {res['loadavg_end']}")
+    save(a, res)
     return res
 
 

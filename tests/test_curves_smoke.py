@@ -27,5 +27,5 @@ def test_curves_quick_runs_and_reports_transfer_bytes(tmp_path: Path) -> None:
     per_expert = int(row["expert_MiB"] * 2**20) // 8
     assert [j["rank"] for j in row["joiners"]] == [2, 3], row["joiners"]
     for j in row["joiners"]:
-        assert j["expert_bytes"] == 4 * per_expert and j["reshuffle_s"] > 0, j
+        assert j["bytes_reported"] and j["expert_bytes"] == 4 * per_expert and j["reshuffle_s"] > 0, j
     assert (tmp_path / "curves_quick.svg").read_text().startswith("<svg")

@@ -103,7 +103,8 @@ class RankTransition:
         plan, model = op.plan, self.res.model
         pairs = transfer_pairs(plan.old_size, plan.new_size)  # positions; the comm spans the new world
         comm = op.eplb_comm
-        assert comm is not None
+        if comm is None:  # I2: the communicator exists before any weight moves
+            raise RuntimeError("no eplb_comm: a weight transfer needs the EPLB communicator formed first (I2)")
         me = plan.new_pos(self.shared.rank)
         tensors = list(model.dense.values())
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
