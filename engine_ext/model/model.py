@@ -122,12 +122,6 @@ class MoEModel:
     def expert_vector(self, slot: int) -> torch.Tensor:
         return torch.cat([self.w1[:, slot].reshape(-1), self.w2[:, slot].reshape(-1)])
 
-    def expert_parts(self, slot: int) -> list[torch.Tensor]:
-        """The storage of one slot as contiguous views (w1 then w2, one per layer): what a
-        reshuffle sends from and receives into, with no staging copy."""
-        L = self.cfg.num_layers
-        return [self.w1[l, slot] for l in range(L)] + [self.w2[l, slot] for l in range(L)]
-
     def load_expert_vector(self, slot: int, vec: torch.Tensor) -> None:
         n1 = self.w1[:, slot].numel()
         self.w1[:, slot].copy_(vec[:n1].view_as(self.w1[:, slot]))

@@ -1,14 +1,5 @@
 """The expert reshuffle a transition's commit and a recovery both run: expert weights move into
-the operation's new layout over its EPLB communicator.
-
-Moves go from the weight storage to the weight storage, one message per layer and matrix: a
-slot's ``w1[l, s]`` / ``w2[l, s]`` are contiguous views, so nothing is concatenated, no receive
-buffer is allocated (a fresh one costs a page fault per 4 KiB before a byte lands) and nothing is
-copied after. Only a slot that is both read (a source) and overwritten in this reshuffle is
-snapshotted first. A reshuffle that fails half way leaves some slots written: the controller then
-treats the survivors' experts as untrusted (``TransitionPlan.untrusted``) and restores them from
-the weight source.
-"""
+the operation's new layout over its EPLB communicator."""
 
 from __future__ import annotations
 
@@ -16,12 +7,12 @@ from typing import Any
 
 import torch
 
-from engine_ext.elastic.eplb import ExpertMove, plan_moves
+from engine_ext.elastic.eplb import plan_moves
 from engine_ext.elastic.weight_source import WeightSource
 from engine_ext.rank.operation import OpState, comm_members
 from engine_ext.rank.shared import RankResources, RankShared
 
-TAG_BASE = 1000  # dense transfers use 100 + position; each expert move i uses TAG_BASE + i * parts + j
+TAG_BASE = 1000  # dense transfers use tags below it (engine_ext/rank/transition.py)
 
 
 class ExpertReshuffle:
@@ -43,11 +34,13 @@ class ExpertReshuffle:
         comm = op.eplb_comm
         assert comm is not None
         comm_world = comm_members(plan)
+        old_w1, old_w2 = model.w1.clone(), model.w2.clone()
 
-        sends: list[tuple[int, ExpertMove]] = []
-        recvs: list[tuple[int, ExpertMove]] = []
-        local: list[ExpertMove] = []
-        restored: list[ExpertMove] = []
+        def old_vec(slot: int) -> torch.Tensor:
+            return torch.cat([old_w1[:, slot].reshape(-1), old_w2[:, slot].reshape(-1)])
+
+        sends, recvs, local, restored = [], [], [], []
+        vec_len = old_vec(0).numel()
         for i, m in enumerate(moves):
             src_g = old_w[m.src_rank] if m.src_rank >= 0 else -1
             dst_g = new_w[m.dst_rank]
@@ -56,32 +49,21 @@ class ExpertReshuffle:
             elif src_g == me and dst_g == me:
                 local.append(m)
             elif src_g == me:
-                sends.append((i, m))
+                sends.append((old_vec(m.src_slot), comm_world.index(dst_g), 1000 + i))
             elif dst_g == me and src_g >= 0:
-                recvs.append((i, m))
-        # Sources read while the same exchange (or a local copy) overwrites them are snapshotted.
-        written = {m.dst_slot for m in local + restored} | {m.dst_slot for _, m in recvs}
-        read = {m.src_slot for m in local} | {m.src_slot for _, m in sends}
-        snap = {s: [t.clone() for t in model.expert_parts(s)] for s in sorted(read & written)}
-
-        def source(slot: int) -> list[torch.Tensor]:
-            return snap[slot] if slot in snap else model.expert_parts(slot)
-
-        parts = len(model.expert_parts(0))
-        send_msgs = [(t, comm_world.index(new_w[m.dst_rank]), TAG_BASE + i * parts + j)
-                     for i, m in sends for j, t in enumerate(source(m.src_slot))]
-        recv_msgs = [(t, comm_world.index(old_w[m.src_rank]), TAG_BASE + i * parts + j)
-                     for i, m in recvs for j, t in enumerate(model.expert_parts(m.dst_slot))]
-        comm.exchange(send_msgs, recv_msgs)
+                buf = torch.empty(vec_len, dtype=model.dtype, device=self.res.device)
+                recvs.append((buf, comm_world.index(src_g), 1000 + i, m))
+        comm.exchange(sends, [(b, s, t) for b, s, t, _ in recvs])
         for m in local:
-            for dst, src in zip(model.expert_parts(m.dst_slot), source(m.src_slot)):
-                dst.copy_(src)
+            model.load_expert_vector(m.dst_slot, old_vec(m.src_slot))
+        for buf, _, _, m in recvs:
+            model.load_expert_vector(m.dst_slot, buf)
         for m in restored if not self.res.faults.active("no_weight_source_restore") else []:
             model.load_expert_vector(m.dst_slot, self.from_weight_source(m.logical))
         assert self.res.cfg.slots_per_rank == plan.new_layout.slots_per_rank
-        nbytes = lambda msgs: sum(t.numel() * t.element_size() for t, _, _ in msgs)  # noqa: E731
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"moves_total": len(moves), "sent": len(sends), "received": len(recvs), "local": len(local),
-                "bytes_sent": nbytes(send_msgs), "bytes_received": nbytes(recv_msgs), "snapshotted_slots": len(snap),
+                "bytes_sent": nbytes(t for t, _, _ in sends), "bytes_received": nbytes(b for b, _, _, _ in recvs),
                 "restored_from_weight_source": sorted({m.logical for m in restored})}
 
     def from_weight_source(self, logical: int) -> torch.Tensor:
