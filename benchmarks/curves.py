@@ -2,7 +2,7 @@
 
   link     the weight-transfer path against the raw link between the same two endpoints (two
            processes on loopback): a plain socket stream, gloo send/recv from and into the weight
-           storage (the transfer path), and the path as it was before (concatenate at the sender,
+           storage (storage to storage), and the path the reshuffle runs today (concatenate at the sender,
            a fresh receive buffer, copy into the storage after)
   bytes    2->4 under a closed-loop client against total expert bytes: transition wall, serving
            pause, the joiners' weight transfer (dense + expert reshuffle) and its throughput
@@ -97,7 +97,7 @@ def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, 
                 g.barrier()
                 c.sendall(memoryview(store.numpy()).cast("B"))
                 c.close()
-            # the transfer path now: gloo from the storage into the storage
+            # storage to storage: gloo from the storage into the storage
             g.barrier()
             t0 = time.perf_counter()
             if role == 0:
@@ -105,7 +105,7 @@ def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, 
             else:
                 g.exchange([(store[:half], 0, 1), (store[half:], 0, 2)], [])
             rows["gloo_direct"].append(time.perf_counter() - t0)
-            # the path before: a concatenated vector, a fresh receive buffer, a copy after
+            # the reshuffle today: a concatenated vector, a fresh receive buffer, a copy after
             g.barrier()
             t0 = time.perf_counter()
             if role == 0:
