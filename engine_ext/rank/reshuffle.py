@@ -12,6 +12,8 @@ from engine_ext.elastic.weight_source import WeightSource
 from engine_ext.rank.operation import OpState, comm_members
 from engine_ext.rank.shared import RankResources, RankShared
 
+TAG_BASE = 1000  # dense transfers use tags below it (engine_ext/rank/transition.py)
+
 
 class ExpertReshuffle:
     """Moves expert weights into an operation's new layout over its EPLB communicator; experts
@@ -59,7 +61,9 @@ class ExpertReshuffle:
         for m in restored if not self.res.faults.active("no_weight_source_restore") else []:
             model.load_expert_vector(m.dst_slot, self.from_weight_source(m.logical))
         assert self.res.cfg.slots_per_rank == plan.new_layout.slots_per_rank
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"moves_total": len(moves), "sent": len(sends), "received": len(recvs), "local": len(local),
+                "bytes_sent": nbytes(t for t, _, _ in sends), "bytes_received": nbytes(b for b, _, _, _ in recvs),
                 "restored_from_weight_source": sorted({m.logical for m in restored})}
 
     def from_weight_source(self, logical: int) -> torch.Tensor:

@@ -18,11 +18,14 @@ from engine_ext.elastic.eplb import ExpertLayout, transfer_pairs
 from engine_ext.elastic.transition_plan import TransitionPlan
 from engine_ext.protocol import RankState
 from engine_ext.rank.operation import OpState, comm_members
-from engine_ext.rank.reshuffle import ExpertReshuffle
+from engine_ext.rank.reshuffle import TAG_BASE, ExpertReshuffle
 from engine_ext.rank.shared import RankResources, RankShared
 from engine_ext.rank.step_loop import StepLoop
 from engine_ext.rank.telemetry import RankTelemetry
 from engine_ext.rank.warmup import Warmup
+
+
+DENSE_TAG = 100  # dense tensor j travels with tag DENSE_TAG + j, below the reshuffle's TAG_BASE
 
 
 class RankTransition:
@@ -95,20 +98,24 @@ class RankTransition:
             d.update(self._transfer_dense(op))
 
     def _transfer_dense(self, op: OpState) -> dict[str, Any]:
+        """One message per dense tensor, from the sender's weights into the joiner's: no
+        concatenation and no receive buffer (engine_ext/rank/reshuffle.py says why)."""
         plan, model = op.plan, self.res.model
         pairs = transfer_pairs(plan.old_size, plan.new_size)  # positions; the comm spans the new world
         comm = op.eplb_comm
+        if comm is None:  # I2: the communicator exists before any weight moves
+            raise RuntimeError("no eplb_comm: a weight transfer needs the EPLB communicator formed first (I2)")
         me = plan.new_pos(self.shared.rank)
+        tensors = list(model.dense.values())
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        assert DENSE_TAG + len(tensors) <= TAG_BASE, "dense tags would meet the reshuffle's"
         if me in pairs:
-            vec = model.dense_vector()
-            comm.exchange([(vec, dst, 100 + dst) for dst in pairs[me]], [])
-            return {"sent_to": pairs[me], "bytes": vec.numel() * vec.element_size() * len(pairs[me])}
+            comm.exchange([(t, dst, DENSE_TAG + j) for dst in pairs[me] for j, t in enumerate(tensors)], [])
+            return {"sent_to": pairs[me], "bytes": nbytes * len(pairs[me])}
         for src, dsts in pairs.items():
             if me in dsts:
-                buf = torch.empty(model.dense_vector().numel(), dtype=model.dtype, device=self.res.device)
-                comm.exchange([], [(buf, src, 100 + me)])
-                model.load_dense_vector(buf)
-                return {"received_from": src, "bytes": buf.numel() * buf.element_size()}
+                comm.exchange([], [(t, src, DENSE_TAG + j) for j, t in enumerate(tensors)])
+                return {"received_from": src, "bytes": nbytes}
         return {}
 
     # ---- drain, commit request, abort -------------------------------------------------------------

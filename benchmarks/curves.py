@@ -1,0 +1,431 @@
+"""Cost curves, measured side by side in one run (process launcher, CPU/gloo):
+
+  link     the weight-transfer path against the raw link between the same two endpoints (two
+           processes on loopback): a plain socket stream, gloo send/recv from and into the weight
+           storage (storage to storage), and the path the reshuffle runs today (concatenate at the sender,
+           a fresh receive buffer, copy into the storage after)
+  bytes    2->4 under a closed-loop client against total expert bytes: transition wall, serving
+           pause, the joiners' weight transfer (dense + expert reshuffle) and its throughput
+  world    the same against world size: 2->4, 4->8, 8->16 (ranks oversubscribed on this host)
+  pause    2->4 with a standby pool of 2 and ``capture_policy=reuse``: the serving pause as a
+           ratio to one decode step of the same deployment, measured in the same run
+
+The reference model is sized by ``expert_hidden`` alone: float32, 2 layers, 8 experts, hidden
+64, 4 slots per rank, so total expert bytes = 2 layers x 8 experts x 2 matrices x 64 x
+expert_hidden x 4 B = 8 KiB x expert_hidden, one expert (what one move sends) 1/8 of that, and
+each rank holds 4 slots = half of the experts (2 GiB of experts: 1 GiB per rank, 4 GiB at DP 4).
+
+Writes ``curves.json``, ``curves.svg`` and ``curves.csv`` into ``--out``; prints markdown tables.
+
+Usage: PYTHONPATH=. python benchmarks/curves.py [--quick] [--out docs/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+MIB = 2**20
+BASE: dict[str, Any] = {"dtype": "float32", "num_layers": 2, "num_experts": 8, "hidden_size": 64, "slots_per_rank": 4,
+                        "max_num_tokens": 16, "capture_sizes": [1, 2, 4, 8]}
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def expert_bytes(expert_hidden: int) -> int:
+    """Total expert bytes of the reference model at this ``expert_hidden`` (see the docstring)."""
+    return BASE["num_layers"] * BASE["num_experts"] * 2 * BASE["hidden_size"] * expert_hidden * 4
+
+
+def kv_blocks(cfg: Any, max_dp: int) -> int:
+    """KV blocks such that the rank's memory budget (KV + MoE workspace, both sized at world 1:
+    engine_ext/rank/warmup.py) still leaves the default 128 blocks at ``max_dp``: the workspace
+    grows with the world x expert_hidden, and a budget it eats whole leaves no KV block, so no
+    request is admitted (at expert_hidden 32768, DP 4 and the default 128 blocks the scale
+    succeeds and every request then waits forever)."""
+    block = cfg.num_layers * cfg.block_size * 2 * cfg.hidden_size * 8  # bytes per block, float64 bound
+    work = max_dp * cfg.max_num_tokens * (4 * cfg.hidden_size + cfg.expert_hidden + 4 * cfg.top_k) * 8
+    return 128 + -(-work // block)
+
+
+# ---- link: raw socket vs the transfer path, between the same two processes ---------------------
+def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, device: str) -> None:
+    """Role 0 receives, role 1 sends; both sides' buffers are allocated and touched up front.
+    On a GPU the transfer path stages through host memory (gloo cannot move device tensors
+    between processes sharing one GPU): ``gloo_device`` is that path, device to device."""
+    import torch
+
+    from engine_ext.elastic.comm import StatelessGroup
+    from engine_ext.elastic.rendezvous import Rendezvous
+
+    g = StatelessGroup(Rendezvous("127.0.0.1", store_port, "link"), role, 2)
+    gd = (StatelessGroup(Rendezvous("127.0.0.1", store_port, "linkdev"), role, 2, device=torch.device(device))
+          if device != "cpu" else None)
+    for nbytes in sizes:
+        n = nbytes // 4
+        store = torch.empty(n).fill_(float(role))  # the "weight storage", every page touched
+        dstore = store.to(device) if gd is not None else None
+        half = n // 2  # the old path's expert vector was w1 and w2 concatenated
+        rows: dict[str, list[float]] = {"raw": [], "gloo_direct": [], "gloo_staged": [],
+                                        **({"gloo_device": []} if gd is not None else {})}
+        for _ in range(reps):
+            # raw: one TCP stream over loopback, recv_into the touched storage
+            if role == 0:
+                srv = socket.socket()
+                srv.bind(("127.0.0.1", 0))
+                srv.listen(1)
+                g.broadcast(torch.tensor([srv.getsockname()[1]]), 0)
+                c, _ = srv.accept()
+                mv = memoryview(store.numpy()).cast("B")
+                g.barrier()
+                t0 = time.perf_counter()
+                got = 0
+                while got < nbytes:
+                    got += c.recv_into(mv[got:], nbytes - got)
+                rows["raw"].append(time.perf_counter() - t0)
+                c.close()
+                srv.close()
+            else:
+                port = int(g.broadcast(torch.tensor([0]), 0)[0])
+                c = socket.create_connection(("127.0.0.1", port))
+                g.barrier()
+                c.sendall(memoryview(store.numpy()).cast("B"))
+                c.close()
+            # storage to storage: gloo from the storage into the storage
+            g.barrier()
+            t0 = time.perf_counter()
+            if role == 0:
+                g.exchange([], [(store[:half], 1, 1), (store[half:], 1, 2)])
+            else:
+                g.exchange([(store[:half], 0, 1), (store[half:], 0, 2)], [])
+            rows["gloo_direct"].append(time.perf_counter() - t0)
+            # the reshuffle today: a concatenated vector, a fresh receive buffer, a copy after
+            g.barrier()
+            t0 = time.perf_counter()
+            if role == 0:
+                buf = torch.empty(n)
+                g.exchange([], [(buf, 1, 3)])
+                store[:half].copy_(buf[:half])
+                store[half:].copy_(buf[half:])
+                del buf
+            else:
+                vec = torch.cat([store[:half].reshape(-1), store[half:].reshape(-1)])
+                g.exchange([(vec, 0, 3)], [])
+                del vec
+            rows["gloo_staged"].append(time.perf_counter() - t0)
+            if gd is not None and dstore is not None:
+                gd.barrier()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if role == 0:
+                    gd.exchange([], [(dstore[:half], 1, 1), (dstore[half:], 1, 2)])
+                else:
+                    gd.exchange([(dstore[:half], 0, 1), (dstore[half:], 0, 2)], [])
+                torch.cuda.synchronize()
+                rows["gloo_device"].append(time.perf_counter() - t0)
+        g.barrier()
+        if role == 0:
+            q.put({"bytes": nbytes, **{k: statistics.median(v) for k, v in rows.items()}})
+        del store, dstore
+    g.destroy()
+
+
+def link_curve(sizes_mib: list[int], reps: int, device: str = "cpu") -> list[dict[str, Any]]:
+    import multiprocessing as mp
+
+    from engine_ext.elastic.comm import host_store
+
+    st = host_store("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    sizes = [s * MIB for s in sizes_mib]
+    procs = [ctx.Process(target=_link_peer, args=(r, st.port, sizes, reps, q, device)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    rows = [q.get(timeout=600) for _ in sizes]
+    for p in procs:
+        p.join(60)
+    for r in rows:
+        for k in ("raw", "gloo_direct", "gloo_staged", "gloo_device"):
+            if k in r:
+                r[f"{k}_GBps"] = r["bytes"] / r[k] / 1e9
+                r[f"ratio_{k.removeprefix('gloo_')}"] = r["raw"] / r[k]
+    return rows
+
+
+# ---- deployments --------------------------------------------------------------------------------
+async def _client(dep: Any, stop: asyncio.Event, out: list[dict[str, Any]]) -> None:
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            r = await dep.generate(PROMPT, 8)
+            out.append({"t": time.perf_counter() - t0, "ok": "output" in r})
+        except Exception as e:  # noqa: BLE001 - a failed request is a figure, not a crash
+            out.append({"t": time.perf_counter() - t0, "ok": False, "error": repr(e)})
+
+
+async def decode_step_s(dep: Any, k: int = 24, reps: int = 3) -> float:
+    """One decode step of the deployment as it is: (time of 1 + k tokens - time of 1 token) / k,
+    medians over ``reps``, idle deployment."""
+    t1, tk = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await dep.generate(PROMPT, 1)
+        t1.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await dep.generate(PROMPT, 1 + k)
+        tk.append(time.perf_counter() - t0)
+    return max(0.0, (statistics.median(tk) - statistics.median(t1)) / k)
+
+
+def _rank_events(dep: Any, op_id: str, phase: str) -> dict[int, dict[str, Any]]:
+    return {e["rank"]: e for e in dep.registry.events_for(op_id) if e["phase"] == phase and e["rank"] >= 0}
+
+
+async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, *, standby: int = 0,
+                     step: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """One scale ``start`` -> ``target`` under one closed-loop client, on a fresh deployment."""
+    from engine_ext.config import EngineConfig
+    from engine_ext.launcher import LocalDeployment
+
+    cfg = EngineConfig(**cfg_d)
+    cfg.num_blocks = kv_blocks(cfg, max(target, 4))
+    dep = LocalDeployment(cfg, name, max_dp=max(target, 4), standby=standby, device=device)
+    t_up = time.perf_counter()
+    await dep.start(start)
+    if dep.pool is not None:
+        while len(dep.pool.ready) < standby:
+            await asyncio.sleep(0.2)
+    up_s = time.perf_counter() - t_up
+    row: dict[str, Any] = {"from": start, "to": target, "up_s": up_s}
+    try:
+        if step:
+            row["step_before_s"] = await decode_step_s(dep)
+        stop, reqs = asyncio.Event(), []
+        client = asyncio.ensure_future(_client(dep, stop, reqs))
+        await asyncio.sleep(1.0)
+        t0 = time.perf_counter()
+        op = await dep.scale(target, timeout_s=600)
+        row["wall_s"] = time.perf_counter() - t0
+        await asyncio.sleep(0.5)
+        stop.set()
+        await client
+        if step:  # after the pool refilled: its launches would share the cores with the step
+            while dep.pool is not None and len(dep.pool.ready) < standby:
+                await asyncio.sleep(0.2)
+            row["step_after_s"] = await decode_step_s(dep)
+        pd = dep.registry.operations(op["op_id"])[-1]["phase_durations"]  # ranks' phases folded in (slowest)
+        row.update(state=op.get("state"), pause_s=op.get("serving_pause_s"), launch_s=pd.get("launch", 0.0),
+                   phases=pd, captures=op.get("captures_per_rank", {}),
+                   requests=len(reqs), failed=sum(1 for r in reqs if not r["ok"]),
+                   request_max_s=max((r["t"] for r in reqs), default=None))
+        op_id = op["op_id"]
+        resh, dense = _rank_events(dep, op_id, "reshuffle"), _rank_events(dep, op_id, "transfer")
+        per_expert = expert_bytes(cfg.expert_hidden) // cfg.num_experts
+        joiners = [r for r in range(start, target)]
+        tx = []
+        for r in joiners:
+            e = resh.get(r)
+            if e is None:
+                continue
+            d = e["detail"]
+            got = d.get("bytes_received", d.get("received", 0) * per_expert)  # the latter: before bytes were reported
+            dd = dense.get(r, {"duration_s": 0.0, "detail": {}})
+            tx.append({"rank": r, "reshuffle_s": e["duration_s"], "expert_bytes": got,
+                       "bytes_reported": "bytes_received" in d,
+                       "dense_s": dd["duration_s"], "dense_bytes": dd["detail"].get("bytes", 0)})
+        row["joiners"] = tx
+        row["transfer_s"] = max((j["reshuffle_s"] + j["dense_s"] for j in tx), default=None)
+        got_total = sum(j["expert_bytes"] + j["dense_bytes"] for j in tx)
+        row["transfer_bytes_per_joiner"] = got_total // max(1, len(tx))
+        row["transfer_GBps_per_joiner"] = (statistics.median([(j["expert_bytes"] + j["dense_bytes"]) /
+                                                              max(1e-9, j["reshuffle_s"] + j["dense_s"]) for j in tx])
+                                           / 1e9 if tx else None)
+        row["commit_by_rank"] = {str(r): e["duration_s"] for r, e in _rank_events(dep, op_id, "commit").items()}
+        for ph in ("warm", "capture", "lock", "reshuffle"):
+            row[f"{ph}_by_rank"] = {str(r): e["duration_s"] for r, e in _rank_events(dep, op_id, ph).items()}
+    finally:
+        await dep.stop()
+    return row
+
+
+def rss_budget_note(eh: int, dp: int) -> str:
+    per_rank = expert_bytes(eh) * BASE["slots_per_rank"] // BASE["num_experts"]
+    return f"{per_rank / MIB:.0f} MiB of experts per rank, {per_rank * dp / MIB:.0f} MiB at DP {dp}"
+
+
+# ---- the plot: a hand-written SVG (matplotlib is not in the project's environment) --------------
+def _panel(x0: int, title: str, xs: list[float], series: dict[str, list[float | None]], xlabel: str,
+           ylabel: str, logx: bool) -> str:
+    import math
+
+    w, h, pad = 360, 240, 44
+    pts = [v for s in series.values() for v in s if v is not None]
+    if not xs or not pts:
+        return ""
+    fx = (lambda v: math.log10(v)) if logx else (lambda v: v)  # noqa: E731
+    xmin, xmax = fx(min(xs)), fx(max(xs))
+    ymax = max(pts) * 1.1 or 1.0
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
+
+    def px(v: float) -> float:
+        return x0 + pad + (fx(v) - xmin) / ((xmax - xmin) or 1) * (w - 2 * pad)
+
+    def py(v: float) -> float:
+        return 30 + (1 - v / ymax) * (h - 60)
+
+    out = [f'<text x="{x0 + w / 2}" y="18" text-anchor="middle" font-size="13">{title}</text>',
+           f'<line x1="{x0 + pad}" y1="{h - 30}" x2="{x0 + w - pad}" y2="{h - 30}" stroke="black"/>',
+           f'<line x1="{x0 + pad}" y1="30" x2="{x0 + pad}" y2="{h - 30}" stroke="black"/>',
+           f'<text x="{x0 + w / 2}" y="{h - 4}" text-anchor="middle" font-size="11">{xlabel}</text>',
+           f'<text x="{x0 + 4}" y="26" font-size="11">{ylabel} (max {ymax / 1.1:.3g})</text>']
+    for v in xs:
+        out.append(f'<text x="{px(v):.1f}" y="{h - 17}" text-anchor="middle" font-size="9">{v:g}</text>')
+    for i, (name, ys) in enumerate(series.items()):
+        c = colors[i % len(colors)]
+        p = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys) if y is not None)
+        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{p}"/>')
+        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>' for x, y in zip(xs, ys) if y is not None]
+        out.append(f'<text x="{x0 + w - pad - 4}" y="{44 + 13 * i}" text-anchor="end" font-size="10" fill="{c}">{name}</text>')
+    return "\n".join(out)
+
+
+def write_svg(path: str, res: dict[str, Any]) -> None:
+    b, wd, lk = res["bytes"], res["world"], res["link"]
+    panels = [
+        _panel(0, "2->4 against total expert bytes", [r["expert_MiB"] for r in b],
+               {"wall s": [r["wall_s"] for r in b], "pause s": [r["pause_s"] for r in b],
+                "transfer s": [r["transfer_s"] for r in b]}, "expert MiB (log)", "seconds", True),
+        _panel(380, "against world size (ranks on 2 cores)", [r["to"] for r in wd],
+               {"wall s": [r["wall_s"] for r in wd], "pause s": [r["pause_s"] for r in wd],
+                "launch s": [r["launch_s"] for r in wd], "transfer s": [r["transfer_s"] for r in wd]},
+               "world after (from half of it)", "seconds", False),
+        _panel(760, "transfer / raw socket, same endpoints", [r["bytes"] / MIB for r in lk],
+               {"gloo direct": [r["ratio_direct"] for r in lk], "gloo staged (reshuffle today)": [r["ratio_staged"] for r in lk]},
+               "MiB per transfer (log)", "ratio", True),
+    ]
+    with open(path, "w") as f:
+        f.write('<svg xmlns="http://www.w3.org/2000/svg" width="1140" height="250" font-family="sans-serif">\n')
+        f.write('<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(panels) + "\n</svg>\n")
+
+
+def write_csv(path: str, res: dict[str, Any]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["curve", "x", "wall_s", "pause_s", "transfer_s", "launch_s", "transfer_GBps", "ratio"])
+        for r in res["bytes"]:
+            w.writerow(["bytes", r["expert_MiB"], r["wall_s"], r["pause_s"], r["transfer_s"], r["launch_s"],
+                        r["transfer_GBps_per_joiner"], ""])
+        for r in res["world"]:
+            w.writerow(["world", f"{r['from']}->{r['to']}", r["wall_s"], r["pause_s"], r["transfer_s"], r["launch_s"],
+                        r["transfer_GBps_per_joiner"], ""])
+        for r in res["link"]:
+            w.writerow(["link", r["bytes"] / MIB, "", "", r["gloo_direct"], "", r["gloo_direct_GBps"], r["ratio_direct"]])
+
+
+def _f(v: Any, nd: int = 3) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def save(a: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Write what is measured so far (a long run stopped half way keeps its curves)."""
+    res["loadavg_end"] = os.getloadavg()
+    res.setdefault("bytes", [])
+    res.setdefault("world", [])
+    tag = ("_quick" if a.quick else "") + ("" if a.device == "cpu" else "_" + a.device.replace(":", ""))
+    with open(os.path.join(a.out, f"curves{tag}.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    write_svg(os.path.join(a.out, f"curves{tag}.svg"), res)
+    write_csv(os.path.join(a.out, f"curves{tag}.csv"), res)
+    print(f"(wrote {a.out}/curves{tag}.json, .svg, .csv; load average {res['loadavg_start']} -> {res['loadavg_end']})",
+          flush=True)
+
+
+async def main(a: argparse.Namespace) -> dict[str, Any]:
+    os.makedirs(a.out, exist_ok=True)
+    res: dict[str, Any] = {"quick": a.quick, "base_config": BASE, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "loadavg_start": os.getloadavg(), "cpus": os.cpu_count()}
+    link_sizes = [1, 8] if a.quick else [16, 256, 1024]
+    dev = a.device
+    ehs = [128] if a.quick else [int(x) for x in a.expert_hidden.split(",")]
+    worlds = [(2, 4)] if a.quick else [tuple(int(v) for v in w.split(":")) for w in a.worlds.split(",")]
+
+    if "link" in a.parts:
+        res["link"] = link_curve(link_sizes, 1 if a.quick else 3, dev)
+        print("| MiB per transfer | raw socket GB/s | gloo direct GB/s | ratio | gloo staged (reshuffle today) GB/s | ratio |")
+        print("|---|---|---|---|---|---|")
+        for r in res["link"]:
+            print(f"| {r['bytes'] / MIB:.0f} | {r['raw_GBps']:.2f} | {r['gloo_direct_GBps']:.2f} | {r['ratio_direct']:.2f} "
+                  f"| {r['gloo_staged_GBps']:.2f} | {r['ratio_staged']:.2f} |"
+                  + (f" device->device staged through host: {r['gloo_device_GBps']:.2f} GB/s, ratio {r['ratio_device']:.2f}"
+                     if "gloo_device" in r else ""), flush=True)
+    res.setdefault("link", [])
+
+    res["bytes"] = []
+    if "bytes" in a.parts:
+        for eh in ehs:
+            print(f"bytes: expert_hidden {eh}: {rss_budget_note(eh, 4)}", flush=True)
+            # No captures on this curve: a capture's decode runs every local slot densely, which at
+            # GiBs of experts makes each CPU step take seconds; eager decode runs top-k experts only.
+            row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": []}, f"cb{eh}", 2, 4, device=dev)
+            row.update(expert_hidden=eh, expert_MiB=expert_bytes(eh) / MIB)
+            res["bytes"].append(row)
+        print("\n| expert MiB | per expert MiB | wall s | launch s | pause s | commit s | transfer s (joiner) "
+              "| GB/s per joiner | failed/requests |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in res["bytes"]:
+            print(f"| {r['expert_MiB']:.0f} | {r['expert_MiB'] / 8:.2f} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | "
+                  f"{_f(r['pause_s'])} | {_f(r['phases'].get('commit'))} | {_f(r['transfer_s'])} | "
+                  f"{_f(r['transfer_GBps_per_joiner'], 2)} | {r['failed']}/{r['requests']} |", flush=True)
+
+    save(a, res)
+    if "pause" in a.parts:
+        row = await transition({**BASE, "expert_hidden": 128, "capture_policy": "reuse"}, "cpause", 2, 4,
+                               standby=2, step=True, device=dev)
+        row["pause_in_steps"] = row["pause_s"] / max(1e-9, row["step_after_s"])
+        res["pause"] = row
+        print(f"\npause: 2->4, standby 2, reuse: serving pause {row['pause_s']:.3f} s; one decode step "
+              f"{row['step_before_s'] * 1e3:.1f} ms at DP 2, {row['step_after_s'] * 1e3:.1f} ms at DP 4; "
+              f"pause = {row['pause_in_steps']:.1f} steps (DP 4)")
+        for ph in ("commit", "reshuffle", "warm", "capture", "lock"):
+            print(f"  {ph} by rank: {row.get(f'{ph}_by_rank', {})}", flush=True)
+        save(a, res)
+    res["world"] = []
+    if "world" in a.parts:
+        for s, t in worlds:
+            row = await transition({**BASE, "expert_hidden": a.world_expert_hidden}, f"cw{t}", s, t, device=dev)
+            res["world"].append(row)
+            save(a, res)
+        print(f"\n(world curve: expert_hidden {a.world_expert_hidden}, "
+              f"{expert_bytes(a.world_expert_hidden) / MIB:.0f} MiB of experts)")
+        print("| op | wall s | launch s | pause s | prepare s | transfer s | commit s | reshuffle s | warm s | capture s "
+              "| pause / 2->4 pause |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        p0 = res["world"][0]["pause_s"] or 1e-9
+        for r in res["world"]:
+            ph = r["phases"]
+            print(f"| {r['from']}->{r['to']} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | {_f(r['pause_s'])} | "
+                  f"{_f(ph.get('prepare'))} | {_f(r['transfer_s'])} | {_f(ph.get('commit'))} | {_f(ph.get('reshuffle'))} | "
+                  f"{_f(ph.get('warm'))} | {_f(ph.get('capture'))} | {r['pause_s'] / p0:.2f} |", flush=True)
+
+    save(a, res)
+    return res
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a small smoke run: 1 and 8 MiB link, 2 MiB model, 2->4")
+    ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--parts", default="link,bytes,world,pause")
+    ap.add_argument("--expert-hidden", default="256,4096,32768,262144",
+                    help="the bytes curve's points (8 KiB of experts per unit: 2 MiB .. 2 GiB)")
+    ap.add_argument("--worlds", default="2:4,4:8,8:16")
+    ap.add_argument("--world-expert-hidden", type=int, default=1024)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the one GPU)")
+    asyncio.run(main(ap.parse_args()))
