@@ -15,6 +15,7 @@ from engine_ext.capture_memory import workspace_bytes
 from engine_ext.config import EngineConfig
 from engine_ext.model.dense_oracle import reference_generate
 from engine_ext.launcher import LocalDeployment
+from engine_ext.protocol import PreconditionError
 from eepctl import render
 from tests.engine_helpers import oracle_mismatch, run, wait_until
 
@@ -55,6 +56,12 @@ async def _reuse_path(cfg: EngineConfig) -> list[tuple]:
             op: dict = {}
             if dp != prev or not out:
                 if out:
+                    if dp < prev:  # a survivor's kept captures are bound to its position: only the last ranks leave
+                        with pytest.raises(PreconditionError, match="only the last rank"):
+                            await dep.orch.plan(dp, retire=[1])
+                        plan = (await dep.orch.plan(dp)).to_dict()
+                        assert [(j["rank"], j["chosen_by"]) for j in plan["leaving"]] == \
+                            [(r, "last rank (reuse)") for r in range(dp, prev)], plan["leaving"]
                     op = await dep.scale(dp, timeout_s=120)
                     assert op["state"] == "succeeded", (op.get("error"), op)
             prev = dp
