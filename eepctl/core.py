@@ -253,8 +253,8 @@ def load(t: Target, prompts: list[list[int]], max_tokens: int, rate: float, dura
         raise UsageError("--rate and --duration must be > 0")
     if max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
-    with _driver(t, api_key).requests(max_tokens, timeout_s) as submit:
-        res = loadgen.open_loop(submit, prompts, rate, duration_s, timeout_s, seed)
+    with _driver(t, api_key).requests(max_tokens, timeout_s) as submit, loadgen.interrupt_ends_sending() as stop:
+        res = loadgen.open_loop(submit, prompts, rate, duration_s, timeout_s, seed, stop)
     return {"deployment": t.name, **res}
 
 

@@ -8,14 +8,18 @@ whose ``wait(timeout_s)`` gives the engine's answer (``output``, ``latency_s``, 
 from __future__ import annotations
 
 import random
+import signal
 import statistics
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from engine_ext.drivers.base import Pending, Submit
 from engine_ext.protocol import EepError
 
-__all__ = ["DEFAULT_PROMPTS", "Pending", "Submit", "error_text", "open_loop", "percentiles"]
+__all__ = ["DEFAULT_PROMPTS", "Pending", "Submit", "error_text", "interrupt_ends_sending", "open_loop", "percentiles"]
 
 DEFAULT_PROMPTS: list[list[int]] = [
     [1, 2, 3, 4, 5],
@@ -34,20 +38,47 @@ def error_text(answer: dict[str, Any]) -> str | None:
     return e if isinstance(e, str) else str(e)
 
 
+@contextmanager
+def interrupt_ends_sending() -> Iterator[threading.Event]:
+    """While open: the first SIGINT (Ctrl-C, or a script's ``kill -INT``) sets the event, which
+    ends the sending early; the requests already sent are still awaited and reported. A second
+    SIGINT interrupts as usual. Outside the main thread nothing is installed."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s: float, timeout_s: float,
-              seed: int = 0) -> dict[str, Any]:
+              seed: int = 0, stop: threading.Event | None = None) -> dict[str, Any]:
     """``rate`` requests per second for ``duration_s`` (open loop: a slow answer does not delay
-    the next request), prompts drawn with ``seed``; every outcome and the latency percentiles."""
+    the next request), prompts drawn with ``seed``; every outcome and the latency percentiles.
+    ``stop`` set: no more requests are sent (``stopped_early`` in the result); those sent are awaited."""
     rng = random.Random(seed)
+    stop = stop or threading.Event()
     n = max(1, int(rate * duration_s))
     t0 = time.time()
     sent: list[tuple[int, float, Pending]] = []
     for i in range(n):
         delay = t0 + i / rate - time.time()
         if delay > 0:
-            time.sleep(delay)
+            stop.wait(delay)
+        if stop.is_set() and sent:
+            break
         idx = rng.randrange(len(prompts))
         sent.append((idx, time.time(), submit(prompts[idx])))
+    n = len(sent)
     records = []
     for idx, sent_at, pending in sent:
         try:
@@ -59,7 +90,8 @@ def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s:
                         "resumed_with": r.get("resumed_with", 0), "sent_at": round(sent_at, 3)})
     lat = sorted(r["latency_s"] for r in records if not r["error"] and r["latency_s"] is not None)
     return {"sent": n, "completed": len(lat), "failed": n - len(lat), "duration_s": round(time.time() - t0, 2),
-            "rate": rate, "latency_s": percentiles(lat), "prompts": prompts, "records": records}
+            "rate": rate, "stopped_early": stop.is_set(), "latency_s": percentiles(lat), "prompts": prompts,
+            "records": records}
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:

@@ -227,7 +227,7 @@ class Operation(msgspec.Struct, forbid_unknown_fields=True):
     # Only a vLLM operation (driven from outside the ranks) has these; absent from the JSON otherwise.
     deadline: FiniteFloat | msgspec.UnsetType = msgspec.UNSET  # after it, a still-running op is stale
     rank_ops: list[str] | msgspec.UnsetType = msgspec.UNSET  # the op ids vLLM's ranks used
-    kind: str = "scale"  # "scale" | "recover" (a death turned into a transition)
+    kind: str = "scale"  # "scale" | "recover" (a death turned into a transition) | "rebuild" (nothing left)
     dead_ranks: list[int] = []  # recover: the global ranks that died
     rerouted_requests: int = 0  # recover: requests of dead ranks re-submitted to survivors
 

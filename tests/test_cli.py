@@ -176,6 +176,33 @@ def test_open_loop_sends_at_the_rate_and_reports_every_outcome() -> None:
     assert res["latency_s"]["max"] == max(r["latency_s"] for r in ok)
 
 
+def test_sigint_ends_the_sending_and_the_requests_sent_are_still_reported() -> None:
+    """A real SIGINT to this process (the main thread, as in `eepctl generate --rate`): sending
+    ends early, every request already sent is awaited and reported; a second SIGINT interrupts."""
+    import os
+    import signal
+
+    sent: list[int] = []
+
+    def submit(prompt: list[int]) -> Any:
+        sent.append(prompt[0])
+        if len(sent) == 3:
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return _Answered({"output": [prompt[0]], "error": None, "latency_s": 0.01})
+
+    before = signal.getsignal(signal.SIGINT)
+    with loadgen.interrupt_ends_sending() as stop:
+        res = loadgen.open_loop(submit, [[1], [2]], rate=20.0, duration_s=10.0, timeout_s=5.0, stop=stop)
+        assert res["stopped_early"] is True and 3 <= res["sent"] <= 5 and res["sent"] == len(sent), res["sent"]
+        assert res["completed"] == res["sent"] and res["failed"] == 0
+        with pytest.raises(KeyboardInterrupt):  # the second one
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is before  # restored
+    full = loadgen.open_loop(submit, [[1]], rate=50.0, duration_s=0.1, timeout_s=5.0)
+    assert full["stopped_early"] is False and full["sent"] == 5
+
+
 def test_percentiles_are_nearest_rank() -> None:
     values = [i / 100 for i in range(1, 101)]  # 0.01 .. 1.00
     p = loadgen.percentiles(values[::-1])
@@ -195,6 +222,8 @@ def test_generate_and_load_text() -> None:
             "latency_s": loadgen.percentiles([0.1, 0.2, 0.3])}
     assert render.load_text(load).splitlines() == [
         "sent 8 at 4/s over 2.0s: completed 7, failed 1", "latency p50 200 ms, p90 300 ms, p99 300 ms, max 300 ms"]
+    assert render.load_text(dict(load, stopped_early=True)).splitlines()[0] == (
+        "sent 8 at 4/s over 2.0s (sending ended early by SIGINT): completed 7, failed 1")
 
 
 def test_up_waits_until_every_rank_serves_or_exits_with_the_documented_code():

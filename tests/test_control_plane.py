@@ -114,6 +114,19 @@ def test_a_request_no_rank_takes_waits_and_fails_with_why_after_the_bound() -> N
     asyncio.run(scenario())
 
 
+def test_equally_loaded_ranks_take_requests_in_turn() -> None:
+    """Least in-flight first; a tie goes to the next rank in turn, so a light load reaches every
+    rank (lowest-numbered first sent it all to rank 0)."""
+    r = Router()
+    r.set_ranks({n: _Answers(n, {}) for n in (0, 1, 2)})
+    assert [r._pick() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    r.inflight[1] = 1  # busier: skipped while others are idle
+    assert [r._pick() for _ in range(3)] == [2, 0, 2]
+    assert r._pick(avoid={0, 2}) == 1  # the only one left, loaded or not
+    r.excluded.add(2)
+    assert [r._pick() for _ in range(2)] == [0, 0]
+
+
 def test_a_new_process_with_an_excluded_number_is_served() -> None:
     r = Router()
     old = _Answers(0, {})

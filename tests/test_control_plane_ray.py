@@ -25,6 +25,7 @@ from tests.helpers import (
     json_lines,
     oracle,
     status,
+    stop_sending,
     wait_for,
     wait_serving_load,
 )
@@ -100,8 +101,8 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
     load2 = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "20", "--max-tokens", "24",
                     "-o", "json")
     _serving(d.name, [0], timeout=120)  # rank 2 failed (its step raised) and was fenced
-    res = finish_load(load, cfg_d, 24)
-    finish_load(load2, cfg_d, 24)
+    res = finish_load(load, cfg_d, 24, stop=True)
+    finish_load(load2, cfg_d, 24, stop=True)
 
     recovers = _ops(d.name, "recover")
     assert [o["dead_ranks"] for o in recovers] == [[1], [2]], recovers
@@ -163,6 +164,7 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
              timeout=60, interval=0.5, what="serving again after the controller's death")
     print(f"controller death: serving again {time.time() - t_kill:.1f}s after SIGKILL")
     assert _controller_pid(d.name) != old_pid
+    stop_sending(load)
     out, err = load.communicate(timeout=120)
     res = json_lines(out)[-1]
     failed = [r for r in res["records"] if r["error"]]
@@ -233,7 +235,7 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     _held(d.name, 0, "step")  # it holds requests mid-decode
     os.kill(_pid_of(snap, 0), signal.SIGKILL)  # the only rank of this test's own deployment
     _serving(d.name, [0], timeout=120)
-    res = finish_load(load, cfg_d, 16)
+    res = finish_load(load, cfg_d, 16, stop=True)
     rebuilds = _ops(d.name, "rebuild")
     assert rebuilds and rebuilds[-1]["state"] == "succeeded" and rebuilds[-1]["dead_ranks"] == [0], rebuilds
     moved = [r for r in res["records"] if 0 in r["moved_from"]]
@@ -254,7 +256,7 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     os.kill(_pid_of(snap, 0), signal.SIGKILL)  # the only serving rank, while the scale is in launch
     scale.communicate(timeout=180)
     _serving(d.name, [0], timeout=180)
-    finish_load(load, cfg_d, 16)  # raises on any failed request or output unlike the oracle
+    finish_load(load, cfg_d, 16, stop=True)  # raises on any failed request or output unlike the oracle
     ops = events(d.name)["operations"]
     failed_scale = [o for o in ops if o.get("kind") == "scale" and o.get("to_size") == 3]
     assert failed_scale and failed_scale[-1]["state"] in ("failed", "rolled_back"), failed_scale

@@ -32,6 +32,7 @@ from tests.helpers import (
     owned_deployments,
     serving_view,
     status,
+    stop_sending,
     up_with_faults,
     wait_for,
     wait_held,
@@ -169,6 +170,7 @@ def test_spread_over_two_nodes_and_scale_under_load(md):
         where = {**where, **now}
         pids = {r["rank"]: r["pid"] for r in snap["ranks"]}
     assert load.poll() is None, "the load ended before the sequence did: raise its duration"
+    stop_sending(load)
     out, err = load.communicate(timeout=duration + 240)
     assert load.returncode == 0, f"load exited {load.returncode}: {err[-2000:]} {out[-3000:]}"
     result = last_json(out)
@@ -220,7 +222,7 @@ def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_
         heard += [r for r in status(d.name)["ranks"] if r["rank"] == cut_rank]
         time.sleep(0.5)
     assert heard == [], heard[-1:]
-    res = finish_load(load, cfg_d)
+    res = finish_load(load, cfg_d, stop=True)
     control = status(d.name)["info"]["control"]
     assert "silent for" in control["fenced"][str(cut_rank)]["reason"], control
     recover = [o for o in eepctl_json("events", "--name", d.name, timeout=60)["operations"] if o.get("kind") == "recover"]

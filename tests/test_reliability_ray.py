@@ -30,6 +30,7 @@ from tests.helpers import (
     scale_json,
     serving_view,
     status,
+    stop_sending,
     up_cli,
     wait_for,
     wait_serving_load,
@@ -153,6 +154,7 @@ def test_registry_killed_and_recreated_while_serving(deployments, ray_cluster):
     # The warm events the old registry held (waited for above) came back into the new one.
     assert {(e["op_id"], e["rank"], e["phase"], round(e["start"], 6)) for e in held} <= keys_after
 
+    stop_sending(load)
     out, err = load.communicate(timeout=240)
     assert load.returncode == 0, err[-2000:]
     result = last_json(out)

@@ -75,7 +75,7 @@ def test_serving_rank_killed_under_load_shrinks_and_serves(deployments):
     t_kill = time.time()
     after = _serving(d.name, 2)
     served_again_s = time.time() - t_kill
-    res = finish_load(load, cfg_d, 16)
+    res = finish_load(load, cfg_d, 16, stop=True)
     moved_off(res["records"], 1)  # the victim's requests continued on a survivor with their tokens
 
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 2]  # identities kept (I1)
@@ -116,7 +116,7 @@ def test_store_host_killed_replace_restores_lost_experts_and_grows_back(deployme
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "10", "-o", "json")
     _kill(wait_held(d.name, 0, "step"), 0)
     after = _serving(d.name, 4, timeout=120)
-    moved_off(finish_load(load, cfg_d)["records"], 0)
+    moved_off(finish_load(load, cfg_d, stop=True)["records"], 0)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [1, 2, 3, 4]
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded" and ops[-1]["dead_ranks"] == [0], ops
@@ -145,7 +145,7 @@ def test_rank_killed_while_held_in_commit_recovers_consistent_world(deployments)
     assert scale.returncode == 5, scale.returncode  # the scale failed in commit (exit 5, not a crash) ...
     _serving(d.name, 1, timeout=120)  # ... and the members' world was rebuilt without rank 1
     # What rank 1 held in the commit continued on rank 0 (held in a transition: it may not have decoded yet).
-    moved_off(finish_load(load, cfg_d, 16)["records"], 1, resumed=False)
+    moved_off(finish_load(load, cfg_d, 16, stop=True)["records"], 1, resumed=False)
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded", ops
     gen = eepctl_json("generate", "--name", d.name, timeout=90)
@@ -172,7 +172,7 @@ def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, 
     ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
     _kill(held, 2)
     after = _serving(d.name, 3, timeout=120)  # policy replace: back at the desired DP 3
-    moved_off(finish_load(load, cfg_d)["records"], 2)
+    moved_off(finish_load(load, cfg_d, stop=True)["records"], 2)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1, 2]  # the dead rank's number, free again
     assert wait_for(lambda: _recover_ops(d.name), timeout=20, what="the recover operation in the new registry")
     rep = eepctl("repair", "--name", d.name, timeout=120)
@@ -208,7 +208,7 @@ def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
     assert scales and scales[-1]["state"] == "rolled_back" and scales[-1]["error_code"] == 5, scales
     after = _serving(d.name, 2)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1]
-    finish_load(load, cfg_d, 16)
+    finish_load(load, cfg_d, 16, stop=True)
     # The fault holds rank 2 once more (the new joiner), without a kill the scale just takes longer.
     assert scale_json(d.name, 3)["state"] == "succeeded"
     clean = _serving(d.name, 3)
@@ -240,7 +240,7 @@ def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
     assert [r["rank"] for r in after["ranks"] if r["state"] == "serving"] == [0]
     # Held in its commit for 8 s under the open-loop load, rank 1 had been handed requests: they
     # completed on rank 0 (those handed during the hold had not decoded yet: no resumed check).
-    moved_off(finish_load(load, cfg_d, 16)["records"], 1, resumed=False)
+    moved_off(finish_load(load, cfg_d, 16, stop=True)["records"], 1, resumed=False)
     ops = _recover_ops(d.name)
     assert ops and ops[-1]["state"] == "succeeded" and ops[-1]["dead_ranks"] == [1], ops
     text = eepctl("status", "--name", d.name, timeout=60).stdout

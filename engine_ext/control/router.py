@@ -1,5 +1,5 @@
 """The frontend of a deployment: admits requests, spreads them over the serving ranks
-(least in-flight first) and gathers their results.
+(least in-flight first, ties taken in turn) and gathers their results.
 
 It keeps every request it has not answered yet, with the tokens its rank streamed so far, so
 a request whose rank died is re-submitted to a survivor and continues where it was (greedy
@@ -39,6 +39,7 @@ class Router:
         self._parked_why: dict[str, str] = {}  # request id -> why no rank took it
         self.closed = False  # the deployment stops: requests fail at once
         self.unhealthy: str | None = None  # why no rank can serve (a recovery failed), until one succeeds
+        self._last_pick = -1  # ties go to the next rank after it
 
     def set_ranks(self, clients: dict[int, RankClient]) -> None:
         # A rank number now held by a new process (a rebuild, a joiner) is not excluded any more.
@@ -48,10 +49,17 @@ class Router:
             self.inflight.setdefault(r, 0)
 
     def _pick(self, avoid: set[int] = frozenset()) -> int | None:  # type: ignore[assignment]
-        ranks = [r for r in self.clients if r not in self.excluded and r not in avoid]
+        """The least-loaded rank; among equally loaded ones the next in turn. (Lowest-numbered first
+        sent every request of a light load to rank 0: the other ranks only ran dummy steps, and
+        a rank's fault could go untried because it never held a request.)"""
+        ranks = sorted(r for r in self.clients if r not in self.excluded and r not in avoid)
         if not ranks:
             return None
-        return min(ranks, key=lambda r: (self.inflight.get(r, 0), r))
+        least = min(self.inflight.get(r, 0) for r in ranks)
+        tied = [r for r in ranks if self.inflight.get(r, 0) == least]
+        pick = next((r for r in tied if r > self._last_pick), tied[0])
+        self._last_pick = pick
+        return pick
 
     async def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> dict[str, Any]:
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:6]}"

@@ -71,16 +71,19 @@ class RegistryKeeper:
                     self.deployment, expected_ranks=self.expected_ranks())
             except ValueError:  # the old name is not released yet, or someone else recreated it
                 continue
+            # What the controller knows now, submitted before anything else can reach the new
+            # registry (a caller's calls to an actor run in the order sent): a record made while
+            # the new registry starts (a recovery ending meanwhile) follows the snapshot instead of
+            # going to the dead handle and being lost.
             info, ops, events = self.restore()
-            try:
-                if info:
-                    await reg.set_info.remote(info)
-                for op in ops:
-                    await reg.record_operation.remote(op)
-                if events:
-                    await reg.report_events.remote(events)
-            except Exception:  # noqa: BLE001 - the next round retries with whatever exists then
-                continue
+            refs = [reg.set_info.remote(info)] if info else []
+            refs += [reg.record_operation.remote(op) for op in ops]
+            if events:
+                refs.append(reg.report_events.remote(events))
             self.registry = reg
             self._resolved_at = time.time()
+            try:
+                await asyncio.gather(*refs)
+            except Exception:  # noqa: BLE001 - the next round retries with whatever exists then
+                continue
             self.recreated += 1
