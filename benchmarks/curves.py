@@ -129,11 +129,35 @@ def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, 
                     gd.exchange([(dstore[:half], 0, 1), (dstore[half:], 0, 2)], [])
                 torch.cuda.synchronize()
                 rows["gloo_device"].append(time.perf_counter() - t0)
+                if role == 0:  # the staging copies alone, as the engine makes them and pinned
+                    for leg, secs in _staging_legs(store, dstore).items():
+                        rows.setdefault(leg, []).append(secs)
         g.barrier()
         if role == 0:
             q.put({"bytes": nbytes, **{k: statistics.median(v) for k, v in rows.items()}})
         del store, dstore
     g.destroy()
+
+
+def _staging_legs(store: Any, dstore: Any) -> dict[str, float]:
+    """Seconds of each copy around the staged transfer: device to host into a fresh pageable
+    tensor (``tensor.cpu()``, the engine's send side) and into a reused pinned one, host to device
+    from the touched pageable storage (the engine's receive side) and from pinned memory."""
+    import torch
+
+    pinned = torch.empty(store.numel(), dtype=store.dtype, pin_memory=True)
+    pinned.fill_(0.0)  # touched, as a reused staging buffer would be
+    legs = {"d2h_pageable": lambda: dstore.cpu(), "d2h_pinned": lambda: pinned.copy_(dstore),
+            "h2d_pageable": lambda: dstore.copy_(store), "h2d_pinned": lambda: dstore.copy_(pinned)}
+    out: dict[str, float] = {}
+    for name, fn in legs.items():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out[name] = time.perf_counter() - t0
+    del pinned
+    return out
 
 
 def link_curve(sizes_mib: list[int], reps: int, device: str = "cpu") -> list[dict[str, Any]]:
@@ -152,10 +176,12 @@ def link_curve(sizes_mib: list[int], reps: int, device: str = "cpu") -> list[dic
     for p in procs:
         p.join(60)
     for r in rows:
-        for k in ("raw", "gloo_direct", "gloo_staged", "gloo_device"):
+        for k in ("raw", "gloo_direct", "gloo_staged", "gloo_device",
+                  "d2h_pageable", "d2h_pinned", "h2d_pageable", "h2d_pinned"):
             if k in r:
                 r[f"{k}_GBps"] = r["bytes"] / r[k] / 1e9
-                r[f"ratio_{k.removeprefix('gloo_')}"] = r["raw"] / r[k]
+                if not k.startswith(("d2h", "h2d")):  # the copies alone are no transfer to compare
+                    r[f"ratio_{k.removeprefix('gloo_')}"] = r["raw"] / r[k]
     return rows
 
 
@@ -248,6 +274,12 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
                                                               max(1e-9, j["reshuffle_s"] + j["dense_s"]) for j in tx])
                                            / 1e9 if tx else None)
         row["commit_by_rank"] = {str(r): e["duration_s"] for r, e in _rank_events(dep, op_id, "commit").items()}
+        # inside each rank's reshuffle: snapshot, packing, the gloo exchange, loading into the slots
+        row["reshuffle_parts_by_rank"] = {str(r): {k: round(e["detail"][k], 4) for k in
+                                                   ("clone_s", "pack_s", "exchange_s", "load_s") if k in e["detail"]}
+                                          | {"sent": e["detail"].get("bytes_sent", 0),
+                                             "received": e["detail"].get("bytes_received", 0)}
+                                          for r, e in sorted(resh.items())}
         for ph in ("warm", "capture", "lock", "reshuffle"):
             row[f"{ph}_by_rank"] = {str(r): e["duration_s"] for r, e in _rank_events(dep, op_id, ph).items()}
     finally:
@@ -364,7 +396,10 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             print(f"| {r['bytes'] / MIB:.0f} | {r['raw_GBps']:.2f} | {r['gloo_direct_GBps']:.2f} | {r['ratio_direct']:.2f} "
                   f"| {r['gloo_staged_GBps']:.2f} | {r['ratio_staged']:.2f} |"
                   + (f" device->device staged through host: {r['gloo_device_GBps']:.2f} GB/s, ratio {r['ratio_device']:.2f}"
-                     if "gloo_device" in r else ""), flush=True)
+                     if "gloo_device" in r else "")
+                  + ("; copies alone GB/s: " + ", ".join(f"{k} {r[k + '_GBps']:.1f}" for k in
+                                                         ("d2h_pageable", "d2h_pinned", "h2d_pageable", "h2d_pinned"))
+                     if "d2h_pinned" in r else ""), flush=True)
     res.setdefault("link", [])
 
     res["bytes"] = []
@@ -376,6 +411,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": []}, f"cb{eh}", 2, 4, device=dev)
             row.update(expert_hidden=eh, expert_MiB=expert_bytes(eh) / MIB)
             res["bytes"].append(row)
+            save(a, res)  # a point that stalls (memory, time limit) keeps the ones before it
         print("\n| expert MiB | per expert MiB | wall s | launch s | pause s | commit s | transfer s (joiner) "
               "| GB/s per joiner | failed/requests |")
         print("|---|---|---|---|---|---|---|---|---|")

@@ -106,6 +106,11 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         cfg.validate()
     except ValueError as e:
         raise UsageError(f"invalid engine option: {e}") from None
+    from engine_ext.capture_memory import kv_budget_error  # torch-free
+
+    why = kv_budget_error(cfg, dp)  # refused before a cluster is touched (the controller checks it too)
+    if why:
+        raise PreconditionError(f"cannot start DP {dp}: {why}")
     spec = PlacementSpec.from_dict(placement)
     try:
         spec.validate()

@@ -35,6 +35,38 @@ def policy_memory(cfg: EngineConfig, dp: int, max_dp: int, policy: str | None = 
             "held_bytes": reuse if policy == "reuse" else recapture, "reuse_extra_bytes": reuse - recapture}
 
 
+def kv_block_bytes(cfg: EngineConfig) -> int:
+    """Bytes of one KV block on a rank (every layer, K and V): ``MoEModel.kv`` per block."""
+    return cfg.num_layers * cfg.block_size * 2 * cfg.hidden_size * _DTYPE_BYTES[cfg.dtype]
+
+
+def kv_budget(cfg: EngineConfig, world: int) -> dict[str, int]:
+    """The rank's KV + MoE-workspace budget at ``world`` ranks, as ``rank/warmup.py`` spends it:
+    the budget is ``num_blocks`` blocks plus the workspace at world 1; the workspace the policy
+    holds at ``world`` (``reuse``: at ``capture_world``) comes out of it, the rest is KV blocks
+    (the null block excluded). ``need_blocks``: one request of ``max_model_len``."""
+    block = kv_block_bytes(cfg)
+    budget = cfg.num_blocks * block + workspace_bytes(cfg, 1)
+    held = workspace_bytes(cfg, cfg.capture_world if cfg.capture_policy == "reuse" and cfg.capture_world
+                           else world)
+    return {"budget_bytes": budget, "workspace_bytes": held, "block_bytes": block,
+            "kv_blocks": max(0, (budget - held) // block - 1), "need_blocks": cfg.max_blocks_per_seq}
+
+
+def kv_budget_error(cfg: EngineConfig, world: int) -> str | None:
+    """Why a world of ``world`` ranks could serve no request of ``max_model_len`` (the MoE
+    workspace leaves too few KV blocks: the world would form and every such request would wait
+    forever), or None."""
+    b = kv_budget(cfg, world)
+    if b["kv_blocks"] >= b["need_blocks"]:
+        return None
+    return (f"at DP {world} the MoE workspace takes {b['workspace_bytes']:,} B of the rank's "
+            f"{b['budget_bytes']:,} B KV budget (num_blocks {cfg.num_blocks} x {b['block_bytes']:,} B + the "
+            f"workspace at DP 1), leaving {b['kv_blocks']} KV block(s); one request of max_model_len "
+            f"{cfg.max_model_len} needs {b['need_blocks']}: raise num_blocks or lower expert_hidden / "
+            "max_num_tokens (or capture_world under capture policy reuse)")
+
+
 def describe(mem: dict[str, Any]) -> str:
     """One line for status and --dry-run."""
     return (f"capture policy {mem['capture_policy']}: workspace {mem['held_bytes']:,} B/rank "

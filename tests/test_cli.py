@@ -246,3 +246,15 @@ def test_up_waits_until_every_rank_serves_or_exits_with_the_documented_code():
     with pytest.raises(EepError, match="did not serve at DP 2 before --timeout: rank 0 serving, rank 1 starting") as late:
         wait_serving(lambda: ranks("serving", "starting"), "d", 2, time.time() + 0.2, interval_s=0.01)
     assert int(late.value.exit_code) == 6
+
+
+def test_up_refuses_a_world_whose_workspace_eats_the_kv_budget(runner: CliRunner) -> None:
+    """Under reuse the workspace is sized for --max-dp from the start: at 16 ranks x 64 tokens it
+    takes more than the default 128 KV blocks, so every request would wait forever. Exit 4 before
+    a cluster is touched (the address names no cluster: without the check it would not be exit 4)."""
+    from engine_ext.protocol import PreconditionError
+
+    err = _typed_error(runner, "up", "--dp", "2", "--max-dp", "16", "--capture-policy", "reuse",
+                       "--address", "127.0.0.1:1")
+    assert isinstance(err, PreconditionError) and err.exit_code == ExitCode.PRECONDITION, err.message
+    assert "cannot start DP 2: at DP 2 the MoE workspace takes" in err.message and "KV budget" in err.message

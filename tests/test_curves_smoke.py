@@ -28,4 +28,9 @@ def test_curves_quick_runs_and_reports_transfer_bytes(tmp_path: Path) -> None:
     assert [j["rank"] for j in row["joiners"]] == [2, 3], row["joiners"]
     for j in row["joiners"]:
         assert j["bytes_reported"] and j["expert_bytes"] == 4 * per_expert and j["reshuffle_s"] > 0, j
+    # ...and where its time went (snapshot, packing, exchange, loading), which the notes read
+    parts = row["reshuffle_parts_by_rank"]
+    assert sorted(parts) == ["0", "1", "2", "3"] and all(set(p) >= {"clone_s", "pack_s", "exchange_s", "load_s"}
+                                                         for p in parts.values()), parts
+    assert sum(p["received"] for p in parts.values()) == sum(p["sent"] for p in parts.values()) > 0, parts
     assert (tmp_path / "curves_quick.svg").read_text().startswith("<svg")

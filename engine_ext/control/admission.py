@@ -1,7 +1,8 @@
 """Admission of a scale: the one place that decides whether a scale may run.
 
 ``Admission.admit`` checks, in this order, that no operation runs (I9), that a recovery under
-way has finished and a degraded world has healed (when asked), that the target is in range,
+way has finished and a degraded world has healed (when asked), that the target is in range
+(and its MoE workspace leaves the KV budget room for one request),
 that the cluster has room for the joiners and that every current rank answers (when asked).
 It returns the admitted plan and operation while holding the world's single-flight lock, or
 raises the ``EepError`` that says why not; the run that follows never checks again.
@@ -13,7 +14,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine_ext.capture_memory import policy_memory
+from engine_ext.capture_memory import kv_budget, kv_budget_error, policy_memory
 from engine_ext.config import CapturePolicy, EngineConfig
 from engine_ext.control.scale_plan import ScalePlan, choose_leaving, plan_scale
 from engine_ext.control.spawner import Spawner
@@ -86,6 +87,11 @@ class Admission:
             raise PreconditionError(
                 f"{self.cfg.num_experts} experts at {self.cfg.slots_per_rank} slots per rank need at least {need} ranks"
             )
+        # A world whose MoE workspace leaves no room for one request would form, report serving
+        # and then admit nothing: every request would wait forever (found by benchmarks/curves.py).
+        why = kv_budget_error(self.cfg, size)
+        if why:
+            raise PreconditionError(f"cannot run DP {size}: {why}", detail={"kv_budget": kv_budget(self.cfg, size)})
 
     async def settle_recovery(self) -> None:
         """A recovery under way finishes first; a degraded world (a member dead and not yet

@@ -3,6 +3,7 @@ the operation's new layout over its EPLB communicator."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -34,7 +35,9 @@ class ExpertReshuffle:
         comm = op.eplb_comm
         assert comm is not None
         comm_world = comm_members(plan)
+        t0 = time.perf_counter()
         old_w1, old_w2 = model.w1.clone(), model.w2.clone()
+        t_clone = time.perf_counter()
 
         def old_vec(slot: int) -> torch.Tensor:
             return torch.cat([old_w1[:, slot].reshape(-1), old_w2[:, slot].reshape(-1)])
@@ -53,7 +56,9 @@ class ExpertReshuffle:
             elif dst_g == me and src_g >= 0:
                 buf = torch.empty(vec_len, dtype=model.dtype, device=self.res.device)
                 recvs.append((buf, comm_world.index(src_g), 1000 + i, m))
+        t_pack = time.perf_counter()
         comm.exchange(sends, [(b, s, t) for b, s, t, _ in recvs])
+        t_exchange = time.perf_counter()
         for m in local:
             model.load_expert_vector(m.dst_slot, old_vec(m.src_slot))
         for buf, _, _, m in recvs:
@@ -61,10 +66,15 @@ class ExpertReshuffle:
         for m in restored if not self.res.faults.active("no_weight_source_restore") else []:
             model.load_expert_vector(m.dst_slot, self.from_weight_source(m.logical))
         assert self.res.cfg.slots_per_rank == plan.new_layout.slots_per_rank
+        t_load = time.perf_counter()
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"moves_total": len(moves), "sent": len(sends), "received": len(recvs), "local": len(local),
                 "bytes_sent": nbytes(t for t, _, _ in sends), "bytes_received": nbytes(b for b, _, _, _ in recvs),
-                "restored_from_weight_source": sorted({m.logical for m in restored})}
+                "restored_from_weight_source": sorted({m.logical for m in restored}),
+                # where the time goes (benchmarks/curves.py): the snapshot, packing the sends and
+                # allocating the receive buffers, the gloo exchange, and loading into the slots
+                "clone_s": t_clone - t0, "pack_s": t_pack - t_clone, "exchange_s": t_exchange - t_pack,
+                "load_s": t_load - t_exchange}
 
     def from_weight_source(self, logical: int) -> torch.Tensor:
         """One expert's (w1, w2) of every layer, flattened as ``load_expert_vector`` wants it."""

@@ -1,0 +1,77 @@
+"""A world whose MoE workspace eats the KV budget is refused, at start and at a scale.
+
+benchmarks/curves.py found it: at a large ``expert_hidden`` the workspace (world x
+max_num_tokens x expert_hidden) took the rank's whole KV + workspace budget, the 2->4 scale
+succeeded, the pool was left without a block and every request then waited forever. No rank
+process is started here: the refusal comes before any is launched (without the check, ``start``
+launches ranks that then serve nothing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_ext.capture_memory import kv_block_bytes, kv_budget, kv_budget_error
+from engine_ext.config import EngineConfig
+from engine_ext.launcher import LocalDeployment
+from engine_ext.protocol import PreconditionError
+from tests.engine_helpers import run
+
+# 2 MiB of experts per layer-expert pair: the workspace at DP 4 (4 x 64 tokens x 16384 x 4 B =
+# 16 MiB) outgrows the 128 default blocks (1 MiB), while DP 2 with 1024 blocks still fits.
+BIG = dict(expert_hidden=16384)
+
+
+def test_budget_mirrors_the_rank():
+    """The torch-free figures are the ones the rank spends: its KV tensor's bytes per block and
+    ``Warmup.kv_pool_blocks`` (budget = num_blocks blocks + the workspace at world 1)."""
+    import torch
+
+    from engine_ext.elastic.eplb import build_layout
+    from engine_ext.model.model import MoEModel
+
+    for dtype in ("float32", "float64"):
+        cfg = EngineConfig(dtype=dtype)
+        model = MoEModel(cfg, build_layout(cfg.num_experts, cfg.slots_per_rank, 1), 0, torch.device("cpu"), 0)
+        block = model.kv[:, : cfg.block_size].numel() * model.kv.element_size()
+        assert kv_block_bytes(cfg) == block
+        budget = cfg.num_blocks * block + model.moe_workspace_bound(1)
+        for w in (1, 2, 4, 8):
+            b = kv_budget(cfg, w)
+            assert b["budget_bytes"] == budget
+            assert b["kv_blocks"] == (budget - model.moe_workspace_bound(w)) // block - 1, (dtype, w)
+
+
+def test_start_refused_naming_the_bytes():
+    cfg = EngineConfig(**BIG)
+    dep = LocalDeployment(cfg, "kvb", max_dp=4)
+    try:
+        run(dep.start(2), 60)
+    except PreconditionError as e:
+        msg = str(e)
+    else:  # without the check the ranks start (and would serve nothing): stop them, then fail
+        run(dep.stop(), 60)
+        pytest.fail("a start whose workspace leaves no KV block for one request was admitted")
+    b = kv_budget(cfg, 2)
+    assert f"{b['workspace_bytes']:,} B" in msg and f"{b['budget_bytes']:,} B KV budget" in msg, msg
+    assert "needs 16" in msg and "raise num_blocks" in msg, msg
+    assert not dep.processes  # refused before any rank was launched
+
+
+def test_scale_refused_where_the_start_fits():
+    """DP 2 fits, DP 4 does not: the admission (start, scale and --dry-run) refuses the 4."""
+    cfg = EngineConfig(**BIG, num_blocks=1024)
+    assert kv_budget_error(cfg, 2) is None
+    dep = LocalDeployment(cfg, "kvb", max_dp=4)
+    dep.orch.check_target(2)
+    with pytest.raises(PreconditionError, match=r"cannot run DP 4: at DP 4 the MoE workspace takes"):
+        dep.orch.check_target(4)
+    assert kv_budget(cfg, 4)["kv_blocks"] < cfg.max_blocks_per_seq <= kv_budget(cfg, 2)["kv_blocks"]
+
+
+def test_reuse_holds_the_max_world_from_the_start():
+    """Under capture policy reuse the workspace is sized for capture_world (max DP) at start-up,
+    so a start at DP 2 is refused when DP 4's workspace does not fit."""
+    cfg = EngineConfig(**BIG, num_blocks=1024, capture_policy="reuse")
+    dep = LocalDeployment(cfg, "kvb", max_dp=4)
+    with pytest.raises(PreconditionError, match="at DP 2 the MoE workspace takes"):
+        dep.orch.check_target(2)
