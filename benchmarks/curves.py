@@ -156,7 +156,6 @@ def _staging_legs(store: Any, dstore: Any) -> dict[str, float]:
         fn()
         torch.cuda.synchronize()
         out[name] = time.perf_counter() - t0
-    del pinned
     return out
 
 

@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import time
 import uuid
 from pathlib import Path

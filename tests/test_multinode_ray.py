@@ -9,9 +9,7 @@ gloo's connectFullMesh. The placement-policy tests at the top are pure (no Ray).
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import tempfile
 import time
 from collections import Counter
@@ -174,7 +172,7 @@ def test_spread_over_two_nodes_and_scale_under_load(md):
     out, err = load.communicate(timeout=duration + 240)
     assert load.returncode == 0, f"load exited {load.returncode}: {err[-2000:]} {out[-3000:]}"
     result = last_json(out)
-    assert result["sent"] > 20, result["sent"]
+    assert result["stopped_early"] and result["sent"] >= 10, result["sent"]  # it ran through the sequence
     check_load(result, cfg_d)
 
 
@@ -280,7 +278,7 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
     print(f"\n[node-loss] status failed {len(unavailable)} time(s) before recovery: {unavailable[:1]}")
     assert not after.get("violations"), after["violations"]
     moved_off(finish_load(load, cfg_d)["records"], lost_rank)  # every line of its stdout parses as JSON
-    watch.send_signal(signal.SIGINT)
+    watch.terminate()  # SIGTERM: a SIGINT is ignored by a child of a shell's background job
     watch.communicate(timeout=30)
     watched_to.seek(0)
     watched = json_lines(watched_to.read())

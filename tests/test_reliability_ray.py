@@ -8,9 +8,7 @@ processes killed are the registry actor and the rank process of a deployment thi
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +27,6 @@ from tests.helpers import (
     last_json,
     scale_json,
     serving_view,
-    status,
     stop_sending,
     up_cli,
     wait_for,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 

