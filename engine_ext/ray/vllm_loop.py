@@ -120,7 +120,6 @@ class VllmLoop(AutoscaleMethods):
         try:
             with self._ticking:
                 self.tick()
-            self.last_error = None
         except Exception as e:  # noqa: BLE001 - the loop never dies of an action
             self.last_error = {"at": time.time(), "action": "vllm reconcile", "error": f"{type(e).__name__}: {e}"[:300]}
             try:  # shown by status; the registry itself may be what failed
@@ -149,6 +148,7 @@ class VllmLoop(AutoscaleMethods):
         self.findings = findings
         self.ticks += 1
         shown = self._autoscale(snap, now, flag, running)
+        self.last_error = None  # this tick got this far: what status shows is current
         self._publish(info, findings, shown)
         return findings
 
@@ -184,7 +184,6 @@ class VllmLoop(AutoscaleMethods):
             want["autoscale"] = shown
         if any(info.get(k) != v for k, v in want.items()):
             self._call("set_info", want)
-
 
 
 def read_flag(api: VllmApi) -> bool | None:
