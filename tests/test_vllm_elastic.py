@@ -140,7 +140,7 @@ def test_autoscale_advisory_from_vllms_own_telemetry(deployment: dict[str, Any])
     server.wait_healthy()
     t0 = time.time()
     before = {o["op_id"] for o in _operations(address)}
-    res = _cli(address, "autoscale", "--min-dp", "2", "--max-dp", "4", "--target-queue", "0.5", "--target-kv", "0.5",
+    res = _cli(address, "autoscale", "--min-dp", "2", "--max-dp", "4", "--target-queue", "0.2", "--target-kv", "0.5",
                "--up-delay", "0", "--window", "10", "-o", "json", timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["policy"]["mode"] == "advisory"
@@ -150,7 +150,7 @@ def test_autoscale_advisory_from_vllms_own_telemetry(deployment: dict[str, Any])
 
     def busy() -> None:
         while not stop.is_set():
-            answers.append(server.complete(PROMPTS[0], max_tokens=8, timeout=120)[0])
+            answers.append(server.complete(PROMPTS[0], max_tokens=16, timeout=120)[0])
 
     def loaded_decision() -> dict[str, Any] | None:
         out = _cli(address, "events", "--autoscaler", "-o", "json", timeout=120)
@@ -159,7 +159,7 @@ def test_autoscale_advisory_from_vllms_own_telemetry(deployment: dict[str, Any])
         seen.update(decisions=decisions[-2:], count=len(decisions), answers=len(answers))
         for d in reversed(decisions):
             sig = {s["name"]: s for s in d["signals"]}
-            if sig.get("queue", {}).get("value", 0) > 0.6 and d["recommendation"] > d["current_dp"]:
+            if sig.get("queue", {}).get("value", 0) > 0 and d["recommendation"] > d["current_dp"]:
                 return d
         return None
 
@@ -178,7 +178,7 @@ def test_autoscale_advisory_from_vllms_own_telemetry(deployment: dict[str, Any])
         pool.shutdown(wait=False)  # the requests in flight end on their own
     t_decided = time.time() - t0
     sig = {s["name"]: s for s in d["signals"]}
-    assert {"queue", "kv"} <= set(sig) and sig["queue"]["target"] == 0.5 and sig["kv"]["target"] == 0.5, d
+    assert {"queue", "kv"} <= set(sig) and sig["queue"]["target"] == 0.2 and sig["kv"]["target"] == 0.5, d
     assert 0 <= sig["kv"]["value"] <= 1 and d["action"] == "advisory: not acted" and d["act"] is False, d
     snap = _status(address)
     shown = snap["info"]["autoscale"]
