@@ -225,6 +225,11 @@ def _vllm_lines(snap: dict[str, Any]) -> list[str]:
         since = time.strftime("%H:%M:%S UTC", time.gmtime(float(wedge.get("since") or 0)))
         out.append(f"WEDGED since {since} (failing phase: {wedge.get('phase')}): {wedge.get('cause')}"
                    f"{'; ' + wedge['error'] if wedge.get('error') else ''}. Remedy: {wedge.get('remedy')}")
+    found = ((snap.get("info") or {}).get("control") or {}).get("vllm") or {}
+    for key in ("flag_stuck", "engines"):  # what the vLLM controller's loop found, and what repair would do
+        if found.get(key):
+            out.append(f"controller: {found[key]['reason']}"
+                       + (f"; repair: {found[key]['repair']}" if found[key].get("repair") else ""))
     ft = snap.get("fault_tolerance")
     if ft:
         out.append("fault tolerance: " + (ft.get("error") or ", ".join(

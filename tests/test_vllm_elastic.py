@@ -121,6 +121,73 @@ def test_elastic_startup_on_ray_serves_and_shows_vllms_identities(deployment: di
     assert snap["violations"] == []
 
 
+@pytest.mark.timeout(300)
+def test_autoscale_advisory_from_vllms_own_telemetry(deployment: dict[str, Any]) -> None:
+    """Issue 24 point 7: `eepctl autoscale` on a vLLM deployment. The policy is kept by the vLLM
+    controller, whose loop runs the reference autoscaler's decision core on what the plugin reports
+    per rank (vLLM's waiting + running requests and KV-cache use): under load a decision records
+    the queue and KV signals and recommends more ranks, `status` shows it, and nothing is acted on
+    (0 operations). `--mode on` is refused (exit 4, docs/autoscaling.md). An eepctl started under
+    load takes tens of seconds on this machine, so the decisions come from one `events
+    --autoscaler --follow` started before the load, and the other calls run without load."""
+    import queue
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helpers import ROOT
+
+    server: Server = deployment["elastic"]
+    address = deployment["address"]
+    server.wait_healthy()
+    t0 = time.time()
+    before = {o["op_id"] for o in _operations(address)}
+    res = _cli(address, "autoscale", "--min-dp", "2", "--max-dp", "4", "--target-queue", "0.2", "--target-kv", "0.5",
+               "--up-delay", "0", "--window", "10", "-o", "json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["policy"]["mode"] == "advisory"
+    on = _cli(address, "autoscale", "--mode", "on", timeout=120)
+    assert on.returncode == 4 and "--mode on is not available for a vLLM deployment" in on.stderr, on.stderr
+    assert len(on.stderr.strip().splitlines()) == 1
+    follow = subprocess.Popen([sys.executable, "-m", "eepctl", "events", "--autoscaler", "--follow", "-o", "json",
+                               "--name", NAME, "--address", address], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, cwd=ROOT)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in follow.stdout], daemon=True).start()  # type: ignore[union-attr]
+    first = json.loads(lines.get(timeout=120))  # following: start the load
+    stop = threading.Event()
+    answers: list[int] = []
+
+    def busy() -> None:
+        while not stop.is_set():
+            answers.append(server.complete(PROMPTS[0], max_tokens=16, timeout=120)[0])
+
+    pool = ThreadPoolExecutor(max_workers=8)
+    for _ in range(8):
+        pool.submit(busy)
+    t_load, d, count = time.time(), first, 1
+    try:
+        while not ((sig := {s["name"]: s for s in d["signals"]}).get("queue", {}).get("value", 0) > 0
+                   and d["recommendation"] > d["current_dp"]):
+            d, count = json.loads(lines.get(timeout=max(1.0, t_load + 90 - time.time()))), count + 1
+    except queue.Empty:
+        raise AssertionError(f"no advisory decision under load in 90 s ({count} decisions; last {d})") from None
+    finally:
+        stop.set()
+        pool.shutdown(wait=False)  # the requests in flight end on their own
+        follow.terminate()  # by pid: the eepctl this test started
+        follow.wait(timeout=30)
+    t_decided = time.time() - t_load
+    assert {"queue", "kv"} <= set(sig) and sig["queue"]["target"] == 0.2 and sig["kv"]["target"] == 0.5, d
+    assert 0 <= sig["kv"]["value"] <= 1 and d["action"] == "advisory: not acted" and d["act"] is False, d
+    snap = _status(address)
+    shown = snap["info"]["autoscale"]
+    assert shown["policy"]["mode"] == "advisory" and shown["last"]["current_dp"] == 2, shown
+    assert snap["info"]["dp"] == 2 and snap["operation"] is None
+    assert {o["op_id"] for o in _operations(address)} == before  # advisory: acted on nothing
+    print(f"autoscale advisory: loaded decision {t_decided:.1f}s after the load began ({count} decisions "
+          f"followed, {len(answers)} answers), test {time.time() - t0:.1f}s: {json.dumps(d['signals'])}")
+
+
 def _load(server: Server, stop: threading.Event, out: list[dict[str, Any]]) -> None:
     i = 0
     while not stop.is_set():

@@ -251,6 +251,9 @@ def test_vllm_answers_map_to_the_exit_code_table() -> None:
 
 
 # ---- part 2: a real vLLM server with the plugin ---------------------------------------------------------
+FLAG_BOUND_S = 3.0  # short, so the stuck-flag finding costs the wedge test seconds
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -280,7 +283,8 @@ def server_process(ray_cluster: dict[str, Any], model_dir: Path,
     fail_commit = runtime.parent / "fail-commit"  # the plugin's test hook fails commits while it exists
     env = dict(os.environ, **_offline_env(), EEPCTL_DEPLOYMENT=name, RAY_ADDRESS=ray_cluster["address"],
                VLLM_API_KEY=API_KEY, VLLM_SERVER_DEV_MODE="1", EEPCTL_VLLM_RUNTIME_DIR=str(runtime),
-               EEPCTL_VLLM_DEBUG_FAIL_COMMIT=str(fail_commit))
+               EEPCTL_VLLM_DEBUG_FAIL_COMMIT=str(fail_commit),
+               EEPCTL_VLLM_FLAG_STUCK_S=str(FLAG_BOUND_S))  # the vLLM controller's bound (the plugin creates it)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--gpu-memory-utilization", "0.25",
            "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8",
@@ -686,6 +690,17 @@ def test_failed_commit_wedges_vllm_and_status_and_scale_say_so(server: dict[str,
     assert ops[-1]["to_size"] == 2 and ops[-1]["state"] == "failed"
     # The vLLM controller reconciled vLLM's flag after the answer: the record says it is wedged.
     assert "scaling flag is still set" in ops[-1]["error"] and "wedged" in ops[-1]["error"], ops[-1]["error"]
+    # Issue 22 point 8: between operations the controller's loop sees the flag held with no
+    # operation of ours for longer than its bound; status gives that reason and repair's plan.
+    stuck = wait_for(lambda: ((_info(name).get("control") or {}).get("vllm") or {}).get("flag_stuck"),
+                     timeout=30, interval=1.0, what="the controller's stuck-flag finding in status")
+    assert stuck["bound_s"] == FLAG_BOUND_S and stuck["held_s"] >= FLAG_BOUND_S, stuck
+    assert "no operation of eepctl's running" in stuck["reason"] and "restart the vLLM API server" in stuck["repair"]
+    table = _cli("status", "--name", name)
+    assert "controller: vLLM's scaling flag has been set for" in table.stdout, table.stdout
+    repair = _cli("repair", "--name", name, "--api-key", API_KEY)
+    assert repair.returncode == ExitCode.PRECONDITION, (repair.returncode, repair.stderr)
+    assert "scaling flag is stuck" in repair.stderr and "repair cannot lower it" in repair.stderr, repair.stderr
 
 
 @pytest.mark.timeout(120)

@@ -44,10 +44,6 @@ def with_health(snap: dict[str, Any]) -> dict[str, Any]:
     return snap
 
 
-NO_AUTOSCALER = ("a vLLM deployment has no controller to run an autoscaler in: `eepctl autoscale` serves "
-                 "reference deployments (vLLM advisory mode is planned, issue 24)")
-
-
 def refuse_retire(retire: list[int] | None) -> None:
     """vLLM's /scale_elastic_ep always removes the highest ranks: naming others is refused."""
     if retire:
@@ -93,13 +89,32 @@ class VllmDriver:
         return fault_tolerance.repair(self.snap, api_key=self._api_key, timeout_s=timeout_s)
 
     def set_autoscale(self, policy: dict[str, Any]) -> dict[str, Any]:
-        raise PreconditionError(NO_AUTOSCALER)
+        """Kept by the deployment's vLLM controller, whose loop runs the shared decision core on
+        vLLM's own figures; advisory only (``--mode on`` is refused there, exit 4)."""
+        from engine_ext.drivers.reference import raise_if_error
+        from engine_ext.ray.deployment import call
+        from engine_ext.ray.vllm_controller import controller_for
+
+        controller = controller_for(self.name)
+        return raise_if_error(call(controller.set_autoscale.remote(policy, self._api_key), timeout=60))
 
     def autoscale_policy(self) -> dict[str, Any]:
-        raise PreconditionError(NO_AUTOSCALER)
+        return self._autoscale_read("autoscale_show", {"deployment": self.name, "policy": None, "last": None})
 
     def autoscale_decisions(self, since: float = 0.0) -> dict[str, Any]:
-        raise PreconditionError(NO_AUTOSCALER)
+        return self._autoscale_read("autoscale_decisions", {"deployment": self.name, "policy": None, "decisions": []},
+                                    since)
+
+    def _autoscale_read(self, method: str, empty: dict[str, Any], *args: Any) -> dict[str, Any]:
+        """A read: no controller running means no policy (reads create nothing)."""
+        from engine_ext.drivers.reference import raise_if_error
+        from engine_ext.ray.deployment import call
+        from engine_ext.ray.vllm_controller import existing_controller
+
+        controller = existing_controller(self.name)
+        if controller is None:
+            return empty
+        return raise_if_error(call(getattr(controller, method).remote(*args), timeout=30))
 
     @contextmanager
     def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:

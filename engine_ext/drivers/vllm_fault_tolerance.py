@@ -66,8 +66,13 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
     PreconditionError (4) without fault tolerance or for a dead engine, TransitionFailed (5)
     when vLLM reports the recovery failed, TransitionTimeout (6) past ``timeout_s``,
     UnreachableError (3) when nothing answers; the record rides in ``detail["operation"]``."""
+    from engine_ext.control.vllm_reconcile import repair_plan
+
     name = snap["deployment"]
     size = int((snap.get("info") or {}).get("dp") or max(1, len(snap.get("ranks", []))))
+    plan = repair_plan(snap)  # the controller's findings: a stuck flag blocks the rest (503 to everything)
+    if plan and plan[0].startswith("vLLM's scaling flag is stuck"):
+        raise PreconditionError(f"repair of vLLM deployment {name!r}: {plan[0]}", detail={"plan": plan})
     before = status(snap, api_key=api_key)
     if before is None:
         raise PreconditionError(f"vLLM deployment {name!r} runs without --enable-fault-tolerance: "
@@ -83,6 +88,7 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
             f"{INSTRUCTION!r} cannot recover them; restart the vLLM server"))
     if not any(e.get("status") == UNHEALTHY for e in before["engines"]):
         op["message"] = "every engine is healthy; nothing to repair"
+        op["actions"] = [op["message"]]
         return _finish(op, before, None)
     api = api_for(snap, api_key, min(timeout_s, 30.0))
     code, body = api.post("/fault_tolerance/apply", {"instruction": INSTRUCTION, "params": {}})
@@ -104,6 +110,7 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
                             failed or [e for e in engines if e.get("status") == DEAD])
             return _finish(op, current, TransitionFailed(f"vLLM's {INSTRUCTION!r} failed on {name!r}: {why}"))
         if all(e.get("status") == HEALTHY for e in engines):
+            op["actions"] = [f"applied vLLM's {INSTRUCTION!r} (request {request_id}): every engine healthy"]
             return _finish(op, current, None)
     return _finish(op, current, TransitionTimeout(
         f"{op['op_id']}: vLLM's {INSTRUCTION!r} did not bring every engine of {name!r} back to healthy within "

@@ -7,10 +7,13 @@ leaves a running operation that still ends, and its deadline is enforced here, n
 client. What vLLM reports at the end is reconciled into the record: a scaling flag still set (the
 wedge of vLLM #53947) and each engine's fault-tolerance health where the server has it. Clients
 reach it through ``engine_ext.drivers.vllm_scale``; the API key rides in each call, never in a record.
+Between operations its loop (engine_ext.ray.vllm_loop) reconciles what vLLM reports and runs the
+shared autoscaler in advisory mode.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import ray
 
 from engine_ext.control.vllm_api import VllmApi, error_for, message_of
+from engine_ext.control.vllm_reconcile import FLAG_STUCK_S
 from engine_ext.control.vllm_deployment import (
     abandoned,
     api_for,
@@ -36,8 +40,10 @@ from engine_ext.protocol import (
     UnreachableError,
 )
 from engine_ext.ray.names import registry_name, vllm_controller_name
+from engine_ext.ray.vllm_loop import TICK_S, VllmLoop, read_flag
 
 FLAG_SETTLE_S = 10.0  # how long vLLM may take to lower its scaling flag after it answered
+FLAG_BOUND_ENV = "EEPCTL_VLLM_FLAG_STUCK_S"
 
 
 def error_record(e: EepError) -> dict[str, Any]:
@@ -45,10 +51,11 @@ def error_record(e: EepError) -> dict[str, Any]:
     return {"error": {"code": int(e.exit_code), "message": e.message, "detail": e.detail}}
 
 
-class VllmController:
+class VllmController(VllmLoop):
     """One per vLLM deployment; holds the operations it runs, the registry holds the history."""
 
-    def __init__(self, deployment: str, namespace: str) -> None:
+    def __init__(self, deployment: str, namespace: str, flag_bound_s: float = FLAG_STUCK_S,
+                 tick_s: float = TICK_S) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.started_at = time.time()
@@ -56,6 +63,7 @@ class VllmController:
         self._ops: dict[str, dict[str, Any]] = {}
         self._by_request: dict[str, str] = {}
         self._running: str | None = None
+        self._start_loop(namespace, flag_bound_s, tick_s)
 
     def _registry(self) -> Any:
         """Looked up by name at each use: the registry may have been recreated."""
@@ -85,6 +93,7 @@ class VllmController:
               api_key: str | None = None) -> dict[str, Any]:
         """Admit a scale to ``target`` and start it; the accepted operation (or, for a retry of
         ``request_id``, that request's operation), or an error record."""
+        self.remember_key(api_key)
         try:
             with self._changed:
                 same = self._same_request(request_id, target)
@@ -124,7 +133,8 @@ class VllmController:
     def info(self) -> dict[str, Any]:
         with self._changed:
             return {"deployment": self.deployment, "started_at": self.started_at, "running": self._running,
-                    "operations": len(self._ops)}
+                    "operations": len(self._ops), "ticks": self.ticks, "findings": dict(self.findings),
+                    "flag_bound_s": self.flag_watch.bound_s, "last_error": self.last_error}
 
     # ---- admission ---------------------------------------------------------------------------
     def _same_request(self, request_id: str | None, target: int) -> dict[str, Any] | None:
@@ -156,6 +166,9 @@ class VllmController:
             wedge = (snap.get("info") or {}).get("wedged")
             if wedge:
                 raise PreconditionError(wedged_message(self.deployment, wedge))
+            stuck = self.findings.get("flag_stuck")
+            if stuck:
+                raise PreconditionError(f"vLLM deployment {self.deployment!r}: {stuck['reason']}; {stuck['repair']}")
             raise PreconditionError(f"vLLM reports a scale of {self.deployment!r} in progress; one scale at a time")
         problem = bounds_problem(snap, target)
         if problem:
@@ -199,7 +212,7 @@ class VllmController:
         while poster.is_alive() and time.time() < op["deadline"]:
             poster.join(0.5)
             seq = self._follow(seq, events)
-            if poster.is_alive() and op["phase"] != "commit" and _scaling(api):
+            if poster.is_alive() and op["phase"] != "commit" and read_flag(api):
                 self._record(dict(op, phase="commit"))  # vLLM raises its flag once prepare is done
                 op["phase"] = "commit"
         error: EepError | None
@@ -222,7 +235,7 @@ class VllmController:
         it: the deployment is wedged (503 to everything), whatever vLLM answered. Still set at the
         deadline with no answer: said in the timeout's reason."""
         settle = time.time() + (FLAG_SETTLE_S if answered else 0.0)
-        while _scaling(api) is True:
+        while read_flag(api) is True:
             if time.time() >= settle:
                 why = ("vLLM's scaling flag is still set at the controller's deadline: it answers 503 to every "
                        "request until its scale ends (or, wedged, until its API server restarts)" if not answered
@@ -281,14 +294,6 @@ def _unknown(op_id: str, deployment: str) -> dict[str, Any]:
                       f"of {deployment!r}", "detail": {}}}
 
 
-def _scaling(api: VllmApi) -> bool | None:
-    """vLLM's flag, or None when it cannot be read now."""
-    try:
-        return api.is_scaling()
-    except EepError:
-        return None
-
-
 def _engine_health(api: VllmApi) -> dict[str, str]:
     """Each engine's health from vLLM's fault tolerance (``{"error": why}`` when unreadable)."""
     try:
@@ -304,13 +309,24 @@ def _workspace(snap: dict[str, Any]) -> dict[str, int]:
     return {str(r["rank"]): int(r.get("workspace_bytes", 0) or 0) for r in snap.get("ranks", [])}
 
 
-def controller_for(deployment: str) -> Any:
+def controller_for(deployment: str, namespace: str | None = None) -> Any:
     """The deployment's vLLM controller, created (named, detached, next to the caller like the
-    reference controller) by the first client that needs it; the namespace is the caller's."""
+    reference controller) by the first client that needs it (the plugin's API server, else eepctl);
+    the namespace is the caller's. Ray restarts it (its loop and autoscaling policy come back from
+    the GCS KV); the flag bound is EEPCTL_VLLM_FLAG_STUCK_S of the creating process (default 60 s)."""
     from engine_ext.ray.placement import on_this_node
 
-    namespace = ray.get_runtime_context().namespace
+    namespace = namespace or ray.get_runtime_context().namespace
+    bound = float(os.environ.get(FLAG_BOUND_ENV) or FLAG_STUCK_S)
     return ray.remote(VllmController).options(
         name=vllm_controller_name(deployment), namespace=namespace, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_concurrency=32, scheduling_strategy=on_this_node(),
-    ).remote(deployment, namespace)
+        num_cpus=0, max_concurrency=32, scheduling_strategy=on_this_node(), max_restarts=-1, max_task_retries=0,
+    ).remote(deployment, namespace, bound)
+
+
+def existing_controller(deployment: str) -> Any:
+    """The deployment's vLLM controller if one runs (reads do not create one), else None."""
+    try:
+        return ray.get_actor(vllm_controller_name(deployment), namespace=ray.get_runtime_context().namespace)
+    except ValueError:
+        return None

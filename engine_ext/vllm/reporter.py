@@ -310,7 +310,8 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watc
     if watch is not None:  # the wedged state (None when healthy) and the scales this server ran
         from engine_ext.vllm import api_patches
 
-        info.update(wedged=watch.wedge(), scale_calls=watch.calls, api_patches=api_patches.status())
+        info.update(wedged=watch.wedge(), scaling=api_patches.scaling_flag(), scale_calls=watch.calls,
+                    api_patches=api_patches.status())
     try:
         import vllm
 
@@ -334,10 +335,27 @@ class ApiServerReporter(threading.Thread):
         self.watch = watch
 
     def run(self) -> None:
+        controller = False
         try:
             while not self.link.disabled:
                 # Rebuilt each time: the DP size lives in the config vLLM updates after a scale.
                 self.link.set_info(deployment_info(self.vllm_config, self.api_url, self.api_key_required, self.watch))
+                if not controller and self.link.connect():
+                    controller = self._start_controller()
                 time.sleep(self.interval_s)
         except Exception as e:  # noqa: BLE001
             log.warning("engine_ext: API reporter stopped: %s: %s", type(e).__name__, e)
+
+    def _start_controller(self) -> bool:
+        """The deployment's vLLM controller (engine_ext.ray.vllm_controller), so its loop watches
+        vLLM's flag from the start, not only once eepctl first scaled. Best effort: eepctl
+        creates it on its first scale or autoscale otherwise."""
+        try:
+            from engine_ext.ray.vllm_controller import controller_for
+
+            controller_for(self.link.settings.deployment, self.link.settings.namespace)
+            return True
+        except Exception as e:  # noqa: BLE001 - serving never depends on it
+            log.warning("engine_ext: vLLM controller not started (%s: %s); eepctl starts it when asked",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return True  # not retried every 2 s

