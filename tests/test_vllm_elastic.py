@@ -232,11 +232,20 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
         load.join(timeout=300)
     ok = [r for r in records if r["code"] == 200]
     refused = [r for r in records if r["code"] != 200]
-    print(f"load: {len(records)} requests, {len(ok)} answered, {len(refused)} refused: "
-          + json.dumps([(r["code"], r["body"]) for r in refused])[:2000])
-    wrong = [(r["i"], r["body"]["choices"][0]["token_ids"]) for r in ok
+    # vLLM may end a request in flight at a switch with finish_reason "abort" and the tokens it had
+    # (HTTP 200; seen once in 2 -> 3): counted apart, and it must be a prefix of the oracle's output
+    # and have run across a switch. Every other answer is the oracle's, token for token.
+    aborted = [r for r in ok if r["body"]["choices"][0].get("finish_reason") == "abort"]
+    ok = [r for r in ok if r not in aborted]
+    print(f"load: {len(records)} requests, {len(ok)} answered, {len(aborted)} aborted by vLLM, {len(refused)} "
+          "refused: " + json.dumps([(r["code"], r["body"]) for r in refused])[:2000])
+    wrong = [(r["i"], r["body"]["choices"][0].get("finish_reason"), r["body"]["choices"][0]["token_ids"]) for r in ok
              if r["body"]["choices"][0]["token_ids"] != expected[r["i"]]]
     assert wrong == [], wrong
+    for r in aborted:
+        got = r["body"]["choices"][0]["token_ids"]
+        assert got == expected[r["i"]][:len(got)], (r["i"], got, expected[r["i"]])
+        assert any(r["start"] < t1 and t0 < r["end"] for t0, t1 in windows), (windows, r)
     assert all(r["code"] == 503 and r["body"] == SCALING_503 for r in refused), refused
     assert all(any(t0 <= r["start"] <= t1 for t0, t1 in windows) for r in refused), (windows, refused)  # during a switch
     for t0, t1 in windows:  # answered requests that ran while a scale was in flight
@@ -322,3 +331,59 @@ def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: 
     assert [(o["op_id"], o["state"]) for o in json.loads(res.stdout)["operations"]] == [(op_id, "succeeded")]
     assert _status(address)["operation"] is None
     return done
+
+
+def _controller_pid(address: str) -> int:
+    """The vLLM controller actor's pid, asked in a process of its own (this test process may be
+    connected to another module's Ray cluster)."""
+    import sys
+
+    from tests.helpers import ROOT
+
+    code = ("import sys, ray; from engine_ext.ray.names import vllm_controller_name; "
+            "ray.init(address=sys.argv[1], namespace='eepctl', logging_level='ERROR', log_to_driver=False); "
+            "print(ray.get(ray.get_actor(vllm_controller_name(sys.argv[2]), namespace='eepctl').pid.remote(), "
+            "timeout=60))")
+    res = subprocess.run([sys.executable, "-c", code, address, NAME], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return int(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(600)
+def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(deployment: dict[str, Any]) -> None:
+    """Issue 22 points 3 and 8 for vLLM: the in-cluster controller SIGKILLed (by pid) while its scale
+    runs (vLLM's flag is up). Ray restarts it; the new one finds the operation running with nobody
+    running it, waits until vLLM's flag is down, and ends the record with the size vLLM reports
+    (succeeded at the target, rolled back at the old size: never `running` past it); the server
+    answers the oracle's tokens at that size."""
+    server: Server = deployment["elastic"]
+    address, expected = deployment["address"], deployment["expected"]
+    server.wait_healthy()
+    size = _status(address)["info"]["dp"]
+    target = 3 if size == 2 else 2
+    old_pid = _controller_pid(address)
+    known = {o["op_id"] for o in _operations(address)}
+    sent = _cli(address, "scale", "--dp", str(target), "--no-wait", "-o", "json", timeout=120)
+    assert sent.returncode == 0, sent.stderr
+    op_id = json.loads(sent.stdout)["op_id"]
+    assert op_id not in known
+    wait_for(lambda: next((o for o in _operations(address) if o["op_id"] == op_id and o["phase"] == "commit"
+                           and o["state"] == "running"), None),
+             timeout=180, interval=0.2, what="the scale running with vLLM's flag up")
+    os.kill(old_pid, 9)  # SIGKILL, by pid: the controller actor's process of this module's deployment
+    t_kill = time.time()
+
+    def ended() -> dict[str, Any] | None:
+        op = next(o for o in _operations(address) if o["op_id"] == op_id)
+        return op if op["state"] != "running" else None
+
+    done = wait_for(ended, timeout=300, interval=1.0, what=f"{op_id} ended by the restarted controller")
+    assert done["state"] in ("succeeded", "rolled_back") and "controller died" in done["error"], done
+    assert _controller_pid(address) != old_pid  # Ray restarted it
+    snap = _status(address)
+    now = target if done["state"] == "succeeded" else size
+    assert snap["info"]["dp"] == now and snap["operation"] is None, (done, snap["info"].get("dp"))
+    assert run_prompts(server, PROMPTS) == expected
+    print(f"vLLM controller killed in {op_id} (DP {size} -> {target}): {done['state']} "
+          f"{done['finished'] - t_kill:.1f}s after the kill: {done['error']}")

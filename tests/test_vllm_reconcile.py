@@ -16,6 +16,7 @@ from typing import Any
 from engine_ext.control.autoscale_policy import AutoscalePolicy
 from engine_ext.control.vllm_reconcile import (
     FlagWatch,
+    OrphanWatch,
     current_world,
     engines_finding,
     published_flag,
@@ -107,7 +108,12 @@ class _Loop(VllmLoop):
         self._running: str | None = None
         self.registry = registry
         self.writes: list[dict[str, Any]] = []
+        self._ops: dict[str, dict[str, Any]] = {}
         self._start_loop("test", flag_bound_s=5.0, tick_s=3600.0)
+
+    def _record(self, op: dict[str, Any]) -> None:
+        self._ops[op["op_id"]] = dict(op)
+        self.registry.record_operation(dict(op))
 
     def _call(self, method: str, *args: Any) -> Any:
         if method == "set_info":
@@ -158,3 +164,44 @@ def test_the_loop_writes_only_what_changed_and_finds_a_stuck_flag() -> None:
     registry.set_info({"scaling": False})
     loop.tick(now + 17)
     assert registry.snapshot()["info"]["control"] == {"vllm": {}}
+
+
+def test_orphan_watch_ends_a_scale_whose_controller_died_with_vllms_size() -> None:
+    op = {"op_id": "op-1", "state": "running", "from_size": 2, "to_size": 3}
+    w = OrphanWatch(settle_s=6.0)
+    assert w.observe(0.0, op, ours=True, flag=False, size=3) is None  # this controller runs it
+    assert w.observe(0.0, op, ours=False, flag=True, size=2) is None  # vLLM still scaling
+    assert w.observe(1.0, op, ours=False, flag=False, size=3) is None  # flag down: settling
+    assert w.observe(4.0, op, ours=False, flag=None, size=3) is None  # unreadable: still settling
+    done = w.observe(7.0, op, ours=False, flag=False, size=3)
+    assert done is not None and done["state"] == "succeeded" and done["finished"] == 7.0, done
+    assert "controller died" in done["error"] and done["error_code"] == 0
+    w.observe(10.0, op, ours=False, flag=False, size=2)
+    back = w.observe(16.0, op, ours=False, flag=False, size=2)
+    assert back is not None and back["state"] == "rolled_back" and back["error_code"] == 5, back
+    w.observe(20.0, op, ours=False, flag=False, size=4)
+    other = w.observe(26.0, op, ours=False, flag=False, size=4)
+    assert other is not None and other["state"] == "failed" and "DP 4" in other["error"], other
+    w.observe(30.0, op, ours=False, flag=False, size=3)
+    assert w.observe(33.0, op, ours=False, flag=True, size=3) is None  # the flag came back up: start again
+    assert w.observe(37.0, op, ours=False, flag=False, size=3) is None
+
+
+def test_the_loop_ends_an_orphaned_operation_in_the_registry() -> None:
+    """A restarted controller (nothing in its memory) finds the registry's running operation and,
+    once vLLM's flag has been down past the settle time, records it ended at vLLM's size."""
+    registry = Registry("v", "vllm")
+    loop = _Loop(registry)
+    now = time.time()
+    registry.set_info({"kind": "vllm", "dp": 3, "max_dp": 4, "api_url": "http://127.0.0.1:9", "scaling": False,
+                       "api_heartbeat": now})
+    registry.record_operation({"op_id": "op-orphan", "deployment": "v", "from_size": 2, "to_size": 3,
+                               "state": "running", "phase": "commit", "started": now - 20, "deadline": now + 300})
+    assert registry.snapshot()["operation"]["op_id"] == "op-orphan"
+    loop.tick(now)
+    loop.tick(now + 3)
+    assert registry.snapshot()["operation"]["state"] == "running"
+    loop.tick(now + 7)
+    ended = next(o for o in registry.events()["operations"] if o["op_id"] == "op-orphan")
+    assert ended["state"] == "succeeded" and "controller died" in ended["error"], ended
+    assert not registry.snapshot().get("operation")

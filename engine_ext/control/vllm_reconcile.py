@@ -17,6 +17,7 @@ from typing import Any
 FLAG_STUCK_S = 60.0  # a flag held this long with no operation of ours is a finding (EEPCTL_VLLM_FLAG_STUCK_S)
 INFO_FRESH_S = 10.0  # the API server's info is trusted this long after its last update (it writes every 2 s)
 RESTART_REMEDY = "restart the vLLM API server with the same arguments (nothing else lowers vLLM's scaling flag)"
+ORPHAN_SETTLE_S = 6.0  # vLLM's flag down this long before an orphaned operation is ended (info is 2 s old at most)
 
 
 def current_world(snap: dict[str, Any], stale_after_s: float = INFO_FRESH_S) -> tuple[list[int], list[dict[str, Any]]]:
@@ -74,6 +75,41 @@ class FlagWatch:
                 "reason": (f"vLLM's scaling flag has been set for {held:.0f}s with no operation of eepctl's running "
                            f"(bound {self.bound_s:.0f}s): vLLM answers 503 to every request"),
                 "repair": f"nothing eepctl can do: {RESTART_REMEDY}"}
+
+
+@dataclass
+class OrphanWatch:
+    """A running operation in the registry that no controller runs: the one that ran it died
+    mid-scale (Ray restarted the controller; its thread, and its POST to vLLM, died with it). vLLM
+    finishes or drops that scale on its own. Once vLLM's flag has been down for ``settle_s`` (the
+    plugin's info, written every 2 s, then carries vLLM's size), the record is ended with the size
+    vLLM reports: succeeded at the target, rolled back at the old size, failed at any other."""
+
+    settle_s: float = ORPHAN_SETTLE_S
+    down_since: float | None = None
+
+    def observe(self, now: float, op: dict[str, Any] | None, ours: bool, flag: bool | None,
+                size: int) -> dict[str, Any] | None:
+        """The ended record to write now, or None (not an orphan, vLLM still scaling, or settling)."""
+        if not op or op.get("state") != "running" or ours or flag:
+            self.down_since = None
+            return None
+        if flag is None:  # unreadable now: neither start nor reset the settling
+            return None
+        if self.down_since is None:
+            self.down_since = now
+        if now - self.down_since < self.settle_s:
+            return None
+        self.down_since = None
+        why = "its controller died during the scale (Ray restarted it)"
+        if size == int(op["to_size"]):
+            return dict(op, state="succeeded", finished=now, phase="commit",
+                        error=f"{why}; vLLM completed it: DP {size}", error_code=0)
+        if size == int(op["from_size"]):
+            return dict(op, state="rolled_back", finished=now, error_code=5,
+                        error=f"{why}; vLLM did not complete it: still DP {size}")
+        return dict(op, state="failed", finished=now, error_code=5,
+                    error=f"{why}; vLLM reports DP {size}, neither DP {op['from_size']} nor DP {op['to_size']}")
 
 
 def engines_finding(body: dict[str, Any] | None) -> dict[str, Any] | None:

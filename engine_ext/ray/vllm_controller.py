@@ -130,6 +130,10 @@ class VllmController(VllmLoop):
                 return _unknown(op_id, self.deployment)
             return dict(self._ops[op_id])
 
+    def pid(self) -> int:
+        """This actor's process id (a test SIGKILLs it by pid, as an operator's fault would)."""
+        return os.getpid()
+
     def info(self) -> dict[str, Any]:
         with self._changed:
             return {"deployment": self.deployment, "started_at": self.started_at, "running": self._running,

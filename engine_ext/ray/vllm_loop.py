@@ -3,7 +3,7 @@ autoscaler's decision core runs on vLLM's own figures.
 
 Every TICK_S (an Event wait: no tick of its own making in between) the loop reads the registry
 once, watches vLLM's scaling flag as the plugin publishes it (the endpoint only when that is
-stale), reads vLLM's fault-tolerance status at most every FT_EVERY_S on a server that has it, and
+stale), ends an operation whose controller died mid-scale once vLLM's flag is down, reads vLLM's fault-tolerance status at most every FT_EVERY_S on a server that has it, and
 runs one decision of the shared core (engine_ext.ray.autoscale_host) in advisory mode. What status
 shows goes into the registry's info only when it differs from what is there; the policy and the
 decisions persist in the GCS KV under the key `eepctl down` deletes. Mounted by
@@ -18,10 +18,11 @@ import time
 from typing import Any
 
 from engine_ext.control.vllm_api import VllmApi, message_of
-from engine_ext.control.vllm_deployment import api_for
+from engine_ext.control.vllm_deployment import api_for, current_size
 from engine_ext.control.vllm_reconcile import (
     FLAG_STUCK_S,
     FlagWatch,
+    OrphanWatch,
     current_world,
     engines_finding,
     published_flag,
@@ -48,11 +49,16 @@ class VllmLoop(AutoscaleMethods):
     _changed: threading.Condition
     _running: str | None
 
+    _ops: dict[str, dict[str, Any]]
+
     def _call(self, method: str, *args: Any) -> Any: ...
+
+    def _record(self, op: dict[str, Any]) -> None: ...
 
     def _start_loop(self, namespace: str, flag_bound_s: float = FLAG_STUCK_S, tick_s: float = TICK_S) -> None:
         self.tick_s = tick_s
         self.flag_watch = FlagWatch(bound_s=flag_bound_s)
+        self.orphans = OrphanWatch()
         self.findings: dict[str, Any] = {}
         self.last_error: dict[str, Any] | None = None
         self.ticks = 0
@@ -136,8 +142,13 @@ class VllmLoop(AutoscaleMethods):
         flag = published_flag(snap, now)
         if flag is None and info.get("api_url"):
             flag = read_flag(api_for(snap, self._key, timeout_s=3.0))
+        op = snap.get("operation")
         with self._changed:
             running = self._running
+            ours = bool(op) and op.get("op_id") in self._ops
+        ended = self.orphans.observe(now, op, ours, flag, current_size(snap))
+        if ended is not None:  # a scale whose controller died: ended with the size vLLM reports
+            self._record(ended)
         findings: dict[str, Any] = {}
         stuck = self.flag_watch.observe(now, flag, running)
         if stuck:
