@@ -129,7 +129,7 @@ class ProcessRankClient(RankClient):
                     error.__cause__ = refusal[0] if refusal else None
                     fut.set_exception(error)
         else:
-            self.owner.on_report(kind, msg[1])
+            self.owner.on_report(kind, msg[1], self.rank)
 
     async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
         call_id = next(self._ids)
@@ -230,15 +230,15 @@ class LocalDeployment:
             return f"cuda:{rank}"
         return self.device
 
-    def on_report(self, kind: str, payload: dict[str, Any]) -> None:
+    def on_report(self, kind: str, payload: dict[str, Any], rank: int) -> None:
         if kind == "status":
             self.registry.report_status(payload)
         elif kind == "event":
             self.registry.report_event(payload)
         elif kind == "results":
-            self.orch.router.on_results(payload["results"])
+            self.orch.router.on_results(payload["results"], rank)
         elif kind == "tokens":
-            self.orch.router.on_tokens(payload["tokens"])
+            self.orch.router.on_tokens(payload["tokens"], rank)
 
     def on_rank_exit(self, rank: int, proc: mp.process.BaseProcess) -> None:
         proc.join(0.5)

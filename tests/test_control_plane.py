@@ -163,3 +163,45 @@ def test_status_lines_say_what_the_control_plane_does() -> None:
         "last reconcile error 5s ago in grow: no capacity (retry in 4s)",
     ]
     assert control_lines({"info": {}}) == []
+
+
+def test_a_moved_request_keeps_one_token_per_place_whatever_arrives_late() -> None:
+    """The race behind a duplicated token (seen in test_second_death_during_a_recovery): the old
+    owner's stream of a moved request lands after the move, then the new owner streams its own
+    token at the same place. Only the owner's token at the next place counts, and only the
+    owner's result. (Rank clients that answer at once: the interleaving cannot be staged with
+    real processes.)"""
+
+    async def scenario(tagged: bool) -> list[int]:
+        r = Router()
+        r.set_ranks({0: _Answers(0, {}), 1: _Answers(1, {})})
+        task = asyncio.ensure_future(r.submit([5, 6], 5, request_id="a"))
+        await asyncio.sleep(0)
+        old = r._owner["a"]
+        new = 1 - old
+
+        def tokens(rank: int, at: int, tok: int) -> None:
+            r.on_tokens({"a": [tok, 0.5, at] if tagged else [tok, 0.5]}, rank if tagged else None)
+
+        tokens(old, 0, 42)
+        tokens(old, 1, 42)
+        assert r.reroute({old}) == 1  # the old owner died
+        r.excluded.add(old)
+        await r.resume()
+        assert r._owner["a"] == new and r._wires["a"]["output"] == [42, 42]
+        tokens(old, 2, 42)  # its last step's token, delivered late
+        tokens(new, 2, 42)  # the new owner's token at the same place
+        tokens(new, 2, 42)  # a repeat
+        tokens(new, 4, 7)  # after a gap
+        if tagged:
+            r.on_results([{"request_id": "a", "output": [42, 42, 42, 9, 9]}], old)  # a run given up on
+            assert not task.done()
+        out = list(r._wires["a"]["output"])
+        r.on_results([{"request_id": "a", "output": [42, 42, 42, 96, 1]}], new if tagged else None)
+        assert (await task)["output"] == [42, 42, 42, 96, 1] and r.completed == 1
+        return out
+
+    assert asyncio.run(scenario(tagged=True)) == [42, 42, 42]
+    # Untagged (how tokens arrived before): the late token and the owner's both land, and a
+    # request moved again would continue from [42, 42, 42, 42, ...], a wrong prefix.
+    assert asyncio.run(scenario(tagged=False))[:4] == [42, 42, 42, 42]

@@ -32,6 +32,7 @@ class Router:
         self.completed = 0
         self.failed = 0
         self.rerouted = 0
+        self.stale_dropped = 0  # tokens and results a non-owner sent, or a token out of place
         self._wires: dict[str, dict[str, Any]] = {}  # unanswered requests, with tokens so far
         self.paused = False
         self._parked: list[dict[str, Any]] = []
@@ -121,9 +122,19 @@ class Router:
         if fut is not None and not fut.done():
             fut.set_result(res)
 
-    def on_results(self, results: list[dict[str, Any]]) -> None:
+    def _from_owner(self, rid: str, rank: int | None) -> bool:
+        """Whether what ``rank`` sent about request ``rid`` counts: only while it still owns it.
+        A rank the request was moved off (it died, hung, or was cut off) may still deliver what
+        it sent before; that stream and that result belong to a run the router gave up on."""
+        return rid in self._wires and (rank is None or self._owner.get(rid) == rank)
+
+    def on_results(self, results: list[dict[str, Any]], rank: int | None = None) -> None:
+        """Finished requests from ``rank`` (None: a sender the caller does not know)."""
         for res in results:
-            self._resolve(res)
+            if self._from_owner(res["request_id"], rank):
+                self._resolve(res)
+            else:
+                self.stale_dropped += 1
 
     async def resubmit(self, moved: list[dict[str, Any]]) -> None:
         """Requests handed back by a removing rank continue on a remaining one (re-prefilled)."""
@@ -133,13 +144,23 @@ class Router:
                 self.inflight[old] = max(0, self.inflight.get(old, 0) - 1)
             await self._send(wire)
 
-    def on_tokens(self, tokens: dict[str, list[float]]) -> None:
-        """Tokens a rank produced this step: ``{request_id: [token, logit]}``."""
-        for rid, (tok, logit) in tokens.items():
-            wire = self._wires.get(rid)
-            if wire is not None:
-                wire.setdefault("output", []).append(int(tok))
-                wire.setdefault("logits", []).append(float(logit))
+    def on_tokens(self, tokens: dict[str, list[float]], rank: int | None = None) -> None:
+        """Tokens ``rank`` produced this step: ``{request_id: [token, logit, index]}``, ``index``
+        the token's place in the request's output. A token counts only from the request's owner
+        and only at the next index: a token the router already has (the old owner's late stream
+        of a moved request, then the new owner's own token at that index) must not be appended
+        twice, or the request continues elsewhere from a wrong prefix."""
+        for rid, (tok, logit, *at) in tokens.items():
+            if not self._from_owner(rid, rank):
+                self.stale_dropped += 1
+                continue
+            wire = self._wires[rid]
+            output = wire.setdefault("output", [])
+            if at and int(at[0]) != len(output):
+                self.stale_dropped += 1  # a repeat, or after a gap: the prefix held stays exact
+                continue
+            output.append(int(tok))
+            wire.setdefault("logits", []).append(float(logit))
 
     def _park(self, wire: dict[str, Any], why: str = "") -> None:
         self._parked_at.setdefault(wire["request_id"], time.time())

@@ -162,7 +162,8 @@ class StepLoop:
         finished = self.apply_logits(items, logits)
         # Stream this step's tokens (fire-and-forget): the router re-submits a request with them
         # if this rank dies, so it continues where it was (the fault no_token_stream switches it off).
-        streamed = {it.request.request_id: [it.request.output[-1], it.request.logits[-1]]
+        streamed = {it.request.request_id: [it.request.output[-1], it.request.logits[-1],
+                                            len(it.request.output) - 1]
                     for it in items if not it.request.done}
         if streamed and not res.faults.active("no_token_stream"):
             self.telemetry.send("tokens", {"tokens": streamed})

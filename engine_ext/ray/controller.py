@@ -154,11 +154,11 @@ class Controller(AutoscaleMethods):
     # ---- serving -------------------------------------------------------------------------------
     def on_results(self, results: list[dict[str, Any]], rank: int = -1, epoch: int = -1) -> None:
         if self._accept(rank, epoch):
-            self.orch.router.on_results(results)
+            self.orch.router.on_results(results, rank if rank >= 0 else None)
 
     def on_tokens(self, tokens: dict[str, list[float]], rank: int = -1, epoch: int = -1) -> None:
         if self._accept(rank, epoch):
-            self.orch.router.on_tokens(tokens)
+            self.orch.router.on_tokens(tokens, rank if rank >= 0 else None)
 
     def _accept(self, rank: int, epoch: int) -> bool:
         """Whether what ``rank`` sent from ``epoch`` counts: never from a fenced world (a rank
@@ -186,7 +186,8 @@ class Controller(AutoscaleMethods):
         extra = {"desired_dp": self.orch.desired, "on_rank_failure": str(self.orch.on_rank_failure),
                  "members": list(self.orch.members), "dead": self._dead_shown(), "control_node": _this_node(),
                  "control": {**control, "controller_restarts": self.restarts, "took_over": self.took_over,
-                             "fenced_messages_dropped": self.fenced_dropped}}
+                             "fenced_messages_dropped": self.fenced_dropped,
+                             "stale_messages_dropped": self.orch.router.stale_dropped}}
         self._info.update(extra)
         if self._info == self._published:
             return
