@@ -2,8 +2,8 @@
 
   link     the weight-transfer path against the raw link between the same two endpoints (two
            processes on loopback): a plain socket stream, gloo send/recv from and into the weight
-           storage (storage to storage), and the path the reshuffle runs today (concatenate at the sender,
-           a fresh receive buffer, copy into the storage after)
+           storage (storage to storage: the reshuffle's path now), and the path it ran before
+           2026-12-04 (concatenate at the sender, a fresh receive buffer, copy into the storage after)
   bytes    2->4 under a closed-loop client against total expert bytes: transition wall, serving
            pause, the joiners' weight transfer (dense + expert reshuffle) and its throughput
   world    the same against world size: 2->4, 4->8, 8->16 (ranks oversubscribed on this host)
@@ -105,7 +105,7 @@ def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, 
             else:
                 g.exchange([(store[:half], 0, 1), (store[half:], 0, 2)], [])
             rows["gloo_direct"].append(time.perf_counter() - t0)
-            # the reshuffle today: a concatenated vector, a fresh receive buffer, a copy after
+            # the reshuffle before 2026-12-04: a concatenated vector, a fresh receive buffer, a copy after
             g.barrier()
             t0 = time.perf_counter()
             if role == 0:
@@ -338,7 +338,7 @@ def write_svg(path: str, res: dict[str, Any]) -> None:
                 "launch s": [r["launch_s"] for r in wd], "transfer s": [r["transfer_s"] for r in wd]},
                "world after (from half of it)", "seconds", False),
         _panel(760, "transfer / raw socket, same endpoints", [r["bytes"] / MIB for r in lk],
-               {"gloo direct": [r["ratio_direct"] for r in lk], "gloo staged (reshuffle today)": [r["ratio_staged"] for r in lk]},
+               {"gloo direct": [r["ratio_direct"] for r in lk], "packed + fresh buffer (reshuffle before 12-04)": [r["ratio_staged"] for r in lk]},
                "MiB per transfer (log)", "ratio", True),
     ]
     with open(path, "w") as f:
@@ -389,7 +389,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
 
     if "link" in a.parts:
         res["link"] = link_curve(link_sizes, 1 if a.quick else 3, dev)
-        print("| MiB per transfer | raw socket GB/s | gloo direct GB/s | ratio | gloo staged (reshuffle today) GB/s | ratio |")
+        print("| MiB per transfer | raw socket GB/s | gloo direct GB/s | ratio | packed + fresh buffer (reshuffle before 12-04) GB/s | ratio |")
         print("|---|---|---|---|---|---|")
         for r in res["link"]:
             print(f"| {r['bytes'] / MIB:.0f} | {r['raw_GBps']:.2f} | {r['gloo_direct_GBps']:.2f} | {r['ratio_direct']:.2f} "

@@ -436,6 +436,31 @@ def test_plan_moves_scale_up():
     _check_moves(old, new2, {0, 1})
 
 
+def test_a_scale_up_keeps_survivors_experts_unless_balance_suffers():
+    """Under an even load a 2 -> 4 scale moves only what the joiners need: every survivor slot
+    keeps its expert (balancing first re-dealt them: 12 remote moves, 4 of them onto survivors).
+    Under a skewed load the kept layout is taken only while its busiest rank stays within
+    STICKY_TOLERANCE of the balanced layout's."""
+    from engine_ext.elastic.eplb import STICKY_TOLERANCE
+
+    old = build_layout(8, 4, 2)
+    new = build_layout(8, 4, 4, previous=old)
+    remote = [m for m in plan_moves(old, new, {0, 1}) if not m.local]
+    assert sorted(m.dst_rank for m in remote) == [2] * 4 + [3] * 4, remote
+    assert all(new.local_logical(r) == old.local_logical(r) for r in (0, 1))
+
+    def busiest(layout: ExpertLayout, load: list[float]) -> float:
+        _, counts = layout.replica_table()
+        return max(sum(load[e] / counts[e] for e in layout.local_logical(r)) for r in range(layout.world_size))
+
+    for load in ([9, 1, 1, 5, 1, 1, 2, 1], [100] + [1] * 7):
+        before = build_layout(8, 4, 2, load=load)
+        kept = build_layout(8, 4, 4, load=load, previous=before)
+        balanced = build_layout(8, 4, 4, load=load)
+        assert busiest(kept, load) <= busiest(balanced, load) * (1 + STICKY_TOLERANCE) + 1e-6
+        _check_moves(before, kept, {0, 1})
+
+
 def test_plan_moves_scale_down_covers_all_experts_on_remaining_ranks():
     old = build_layout(8, 4, 4)
     new = build_layout(8, 4, 2, previous=old)

@@ -201,17 +201,29 @@ def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_
     where = nodes_of(snap)
     head_rank = next(r for r, ip in where.items() if ip == multinode.HEAD_IP)
     cut_rank = 1 - head_rank
+    # Rank 0 hosts the world's store: cut off with it, the head's rank has no store to idle on
+    # (its recovery once failed so: "the step loop did not stop in 10s").
+    print(f"\n[partition] cut off: rank {cut_rank}{' (the store host)' if cut_rank == 0 else ''}")
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "24", "-o", "json")
     wait_serving_load(d.name)
     two_nodes.set_link(False)
     try:
+        last: list[dict[str, Any]] = []
+
         def alone() -> dict[str, Any] | None:
             s = status(d.name)
+            last[:] = [s]
             live = [r for r in s["ranks"] if r["state"] == "serving"]
             return s if [r["rank"] for r in live] == [head_rank] and live[0]["dp_size"] == 1 else None
 
-        wait_for(alone, timeout=60, interval=0.5, what="the head rank serving alone at DP 1")
+        try:
+            wait_for(alone, timeout=60, interval=0.5, what="the head rank serving alone at DP 1")
+        except AssertionError as e:  # say what the control plane saw and did
+            s = last[0] if last else {}
+            seen = [(r["rank"], r["state"], r.get("dp_size"), r.get("state_reason")) for r in s.get("ranks", [])]
+            raise AssertionError(f"{e}; ranks {seen}; operation {s.get('operation')}; "
+                                 f"control {s.get('info', {}).get('control')}") from e
     finally:
         two_nodes.set_link(True)
     link_up = time.time()

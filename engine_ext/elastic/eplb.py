@@ -59,6 +59,9 @@ def min_world_size(num_logical: int, slots_per_rank: int) -> int:
     return -(-num_logical // slots_per_rank)
 
 
+STICKY_TOLERANCE = 0.1  # ranks keep their experts while the busiest rank stays within 10 % of balanced
+
+
 def build_layout(
     num_logical: int,
     slots_per_rank: int,
@@ -68,8 +71,10 @@ def build_layout(
 ) -> ExpertLayout:
     """Replicate the busiest experts into the spare slots, then spread replicas over ranks.
 
-    Every logical expert gets at least one slot. With ``previous`` given, a replica stays on
-    a rank that already held that expert when the loads tie, which keeps moves few.
+    Every logical expert gets at least one slot. With ``previous`` given, ranks keep the experts
+    they held (the rest dealt to the least loaded) unless that leaves the busiest rank more than
+    ``STICKY_TOLERANCE`` above the balanced layout's; either way a replica stays on a rank that
+    held it when the loads tie, which keeps moves few.
     """
     total = slots_per_rank * world_size
     if total < num_logical:
@@ -88,14 +93,34 @@ def build_layout(
     if previous is not None:
         for r in range(min(world_size, previous.world_size)):
             held_before[r] = set(previous.local_logical(r))
+
+    def deal(slots: list[list[int]], rank_load: list[float], replicas: list[tuple[float, int]]) -> None:
+        for w, e in replicas:
+            free = [r for r in range(world_size) if len(slots[r]) < slots_per_rank]
+            distinct = [r for r in free if e not in slots[r]] or free
+            r = min(distinct, key=lambda q: (round(rank_load[q], 9), e not in held_before[q], q))
+            slots[r].append(e)
+            rank_load[r] += w
+
     slots: list[list[int]] = [[] for _ in range(world_size)]
     rank_load = [0.0] * world_size
-    for w, e in replicas:
-        free = [r for r in range(world_size) if len(slots[r]) < slots_per_rank]
-        distinct = [r for r in free if e not in slots[r]] or free
-        r = min(distinct, key=lambda q: (round(rank_load[q], 9), e not in held_before[q], q))
-        slots[r].append(e)
-        rank_load[r] += w
+    deal(slots, rank_load, replicas)
+    if previous is not None:
+        # Balancing first re-deals survivors' slots even under an even load (a 2 -> 4 scale moved
+        # 3 GiB where the joiners needed 2 GiB). A layout where each rank first keeps what it held
+        # is taken instead when its busiest rank is within STICKY_TOLERANCE of the balanced one's.
+        kept: list[list[int]] = [[] for _ in range(world_size)]
+        kept_load = [0.0] * world_size
+        left = list(replicas)
+        for r in range(world_size):
+            for w, e in sorted(((weights[e] / counts[e], e) for e in held_before[r]), reverse=True):
+                if (w, e) in left and len(kept[r]) < slots_per_rank:
+                    left.remove((w, e))
+                    kept[r].append(e)
+                    kept_load[r] += w
+        deal(kept, kept_load, left)
+        if max(kept_load) <= max(rank_load) * (1 + STICKY_TOLERANCE) + 1e-9:
+            slots = kept
     phys = tuple(e for r in range(world_size) for e in sorted(slots[r]))
     return ExpertLayout(num_logical, slots_per_rank, world_size, phys)
 

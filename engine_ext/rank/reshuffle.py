@@ -37,46 +37,69 @@ class ExpertReshuffle:
         comm_world = comm_members(plan)
         t0 = time.perf_counter()
         w1, w2 = model.w1, model.w2
+        layers = w1.shape[0]
+        # A joiner's slots hold placeholders: it receives straight into them (a failed commit
+        # drops the joiner). A member's slots serve until the exchange succeeded, so what it
+        # receives lands in a buffer and is loaded after: a failed exchange leaves them whole.
+        into_storage = plan.role(me) == "joining"
 
-        def old_vec(slot: int) -> torch.Tensor:
-            """A copy of what ``slot`` holds now. Every copy a move reads (sends and local moves) is
-            taken before anything is loaded, so the storage needs no snapshot (cloning all of it
-            cost seconds per GiB) and a failed exchange leaves the slots untouched."""
-            return torch.cat([w1[:, slot].reshape(-1), w2[:, slot].reshape(-1)])
+        def pieces(slot: int, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
+            """The contiguous per-layer parts of one expert, as sent: storage views, or views of
+            ``flat`` (laid out as ``load_expert_vector`` reads it). Sending views of the storage
+            needs no packed copy (packing cost seconds per GiB at the senders)."""
+            if flat is None:
+                return [w[l, slot] for l in range(layers) for w in (w1, w2)]
+            n1, n2 = w1[0, 0].numel(), w2[0, 0].numel()
+            a = flat[: layers * n1].view(layers, *w1.shape[2:])
+            b = flat[layers * n1:].view(layers, *w2.shape[2:])
+            return [t[l] for l in range(layers) for t in (a, b)]
 
-        sends, recvs, local, restored = [], [], [], []
+        per_move = 2 * layers
+        sends, recvs, local, restored, landing = [], [], [], [], []
         vec_len = w1[:, 0].numel() + w2[:, 0].numel()
         t_clone = time.perf_counter()
         for i, m in enumerate(moves):
             src_g = old_w[m.src_rank] if m.src_rank >= 0 else -1
             dst_g = new_w[m.dst_rank]
+            tags = range(TAG_BASE + i * per_move, TAG_BASE + (i + 1) * per_move)
             if m.from_weight_source and dst_g == me:
                 restored.append(m)
             elif src_g == me and dst_g == me:
-                local.append((m, old_vec(m.src_slot)))
+                if m.src_slot != m.dst_slot:  # else the slot keeps its expert: nothing to copy
+                    # A copy taken before anything is loaded: another local move may overwrite the slot.
+                    local.append((m, model.expert_vector(m.src_slot)))
             elif src_g == me:
-                sends.append((old_vec(m.src_slot), comm_world.index(dst_g), 1000 + i))
+                peer = comm_world.index(dst_g)
+                sends += [(t, peer, tag) for t, tag in zip(pieces(m.src_slot), tags)]
             elif dst_g == me and src_g >= 0:
-                buf = torch.empty(vec_len, dtype=model.dtype, device=self.res.device)
-                recvs.append((buf, comm_world.index(src_g), 1000 + i, m))
+                peer = comm_world.index(src_g)
+                if into_storage:
+                    targets = pieces(m.dst_slot)
+                else:
+                    buf = torch.empty(vec_len, dtype=model.dtype, device=self.res.device)
+                    landing.append((m, buf))
+                    targets = pieces(m.dst_slot, buf)
+                recvs += [(t, peer, tag) for t, tag in zip(targets, tags)]
         t_pack = time.perf_counter()
-        comm.exchange(sends, [(b, s, t) for b, s, t, _ in recvs])
+        comm.exchange(sends, recvs)
         t_exchange = time.perf_counter()
         for m, vec in local:
             model.load_expert_vector(m.dst_slot, vec)
-        for buf, _, _, m in recvs:
+        for m, buf in landing:
             model.load_expert_vector(m.dst_slot, buf)
         for m in restored if not self.res.faults.active("no_weight_source_restore") else []:
             model.load_expert_vector(m.dst_slot, self.from_weight_source(m.logical))
         assert self.res.cfg.slots_per_rank == plan.new_layout.slots_per_rank
         t_load = time.perf_counter()
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        return {"moves_total": len(moves), "sent": len(sends), "received": len(recvs), "local": len(local),
-                "bytes_sent": nbytes(t for t, _, _ in sends), "bytes_received": nbytes(b for b, _, _, _ in recvs),
+        return {"moves_total": len(moves), "sent": len(sends) // per_move, "received": len(recvs) // per_move,
+                "local": len(local), "received_into_storage": into_storage,
+                "bytes_sent": nbytes(t for t, _, _ in sends), "bytes_received": nbytes(t for t, _, _ in recvs),
                 "restored_from_weight_source": sorted({m.logical for m in restored}),
                 # where the time goes (benchmarks/curves.py): clone_s is 0 since the storage is no
-                # longer snapshot; packing the sends and local copies and allocating the receive
-                # buffers, the gloo exchange, and loading into the slots
+                # longer snapshot; pack_s is the local moves' copies and a member's landing
+                # buffers (sends go from the storage), then the gloo exchange, and loading the
+                # landed and local experts into their slots
                 "clone_s": t_clone - t0, "pack_s": t_pack - t_clone, "exchange_s": t_exchange - t_pack,
                 "load_s": t_load - t_exchange}
 

@@ -114,8 +114,12 @@ class StepLoop:
         if group.rank == 0 and idx >= 3:
             with contextlib.suppress(Exception):
                 group.wake_store.delete_key(f"wake/{idx - 2}")
+        # Waits of at most the step timeout: a store its host took away behind a partition (no
+        # reset, no answer) leaves nobody to wake this rank, and a recovery halting it must see it
+        # stop within seconds (a 30 s wait made the head's recovery fail in the partition test).
+        wait = datetime.timedelta(seconds=min(30.0, self.res.cfg.step_timeout_s))
         while self._running():
-            if group.wait_wake(f"wake/{idx}", datetime.timedelta(seconds=30)):  # False: timed out, re-arm
+            if group.wait_wake(f"wake/{idx}", wait):  # False: timed out, re-arm
                 return
 
     # ---- one step -------------------------------------------------------------------------------
