@@ -272,7 +272,15 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
         row["transfer_GBps_per_joiner"] = (statistics.median([(j["expert_bytes"] + j["dense_bytes"]) /
                                                               max(1e-9, j["reshuffle_s"] + j["dense_s"]) for j in tx])
                                            / 1e9 if tx else None)
-        row["commit_by_rank"] = {str(r): e["duration_s"] for r, e in _rank_events(dep, op_id, "commit").items()}
+        commits = _rank_events(dep, op_id, "commit")
+        row["commit_by_rank"] = {str(r): e["duration_s"] for r, e in commits.items()}
+        row["commit_parts_by_rank"] = {str(r): e["detail"].get("parts_s", {}) for r, e in sorted(commits.items())}
+        # A joiner's commit starts when its prepare ends (it serves nothing before) and waits in the
+        # first collective for the survivors, which stop serving only when they commit: the pause
+        # clients see runs from the first survivor stopping to the last rank serving again.
+        stops = [e["start"] for r, e in commits.items() if r < start]
+        if stops:
+            row["pause_window_s"] = max(e["end"] for e in commits.values()) - min(stops)
         # inside each rank's reshuffle: snapshot, packing, the gloo exchange, loading into the slots
         row["reshuffle_parts_by_rank"] = {str(r): {k: round(e["detail"][k], 4) for k in
                                                    ("clone_s", "pack_s", "exchange_s", "load_s") if k in e["detail"]}
@@ -281,6 +289,11 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
                                           for r, e in sorted(resh.items())}
         for ph in ("warm", "capture", "lock", "reshuffle"):
             row[f"{ph}_by_rank"] = {str(r): e["duration_s"] for r, e in _rank_events(dep, op_id, ph).items()}
+        # reuse + a standby pool: the joiners' warm-up and capture pass taken in the pool, before
+        # adoption (off the pause); their commit only checks those captures (capture event in_pool)
+        row["in_pool_by_rank"] = {str(r): {"warm_s": e["detail"].get("pool_warm_s"),
+                                           "capture_s": e["detail"].get("pool_capture_s")}
+                                  for r, e in _rank_events(dep, op_id, "capture").items() if e["detail"].get("in_pool")}
     finally:
         await dep.stop()
     return row
@@ -424,12 +437,18 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         row = await transition({**BASE, "expert_hidden": 128, "capture_policy": "reuse"}, "cpause", 2, 4,
                                standby=2, step=True, device=dev)
         row["pause_in_steps"] = row["pause_s"] / max(1e-9, row["step_after_s"])
+        row["pause_in_steps_dp2"] = row["pause_s"] / max(1e-9, row["step_before_s"])
         res["pause"] = row
         print(f"\npause: 2->4, standby 2, reuse: serving pause {row['pause_s']:.3f} s; one decode step "
               f"{row['step_before_s'] * 1e3:.1f} ms at DP 2, {row['step_after_s'] * 1e3:.1f} ms at DP 4; "
-              f"pause = {row['pause_in_steps']:.1f} steps (DP 4)")
+              f"pause = {row['pause_in_steps']:.1f} steps (DP 4), {row['pause_in_steps_dp2']:.1f} steps (DP 2)")
         for ph in ("commit", "reshuffle", "warm", "capture", "lock"):
             print(f"  {ph} by rank: {row.get(f'{ph}_by_rank', {})}", flush=True)
+        print(f"  taken in the pool, before adoption, by rank: {row.get('in_pool_by_rank', {})}", flush=True)
+        print(f"  inside the commit, by rank: {row.get('commit_parts_by_rank', {})}", flush=True)
+        if row.get("pause_window_s") is not None:
+            print(f"  first survivor stopping -> last rank serving: {row['pause_window_s']:.3f} s = "
+                  f"{row['pause_window_s'] / max(1e-9, row['step_before_s']):.1f} steps (DP 2)", flush=True)
         save(a, res)
     res["world"] = []
     if "world" in a.parts:

@@ -283,8 +283,6 @@ def _leave_reason(j: dict[str, Any]) -> str:
     """Why a rank leaves: named by --retire, or chosen for its little work (requests, KV blocks)."""
     if j.get("chosen_by") == "--retire":
         return ", named by --retire"
-    if j.get("chosen_by") == "last rank (reuse)":
-        return ", the last rank: under capture policy reuse a survivor keeps its position"
     if j.get("chosen_by"):
         work = "did not answer" if j.get("requests") is None else \
             f"{j['requests']:g} requests, {j.get('kv_blocks_used') or 0:g} KV blocks in use"

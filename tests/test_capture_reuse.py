@@ -1,6 +1,7 @@
 """The ``reuse`` capture policy on the process launcher: captures sized once for max DP serve
-2 -> 4 -> 3 -> 2 with zero capture passes on the survivors and the dense oracle's tokens, the
-survivors replay their pre-transition captures after each switch (counted per batch size since
+2 -> 4 -> 3 -> 2 with zero capture passes on the survivors and the dense oracle's tokens (one
+2 -> 4 joiner adopted from a standby pool that captured there, before adoption; the 4 -> 3
+retires rank 1 from the middle, so two survivors replay at a new position), the survivors replay their pre-transition captures after each switch (counted per batch size since
 the switch, none served eagerly), the registry reports no I4 violation for those zero passes,
 survivors that drop their captures are flagged, and a capture sized for the launch world instead
 of max DP is refused on the scale-up."""
@@ -32,8 +33,8 @@ def _lock_events(dep: LocalDeployment, op_id: str) -> dict[int, dict]:
     return {e.rank: e.detail for _, e in dep.registry.events if e.op_id == op_id and e.phase == "lock"}
 
 
-def _capture_events(dep: LocalDeployment, op_id: str) -> list[int]:
-    return [e.rank for _, e in dep.registry.events if e.op_id == op_id and e.phase == "capture"]
+def _capture_events(dep: LocalDeployment, op_id: str) -> dict[int, dict]:
+    return {e.rank: e.detail for _, e in dep.registry.events if e.op_id == op_id and e.phase == "capture"}
 
 
 async def _live_status(dep: LocalDeployment) -> dict[int, dict]:
@@ -43,7 +44,9 @@ async def _live_status(dep: LocalDeployment) -> dict[int, dict]:
 
 async def _reuse_path(cfg: EngineConfig) -> list[tuple]:
     out = []
-    async with LocalDeployment(cfg, "reuse", max_dp=4) as dep:
+    # A pool of one: of the 2 -> 4 joiners one comes from the pool (captured there, before adoption,
+    # as a standby numbered STANDBY_RANK_BASE + n) and one is launched (captures in its commit).
+    async with LocalDeployment(cfg, "reuse", max_dp=4, standby=1) as dep:
         await dep.start(2)
         # Status and the dry run say what reuse costs against recapture.
         plan = (await dep.orch.plan(3)).to_dict()
@@ -51,25 +54,19 @@ async def _reuse_path(cfg: EngineConfig) -> list[tuple]:
         await wait_until(lambda: dep.registry.snapshot()["ranks"], 30, "rank status")
         lines = render.status_summary_lines(dep.registry.snapshot())
         assert any(line.startswith("capture policy reuse: workspace") for line in lines), lines
-        prev = 2
-        for dp in (2, 4, 3, 2):
+        await wait_until(lambda: len(dep.pool.ready) == 1, 60, "the standby in the pool")
+        # 4 -> 3 retires a middle rank: survivors 2 and 3 move to positions 1 and 2 and replay
+        # captures taken at positions 100000 (the pool) and 3; the routing reads the position at replay.
+        for i, (dp, retire) in enumerate(((2, None), (4, None), (3, [1]), (2, None))):
             op: dict = {}
-            if dp != prev or not out:
-                if out:
-                    if dp < prev:  # a survivor's kept captures are bound to its position: only the last ranks leave
-                        with pytest.raises(PreconditionError, match="only the last rank"):
-                            await dep.orch.plan(dp, retire=[1])
-                        plan = (await dep.orch.plan(dp)).to_dict()
-                        assert [(j["rank"], j["chosen_by"]) for j in plan["leaving"]] == \
-                            [(r, "last rank (reuse)") for r in range(dp, prev)], plan["leaving"]
-                    op = await dep.scale(dp, timeout_s=120)
-                    assert op["state"] == "succeeded", (op.get("error"), op)
-            prev = dp
+            if i:
+                op = await dep.scale(dp, retire=retire, timeout_s=120)
+                assert op["state"] == "succeeded", (op.get("error"), op)
             results = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
             op_id = op.get("op_id", "")
             out.append((dp, results, _lock_events(dep, op_id) if op_id else {},
-                        _capture_events(dep, op_id) if op_id else [], dep.registry.violations(),
-                        await _live_status(dep), op_id))
+                        _capture_events(dep, op_id) if op_id else {}, dep.registry.violations(),
+                        await _live_status(dep), op_id, list(dep.orch.members)))
     return out
 
 
@@ -79,31 +76,38 @@ def test_reuse_serves_2_4_3_2_with_no_capture_on_survivors_and_oracle_outputs():
     reference = reference_generate(_cfg(), PROMPTS, MAX_TOKENS)
     path = run(_reuse_path(cfg), 240)
     assert [dp for dp, *_ in path] == [2, 4, 3, 2]
-    grown_in = path[1][6]  # the 2 -> 4 operation, which the joiners captured in
-    for i, (dp, results, locks, captures, violations, live, op_id) in enumerate(path):
+    assert path[2][7] == [0, 2, 3], "rank 1 retired from the middle"
+    grown_in = path[1][6]  # the 2 -> 4 operation, which the joiners captured in (or took the pool's)
+    made_in: dict[int, str] = {}
+    for i, (dp, results, locks, captures, violations, live, op_id, members) in enumerate(path):
         assert all(not r.get("error") for r in results), results
-        assert {r["rank"] for r in results} <= set(range(dp))
+        assert {r["rank"] for r in results} <= set(members)
         assert oracle_mismatch(list(enumerate(results)), reference) == "", f"at DP {dp}"
         assert violations == [], violations
         if i == 0:
             continue
-        # Survivors captured nothing and said so; only joiners (ranks 2, 3 on 2 -> 4) captured, once.
+        # Survivors captured nothing and said so; only joiners (ranks 2, 3 on 2 -> 4) captured, once:
+        # the one adopted from the pool reports its pool pass, marked in_pool, and skipped the capture.
         joiners = {2, 3} if i == 1 else set()
-        assert sorted(captures) == sorted(joiners)
-        assert set(locks) == set(range(dp)), locks  # every rank of the new world locked
+        assert set(captures) == joiners
+        if i == 1:
+            pooled = {r for r, d in captures.items() if d.get("in_pool")}
+            assert len(pooled) == 1 and captures[min(pooled)]["pool_capture_s"] > 0, captures
+            assert captures[min(pooled)]["total_s"] == 0.0 and locks[min(pooled)]["capture_in_pool"]
+            made_in = {0: "startup", 1: "startup", min(pooled): "pool", min(joiners - pooled): grown_in}
+        assert set(locks) == set(members), locks  # every rank of the new world locked
         for rank, d in locks.items():
             assert d["capture_policy"] == "reuse"
             assert d["capture_passes"] == d["expected_passes"] == (1 if rank in joiners else 0)
             assert d["workspace_bytes"] == workspace_bytes(cfg, 4)
         # After the switch every rank replayed, per batch size and counted since the switch, the
-        # captures it made before it: at start-up (survivors) or when it joined, and none ran eagerly.
+        # captures it made before it (at start-up, in the pool or when it joined), none eagerly.
         for rank, st in live.items():
             assert st["switch_op"] == op_id, (rank, st["switch_op"], op_id)
             assert sum(st["replays_since_switch"].values()) > 0, (rank, st["switch_op"], st["replays_since_switch"])
             assert set(st["replays_since_switch"]) <= {str(c) for c in cfg.capture_sizes}
             assert st["eager_since_switch"] == {}, (rank, st["eager_since_switch"])
-            made_in = "startup" if rank < 2 else grown_in
-            assert set(st["captured_in"].values()) == {made_in}, (rank, st["captured_in"])
+            assert set(st["captured_in"].values()) == {made_in[rank]}, (rank, st["captured_in"])
 
 
 @pytest.mark.timeout(150)

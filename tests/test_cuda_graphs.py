@@ -50,22 +50,31 @@ def test_cuda_graphs_release_and_single_recapture() -> None:
 @pytest.mark.timeout(300)
 def test_cuda_reuse_switches_worlds_without_capturing_on_survivors() -> None:
     """``reuse`` on real CUDA graphs: captured once for max DP 3, the 2->3->2 transitions make no
-    capture pass on the survivors, replays continue, and every output is the oracle's."""
+    capture pass on the survivors, replays continue, and every output is the oracle's. The joiner
+    comes from a pool of one, where it captured as standby 100000 before adoption; the 3->2 retires
+    rank 1 from the middle, so rank 2 replays at position 1 graphs captured at another position:
+    the EP position is a device scalar the graphs read at replay (a baked int gave wrong tokens)."""
     cfg = EngineConfig(dtype="float64", slots_per_rank=8, capture_sizes=[1, 2, 4], capture_policy="reuse")
     ref = [r["output"] for r in reference_generate(cfg, PROMPTS, 8)]
 
     async def scenario() -> None:
-        async with LocalDeployment(cfg, "cuda-reuse", device="cuda", max_dp=3) as dep:
+        async with LocalDeployment(cfg, "cuda-reuse", device="cuda", max_dp=3, standby=1) as dep:
             await dep.start(2)
-            for target, joiners in ((3, {"2"}), (2, set())):
+            await wait_until(lambda: len(dep.pool.ready) == 1, 120, "the standby in the pool")
+            for target, joiners, retire in ((3, {"2"}, None), (2, set(), [1])):
                 inflight = [asyncio.ensure_future(dep.generate(p, 8)) for p in PROMPTS]
-                op = await dep.scale(target)
+                op = await dep.scale(target, retire=retire)
                 assert op["state"] == "succeeded", op
                 assert {r for r, n in op["captures_per_rank"].items() if n} == joiners, op["captures_per_rank"]
+                if joiners:
+                    pooled = [e for e in dep.registry.events_for(op["op_id"])
+                              if e["phase"] == "capture" and e["detail"].get("in_pool")]
+                    assert [e["rank"] for e in pooled] == [2], pooled
                 assert [o["output"] for o in await asyncio.gather(*inflight)] == ref
                 outs = await asyncio.gather(*(dep.generate(p, 8) for p in PROMPTS))
                 assert [o["output"] for o in outs] == ref
-            views = dep.registry.rank_views()
+            assert list(dep.orch.members) == [0, 2]
+            views = [v for v in dep.registry.rank_views() if v["rank"] in (0, 2)]
             assert {v["graph_kind"] for v in views} == {"cuda"} and all(v["graph_replays"] > 0 for v in views)
             assert dep.registry.violations() == []
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine_ext.capture_memory import kv_budget, kv_budget_error, policy_memory
-from engine_ext.config import CapturePolicy, EngineConfig
+from engine_ext.config import EngineConfig
 from engine_ext.control.scale_plan import ScalePlan, choose_leaving, plan_scale
 from engine_ext.control.spawner import Spawner
 from engine_ext.control.standby_pool import mark_pool_joiners
@@ -111,16 +111,15 @@ class Admission:
         if retire and target >= w.size:
             raise UsageError(f"--retire is for a scale-down; DP {w.size} -> {target} removes no rank")
         loads, work = ([], {}) if target == w.size else await self._loads()
-        reuse = self.cfg.capture_policy == CapturePolicy.REUSE
         try:
-            leaving = choose_leaving(list(w.members), target, work, retire, keep=w.store_host, tail_only=reuse)
+            leaving = choose_leaving(list(w.members), target, work, retire, keep=w.store_host)
         except ValueError as e:
             raise PreconditionError(str(e)) from None
         plan = plan_scale(op_id or new_op_id(), self.cfg.instance_id or w.name, w.layout, target, loads,
                           w.members, max(w.members, default=-1) + 1, leaving)
         for j in plan.leaving:  # why each leaves, for the dry run and the operation record
             requests, kv = work.get(j["rank"], (None, None))
-            j.update(chosen_by="--retire" if retire else "last rank (reuse)" if reuse else "least work",
+            j.update(chosen_by="--retire" if retire else "least work",
                      requests=requests if requests != float("inf") else None,
                      kv_blocks_used=kv if kv != float("inf") else None)
         plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target

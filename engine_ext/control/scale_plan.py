@@ -70,28 +70,17 @@ def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int
 
 
 def choose_leaving(members: list[int], target: int, load: dict[int, tuple[float, float]],
-                   retire: list[int] | None = None, keep: int | None = None, tail_only: bool = False) -> list[int]:
+                   retire: list[int] | None = None, keep: int | None = None) -> list[int]:
     """The members a scale-down to ``target`` removes, sorted.
 
     ``retire`` (``eepctl scale --retire``) names them: exactly as many as leave, each a member,
     ``keep`` (the store's host) not among them. Otherwise the ranks with the fewest requests, then
     the least KV in use (``load``: rank -> (requests, KV use)), leave, so the least work moves; a
     tie goes to the highest rank number (an idle deployment sheds its last ranks, as before).
-    ``tail_only`` (capture policy ``reuse``): the last members leave, because a survivor's kept
-    captures are bound to its position in the world (a CUDA graph bakes it in: a survivor that
-    moved down a position replays another position's routing, and tokens go wrong, as seen on the
-    H200). Raises ValueError saying what is wrong with ``retire``."""
+    Under capture policy ``reuse`` any rank may leave too: a survivor's kept captures read its EP
+    position at replay (``MoEModel.position``), so one that moves down a position routes as its
+    new position. Raises ValueError saying what is wrong with ``retire``."""
     count = len(members) - target
-    if tail_only and count > 0:
-        tail = sorted(members)[-count:]
-        if keep in tail:
-            raise ValueError(f"rank {keep} hosts the deployment's rendezvous store and is among the last "
-                             f"{count} rank(s), which are the only ones that can leave under capture policy reuse")
-        if retire is not None and sorted(set(retire)) != tail:
-            raise ValueError(f"--retire {','.join(map(str, sorted(set(retire))))}: under capture policy reuse only "
-                             f"the last rank(s) {','.join(map(str, tail))} can leave (a survivor's kept captures "
-                             "are bound to its position in the world)")
-        return tail
     if retire is not None:
         if count <= 0:
             raise ValueError(f"--retire names ranks to remove, but DP {len(members)} -> {target} removes none")

@@ -136,6 +136,11 @@ class GraphManager:
         """A capture pass over every capture size starts (I4: exactly one per transition)."""
         self.passes_this_op += 1
 
+    def credit_pool_pass(self) -> None:
+        """The pass this operation needs was taken in the standby pool, before adoption: count
+        it here, once, so the operation's pass count (I4) says a joiner captured exactly once."""
+        self.passes_this_op += 1
+
     def capture(
         self,
         batch_size: int,

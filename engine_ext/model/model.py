@@ -54,7 +54,7 @@ class Bound:
     replica_count: torch.Tensor
     block_table: torch.Tensor
     expert_load: torch.Tensor
-    rank: int
+    position: torch.Tensor  # 0-dim int64: the rank's EP position, read at replay (never a baked int)
     workspace: list[torch.Tensor] | None  # MoE views carved once (captures) or None (fetched per step)
 
 
@@ -64,6 +64,10 @@ class MoEModel:
         self.device = device
         self.dtype = torch_dtype(cfg.dtype)
         self.rank = rank
+        # The EP position the expert routing reads, as a device scalar written in place by
+        # ``set_layout``: a capture reads it at replay, so a rank whose position changes (a standby
+        # adopted, a survivor of a middle rank's retire) keeps its captures valid.
+        self.position = torch.tensor(rank, dtype=torch.int64, device=device)
         self.layout = layout
         H = cfg.hidden_size
         dt = self.dtype
@@ -107,6 +111,7 @@ class MoEModel:
 
     def set_layout(self, layout: ExpertLayout, rank: int) -> None:
         self.rank = rank
+        self.position.fill_(rank)  # in place: captures hold this tensor
         self._set_routing(layout)
 
     def dense_vector(self) -> torch.Tensor:
@@ -144,11 +149,11 @@ class MoEModel:
         """Long-lived tensors a captured step reads; their storage must not change under it."""
         return {"kv": self.kv, "w1": self.w1, "w2": self.w2, "replica_table": self.replica_table,
                 "replica_count": self.replica_count, "block_table": self.block_table,
-                "expert_load": self.expert_load, **{f"dense:{k}": v for k, v in self.dense.items()}}
+                "expert_load": self.expert_load, "position": self.position, **{f"dense:{k}": v for k, v in self.dense.items()}}
 
     def bind(self, workspace_views: list[torch.Tensor] | None = None) -> Bound:
         return Bound(self.kv, self.w1, self.w2, dict(self.dense), self.replica_table, self.replica_count,
-                     self.block_table, self.expert_load, self.rank, workspace_views)
+                     self.block_table, self.expert_load, self.position, workspace_views)
 
     # ---- workspace sizing ----------------------------------------------------------------
     def moe_specs(self, gathered_tokens: int, slot_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -295,7 +300,7 @@ class MoEModel:
         token_idx = torch.arange(N, device=gh.device).unsqueeze(1).expand(N, k)
         choice = token_idx % b.replica_count[gi]
         phys = torch.gather(b.replica_table[gi], 2, choice.unsqueeze(-1)).squeeze(-1)  # [N, k]
-        local = (phys // L) == b.rank
+        local = (phys // L) == b.position
         local_slot = phys % L
         acc.zero_()
         if dense:

@@ -6,7 +6,9 @@ and every capture are sized at start for ``capture_world`` (the deployment's max
 reads and writes its collectives through a ``MaxWorldGroup``, which forwards them to whatever DP
 group is live and pads the rows of absent ranks with zeros, so a transition only switches groups
 and layouts. Survivors capture nothing; a joiner captures once, locally, with the collectives
-detached (the capture run's output is never read). The cost is memory: the workspace at
+detached (the capture run's output is never read): in the standby pool before its adoption
+when it comes from one (``Warmup.capture_in_pool``), else in its commit. A capture reads the EP
+position as a device scalar (``MoEModel.position``), so a rank whose position changes keeps it. The cost is memory: the workspace at
 ``capture_world`` instead of at the current world (``engine_ext.capture_memory``).
 
 The graph manager's staleness check stays on: a capture remembers ``(handle, world)`` where the

@@ -12,6 +12,7 @@ from engine_ext.elastic.identity import apply_dp_identity_suffix, standby_identi
 from engine_ext.protocol import RankState
 from engine_ext.rank.shared import RankResources, RankShared
 from engine_ext.rank.telemetry import RankTelemetry
+from engine_ext.rank.warmup import Warmup
 
 
 class StandbyIdentity:
@@ -49,11 +50,14 @@ class StandbyIdentity:
 
 
 class StandbyHost(Protocol):
-    """What the hosts hand ``enter_standby``: a rank that has a standby identity."""
+    """What the hosts hand ``enter_standby``: a rank that has a standby identity and a warm-up."""
 
     standby: StandbyIdentity
+    warmup: Warmup
 
 
 def enter_standby(engine: StandbyHost, n: int) -> None:
-    """Put a rank just launched for the standby pool under its standby identity (the hosts call this)."""
+    """Put a rank just launched for the standby pool under its standby identity (the hosts call
+    this); under ``reuse`` it then warms up and captures in the pool (``Warmup.capture_in_pool``)."""
     engine.standby.enter(n)
+    engine.warmup.capture_in_pool()

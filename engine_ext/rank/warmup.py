@@ -18,6 +18,8 @@ from engine_ext.rank.scheduler import NULL_BLOCK
 from engine_ext.rank.shared import RankResources, RankShared
 from engine_ext.rank.telemetry import RankTelemetry
 
+POOL_OP = "pool"  # what a capture taken in the standby pool, before any operation, is labelled with
+
 
 class WarmupIsolationError(RuntimeError):
     """The warm-up changed serving state (slots, block tables, live KV or EPLB load): serving
@@ -38,6 +40,9 @@ class Warmup:
         self.block_bytes = model.kv[:, : cfg.block_size].numel() * model.kv.element_size()
         # The rank's memory budget for KV + MoE workspace: every block at world 1.
         self.memory_budget = cfg.num_blocks * self.block_bytes + model.moe_workspace_bound(1)
+        # Under reuse, a standby's warm-up and capture pass taken in the pool (``capture_in_pool``):
+        # its timings, until the commit of the operation that adopts it reports them.
+        self.pool: dict[str, Any] | None = None
 
     def live_kv_checksum(self) -> str:
         """A digest of the KV blocks live requests hold: warm-up must leave it unchanged (I5)."""
@@ -74,7 +79,11 @@ class Warmup:
         reuse = self.reuse
         if reuse is not None:  # capture_policy=reuse: survivors keep their captures, joiners capture locally
             if op_id != "startup":
-                return reuse.transition(op_id) if graphs.captured_sizes else self._join_under_reuse(op_id, reuse)
+                if not graphs.captured_sizes:
+                    return self._join_under_reuse(op_id, reuse)
+                if self.pool is not None:  # adopted from the pool, its captures already taken
+                    return self._join_with_pool_capture(op_id, reuse)
+                return reuse.transition(op_id)
             reuse.size_at_start()
         # Release and re-capture belong together; "skip_release" switches both off in a transition,
         # so the old captures stay (I3) and no pass is made (I4).
@@ -174,6 +183,56 @@ class Warmup:
             d["reused_sizes"] = reuse.verify()
         return {"captures_this_op": res.graphs.passes_this_op, "capture_policy": "reuse",
                 "workspace_after": res.workspace.nbytes, "kv_blocks_after": res.sched.blocks.total}
+
+    def capture_in_pool(self) -> dict[str, Any] | None:
+        """A standby under reuse: size the workspace for the capacity, warm up and take its one
+        capture pass (collectives detached) while in the pool, since none of it needs a group.
+        The captures read the EP position as a device scalar (``MoEModel.position``), so adoption
+        re-points them; the commit that adopts the rank only checks them. None (nothing done)
+        under recapture or without a capture world (the launch world is known only at adoption)."""
+        reuse, res = self.reuse, self.res
+        if reuse is None or reuse.capacity <= 0:
+            return None
+        graphs = res.graphs
+        t0 = time.perf_counter()
+        bound = res.model.moe_workspace_bound(reuse.capacity)
+        self._resize(bound)
+        warm = self.isolated_warmup()  # no group: a one-rank batch through the real path
+        t1 = time.perf_counter()
+        graphs.begin_operation(POOL_OP)
+        graphs.begin_pass()
+        with reuse.detached():
+            for size in res.cfg.capture_sizes:
+                self.capture(size)
+        t2 = time.perf_counter()
+        res.workspace.lock(bound)
+        self.pool = {"warm_s": round(t1 - t0, 6), "capture_s": round(t2 - t1, 6), "sizes": list(res.cfg.capture_sizes),
+                     "per_size_s": {str(k): round(v, 6) for k, v in graphs.stats.capture_durations.items()},
+                     "graph_kind": graphs.kind, "warmup_tokens": warm["warmup_tokens"], "at": time.time()}
+        return self.pool
+
+    def _join_with_pool_capture(self, op_id: str, reuse: CaptureReuse) -> dict[str, Any]:
+        """A joiner adopted from the pool under reuse: its pass was taken in the pool and is
+        reported here as this operation's one pass (I4), marked ``in_pool``; the lock re-checks
+        every capture against the live world, buffers and workspace (the staleness check)."""
+        res, telemetry, pool = self.res, self.telemetry, self.pool
+        assert pool is not None
+        self.pool = None  # a later transition finds a survivor's kept captures
+        bound = res.model.moe_workspace_bound(reuse.capacity)
+        telemetry.set_state(RankState.CAPTURING)
+        res.graphs.credit_pool_pass()
+        with telemetry.phase(op_id, "capture", capture_policy="reuse", in_pool=True) as d:
+            d.update(sizes=pool["sizes"], total_s=0.0, pool_capture_s=pool["capture_s"], pool_warm_s=pool["warm_s"],
+                     per_size_s=pool["per_size_s"], graph_kind=pool["graph_kind"])
+        self.shared.capture_passes = res.graphs.passes_this_op
+        with telemetry.phase(op_id, "lock", capture_passes=res.graphs.passes_this_op, expected_passes=1,
+                             capture_policy="reuse", required_bytes=bound, capture_in_pool=True) as d:
+            d["workspace_bytes"] = res.workspace.nbytes
+            res.workspace.lock(bound)
+            d["reused_sizes"] = reuse.verify()
+        return {"captures_this_op": res.graphs.passes_this_op, "capture_policy": "reuse", "capture_in_pool": True,
+                "pool_capture_s": pool["capture_s"], "workspace_after": res.workspace.nbytes,
+                "kv_blocks_after": res.sched.blocks.total}
 
     def isolated_warmup(self) -> dict[str, Any]:
         """A max_num_tokens batch through the real slot, block-table and KV path, touching no
