@@ -125,8 +125,11 @@ class RankRecovery:
         shared.begin_op(op_id)
         res.graphs.begin_operation(op_id)
         telemetry.set_state(RankState.RECOVERING, f"recovering in {op_id}")
-        with telemetry.phase(op_id, "abort"):
+        with telemetry.phase(op_id, "abort") as d:
+            abandoned = self.loop.abandoned
             self._halt()
+            if self.loop.abandoned > abandoned:
+                d["step_loop"] = "left asleep on a store that did not answer (its host cut off)"
             # The interrupted step runs again after recovery: the load it recorded so far is not
             # statistics (and would read as warm-up pollution to the I5 check).
             res.model.expert_load.zero_()

@@ -39,6 +39,8 @@ class StepLoop:
         self.shared = shared
         self.telemetry = telemetry
         self.thread: threading.Thread | None = None
+        self.idle_waiting = False  # the step thread sleeps on the store (StepLoop.join may abandon it)
+        self.abandoned = 0  # step threads left asleep on a store that did not answer
         self.commit: Callable[[], bool] = lambda: False
         self.on_error: Callable[[BaseException], None] = lambda ex: None
 
@@ -54,13 +56,24 @@ class StepLoop:
         """Wake every rank of the group if they sleep."""
         self.shared.wake()
 
-    def join(self, timeout_s: float) -> bool:
-        """Wait for the step thread to end; whether it did."""
+    def join(self, timeout_s: float, idle_grace_s: float = 1.0) -> bool:
+        """Wait for the step thread to end; whether it did. A thread still asleep on the store
+        after ``idle_grace_s`` is abandoned instead: a store behind a partition answers nobody
+        (no reset, and its wait outlived its timeout), so a recovery would wait for it in vain.
+        Asleep, it holds no lock and no step; when its wait returns it sees it is not the loop's
+        thread any more and ends, touching nothing."""
         thread = self.thread
-        if thread is not None and thread.is_alive():
-            thread.join(timeout_s)
-            return not thread.is_alive()
-        return True
+        if thread is None or not thread.is_alive():
+            return True
+        deadline = time.monotonic() + timeout_s
+        grace = time.monotonic() + idle_grace_s
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(0.1)
+            if thread.is_alive() and self.idle_waiting and time.monotonic() >= grace:
+                self.thread = None
+                self.abandoned += 1
+                return True
+        return not thread.is_alive()
 
     # ---- the loop -------------------------------------------------------------------------------
     def header(self, items: list[ScheduledItem]) -> torch.Tensor:
@@ -73,7 +86,8 @@ class StepLoop:
         return h
 
     def _running(self) -> bool:
-        return not self.shared.stopping and not self.shared.halting.is_set()
+        return (not self.shared.stopping and not self.shared.halting.is_set()
+                and threading.current_thread() is self.thread)
 
     def run(self) -> None:
         shared = self.shared
@@ -98,10 +112,21 @@ class StepLoop:
                     continue
                 self.step(items, hdr)
         except Exception as ex:  # noqa: BLE001 - whatever failed, on_error decides what it means
-            if not shared.stopping:
-                self.on_error(ex)
+            if not shared.stopping and threading.current_thread() is self.thread:
+                self.on_error(ex)  # (an abandoned thread's world is gone: nothing to decide)
 
     def idle(self) -> None:
+        shared = self.shared
+        if not self._running():
+            return
+        self.idle_waiting = True
+        try:
+            self._sleep()
+        finally:
+            self.idle_waiting = False
+
+    def _sleep(self) -> None:
+        """Sleep on the group's store until a rank has work (or the wait times out: re-armed)."""
         shared = self.shared
         with shared.lock:
             shared.wake_round += 1
@@ -114,12 +139,8 @@ class StepLoop:
         if group.rank == 0 and idx >= 3:
             with contextlib.suppress(Exception):
                 group.wake_store.delete_key(f"wake/{idx - 2}")
-        # Waits of at most the step timeout: a store its host took away behind a partition (no
-        # reset, no answer) leaves nobody to wake this rank, and a recovery halting it must see it
-        # stop within seconds (a 30 s wait made the head's recovery fail in the partition test).
-        wait = datetime.timedelta(seconds=min(30.0, self.res.cfg.step_timeout_s))
         while self._running():
-            if group.wait_wake(f"wake/{idx}", wait):  # False: timed out, re-arm
+            if group.wait_wake(f"wake/{idx}", datetime.timedelta(seconds=30)):  # False: timed out, re-arm
                 return
 
     # ---- one step -------------------------------------------------------------------------------
