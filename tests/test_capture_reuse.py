@@ -16,7 +16,6 @@ from engine_ext.capture_memory import workspace_bytes
 from engine_ext.config import EngineConfig
 from engine_ext.model.dense_oracle import reference_generate
 from engine_ext.launcher import LocalDeployment
-from engine_ext.protocol import PreconditionError
 from eepctl import render
 from tests.engine_helpers import oracle_mismatch, run, wait_until
 

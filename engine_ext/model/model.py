@@ -149,7 +149,8 @@ class MoEModel:
         """Long-lived tensors a captured step reads; their storage must not change under it."""
         return {"kv": self.kv, "w1": self.w1, "w2": self.w2, "replica_table": self.replica_table,
                 "replica_count": self.replica_count, "block_table": self.block_table,
-                "expert_load": self.expert_load, "position": self.position, **{f"dense:{k}": v for k, v in self.dense.items()}}
+                "expert_load": self.expert_load, "position": self.position,
+                **{f"dense:{k}": v for k, v in self.dense.items()}}
 
     def bind(self, workspace_views: list[torch.Tensor] | None = None) -> Bound:
         return Bound(self.kv, self.w1, self.w2, dict(self.dense), self.replica_table, self.replica_count,

@@ -8,8 +8,9 @@ group is live and pads the rows of absent ranks with zeros, so a transition only
 and layouts. Survivors capture nothing; a joiner captures once, locally, with the collectives
 detached (the capture run's output is never read): in the standby pool before its adoption
 when it comes from one (``Warmup.capture_in_pool``), else in its commit. A capture reads the EP
-position as a device scalar (``MoEModel.position``), so a rank whose position changes keeps it. The cost is memory: the workspace at
-``capture_world`` instead of at the current world (``engine_ext.capture_memory``).
+position as a device scalar (``MoEModel.position``), so a rank whose position changes keeps it.
+The cost is memory: the workspace at ``capture_world`` instead of at the current world
+(``engine_ext.capture_memory``).
 
 The graph manager's staleness check stays on: a capture remembers ``(handle, world)`` where the
 world is ``capture_world`` while the live world fits in it, and the live size once it does not,

@@ -49,7 +49,7 @@ class ExpertReshuffle:
             needs no packed copy (packing cost seconds per GiB at the senders)."""
             if flat is None:
                 return [w[l, slot] for l in range(layers) for w in (w1, w2)]
-            n1, n2 = w1[0, 0].numel(), w2[0, 0].numel()
+            n1 = w1[0, 0].numel()
             a = flat[: layers * n1].view(layers, *w1.shape[2:])
             b = flat[layers * n1:].view(layers, *w2.shape[2:])
             return [t[l] for l in range(layers) for t in (a, b)]

@@ -116,7 +116,6 @@ class StepLoop:
                 self.on_error(ex)  # (an abandoned thread's world is gone: nothing to decide)
 
     def idle(self) -> None:
-        shared = self.shared
         if not self._running():
             return
         self.idle_waiting = True

@@ -82,7 +82,7 @@ class RankTransition:
         scale-down the communicator spans the old world, whose ranks are the expert sources."""
         plan, res, me = op.plan, self.res, self.shared.rank
         t = plan.timeout_s
-        with self.telemetry.phase(plan.op_id, "prepare", role=op.role) as d:
+        with self.telemetry.phase(plan.op_id, "prepare", role=op.role):
             if op.role != "removing":
                 op.standby = StatelessGroup(plan.rdzv.child("dp"), plan.new_pos(me), plan.new_size, timeout_s=t,
                                             backend=res.cfg.backend, device=res.device)
