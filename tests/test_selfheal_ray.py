@@ -135,11 +135,15 @@ def test_rank_killed_while_held_in_commit_recovers_consistent_world(deployments)
             gpus_per_rank=0.0, timeout_s=300, on_rank_failure="shrink")
     snap = _serving(d.name, 2)
     cfg_d = snap["info"]["config"]
-    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "20", "--max-tokens", "16", "-o", "json")
+    # The load outlasts the joiner's launch on a busy box (ended once the scenario is over): the
+    # kill must find requests on rank 1, sent to it while it is held in the commit.
+    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "90", "--max-tokens", "16", "-o", "json")
     wait_serving_load(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
     wait_for(lambda: any(r["rank"] == 1 and "held in commit" in (r.get("state_reason") or "")
-                         for r in status(d.name)["ranks"]), timeout=90, interval=0.3, what="rank 1 held in commit")
+                         and r.get("requests_running", 0) + r.get("requests_waiting", 0) > 0
+                         for r in status(d.name)["ranks"]), timeout=90, interval=0.3,
+             what="rank 1 held in commit with requests")
     _kill(snap, 1)
     scale.communicate(timeout=120)
     assert scale.returncode == 5, scale.returncode  # the scale failed in commit (exit 5, not a crash) ...
