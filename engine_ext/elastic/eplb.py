@@ -8,6 +8,7 @@ changes with W. Pure Python: the controller plans with it without torch.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -109,20 +110,29 @@ def build_layout(
         # Balancing first re-deals survivors' slots even under an even load (a 2 -> 4 scale moved
         # 3 GiB where the joiners needed 2 GiB). A layout where each rank first keeps what it held
         # is taken instead when its busiest rank is within STICKY_TOLERANCE of the balanced one's.
-        kept: list[list[int]] = [[] for _ in range(world_size)]
-        kept_load = [0.0] * world_size
-        left = list(replicas)
-        for r in range(world_size):
-            for w, e in sorted(((weights[e] / counts[e], e) for e in held_before[r]), reverse=True):
-                if (w, e) in left and len(kept[r]) < slots_per_rank:
-                    left.remove((w, e))
-                    kept[r].append(e)
-                    kept_load[r] += w
-        deal(kept, kept_load, left)
+        kept, kept_load = _keep_held(replicas, held_before, slots_per_rank, deal)
         if max(kept_load) <= max(rank_load) * (1 + STICKY_TOLERANCE) + 1e-9:
             slots = kept
     phys = tuple(e for r in range(world_size) for e in sorted(slots[r]))
     return ExpertLayout(num_logical, slots_per_rank, world_size, phys)
+
+
+def _keep_held(replicas: list[tuple[float, int]], held_before: list[set[int]], slots_per_rank: int,
+               deal: Callable[[list[list[int]], list[float], list[tuple[float, int]]], None],
+               ) -> tuple[list[list[int]], list[float]]:
+    """Slots where each rank first keeps the replicas it held (heaviest first), the rest dealt."""
+    kept: list[list[int]] = [[] for _ in held_before]
+    load = [0.0] * len(held_before)
+    left = list(replicas)
+    weight = {e: w for w, e in replicas}
+    for r, held in enumerate(held_before):
+        for w, e in sorted(((weight[e], e) for e in held if e in weight), reverse=True):
+            if (w, e) in left and len(kept[r]) < slots_per_rank:
+                left.remove((w, e))
+                kept[r].append(e)
+                load[r] += w
+    deal(kept, load, left)
+    return kept, load
 
 
 @dataclass(frozen=True)

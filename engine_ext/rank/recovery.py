@@ -101,9 +101,12 @@ class RankRecovery:
     def _halt(self, timeout_s: float = 10.0) -> None:
         """Stop the step loop wherever it is (a collective, an idle wait) and wait for it."""
         self.shared.halting.set()
-        # Wakes an idle wait on a live store (a dead store fails the wait itself); in the
-        # background, since a store behind a partition holds the call until its own timeout.
-        threading.Thread(target=self.loop.poke, name=f"poke-{self.shared.rank}", daemon=True).start()
+        # Wakes an idle wait on a live store (a dead store fails the wait itself), before the
+        # groups are dropped; waited for briefly only: a store behind a partition holds the call
+        # until its own timeout (the sleeper is then abandoned by ``join``).
+        poke = threading.Thread(target=self.loop.poke, name=f"poke-{self.shared.rank}", daemon=True)
+        poke.start()
+        poke.join(0.5)
         self._abort_groups()
         if not self.loop.join(timeout_s):
             raise RuntimeError(f"rank {self.shared.rank}: the step loop did not stop in {timeout_s:.0f}s")

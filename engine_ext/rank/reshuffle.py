@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine_ext.elastic.eplb import plan_moves
+from engine_ext.elastic.eplb import ExpertMove, plan_moves
 from engine_ext.elastic.weight_source import WeightSource
 from engine_ext.rank.operation import OpState, comm_members
 from engine_ext.rank.shared import RankResources, RankShared
@@ -25,39 +25,27 @@ class ExpertReshuffle:
         self.shared = shared
         self.weight_source = weight_source
 
-    def run(self, op: OpState) -> dict[str, Any]:
-        """This rank's sends, receives, local copies and restores of ``op``'s expert moves."""
-        plan, model, me = op.plan, self.res.model, self.shared.rank
-        old_w, new_w = plan.old_world, plan.new_world
-        alive = {p for p, m in enumerate(old_w)
-                 if plan.kind != "recover" or (m in new_w and m not in plan.untrusted)}
-        moves = plan_moves(plan.old_layout, plan.new_layout, alive, missing_ok=plan.kind == "recover")
-        comm = op.eplb_comm
-        assert comm is not None
-        comm_world = comm_members(plan)
-        t0 = time.perf_counter()
-        w1, w2 = model.w1, model.w2
+    def _pieces(self, slot: int, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The contiguous per-layer parts of one expert, as sent: storage views, or views of
+        ``flat`` (laid out as ``load_expert_vector`` reads it). Sending views of the storage needs
+        no packed copy (packing cost seconds per GiB at the senders)."""
+        w1, w2 = self.res.model.w1, self.res.model.w2
         layers = w1.shape[0]
-        # A joiner's slots hold placeholders: it receives straight into them (a failed commit
-        # drops the joiner). A member's slots serve until the exchange succeeded, so what it
-        # receives lands in a buffer and is loaded after: a failed exchange leaves them whole.
-        into_storage = plan.role(me) == "joining"
+        if flat is None:
+            return [w[l, slot] for l in range(layers) for w in (w1, w2)]
+        n1 = w1[0, 0].numel()
+        a = flat[: layers * n1].view(layers, *w1.shape[2:])
+        b = flat[layers * n1:].view(layers, *w2.shape[2:])
+        return [t[l] for l in range(layers) for t in (a, b)]
 
-        def pieces(slot: int, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
-            """The contiguous per-layer parts of one expert, as sent: storage views, or views of
-            ``flat`` (laid out as ``load_expert_vector`` reads it). Sending views of the storage
-            needs no packed copy (packing cost seconds per GiB at the senders)."""
-            if flat is None:
-                return [w[l, slot] for l in range(layers) for w in (w1, w2)]
-            n1 = w1[0, 0].numel()
-            a = flat[: layers * n1].view(layers, *w1.shape[2:])
-            b = flat[layers * n1:].view(layers, *w2.shape[2:])
-            return [t[l] for l in range(layers) for t in (a, b)]
-
-        per_move = 2 * layers
+    def _schedule(self, op: OpState, moves: list[ExpertMove],
+                  into_storage: bool) -> tuple[list, list, list, list, list]:
+        """(sends, recvs, local copies, weight-source restores, landing buffers) of this rank."""
+        plan, model, me = op.plan, self.res.model, self.shared.rank
+        old_w, new_w, comm_world = plan.old_world, plan.new_world, comm_members(plan)
+        per_move = 2 * model.w1.shape[0]
         sends, recvs, local, restored, landing = [], [], [], [], []
-        vec_len = w1[:, 0].numel() + w2[:, 0].numel()
-        t_clone = time.perf_counter()
+        vec_len = model.w1[:, 0].numel() + model.w2[:, 0].numel()
         for i, m in enumerate(moves):
             src_g = old_w[m.src_rank] if m.src_rank >= 0 else -1
             dst_g = new_w[m.dst_rank]
@@ -70,16 +58,35 @@ class ExpertReshuffle:
                     local.append((m, model.expert_vector(m.src_slot)))
             elif src_g == me:
                 peer = comm_world.index(dst_g)
-                sends += [(t, peer, tag) for t, tag in zip(pieces(m.src_slot), tags)]
+                sends += [(t, peer, tag) for t, tag in zip(self._pieces(m.src_slot), tags)]
             elif dst_g == me and src_g >= 0:
                 peer = comm_world.index(src_g)
                 if into_storage:
-                    targets = pieces(m.dst_slot)
+                    targets = self._pieces(m.dst_slot)
                 else:
                     buf = torch.empty(vec_len, dtype=model.dtype, device=self.res.device)
                     landing.append((m, buf))
-                    targets = pieces(m.dst_slot, buf)
+                    targets = self._pieces(m.dst_slot, buf)
                 recvs += [(t, peer, tag) for t, tag in zip(targets, tags)]
+        return sends, recvs, local, restored, landing
+
+    def run(self, op: OpState) -> dict[str, Any]:
+        """This rank's sends, receives, local copies and restores of ``op``'s expert moves."""
+        plan, model = op.plan, self.res.model
+        old_w, new_w = plan.old_world, plan.new_world
+        alive = {p for p, m in enumerate(old_w)
+                 if plan.kind != "recover" or (m in new_w and m not in plan.untrusted)}
+        moves = plan_moves(plan.old_layout, plan.new_layout, alive, missing_ok=plan.kind == "recover")
+        comm = op.eplb_comm
+        assert comm is not None
+        t0 = time.perf_counter()
+        # A joiner's slots hold placeholders: it receives straight into them (a failed commit
+        # drops the joiner). A member's slots serve until the exchange succeeded, so what it
+        # receives lands in a buffer and is loaded after: a failed exchange leaves them whole.
+        into_storage = plan.role(self.shared.rank) == "joining"
+        per_move = 2 * model.w1.shape[0]
+        t_clone = time.perf_counter()
+        sends, recvs, local, restored, landing = self._schedule(op, moves, into_storage)
         t_pack = time.perf_counter()
         comm.exchange(sends, recvs)
         t_exchange = time.perf_counter()

@@ -39,7 +39,7 @@ class StepLoop:
         self.shared = shared
         self.telemetry = telemetry
         self.thread: threading.Thread | None = None
-        self.idle_waiting = False  # the step thread sleeps on the store (StepLoop.join may abandon it)
+        self.asleep: threading.Thread | None = None  # the step thread while it sleeps on the store
         self.abandoned = 0  # step threads left asleep on a store that did not answer
         self.commit: Callable[[], bool] = lambda: False
         self.on_error: Callable[[BaseException], None] = lambda ex: None
@@ -69,7 +69,7 @@ class StepLoop:
         grace = time.monotonic() + idle_grace_s
         while thread.is_alive() and time.monotonic() < deadline:
             thread.join(0.1)
-            if thread.is_alive() and self.idle_waiting and time.monotonic() >= grace:
+            if thread.is_alive() and self.asleep is thread and time.monotonic() >= grace:
                 self.thread = None
                 self.abandoned += 1
                 return True
@@ -118,11 +118,13 @@ class StepLoop:
     def idle(self) -> None:
         if not self._running():
             return
-        self.idle_waiting = True
+        me = threading.current_thread()
+        self.asleep = me
         try:
             self._sleep()
         finally:
-            self.idle_waiting = False
+            if self.asleep is me:  # an abandoned thread must not clear what its successor set
+                self.asleep = None
 
     def _sleep(self) -> None:
         """Sleep on the group's store until a rank has work (or the wait times out: re-armed)."""
