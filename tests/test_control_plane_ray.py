@@ -44,19 +44,29 @@ def _up(name: str, dp: int, max_dp: int, *, faults: list[str] | None = None, del
 
 
 def _serving(name: str, ranks: list[int], timeout: float = 90.0) -> dict[str, Any]:
-    """Status once exactly ``ranks`` serve at DP len(ranks) and no operation runs."""
+    """Status once exactly ``ranks`` serve at DP len(ranks) and no operation runs; on timeout,
+    what the last status showed."""
+    seen: list[dict[str, Any]] = []
+
     def ok() -> dict[str, Any] | None:
         res = eepctl("status", "--name", name, "-o", "json", timeout=60)
         if res.returncode != 0:  # the controller or registry is being restarted: ask again
             return None
         s = json_lines(res.stdout)[-1]
+        seen[:] = [s]
         live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed", "fenced", "dead")]
         if (sorted(r["rank"] for r in live) == ranks and all(r["state"] == "serving" and r["dp_size"] == len(ranks)
                                                             for r in live) and not s.get("operation")):
             return s
         return None
 
-    return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks {ranks} serving")
+    try:
+        return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks {ranks} serving")
+    except AssertionError as e:
+        s = seen[0] if seen else {}
+        shown = [(r["rank"], r["state"], r.get("dp_size"), (r.get("state_reason") or "")[:160]) for r in s.get("ranks", [])]
+        raise AssertionError(f"{e}; ranks {shown}; operation {s.get('operation')}; "
+                             f"control {s.get('info', {}).get('control')}") from e
 
 
 def _pid_of(snap: dict[str, Any], rank: int) -> int:
@@ -98,7 +108,9 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
     served_again_s = healed[0]["finished"] - t_stop
     if _alive(hung):
         os.kill(hung, signal.SIGCONT)  # it comes back: it must never serve or report again
-    load2 = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "20", "--max-tokens", "24",
+    # Until rank 2's fault fires (30 s after its start) and past it: a hang handled fast left a
+    # 20 s load ending first, and rank 2 never stepped again (ended once rank 0 serves alone).
+    load2 = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "60", "--max-tokens", "24",
                     "-o", "json")
     _serving(d.name, [0], timeout=120)  # rank 2 failed (its step raised) and was fenced
     res = finish_load(load, cfg_d, 24, stop=True)
