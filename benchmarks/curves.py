@@ -30,6 +30,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 MIB = 2**20
@@ -55,17 +56,22 @@ def kv_blocks(cfg: Any, max_dp: int) -> int:
 
 
 # ---- link: raw socket vs the transfer path, between the same two processes ---------------------
-def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, device: str) -> None:
+def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, device: str,
+               host: str = "127.0.0.1", node_ip: str = "") -> None:
     """Role 0 receives, role 1 sends; both sides' buffers are allocated and touched up front.
     On a GPU the transfer path stages through host memory (gloo cannot move device tensors
-    between processes sharing one GPU): ``gloo_device`` is that path, device to device."""
+    between processes sharing one GPU): ``gloo_device`` is that path, device to device.
+    ``host``: role 0's address (the store's and the raw socket's); ``node_ip``: this peer's own
+    address for gloo (two nodes: each side of the link binds its end)."""
     import torch
 
-    from engine_ext.elastic.comm import StatelessGroup
+    from engine_ext.elastic.comm import StatelessGroup, configure_node
     from engine_ext.elastic.rendezvous import Rendezvous
 
-    g = StatelessGroup(Rendezvous("127.0.0.1", store_port, "link"), role, 2)
-    gd = (StatelessGroup(Rendezvous("127.0.0.1", store_port, "linkdev"), role, 2, device=torch.device(device))
+    if node_ip:
+        configure_node(node_ip)
+    g = StatelessGroup(Rendezvous(host, store_port, "link"), role, 2)
+    gd = (StatelessGroup(Rendezvous(host, store_port, "linkdev"), role, 2, device=torch.device(device))
           if device != "cpu" else None)
     for nbytes in sizes:
         n = nbytes // 4
@@ -78,7 +84,7 @@ def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, 
             # raw: one TCP stream over loopback, recv_into the touched storage
             if role == 0:
                 srv = socket.socket()
-                srv.bind(("127.0.0.1", 0))
+                srv.bind((host, 0))
                 srv.listen(1)
                 g.broadcast(torch.tensor([srv.getsockname()[1]]), 0)
                 c, _ = srv.accept()
@@ -93,7 +99,7 @@ def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, 
                 srv.close()
             else:
                 port = int(g.broadcast(torch.tensor([0]), 0)[0])
-                c = socket.create_connection(("127.0.0.1", port))
+                c = socket.create_connection((host, port))
                 g.barrier()
                 c.sendall(memoryview(store.numpy()).cast("B"))
                 c.close()
@@ -159,21 +165,30 @@ def _staging_legs(store: Any, dstore: Any) -> dict[str, float]:
     return out
 
 
-def link_curve(sizes_mib: list[int], reps: int, device: str = "cpu") -> list[dict[str, Any]]:
+def link_curve(sizes_mib: list[int], reps: int, device: str = "cpu", *, host: str = "127.0.0.1",
+               sender: Callable[[int, list[int]], Any] | None = None) -> list[dict[str, Any]]:
+    """The link table between two processes: both on this host (loopback), or with ``host`` the
+    receiver's address and ``sender(store_port, sizes)`` starting the sending peer elsewhere (two
+    nodes: in the worker's network namespace) and returning something with ``wait``."""
     import multiprocessing as mp
 
     from engine_ext.elastic.comm import host_store
 
-    st = host_store("127.0.0.1")
+    st = host_store(host)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     sizes = [s * MIB for s in sizes_mib]
-    procs = [ctx.Process(target=_link_peer, args=(r, st.port, sizes, reps, q, device)) for r in (0, 1)]
+    kw = {"host": host, "node_ip": host} if sender is not None else {}
+    procs = [ctx.Process(target=_link_peer, args=(r, st.port, sizes, reps, q, device), kwargs=kw)
+             for r in ((0,) if sender is not None else (0, 1))]
     for p in procs:
         p.start()
+    remote = sender(st.port, sizes) if sender is not None else None
     rows = [q.get(timeout=600) for _ in sizes]
     for p in procs:
         p.join(60)
+    if remote is not None:
+        remote.wait(60)
     for r in rows:
         for k in ("raw", "gloo_direct", "gloo_staged", "gloo_device",
                   "d2h_pageable", "d2h_pinned", "h2d_pageable", "h2d_pinned"):

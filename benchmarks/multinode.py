@@ -6,13 +6,23 @@ under open-loop load: `pack` keeps every rank on one node, `spread` puts them on
 transfers to joiners on the other node cross the veth link (1->2 always does under spread). Prints a markdown report: wall time, serving pause,
 weight-transfer bytes and throughput per joiner (with whether it crossed nodes), load outcomes.
 
+``--curve``: issue 25's two-node point of the world curve, sized as benchmarks/curves.py sizes its
+model (``--expert-hidden``, default 32768 = 256 MiB of experts): the raw link across the veth (a
+TCP stream and gloo storage to storage, between a process on the head and one in the worker's
+namespace), then 2->4 under spread and under pack on the same cluster, with each joiner's
+reshuffle bytes, exchange seconds and rate, how much of it crossed the link, and the rate as a
+ratio to the raw veth stream. Writes ``--out``/multinode_curve.json.
+
 Usage (as root): .venv/bin/python benchmarks/multinode.py [--rate R] [--hidden H]
+                 .venv/bin/python benchmarks/multinode.py --curve [--expert-hidden E] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,11 +75,106 @@ def run_policy(policy: str, engine: dict[str, Any], rate: float) -> list[dict[st
     return out
 
 
+def veth_link(cl: multinode.TwoNodeCluster, sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
+    """curves.py's link table across the veth: the receiver on the head, the sender in the
+    worker's namespace (its own address bound for gloo)."""
+    from benchmarks.curves import link_curve
+
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def sender(port: int, sizes: list[int]) -> subprocess.Popen:
+        code = (f"from benchmarks.curves import _link_peer; _link_peer(1, {port}, {sizes!r}, {reps}, None, 'cpu', "
+                f"host={multinode.HEAD_IP!r}, node_ip={multinode.WORKER_IP!r})")
+        return subprocess.Popen(["ip", "netns", "exec", cl.ns, sys.executable, "-c", code], cwd=root,
+                                env={**os.environ, "PYTHONPATH": root})
+
+    return link_curve(sizes_mib, reps, host=multinode.HEAD_IP, sender=sender)
+
+
+def curve_case(policy: str, expert_hidden: int, rate: float) -> dict[str, Any]:
+    """2->4 under load with curves.py's model at ``expert_hidden``: per joiner, what it received,
+    in how long, and which of its experts came across the link."""
+    from benchmarks.curves import BASE, expert_bytes, kv_blocks
+    from engine_ext.config import EngineConfig
+
+    engine = {**BASE, "expert_hidden": expert_hidden, "capture_sizes": []}
+    engine["num_blocks"] = kv_blocks(EngineConfig(**engine), 4)
+    per_expert = expert_bytes(expert_hidden) // BASE["num_experts"]
+    t = core.Target(name=f"curve-{policy}")
+    core.up(t, dp=2, max_dp=4, engine=engine, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
+            placement={"policy": policy, "ifname": ""})
+    try:
+        res: dict[str, Any] = {}
+        th = load_during(t, rate, 30.0, res)
+        time.sleep(2.0)
+        t1 = time.time()
+        op = core.scale(t, 4, drain_timeout_s=30, timeout_s=300, wait=True)
+        wall = time.time() - t1
+        th.join()
+        node_of = {r["rank"]: r["node_ip"] for r in core.status(t)["ranks"]}
+        evs = core.events(t, op["op_id"])
+        record = evs["operations"][-1]
+        moves = record.get("plan", {}).get("expert_moves", [])
+        joiners = []
+        for e in evs["events"]:
+            d = e.get("detail") or {}
+            if e["phase"] != "reshuffle" or e["rank"] < 2 or "exchange_s" not in d:
+                continue
+            j = int(e["rank"])
+            crossed = sum(per_expert for m in moves if m["dst_rank"] == j and node_of.get(m["src_rank"]) != node_of.get(j))
+            got = int(d.get("bytes_received", 0))
+            joiners.append({"rank": j, "node": node_of.get(j), "bytes": got, "crossed_bytes": crossed,
+                            "exchange_s": d["exchange_s"], "GBps": got / max(d["exchange_s"], 1e-9) / 1e9})
+        return {"policy": policy, "state": op["state"], "wall_s": wall, "pause_s": op["serving_pause_s"],
+                "nodes": node_of, "joiners": joiners, "moves": len(moves),
+                "load": {k: res.get(k) for k in ("sent", "completed", "failed")}}
+    finally:
+        core.down(t, stop_cluster=False)
+
+
+def curve(expert_hidden: int, rate: float, out: str) -> None:
+    from benchmarks.curves import MIB, expert_bytes
+
+    cl = multinode.start(num_cpus=6)
+    os.environ["RAY_ADDRESS"] = cl.address
+    res: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": os.getloadavg(),
+                           "expert_hidden": expert_hidden, "expert_MiB": expert_bytes(expert_hidden) / MIB}
+    try:
+        res["link"] = veth_link(cl, [256], reps=3)
+        res["cases"] = [curve_case(p, expert_hidden, rate) for p in ("spread", "pack")]
+    finally:
+        cl.stop()
+    res["loadavg_end"] = os.getloadavg()
+    raw = res["link"][0]["raw_GBps"]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "multinode_curve.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    lk = res["link"][0]
+    print(f"veth, 256 MiB, median of 3: raw TCP {raw:.2f} GB/s, gloo storage to storage "
+          f"{lk['gloo_direct_GBps']:.2f} GB/s (ratio {lk['ratio_direct']:.2f})")
+    print(f"\n2->4, {res['expert_MiB']:.0f} MiB of experts, load {rate} req/s")
+    print("| placement | state | wall s | pause s | joiner | node | received MiB | crossed the link MiB | exchange s "
+          "| GB/s | / raw veth |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in res["cases"]:
+        for j in c["joiners"]:
+            print(f"| {c['policy']} | {c['state']} | {c['wall_s']:.2f} | {c['pause_s']:.3f} | {j['rank']} | {j['node']} "
+                  f"| {j['bytes'] / MIB:.0f} | {j['crossed_bytes'] / MIB:.0f} | {j['exchange_s']:.3f} | {j['GBps']:.2f} "
+                  f"| {j['GBps'] / raw:.2f} |")
+        print(f"  ({c['policy']}: load sent/completed/failed {c['load']})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--curve", action="store_true", help="issue 25's two-node point (see the docstring)")
+    ap.add_argument("--expert-hidden", type=int, default=32768)
+    ap.add_argument("--out", default="docs/results")
     args = ap.parse_args()
+    if args.curve:
+        curve(args.expert_hidden, args.rate, args.out)
+        return
     engine = {"hidden_size": args.hidden}
     cl = multinode.start(num_cpus=6)
     os.environ["RAY_ADDRESS"] = cl.address
