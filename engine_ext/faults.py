@@ -51,6 +51,9 @@ VARIANTS: dict[str, str] = {
                        "regroup on the dead store and the recovery fails",
     "no_group_abort": "a degrading or recovering rank does not abort its groups: a thread blocked in a "
                       "collective with a survivor that stopped waits out the backend's timeout",
+    "no_sleeper_abandon": "a recovery waits for a step thread asleep on the store instead of leaving it "
+                          "behind: with the store's host cut off that wait does not return, and the "
+                          "recovery fails (\"the step loop did not stop\")",
     "no_weight_source_restore": "a recovery does not load experts whose every copy died from the weight "
                                 "source: their slots keep another expert's weights (wrong tokens)",
 }

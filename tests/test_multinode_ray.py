@@ -10,6 +10,7 @@ gloo's connectFullMesh. The placement-policy tests at the top are pure (no Ray).
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import time
 from collections import Counter
@@ -23,11 +24,13 @@ from tests.helpers import (
     check_load,
     eepctl,
     eepctl_json,
+    events,
     finish_load,
     json_lines,
     last_json,
     moved_off,
     owned_deployments,
+    scale_json,
     serving_view,
     status,
     stop_sending,
@@ -238,6 +241,79 @@ def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_
     recover = [o for o in eepctl_json("events", "--name", d.name, timeout=60)["operations"] if o.get("kind") == "recover"]
     assert recover and recover[-1]["state"] == "succeeded" and recover[-1]["dead_ranks"] == [cut_rank], recover
     assert res["failed"] == 0
+
+
+def _serving_at(name: str, dp: int, timeout: float = 60.0) -> dict[str, Any]:
+    """Status (its ranks: the serving ones) once ``dp`` ranks serve at DP ``dp``."""
+    def ok() -> dict[str, Any] | None:
+        s = status(name)
+        live = [r for r in s["ranks"] if r["state"] == "serving" and r["dp_size"] == dp]
+        return {**s, "ranks": live} if len(live) == dp else None
+
+    return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: DP {dp} serving")
+
+
+def _store_host_on_worker(name: str) -> tuple[int, int]:
+    """(the head's rank, the worker's rank) of a DP-2 deployment whose store is hosted on the
+    worker node. Rank 0 hosts it from the start; when spread put rank 0 on the head, that rank is
+    SIGKILLed (by pid: this test's own deployment's process), the recovery re-hosts the store on
+    the worker's rank, and a scale back to 2 places the new rank on the head."""
+    snap = serving_view(name, 2)
+    where = nodes_of(snap)
+    if where[0] == multinode.WORKER_IP:
+        return 1, 0
+    print("\n[store-cut] rank 0 was placed on the head: moving the store to the worker's rank")
+    os.kill(int(next(r for r in snap["ranks"] if r["rank"] == 0)["pid"]), signal.SIGKILL)
+    rec = wait_for(lambda: [o for o in events(name)["operations"] if o.get("kind") == "recover" and o.get("finished")],
+                   timeout=90, interval=0.5, what="the recovery of the killed store host")[-1]
+    assert rec["state"] == "succeeded" and rec["dead_ranks"] == [0], rec
+    regroup = [e for e in events(name, rec["op_id"])["events"] if e.get("phase") == "regroup" and "new_store_host" in (e.get("detail") or {})]
+    assert regroup and regroup[0]["detail"]["new_store_host"] == 1, regroup
+    serving_view(name, [1], timeout=60)
+    assert scale_json(name, 2)["state"] == "succeeded"
+    where = nodes_of(_serving_at(name, 2))
+    head = [r for r, ip in where.items() if ip == multinode.HEAD_IP]
+    assert where.get(1) == multinode.WORKER_IP and len(head) == 1, where
+    return head[0], 1
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("abandon", [True, False], ids=["abandon", "no_sleeper_abandon"])
+def test_store_host_cut_off_while_the_survivor_sleeps_on_it(md, two_nodes, abandon):
+    """Issue 22 point 4, the store's host behind a downed link while the deployment is idle: the
+    survivor's step thread sleeps in a wait on that store, which neither answers nor fails. The
+    recovery's halt leaves that sleeper behind (it holds no lock and no step): the head's rank
+    serves alone at DP 1, and the survivor's abort phase says it left the thread. Without it
+    (``no_sleeper_abandon``) the halt waits for the sleeper in vain and the recovery fails: "the
+    step loop did not stop"."""
+    d = md("mn-storecut" if abandon else "mn-storecut-off")
+    up_with_faults(d.name, 2, 4, [] if abandon else ["no_sleeper_abandon"], 5.0, placement="spread",
+                   on_rank_failure="shrink")
+    head_rank, cut_rank = _store_host_on_worker(d.name)
+    serving_view(d.name, sorted([head_rank, cut_rank]), timeout=30)  # idle: no request since the scale
+    t_cut = time.time()
+    two_nodes.set_link(False)
+    try:
+        rec = wait_for(lambda: [o for o in events(d.name)["operations"] if o.get("kind") == "recover"
+                                and o["started"] >= t_cut and o.get("finished")],
+                       timeout=90, interval=0.5, what="the recovery without the cut-off store host")[-1]
+        if abandon:
+            alone = _serving_at(d.name, 1)
+    finally:
+        two_nodes.set_link(True)
+    print(f"\n[store-cut] {'abandon' if abandon else 'no_sleeper_abandon'}: store host rank {cut_rank} cut off, "
+          f"recovery {rec['state']} {rec['finished'] - t_cut:.1f}s after the cut: {rec.get('error') or 'ok'}")
+    assert rec["dead_ranks"] == [cut_rank], rec
+    if not abandon:
+        assert rec["state"] == "failed" and "did not stop" in (rec.get("error") or ""), rec
+        return
+    assert rec["state"] == "succeeded" and [r["rank"] for r in alone["ranks"]] == [head_rank], (rec, alone["ranks"])
+    abort = [e for e in events(d.name, rec["op_id"])["events"] if e.get("phase") == "abort" and e.get("rank") == head_rank]
+    assert any("left asleep" in str((e.get("detail") or {}).get("step_loop", "")) for e in abort), abort
+    assert not alone.get("violations"), alone["violations"]
+    gen = eepctl_json("generate", "--name", d.name, "--max-tokens", "8", timeout=90)
+    assert gen["results"] and all(not r["error"] for r in gen["results"]), gen
 
 
 @pytest.mark.ray

@@ -161,6 +161,7 @@ class Reconciler:
     def _outcome(self, action: str, res: dict[str, Any]) -> list[str]:
         text = f"{action} {res.get('op_id')}: {res.get('state')}"
         if res.get("state") == "succeeded":
+            self.working_on = ""  # the difference is closed: status must not show it until the next tick
             self._succeeded()
         else:
             self.failed(action, f"{res.get('op_id')} {res.get('state')}: {res.get('error')}")

@@ -10,6 +10,7 @@ on the new group (I3, I4, I5, I7), and serve again with the requests it held.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any
@@ -108,7 +109,8 @@ class RankRecovery:
         poke.start()
         poke.join(0.5)
         self._abort_groups()
-        if not self.loop.join(timeout_s):
+        grace = math.inf if self.res.faults.active("no_sleeper_abandon") else 1.0
+        if not self.loop.join(timeout_s, idle_grace_s=grace):
             raise RuntimeError(f"rank {self.shared.rank}: the step loop did not stop in {timeout_s:.0f}s")
 
     def _regroup(self, op: OpState, pos: int) -> None:
