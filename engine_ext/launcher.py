@@ -11,6 +11,7 @@ import itertools
 import multiprocessing as mp
 import os
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -101,6 +102,7 @@ class ProcessRankClient(RankClient):
                 return
         self._post(self._fail_pending)
         # The pipe closed: the process is gone (or going). That is the launcher's death signal.
+        time.sleep(self.owner.death_report_delay_s)
         self._post(self.owner.on_rank_exit, self.rank, self.proc)
 
     def _post(self, fn: Any, *args: Any) -> bool:
@@ -201,8 +203,11 @@ class LocalDeployment:
 
     def __init__(self, cfg: EngineConfig, name: str = "local", *, max_dp: int = 8, device: str = "cpu",
                  env: dict[str, str] | None = None, on_rank_failure: str = "replace", standby: int = 0,
-                 health_deadline_s: float = 5.0) -> None:
+                 health_deadline_s: float = 5.0, death_report_delay_s: float = 0.0) -> None:
         cfg.size_captures_for(max_dp)
+        # Seconds from a rank's pipe closing to its death report. The pipe tells at once; Ray
+        # tells seconds late, so calls can fail on a death nobody reported yet (tests set it).
+        self.death_report_delay_s = death_report_delay_s
         self.cfg = cfg
         self.name = name
         self.device = device

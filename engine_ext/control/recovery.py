@@ -53,13 +53,18 @@ class Recovery:
         o = self.world
         if o.stopping or rank in self.dead or rank not in o.members:
             return  # a joiner of a running scale fails that scale; its rollback cleans up
+        self._mark_dead(rank, cause)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    def _mark_dead(self, rank: int, cause: str) -> None:
+        """Out of the router's choice; its requests wait for a survivor with their tokens so far."""
+        o = self.world
         self.dead[rank] = {"rank": rank, "cause": cause, "at": time.time()}
         o.router.excluded.add(rank)
         o.router.pause()
         if not variant_on(self.cfg.faults, "no_reroute"):
             o.router.reroute({rank})
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._run())
 
     def rebuild(self, reason: str, *, untrusted: bool) -> None:
         """Rebuild the members' world although none died (a scale failed inside its commit)."""
@@ -101,11 +106,7 @@ class Recovery:
         """One recovery operation, in single flight with scales."""
         o = self.world
         async with o.op_lock:
-            probes = await asyncio.gather(*(quiet(o.clients[r].status(timeout=3)) for r in o.members
-                                            if r not in self.dead))
-            for r, st in zip([r for r in o.members if r not in self.dead], probes):
-                if not isinstance(st, dict):  # no answer: as good as dead
-                    self.dead.setdefault(r, {"rank": r, "cause": f"did not answer: {st}", "at": time.time()})
+            await self._probe()
             dead = [r for r in o.members if r in self.dead]
             if not dead and not self.rebuild_reason:
                 return {}
@@ -127,6 +128,10 @@ class Recovery:
             except Exception as e:  # noqa: BLE001 - reported in the operation record
                 op.state, op.error_code = OpState.FAILED.value, 5
                 op.error = f"recovery failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+                # A survivor that died in it may not be reported yet (its pipe or actor's end
+                # arrives after the call that failed on it): without this probe the failure read
+                # as "no healthy world" and the whole world was rebuilt to the desired size.
+                await self._probe()
                 if not self._died_during(dead):  # else a member died in it: the next recovery takes the requests
                     # No healthy world: the reconcile loop rebuilds it from the weight source.
                     # Requests (the survivors' own too) wait in the router, up to its bound.
@@ -138,6 +143,15 @@ class Recovery:
                 self.rerouted_base = o.router.rerouted
                 o.record(op)
             return to_builtins(op)
+
+    async def _probe(self) -> None:
+        """Members not known dead that do not answer a status call in 3 s count as dead."""
+        o = self.world
+        alive = [r for r in o.members if r not in self.dead]
+        probes = await asyncio.gather(*(quiet(o.clients[r].status(timeout=3)) for r in alive))
+        for r, st in zip(alive, probes):
+            if not isinstance(st, dict) and r not in self.dead:  # no answer: as good as dead
+                self._mark_dead(r, f"did not answer: {st}")
 
     async def _rebuild(self, op: Operation, survivors: list[int], untrusted: tuple[int, ...]) -> None:
         o, cfg = self.world, self.cfg
