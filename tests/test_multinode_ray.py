@@ -261,6 +261,7 @@ def _store_host_on_worker(name: str) -> tuple[int, int]:
     snap = serving_view(name, 2)
     where = nodes_of(snap)
     if where[0] == multinode.WORKER_IP:
+        assert where[1] == multinode.HEAD_IP, where
         return 1, 0
     print("\n[store-cut] rank 0 was placed on the head: moving the store to the worker's rank")
     os.kill(int(next(r for r in snap["ranks"] if r["rank"] == 0)["pid"]), signal.SIGKILL)
