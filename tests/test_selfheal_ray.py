@@ -229,10 +229,17 @@ def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
     d = deployments("heal-warm")
     snap = _up_with_fault(d.name, "hold:warm@1", 8.0)
     cfg_d = snap["info"]["config"]
-    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "14", "--max-tokens", "16", "-o", "json")
+    # The load outlasts the joiner's launch on a busy box (ended once the scenario is over): the
+    # kill must find requests on rank 1, sent to it while it is held in warm (a 14 s load once
+    # ended before the hold began, and the kill found rank 1 empty).
+    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "90", "--max-tokens", "16", "-o", "json")
     wait_serving_load(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
     held = wait_held(d.name, 1, "warm")
+    wait_for(lambda: any(r["rank"] == 1 and "held in warm" in (r.get("state_reason") or "")
+                         and r.get("requests_running", 0) + r.get("requests_waiting", 0) > 0
+                         for r in status(d.name)["ranks"]), timeout=90, interval=0.3,
+             what="rank 1 held in warm with requests")
     _kill(held, 1)
     out_s, err_s = scale.communicate(timeout=120)
     assert scale.returncode == 5, out_s  # the scale failed in its commit ...
@@ -242,7 +249,7 @@ def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
     # completed, so the survivor set is {0}: DP 1.
     after = _serving(d.name, 1, timeout=120)
     assert [r["rank"] for r in after["ranks"] if r["state"] == "serving"] == [0]
-    # Held in its commit for 8 s under the open-loop load, rank 1 had been handed requests: they
+    # Held in its commit under the open-loop load, rank 1 had been handed requests: they
     # completed on rank 0 (those handed during the hold had not decoded yet: no resumed check).
     moved_off(finish_load(load, cfg_d, 16, stop=True)["records"], 1, resumed=False)
     ops = _recover_ops(d.name)
