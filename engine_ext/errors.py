@@ -60,6 +60,12 @@ _ERRORS_BY_CODE: dict[int, type[EepError]] = {
 }
 
 
+def error_record(e: EepError) -> dict[str, Any]:
+    """A refusal as an actor's answer carries it across the process boundary:
+    ``{"error": {"code", "message", "detail"}}`` (``error_from_record`` rebuilds the error)."""
+    return {"error": {"code": int(e.exit_code), "message": e.message, "detail": e.detail}}
+
+
 def error_from_record(record: dict[str, Any]) -> EepError:
     """Rebuild an error that crossed a process boundary as {"code", "message", "detail"}."""
     cls = _ERRORS_BY_CODE.get(int(record.get("code", 1)), EepError)

@@ -18,6 +18,7 @@ from engine_ext.errors import (
     UnreachableError,
     UsageError,
     error_from_record,
+    error_record,
 )
 from engine_ext.records import (
     REPORTED_PHASES,
@@ -37,7 +38,7 @@ __all__ = [
     "DEFAULT_DEPLOYMENT", "DEFAULT_NAMESPACE", "REPORTED_PHASES", "SCHEMA_VERSION", "STALE_AFTER_S",
     "DeploymentKind", "EepError", "Event", "ExitCode", "OpState", "Operation", "Phase", "PreconditionError",
     "RankState", "RankStatus", "TransitionFailed", "TransitionTimeout", "UnreachableError", "UsageError",
-    "VllmRankStatus", "error_from_record", "from_builtins", "to_builtins", "validate_name",
+    "VllmRankStatus", "error_from_record", "error_record", "from_builtins", "to_builtins", "validate_name",
 ]
 
 SCHEMA_VERSION = 1  # of every JSON object eepctl prints (docs/status-schema.md)

@@ -1,7 +1,7 @@
 """`eepctl autoscale` through the driver seam on a real Ray cluster: the real CLI (subprocesses)
 calls the reference driver, which calls ``set_autoscale`` / ``autoscale_show`` /
-``autoscale_decisions`` on a detached actor named as the deployment's controller that mounts
-``AutoscaleMethods`` over an ``AutoscaleHost`` (as the controller does), fed real-shaped rank
+``autoscale_decisions`` on a detached actor named as the deployment's controller whose three
+methods hand the call to an ``AutoscaleHost`` (as the controller's do), fed real-shaped rank
 status records. The policy persists through the host's ``persist`` and survives the actor's
 replacement."""
 
@@ -23,12 +23,21 @@ def _start_host(saved: dict[str, Any] | None) -> Any:
     """The actor, named as the controller; its class is built here so Ray ships it by value."""
     import ray
 
-    from engine_ext.ray.autoscale_host import AutoscaleHost, AutoscaleMethods
+    from engine_ext.ray.autoscale_host import AutoscaleHost
 
-    class AutoscalingController(AutoscaleMethods):
+    class AutoscalingController:
         def __init__(self, saved: dict[str, Any] | None) -> None:
             self.saved: dict[str, Any] = saved or {}
             self.autoscale_host = AutoscaleHost(NAME, max_dp=4, persist=self._persist, saved=saved)
+
+        def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
+            return self.autoscale_host.set_autoscale(changes)
+
+        def autoscale_show(self) -> dict[str, Any]:
+            return self.autoscale_host.autoscale_show()
+
+        def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
+            return self.autoscale_host.autoscale_decisions(since, limit)
 
         def _persist(self, state: dict[str, Any]) -> None:
             self.saved = state

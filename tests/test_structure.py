@@ -49,24 +49,41 @@ def test_modules_and_functions_are_short():
     assert not too_long, "\n".join(too_long)
 
 
+def _is_stub(node: ast.AST) -> bool:
+    """A declaration that defines nothing: ``name: T`` without a value, or a function whose body
+    is ``...`` (a docstring aside). A mixin that declares its host's private attributes this way
+    still uses them: the host's module defines them."""
+    if isinstance(node, ast.AnnAssign):
+        return node.value is None
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+                                             and isinstance(b.value.value, str))]
+        return len(body) == 1 and isinstance(body[0], ast.Expr) and getattr(body[0].value, "value", None) is ...
+    return False
+
+
 def _private_definitions(tree: ast.Module) -> set[str]:
     """The private names a module defines: functions, classes, module globals, and attributes it
-    assigns on ``self``/``cls``."""
+    assigns on ``self``/``cls``; a stub (``_is_stub``) defines nothing."""
     names: set[str] = set()
+    declared = {id(n.target) for n in ast.walk(tree) if isinstance(n, ast.AnnAssign) and _is_stub(n)}
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            if not _is_stub(node):
+                names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and id(node) not in declared:
             names.add(node.id)
-        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and id(node) not in declared
               and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
             names.add(node.attr)
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
 
 def _foreign_private_uses(path: str, tree: ast.Module, owners: dict[str, set[str]]) -> list[str]:
-    """``obj._name`` (obj not self/cls) or ``from first_party import _name``, where ``_name`` is a
-    private name another first-party module defines and this one does not."""
+    """``obj._name`` or ``from first_party import _name``, where ``_name`` is a private name
+    another first-party module defines and this one does not. ``self._name`` counts too: a class
+    that uses a private name only its subclass or base in another module defines (a mixin) is
+    coupled to that module's insides."""
     mine = _private_definitions(tree)
     foreign = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                for a in n.names if a.name.split(".")[0] not in PACKAGES}
@@ -79,8 +96,8 @@ def _foreign_private_uses(path: str, tree: ast.Module, owners: dict[str, set[str
                       for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             base = node.value
-            if isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in foreign):
-                continue  # its own object, or a third-party module's internals
+            if isinstance(base, ast.Name) and base.id in foreign:
+                continue  # a third-party module's internals
             if node.attr not in mine and owners.get(node.attr, set()) - {path}:
                 found.append(f"{path}:{node.lineno} uses {node.attr} of {sorted(owners[node.attr])}")
     return found

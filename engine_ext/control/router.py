@@ -226,9 +226,3 @@ class Router:
         parked, self._parked = self._parked, []
         for wire in parked:
             self._resolve(dict(wire, rank=-1, error=reason))
-
-    def fail_all(self, ranks: set[int], reason: str) -> None:
-        for rid, rank in list(self._owner.items()):
-            if rank in ranks:
-                self._resolve({"request_id": rid, "rank": rank, "error": reason})
-

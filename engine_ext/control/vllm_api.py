@@ -91,6 +91,24 @@ class VllmApi:
         raise TransitionFailed(f"vLLM at {self.base_url} answered /is_scaling_elastic_ep with HTTP {code}: "
                                f"{message_of(body)}")
 
+    def fault_tolerance(self) -> dict[str, Any] | None:
+        """vLLM's fault-tolerance status (``{"total_engines", "engines": [{"id", "status", ...}]}``),
+        or None when the server runs without ``--enable-fault-tolerance``. UnreachableError when
+        nothing answers or the key is refused, PreconditionError on 503 (scaling, or wedged),
+        TransitionFailed on any other answer. The one reader of ``GET /fault_tolerance/status``."""
+        code, body = self.get("/fault_tolerance/status")
+        if code in (404, 405):
+            return None
+        if code in (401, 403):
+            raise UnreachableError(f"vLLM at {self.base_url} refused the API key (HTTP {code}); "
+                                   "pass --api-key or set VLLM_API_KEY")
+        if code == 503:
+            raise PreconditionError(f"vLLM at {self.base_url} answers 503 (scaling, or wedged: `eepctl status`)")
+        if code != 200 or not isinstance(body, dict) or not isinstance(body.get("engines"), list):
+            raise TransitionFailed(f"vLLM at {self.base_url} answered /fault_tolerance/status with HTTP {code}: "
+                                   f"{message_of(body)}")
+        return body
+
     def complete(self, model: str, prompt: list[int], max_tokens: int, timeout_s: float) -> dict[str, Any]:
         """One greedy completion of a token-id prompt through ``/v1/completions``.
 
@@ -138,6 +156,25 @@ def message_of(body: Any) -> str:
             return str(body["message"])
     text = str(body or "").strip()
     return " ".join(text.split())[:300] or "no message"
+
+
+def fault_tolerance_health(api: VllmApi) -> dict[str, Any] | None:
+    """``api.fault_tolerance()`` for what only shows it (status, the controller's loop, an
+    operation's record): ``{"error": why, "engines": []}`` when it cannot be read; never raises."""
+    try:
+        return api.fault_tolerance()
+    except EepError as e:
+        return {"error": e.message, "engines": []}
+
+
+def engine_health(body: dict[str, Any] | None) -> dict[str, str]:
+    """Each engine's health (id -> status) from a fault-tolerance status; ``{"error": why}`` for
+    one that could not be read, ``{}`` for none."""
+    if not body:
+        return {}
+    if body.get("error"):
+        return {"error": str(body["error"])}
+    return {str(e.get("id")): str(e.get("status")) for e in body.get("engines", [])}
 
 
 def error_for(code: int, body: Any, new_size: int, info: dict[str, Any]) -> EepError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine_ext.control.vllm_api import message_of
+from engine_ext.control.vllm_api import engine_health, fault_tolerance_health, message_of
 from engine_ext.control.vllm_deployment import api_for
 from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import (
@@ -30,33 +30,17 @@ HEALTHY, UNHEALTHY, DEAD = "healthy", "unhealthy", "dead"
 
 
 def status(snap: dict[str, Any], *, api_key: str | None, timeout_s: float = 10.0) -> dict[str, Any] | None:
-    """vLLM's fault-tolerance status (``{"total_engines", "engines": [{"id", "status", ...}]}``),
-    or None when the server runs without ``--enable-fault-tolerance``. UnreachableError when
-    nothing answers or the key is refused."""
-    api = api_for(snap, api_key, timeout_s)
-    code, body = api.get("/fault_tolerance/status")
-    if code in (404, 405):
-        return None
-    if code in (401, 403):
-        raise UnreachableError(f"vLLM at {api.base_url} refused the API key (HTTP {code}); "
-                               "pass --api-key or set VLLM_API_KEY")
-    if code == 503:
-        raise PreconditionError(f"vLLM at {api.base_url} answers 503 (scaling, or wedged: `eepctl status`)")
-    if code != 200 or not isinstance(body, dict) or not isinstance(body.get("engines"), list):
-        raise TransitionFailed(f"vLLM at {api.base_url} answered /fault_tolerance/status with HTTP {code}: "
-                               f"{message_of(body)}")
-    return body
+    """vLLM's fault-tolerance status, or None when the server runs without
+    ``--enable-fault-tolerance`` (``VllmApi.fault_tolerance``: its errors)."""
+    return api_for(snap, api_key, timeout_s).fault_tolerance()
 
 
 def health(snap: dict[str, Any], *, api_key: str | None) -> dict[str, Any] | None:
     """For `eepctl status`: the fault-tolerance status of a server that has it (None when its
-    info says it has none), or ``{"error": why}``; never raises."""
+    info says it has none), or ``{"error": why, "engines": []}``."""
     if not (snap.get("info") or {}).get("fault_tolerance"):
         return None
-    try:
-        return status(snap, api_key=api_key, timeout_s=5.0)
-    except EepError as e:
-        return {"error": e.message, "engines": []}
+    return fault_tolerance_health(api_for(snap, api_key, timeout_s=5.0))
 
 
 def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> dict[str, Any]:
@@ -80,7 +64,7 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
     op: dict[str, Any] = {"op_id": new_op_id(), "kind": "repair", "deployment": name, "instruction": INSTRUCTION,
                           "from_size": size, "to_size": size, "state": OpState.RUNNING.value, "started": time.time(),
                           "finished": None, "error": "", "error_code": 0, "request_id": "",
-                          "engines_before": _health(before), "engines_after": {}}
+                          "engines_before": engine_health(before), "engines_after": {}}
     dead = [e for e in before["engines"] if e.get("status") == DEAD]
     if dead:
         return _finish(op, before, PreconditionError(
@@ -117,12 +101,8 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
         f"{timeout_s:.0f}s (`eepctl status -n {name}`)"))
 
 
-def _health(body: dict[str, Any]) -> dict[str, str]:
-    return {str(e.get("id")): str(e.get("status")) for e in body.get("engines", [])}
-
-
 def _finish(op: dict[str, Any], last: dict[str, Any], error: EepError | None) -> dict[str, Any]:
-    op.update(finished=time.time(), engines_after=_health(last),
+    op.update(finished=time.time(), engines_after=engine_health(last),
               state=OpState.SUCCEEDED.value if error is None else
               OpState.TIMED_OUT.value if isinstance(error, TransitionTimeout) else OpState.FAILED.value)
     if error is not None:

@@ -59,10 +59,6 @@ def configure_node(node_ip: str, ifname: str = "") -> NodeAddress:
     return _node
 
 
-def node_address() -> NodeAddress | None:
-    return _node
-
-
 def gloo_options(timeout: datetime.timedelta) -> dist.ProcessGroupGloo._Options | None:
     """Options with one device bound to this node's address, or None (process launcher on one
     node: gloo's default device, which honours GLOO_SOCKET_IFNAME itself)."""

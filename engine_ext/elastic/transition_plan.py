@@ -47,10 +47,6 @@ class TransitionPlan:
     def new_world(self) -> tuple[int, ...]:
         return self.new_members or tuple(range(self.new_size))
 
-    def old_pos(self, rank: int) -> int:
-        """The position of global rank ``rank`` in the old world (-1: not a member)."""
-        return self.old_world.index(rank) if rank in self.old_world else -1
-
     def new_pos(self, rank: int) -> int:
         """The position of global rank ``rank`` in the new world (-1: not a member)."""
         return self.new_world.index(rank) if rank in self.new_world else -1

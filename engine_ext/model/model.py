@@ -114,16 +114,6 @@ class MoEModel:
         self.position.fill_(rank)  # in place: captures hold this tensor
         self._set_routing(layout)
 
-    def dense_vector(self) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in self.dense.values()])
-
-    def load_dense_vector(self, vec: torch.Tensor) -> None:
-        offset = 0
-        for t in self.dense.values():
-            n = t.numel()
-            t.copy_(vec[offset : offset + n].view_as(t))
-            offset += n
-
     def expert_vector(self, slot: int) -> torch.Tensor:
         return torch.cat([self.w1[:, slot].reshape(-1), self.w2[:, slot].reshape(-1)])
 

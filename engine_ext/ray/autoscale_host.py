@@ -1,9 +1,9 @@
 """The controller's autoscaling side: the policy the deployment keeps, the window of rank
-signals, the decisions, and the three actor methods ``eepctl autoscale`` calls through the
-reference driver (``set_autoscale``, ``autoscale_show``, ``autoscale_decisions``).
+signals, the decisions, and what the three actor methods ``eepctl autoscale`` calls through the
+driver (``set_autoscale``, ``autoscale_show``, ``autoscale_decisions``) answer.
 
-The controller owns one ``AutoscaleHost`` (``autoscale_host``) and mounts ``AutoscaleMethods``
-as a base class. Its reconcile loop calls ``tick`` once per round with the ranks' status
+The controller owns one ``AutoscaleHost`` (``autoscale_host``) and its three actor methods hand
+the call to it. Its reconcile loop calls ``tick`` once per round with the ranks' status
 records, acts on a decision whose ``act`` is set through the orchestrator's scale, and reports
 the outcome with ``record_outcome``. Durable state goes out through ``persist`` (the controller
 keeps it in Ray's GCS KV) and comes back as ``saved`` after a controller restart.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from engine_ext.control.autoscale_policy import AutoscalePolicy
 from engine_ext.control.autoscale_signals import SignalWindow
 from engine_ext.control.autoscaler import Autoscaler, Decision
-from engine_ext.protocol import EepError, PreconditionError, UsageError
+from engine_ext.protocol import PreconditionError, UsageError, error_record
 
 if TYPE_CHECKING:
     from engine_ext.control.orchestrator import Orchestrator
@@ -28,10 +28,6 @@ PERSIST_QUIET_S = 10.0  # ticks that change nothing are persisted at most this o
 
 Persist = Callable[[dict[str, Any]], None]
 """Stores the host's durable state (``AutoscaleHost.state``): the policy and the last decisions."""
-
-
-def _error(e: EepError) -> dict[str, Any]:
-    return {"error": {"code": int(e.exit_code), "message": e.message, "detail": e.detail}}
 
 
 class AutoscaleHost:
@@ -83,17 +79,17 @@ class AutoscaleHost:
             self._shown = (key, now, self.autoscale_show())
         return self._shown[2]
 
-    # ---- the actor methods -------------------------------------------------------------------
+    # ---- what the actor methods answer -------------------------------------------------------
     def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Set the policy: ``changes`` over the current one (or the defaults, mode advisory)."""
         before = self.policy.to_dict() if self.policy else None
         try:
             policy = AutoscalePolicy.from_dict({**(before or {}), **changes})
         except ValueError as e:
-            return _error(UsageError(str(e)))
+            return error_record(UsageError(str(e)))
         if policy.max_dp > self.max_dp:
-            return _error(PreconditionError(f"--max-dp {policy.max_dp} is over the deployment's max DP "
-                                            f"{self.max_dp} (set at `eepctl up --max-dp`)"))
+            return error_record(PreconditionError(f"--max-dp {policy.max_dp} is over the deployment's max DP "
+                                                  f"{self.max_dp} (set at `eepctl up --max-dp`)"))
         if self.autoscaler is None:
             self.autoscaler = Autoscaler(policy)
         else:
@@ -154,22 +150,6 @@ class AutoscaleHost:
             self.persist(self._durable)
         except Exception:  # noqa: BLE001 - the next change persists again; the loop never dies of it
             pass
-
-
-class AutoscaleMethods:
-    """The controller's actor methods for ``eepctl autoscale``; mount as a base class of the
-    controller, which sets ``self.autoscale_host``."""
-
-    autoscale_host: AutoscaleHost
-
-    def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
-        return self.autoscale_host.set_autoscale(changes)
-
-    def autoscale_show(self) -> dict[str, Any]:
-        return self.autoscale_host.autoscale_show()
-
-    def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
-        return self.autoscale_host.autoscale_decisions(since, limit)
 
 
 Act = Callable[[Decision], Awaitable[dict[str, Any]]]

@@ -19,9 +19,9 @@ import ray
 from engine_ext.config import EngineConfig
 from engine_ext.control.orchestrator import Orchestrator
 from engine_ext.control.reconciler import Reconciler
-from engine_ext.protocol import EepError, ExitCode, PreconditionError
+from engine_ext.protocol import EepError, PreconditionError, UnreachableError, error_record
 from engine_ext.ray import placement
-from engine_ext.ray.autoscale_host import AutoscaleHost, AutoscaleMethods, autoscale_round
+from engine_ext.ray.autoscale_host import AutoscaleHost, autoscale_round
 from engine_ext.ray.controller_memory import rank_actor_names, snapshot, sweep_orphans, take_over
 from engine_ext.ray.durable import DurableState
 from engine_ext.ray.registry_keeper import RegistryKeeper
@@ -29,7 +29,7 @@ from engine_ext.ray.spawner import RaySpawner
 from engine_ext.ray.standby import make_pool
 
 
-class Controller(AutoscaleMethods):
+class Controller:
     def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
                  cpus_per_rank: float, gpus_per_rank: float, placement_d: dict[str, Any] | None = None,
                  on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0) -> None:
@@ -102,7 +102,7 @@ class Controller(AutoscaleMethods):
         try:
             await self.orch.start(size, timeout_s)
         except EepError as e:
-            return _error(e)
+            return error_record(e)
         self._ready.set()
         self._persist()
         self.reconciler.start()
@@ -150,6 +150,16 @@ class Controller(AutoscaleMethods):
                 self._pool_watch.cancel()
             await self.spawner.pool.stop()
         await self.orch.stop()
+
+    # ---- autoscaling: the AutoscaleHost answers ------------------------------------------------
+    def set_autoscale(self, changes: dict[str, Any]) -> dict[str, Any]:
+        return self.autoscale_host.set_autoscale(changes)
+
+    def autoscale_show(self) -> dict[str, Any]:
+        return self.autoscale_host.autoscale_show()
+
+    def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
+        return self.autoscale_host.autoscale_decisions(since, limit)
 
     # ---- serving -------------------------------------------------------------------------------
     def on_results(self, results: list[dict[str, Any]], rank: int = -1, epoch: int = -1) -> None:
@@ -298,7 +308,7 @@ class Controller(AutoscaleMethods):
             plan["placement"] = {"policy": self.spawner.spec.policy, "nodes": self.spawner.predicted()}
             return plan
         except EepError as e:
-            return _error(e)
+            return error_record(e)
 
     async def scale(self, target: int, drain_timeout_s: float, timeout_s: float, wait: bool,
                     request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
@@ -313,7 +323,7 @@ class Controller(AutoscaleMethods):
         try:
             admitted = await self.orch.admit(target, settle=True, probe_ranks=True, retire=retire)
         except EepError as e:
-            return _error(e)
+            return error_record(e)
         op_id = admitted.op.op_id
         if request_id:
             self.requests[request_id] = op_id
@@ -328,8 +338,9 @@ class Controller(AutoscaleMethods):
         op_id = self.requests[request_id]
         known = next((op for op in reversed(self.orch.history) if op["op_id"] == op_id), None)
         if known is not None and known.get("to_size") != target:
-            return _error(PreconditionError(f"request id {request_id!r} was used for {op_id} "
-                                            f"(DP {known.get('from_size')}->{known.get('to_size')}), not DP {target}"))
+            return error_record(PreconditionError(
+                f"request id {request_id!r} was used for {op_id} "
+                f"(DP {known.get('from_size')}->{known.get('to_size')}), not DP {target}"))
         if not wait or op_id not in self._tasks:
             return {**(known or {"op_id": op_id}), "op_id": op_id, "accepted": True, "repeated": True,
                     **({} if known is None or known.get("finished") else {"state": "running"})}
@@ -341,7 +352,7 @@ class Controller(AutoscaleMethods):
             for op in self.orch.history:
                 if op["op_id"] == op_id:
                     return op
-            return _error_code(ExitCode.UNREACHABLE, f"no operation {op_id}")
+            return error_record(UnreachableError(f"no operation {op_id}"))
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout_s)
         except asyncio.TimeoutError:
@@ -349,14 +360,6 @@ class Controller(AutoscaleMethods):
             where = ({"phase": op.phase, "from_size": op.from_size, "to_size": op.to_size}
                      if op is not None and op.op_id == op_id else {})
             return {"op_id": op_id, "state": "running", **where}
-
-
-def _error(e: EepError) -> dict[str, Any]:
-    return {"error": {"code": int(e.exit_code), "message": e.message, "detail": e.detail}}
-
-
-def _error_code(code: ExitCode, message: str) -> dict[str, Any]:
-    return {"error": {"code": int(code), "message": message, "detail": {}}}
 
 
 def _autoscaler_metrics(deployment: str) -> Any:

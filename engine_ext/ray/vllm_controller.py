@@ -7,8 +7,8 @@ leaves a running operation that still ends, and its deadline is enforced here, n
 client. What vLLM reports at the end is reconciled into the record: a scaling flag still set (the
 wedge of vLLM #53947) and each engine's fault-tolerance health where the server has it. Clients
 reach it through ``engine_ext.drivers.vllm_scale``; the API key rides in each call, never in a record.
-Between operations its loop (engine_ext.ray.vllm_loop) reconciles what vLLM reports and runs the
-shared autoscaler in advisory mode.
+Between operations its loop (engine_ext.ray.vllm_loop, a collaborator it owns and serves as
+``LoopHost``) reconciles what vLLM reports and runs the shared autoscaler in advisory mode.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from engine_ext.control.vllm_api import VllmApi, error_for, message_of
+from engine_ext.control.vllm_api import VllmApi, engine_health, error_for, fault_tolerance_health, message_of
 from engine_ext.control.vllm_reconcile import FLAG_STUCK_S
 from engine_ext.control.vllm_deployment import (
     abandoned,
@@ -32,12 +32,12 @@ from engine_ext.control.vllm_deployment import (
 from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import (
     EepError,
-    ExitCode,
     OpState,
     PreconditionError,
     TransitionFailed,
     TransitionTimeout,
     UnreachableError,
+    error_record,
 )
 from engine_ext.ray.names import registry_name, vllm_controller_name
 from engine_ext.ray.vllm_loop import TICK_S, VllmLoop, read_flag
@@ -46,13 +46,9 @@ FLAG_SETTLE_S = 10.0  # how long vLLM may take to lower its scaling flag after i
 FLAG_BOUND_ENV = "EEPCTL_VLLM_FLAG_STUCK_S"
 
 
-def error_record(e: EepError) -> dict[str, Any]:
-    """A refusal as it crosses the actor boundary (the reference controller's shape)."""
-    return {"error": {"code": int(e.exit_code), "message": e.message, "detail": e.detail}}
-
-
-class VllmController(VllmLoop):
-    """One per vLLM deployment; holds the operations it runs, the registry holds the history."""
+class VllmController:
+    """One per vLLM deployment; holds the operations it runs, the registry holds the history.
+    Its loop (``VllmLoop``) reaches it through ``call``, ``record``, ``running_op`` and ``owns_op``."""
 
     def __init__(self, deployment: str, namespace: str, flag_bound_s: float = FLAG_STUCK_S,
                  tick_s: float = TICK_S) -> None:
@@ -63,7 +59,8 @@ class VllmController(VllmLoop):
         self._ops: dict[str, dict[str, Any]] = {}
         self._by_request: dict[str, str] = {}
         self._running: str | None = None
-        self._start_loop(namespace, flag_bound_s, tick_s)
+        self.loop = VllmLoop(self, namespace, flag_bound_s, tick_s)
+        self.loop.start()
 
     def _registry(self) -> Any:
         """Looked up by name at each use: the registry may have been recreated."""
@@ -72,34 +69,58 @@ class VllmController(VllmLoop):
         except ValueError:
             raise UnreachableError(f"the registry of vLLM deployment {self.deployment!r} is gone") from None
 
-    def _call(self, method: str, *args: Any) -> Any:
+    # ---- what its loop calls (LoopHost) ------------------------------------------------------
+    def call(self, method: str, *args: Any) -> Any:
+        """A registry method, answered within 10 s."""
         from engine_ext.ray.deployment import call
 
         return call(getattr(self._registry(), method).remote(*args), timeout=10)
 
-    def _record(self, op: dict[str, Any]) -> None:
+    def record(self, op: dict[str, Any]) -> None:
+        """Keep ``op`` as this controller's and send it to the registry (best effort)."""
         with self._changed:
             self._ops[op["op_id"]] = dict(op)
             if op["state"] != OpState.RUNNING.value and self._running == op["op_id"]:
                 self._running = None
             self._changed.notify_all()
         try:
-            self._call("record_operation", dict(op))
+            self.call("record_operation", dict(op))
         except EepError:
             pass  # the registry is being recreated; the final record is written again at the end
+
+    def running_op(self) -> str | None:
+        with self._changed:
+            return self._running
+
+    def owns_op(self, op_id: str) -> bool:
+        with self._changed:
+            return op_id in self._ops
+
+    # ---- autoscaling: the loop's AutoscaleHost answers ------------------------------------------
+    def set_autoscale(self, changes: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
+        return self.loop.set_autoscale(changes, api_key)
+
+    def autoscale_show(self) -> dict[str, Any]:
+        return self.loop.autoscale_host.autoscale_show()
+
+    def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
+        return self.loop.autoscale_host.autoscale_decisions(since, limit)
+
+    def stop(self) -> None:
+        self.loop.stop()
 
     # ---- what clients call -------------------------------------------------------------------
     def scale(self, target: int, drain_timeout_s: float, timeout_s: float, request_id: str | None = None,
               api_key: str | None = None) -> dict[str, Any]:
         """Admit a scale to ``target`` and start it; the accepted operation (or, for a retry of
         ``request_id``, that request's operation), or an error record."""
-        self.remember_key(api_key)
+        self.loop.remember_key(api_key)
         try:
             with self._changed:
                 same = self._same_request(request_id, target)
                 if same is not None:
                     return same
-                snap = self._call("snapshot")
+                snap = self.call("snapshot")
                 api = api_for(snap, api_key, timeout_s=10.0)
                 self._admit(snap, api, target)
                 op = self._new_op(snap, api, target, timeout_s, request_id)
@@ -109,7 +130,7 @@ class VllmController(VllmLoop):
                 self._running = op["op_id"]
                 if request_id:
                     self._by_request[request_id] = op["op_id"]
-            self._record(op)
+            self.record(op)
             threading.Thread(target=self._run, args=(op, api, max(1, round(drain_timeout_s)), timeout_s, seq,
                                                       snap.get("info") or {}),
                              name=f"eep-vllm-scale-{op['op_id']}", daemon=True).start()
@@ -127,7 +148,8 @@ class VllmController(VllmLoop):
                     break
                 self._changed.wait(left)
             if op_id not in self._ops:
-                return _unknown(op_id, self.deployment)
+                return error_record(UnreachableError(f"no operation {op_id} in the controller of "
+                                                     f"{self.deployment!r}"))
             return dict(self._ops[op_id])
 
     def pid(self) -> int:
@@ -137,8 +159,8 @@ class VllmController(VllmLoop):
     def info(self) -> dict[str, Any]:
         with self._changed:
             return {"deployment": self.deployment, "started_at": self.started_at, "running": self._running,
-                    "operations": len(self._ops), "ticks": self.ticks, "findings": dict(self.findings),
-                    "flag_bound_s": self.flag_watch.bound_s, "last_error": self.last_error}
+                    "operations": len(self._ops), "ticks": self.loop.ticks, "findings": dict(self.loop.findings),
+                    "flag_bound_s": self.loop.flag_watch.bound_s, "last_error": self.loop.last_error}
 
     # ---- admission ---------------------------------------------------------------------------
     def _same_request(self, request_id: str | None, target: int) -> dict[str, Any] | None:
@@ -159,7 +181,7 @@ class VllmController(VllmLoop):
         if mine is not None and mine["state"] != OpState.RUNNING.value:
             running = None  # ended here; the registry has not taken the final record yet
         if running and mine is None and abandoned(running):
-            self._record(dict(running, state=OpState.FAILED.value, finished=time.time(), error_code=5,
+            self.record(dict(running, state=OpState.FAILED.value, finished=time.time(), error_code=5,
                               error="abandoned: the client that started it stopped before vLLM answered"))
             running = None
         if running or self._running:
@@ -170,7 +192,7 @@ class VllmController(VllmLoop):
             wedge = (snap.get("info") or {}).get("wedged")
             if wedge:
                 raise PreconditionError(wedged_message(self.deployment, wedge))
-            stuck = self.findings.get("flag_stuck")
+            stuck = self.loop.findings.get("flag_stuck")
             if stuck:
                 raise PreconditionError(f"vLLM deployment {self.deployment!r}: {stuck['reason']}; {stuck['repair']}")
             raise PreconditionError(f"vLLM reports a scale of {self.deployment!r} in progress; one scale at a time")
@@ -217,7 +239,7 @@ class VllmController(VllmLoop):
             poster.join(0.5)
             seq = self._follow(seq, events)
             if poster.is_alive() and op["phase"] != "commit" and read_flag(api):
-                self._record(dict(op, phase="commit"))  # vLLM raises its flag once prepare is done
+                self.record(dict(op, phase="commit"))  # vLLM raises its flag once prepare is done
                 op["phase"] = "commit"
         error: EepError | None
         if poster.is_alive():
@@ -254,7 +276,7 @@ class VllmController(VllmLoop):
     def _follow(self, seq: int, events: list[dict[str, Any]]) -> int:
         """New rank events since ``seq`` (vLLM's ranks name their own operation ids)."""
         try:
-            data = self._call("events", None, seq)
+            data = self.call("events", None, seq)
         except EepError:
             return seq
         for ev in data["events"]:
@@ -265,7 +287,7 @@ class VllmController(VllmLoop):
 
     def _last_seq(self) -> int:
         try:
-            return max((e["seq"] for e in self._call("events", None, 0)["events"]), default=0)
+            return max((e["seq"] for e in self.call("events", None, 0)["events"]), default=0)
         except EepError:
             return 0
 
@@ -278,11 +300,11 @@ class VllmController(VllmLoop):
             if ev["phase"] == "capture" and ev.get("outcome") == "ok":
                 captures[str(ev["rank"])] = captures.get(str(ev["rank"]), 0) + 1
         try:
-            snap = self._call("snapshot")
+            snap = self.call("snapshot")
             op["workspace_after"] = _workspace(snap)
             op["rank_states"] = {str(r["rank"]): r["state"] for r in snap.get("ranks", [])}
             if (snap.get("info") or {}).get("fault_tolerance"):
-                op["plan"] = dict(op["plan"], engines_after=_engine_health(api))
+                op["plan"] = dict(op["plan"], engines_after=engine_health(fault_tolerance_health(api)))
         except EepError:
             pass
         op.update(phase_durations=phases, captures_per_rank=captures, rank_ops=sorted({ev["op_id"] for ev in events}),
@@ -290,23 +312,7 @@ class VllmController(VllmLoop):
                   OpState.TIMED_OUT.value if isinstance(error, TransitionTimeout) else OpState.FAILED.value)
         if error is not None:
             op.update(error=error.message, error_code=int(error.exit_code))
-        self._record(op)
-
-
-def _unknown(op_id: str, deployment: str) -> dict[str, Any]:
-    return {"error": {"code": int(ExitCode.UNREACHABLE), "message": f"no operation {op_id} in the controller "
-                      f"of {deployment!r}", "detail": {}}}
-
-
-def _engine_health(api: VllmApi) -> dict[str, str]:
-    """Each engine's health from vLLM's fault tolerance (``{"error": why}`` when unreadable)."""
-    try:
-        code, body = api.get("/fault_tolerance/status")
-    except EepError as e:
-        return {"error": e.message}
-    if code != 200 or not isinstance(body, dict):
-        return {"error": f"HTTP {code}: {message_of(body)}"}
-    return {str(e.get("id")): str(e.get("status")) for e in body.get("engines", [])}
+        self.record(op)
 
 
 def _workspace(snap: dict[str, Any]) -> dict[str, int]:

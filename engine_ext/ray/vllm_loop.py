@@ -3,21 +3,21 @@ autoscaler's decision core runs on vLLM's own figures.
 
 Every TICK_S (an Event wait: no tick of its own making in between) the loop reads the registry
 once, watches vLLM's scaling flag as the plugin publishes it (the endpoint only when that is
-stale), ends an operation whose controller died mid-scale once vLLM's flag is down, reads vLLM's fault-tolerance status at most every FT_EVERY_S on a server that has it, and
-runs one decision of the shared core (engine_ext.ray.autoscale_host) in advisory mode. What status
-shows goes into the registry's info only when it differs from what is there; the policy and the
-decisions persist in the GCS KV under the key `eepctl down` deletes. Mounted by
-``engine_ext.ray.vllm_controller.VllmController``, which provides ``_call``, ``_changed`` and
-``_running``.
+stale), ends an operation whose controller died mid-scale once vLLM's flag is down, reads vLLM's
+fault-tolerance status at most every FT_EVERY_S on a server that has it, and runs one decision of
+the shared core (engine_ext.ray.autoscale_host) in advisory mode. What status shows goes into the
+registry's info only when it differs from what is there; the policy and the decisions persist in
+the GCS KV under the key `eepctl down` deletes. Owned by
+``engine_ext.ray.vllm_controller.VllmController``, which it reaches only through ``LoopHost``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from engine_ext.control.vllm_api import VllmApi, message_of
+from engine_ext.control.vllm_api import VllmApi, fault_tolerance_health
 from engine_ext.control.vllm_deployment import api_for, current_size
 from engine_ext.control.vllm_reconcile import (
     FLAG_STUCK_S,
@@ -27,8 +27,8 @@ from engine_ext.control.vllm_reconcile import (
     engines_finding,
     published_flag,
 )
-from engine_ext.protocol import EepError, PreconditionError
-from engine_ext.ray.autoscale_host import AutoscaleHost, AutoscaleMethods
+from engine_ext.protocol import EepError, PreconditionError, error_record
+from engine_ext.ray.autoscale_host import AutoscaleHost
 from engine_ext.ray.durable import DurableState
 
 TICK_S = 2.0  # the loop's period: the plugin refreshes the API server's info every 2 s, rank records every 1 s
@@ -38,24 +38,35 @@ MODE_ON_REFUSED = ("--mode on is not available for a vLLM deployment: vLLM's sca
                    "restart; use --mode advisory and act with `eepctl scale`")
 
 
-def _error(e: EepError) -> dict[str, Any]:
-    return {"error": {"code": int(e.exit_code), "message": e.message, "detail": e.detail}}
-
-
-class VllmLoop(AutoscaleMethods):
-    """The loop's state and the autoscale actor methods of a vLLM controller."""
+class LoopHost(Protocol):
+    """What the loop needs of the controller that owns it."""
 
     deployment: str
-    _changed: threading.Condition
-    _running: str | None
 
-    _ops: dict[str, dict[str, Any]]
+    def call(self, method: str, *args: Any) -> Any:
+        """A method of the deployment's registry, answered (EepError when the registry is gone)."""
+        ...
 
-    def _call(self, method: str, *args: Any) -> Any: ...
+    def record(self, op: dict[str, Any]) -> None:
+        """Record ``op`` (an orphaned scale the loop ended) as the controller records its own."""
+        ...
 
-    def _record(self, op: dict[str, Any]) -> None: ...
+    def running_op(self) -> str | None:
+        """The id of the scale the controller runs now, if any."""
+        ...
 
-    def _start_loop(self, namespace: str, flag_bound_s: float = FLAG_STUCK_S, tick_s: float = TICK_S) -> None:
+    def owns_op(self, op_id: str) -> bool:
+        """Whether the controller started (or ended) operation ``op_id`` itself."""
+        ...
+
+
+class VllmLoop:
+    """The loop's state and its autoscaler (``set_autoscale`` checks a policy against vLLM's bounds)."""
+
+    def __init__(self, host: LoopHost, namespace: str, flag_bound_s: float = FLAG_STUCK_S,
+                 tick_s: float = TICK_S) -> None:
+        self.host = host
+        self.deployment = host.deployment
         self.tick_s = tick_s
         self.flag_watch = FlagWatch(bound_s=flag_bound_s)
         self.orphans = OrphanWatch()
@@ -73,7 +84,12 @@ class VllmLoop(AutoscaleMethods):
                                             saved=saved.get("autoscale"))
         self._stop = threading.Event()
         self._ticking = threading.Lock()  # the loop's tick and a tick asked by set_autoscale
-        threading.Thread(target=self._loop, name="eep-vllm-reconcile", daemon=True).start()
+        self._thread: threading.Thread | None = None  # not started: its owner ticks it (a test)
+
+    def start(self) -> None:
+        """Tick every ``tick_s`` on a thread of its own until ``stop``."""
+        self._thread = threading.Thread(target=self._loop, name="eep-vllm-reconcile", daemon=True)
+        self._thread.start()
 
     def _persist(self, state: dict[str, Any]) -> None:
         """The autoscaler's durable state (policy, last decisions), written only when it changed."""
@@ -92,29 +108,32 @@ class VllmLoop(AutoscaleMethods):
         checked against what vLLM allows (its max DP, the fewest ranks that hold every expert)."""
         self.remember_key(api_key)
         try:
-            host = self.autoscale_host
-            mode = str(changes.get("mode", host.policy.mode if host.policy else "advisory"))
+            autoscale = self.autoscale_host
+            mode = str(changes.get("mode", autoscale.policy.mode if autoscale.policy else "advisory"))
             if mode == "on":
                 raise PreconditionError(MODE_ON_REFUSED)
-            info = self._call("snapshot").get("info") or {}
-            host.max_dp = int(info.get("max_dp") or info.get("dp") or host.max_dp)
-            hi = changes.get("max_dp", host.policy.max_dp if host.policy else 8)
-            if isinstance(hi, int) and hi > host.max_dp:
-                raise PreconditionError(f"--max-dp {hi} is over {self.deployment!r}'s max DP {host.max_dp} "
+            info = self.host.call("snapshot").get("info") or {}
+            autoscale.max_dp = int(info.get("max_dp") or info.get("dp") or autoscale.max_dp)
+            hi = changes.get("max_dp", autoscale.policy.max_dp if autoscale.policy else 8)
+            if isinstance(hi, int) and hi > autoscale.max_dp:
+                raise PreconditionError(f"--max-dp {hi} is over {self.deployment!r}'s max DP {autoscale.max_dp} "
                                         "(vLLM's --elastic-ep-max-dp-size)")
-            lo = changes.get("min_dp", host.policy.min_dp if host.policy else 1)
+            lo = changes.get("min_dp", autoscale.policy.min_dp if autoscale.policy else 1)
             if info.get("min_dp") and isinstance(lo, int) and lo < int(info["min_dp"]):
                 raise PreconditionError(f"--min-dp {lo} is under DP {info['min_dp']}, the fewest ranks of "
                                         f"{self.deployment!r} that hold its {info.get('num_experts')} experts")
         except EepError as e:
-            return _error(e)
-        res = host.set_autoscale(changes)
+            return error_record(e)
+        res = autoscale.set_autoscale(changes)
         self._wake()
         return res
 
     # ---- the loop ----------------------------------------------------------------------------
     def _wake(self) -> None:
-        """Publish the new policy at once instead of at the next tick."""
+        """Publish the new policy at once instead of at the next tick (a loop not started is
+        ticked by its owner)."""
+        if self._thread is None:
+            return
         threading.Thread(target=self._tick_safely, name="eep-vllm-reconcile-now", daemon=True).start()
 
     def _loop(self) -> None:
@@ -129,7 +148,7 @@ class VllmLoop(AutoscaleMethods):
         except Exception as e:  # noqa: BLE001 - the loop never dies of an action
             self.last_error = {"at": time.time(), "action": "vllm reconcile", "error": f"{type(e).__name__}: {e}"[:300]}
             try:  # shown by status; the registry itself may be what failed
-                self._call("set_info", {"control": {"vllm": self.findings, "last_error": self.last_error}})
+                self.host.call("set_info", {"control": {"vllm": self.findings, "last_error": self.last_error}})
             except Exception:  # noqa: BLE001
                 pass
 
@@ -137,18 +156,17 @@ class VllmLoop(AutoscaleMethods):
         """Observe (one registry read; vLLM's flag as the plugin published it, else the endpoint),
         find, decide, and publish what changed. Returns the findings."""
         now = time.time() if now is None else now
-        snap = self._call("snapshot")
+        snap = self.host.call("snapshot")
         info = snap.get("info") or {}
         flag = published_flag(snap, now)
         if flag is None and info.get("api_url"):
             flag = read_flag(api_for(snap, self._key, timeout_s=3.0))
         op = snap.get("operation")
-        with self._changed:
-            running = self._running
-            ours = bool(op) and op.get("op_id") in self._ops
+        running = self.host.running_op()
+        ours = bool(op) and self.host.owns_op(op["op_id"])
         ended = self.orphans.observe(now, op, ours, flag, current_size(snap))
         if ended is not None:  # a scale whose controller died: ended with the size vLLM reports
-            self._record(ended)
+            self.host.record(ended)
         findings: dict[str, Any] = {}
         stuck = self.flag_watch.observe(now, flag, running)
         if stuck:
@@ -169,20 +187,20 @@ class VllmLoop(AutoscaleMethods):
         if not (snap.get("info") or {}).get("fault_tolerance") or flag:
             return None
         if now - self._ft[0] >= FT_EVERY_S:
-            self._ft = (now, engines_finding(_ft_status(snap, self._key)))
+            self._ft = (now, engines_finding(fault_tolerance_health(api_for(snap, self._key, timeout_s=5.0))))
         return self._ft[1]
 
     def _autoscale(self, snap: dict[str, Any], now: float, flag: bool | None,
                    running: str | None) -> dict[str, Any] | None:
         """One decision of the shared core on vLLM's figures (advisory: recorded, never acted on)."""
-        host = self.autoscale_host
-        if host.policy is None:
+        autoscale = self.autoscale_host
+        if autoscale.policy is None:
             return None
-        if str(host.policy.mode) != "off":
+        if str(autoscale.policy.mode) != "off":
             members, statuses = current_world(snap)
             busy = running or ("vLLM's own scale (its scaling flag is set)" if flag else None)
-            host.tick(statuses, members, now=now, busy=busy)
-        return host.shown(now)
+            autoscale.tick(statuses, members, now=now, busy=busy)
+        return autoscale.shown(now)
 
     def _publish(self, info: dict[str, Any], findings: dict[str, Any], shown: dict[str, Any] | None) -> None:
         """What status shows, into the registry's info, only when it differs from what is there
@@ -194,7 +212,7 @@ class VllmLoop(AutoscaleMethods):
         if shown is not None:
             want["autoscale"] = shown
         if any(info.get(k) != v for k, v in want.items()):
-            self._call("set_info", want)
+            self.host.call("set_info", want)
 
 
 def read_flag(api: VllmApi) -> bool | None:
@@ -203,14 +221,3 @@ def read_flag(api: VllmApi) -> bool | None:
         return api.is_scaling()
     except EepError:
         return None
-
-
-def _ft_status(snap: dict[str, Any], api_key: str | None) -> dict[str, Any]:
-    """vLLM's ``GET /fault_tolerance/status`` body, or ``{"error": why}``."""
-    try:
-        code, body = api_for(snap, api_key, timeout_s=5.0).get("/fault_tolerance/status")
-    except EepError as e:
-        return {"error": e.message}
-    if code != 200 or not isinstance(body, dict):
-        return {"error": f"HTTP {code}: {message_of(body)}"}
-    return body
