@@ -18,7 +18,7 @@ from typing import Any
 from engine_ext.config import EngineConfig, RankFailurePolicy
 from engine_ext.control.admission import Admission, Admitted
 from engine_ext.control.rank_client import RankClient
-from engine_ext.control.recovery import Recovery
+from engine_ext.control.recovery import Growth, Recovery
 from engine_ext.control.router import Router
 from engine_ext.control.scale_plan import ScalePlan
 from engine_ext.control.scale_run import ScaleRun
@@ -168,19 +168,30 @@ class Orchestrator:
         admitted = await self.admit(target, op_id=op_id, retire=retire)
         return await self.run(admitted, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)
 
-    async def regrow(self) -> bool:
-        """After a recovery, policy ``replace`` grows back to the desired size through a normal
-        scale. False when that is not due (policy shrink, stopping, at size, no serving rank, or
-        another operation holds the lock)."""
+    def growth_target(self) -> int:
+        """The size policy ``replace`` grows back to now; 0 when no growth is due (policy shrink,
+        stopping, at the desired size, no serving rank, or another operation holds the lock)."""
         w = self.world
-        if (self.on_rank_failure != RankFailurePolicy.REPLACE or w.stopping or self.desired <= w.size
+        target = min(self.desired, self.max_dp)
+        if (self.on_rank_failure != RankFailurePolicy.REPLACE or w.stopping or target <= w.size
                 or not w.router.clients or w.op_lock.locked()):
-            return False
+            return 0
+        return target
+
+    async def regrow(self) -> Growth:
+        """Policy ``replace``'s one growth path, taken after a recovery and by the reconcile loop:
+        a normal scale to ``growth_target()`` once the new ranks can be placed. No scale starts
+        without capacity or when admission refuses it (the reconcile loop says why and retries)."""
+        w, target = self.world, self.growth_target()
+        if not target:
+            return Growth()
+        reason = self.spawner.check_capacity(target - w.size)
+        if reason:
+            return Growth(target, no_capacity=reason)
         try:
-            await self.scale(min(self.desired, self.max_dp))
-        except PreconditionError:  # no capacity: the reconcile loop says why and retries
-            return False
-        return True
+            return Growth(target, op=await self.scale(target))
+        except PreconditionError as e:
+            return Growth(target, refused=e.message)
 
     # ---- health: fence, rebuild ---------------------------------------------------------------
     async def fence(self, rank: int, reason: str) -> None:

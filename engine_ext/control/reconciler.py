@@ -17,7 +17,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from engine_ext.config import RankFailurePolicy
 from engine_ext.control.health import DEFAULT_DEADLINE_S, Health
 from engine_ext.control.world import short_error
 
@@ -141,16 +140,18 @@ class Reconciler:
             self.working_on = f"heal: every member degraded ({degraded}) and none is dead"
             o.recovery.rebuild("every member degraded and none is dead", untrusted=False)
             return [self.working_on]
-        if o.on_rank_failure == RankFailurePolicy.REPLACE and o.desired > w.size:
-            target = min(o.desired, o.max_dp)
-            reason = o.spawner.check_capacity(target - w.size)
-            if reason:
-                self.working_on = f"grow DP {w.size} -> {target}: waiting for capacity ({reason})"
-                self.failed("grow", f"no capacity to grow DP {w.size} -> {target}: {reason}")
-                return []
-            self.working_on = f"grow DP {w.size} -> {target} (policy replace)"
-            res = await o.scale(target)
-            return self._outcome("grow", res)
+        target, size = o.growth_target(), w.size
+        if target:  # the orchestrator's one growth path, as after a recovery
+            self.working_on = f"grow DP {size} -> {target} (policy replace)"
+            growth = await o.regrow()
+            if growth.op is not None:
+                return self._outcome("grow", growth.op)
+            if growth.no_capacity:
+                self.working_on = f"grow DP {size} -> {target}: waiting for capacity ({growth.no_capacity})"
+                self.failed("grow", f"no capacity to grow DP {size} -> {target}: {growth.no_capacity}")
+            else:
+                self.failed("grow", f"grow DP {size} -> {target} refused: {growth.refused}")
+            return []
         self.working_on = ""
         self._succeeded()
         done = await self.sweep() if self.sweep is not None and self.ticks % SWEEP_EVERY == 0 else []

@@ -5,7 +5,8 @@ raised; the launcher: the rank's pipe closed). The router stops sending (request
 the dead rank's requests are queued for re-submission with their tokens so far, and, in single
 flight with scales, the survivors rebuild the world without the dead ranks (a new store if its
 host died), restore the experts, re-warm, capture once and serve. Policy ``replace`` then grows
-back to the desired size through the normal scale-up path (the orchestrator's ``regrow``).
+back to the desired size through the normal scale-up path (the orchestrator's ``regrow``, the
+one growth path, which the reconcile loop takes too).
 
 What the recovery may change, all through ``World`` (engine_ext.control.world): the members,
 their clients and layout (``adopt``, with the survivors), the store (``move_store``, when its
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine_ext.config import EngineConfig
@@ -30,13 +32,23 @@ from engine_ext.protocol import Operation, OpState, to_builtins
 RANK_RECOVER_TIMEOUT_S = 90.0  # shorter than gloo's 300 s: a stuck recovery fails, it never hangs
 
 
+@dataclass
+class Growth:
+    """What policy ``replace``'s growth back to the desired size did (``Orchestrator.regrow``)."""
+
+    target: int = 0  # the size it grows to; 0: no growth is due
+    op: dict[str, Any] | None = None  # the scale it ran, however that ended
+    no_capacity: str = ""  # why the new ranks cannot be placed now (no scale started)
+    refused: str = ""  # why admission refused the scale (no scale started)
+
+
 class Recovery:
     """Dead ranks, and the recovery operations that replace them."""
 
-    def __init__(self, world: World, cfg: EngineConfig, regrow: Callable[[], Awaitable[bool]]) -> None:
+    def __init__(self, world: World, cfg: EngineConfig, regrow: Callable[[], Awaitable[Growth]]) -> None:
         self.world = world
         self.cfg = cfg
-        self.regrow = regrow  # policy replace: grow back to the desired size; False when not due
+        self.regrow = regrow  # policy replace: grow back to the desired size (its ``op``: None when none ran)
         self.dead: dict[int, dict[str, Any]] = {}  # global rank -> {cause, at}
         self._task: asyncio.Task | None = None
         self.recovered = 0
@@ -84,7 +96,7 @@ class Recovery:
                     return  # reported in the operation; `eepctl repair` takes it from here
             elif not replaced:
                 replaced = True  # once per incident: a replacement that fails is not retried in a loop
-                if not await self.regrow():  # a failure in its commit asks for one more rebuild
+                if (await self.regrow()).op is None:  # a failure in its commit asks for one more rebuild
                     return
             else:
                 return
