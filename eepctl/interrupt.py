@@ -20,11 +20,14 @@ from engine_ext.protocol import ExitCode
 
 _activity: list[tuple[str, str]] = []  # (what eepctl is doing, what an interruption leaves running)
 received: list[int] = []  # the signals that ended it
+_when_received: list[tuple[str, str]] = []  # what it was doing then (``doing`` blocks unwind before main reports)
 
 
 def interrupted(signum: int, frame: Any = None) -> None:
     """The handler: remember the signal, end what runs (a KeyboardInterrupt)."""
     received.append(signum)
+    if _activity and not _when_received:
+        _when_received.append(_activity[-1])
     raise KeyboardInterrupt
 
 
@@ -59,5 +62,6 @@ def outcome() -> tuple[str, int]:
     """The one line and the exit code of an interruption now."""
     term = signal.SIGTERM in received
     name, code = ("SIGTERM", ExitCode.TERMINATED) if term else ("SIGINT", ExitCode.INTERRUPTED)
-    what, leaves = _activity[-1] if _activity else ("", "nothing is left running")
+    doing_then = _when_received or _activity
+    what, leaves = doing_then[-1] if doing_then else ("", "nothing is left running")
     return f"{what + ' ' if what else ''}interrupted by {name}; {leaves}", int(code)
