@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from eepctl import streams
+from eepctl import interrupt, streams
 from eepctl.cli_autoscale import autoscale
 from eepctl.options import Address, ApiKey, Name, Namespace, Output, OutputOpt
 from eepctl.options import emit as _emit
@@ -81,7 +81,9 @@ def up(
     engine["step_timeout_s"] = health_deadline
     from eepctl.progress import busy
 
-    with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json):
+    with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json), \
+            interrupt.doing(f"starting {name} at DP {dp}",
+                            f"what was started keeps running: `eepctl down --name {name}` removes it"):
         res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
                       cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
                       placement={"policy": placement, "ifname": ifname},
@@ -187,13 +189,16 @@ def generate(
 
     prompts = [_parse_prompt(p) for p in prompt_ids] if prompt_ids else core.DEFAULT_PROMPTS
     t = _target(address, namespace, name)
+    leaves = "requests already sent finish in the cluster, their answers unreported"
     if rate is not None:
-        res = core.load(t, prompts, max_tokens, rate, duration, timeout, api_key=api_key)
+        with interrupt.doing(f"load on {name} ({rate:g} requests/s)", leaves):
+            res = core.load(t, prompts, max_tokens, rate, duration, timeout, api_key=api_key)
         _emit(render.to_json("load", res) + "\n" if output == Output.json else render.load_text(res))
         if res["failed"]:
             raise typer.Exit(5)
         return
-    res = core.generate(t, prompts, max_tokens, timeout, api_key=api_key)
+    with interrupt.doing(f"generate on {name}", leaves):
+        res = core.generate(t, prompts, max_tokens, timeout, api_key=api_key)
     _emit(render.to_json("generate", res) + "\n" if output == Output.json else render.generate_text(res))
     if any(r["error"] for r in res["results"]):
         raise typer.Exit(5)
@@ -236,9 +241,18 @@ def scale(
         _emit(render.to_json("plan", plan) + "\n" if output == Output.json else render.plan_text(plan))
         return
     progress = ScaleProgress(json_lines=output == Output.json, plain=_plain(), verbose=verbose)
-    with progress:
+
+    def on_op(op: dict[str, Any]) -> None:
+        if op.get("op_id"):
+            interrupt.now_doing(f"following scale {op['op_id']} of {name} to DP {dp}",
+                                f"the scale continues in the cluster: `eepctl events --name {name} "
+                                f"--op {op['op_id']} --follow`")
+        progress.on_operation(op)
+
+    with progress, interrupt.doing(f"asking {name} to scale to DP {dp}",
+                                   f"the scale may have been admitted: `eepctl status --name {name}`"):
         res = core.scale(t, dp, drain_timeout_s=drain_timeout, timeout_s=timeout, wait=not no_wait,
-                         on_event=progress.on_event, api_key=api_key, on_op=progress.on_operation,
+                         on_event=progress.on_event, api_key=api_key, on_op=on_op,
                          request_id=request_id, retire=leaving)
     _emit(render.to_json("scale", res) + "\n" if output == Output.json else render.scale_text(res))
 
@@ -329,11 +343,14 @@ def repair(
     """Recover what self-healing could not (dead ranks, a size below the desired one); say what was done."""
     from eepctl import core, render
 
-    res = core.repair(_target(address, namespace, name), timeout_s=timeout, api_key=api_key)
+    with interrupt.doing(f"repairing {name}", "the repair continues in the cluster: `eepctl status --name "
+                         f"{name}` shows it"):
+        res = core.repair(_target(address, namespace, name), timeout_s=timeout, api_key=api_key)
     if output == Output.json:
         _emit(render.to_json("repair", res) + "\n")
     else:
         _emit("\n".join(f"repair: {a}" for a in res.get("actions", [])) + "\n")
+    core.check_repair(res)  # what it did is printed; a failed action makes it exit 5
 
 
 @app.command()

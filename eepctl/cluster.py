@@ -95,6 +95,10 @@ def connect(address: str | None, namespace: str) -> str:
         if "auth" in msg.lower() or "token" in msg.lower() or "unauthenticated" in msg.lower():
             raise UnreachableError(f"the Ray cluster at {addr} refused the connection (authentication): {msg}") from None
         raise UnreachableError(f"cannot connect to the Ray cluster at {addr}: {msg}") from None
+    finally:
+        from eepctl import interrupt
+
+        interrupt.install()  # ray.init put in Ray's SIGTERM handler (a stack dump): ours wins
     return addr
 
 

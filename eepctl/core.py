@@ -339,3 +339,12 @@ def repair(t: Target, *, timeout_s: float = 300.0, api_key: str | None = None) -
     desired one) and say what was done."""
     t.validated()
     return _driver(t, api_key).repair(timeout_s=timeout_s)
+
+
+def check_repair(res: dict[str, Any]) -> None:
+    """Exit 5 (one line naming what failed) when an action of the repair failed."""
+    failed = res.get("failed") or []
+    if failed:
+        raise TransitionFailed(f"repair of {res.get('deployment')!r} failed ({len(failed)} action(s)): "
+                               + "; ".join(failed) + f"; DP {res.get('dp')} of desired {res.get('desired_dp')}",
+                               detail={"repair": res})

@@ -50,7 +50,9 @@ def interrupt_ends_sending() -> Iterator[threading.Event]:
 
     def on_sigint(signum: int, frame: Any) -> None:
         if stop.is_set():
-            raise KeyboardInterrupt
+            from eepctl.interrupt import interrupted
+
+            interrupted(signum, frame)
         stop.set()
 
     previous = signal.signal(signal.SIGINT, on_sigint)

@@ -37,23 +37,35 @@ def run(argv: list[str] | None = None) -> int:
         sys.stdout = stdout
 
 
+def _interrupted() -> int:
+    """SIGINT or SIGTERM ended the command: one line (what it was doing, what it leaves running)."""
+    from eepctl import interrupt
+
+    line, code = interrupt.outcome()
+    _err(line)
+    return code
+
+
 def _run(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or "--traceback" in args or bool(os.environ.get("EEPCTL_DEBUG"))
-    from eepctl import streams
+    from eepctl import interrupt, streams
     from eepctl.cli import app
     from eepctl.completion import install_completion_classes
 
     install_completion_classes()
     streams.own_stdout()
+    interrupt.install()
     try:
         rv = app(args=args, prog_name="eepctl", standalone_mode=False)
-        return int(rv) if isinstance(rv, int) else int(ExitCode.OK)
+        code = int(rv) if isinstance(rv, int) else int(ExitCode.OK)
+        if interrupt.received or code == ExitCode.INTERRUPTED:  # typer returns 130 for a KeyboardInterrupt
+            return _interrupted()
+        return code
     except typer.Exit as e:
         return int(e.exit_code)
     except typer.Abort:
-        _err("aborted")
-        return 130
+        return _interrupted()
     except typer.TyperException as e:  # bad usage (typer's click): one line, exit 2
         if debug:
             raise
@@ -67,7 +79,7 @@ def _run(argv: list[str] | None) -> int:
         _err(e.message)
         return int(e.exit_code)
     except KeyboardInterrupt:
-        return 130
+        return _interrupted()
     except Exception as e:  # noqa: BLE001 - the one place unexpected errors become exit 1
         if debug:
             raise

@@ -16,6 +16,10 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
         return []
     now = time.time() if now is None else now
     lines: list[str] = []
+    pool_error = ((snap.get("info") or {}).get("standby_pool") or {}).get("last_error")
+    if pool_error:
+        lines.append(f"standby pool short: launching standby {pool_error.get('standby')} failed "
+                     f"{_ago(now, pool_error.get('at'))}: {pool_error.get('error')} (tried again every 10s)")
     if control.get("controller_restarts"):
         lines.append(f"controller restarted {control['controller_restarts']} time(s); "
                      f"took over: {'; '.join(control.get('took_over') or []) or 'nothing to do'}")
@@ -32,8 +36,14 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
     err = control.get("last_error")
     if err:
         lines.append(f"last reconcile error {_ago(now, err.get('at'))} in {err.get('action')}: {err.get('error')}"
-                     + (f" (retry in {control['backoff_s']:.0f}s)" if control.get("backoff_s") else ""))
+                     + _retry_in(control, now))
     return lines
+
+
+def _retry_in(control: dict[str, Any], now: float) -> str:
+    """When the loop tries again: ``retry_at`` (absolute), or an older controller's ``backoff_s``."""
+    left = float(control["retry_at"]) - now if control.get("retry_at") else float(control.get("backoff_s") or 0.0)
+    return f" (retry in {left:.0f}s)" if left > 0.5 else ""
 
 
 def _ago(now: float, at: Any) -> str:

@@ -21,6 +21,8 @@ class ExitCode(enum.IntEnum):
     PRECONDITION = 4
     TRANSITION_FAILED = 5
     TIMEOUT = 6
+    INTERRUPTED = 130  # SIGINT (the shell's 128 + 2)
+    TERMINATED = 143  # SIGTERM (128 + 15)
 
 
 class EepError(Exception):

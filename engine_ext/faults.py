@@ -59,12 +59,14 @@ VARIANTS: dict[str, str] = {
 }
 
 # Phases a rank can be held in with "hold:<phase>" or "hold:<phase>@<rank>" (``adopt``: a standby taken
-# from the pool, after it got its DP rank; ``regroup``: a survivor at the start of a recovery's regroup).
+# from the pool, after it got its DP rank; ``regroup``: a survivor at the start of a recovery's regroup;
+# ``admit``: the controller, not a rank, for ``fault_delay_s`` inside a scale's admission, after its
+# request id was taken: a window for a retry with the same id).
 # "step" holds once per process, at the first step where a request it serves already has output
 # tokens: a window to kill a rank that certainly holds requests with tokens to continue with. Only a
 # rank started with the deployment holds there: its replacement (a joiner) would otherwise stall its
 # peers' steps past the step timeout and turn one kill into a cascade the test did not ask for.
-HOLD_PHASES = ("launch", "adopt", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture",
+HOLD_PHASES = ("admit", "launch", "adopt", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture",
                "regroup", "step")
 ONCE_PHASES = frozenset({"step"})
 # "fail:step@<rank>": that rank's step raises a local error (as an out-of-memory would) once, at its
@@ -134,6 +136,11 @@ def variant_on(names: list[str], variant: str) -> bool:
     if variant not in VARIANTS:
         raise KeyError(f"no fault variant {variant!r}")
     return variant in names
+
+
+def controller_holds(names: list[str], phase: str) -> bool:
+    """Whether "hold:<phase>" holds the controller in ``phase`` (``admit``)."""
+    return f"hold:{phase}" in names
 
 
 def _is_hold(name: str) -> bool:

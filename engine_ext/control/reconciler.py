@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from engine_ext.config import RankFailurePolicy
 from engine_ext.control.health import DEFAULT_DEADLINE_S, Health
 from engine_ext.control.world import short_error
 
@@ -115,8 +116,7 @@ class Reconciler:
         if expired:
             done.append(f"failed {expired} request(s) that waited over {self.park_bound_s:.0f}s")
         if w.op_lock.locked() or o.recovery.running():
-            running = w.running_op()
-            self.working_on = f"{running.kind} {running.op_id} in {running.phase}" if running else "recovery"
+            self.working_on = ""  # ``view`` shows the running operation live: never a phase it left
             return done
         if time.time() < self._backoff_until:
             return done
@@ -168,11 +168,32 @@ class Reconciler:
             self.failed(action, f"{res.get('op_id')} {res.get('state')}: {res.get('error')}")
         return [text]
 
+    def failures_since(self, since: float) -> list[str]:
+        """What the actions taken since ``since`` (an ``eepctl repair``) could not do: every
+        operation that did not succeed, and, when the deployment is still short of its desired
+        state, the loop's last error (a grow with no capacity runs no operation)."""
+        o = self.orch
+        failed = [f"{op.get('kind', 'scale')} {op['op_id']} {str(op.get('state')).replace('_', ' ')}: "
+                  f"{op.get('error') or 'no reason given'}"
+                  for op in o.world.history if float(op.get("started") or 0.0) >= since and op.get("finished")
+                  and op.get("state") != "succeeded"]
+        short = (o.recovery.failed_reason or any(r in o.recovery.dead for r in o.world.members)
+                 or (o.on_rank_failure == RankFailurePolicy.REPLACE and o.world.size < o.desired))
+        err = self.last_error
+        if short and not failed:
+            failed.append(f"{err['action']}: {err['error']}" if err and err["at"] >= since
+                          else f"the deployment is at DP {o.world.size} of desired {o.desired}")
+        return [" ".join(f.split("\n")) for f in failed]
+
     def view(self) -> dict[str, Any]:
         """What ``eepctl status`` shows of the loop."""
         w = self.orch.world
-        return {"working_on": self.working_on, "last_error": self.last_error, "errors": self.errors,
+        running = w.running_op()
+        live = (f"{running.kind} {running.op_id} in {running.phase}" if running is not None
+                else "recovery" if self.orch.recovery.running() else "")
+        return {"working_on": self.working_on or live, "last_error": self.last_error, "errors": self.errors,
                 "deadline_s": self.health.deadline_s, "health": self.health.view(list(w.members)),
                 "fenced": {str(r): f for r, f in w.fenced.items()}, "parked_requests": w.router.parked, "router_paused": w.router.paused,
-                "ticks": self.ticks,
-                "backoff_s": round(max(0.0, self._backoff_until - time.time()), 1)}
+                # absolute, not "seconds left" nor the tick count: an idle tick changes nothing
+                # here, so the controller writes and publishes nothing (engine_ext.ray.durable)
+                "retry_at": round(self._backoff_until, 1) if self._backoff_until > time.time() else None}

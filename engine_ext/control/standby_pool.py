@@ -6,18 +6,26 @@ loop is not running, so it idles at near-zero CPU. The spawner asks the pool fir
 (``take``): the standby is adopted as the joiner's DP rank (identity re-based to ``_dp<rank>``)
 and the rest are launched as before. After the operation the pool refills in the background;
 a standby that died is dropped and replaced, without touching the serving ranks.
+
+Numbers are never taken twice: an adopted standby keeps its name (a Ray actor name cannot
+change), so the next number skips those ``in_use`` says live ranks hold, and a restarted
+controller continues from the number its durable state kept. A launch that fails is recorded
+(``last_error``, which ``eepctl status`` shows) and tried again later, never swallowed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.control.rank_client import RankClient
+from engine_ext.control.world import short_error
 from engine_ext.elastic.identity import STANDBY_RANK_BASE
+
+RETRY_S = 10.0  # a failed launch is tried again after this long (by ``watch``)
 
 
 class StandbyPool:
@@ -25,11 +33,15 @@ class StandbyPool:
 
     def __init__(self, size: int, launch: Callable[[int], Awaitable[RankClient]],
                  alive: Callable[[RankClient], Awaitable[bool]], kill: Callable[[RankClient], Awaitable[None]],
-                 forget: Callable[[int], None], busy: Callable[[], bool]) -> None:
+                 forget: Callable[[int], None], busy: Callable[[], bool],
+                 in_use: Callable[[], set[int]] = set) -> None:
         self.size = size
         self._launch, self._alive, self._kill, self._forget, self._busy = launch, alive, kill, forget, busy
+        self._in_use = in_use  # standby numbers live ranks hold as their (unchangeable) names
         self.ready: dict[int, RankClient] = {}  # standby number -> client
-        self._numbers = itertools.count()
+        self.next_number = 0  # durable: a restarted controller continues from here
+        self.last_error: dict[str, Any] | None = None  # {at, standby, error}: the last failed launch
+        self._retry_at = 0.0
         self._launching = 0
         self._refill: asyncio.Task[None] | None = None
         self.taken = 0  # standbys adopted as joiners, over the pool's life
@@ -45,7 +57,17 @@ class StandbyPool:
         await self.fill()
 
     def summary(self) -> dict[str, Any]:
-        return {"size": self.size, "ready": sorted(self.ready), "launching": self._launching, "taken": self.taken}
+        return {"size": self.size, "ready": sorted(self.ready), "launching": self._launching, "taken": self.taken,
+                "last_error": self.last_error}
+
+    def _take_numbers(self, count: int) -> list[int]:
+        used = self._in_use() | set(self.ready)
+        numbers: list[int] = []
+        while len(numbers) < count:
+            n, self.next_number = self.next_number, self.next_number + 1
+            if n not in used:
+                numbers.append(n)
+        return numbers
 
     async def _drop_dead(self) -> list[int]:
         dead = [n for n, c in list(self.ready.items()) if not await self._alive(c)]
@@ -60,15 +82,20 @@ class StandbyPool:
         missing = self.size - len(self.ready) - self._launching
         if missing <= 0:
             return
-        numbers = [next(self._numbers) for _ in range(missing)]
+        numbers = self._take_numbers(missing)
         self._launching += missing
         try:
             clients = await asyncio.gather(*(self._launch(n) for n in numbers), return_exceptions=True)
         finally:
             self._launching -= missing
         for n, c in zip(numbers, clients):
-            if not isinstance(c, BaseException):
+            if isinstance(c, BaseException):
+                self.last_error = {"at": time.time(), "standby": n,
+                                   "error": f"{type(c).__name__}: {short_error(c)}"}
+                self._retry_at = time.time() + RETRY_S
+            else:
                 self.ready[n] = c
+                self.last_error = None
 
     async def take(self, rank: int, layout: ExpertLayout) -> RankClient | None:
         """A ready standby adopted as DP rank ``rank``, or None (the spawner launches one)."""
@@ -103,7 +130,8 @@ class StandbyPool:
         """Replace standbys that died, forever (run as a task)."""
         while True:
             await asyncio.sleep(interval_s)
-            if await self._drop_dead():
+            short = len(self.ready) + self._launching < self.size and time.time() >= self._retry_at
+            if await self._drop_dead() or short:  # short: a launch failed; try again
                 self.refill_later()
 
     async def stop(self) -> None:

@@ -113,7 +113,7 @@ class ReferenceDriver:
         seq = 0
         deadline = time.time() + timeout_s + 30
         while True:
-            result = _get(controller.wait_op.remote(op_id, 0.25), timeout=30)
+            result = self._wait_op(controller, op_id, deadline)
             on_op(result)  # its current phase, for the live display
             seq = self._follow(op_id, seq, on_event)
             if result.get("state") != "running":
@@ -121,6 +121,19 @@ class ReferenceDriver:
             if time.time() > deadline:
                 raise TransitionTimeout(f"{op_id} still running after {timeout_s:.0f}s")
         return check_outcome(self._with_phase_durations(result))
+
+    def _wait_op(self, controller: Any, op_id: str, deadline: float) -> dict[str, Any]:
+        """The operation's state after a short wait. The controller may die while the scale runs:
+        Ray restarts it, it takes the operation over from its durable state (rolled back before
+        commit, recovered from commit on), and this follows it there, to its outcome."""
+        while True:
+            try:
+                return _get(controller.wait_op.remote(op_id, 0.25), timeout=30)
+            except (UnreachableError, TransitionTimeout):
+                if time.time() > deadline:
+                    raise UnreachableError(f"the controller of {self.name!r} did not come back while {op_id} ran; "
+                                           f"`eepctl events --name {self.name} --op {op_id}` says how it ended") from None
+            time.sleep(0.5)  # Ray is restarting the controller: ask again
 
     def _follow(self, op_id: str, seq: int, on_event: EventSink) -> int:
         """Pass on the operation's rank events after ``seq``; the last seq seen."""

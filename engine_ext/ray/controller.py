@@ -19,6 +19,8 @@ import ray
 from engine_ext.config import EngineConfig
 from engine_ext.control.orchestrator import Orchestrator
 from engine_ext.control.reconciler import Reconciler
+from engine_ext.control.request_ids import RequestIds
+from engine_ext.faults import controller_holds
 from engine_ext.protocol import EepError, PreconditionError, UnreachableError, error_record
 from engine_ext.ray import placement
 from engine_ext.ray.autoscale_host import AutoscaleHost, autoscale_round
@@ -56,9 +58,10 @@ class Controller:
                                      sweep=self._sweep_orphans, autoscale=self._autoscale)
         self.durable = DurableState(namespace, deployment)
         self.restarts = 0
-        self.requests: dict[str, str] = {}  # idempotency key -> op id (`scale --request-id`)
+        self.requests = RequestIds()  # `scale --request-id`
         self.took_over: list[str] = []  # what a restarted controller did first
         self._published: dict[str, Any] = {}
+        self.info_sent = 0  # set_info calls (only when what status shows changed)
         self._ready = asyncio.Event()  # set once started, or once a restarted controller took over
         saved = self.durable.load()
         self.autoscale_host = AutoscaleHost(deployment, max_dp, persist=lambda st: self._persist(),
@@ -123,6 +126,10 @@ class Controller:
         if self._pool_watch is None:
             self._pool_watch = asyncio.ensure_future(self.spawner.pool.watch(2.0))
         return self.spawner.pool.summary()
+
+    def writes(self) -> dict[str, int]:
+        """How often this controller wrote its durable state and published status (idle: never)."""
+        return {"durable": self.durable.writes, "set_info": self.info_sent}
 
     def pid(self) -> int:
         import os
@@ -195,6 +202,7 @@ class Controller:
             h.pop("age_s", None)  # the registry shows heartbeat ages itself; this changes every tick
         extra = {"desired_dp": self.orch.desired, "on_rank_failure": str(self.orch.on_rank_failure),
                  "members": list(self.orch.members), "dead": self._dead_shown(), "control_node": _this_node(),
+                 "standby_pool": self.spawner.pool.summary() if self.spawner.pool is not None else None,
                  "control": {**control, "controller_restarts": self.restarts, "took_over": self.took_over,
                              "fenced_messages_dropped": self.fenced_dropped,
                              "stale_messages_dropped": self.orch.router.stale_dropped}}
@@ -202,6 +210,7 @@ class Controller:
         if self._info == self._published:
             return
         self._published = json_copy(self._info)
+        self.info_sent += 1
         try:
             self.keeper.handle().set_info.remote(self._info)
         except Exception:  # noqa: BLE001 - telemetry is best effort
@@ -215,7 +224,8 @@ class Controller:
         self.durable.save(snapshot(self.orch, started=True, restarts=self.restarts, info=self._info,
                                    autoscale=self.autoscale_host.state(),
                                    standby=pool.size if pool is not None else 0,
-                                   requests=dict(list(self.requests.items())[-100:]),
+                                   standby_next=pool.next_number if pool is not None else 0,
+                                   requests=self.requests.recent(),
                                    events=list(self._emitted)[-300:]))
         self._info_dead()
 
@@ -242,7 +252,7 @@ class Controller:
         self.restarts = int(saved.get("restarts", 0)) + 1
         self._info = dict(saved.get("info") or {})
         self._emitted.extend(saved.get("events") or [])
-        self.requests = dict(saved.get("requests") or {})
+        self.requests = RequestIds(saved.get("requests"))
         names = rank_actor_names(self.namespace, self.deployment)
         try:
             self.took_over = await take_over(self.orch, self.spawner, saved, names)
@@ -255,6 +265,10 @@ class Controller:
         self._persist()
         self.keeper.start()
         if int(saved.get("standby", 0)) > 0:
+            if self.spawner.pool is None:
+                self.spawner.pool = make_pool(self.spawner, self.orch.world, self._forget_rank, int(saved["standby"]))
+            # numbers go on from the dead controller's: an adopted standby still holds its name
+            self.spawner.pool.next_number = max(self.spawner.pool.next_number, int(saved.get("standby_next", 0)))
             await self.set_standby(int(saved["standby"]))
         self.reconciler.start()
 
@@ -270,6 +284,7 @@ class Controller:
         silent or degraded members, no healthy rank left, a size below the desired one), and say
         what was done: the reconcile loop's actions, run at once and without backoff."""
         await self._ready.wait()
+        t0 = time.time()
         done: list[str] = []
         await self.orch.recovery.wait()
         op = await self.orch.recovery.recover()
@@ -285,7 +300,7 @@ class Controller:
                 break
         self._info_dead()
         return {"deployment": self.deployment, "actions": done or ["nothing to repair"],
-                "dp": self.orch.size, "desired_dp": self.orch.desired}
+                "dp": self.orch.size, "desired_dp": self.orch.desired, "failed": self.reconciler.failures_since(t0)}
 
     async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         t0 = time.time()
@@ -318,24 +333,26 @@ class Controller:
         enforces ``timeout_s`` (before commit: roll back; from commit on: recover).
         ``request_id``: a retry with the same id gets the same operation, never a second one."""
         await self._ready.wait()
-        if request_id and request_id in self.requests:
-            return await self._same_request(request_id, target, wait)
         try:
-            admitted = await self.orch.admit(target, settle=True, probe_ranks=True, retire=retire)
+            await self.requests.first_settled(request_id, target)  # a retry during its admission: its answer
+            if request_id and request_id in self.requests.ops:
+                return await self._same_request(request_id, target, wait)
+            hold_s = self.cfg.fault_delay_s if controller_holds(self.cfg.faults, "admit") else 0.0
+            admitted = await self.requests.admit(request_id, target, lambda: self.orch.admit(
+                target, settle=True, probe_ranks=True, retire=retire), hold_s)
         except EepError as e:
             return error_record(e)
         op_id = admitted.op.op_id
-        if request_id:
-            self.requests[request_id] = op_id
-            self._persist()
-        task = asyncio.ensure_future(self.orch.run(admitted, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s))
-        self._tasks[op_id] = task
+        self._tasks[op_id] = asyncio.ensure_future(self.orch.run(admitted, drain_timeout_s=drain_timeout_s,
+                                                                 timeout_s=timeout_s))
+        self.requests.end(request_id, op_id=op_id)
+        self._persist()
         if not wait:
             return {"op_id": op_id, "state": "running", "accepted": True}
-        return await task
+        return await self._tasks[op_id]
 
     async def _same_request(self, request_id: str, target: int, wait: bool) -> dict[str, Any]:
-        op_id = self.requests[request_id]
+        op_id = self.requests.ops[request_id]
         known = next((op for op in reversed(self.orch.history) if op["op_id"] == op_id), None)
         if known is not None and known.get("to_size") != target:
             return error_record(PreconditionError(
@@ -347,6 +364,10 @@ class Controller:
         return await self.wait_op(op_id, 1e9)
 
     async def wait_op(self, op_id: str, timeout_s: float) -> dict[str, Any]:
+        try:  # a restarted controller answers once it took the operation over (its outcome is then known)
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return {"op_id": op_id, "state": "running"}
         task = self._tasks.get(op_id)
         if task is None:
             for op in self.orch.history:

@@ -39,8 +39,7 @@ def snapshot(orch: Orchestrator, **extra: Any) -> dict[str, Any]:
         "epoch": w.epoch, "serving_epoch": w.serving_epoch, "store": list(w.store) if w.store else None,
         "store_host": w.store_host, "layout": w.layout.to_dict() if w.layout else None,
         "fenced": {str(r): f for r, f in w.fenced.items()}, "history": w.history[-100:],
-        "running": running.op_id if running is not None else None,
-        "rerouted_base": orch.recovery.rerouted_base, **extra,
+        "running": running.op_id if running is not None else None, **extra,
     }
 
 
@@ -53,7 +52,8 @@ async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, An
     w.epoch, w.serving_epoch = int(state.get("epoch", 0)), int(state.get("serving_epoch", 0))
     w.fenced = {int(r): f for r, f in (state.get("fenced") or {}).items()}
     w.history = list(state.get("history") or [])
-    orch.recovery.rerouted_base = int(state.get("rerouted_base", 0))
+    # Not restored: ``rerouted_base`` is a baseline of this process's router count, which starts
+    # at 0 again here (restoring the old one recorded a negative count: issue 31 point 3).
     if state.get("store"):
         w.move_store((state["store"][0], int(state["store"][1])), int(state.get("store_host", 0)))
     actors = state.get("actors") or {}

@@ -44,8 +44,8 @@ def call(ref: Any, timeout: float | None = 30.0) -> Any:
     except GetTimeoutError:
         raise TransitionTimeout(f"the cluster did not answer within {timeout:.0f}s") from None
     except ActorUnavailableError as e:  # a controller being restarted by Ray: the call may be retried
-        raise UnreachableError(f"an actor of the deployment is restarting; retry: {str(e).splitlines()[0]}",
-                               detail={"retriable": True}) from None
+        raise UnreachableError("an actor of the deployment is being restarted by Ray; retry in a few seconds",
+                               detail={"retriable": True, "ray": str(e).splitlines()[0]}) from None
     except RayActorError as e:
         raise UnreachableError(f"an actor of the deployment is gone: {str(e).splitlines()[0]}") from None
 

@@ -26,6 +26,7 @@ class DurableState:
     def __init__(self, namespace: str, deployment: str) -> None:
         self.key = state_key(namespace, deployment)
         self._last: bytes | None = None
+        self.writes = 0  # puts to the GCS KV by this process (an idle deployment makes none)
 
     def load(self) -> dict[str, Any] | None:
         from ray.experimental import internal_kv
@@ -45,6 +46,7 @@ class DurableState:
             return False
         internal_kv._internal_kv_put(self.key, raw, overwrite=True, namespace=_KV_NAMESPACE)
         self._last = raw
+        self.writes += 1
         return True
 
     def delete(self) -> None:

@@ -167,7 +167,7 @@ class DeploymentMetrics:
                 detect = float(op.get("phase_durations", {}).get("detect", 0.0))
                 total = float(op["finished"]) - float(op.get("started", op["finished"])) + detect
                 self._recovery.observe(max(0.0, total), tags=dict(tags, state=state))
-                if op.get("rerouted_requests"):
+                if int(op.get("rerouted_requests") or 0) > 0:
                     self._rerouted.inc(float(op["rerouted_requests"]), tags=tags)
         except Exception:  # noqa: BLE001
             pass

@@ -36,6 +36,13 @@ def make_pool(spawner: RaySpawner, world: World, forget: Callable[[int], None], 
         assert world.layout is not None
         return await spawner.launch_standby(n, world.layout)
 
-    pool = StandbyPool(size, launch, _alive, _kill, forget, lambda: world.running_op() is not None)
-    pool.identity_base = strip_dp_suffix(spawner.cfg.instance_id or spawner.deployment)
+    base = strip_dp_suffix(spawner.cfg.instance_id or spawner.deployment)
+
+    def in_use() -> set[int]:  # adopted standbys keep their actor names: <base>_standby<N>
+        prefix = f"{base}_standby"
+        names = [getattr(c, "actor_name", "") for c in world.clients.values()]
+        return {int(n[len(prefix):]) for n in names if n.startswith(prefix) and n[len(prefix):].isdigit()}
+
+    pool = StandbyPool(size, launch, _alive, _kill, forget, lambda: world.running_op() is not None, in_use)
+    pool.identity_base = base
     return pool
