@@ -142,7 +142,8 @@ class Chaos:
         what = f"{rnd.fault}" + (f" rank {victim['rank']}" if victim is not None else "")
         self.log(f"round {i}: DP {len(members)} -> {rnd.target}, {what} {t_fault - t0:.1f}s in")
         scaler.join(240)
-        serving_s = self.wait_serving(t_fault)
+        killed = [int(victim["pid"])] if victim is not None and rnd.fault != "rank-stop" else []
+        serving_s = self.wait_serving(t_fault, killed, ctl_pid if "controller" in rnd.fault else 0)
         rec = {"round": i, **asdict(rnd), "from": len(members), "victim_rank": victim["rank"] if victim else None,
                "scale": (outcome.get("op") or {}).get("state") or outcome.get("error"),
                "serving_s": round(serving_s, 2), "dp": self.core.status(self.t)["info"].get("desired_dp")}
@@ -161,14 +162,23 @@ class Chaos:
         for pid in list(self.stopped):
             self._resume(pid)
 
-    def wait_serving(self, since: float) -> float:
+    def wait_serving(self, since: float, killed: list[int] = (), old_controller: int = 0) -> float:
         """Seconds from ``since`` until the deployment serves its desired size with the oracle's
-        outputs; AssertionError naming what status showed after the bound."""
+        outputs, with no ``killed`` pid among its ranks and the controller restarted when it was
+        ``old_controller``; AssertionError naming what status showed after the bound."""
         deadline, last = since + self.bound_s, "nothing"
         while time.time() < deadline:
             try:
+                if old_controller and self._controller_pid() == old_controller:
+                    last = "the killed controller is still listed"
+                    time.sleep(0.5)
+                    continue
                 s = self.core.status(self.t)
                 live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed", "fenced", "dead", "standby")]
+                if any(int(r.get("pid") or 0) in killed for r in live):
+                    last = f"a killed rank {killed} is still listed as live"
+                    time.sleep(0.5)
+                    continue
                 desired = int(s["info"].get("desired_dp") or 0)
                 control = s["info"].get("control") or {}
                 last = (f"ranks {[(r['rank'], r['state'], r.get('dp_size')) for r in live]}, desired {desired}, "

@@ -33,6 +33,12 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
     if err:
         lines.append(f"last reconcile error {_ago(now, err.get('at'))} in {err.get('action')}: {err.get('error')}"
                      + (f" (retry in {control['backoff_s']:.0f}s)" if control.get("backoff_s") else ""))
+    esc = control.get("escalated")
+    if esc:
+        lines.append(f"ESCALATED: {esc.get('action')} failed the same way {esc.get('attempts')} times in a row: "
+                     f"{esc.get('cause')}")
+        lines += [f"  tried {t}" for t in esc.get("tried") or []]
+        lines.append(f"  operator: {esc.get('operator')}")
     return lines
 
 

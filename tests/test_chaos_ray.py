@@ -4,8 +4,8 @@ the controller together), under open-loop load. After every round the deployment
 desired size within a bound with the oracle's outputs; at the end no request failed.
 
 The schedule is issue 36's (which wedged the deployment for good: a take-over left the old
-attempt's placement groups behind and every rebuild failed on their names) followed by a seeded
-random round; the seed is printed, and ``EEP_CHAOS_SEED`` replays one. benchmarks/chaos.py runs
+attempt's placement groups behind and every rebuild failed on their names) followed by two seeded
+random rounds; the seed is printed, and ``EEP_CHAOS_SEED`` replays one. benchmarks/chaos.py runs
 longer schedules.
 """
 
@@ -30,7 +30,7 @@ def test_mixed_faults_during_scales_never_wedge(deployments, ray_cluster):
     from eepctl import core
 
     seed = int(os.environ.get("EEP_CHAOS_SEED") or random.randrange(10**6))
-    rounds = ISSUE_36 + schedule(seed, 1, ISSUE_36[-1].target)
+    rounds = ISSUE_36 + schedule(seed, 2, ISSUE_36[-1].target)
     print(f"\n[chaos] seed {seed} (EEP_CHAOS_SEED={seed} replays it): {[asdict(r) for r in rounds]}")
     d = deployments("chaos")
     t = core.Target(name=d.name, namespace=NAMESPACE)

@@ -22,7 +22,7 @@ from engine_ext.control.reconciler import Reconciler
 from engine_ext.protocol import EepError, ExitCode, PreconditionError
 from engine_ext.ray import placement
 from engine_ext.ray.autoscale_host import AutoscaleHost, AutoscaleMethods, autoscale_round
-from engine_ext.ray.controller_memory import rank_actor_names, snapshot, sweep_orphans, take_over
+from engine_ext.ray.controller_memory import snapshot, sweep_orphans, take_over
 from engine_ext.ray.durable import DurableState
 from engine_ext.ray.registry_keeper import RegistryKeeper
 from engine_ext.ray.spawner import RaySpawner
@@ -186,6 +186,7 @@ class Controller(AutoscaleMethods):
         extra = {"desired_dp": self.orch.desired, "on_rank_failure": str(self.orch.on_rank_failure),
                  "members": list(self.orch.members), "dead": self._dead_shown(), "control_node": _this_node(),
                  "control": {**control, "controller_restarts": self.restarts, "took_over": self.took_over,
+                             "stale_removed": self.spawner.stale_removed,
                              "fenced_messages_dropped": self.fenced_dropped,
                              "stale_messages_dropped": self.orch.router.stale_dropped}}
         self._info.update(extra)
@@ -233,11 +234,11 @@ class Controller(AutoscaleMethods):
         self._info = dict(saved.get("info") or {})
         self._emitted.extend(saved.get("events") or [])
         self.requests = dict(saved.get("requests") or {})
-        names = rank_actor_names(self.namespace, self.deployment)
         try:
-            self.took_over = await take_over(self.orch, self.spawner, saved, names)
+            self.took_over = await take_over(self.orch, self.spawner, saved)
         except Exception as e:  # noqa: BLE001 - the loop rebuilds what could not be taken over
             self.reconciler.failed("take over", e)
+        self.took_over += await self._forget_unheld_ranks()
         self._emit({"op_id": "", "rank": -1, "phase": "controller_restarted", "start": time.time(),
                     "end": time.time(), "status": "ok",
                     "detail": {"restarts": self.restarts, "actions": self.took_over}})
@@ -247,6 +248,20 @@ class Controller(AutoscaleMethods):
         if int(saved.get("standby", 0)) > 0:
             await self.set_standby(int(saved["standby"]))
         self.reconciler.start()
+
+    async def _forget_unheld_ranks(self) -> list[str]:
+        """The registry's records of ranks that are not members (the interrupted scale's joiners,
+        standbys): a restarted controller removes them with their actors."""
+        members = set(self.orch.members)
+        try:
+            registry = self.keeper.handle()
+            ranks = (await asyncio.wait_for(registry.snapshot.remote(), 10)).get("ranks") or []
+            gone = sorted({int(r["rank"]) for r in ranks} - members)
+            for r in gone:
+                registry.forget_rank.remote(r)
+        except Exception:  # noqa: BLE001 - a registry being recreated starts without them
+            return []
+        return [f"forgot the registry records of rank(s) {gone}"] if gone else []
 
     def _dead_shown(self) -> list[dict[str, Any]]:
         """Dead ranks, shown until replaced (the size is back at the desired one)."""
