@@ -176,13 +176,19 @@ def standby(t: Target, count: int) -> dict[str, Any]:
 def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:
     import ray
 
-    from engine_ext.ray.deployment import DeploymentHandles, destroy_deployment
+    from engine_ext.ray.deployment import DeploymentHandles, destroy_deployment, has_leftovers
 
     t.validated()
     _connect(t)
-    registry, controller = _deployment(t)
-    destroy_deployment(t.name, t.namespace, DeploymentHandles(registry, controller))
-    result: dict[str, Any] = {"deployment": t.name, "stopped": True, "cluster_stopped": False}
+    try:
+        registry, controller = _deployment(t)
+    except UnreachableError:
+        if not has_leftovers(t.name, t.namespace):  # nothing of it at all: say so (exit 3)
+            raise
+        registry = controller = None  # its control actors are gone; what they left is removed
+    removed = destroy_deployment(t.name, t.namespace, DeploymentHandles(registry, controller))
+    result: dict[str, Any] = {"deployment": t.name, "stopped": True, "cluster_stopped": False,
+                              "removed_by_name": removed}
     if stop_cluster:
         ray.shutdown()
         stopped = cluster.stop_started(cluster.resolve_address(t.address))

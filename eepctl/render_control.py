@@ -37,6 +37,12 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
     if err:
         lines.append(f"last reconcile error {_ago(now, err.get('at'))} in {err.get('action')}: {err.get('error')}"
                      + _retry_in(control, now))
+    esc = control.get("escalated")
+    if esc:
+        lines.append(f"ESCALATED: {esc.get('action')} failed the same way {esc.get('attempts')} times in a row: "
+                     f"{esc.get('cause')}")
+        lines += [f"  tried {t}" for t in esc.get("tried") or []]
+        lines.append(f"  operator: {esc.get('operator')}")
     return lines
 
 

@@ -205,3 +205,35 @@ def test_a_moved_request_keeps_one_token_per_place_whatever_arrives_late() -> No
     # Untagged (how tokens arrived before): the late token and the owner's both land, and a
     # request moved again would continue from [42, 42, 42, 42, ...], a wrong prefix.
     assert asyncio.run(scenario(tagged=False))[:4] == [42, 42, 42, 42]
+
+
+def test_an_action_failing_the_same_way_three_times_in_a_row_is_escalated_with_what_to_do() -> None:
+    """Ids and numbers aside, the same failure three times in a row is escalated (status names the
+    action, the cause, the attempts and the operator's options; the backoff goes to its longest);
+    a different failure starts a new count, and the world reaching its desired state clears it."""
+    from types import SimpleNamespace
+
+    from engine_ext.control.reconciler import BACKOFF_MAX_S, ESCALATE_AFTER, Reconciler
+
+    rec = Reconciler(SimpleNamespace(world=World("t"), name="t"))  # failed/view read only these
+    taken = "op-20261204-2135{}-ab{} failed: rebuild failed: name 't_dp{}-pg' already exists"
+    for i in range(ESCALATE_AFTER - 1):
+        rec.failed("rebuild", taken.format(i, i, i))
+        assert rec.escalated is None and rec.view()["backoff_s"] < BACKOFF_MAX_S
+    rec.failed("grow", "op-1 rolled_back: no capacity to grow DP 1 -> 2: placement pack")  # another way
+    rec.failed("rebuild", taken.format(7, 7, 7))
+    assert rec.escalated is None  # the count started again
+    for i in range(ESCALATE_AFTER - 1):
+        rec.failed("rebuild", taken.format(i, i, i))
+    esc = rec.view()["escalated"]
+    assert esc["action"] == "rebuild" and esc["attempts"] == ESCALATE_AFTER and "already exists" in esc["cause"]
+    assert len(esc["tried"]) == ESCALATE_AFTER and "eepctl down --name t" in esc["operator"]
+    assert rec.view()["backoff_s"] >= BACKOFF_MAX_S - 1
+    lines = control_lines({"info": {"control": rec.view()}})
+    assert any(ln.startswith("ESCALATED: rebuild failed the same way 3 times in a row") for ln in lines), lines
+    assert sum(ln.startswith("  tried ") for ln in lines) == ESCALATE_AFTER and lines[-1].startswith("  operator: ")
+    rec._succeeded()
+    assert rec.view()["escalated"] is None
+    for _ in range(ESCALATE_AFTER):
+        rec.failed("grow", "no capacity to grow DP 1 -> 2: 0 of 1 new rank(s) fit")
+    assert "add nodes" in rec.escalated["operator"]

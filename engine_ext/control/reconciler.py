@@ -6,13 +6,16 @@ and takes the next action, one at a time: fence an unhealthy member (the recover
 it), heal a world whose members all degraded with no one dead, rebuild from the weight source
 when no healthy rank is left, grow back to the desired size, fail requests that waited past the
 bound. Events (a death, a fence) only wake it early. An action that raises is recorded with its
-time (``eepctl status`` shows it) and retried with backoff; the loop itself never dies.
+time (``eepctl status`` shows it) and retried with backoff; the loop itself never dies. An action
+that fails the same way ``ESCALATE_AFTER`` times in a row is escalated: status names it, the
+cause, the attempts and what the operator can do, and the loop retries it at the longest backoff.
 Torch-free and transport-free: the Ray controller and the process launcher both run it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +31,8 @@ TICK_S = 1.0
 PARK_BOUND_S = 120.0  # a request waits this long for a world to serve it, then fails with why
 BACKOFF_MAX_S = 30.0
 SWEEP_EVERY = 5  # ticks between two looks for orphaned rank processes
+ESCALATE_AFTER = 3  # the same action failing the same way this many times in a row is escalated
+_VARYING = re.compile(r"op-[0-9a-z-]+|'[0-9a-f]{16,}'|\d+(\.\d+)?")  # ids and numbers: the same way either way
 
 
 class Reconciler:
@@ -47,6 +52,9 @@ class Reconciler:
         self.working_on = ""  # the difference the loop is acting on, for `eepctl status`
         self.last_error: dict[str, Any] | None = None  # {at, action, error}
         self.errors = 0
+        self.escalated: dict[str, Any] | None = None  # an action failing the same way again and again
+        self._streak: tuple[str, str] = ("", "")  # (action, cause) of the failures in a row
+        self._attempts: list[str] = []  # those failures, oldest first
         self.ticks = 0
         self._backoff_until = 0.0
         self._backoff_s = 0.0
@@ -87,10 +95,29 @@ class Reconciler:
     def failed(self, action: str, error: BaseException | str) -> None:
         """An action failed: say so (with its time) and wait longer before the next try."""
         text = error if isinstance(error, str) else f"{type(error).__name__}: {short_error(error)}"
-        self.last_error = {"at": time.time(), "action": action, "error": text}
+        now = time.time()
+        self.last_error = {"at": now, "action": action, "error": text}
         self.errors += 1
+        streak = (action, _VARYING.sub("#", text))
+        if streak != self._streak:
+            self._streak, self._attempts = streak, []
+        self._attempts = (self._attempts + [f"{time.strftime('%H:%M:%S', time.gmtime(now))}Z {text[:300]}"])[-10:]
         self._backoff_s = min(BACKOFF_MAX_S, max(1.0, self._backoff_s * 2))
-        self._backoff_until = time.time() + self._backoff_s
+        if len(self._attempts) >= ESCALATE_AFTER:
+            self._backoff_s = BACKOFF_MAX_S  # retrying blind at once would only fail again: keep it cheap
+            self.escalated = {"action": action, "cause": text, "attempts": len(self._attempts),
+                              "tried": self._attempts[-ESCALATE_AFTER:], "operator": self._advice(action, text)}
+        self._backoff_until = now + self._backoff_s
+
+    def _advice(self, action: str, cause: str) -> str:
+        """What the operator can do about an escalated action."""
+        name = self.orch.name
+        if "no capacity" in cause:
+            return (f"add nodes or free resources so the placement policy can place the ranks, or lower the "
+                    f"desired size (`eepctl scale --dp N --name {name}`)")
+        return (f"`eepctl events --name {name}` shows each attempt; `eepctl repair --name {name}` retries at "
+                f"once; if the cause persists, `eepctl down --name {name}` removes everything of the deployment "
+                f"(what a dead controller left included) and `eepctl up --name {name}` starts it afresh")
 
     def reset_backoff(self) -> None:
         """An operator asked (``eepctl repair``): act now."""
@@ -98,6 +125,7 @@ class Reconciler:
 
     def _succeeded(self) -> None:
         self._backoff_s, self._backoff_until = 0.0, 0.0
+        self._streak, self._attempts, self.escalated = ("", ""), [], None
 
     async def tick(self) -> list[str]:
         """One pass: observe, then take the first action due. Returns what it did."""
@@ -194,6 +222,7 @@ class Reconciler:
         return {"working_on": self.working_on or live, "last_error": self.last_error, "errors": self.errors,
                 "deadline_s": self.health.deadline_s, "health": self.health.view(list(w.members)),
                 "fenced": {str(r): f for r, f in w.fenced.items()}, "parked_requests": w.router.parked, "router_paused": w.router.paused,
+                "escalated": self.escalated,
                 # absolute, not "seconds left" nor the tick count: an idle tick changes nothing
                 # here, so the controller writes and publishes nothing (engine_ext.ray.durable)
                 "retry_at": round(self._backoff_until, 1) if self._backoff_until > time.time() else None}

@@ -24,7 +24,7 @@ from engine_ext.faults import controller_holds
 from engine_ext.protocol import EepError, PreconditionError, UnreachableError, error_record
 from engine_ext.ray import placement
 from engine_ext.ray.autoscale_host import AutoscaleHost, autoscale_round
-from engine_ext.ray.controller_memory import rank_actor_names, snapshot, sweep_orphans, take_over
+from engine_ext.ray.controller_memory import snapshot, sweep_orphans, take_over
 from engine_ext.ray.durable import DurableState
 from engine_ext.ray.registry_keeper import RegistryKeeper
 from engine_ext.ray.spawner import RaySpawner
@@ -204,6 +204,7 @@ class Controller:
                  "members": list(self.orch.members), "dead": self._dead_shown(), "control_node": _this_node(),
                  "standby_pool": self.spawner.pool.summary() if self.spawner.pool is not None else None,
                  "control": {**control, "controller_restarts": self.restarts, "took_over": self.took_over,
+                             "stale_removed": self.spawner.stale_removed,
                              "fenced_messages_dropped": self.fenced_dropped,
                              "stale_messages_dropped": self.orch.router.stale_dropped}}
         self._info.update(extra)
@@ -253,11 +254,11 @@ class Controller:
         self._info = dict(saved.get("info") or {})
         self._emitted.extend(saved.get("events") or [])
         self.requests = RequestIds(saved.get("requests"))
-        names = rank_actor_names(self.namespace, self.deployment)
         try:
-            self.took_over = await take_over(self.orch, self.spawner, saved, names)
+            self.took_over = await take_over(self.orch, self.spawner, saved)
         except Exception as e:  # noqa: BLE001 - the loop rebuilds what could not be taken over
             self.reconciler.failed("take over", e)
+        self.took_over += await self._forget_unheld_ranks()
         self._emit({"op_id": "", "rank": -1, "phase": "controller_restarted", "start": time.time(),
                     "end": time.time(), "status": "ok",
                     "detail": {"restarts": self.restarts, "actions": self.took_over}})
@@ -271,6 +272,20 @@ class Controller:
             self.spawner.pool.next_number = max(self.spawner.pool.next_number, int(saved.get("standby_next", 0)))
             await self.set_standby(int(saved["standby"]))
         self.reconciler.start()
+
+    async def _forget_unheld_ranks(self) -> list[str]:
+        """The registry's records of ranks that are not members (the interrupted scale's joiners,
+        standbys): a restarted controller removes them with their actors."""
+        members = set(self.orch.members)
+        try:
+            registry = self.keeper.handle()
+            ranks = (await asyncio.wait_for(registry.snapshot.remote(), 10)).get("ranks") or []
+            gone = sorted({int(r["rank"]) for r in ranks} - members)
+            for r in gone:
+                registry.forget_rank.remote(r)
+        except Exception:  # noqa: BLE001 - a registry being recreated starts without them
+            return []
+        return [f"forgot the registry records of rank(s) {gone}"] if gone else []
 
     def _dead_shown(self) -> list[dict[str, Any]]:
         """Dead ranks, shown until replaced (the size is back at the desired one)."""

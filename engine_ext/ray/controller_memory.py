@@ -4,8 +4,9 @@
 their actor names and the world's epoch, the store, the layout, the fenced ranks, the operation
 log with the running operation's last recorded phase, the idempotency keys and the controller's
 own events. ``take_over`` is the restarted controller's first act: re-attach to the live rank
-actors by name, end every rank actor of the deployment that is not a member (a joiner of the
-interrupted scale, a standby: the pool refills), then settle the interrupted operation — one
+actors by name, remove every rank actor and placement group of the deployment that no member
+holds (a joiner of the interrupted scale, its reservation, a dead member's, a standby: the pool
+refills), then settle the interrupted operation — one
 that had not begun commit is rolled back; one that had is driven to a consistent world by a
 recovery that restores every expert from the weight source.
 """
@@ -19,6 +20,7 @@ from engine_ext.control.rank_client import GoneRankClient, RankClient
 from engine_ext.control.world import quiet
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.protocol import Operation, OpState, Phase
+from engine_ext.ray import leftovers
 from engine_ext.records import from_builtins
 
 if TYPE_CHECKING:
@@ -43,10 +45,10 @@ def snapshot(orch: Orchestrator, **extra: Any) -> dict[str, Any]:
     }
 
 
-async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, Any],
-                    rank_actor_names: list[str]) -> list[str]:
-    """Re-attach to the world ``state`` describes and settle its interrupted operation.
-    ``rank_actor_names``: every live rank actor of the deployment. Returns what it did."""
+async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, Any]) -> list[str]:
+    """Re-attach to the world ``state`` describes, remove every rank resource of the deployment
+    that no re-attached member holds (found from Ray's state: engine_ext.ray.leftovers), and
+    settle the interrupted operation. Returns what it did."""
     w, done = orch.world, []
     orch.desired = int(state.get("desired", 0))
     w.epoch, w.serving_epoch = int(state.get("epoch", 0)), int(state.get("serving_epoch", 0))
@@ -71,12 +73,14 @@ async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, An
         w.adopt(clients, ExpertLayout.from_dict(state["layout"]), w.serving_epoch)
     done.append(f"re-attached to rank(s) {sorted(set(clients) - set(gone))}"
                 + (f"; rank(s) {gone} gone" if gone else ""))
-    kept = {getattr(c, "actor_name", "") for c in clients.values()}
-    orphans = [n for n in rank_actor_names if n not in kept]
-    for name in orphans:
-        await spawner.kill_by_name(name)
-    if orphans:
-        done.append(f"ended rank actor(s) that were not members: {sorted(orphans)}")
+    # Not what the dead controller remembered: a joiner's group reserved before its actor
+    # existed, a dead member's group, a standby (the pool refills) are all found by name.
+    kept = [n for c in clients.values() if (n := getattr(c, "actor_name", ""))]
+    removed = leftovers.remove_unheld(spawner.namespace, spawner.deployment, kept)
+    left = await leftovers.wait_gone_async(spawner.namespace, spawner.deployment, removed)
+    if removed:
+        done.append(f"removed what no member holds: {', '.join(removed)}"
+                    + (f" (still held: {', '.join(left)})" if left else ""))
     done += await _settle(orch, state)
     for r in gone:
         orch.recovery.on_death(r, "gone when the controller restarted")
@@ -115,24 +119,12 @@ async def _settle(orch: Orchestrator, state: dict[str, Any]) -> list[str]:
     return [action]
 
 
-def rank_actor_names(namespace: str, deployment: str) -> list[str]:
-    """Every live rank actor of the deployment (DP ranks and standbys), by name."""
-    from ray.util import list_named_actors
-
-    from engine_ext.ray.names import is_rank_actor
-
-    return [a["name"] for a in list_named_actors(all_namespaces=True)
-            if a.get("namespace") == namespace and is_rank_actor(deployment, a["name"])]
-
-
 async def sweep_orphans(orch: Orchestrator, spawner: RaySpawner, namespace: str, deployment: str) -> list[str]:
-    """End DP rank actors of the deployment that no world knows while no operation runs (a
-    joiner a dead controller was launching, which finished starting after the take-over)."""
+    """While no operation runs, end DP rank actors and remove DP placement groups of the
+    deployment that no member holds (a joiner a dead controller was launching, which finished
+    starting after the take-over). The standby pool's are left alone: it may be launching one."""
     if orch.world.op_lock.locked():
         return []
-    kept = {getattr(c, "actor_name", "") for c in orch.clients.values()}
-    orphans = [n for n in rank_actor_names(namespace, deployment)
-               if "_standby" not in n[len(deployment):] and n not in kept]
-    for name in orphans:
-        await spawner.kill_by_name(name)
-    return [f"ended orphaned rank actor {n}" for n in orphans]
+    kept = [n for c in orch.clients.values() if (n := getattr(c, "actor_name", ""))]
+    removed = leftovers.remove_unheld(namespace, deployment, kept, standbys=False)
+    return [f"removed orphaned {r}" for r in removed]

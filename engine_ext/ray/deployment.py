@@ -20,7 +20,6 @@ from engine_ext.protocol import (
 from engine_ext.ray.names import (
     REGISTRY_PREFIX,
     controller_name,
-    is_rank_actor,
     registry_name,
     vllm_controller_name,
 )
@@ -114,59 +113,67 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
 
 
 def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wait_s: float = 30.0) -> list[str]:
-    """Stop the controller (which stops its ranks), kill every actor of the deployment by name
-    (standbys included: without a controller nothing else would) and wait until the names are
-    gone, so that returning means stopped. Returns the rank actors that had to be killed by name
-    (the controller no longer knew them)."""
+    """Stop the controller (which stops its ranks), then remove everything of the deployment that
+    Ray still lists, found by what the deployment owns (engine_ext.ray.leftovers), not by what a
+    controller remembers: rank and standby actors, their placement groups, the vLLM controller,
+    the registry and the controller, the durable state and the registry's endpoint. Works with no
+    controller at all, and a second run finds nothing. Waits until the names are gone, so that
+    returning means stopped. Returns what had to be removed by name (no controller held it)."""
     import ray
     from ray.util import list_named_actors
+
+    from engine_ext.ray import leftovers
 
     if handles.controller is not None:
         try:
             call(handles.controller.stop.remote(), timeout=60)
         except EepError:
             pass
-    killed = []
-    for a in list_named_actors(all_namespaces=True):  # rank actors are named by identity
-        if a.get("namespace") == namespace and (is_rank_actor(name, a["name"])
-                                                or a["name"] == vllm_controller_name(name)):
-            h = actor(a["name"], namespace)
-            if h is not None:
-                ray.kill(h, no_restart=True)
-                killed.append(a["name"])
-    for h in (handles.controller, handles.registry):
+    removed = leftovers.remove_unheld(namespace, name, keep=())
+    vllm_controller = actor(vllm_controller_name(name), namespace)
+    for h in (vllm_controller, handles.controller, handles.registry):
         if h is not None:
             ray.kill(h, no_restart=True)
-    _remove_reservations(name)
-    from engine_ext.ray.durable import DurableState
-
-    DurableState(namespace, name).delete()
+    if vllm_controller is not None:
+        removed.append(f"actor {vllm_controller_name(name)}")
+    _forget_stores(name, namespace)
     # ray.kill only queues the request: wait until the names are really gone.
-    names = {registry_name(name), controller_name(name), *killed}
+    names = {registry_name(name), controller_name(name), vllm_controller_name(name)}
     deadline = time.time() + wait_s
     while True:
         alive = {a["name"] for a in list_named_actors(all_namespaces=True)
                  if a.get("namespace") == namespace and a["name"] in names}
+        alive |= set(leftovers.still_held(namespace, name, removed))
         if not alive:
-            return killed
+            return removed
         if time.time() > deadline:
             raise TransitionTimeout(f"deployment {name!r} did not stop within {wait_s:.0f}s "
                                     f"(still alive: {sorted(alive)})")
         time.sleep(0.2)
 
 
-def _remove_reservations(name: str) -> None:
-    """Remove the rank placement groups of deployment ``name`` (detached: they outlive a
-    controller, so `down` removes them by name, with or without a controller)."""
-    from ray.util import placement_group_table
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-    from ray._raylet import PlacementGroupID
+def _forget_stores(name: str, namespace: str) -> None:
+    """The deployment's entries in the GCS key-value store: the controller's durable state and
+    the registry's read-path endpoint."""
+    from ray.experimental import internal_kv
 
-    for pg_id, info in placement_group_table().items():
-        pg_name = info.get("name") or ""
-        if info.get("state") == "REMOVED" or not pg_name.endswith("-pg") or not is_rank_actor(name, pg_name[:-3]):
-            continue
-        try:
-            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
-        except Exception:  # noqa: BLE001 - already removed
-            pass
+    from engine_ext.ray.durable import DurableState
+    from engine_ext.ray.registry import KV_NAMESPACE, endpoint_key
+
+    DurableState(namespace, name).delete()
+    internal_kv._internal_kv_del(endpoint_key(namespace, name), namespace=KV_NAMESPACE)
+
+
+def has_leftovers(name: str, namespace: str) -> bool:
+    """Whether anything of deployment ``name`` is left with its registry and controller gone (so
+    that `down` still removes it)."""
+    from ray.experimental import internal_kv
+
+    from engine_ext.ray import leftovers
+    from engine_ext.ray.durable import DurableState
+    from engine_ext.ray.registry import KV_NAMESPACE, endpoint_key
+
+    if leftovers.owned(namespace, name).names() or actor(vllm_controller_name(name), namespace) is not None:
+        return True
+    return DurableState(namespace, name).load() is not None or bool(
+        internal_kv._internal_kv_get(endpoint_key(namespace, name), namespace=KV_NAMESPACE))

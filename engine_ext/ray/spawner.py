@@ -19,7 +19,8 @@ from engine_ext.control.standby_pool import StandbyPool
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.identity import STANDBY_RANK_BASE, dp_suffixed, standby_identity
 from engine_ext.protocol import EepError
-from engine_ext.ray import placement
+from engine_ext.ray import leftovers, placement
+from engine_ext.ray.leftovers import kill_local as _kill_local
 from engine_ext.ray.rank_actor import RankActor
 
 
@@ -74,23 +75,6 @@ class RayRankClient(RankClient):
             self._release()
 
 
-def _kill_local(pid: int, node_id: str) -> None:
-    """SIGKILL ``pid`` if it is a rank actor's process on this node (Ray's own kill of a stopped
-    process waits out a grace period first)."""
-    import os
-    import signal
-
-    if pid <= 0 or not node_id or node_id != ray.get_runtime_context().get_node_id():
-        return
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"RankActor" not in f.read():
-                return  # the pid was reused by another process
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 class RaySpawner:
     """Launches rank actors, each in a placement group of its own on the node the deployment's
     placement policy picks (engine_ext/ray/placement.py)."""
@@ -109,6 +93,7 @@ class RaySpawner:
         self._planned: dict[int, placement.Node] = {}  # the last preflight's node per new rank
         self._pooled: dict[int, tuple[int, placement.Node | None]] = {}  # joiner -> (standby, its node)
         self.pool: StandbyPool | None = None  # ranks launched ahead (engine_ext/ray/standby.py)
+        self.stale_removed: list[str] = []  # stale resources a launch found holding its names
 
     def _held(self) -> Counter[str]:
         return Counter(n.node_id for n in self.rank_nodes.values())
@@ -184,6 +169,10 @@ class RaySpawner:
                 raise EepError(str(e)) from None
         self.rank_nodes[rank] = node  # before any await: concurrent joiners see this rank's node
         try:
+            # No member holds this identity (the caller launches it anew): what holds its names
+            # is a stale resource of this deployment, left by a dead controller's attempt.
+            stale = await leftovers.free_identity(self.namespace, self.deployment, identity)
+            self.stale_removed = (self.stale_removed + stale)[-20:]
             pg = await placement.reserve(node, self.cpus, self.gpus, self.spec.policy, f"{identity}-pg")
         except BaseException:
             self.rank_nodes.pop(rank, None)
@@ -209,20 +198,6 @@ class RaySpawner:
                                node_id=node.node_id)
         client.watch(lambda r, cause: self.on_death(r, cause))
         return client
-
-    async def kill_by_name(self, actor_name: str) -> None:
-        """End a rank actor of this deployment no world knows (a restarted controller's orphan)
-        and remove its reservation."""
-        from ray.util import get_placement_group
-
-        try:
-            ray.kill(ray.get_actor(actor_name, namespace=self.namespace), no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        try:
-            placement.release(get_placement_group(f"{actor_name}-pg"))
-        except Exception:  # noqa: BLE001 - no reservation left
-            pass
 
     async def reattach(self, rank: int, actor_name: str) -> RayRankClient | None:
         """A restarted controller takes back the live rank actor ``actor_name`` as DP rank
