@@ -215,11 +215,12 @@ def test_an_action_failing_the_same_way_three_times_in_a_row_is_escalated_with_w
 
     from engine_ext.control.reconciler import BACKOFF_MAX_S, ESCALATE_AFTER, Reconciler
 
-    rec = Reconciler(SimpleNamespace(world=World("t"), name="t"))  # failed/view read only these
+    rec = Reconciler(SimpleNamespace(world=World("t"), name="t",  # failed/view read only these
+                                    recovery=SimpleNamespace(running=lambda: False)))
     taken = "op-20261204-2135{}-ab{} failed: rebuild failed: name 't_dp{}-pg' already exists"
     for i in range(ESCALATE_AFTER - 1):
         rec.failed("rebuild", taken.format(i, i, i))
-        assert rec.escalated is None and rec.view()["backoff_s"] < BACKOFF_MAX_S
+        assert rec.escalated is None and rec.view()["retry_at"] - time.time() < BACKOFF_MAX_S
     rec.failed("grow", "op-1 rolled_back: no capacity to grow DP 1 -> 2: placement pack")  # another way
     rec.failed("rebuild", taken.format(7, 7, 7))
     assert rec.escalated is None  # the count started again
@@ -228,7 +229,7 @@ def test_an_action_failing_the_same_way_three_times_in_a_row_is_escalated_with_w
     esc = rec.view()["escalated"]
     assert esc["action"] == "rebuild" and esc["attempts"] == ESCALATE_AFTER and "already exists" in esc["cause"]
     assert len(esc["tried"]) == ESCALATE_AFTER and "eepctl down --name t" in esc["operator"]
-    assert rec.view()["backoff_s"] >= BACKOFF_MAX_S - 1
+    assert rec.view()["retry_at"] - time.time() >= BACKOFF_MAX_S - 1
     lines = control_lines({"info": {"control": rec.view()}})
     assert any(ln.startswith("ESCALATED: rebuild failed the same way 3 times in a row") for ln in lines), lines
     assert sum(ln.startswith("  tried ") for ln in lines) == ESCALATE_AFTER and lines[-1].startswith("  operator: ")

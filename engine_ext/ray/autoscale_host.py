@@ -193,3 +193,13 @@ async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | No
     host.record_outcome(decision.id, ok, f"{op.get('op_id', '')} DP {op.get('from_size')} -> {op.get('to_size')}"
                         if ok else f"{op.get('op_id', '')} {op.get('state')}: {op.get('error')}")
     return decision
+
+
+def autoscaler_metrics(deployment: str) -> Any:
+    """The autoscaler's Ray metrics, or None where they cannot be had (best effort)."""
+    try:
+        from engine_ext.ray.metrics import AutoscalerMetrics
+
+        return AutoscalerMetrics(deployment)
+    except Exception:  # noqa: BLE001 - metrics are best effort
+        return None

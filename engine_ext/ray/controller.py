@@ -23,8 +23,8 @@ from engine_ext.control.request_ids import RequestIds
 from engine_ext.faults import controller_holds
 from engine_ext.protocol import EepError, PreconditionError, UnreachableError, error_record
 from engine_ext.ray import placement
-from engine_ext.ray.autoscale_host import AutoscaleHost, autoscale_round
-from engine_ext.ray.controller_memory import snapshot, sweep_orphans, take_over
+from engine_ext.ray.autoscale_host import AutoscaleHost, autoscale_round, autoscaler_metrics
+from engine_ext.ray.controller_memory import forget_unheld_ranks, snapshot, sweep_orphans, take_over
 from engine_ext.ray.durable import DurableState
 from engine_ext.ray.registry_keeper import RegistryKeeper
 from engine_ext.ray.spawner import RaySpawner
@@ -65,7 +65,7 @@ class Controller:
         self._ready = asyncio.Event()  # set once started, or once a restarted controller took over
         saved = self.durable.load()
         self.autoscale_host = AutoscaleHost(deployment, max_dp, persist=lambda st: self._persist(),
-                                            saved=(saved or {}).get("autoscale"), metrics=_autoscaler_metrics(deployment))
+                                            saved=(saved or {}).get("autoscale"), metrics=autoscaler_metrics(deployment))
         if saved is not None and saved.get("started"):
             self._resuming = asyncio.get_event_loop().create_task(self._take_over(saved))
         try:
@@ -258,7 +258,7 @@ class Controller:
             self.took_over = await take_over(self.orch, self.spawner, saved)
         except Exception as e:  # noqa: BLE001 - the loop rebuilds what could not be taken over
             self.reconciler.failed("take over", e)
-        self.took_over += await self._forget_unheld_ranks()
+        self.took_over += await forget_unheld_ranks(self.keeper.handle, set(self.orch.members))
         self._emit({"op_id": "", "rank": -1, "phase": "controller_restarted", "start": time.time(),
                     "end": time.time(), "status": "ok",
                     "detail": {"restarts": self.restarts, "actions": self.took_over}})
@@ -272,20 +272,6 @@ class Controller:
             self.spawner.pool.next_number = max(self.spawner.pool.next_number, int(saved.get("standby_next", 0)))
             await self.set_standby(int(saved["standby"]))
         self.reconciler.start()
-
-    async def _forget_unheld_ranks(self) -> list[str]:
-        """The registry's records of ranks that are not members (the interrupted scale's joiners,
-        standbys): a restarted controller removes them with their actors."""
-        members = set(self.orch.members)
-        try:
-            registry = self.keeper.handle()
-            ranks = (await asyncio.wait_for(registry.snapshot.remote(), 10)).get("ranks") or []
-            gone = sorted({int(r["rank"]) for r in ranks} - members)
-            for r in gone:
-                registry.forget_rank.remote(r)
-        except Exception:  # noqa: BLE001 - a registry being recreated starts without them
-            return []
-        return [f"forgot the registry records of rank(s) {gone}"] if gone else []
 
     def _dead_shown(self) -> list[dict[str, Any]]:
         """Dead ranks, shown until replaced (the size is back at the desired one)."""
@@ -396,15 +382,6 @@ class Controller:
             where = ({"phase": op.phase, "from_size": op.from_size, "to_size": op.to_size}
                      if op is not None and op.op_id == op_id else {})
             return {"op_id": op_id, "state": "running", **where}
-
-
-def _autoscaler_metrics(deployment: str) -> Any:
-    try:
-        from engine_ext.ray.metrics import AutoscalerMetrics
-
-        return AutoscalerMetrics(deployment)
-    except Exception:  # noqa: BLE001 - metrics are best effort
-        return None
 
 
 def json_copy(d: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ recovery that restores every expert from the weight source.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine_ext.control.rank_client import GoneRankClient, RankClient
@@ -128,3 +129,19 @@ async def sweep_orphans(orch: Orchestrator, spawner: RaySpawner, namespace: str,
     kept = [n for c in orch.clients.values() if (n := getattr(c, "actor_name", ""))]
     removed = leftovers.remove_unheld(namespace, deployment, kept, standbys=False)
     return [f"removed orphaned {r}" for r in removed]
+
+
+async def forget_unheld_ranks(registry: Callable[[], Any], members: set[int]) -> list[str]:
+    """The registry's records of ranks that are not members (the interrupted scale's joiners,
+    standbys): a restarted controller removes them with their actors."""
+    import asyncio
+
+    try:
+        handle = registry()
+        ranks = (await asyncio.wait_for(handle.snapshot.remote(), 10)).get("ranks") or []
+        gone = sorted({int(r["rank"]) for r in ranks} - members)
+        for r in gone:
+            handle.forget_rank.remote(r)
+    except Exception:  # noqa: BLE001 - a registry being recreated starts without them
+        return []
+    return [f"forgot the registry records of rank(s) {gone}"] if gone else []
