@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from engine_ext.control.rank_client import GoneRankClient, RankClient
 from engine_ext.control.world import quiet
 from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.elastic.identity import STANDBY_RANK_BASE
 from engine_ext.protocol import Operation, OpState, Phase
 from engine_ext.records import from_builtins
 
@@ -75,6 +76,9 @@ async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, An
     orphans = [n for n in rank_actor_names if n not in kept]
     for name in orphans:
         await spawner.kill_by_name(name)
+        standby = name.rpartition("_standby")[2]
+        if "_standby" in name and standby.isdigit():  # status must not list it as a ready standby
+            w.forget_rank(STANDBY_RANK_BASE + int(standby))
     if orphans:
         done.append(f"ended rank actor(s) that were not members: {sorted(orphans)}")
     done += await _settle(orch, state)
