@@ -47,11 +47,14 @@ def test_scale_up_adopts_the_standby_actor_and_the_pool_refills(deployments):
     wait_for(lambda: not _standbys(d.name), 30, what="the standby stopped")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     """Issue 13 point 1 with issue 10's `replace`: a serving rank SIGKILLed under load; after the
     recovery the growth back to the desired DP adopts the standby (its process, no launch), the
-    load loses nothing, and the pool refills."""
+    load loses nothing, and the pool refills. Issue 31 points 3 and 4: a standby launch that fails
+    (no free CPU) is shown by status and tried again; after a controller restart the pool's
+    numbers never repeat one taken before (the adopted rank keeps <base>_standby0), and a later
+    recovery's re-routed count is not negative."""
     import os
     import signal
 
@@ -83,15 +86,50 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     assert grow["state"] == "succeeded" and grow["phase_durations"]["launch"] < 1.0, grow["phase_durations"]
     assert [j.get("from_standby") for j in grow["plan"]["joining"]] == [spare["instance_id"]], grow["plan"]
     wait_for(lambda: _standbys(d.name), 90, what="the pool refilled")
-    # Issue 21 point 5: `down` with the controller gone stops the standbys too (none is orphaned).
+    assert ops[-2]["rerouted_requests"] > 0, ops[-2]  # the baseline a restarted controller must not restore
     import ray
     from ray.util import list_named_actors
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     from engine_ext.ray.names import controller_name, is_rank_actor
 
-    refilled = wait_for(lambda: _standbys(d.name), 90, what="the pool refilled")
     if not ray.is_initialized():
         ray.init(address=os.environ["RAY_ADDRESS"], namespace="eepctl", logging_level="ERROR", log_to_driver=False)
+    # Issue 31 point 4: a launch that fails is recorded and shown (never swallowed), and tried again.
+    hog = placement_group([{"CPU": ray.available_resources()["CPU"]}], name=f"{d.name}-test-hog")
+    ray.get(hog.ready(), timeout=30)
+    try:
+        assert eepctl("standby", "--count", "2", "--name", d.name, timeout=120).returncode == 0
+        line = wait_for(lambda: [ln for ln in eepctl("status", "--name", d.name, timeout=60).stdout.splitlines()
+                                 if "standby pool short: launching standby" in ln], 30, what="the launch error shown")
+        assert "no node" in line[0] or "CPU" in line[0], line
+    finally:
+        remove_placement_group(hog)
+    wait_for(lambda: len(_standbys(d.name)) == 2, 120, what="the pool tried again once CPUs were free")
+    wait_for(lambda: status(d.name)["info"]["standby_pool"]["last_error"] is None, 10, what="the error cleared")
+    assert eepctl("standby", "--count", "1", "--name", d.name, timeout=120).returncode == 0
+    used = {int(r["instance_id"].rsplit("_standby", 1)[1]) for r in _standbys(d.name)}
+    used |= set(range(max(used) + 1))  # every number taken so far (0 is the adopted rank 3's name)
+    # ... and after a controller restart the numbers go on: the adopted rank still holds <base>_standby0.
+    ctl = ray.get_actor(controller_name(d.name), namespace="eepctl")
+    os.kill(int(ray.get(ctl.pid.remote(), timeout=30)), signal.SIGKILL)  # this test's own controller
+    wait_for(lambda: (status(d.name)["info"].get("control") or {}).get("controller_restarts") == 1, 90,
+             interval=0.5, what="the controller restarted")
+    before = {r["pid"] for r in _standbys(d.name)}  # ended by the take-over (not a member)
+    after_restart = wait_for(lambda: [r for r in _standbys(d.name) if r["pid"] not in before], 90,
+                             what="the pool refilled after the restart")
+    number = int(after_restart[0]["instance_id"].rsplit("_standby", 1)[1])
+    assert number not in used, (number, used)
+    wait_for(lambda: status(d.name)["info"]["standby_pool"]["last_error"] is None, 10, what="no launch error")
+    # Issue 31 point 3: a recovery after the restart counts the requests it re-routed from 0, never
+    # below (nothing was in flight on the victim: 0; a restored baseline made it negative).
+    snap = status(d.name)
+    os.kill(int(next(r for r in snap["ranks"] if r["rank"] == 0)["pid"]), signal.SIGKILL)
+    wait_for(grown_back, 120, interval=0.5, what="DP 3 again after the second kill")
+    last_recover = [o for o in events(d.name)["operations"] if o.get("kind") == "recover"][-1]
+    assert last_recover["dead_ranks"] == [0] and last_recover["rerouted_requests"] == 0, last_recover
+    # Issue 21 point 5: `down` with the controller gone stops the standbys too (none is orphaned).
+    refilled = wait_for(lambda: _standbys(d.name), 90, what="the pool refilled")
     ray.kill(ray.get_actor(controller_name(d.name), namespace="eepctl"), no_restart=True)
     res = eepctl("down", "--name", d.name, timeout=120)
     assert res.returncode == 0, res.stderr

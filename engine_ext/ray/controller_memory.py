@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from engine_ext.control.rank_client import GoneRankClient, RankClient
 from engine_ext.control.world import quiet
 from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.elastic.identity import STANDBY_RANK_BASE
 from engine_ext.protocol import Operation, OpState, Phase
 from engine_ext.ray import leftovers
 from engine_ext.records import from_builtins
@@ -79,6 +80,11 @@ async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, An
     kept = [n for c in clients.values() if (n := getattr(c, "actor_name", ""))]
     removed = leftovers.remove_unheld(spawner.namespace, spawner.deployment, kept)
     left = await leftovers.wait_gone_async(spawner.namespace, spawner.deployment, removed)
+    for item in removed:  # status must not list an ended standby as ready
+        name = item.removeprefix("actor ")
+        standby = name.rpartition("_standby")[2]
+        if item.startswith("actor ") and "_standby" in name and standby.isdigit():
+            w.forget_rank(STANDBY_RANK_BASE + int(standby))
     if removed:
         done.append(f"removed what no member holds: {', '.join(removed)}"
                     + (f" (still held: {', '.join(left)})" if left else ""))
