@@ -55,7 +55,7 @@ async def _kill_under_load(dep: LocalDeployment, victim: int, bound_s: float) ->
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.harm(v)) for v in sorted(VARIANTS)])
 def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
     experts, start, victim = VARIANTS[variant]
     reference = reference_generate(EngineConfig(dtype="float64", num_experts=experts, slots_per_rank=6),
