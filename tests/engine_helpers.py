@@ -107,3 +107,17 @@ def watch_reported_states(dep: Any) -> dict[int, set[str]]:
 
     dep.registry.report_status = spy
     return seen
+
+
+def watch_reported_reasons(dep: Any, state: str) -> dict[int, list[str]]:
+    """Every reason each rank of a ``LocalDeployment`` gave when it reported ``state``."""
+    seen: dict[int, list[str]] = {}
+    report = dep.registry.report_status
+
+    def spy(status: dict) -> dict:
+        if status["state"] == state:
+            seen.setdefault(status["rank"], []).append(status.get("state_reason", ""))
+        return report(status)
+
+    dep.registry.report_status = spy
+    return seen
