@@ -9,7 +9,8 @@ with the trace (``--compress``: a 600 s delay at 10x is 60 s). The autoscaled ca
 orchestrator's scale. Reports per trace and case: SLO attainment (% of requests within the
 TTFT and TPOT SLOs, failures counting as misses), rank-seconds, operations and failed requests.
 
-The controller's reconcile loop is not wired yet (issue 22), so this drives the round itself.
+The process launcher has no autoscaler of its own (on Ray the controller's reconcile loop runs the
+same round, engine_ext/ray/controller.py), so this drives the round itself.
 Numbers are only meaningful where the ranks have cores of their own (one per rank at max DP).
 
 Usage: PYTHONPATH=. python benchmarks/autoscale.py [--seconds 60] [--base-rate 4] [--traces step,ramp,daily]

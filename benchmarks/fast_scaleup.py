@@ -3,8 +3,9 @@ at DP 4, timed as one span), elastic without standby, with a standby pool, and w
 pool and ``capture_policy=reuse``. Prints a markdown table (wall, launch, serving pause,
 capture passes, failed requests, outputs against the dense oracle).
 
-The Ray path (``eepctl up --standby``) is not wired yet, so this uses
-``engine_ext.launcher.LocalDeployment``; ``benchmarks/transition.py`` stays the Ray figure.
+It uses the process launcher (``engine_ext.launcher.LocalDeployment``: the four cases in one
+process, no Ray actor start in the figures); on Ray the same pool is ``eepctl up --standby`` /
+``eepctl standby`` (tests/test_standby_ray.py), and ``benchmarks/transition.py`` stays the Ray figure.
 
 Usage: PYTHONPATH=. python benchmarks/fast_scaleup.py [--rate R]
 """

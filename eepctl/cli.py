@@ -59,7 +59,7 @@ def up(
     placement: Annotated[str, typer.Option(help="Ranks over Ray nodes: pack, spread or strict-spread (one per node).")] = "pack",
     ifname: Annotated[str, typer.Option(help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME.")] = "",
     standby: Annotated[int, typer.Option("--standby", help="Ranks to keep launched ahead (model and KV loaded, in no DP group): a scale-up adopts them and skips its launch phase.")] = 0,
-    capture_policy: Annotated[str, typer.Option("--capture-policy", help="recapture: capture once per transition, workspace right-sized; reuse: size captures for --max-dp at start and capture nothing in transitions (more memory).")] = "recapture",
+    capture_policy: Annotated[str, typer.Option("--capture-policy", help="recapture: capture once per transition, workspace right-sized; reuse: size captures for --max-dp at start; survivors capture nothing in transitions, a joiner once (more memory).")] = "recapture",
     health_deadline: Annotated[float, typer.Option("--health-deadline", help="Seconds a rank may stay silent (no probe answer, token or result) before it is fenced and recovered around; also how long a serving step waits for a peer.")] = 5.0,
     output: OutputOpt = Output.table,
 ) -> None:

@@ -46,7 +46,9 @@ VARIANTS: dict[str, str] = {
     "no_reroute": "the controller does not re-route a dead rank's requests (router park/re-route): "
                   "they stay owned by the dead rank and are never answered",
     "no_degrade": "a survivor takes a peer's death for its own failure (degrade-vs-fail classification "
-                  "off): it fails instead of degrading, and fails the requests it held",
+                  "off): it reports `failed` instead of `degraded`, so status shows a healthy rank broken, "
+                  "and the reconcile loop fences it if it sees that report before the recovery reaches it "
+                  "(a healthy rank lost; its requests move, none fails)",
     "no_store_rehost": "a recovery does not re-host the store when its host died: the survivors "
                        "regroup on the dead store and the recovery fails",
     "no_group_abort": "a degrading or recovering rank does not abort its groups: a thread blocked in a "

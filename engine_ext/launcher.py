@@ -1,4 +1,5 @@
-"""Run a deployment's ranks as local processes, with no Ray (GPU hosts without Ray use this).
+"""Run a deployment's ranks as local processes, with no Ray: a Python API for the tests and the
+benchmark scripts (the GPU benchmarks run it on hosts without Ray); no eepctl command drives it.
 
 The ranks run the same RankEngine and the same Orchestrator as under Ray; only the
 transport differs (a pipe per rank instead of actor calls).

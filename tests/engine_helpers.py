@@ -44,6 +44,22 @@ async def wait_until(pred: Callable[[], Any], timeout_s: float, what: str, inter
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
 
 
+async def wait_decoding(dep: Any, rank: int) -> None:
+    """Return once ``rank``'s live status (of a ``LocalDeployment``) shows requests that have run two
+    more steps since it was first seen holding them: each of those has tokens to continue with, so a
+    kill now must move requests that resume with them."""
+    client = dep.orch.router.clients[rank]
+    first: int | None = None
+    while True:
+        st = await client.status(timeout=10)
+        if st["requests_running"] > 0:
+            if first is None:
+                first = st["steps"]
+            elif st["steps"] >= first + 2:
+                return
+        await asyncio.sleep(0.005)  # poll interval of the wait, not a synchronisation
+
+
 class OneRank:
     """A world-1 RankEngine driven step by step in this process (no group, no threads): the real
     scheduler, step loop, replay path and warm-up, so a test can act between two steps."""
@@ -87,6 +103,20 @@ def watch_reported_states(dep: Any) -> dict[int, set[str]]:
 
     def spy(status: dict) -> dict:
         seen.setdefault(status["rank"], set()).add(status["state"])
+        return report(status)
+
+    dep.registry.report_status = spy
+    return seen
+
+
+def watch_reported_reasons(dep: Any, state: str) -> dict[int, list[str]]:
+    """Every reason each rank of a ``LocalDeployment`` gave when it reported ``state``."""
+    seen: dict[int, list[str]] = {}
+    report = dep.registry.report_status
+
+    def spy(status: dict) -> dict:
+        if status["state"] == state:
+            seen.setdefault(status["rank"], []).append(status.get("state_reason", ""))
         return report(status)
 
     dep.registry.report_status = spy

@@ -110,6 +110,7 @@ def test_reuse_serves_2_4_3_2_with_no_capture_on_survivors_and_oracle_outputs():
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.harm("reuse_drops_captures")
 def test_survivors_that_drop_their_captures_serve_eagerly_and_are_flagged():
     """``reuse_drops_captures``: survivors release their captures in the transition instead of
     keeping them. Outputs still equal the oracle and no capture pass is missing, so only the
@@ -141,6 +142,7 @@ def test_survivors_that_drop_their_captures_serve_eagerly_and_are_flagged():
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.harm("reuse_sized_for_world")
 def test_reuse_check_refuses_a_capture_sized_for_the_launch_world():
     cfg = _cfg(faults=["reuse_sized_for_world"])
 

@@ -12,7 +12,8 @@ import torch
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import run, wait_until
+from tests.engine_helpers import run, wait_decoding, wait_until
+from tests.helpers import moved_off
 
 pytestmark = [
     pytest.mark.cuda,
@@ -84,22 +85,25 @@ def test_cuda_reuse_switches_worlds_without_capturing_on_survivors() -> None:
 @pytest.mark.timeout(300)
 def test_cuda_rank_sigkill_recovers_with_one_capture_and_oracle_outputs() -> None:
     """Self-healing on the device: a serving rank SIGKILLed under load; the survivors release,
-    re-warm and capture once on the GPU, and no request is lost or changed."""
+    re-warm and capture once on the GPU, and no request is lost or changed: the victim's requests,
+    killed mid-decode, continue on a survivor with the tokens they had."""
     import os
     import signal
 
     cfg = EngineConfig(dtype="float64", slots_per_rank=8, capture_sizes=[1, 2, 4])
-    ref = {tuple(p): r["output"] for p, r in zip(PROMPTS, reference_generate(cfg, PROMPTS, 8))}
+    tokens = 16  # long enough that the victim's requests are still decoding at the kill
+    ref = {tuple(p): r["output"] for p, r in zip(PROMPTS, reference_generate(cfg, PROMPTS, tokens))}
 
     async def scenario() -> None:
         async with LocalDeployment(cfg, "cuda-heal", device="cuda", max_dp=3, on_rank_failure="shrink") as dep:
             await dep.start(3)
-            inflight = [asyncio.ensure_future(dep.generate(p, 8)) for p in PROMPTS * 3]
-            await wait_until(lambda: dep.orch.router.inflight.get(1, 0), 30, "requests on rank 1")
+            inflight = [asyncio.ensure_future(dep.generate(p, tokens)) for p in PROMPTS * 3]
+            await asyncio.wait_for(wait_decoding(dep, 1), 30)  # rank 1 holds requests with tokens
             os.kill(dep.processes[1].pid(), signal.SIGKILL)  # this test's own rank process
             outs = await asyncio.wait_for(asyncio.gather(*inflight), 120)
             assert [o.get("error") for o in outs if o.get("error")] == []
             assert [o["output"] for o in outs] == [ref[tuple(p)] for p in PROMPTS * 3]
+            moved_off(outs, 1)  # they moved off the victim and continued with the tokens it had streamed
             await dep.orch.recovery.wait()
             op = next(o for o in reversed(dep.orch.history) if o.get("kind") == "recover")
             assert op["state"] == "succeeded" and op["dead_ranks"] == [1], op

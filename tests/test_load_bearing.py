@@ -71,6 +71,7 @@ def _decode_across_relayout(cfg: EngineConfig) -> OneRank:
     return o
 
 
+@pytest.mark.harm("skip_release", "no_stale_check")
 def test_stale_replay_without_the_check_gives_wrong_tokens(reference):
     """Harm: the kept capture replays with the routing table it was captured with, against weights
     that moved: the tokens differ from the oracle."""
@@ -80,6 +81,7 @@ def test_stale_replay_without_the_check_gives_wrong_tokens(reference):
     assert "tokens" in _mismatch(o, reference)
 
 
+@pytest.mark.harm("skip_release")
 def test_stale_replay_is_refused_flagged_and_outputs_stay_right(reference):
     o = _decode_across_relayout(_cfg("skip_release"))
     assert o.engine.stale_replays_refused > 0
@@ -108,6 +110,7 @@ def _warm_mid_decode(cfg: EngineConfig) -> OneRank:
     return o
 
 
+@pytest.mark.harm("warmup_not_isolated", "no_warmup_check")
 def test_warmup_not_isolated_corrupts_live_requests(reference):
     o = _warm_mid_decode(_cfg("warmup_not_isolated", "no_warmup_check"))
     assert "tokens" in _mismatch(o, reference)
@@ -116,6 +119,7 @@ def test_warmup_not_isolated_corrupts_live_requests(reference):
     assert any(v["invariant"] == "I5" for v in _registry_of(o).violations())
 
 
+@pytest.mark.harm("warmup_not_isolated")
 def test_warmup_isolation_check_fails_the_warmup_before_serving(reference):
     o = OneRank(_cfg("warmup_not_isolated"))
     o.add(PROMPTS, MAX_TOKENS)
@@ -146,6 +150,7 @@ def _load_after_one_request(*faults: str) -> float:
     return sum(o.engine.eplb.logical_load)
 
 
+@pytest.mark.harm("eplb_not_suppressed", "no_warmup_check")
 def test_eplb_load_without_suppression_counts_the_warmup():
     cfg = _cfg()
     per_token = cfg.top_k * cfg.num_layers
@@ -154,6 +159,7 @@ def test_eplb_load_without_suppression_counts_the_warmup():
     assert polluted == (len(PROMPTS[2]) + cfg.max_num_tokens) * per_token
 
 
+@pytest.mark.harm("eplb_not_suppressed")
 def test_eplb_pollution_fails_the_warmup():
     from engine_ext.elastic.eplb import build_layout
     from engine_ext.rank.engine import RankEngine
@@ -197,6 +203,7 @@ def test_workspace_follows_the_world_both_ways_and_feeds_the_kv_pool():
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("sizes", [[2, 3], [3, 2]], ids=["scale_up", "scale_down"])
+@pytest.mark.harm("skip_rewarm")
 def test_skip_rewarm_fails_the_operation_at_the_lock(sizes):
     [(op, _)] = run(_resize(_cfg("skip_rewarm"), sizes), 180)
     assert op["state"] == "failed", op
@@ -206,6 +213,7 @@ def test_skip_rewarm_fails_the_operation_at_the_lock(sizes):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.harm("skip_rewarm", "no_lock_check")
 def test_skip_rewarm_without_the_lock_check_keeps_freed_bytes_from_the_kv_pool():
     """Harm: after 3 -> 2 the workspace still holds the 3-rank bound, so the KV blocks the smaller
     world frees never reach the pool. Only the lock's size check catches it (the test below)."""
@@ -246,6 +254,7 @@ async def _scale_up_and_serve(cfg: EngineConfig) -> tuple[dict, list[dict], list
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.harm("late_eplb_comm")
 def test_late_eplb_communicator_fails_the_scale_and_is_flagged(reference):
     """Harm: the transfer runs before the communicator exists, so it has no channel and the
     scale fails (rolled back; the old world serves on). The registry sees each rank's transfer
@@ -279,6 +288,7 @@ async def _start_and_view(cfg: EngineConfig, dp: int) -> tuple[list[dict], list[
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.harm("no_suffix")
 def test_unsuffixed_identities_lose_a_rank_from_the_deployment_and_are_flagged():
     views, violations = run(_start_and_view(_cfg("no_suffix"), 2), 100)
     assert [v["rank"] for v in views] == [0], "the second rank claiming the same identity was refused"
@@ -286,6 +296,7 @@ def test_unsuffixed_identities_lose_a_rank_from_the_deployment_and_are_flagged()
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.harm("double_suffix")
 def test_double_suffix_is_flagged_and_suffixed_identities_are_clean():
     views, violations = run(_start_and_view(_cfg("double_suffix"), 2), 100)
     assert sorted(v["rank"] for v in violations if v["invariant"] == "I1") == ["0", "0", "1", "1"], violations
@@ -293,6 +304,7 @@ def test_double_suffix_is_flagged_and_suffixed_identities_are_clean():
     assert [v["rank"] for v in views] == [0, 1] and violations == []
 
 
+@pytest.mark.harm("double_capture")
 def test_double_capture_is_flagged_from_the_capture_events_and_replays_stay_right(reference):
     """Upstream before its fix captured twice per transition. The registry counts the passes from
     the capture events each pass sends (not from the rank's own tally) and flags every operation."""

@@ -280,7 +280,8 @@ def _store_host_on_worker(name: str) -> tuple[int, int]:
 
 @pytest.mark.ray
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("abandon", [True, False], ids=["abandon", "no_sleeper_abandon"])
+@pytest.mark.parametrize("abandon", [True, pytest.param(False, marks=pytest.mark.harm("no_sleeper_abandon"))],
+                         ids=["abandon", "no_sleeper_abandon"])
 def test_store_host_cut_off_while_the_survivor_sleeps_on_it(md, two_nodes, abandon):
     """Issue 22 point 4, the store's host behind a downed link while the deployment is idle: the
     survivor's step thread sleeps in a wait on that store, which neither answers nor fails. The

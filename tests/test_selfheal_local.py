@@ -13,7 +13,7 @@ import pytest
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import oracle_mismatch, run, wait_until, watch_reported_states
+from tests.engine_helpers import oracle_mismatch, run, wait_decoding, wait_until, watch_reported_states
 from tests.helpers import moved_off
 
 MAX_TOKENS = 24
@@ -29,24 +29,9 @@ def reference() -> list[dict]:
     return reference_generate(_cfg(slots_per_rank=6), PROMPTS, MAX_TOKENS)
 
 
-async def _decoding(dep: LocalDeployment, victim: int) -> None:
-    """Return once ``victim``'s live status shows requests that have run two more steps since it
-    was first seen holding them: each of those has tokens to continue with."""
-    client = dep.orch.router.clients[victim]
-    first: int | None = None
-    while True:
-        st = await client.status(timeout=10)
-        if st["requests_running"] > 0:
-            if first is None:
-                first = st["steps"]
-            elif st["steps"] >= first + 2:
-                return
-        await asyncio.sleep(0.005)  # poll interval of the wait, not a synchronisation
-
-
 async def _kill_while_decoding(dep: LocalDeployment, victim: int) -> None:
     """SIGKILL ``victim`` by pid while requests decode on it."""
-    await _decoding(dep, victim)
+    await wait_decoding(dep, victim)
     os.kill(dep.processes[victim].pid(), signal.SIGKILL)
 
 
@@ -111,6 +96,7 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.harm("no_token_stream")
 def test_without_token_streaming_moved_requests_restart_from_the_prompt(reference: list[dict]) -> None:
     """The fault no_token_stream switches the rank's token stream off: greedy outputs still equal
     the oracle (so an output check alone cannot see it), but the moved requests arrive on the
@@ -136,6 +122,7 @@ def test_replace_policy_grows_back_to_desired_size(reference: list[dict]) -> Non
             victim_pid = dep.processes[2].pid()
             results = await _load_with_kill(dep, 2)
             assert oracle_mismatch(results, reference, logits=False) == ""
+            moved_off([r for _, r in results], 2)  # killed mid-decode: its requests continued with their tokens
             await wait_until(lambda: len(dep.orch.members) == 3 and not dep.orch.busy(), 120, "DP 3 again")
             await dep.orch.recovery.wait()
             # the replacement takes the dead rank's number (free again), in a new process
@@ -160,6 +147,7 @@ def test_expert_only_on_dead_rank_restored_from_weight_source() -> None:
             assert only_there, "the test needs an expert whose only copy is on the victim"
             results = await _load_with_kill(dep, victim)
             assert oracle_mismatch(results, ref, logits=False) == ""
+            moved_off([r for _, r in results], victim)  # killed mid-decode: its requests continued with their tokens
             await dep.orch.recovery.wait()
             op = [op for op in dep.orch.history if op.get("kind") == "recover"][-1]
             assert op["state"] == "succeeded", op
@@ -176,7 +164,7 @@ def test_two_ranks_killed_at_once(reference: list[dict]) -> None:
         async with LocalDeployment(_cfg(slots_per_rank=6), "heal-two", max_dp=4, on_rank_failure="shrink") as dep:
             await dep.start(4)
             tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS]
-            await asyncio.wait_for(asyncio.gather(_decoding(dep, 1), _decoding(dep, 2)), 60)
+            await asyncio.wait_for(asyncio.gather(wait_decoding(dep, 1), wait_decoding(dep, 2)), 60)
             for victim in (1, 2):
                 os.kill(dep.processes[victim].pid(), signal.SIGKILL)
             results = [await asyncio.wait_for(t, 120) for t in tasks]
@@ -190,9 +178,10 @@ def test_two_ranks_killed_at_once(reference: list[dict]) -> None:
     run(scenario(), 220)
 
 
-# (faults, start DP, target DP, victim, members afterwards, the scale's end state (None: either),
-#  the dead ranks of each recovery recorded afterwards (a joiner dead in commit: a rebuild with none
-#  dead); None: not pinned, the kill may land before or after the removing rank left)
+# (faults, start DP, target DP, victim, members afterwards, the scale's end state, the dead ranks of
+#  each recovery recorded afterwards (a joiner dead in commit: a rebuild with none dead)). A removing
+#  rank is killed while held, so before it left: its death fails the scale (rolled back in drain)
+#  and a recovery removes it.
 HELD = {
     "joiner-in-launch": (["hold:launch@3"], 3, 4, 3, [0, 1, 2], "rolled_back", []),
     "joiner-in-prepare": (["hold:prepare@3"], 3, 4, 3, [0, 1, 2], "rolled_back", []),
@@ -201,9 +190,9 @@ HELD = {
     "standby-in-adopt": (["hold:adopt@3"], 3, 4, 3, [0, 1, 2, 3], "succeeded", []),
     "member-in-prepare": (["hold:prepare@1"], 3, 4, 1, [0, 2], "rolled_back", [[1]]),
     "store-host-in-commit": (["hold:commit@0"], 3, 4, 0, [1, 2], "failed", [[0]]),
-    "removing-in-drain": (["hold:drain@3"], 4, 3, 3, [0, 1, 2], None, None),
-    "removing-in-commit": (["hold:commit@3"], 4, 3, 3, [0, 1, 2], None, None),
-    "removing-in-reshuffle": (["hold:reshuffle@3"], 4, 3, 3, [0, 1, 2], None, None),
+    "removing-in-drain": (["hold:drain@3"], 4, 3, 3, [0, 1, 2], "rolled_back", [[3]]),
+    "removing-in-commit": (["hold:commit@3"], 4, 3, 3, [0, 1, 2], "failed", [[3]]),
+    "removing-in-reshuffle": (["hold:reshuffle@3"], 4, 3, 3, [0, 1, 2], "failed", [[3]]),
     "member-in-commit": (["hold:commit@1"], 3, 4, 1, [0, 2], "failed", [[1]]),
     "member-in-reshuffle": (["hold:reshuffle@1"], 3, 4, 1, [0, 2], "failed", [[1]]),
     "member-in-warm": (["hold:warm@1"], 3, 4, 1, [0, 2], "failed", [[1]]),
@@ -211,14 +200,27 @@ HELD = {
 }
 
 
-async def _kill_when_held(dep: LocalDeployment, rank: int, phase: str) -> int:
+async def _kill_when_held(dep: LocalDeployment, rank: int, phase: str, *, with_requests: bool = False) -> int:
     """SIGKILL the process that reports itself as ``rank`` held in ``phase``, by the pid it
-    reported (a standby being adopted is in no member table yet). Returns that pid."""
+    reported (a standby being adopted is in no member table yet). Returns that pid.
+    ``with_requests``: only once a report from the hold also shows requests running on it."""
     await wait_until(lambda: (st := dep.registry.ranks.get(rank)) is not None
-                     and f"held in {phase}" in st.state_reason, 60, f"rank {rank} held in {phase}")
+                     and f"held in {phase}" in st.state_reason and (st.requests_running > 0 or not with_requests),
+                     60, f"rank {rank} held in {phase}" + (" with requests running" if with_requests else ""))
     pid = dep.registry.ranks[rank].pid
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+async def _steady_load(dep: LocalDeployment, stop: asyncio.Event, rate_per_s: float = 6.0) -> list[tuple[int, asyncio.Task]]:
+    """Open-loop arrivals cycling through PROMPTS until ``stop``: whenever a phase is reached, every
+    serving rank holds requests, some mid-decode. Returns (prompt index, task) of each."""
+    tasks: list[tuple[int, asyncio.Task]] = []
+    while not stop.is_set():
+        i = len(tasks) % len(PROMPTS)
+        tasks.append((i, asyncio.ensure_future(dep.generate(PROMPTS[i], MAX_TOKENS))))
+        await asyncio.sleep(1.0 / rate_per_s)  # the arrival rate
+    return tasks
 
 
 @pytest.mark.timeout(240)
@@ -233,19 +235,28 @@ def test_rank_killed_while_held_in_a_scale_phase(reference: list[dict], case: st
             await dep.start(start)
             # a scale-down names its leaver: by default the least-loaded ranks leave, and the hold is on the victim
             retire = [victim] if target < start else None
+            stop = asyncio.Event()
+            load = asyncio.ensure_future(_steady_load(dep, stop))
             scale = asyncio.ensure_future(dep.scale(target, timeout_s=120, retire=retire))
             phase = faults[0].split(":")[1].split("@")[0]
-            tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS[:8]]
-            killed = await _kill_when_held(dep, victim, phase)
+            # a member that serves on in the new world is killed holding requests (a removing rank
+            # may have drained its own); a joiner or a standby never held one
+            member = victim < start and target > start
+            killed = await _kill_when_held(dep, victim, phase, with_requests=member)
+            stop.set()
             op = await asyncio.wait_for(scale, 120)
-            assert scale_state is None or op["state"] == scale_state, op
-            results = [await asyncio.wait_for(t, 120) for t in tasks]
-            assert oracle_mismatch(list(enumerate(results)), reference, logits=False) == ""
+            assert op["state"] == scale_state, op
+            results = [(i, await asyncio.wait_for(t, 120)) for i, t in await load]
+            assert oracle_mismatch(results, reference, logits=False) == ""
+            if member:  # its requests moved to a survivor and continued with the tokens they had
+                moved_off([r for _, r in results], victim)
+            elif victim >= start:  # nothing was ever routed to the joiner (or the standby)
+                assert not [r for _, r in results if victim in (r.get("moved_from") or [])], results
             await dep.orch.recovery.wait()
             assert dep.orch.members == members
             recovers = [o for o in dep.orch.history if o.get("kind") == "recover"]
-            if recovered is not None:  # the records say what happened: who died, and that the world healed
-                assert [(o["state"], o["dead_ranks"]) for o in recovers] == [("succeeded", d) for d in recovered]
+            # the records say what happened: who died, and that the world healed
+            assert [(o["state"], o["dead_ranks"]) for o in recovers] == [("succeeded", d) for d in recovered]
             if standby:  # the standby died in its adoption: the scale launched a fresh rank instead
                 assert dep.pool is not None and dep.pool.taken == 0
                 assert dep.processes[victim].pid() != killed
@@ -270,12 +281,14 @@ def test_second_death_during_a_recovery(reference: list[dict], report_delay_s: f
                                    death_report_delay_s=report_delay_s) as dep:
             await dep.start(4)
             tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS]
-            await wait_until(lambda: dep.orch.router.inflight.get(1, 0) > 0, 30, "requests on rank 1")
+            await asyncio.wait_for(wait_decoding(dep, 1), 60)  # every rank steps: rank 2's requests decode too
             os.kill(dep.processes[1].pid(), signal.SIGKILL)
             await _kill_when_held(dep, 2, "regroup")
             results = [await asyncio.wait_for(t, 150) for t in tasks]
             assert [r["error"] for r in results if r.get("error")] == []
             assert oracle_mismatch(list(enumerate(results)), reference, logits=False) == ""
+            for victim in (1, 2):  # each held requests with tokens, which continued on a survivor
+                moved_off(results, victim)
             await dep.orch.recovery.wait()
             assert dep.orch.members == [0, 3]
             recovers = [o for o in dep.orch.history if o.get("kind") == "recover"]
