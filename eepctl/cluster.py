@@ -181,6 +181,10 @@ def stop_process_group(pgid: int, grace_s: float = 15.0) -> None:
         return
     deadline = time.time() + grace_s
     while time.time() < deadline:
+        try:  # a leader that is our child stays in its group as a zombie until reaped
+            os.waitpid(pgid, os.WNOHANG)
+        except ChildProcessError:
+            pass
         try:
             os.killpg(pgid, 0)
         except OSError:

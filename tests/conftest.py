@@ -14,6 +14,15 @@ import pytest
 from tests.helpers import Deployment, owned_deployments
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """One torch thread in this process: the oracles (engine_ext.model.dense_oracle) and the
+    in-process engines run tiny tensors, where a second thread on a busy 2-core box makes each
+    op 5-30x slower (the ranks already run one thread each)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("eepctl-state")

@@ -110,8 +110,13 @@ class Orchestrator:
         clients = {0: rank0}
         try:
             w.move_store(await rank0.host_store(), 0)
-            for r in range(1, size):
-                clients[r] = await self.spawner.spawn(r, layout, False)
+            # the other ranks launch together: their start-ups (imports, engine build) overlap
+            rest = await asyncio.gather(*(self.spawner.spawn(r, layout, False) for r in range(1, size)),
+                                        return_exceptions=True)
+            clients.update({r: c for r, c in enumerate(rest, 1) if not isinstance(c, BaseException)})
+            failed = next((c for c in rest if isinstance(c, BaseException)), None)
+            if failed is not None:
+                raise failed
             rdzv = w.rendezvous(op_id)
             await World.call_all(clients, "join", lambda c: c.join(rdzv, size, timeout=timeout_s))
             await World.call_all(clients, "warm_and_capture",

@@ -92,7 +92,8 @@ class Warmup:
         if recapture:
             report["graphs_released"] = graphs.release()
         telemetry.set_state(RankState.WARMING)
-        faults.hold("warm")
+        if op_id != "startup":  # a hold is a window in a transition or recovery (a startup one only delayed `up`)
+            faults.hold("warm")
         bound = res.model.moe_workspace_bound(self.shared.world_size if reuse is None else reuse.capacity)
         report.update(self._warm(op_id, bound, resize=not (faults.active("skip_rewarm") and op_id != "startup")))
         # "double_capture" reproduces upstream before its fix: the re-warm captured a second time.
@@ -147,7 +148,8 @@ class Warmup:
         """One capture pass over every capture size."""
         res, telemetry, reuse = self.res, self.telemetry, self.reuse
         telemetry.set_state(RankState.CAPTURING)
-        res.faults.hold("capture")
+        if op_id != "startup":
+            res.faults.hold("capture")
         res.graphs.begin_pass()
         with telemetry.phase(op_id, "capture") as d, (reuse.detached() if reuse else nullcontext()):
             t0 = time.perf_counter()
