@@ -31,6 +31,13 @@ def interrupted(signum: int, frame: Any = None) -> None:
     raise KeyboardInterrupt
 
 
+def reset() -> None:
+    """A new command (an in-process caller runs several): no signal seen, nothing being done."""
+    received.clear()
+    _when_received.clear()
+    _activity.clear()
+
+
 def install() -> None:
     """SIGINT and SIGTERM interrupt (main thread only; Python allows handlers nowhere else)."""
     if threading.current_thread() is threading.main_thread():

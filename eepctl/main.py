@@ -55,6 +55,7 @@ def _run(argv: list[str] | None) -> int:
 
     install_completion_classes()
     streams.own_stdout()
+    interrupt.reset()
     interrupt.install()
     try:
         rv = app(args=args, prog_name="eepctl", standalone_mode=False)

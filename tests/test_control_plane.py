@@ -163,6 +163,12 @@ def test_status_lines_say_what_the_control_plane_does() -> None:
         "last reconcile error 5s ago in grow: no capacity (retry in 4s)",
     ]
     assert control_lines({"info": {}}) == []
+    # what this controller publishes: the time of the next try (absolute: an idle tick changes nothing)
+    snap["info"]["control"] = dict(snap["info"]["control"], backoff_s=None, retry_at=1004.0)
+    assert control_lines(snap, now)[-1] == "last reconcile error 5s ago in grow: no capacity (retry in 4s)"
+    snap["info"]["standby_pool"] = {"last_error": {"at": 990.0, "standby": 3, "error": "EepError: no CPU"}}
+    assert control_lines(snap, now)[0] == ("standby pool short: launching standby 3 failed 10s ago: "
+                                           "EepError: no CPU (tried again every 10s)")
 
 
 def test_a_moved_request_keeps_one_token_per_place_whatever_arrives_late() -> None:

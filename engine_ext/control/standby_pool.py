@@ -54,6 +54,8 @@ class StandbyPool:
             n = max(self.ready)
             await self._kill(self.ready.pop(n))
             self._forget(STANDBY_RANK_BASE + n)
+        if len(self.ready) >= size:
+            self.last_error = None  # not short any more
         await self.fill()
 
     def summary(self) -> dict[str, Any]:
