@@ -189,11 +189,30 @@ def stop_process_group(pgid: int, grace_s: float = 15.0) -> None:
             os.killpg(pgid, 0)
         except OSError:
             return
+        if not _live_members(pgid):  # only zombies left: their parents reap them
+            return
         time.sleep(0.2)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except OSError:
         pass
+
+
+def _live_members(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is not yet a zombie (True where /proc cannot tell)."""
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def stop_started(address: str | None) -> dict[str, Any] | None:

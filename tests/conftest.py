@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Deployment, owned_deployments
+from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -46,7 +46,7 @@ def ray_cluster(state_dir: Path) -> Iterator[dict[str, Any]]:
             if ray.is_initialized():
                 ray.shutdown()
         finally:
-            cluster.stop_process_group(int(info["pgid"]))
+            cluster.stop_process_group(int(info["pgid"]), grace_s=STOP_GRACE_S)
             os.environ.pop("RAY_ADDRESS", None)
 
 

@@ -17,6 +17,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "eepctl"
 MAX_TOKENS = 8  # `eepctl generate`'s default
+# Seconds a Ray head a test started gets between SIGTERM and SIGKILL: its deployments are down by
+# then, and a head whose raylet had detached actors outlived the CLI's 15 s default grace.
+STOP_GRACE_S = 3.0
 SMALL_ENGINE = {"num_experts": 8, "slots_per_rank": 8, "top_k": 2, "num_layers": 2, "hidden_size": 64,
                 "max_num_seqs": 8, "max_num_tokens": 64, "dtype": "float64", "seed": 0,
                 "capture_sizes": [1, 2, 4, 8]}

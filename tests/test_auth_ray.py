@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, STOP_GRACE_S
 
 pytestmark = pytest.mark.ray
 
@@ -69,7 +69,7 @@ def auth_cluster():
     finally:
         from eepctl import cluster
 
-        cluster.stop_process_group(proc.pid)
+        cluster.stop_process_group(proc.pid, grace_s=STOP_GRACE_S)
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, wait_for
+from tests.helpers import ROOT, STOP_GRACE_S, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -85,7 +85,7 @@ def metrics_cluster():
     finally:
         from eepctl import cluster
 
-        cluster.stop_process_group(proc.pid)
+        cluster.stop_process_group(proc.pid, grace_s=STOP_GRACE_S)
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from eepctl.cluster import reachable, stop_process_group
-from tests.helpers import eepctl, wait_for
+from tests.helpers import STOP_GRACE_S, eepctl, wait_for
 from tests.vllm_servers import (PROMPTS, Server, free_port, platform_entry_path, pythonpath, run_prompts,
                                 served_per_engine, start)
 
@@ -64,7 +64,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        stop_process_group(proc.pid)
+        stop_process_group(proc.pid, grace_s=STOP_GRACE_S)
 
 
 @pytest.fixture(scope="module")
