@@ -3,7 +3,8 @@
   profile  where one decode step's time goes at each DP: W processes run the reference model's
            forward plan directly (no scheduler, no router), each step of the plan timed: the
            step header all-reduce, the per-layer dispatch (3 all-gathers) and combine
-           (reduce-scatter), and the compute between them. Medians over ``--steps`` steps.
+           (reduce-scatter), and the compute between them. Medians over ``--steps`` steps; then
+           500 header all-reduces back to back (the transport's own latency, no compute between).
   closed   ``--clients`` closed-loop clients (``--tokens`` output tokens each) against a
            ``LocalDeployment`` for ``--seconds``: tok/s, request p50/p99
   open     open-loop arrivals (Poisson, ``--rate`` requests/s) for ``--seconds``: the same figures
@@ -88,13 +89,19 @@ def _profile_rank(rank: int, world: int, port: int, tokens: int, steps: int, dev
         if i >= 5:
             for k, v in row.items():
                 times[k].append(v)
+    lat: list[float] = []  # one header all-reduce after another: the transport's own latency
     if group is not None:
+        for _ in range(500):
+            t0 = time.perf_counter()
+            group.all_reduce_max(torch.zeros(5, dtype=torch.int64))
+            lat.append(time.perf_counter() - t0)
         kind = group.transport_kind
         group.destroy()
     else:
         kind = "-"
     if rank == 0:
         q.put({"dp": world, "tokens_per_rank": T, "transport": kind,
+               "allreduce_us": statistics.median(lat) * 1e6 if lat else 0.0,
                **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}})
 
 
@@ -215,15 +222,16 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                            "loadavg_start": os.getloadavg(), "device": a.device, "args": vars(a)}
     if "profile" in a.parts:
         res["profile"] = []
-        print("| transport | DP | tokens/rank | step ms | header ms | dispatch ms | combine ms | compute ms |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| transport | DP | tokens/rank | step ms | header ms | dispatch ms | combine ms | compute ms "
+              "| all-reduce us |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for tr in transports:
             for r in profile(dps, a.profile_tokens, a.steps, a.device, tr):
                 r["requested"] = tr
                 res["profile"].append(r)
                 print(f"| {r['transport']} ({tr}) | {r['dp']} | {r['tokens_per_rank']} | {r['step_ms']:.2f} | "
                       f"{r['header_ms']:.2f} | {r['dispatch_ms']:.2f} | {r['combine_ms']:.2f} | "
-                      f"{r['compute_ms']:.2f} |", flush=True)
+                      f"{r['compute_ms']:.2f} | {r['allreduce_us']:.0f} |", flush=True)
     if {"closed", "open", "step"} & set(a.parts):
         res["load"] = []
         for tr in transports:

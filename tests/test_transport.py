@@ -50,7 +50,7 @@ def _collectives(rank: int, size: int, port: int, prefix: str, transport: str, n
     g.destroy()
 
 
-def _spawn(target: Any, size: int, *extra: Any) -> tuple[list[Any], Any, Any]:
+def _spawn(target: Any, size: int, extra: Any) -> tuple[list[Any], Any, Any]:
     store = host_store("127.0.0.1")
     q = CTX.Queue()
     procs = [CTX.Process(target=target, args=(r, size, store.port, *extra(r), q)) for r in range(size)]
@@ -75,7 +75,7 @@ def test_shm_collectives_equal_gloo_and_leave_no_segment() -> None:
     for a, b in zip(shm, gloo, strict=True):
         assert {k: v for k, v in a.items() if k not in ("kind", "attached")} == \
             {k: v for k, v in b.items() if k not in ("kind", "attached")}
-    assert shm[0]["max"] == [2, 10, 3] and shm[1]["rs"] == [2 + 3 + 300, 3 + 3 + 300]
+    assert shm[0]["max"] == [2, 10, 3] and shm[1]["rs"] == [3 * 2 + 300, 3 * 3 + 300]
     assert _segments() == before  # rank 0 unlinked the name once every rank had mapped it
 
 
