@@ -193,6 +193,13 @@ def test_transport_config_is_checked() -> None:
         EngineConfig(transport="tcp").validate()
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_every_world_maps_a_new_segment_and_status_shows_it() -> None:
     """A deployment on one host serves on shm; a scale-up prepares the new world's segment in
     prepare (its event says so: I2) and the ranks report it; outputs stay the oracle's; the
@@ -227,6 +234,12 @@ def test_every_world_maps_a_new_segment_and_status_shows_it() -> None:
             views = dep.registry.rank_views()
             assert {(v["transport"], v["transport_attached"], v["dp_size"]) for v in views} == {("shm", 3, 3)}
             assert not [v for v in dep.registry.violations() if v["invariant"] == "I2"]
+            # Idle on shared memory costs what idle on gloo does: the ranks sleep on the store.
+            pids = [v["pid"] for v in views]
+            cpu0 = sum(_cpu_s(p) for p in pids)
+            await asyncio.sleep(3.0)
+            idle_cpu = sum(_cpu_s(p) for p in pids) - cpu0
+            assert idle_cpu < 0.3 * 3.0, f"3 idle ranks used {idle_cpu:.2f} s of CPU in 3 s"
         async with LocalDeployment(EngineConfig(dtype="float64", transport="gloo"), "xport-gloo", max_dp=2) as dep:
             await dep.start(2)
             assert await serve(dep) == ""

@@ -263,14 +263,11 @@ class ShmCollectives:
             pass
 
     def close(self) -> None:
-        """Leave the group and unmap (the mapping stays while a waiting thread still reads it)."""
+        """Leave the group and drop this object's views of the mapping. It is unmapped when the
+        last view goes (never ``mmap.close()``: a tensor from ``torch.frombuffer`` holds the mmap
+        object but not its buffer export, so closing would unmap under a thread still copying)."""
         self.abort()
         left = np.zeros((self.size, LINE), dtype=np.int64)
         left[:, LEFT] = 1
-        self._ctrl, self._data = left, torch.empty(0, dtype=torch.uint8)  # drop the views into the mapping
-        mm, self._mm = self._mm, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:  # a thread still waits on a view: the mapping goes with it
-                pass
+        self._ctrl, self._data = left, torch.empty(0, dtype=torch.uint8)
+        self._mm = None
