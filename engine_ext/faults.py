@@ -41,9 +41,6 @@ VARIANTS: dict[str, str] = {
     "reuse_drops_captures": "under capture_policy=reuse, survivors release their captures in a transition "
                             "instead of keeping them: they serve decodes eagerly (outputs unchanged; the "
                             "eager-fallback counter and the registry show it)",
-    "shm_sized_for_old_world": "a transition sizes the new world's shared-memory buffers for the old "
-                               "world: on a scale-up the warm-up's exchange at max_num_tokens does not "
-                               "fit, the commit fails naming the sizes and the deployment recovers",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
     # Self-healing mechanisms switched off: the harm shows when a rank dies.
     "no_reroute": "the controller does not re-route a dead rank's requests (router park/re-route): "

@@ -140,12 +140,14 @@ def _aborter(rank: int, size: int, port: int, prefix: str, q: Any) -> None:
     g = StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport="auto", shm_bytes=4096)
     g.barrier()
     if rank == 1:
-        # The peer sees rank 0 leave (its abort marks it) and fails too: peer_gone, not a timeout.
+        # The peer joins late: the all-gather rank 0 published before it aborted may complete, the
+        # next collective sees rank 0 left (its abort marks it): peer_gone, not a timeout.
         time.sleep(1.0)
         t0 = time.monotonic()
+        code = "none"
         try:
+            g.all_gather([torch.empty(4) for _ in range(size)], torch.ones(4))
             g.all_reduce_sum(torch.ones(2))
-            code = "none"
         except GroupError as ex:
             code = ex.code.value
         q.put({"rank": 1, "code": code, "wall_s": time.monotonic() - t0})
@@ -247,30 +249,3 @@ def test_every_world_maps_a_new_segment_and_status_shows_it() -> None:
 
     run(scenario(), 300)
 
-
-def test_buffers_sized_for_the_old_world_fail_the_scale_up_naming_the_sizes() -> None:
-    """Harm (faults ``shm_sized_for_old_world``): the new world's buffers are sized for the old
-    world, so the warm-up's exchange at max_num_tokens does not fit; the scale fails with the
-    sizes named instead of writing past a buffer, and the deployment serves the oracle's tokens."""
-    import asyncio
-
-    from engine_ext.launcher import LocalDeployment
-    from engine_ext.model.dense_oracle import reference_generate
-    from tests.engine_helpers import oracle_mismatch, run, wait_until
-
-    prompts = [[7], [1, 2, 3], [(11 * j + 3) % 256 for j in range(9)]]
-    cfg = EngineConfig(dtype="float64", transport="auto", faults=["shm_sized_for_old_world"])
-    ref = reference_generate(EngineConfig(dtype="float64"), prompts, 5)
-
-    async def scenario() -> dict:
-        async with LocalDeployment(cfg, "xport-small", max_dp=3, on_rank_failure="shrink") as dep:
-            await dep.start(2)
-            op = await dep.scale(3, timeout_s=120)
-            await wait_until(lambda: dep.orch.running_op() is None, 120, "the recovery after the failed scale")
-            got = await asyncio.gather(*(dep.generate(p, 5) for p in prompts))
-            assert oracle_mismatch(list(enumerate(got)), ref) == ""
-            return op
-
-    op = run(scenario(), 300)
-    assert op["state"] != "succeeded", op
-    assert "does not fit the group's buffer" in str(op), op

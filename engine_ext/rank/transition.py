@@ -86,9 +86,7 @@ class RankTransition:
             if op.role != "removing":
                 op.standby = StatelessGroup(plan.rdzv.child("dp"), plan.new_pos(me), plan.new_size, timeout_s=t,
                                             backend=res.cfg.backend, device=res.device, transport=res.cfg.transport,
-                                            shm_bytes=res.model.exchange_bound(
-                                                plan.old_size if res.faults.active("shm_sized_for_old_world")
-                                                else plan.new_size))
+                                            shm_bytes=res.model.exchange_bound(plan.new_size))
                 # The new world's transport, prepared (every member mapped its shared memory) here,
                 # before any weight moves or warm-up collective: I2's evidence for the transport.
                 d.update(transport=op.standby.transport_kind, transport_attached=op.standby.transport_attached,
