@@ -43,6 +43,9 @@ class AutoscaleMode(Policy):
     OFF = "off"  # record signals only; recommend nothing for action
 
 
+TRANSPORTS = ("gloo", "auto")  # EngineConfig.transport
+
+
 @dataclass
 class KVTransferConfig:
     engine_id: str = ""
@@ -77,6 +80,10 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # collectives
     backend: str = "gloo"
+    # The per-step collectives' transport: "auto" uses shared memory when every rank of a world
+    # shares one host (CPU tensors, x86-64), gloo otherwise; "gloo" always uses gloo. Chosen again
+    # for every world (engine_ext/transport/shm.py).
+    transport: str = "auto"
     group_timeout_s: float = 120.0
     # A serving step's collectives wait this long for a peer (gloo's per-operation timeout on the
     # live group while it serves): a peer that hangs or is cut off fails the step in seconds, the
@@ -121,6 +128,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         self.capture_policy = CapturePolicy.parse(self.capture_policy, "capture_policy")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be {' or '.join(TRANSPORTS)}, not {self.transport!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be divisible by num_heads")
         if not 1 <= self.top_k <= self.num_experts:

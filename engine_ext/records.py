@@ -142,6 +142,10 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_age_s: FiniteFloat = 0.0  # set by the registry's views
     stale_replays_refused: int = 0  # I3
     epoch: int = 0  # the world (rendezvous) the rank serves in; a fenced rank's older epoch is ignored
+    # The per-step collectives' transport of the rank's live group ("shm": shared memory among the
+    # ranks of one host; "gloo"; "" before a group), and how many ranks it saw map the shared memory.
+    transport: str = ""
+    transport_attached: int = 0
     # Since the rank switched to its current world (``switch_op``'s): replays and eager fallbacks
     # (no capture for the size) per batch size (as a string), and the operation each capture was made in.
     switch_op: str = ""

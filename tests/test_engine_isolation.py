@@ -13,7 +13,7 @@ import pytest
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import oracle_mismatch, run, wait_until
+from tests.engine_helpers import oracle_mismatch, run, wait_until, watch_reported_states
 
 MAX_TOKENS = 12
 IN_FLIGHT = 6
@@ -198,6 +198,7 @@ async def _scale_down_scenario(cfg: EngineConfig) -> dict:
     async with LocalDeployment(cfg, "drain", max_dp=4) as dep:
         await dep.start(3)
         leaving = dep.orch.clients[2]
+        reported = watch_reported_states(dep)  # every state a rank reported, between two polls too
         jobs = [asyncio.ensure_future(dep.generate(PROMPTS[i % 2], LONG_TOKENS)) for i in range(6)]
         await wait_until(lambda: dep.orch.router.inflight.get(2, 0) > 0, 30, "requests on rank 2")
         seen: list[dict] = []
@@ -211,6 +212,7 @@ async def _scale_down_scenario(cfg: EngineConfig) -> dict:
             await asyncio.sleep(0.05)
         out["op"] = scale.result()
         out["seen"] = seen
+        out["reported"] = reported.get(2, set())
         out["results"] = [(i % 2, r) for i, r in enumerate(await asyncio.gather(*jobs))]
         out["op_events"] = dep.registry.events_for(out["op"]["op_id"])
     return out
@@ -234,7 +236,8 @@ def test_scale_down_removing_rank_is_seen_draining(scale_down):
     states = [s["state"] for s in seen]
     first = {st: states.index(st) for st in ("preparing", "draining", "removing") if st in states}
     assert list(first) == sorted(first, key=first.get), states
-    assert "removing" in first or "removed" in states, states
+    # A commit can end between two polls (a fast transport): the states the rank reported say it.
+    assert {"removing", "removed"} & (set(states) | scale_down["reported"]), (states, scale_down["reported"])
     assert [e["phase"] for e in scale_down["op_events"] if e["rank"] == -1 and e["phase"] == "drain"] == ["drain"]
 
 

@@ -207,6 +207,11 @@ class RegistryState:
                 locks[key] = (seq, e)
             elif e.phase == "prepare" and e.outcome == "ok":
                 comm_formed.add(key)  # the groups and the EPLB communicator are formed
+                if e.detail.get("transport") == "shm" and e.detail.get("transport_attached") != e.detail.get("world"):
+                    # I2 for the transport: every member mapped the new world's shared memory in prepare
+                    found.append({"invariant": "I2", "rank": str(e.rank),
+                                  "message": f"shared memory of {e.op_id} prepared with "
+                                             f"{e.detail.get('transport_attached')} of {e.detail.get('world')} ranks"})
             elif e.phase == "transfer" and key not in comm_formed:
                 # I2: the rank's report that it formed the communicator must arrive before its
                 # weight transfer's: the order of receipt, not timestamps the rank writes.

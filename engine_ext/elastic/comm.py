@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine_ext.elastic.rendezvous import Rendezvous
+from engine_ext.transport import shm as shm_transport
 
 IFNAME_ENV = "EEPCTL_IFNAME"  # operator override: the interface ranks bind (store and gloo)
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # what gloo users already set; honoured the same way
@@ -143,6 +144,8 @@ def _collective(fn: _Op) -> _Op:
             return fn(self, *args, **kwargs)
         except GroupError:
             raise
+        except shm_transport.ShmError as ex:
+            raise GroupError(GroupFailure(ex.code), f"{fn.__name__} on {self.rdzv.prefix}: {ex}") from ex
         except (RuntimeError, OSError) as ex:  # torch.distributed.DistError is a RuntimeError
             code = GroupFailure.ABORTED if self.pg is None else _failure_code(ex)
             raise GroupError(code, f"{fn.__name__} on {self.rdzv.prefix}: {type(ex).__name__}: {ex}") from ex
@@ -155,9 +158,29 @@ def _pinned_like(t: torch.Tensor) -> torch.Tensor:
     """A page-locked host tensor shaped like ``t`` (the staging buffer of a device transfer)."""
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
+def host_key() -> str:
+    """What ranks that share one host (and one address on it) have in common: the kernel's boot
+    id, the hostname and the configured node address (two network namespaces of one machine are
+    two nodes here, as they are to gloo)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{boot}/{socket.gethostname()}/{_node.ip if _node is not None else ''}"
+
+
+SHM_MIN_BYTES = 64 * 1024  # a group given no size (a barrier's, a header's exchanges) gets this
+
+
 class StatelessGroup:
     """A process group that can be created and dropped at any time. Its collectives raise
-    ``GroupError`` (with a ``GroupFailure`` code) when a peer or the store fails."""
+    ``GroupError`` (with a ``GroupFailure`` code) when a peer or the store fails.
+
+    ``transport="auto"``: when every member runs on this host (and the tensors live on the CPU),
+    the all-reduces, all-gathers and reduce-scatters go through a shared-memory segment of this
+    group (``shm_bytes`` per rank and buffer: a larger one is an error that names the sizes);
+    broadcasts and point-to-point transfers stay on gloo. ``transport_kind`` says which was chosen."""
 
     def __init__(
         self,
@@ -168,6 +191,8 @@ class StatelessGroup:
         timeout_s: float = 120.0,
         backend: str = "gloo",
         device: torch.device | None = None,
+        transport: str = "gloo",
+        shm_bytes: int = 0,
     ) -> None:
         self.rdzv = rdzv
         self.rank = rank
@@ -197,6 +222,28 @@ class StatelessGroup:
             raise ValueError(f"unknown backend {backend!r}")
         # gloo cannot send/recv device tensors when ranks share one GPU: stage on the host.
         self.stage_p2p_on_host = backend == "gloo" and self.device.type == "cuda"
+        self.shm: shm_transport.ShmCollectives | None = None
+        self.transport_kind = backend
+        if transport == "auto" and size > 1 and self.device.type == "cpu" and shm_transport.supported():
+            if self._one_host():
+                try:
+                    self.shm = shm_transport.ShmCollectives(self.store, rank, size, shm_bytes or SHM_MIN_BYTES,
+                                                            timeout_s)
+                except shm_transport.ShmError as ex:
+                    self.destroy()
+                    raise GroupError(GroupFailure(ex.code), f"shared memory of {rdzv.prefix}: {ex}") from ex
+                self.transport_kind = "shm"
+
+    def _one_host(self) -> bool:
+        """Every member's ``host_key`` through the group's store: the same answer on every rank."""
+        self.store.set(f"xport/host/{self.rank}", host_key())
+        keys = {self.store.get(f"xport/host/{r}").decode() for r in range(self.size)}
+        return len(keys) == 1
+
+    @property
+    def transport_attached(self) -> int:
+        """Ranks this rank saw map the group's shared memory (its preparation's evidence); 0 on gloo."""
+        return self.shm.attached if self.shm is not None else 0
 
     def _pg(self) -> dist.ProcessGroup:
         if self.pg is None:
@@ -219,21 +266,42 @@ class StatelessGroup:
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self._pg().allreduce([t], opts).wait()
+        pg = self._pg()
+        if self.shm is not None:
+            return self.shm.all_reduce(t, "max")
+        pg.allreduce([t], opts).wait()
         return t
 
     @_collective
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        self._pg().allreduce([t]).wait()
+        pg = self._pg()
+        if self.shm is not None:
+            return self.shm.all_reduce(t, "sum")
+        pg.allreduce([t]).wait()
         return t
 
     @_collective
     def all_gather(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
-        self._pg().allgather([outs], [inp]).wait()
+        pg = self._pg()
+        if self.shm is not None:
+            return self.shm.all_gather(outs, inp)
+        pg.allgather([outs], [inp]).wait()
+
+    @_collective
+    def all_gather_many(self, items: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        """Several all-gathers: one exchange on shared memory, one gloo all-gather each otherwise."""
+        pg = self._pg()
+        if self.shm is not None:
+            return self.shm.all_gather_many(items)
+        for outs, inp in items:
+            pg.allgather([outs], [inp]).wait()
 
     @_collective
     def reduce_scatter(self, out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
-        self._pg().reduce_scatter([out], [inputs], dist.ReduceScatterOptions()).wait()
+        pg = self._pg()
+        if self.shm is not None:
+            return self.shm.reduce_scatter(out, inputs)
+        pg.reduce_scatter([out], [inputs], dist.ReduceScatterOptions()).wait()
 
     @_collective
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
@@ -285,6 +353,8 @@ class StatelessGroup:
         pg = self.pg
         if pg is not None and hasattr(pg, "set_timeout"):
             pg.set_timeout(datetime.timedelta(seconds=seconds))
+        if self.shm is not None:
+            self.shm.timeout_s = seconds
 
     def restore_waits(self) -> None:
         """Collectives wait the group's own timeout again (an operation's collectives)."""
@@ -293,6 +363,8 @@ class StatelessGroup:
     def abort(self) -> None:
         """Drop the group at once, failing any collective a thread is blocked in (a peer died:
         never wait out the backend's timeout)."""
+        if self.shm is not None:
+            self.shm.abort()  # its waiters fail within a sleep; its peers see this rank leave
         pg, self.pg = self.pg, None
         if pg is not None:
             for how in ("abort", "shutdown"):
@@ -304,6 +376,9 @@ class StatelessGroup:
                         continue
 
     def destroy(self) -> None:
+        shm = getattr(self, "shm", None)
+        if shm is not None:
+            shm.close()
         pg, self.pg = self.pg, None
         if pg is not None and hasattr(pg, "shutdown"):
             try:

@@ -164,6 +164,16 @@ class MoEModel:
         n = world_size * self.cfg.max_num_tokens
         return bytes_for(self.moe_specs(n, n))
 
+    def exchange_bound(self, world_size: int) -> int:
+        """Bytes one rank puts into the largest per-step collective of a ``world_size`` world: the
+        combine's reduce-scatter of the accumulator ([world x tokens, hidden]) or the dispatch's
+        one exchange of this rank's rows (hidden states, expert ids, weights; each part 64-byte
+        aligned). Tokens: max_num_tokens or the largest capture."""
+        cfg, item = self.cfg, self.dtype.itemsize
+        tokens = max([cfg.max_num_tokens, *cfg.capture_sizes])
+        dispatch = tokens * (cfg.hidden_size * item + cfg.top_k * (8 + item)) + 3 * 64
+        return max(world_size * tokens * cfg.hidden_size * item, dispatch)
+
     # ---- forward ---------------------------------------------------------------------------
     # The forward pass is a plan: a list of steps, each either local compute or a collective.
     # Eager execution runs them in order; a CUDA-graph capture records each run of compute
@@ -272,9 +282,8 @@ class MoEModel:
 
     @staticmethod
     def _dispatch(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int, l: int) -> None:
-        group.all_gather(list(ns[f"gh{l}"].chunk(W)), ns[f"h{l}"].contiguous())
-        group.all_gather(list(ns[f"gi{l}"].chunk(W)), ns[f"top_i{l}"].contiguous())
-        group.all_gather(list(ns[f"gw{l}"].chunk(W)), ns[f"top_w{l}"].contiguous())
+        group.all_gather_many([(list(ns[f"{g}{l}"].chunk(W)), ns[f"{x}{l}"].contiguous())
+                               for g, x in (("gh", "h"), ("gi", "top_i"), ("gw", "top_w"))])
 
     def _experts(self, layer: int, ns: dict[str, torch.Tensor], workspace: WorkspaceManager, b: Bound, N: int,
                  dense: bool) -> None:

@@ -208,6 +208,8 @@ class RankEngine:
             eplb_step=eplb.step, eplb_imbalance=eplb.imbalance(),
             physical_experts=eplb.layout.num_physical, logical_experts=eplb.layout.num_logical,
             steps=shared.steps, last_heartbeat=time.time(), epoch=shared.epoch,
+            transport=getattr(shared.group, "transport_kind", ""),
+            transport_attached=getattr(shared.group, "transport_attached", 0),
             stale_replays_refused=shared.stale_replays_refused, eplb_logical_load=list(eplb.logical_load),
             switch_op=g.window.op_id, replays_since_switch={str(k): v for k, v in sorted(g.window.replays.items())},
             eager_since_switch={str(k): v for k, v in sorted(g.window.eager.items())},
@@ -235,7 +237,8 @@ class RankEngine:
 
     def join(self, rdzv: Rendezvous, world_size: int, timeout_s: float = 120.0) -> None:
         self.shared.set_group(StatelessGroup(rdzv.child("dp"), self.rank, world_size, timeout_s=timeout_s,
-                                             backend=self.cfg.backend, device=self.device))
+                                             backend=self.cfg.backend, device=self.device, transport=self.cfg.transport,
+                                             shm_bytes=self.res.model.exchange_bound(world_size)))
         self.res.eplb.layout = self.res.model.layout
 
     def warm_and_capture(self, op_id: str) -> dict[str, Any]:

@@ -117,7 +117,8 @@ class RankRecovery:
         """The survivors' DP group and EPLB communicator, ready before any weight moves (I2)."""
         plan, res = op.plan, self.res
         op.standby = StatelessGroup(plan.rdzv.child("dp"), pos, plan.new_size, timeout_s=plan.timeout_s,
-                                    backend=res.cfg.backend, device=res.device)
+                                    backend=res.cfg.backend, device=res.device, transport=res.cfg.transport,
+                                    shm_bytes=res.model.exchange_bound(plan.new_size))
         op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), pos, plan.new_size, timeout_s=plan.timeout_s,
                                       device=res.device)
         op.eplb_comm.barrier()

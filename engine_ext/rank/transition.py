@@ -82,10 +82,15 @@ class RankTransition:
         scale-down the communicator spans the old world, whose ranks are the expert sources."""
         plan, res, me = op.plan, self.res, self.shared.rank
         t = plan.timeout_s
-        with self.telemetry.phase(plan.op_id, "prepare", role=op.role):
+        with self.telemetry.phase(plan.op_id, "prepare", role=op.role) as d:
             if op.role != "removing":
                 op.standby = StatelessGroup(plan.rdzv.child("dp"), plan.new_pos(me), plan.new_size, timeout_s=t,
-                                            backend=res.cfg.backend, device=res.device)
+                                            backend=res.cfg.backend, device=res.device, transport=res.cfg.transport,
+                                            shm_bytes=res.model.exchange_bound(plan.new_size))
+                # The new world's transport, prepared (every member mapped its shared memory) here,
+                # before any weight moves or warm-up collective: I2's evidence for the transport.
+                d.update(transport=op.standby.transport_kind, transport_attached=op.standby.transport_attached,
+                         world=plan.new_size)
             comm_world = comm_members(plan)
             op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), comm_world.index(me), len(comm_world),
                                           timeout_s=t, device=res.device)

@@ -1,0 +1,273 @@
+"""Per-step collectives through one shared-memory segment among the ranks of one host.
+
+The idea is that of vLLM's CPU shared-memory communicator (every rank writes its part into a
+buffer all ranks map, raises a flag, and reads the others' parts once their flags are up); this
+is our own, smaller form of it, sized for the reference engine's per-step exchanges.
+
+Layout of the segment (one per group, so one per world: a new world maps a new segment)::
+
+    control  int64 [size, 8], one cache line per rank: seq, done, pid, left, attached
+    data     bytes [size, 2, capacity]: each rank's two buffers, used in turn
+
+A collective of generation ``g`` (every rank counts the same collectives in the same order):
+wait until every rank is ``done`` with ``g - 2`` (the buffer about to be written was last read
+then), write this rank's part into its buffer ``g % 2``, set ``seq = g``, wait until every
+``seq >= g``, read, set ``done = g``. A store is seen by the others after the stores before it
+(x86's total store order; ``supported()`` says no elsewhere, and the group then stays on gloo).
+
+Waiting never spins for long: 0.1 ms of polling, then ``sched_yield`` to 2 ms, then sleeps
+that grow to a millisecond (an idle rank sleeps on the store, not here). A wait ends with ``ShmError``: ``timeout`` after ``timeout_s`` (the group's, or the
+step's while serving), ``peer_gone`` when a peer's process is gone or it left the group, and
+``aborted`` when this rank aborted the group (``abort`` wakes its waiters within a sleep).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+SEQ, DONE, PID, LEFT, ATTACHED = range(5)
+LINE = 8  # int64 words per rank's control line (64 bytes)
+SPIN = 64  # polls before the clock is read
+SPIN_S = 0.0001  # polls (no yield) for this long: a peer's step is usually this close
+YIELD_S = 0.002  # then sched_yield until this long (gives the core to whoever else is runnable)
+MAX_SLEEP_S = 0.001  # then sleeps growing to this
+PROBE_S = 0.2  # how often a long wait looks for dead peers
+
+
+def supported() -> bool:
+    """Whether this machine orders stores as the protocol needs (x86-64: total store order)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+class ShmError(RuntimeError):
+    """A shared-memory collective failed: ``code`` is "timeout", "peer_gone" or "aborted"."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie — killed, not yet reaped — counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return True
+
+
+def _align(n: int, to: int = 64) -> int:
+    return -(-n // to) * to
+
+
+class ShmCollectives:
+    """All-reduce, all-gather and reduce-scatter of CPU tensors among ``size`` local processes.
+
+    ``store`` (a torch.distributed store, prefixed for this group) carries only the segment's
+    path, once. Rank 0 creates the segment and removes its name once every rank has mapped it, so
+    a killed deployment leaves nothing in /dev/shm; construction returns when every rank has
+    attached (``attached`` says how many ranks this rank saw: the preparation's evidence)."""
+
+    def __init__(self, store: Any, rank: int, size: int, capacity: int, timeout_s: float) -> None:
+        self.rank, self.size = rank, size
+        self.capacity = _align(max(64, capacity))
+        self.timeout_s = timeout_s
+        self._aborted = False
+        self._broken = ""
+        self._gen = 0
+        ctrl_bytes = _align(size * LINE * 8, 4096)
+        total = ctrl_bytes + size * 2 * self.capacity
+        if rank == 0:
+            self.path = os.path.join(shm_dir(), f"eepctl-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, total)
+                self._mm = mmap.mmap(fd, total)
+            finally:
+                os.close(fd)
+            store.set("shm/path", f"{self.path}|{total}")
+        else:
+            path, n = store.get("shm/path").decode().rsplit("|", 1)
+            if int(n) != total:  # every rank must size the segment alike
+                raise ValueError(f"shared-memory segment {path} is {n} bytes, this rank expects {total}")
+            self.path = path
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._mm = mmap.mmap(fd, total)
+            finally:
+                os.close(fd)
+        self._ctrl = np.frombuffer(self._mm, dtype=np.int64, count=size * LINE).reshape(size, LINE)
+        self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=ctrl_bytes,
+                                      count=size * 2 * self.capacity).view(size, 2, self.capacity)
+        self._ctrl[rank, PID] = os.getpid()
+        self._ctrl[rank, ATTACHED] = 1
+        try:
+            self._wait(ATTACHED, 1, "attach")
+        finally:
+            if rank == 0:
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+        self.attached = int((self._ctrl[:, ATTACHED] > 0).sum())
+
+    # ---- waiting -------------------------------------------------------------------------------
+    def _wait(self, col: int, target: int, what: str) -> None:
+        ctrl = self._ctrl
+        column = ctrl[:, col]
+        if column.min() >= target:
+            return
+        for _ in range(SPIN):
+            if column.min() >= target:
+                return
+        t0 = time.perf_counter()
+        sleep = 1e-5
+        probe = PROBE_S
+        while column.min() < target:
+            elapsed = time.perf_counter() - t0
+            if self._aborted:
+                raise self._fail("aborted", f"{what}: this rank aborted the group")
+            if ctrl[:, LEFT].max() > 0:
+                left = [int(j) for j in np.nonzero(ctrl[:, LEFT])[0]]
+                raise self._fail("peer_gone", f"{what}: rank(s) {left} left the group")
+            if elapsed > self.timeout_s:
+                late = [int(j) for j in np.nonzero(column < target)[0]]
+                raise self._fail("timeout", f"{what}: rank(s) {late} did not arrive within {self.timeout_s:g} s")
+            if elapsed > probe:
+                probe = elapsed + PROBE_S
+                dead = [int(j) for j in np.nonzero(column < target)[0]
+                        if ctrl[j, PID] > 0 and not _alive(int(ctrl[j, PID]))]
+                if dead:
+                    raise self._fail("peer_gone", f"{what}: the process of rank(s) {dead} is gone")
+            if elapsed < SPIN_S:
+                continue
+            if elapsed < YIELD_S:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(MAX_SLEEP_S, sleep * 2)
+
+    def _fail(self, code: str, message: str) -> ShmError:
+        self._broken = self._broken or message
+        return ShmError(code, f"shm {message}")
+
+    # ---- one collective ------------------------------------------------------------------------
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.capacity
+
+    def _begin(self, nbytes: int, what: str) -> tuple[int, torch.Tensor]:
+        if self._aborted:
+            raise ShmError("aborted", f"shm {what}: this rank aborted the group")
+        if self._broken:
+            raise ShmError("aborted", f"shm {what}: the group failed before: {self._broken}")
+        if nbytes > self.capacity:
+            raise ValueError(f"shm {what} of {nbytes} bytes does not fit the group's buffer of "
+                             f"{self.capacity} bytes (sized for a smaller exchange)")
+        self._gen += 1
+        g = self._gen
+        if g > 2:
+            self._wait(DONE, g - 2, what)
+        return g, self._data[self.rank, g % 2]
+
+    def _publish_and_wait(self, g: int, what: str) -> None:
+        self._ctrl[self.rank, SEQ] = g
+        self._wait(SEQ, g, what)
+
+    def _part(self, j: int, g: int, offset: int, like: torch.Tensor) -> torch.Tensor:
+        n = like.numel() * like.element_size()
+        return self._data[j, g % 2, offset:offset + n].view(like.dtype).view(like.shape)
+
+    def _end(self, g: int) -> None:
+        self._ctrl[self.rank, DONE] = g
+
+    @staticmethod
+    def _put(buf: torch.Tensor, offset: int, t: torch.Tensor) -> int:
+        n = t.numel() * t.element_size()
+        buf[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+        return offset + n
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """``t`` becomes the elementwise sum or max over ranks, summed in rank order on every rank."""
+        g, buf = self._begin(t.numel() * t.element_size(), f"all_reduce_{op}")
+        self._put(buf, 0, t)
+        self._publish_and_wait(g, f"all_reduce_{op}")
+        parts = [self._part(j, g, 0, t) for j in range(self.size)]
+        t.copy_(parts[0])
+        for p in parts[1:]:
+            if op == "max":
+                torch.maximum(t, p, out=t)
+            else:
+                t.add_(p)
+        self._end(g)
+        return t
+
+    def all_gather(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
+        self.all_gather_many([(outs, inp)])
+
+    def all_gather_many(self, items: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        """Several all-gathers in one exchange: each input at its own 64-byte-aligned offset."""
+        offsets, end = [], 0
+        for _, inp in items:
+            offsets.append(end)
+            end = _align(end + inp.numel() * inp.element_size())
+        g, buf = self._begin(end, "all_gather")
+        for (_, inp), off in zip(items, offsets):
+            self._put(buf, off, inp)
+        self._publish_and_wait(g, "all_gather")
+        for (outs, inp), off in zip(items, offsets):
+            for j, out in enumerate(outs):
+                out.copy_(inp if j == self.rank else self._part(j, g, off, inp))
+        self._end(g)
+
+    def reduce_scatter(self, out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+        """``out`` = sum over ranks of their ``inputs[this rank]``, in rank order."""
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        g, buf = self._begin(nbytes, "reduce_scatter")
+        offset = 0
+        offsets = []
+        for t in inputs:
+            offsets.append(offset)
+            offset = self._put(buf, offset, t)
+        self._publish_and_wait(g, "reduce_scatter")
+        mine = inputs[self.rank]
+        out.copy_(self._part(0, g, offsets[self.rank], mine))
+        for j in range(1, self.size):
+            out.add_(self._part(j, g, offsets[self.rank], mine))
+        self._end(g)
+
+    # ---- teardown ------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Fail this rank's waits (its own thread's within a sleep) and tell the peers it left."""
+        self._aborted = True
+        try:
+            self._ctrl[self.rank, LEFT] = 1
+        except (AttributeError, ValueError):
+            pass
+
+    def close(self) -> None:
+        """Leave the group and drop this object's views of the mapping. It is unmapped when the
+        last view goes (never ``mmap.close()``: a tensor from ``torch.frombuffer`` holds the mmap
+        object but not its buffer export, so closing would unmap under a thread still copying)."""
+        self.abort()
+        left = np.zeros((self.size, LINE), dtype=np.int64)
+        left[:, LEFT] = 1
+        self._ctrl, self._data = left, torch.empty(0, dtype=torch.uint8)
+        self._mm = None

@@ -1,0 +1,251 @@
+"""The shared-memory transport of the per-step collectives (engine_ext/transport/shm.py).
+
+Real processes and real groups: the ranks are spawned processes that form ``StatelessGroup``s
+over a real TCPStore; faults are real (SIGKILL, SIGSTOP by pid). Runs under the deployment lock.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from engine_ext.config import EngineConfig
+from engine_ext.elastic.comm import GroupError, GroupFailure, StatelessGroup, host_store
+from engine_ext.elastic.rendezvous import Rendezvous
+from engine_ext.transport import shm as shm_transport
+
+pytestmark = pytest.mark.skipif(not shm_transport.supported(), reason="the shm transport needs x86-64 store order")
+
+CTX = mp.get_context("spawn")
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir(shm_transport.shm_dir()) if n.startswith("eepctl-")}
+
+
+def _collectives(rank: int, size: int, port: int, prefix: str, transport: str, node_ip: str, q: Any) -> None:
+    """Every collective the serving step uses, on float64 and int64, reported back."""
+    from engine_ext.elastic import comm
+
+    if node_ip:
+        comm.configure_node(node_ip)
+    g = StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport=transport, shm_bytes=4096)
+    mx = g.all_reduce_max(torch.tensor([rank, 10 - rank, 3], dtype=torch.int64)).tolist()
+    sm = g.all_reduce_sum(torch.arange(4, dtype=torch.float64) * (rank + 1)).tolist()
+    outs = [torch.empty(3, dtype=torch.float64) for _ in range(size)]
+    g.all_gather(outs, torch.full((3,), float(rank), dtype=torch.float64) + torch.arange(3))
+    out = torch.empty(2, dtype=torch.float64)
+    g.reduce_scatter(out, list((torch.arange(2 * size, dtype=torch.float64) + 100 * rank).chunk(size)))
+    for _ in range(50):  # more generations than the two buffers: reuse must wait for the readers
+        g.all_reduce_sum(torch.ones(8))
+    q.put({"rank": rank, "kind": g.transport_kind, "attached": g.transport_attached, "max": mx, "sum": sm,
+           "gather": [o.tolist() for o in outs], "rs": out.tolist()})
+    g.barrier()
+    g.destroy()
+
+
+def _spawn(target: Any, size: int, extra: Any) -> tuple[list[Any], Any, Any]:
+    store = host_store("127.0.0.1")
+    q = CTX.Queue()
+    procs = [CTX.Process(target=target, args=(r, size, store.port, *extra(r), q)) for r in range(size)]
+    for p in procs:
+        p.start()
+    return procs, q, store
+
+
+def _results(size: int, prefix: str, transport: str, node_ips: list[str] | None = None) -> list[dict]:
+    procs, q, _store = _spawn(_collectives, size, lambda r: (prefix, transport, (node_ips or [""] * size)[r]))
+    got = sorted((q.get(timeout=120) for _ in range(size)), key=lambda d: d["rank"])
+    for p in procs:
+        p.join(30)
+    return got
+
+
+def test_shm_collectives_equal_gloo_and_leave_no_segment() -> None:
+    before = _segments()
+    shm, gloo = _results(3, "eq-shm", "auto"), _results(3, "eq-gloo", "gloo")
+    assert [r["kind"] for r in shm] == ["shm"] * 3 and [r["attached"] for r in shm] == [3] * 3
+    assert [r["kind"] for r in gloo] == ["gloo"] * 3 and [r["attached"] for r in gloo] == [0] * 3
+    for a, b in zip(shm, gloo, strict=True):
+        assert {k: v for k, v in a.items() if k not in ("kind", "attached")} == \
+            {k: v for k, v in b.items() if k not in ("kind", "attached")}
+    assert shm[0]["max"] == [2, 10, 3] and shm[1]["rs"] == [3 * 2 + 300, 3 * 3 + 300]
+    assert _segments() == before  # rank 0 unlinked the name once every rank had mapped it
+
+
+def test_a_world_across_hosts_stays_on_gloo() -> None:
+    """Two node addresses (two "hosts" to the placement) make a mixed world: gloo, same results."""
+    mixed = _results(2, "mixed", "auto", ["127.0.0.1", "127.0.0.2"])
+    one = _results(2, "one", "auto", ["127.0.0.1", "127.0.0.1"])
+    assert [r["kind"] for r in mixed] == ["gloo", "gloo"]
+    assert [r["kind"] for r in one] == ["shm", "shm"]
+    assert [r["gather"] for r in mixed] == [r["gather"] for r in one]
+
+
+def _waiter(rank: int, size: int, port: int, prefix: str, limit_s: float, q: Any) -> None:
+    """Rank 0 joins a collective its peer never joins and reports how the wait ended and what it cost."""
+    g = StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport="auto", shm_bytes=4096)
+    g.barrier()
+    q.put({"rank": rank, "pid": os.getpid(), "ready": True})
+    if rank != 0:
+        time.sleep(600)  # the test kills or stops this rank
+        return
+    g.limit_waits(limit_s)
+    time.sleep(0.5)  # the test acts on the peer now
+    w0, c0 = time.monotonic(), time.process_time()
+    try:
+        g.all_gather([torch.empty(4) for _ in range(size)], torch.ones(4))
+        code = "none"
+    except GroupError as ex:
+        code = ex.code.value
+    q.put({"rank": 0, "code": code, "wall_s": time.monotonic() - w0, "cpu_s": time.process_time() - c0})
+    g.destroy()
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+def test_a_dead_or_hung_peer_ends_the_wait_without_spinning(fault: str) -> None:
+    """SIGKILL: the survivor sees the peer's process gone (peer_gone) long before its timeout.
+    SIGSTOP: it waits the step timeout and fails with timeout. Either way it sleeps, not spins:
+    its CPU time over the wait is a small part of the wall time."""
+    procs, q, _store = _spawn(_waiter, 2, lambda r: (f"wait-{fault}", 3.0))
+    ready = [q.get(timeout=120) for _ in range(2)]
+    peer = next(r["pid"] for r in ready if r["rank"] == 1)
+    os.kill(peer, signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP)
+    try:
+        res = q.get(timeout=60)
+    finally:
+        if fault == "sigstop":
+            os.kill(peer, signal.SIGKILL)
+        for p in procs:
+            p.join(10)
+    if fault == "sigkill":
+        assert res["code"] == GroupFailure.PEER_GONE.value, res
+        assert res["wall_s"] < 3.0, res  # before the 3 s step timeout
+    else:
+        assert res["code"] == GroupFailure.TIMEOUT.value, res
+        assert res["wall_s"] >= 3.0, res
+    assert res["cpu_s"] < 0.5 * res["wall_s"], f"the survivor spun while it waited: {res}"
+
+
+def _aborter(rank: int, size: int, port: int, prefix: str, q: Any) -> None:
+    """Rank 0 waits in a collective its peer never joins; another of its threads aborts the group."""
+    import threading
+
+    g = StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport="auto", shm_bytes=4096)
+    g.barrier()
+    if rank == 1:
+        # The peer joins late: the all-gather rank 0 published before it aborted may complete, the
+        # next collective sees rank 0 left (its abort marks it): peer_gone, not a timeout.
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        code = "none"
+        try:
+            g.all_gather([torch.empty(4) for _ in range(size)], torch.ones(4))
+            g.all_reduce_sum(torch.ones(2))
+        except GroupError as ex:
+            code = ex.code.value
+        q.put({"rank": 1, "code": code, "wall_s": time.monotonic() - t0})
+        return
+    threading.Timer(0.5, g.abort).start()
+    t0 = time.monotonic()
+    try:
+        g.all_gather([torch.empty(4) for _ in range(size)], torch.ones(4))
+        code = "none"
+    except GroupError as ex:
+        code = ex.code.value
+    q.put({"rank": 0, "code": code, "wall_s": time.monotonic() - t0})
+
+
+def test_abort_wakes_the_waiter_and_tells_the_peer() -> None:
+    procs, q, _store = _spawn(_aborter, 2, lambda r: ("abort",))
+    got = {d["rank"]: d for d in (q.get(timeout=120) for _ in range(2))}
+    for p in procs:
+        p.join(10)
+    assert got[0]["code"] == GroupFailure.ABORTED.value and got[0]["wall_s"] < 5.0, got
+    assert got[1]["code"] == GroupFailure.PEER_GONE.value and got[1]["wall_s"] < 5.0, got
+
+
+def _oversized(rank: int, size: int, port: int, q: Any) -> None:
+    g = StatelessGroup(Rendezvous("127.0.0.1", port, "big"), rank, size, transport="auto", shm_bytes=4096)
+    try:
+        g.all_reduce_sum(torch.ones(64 * 1024 + 1))  # past the 4 KiB the group was given
+        q.put("no error")
+    except ValueError as ex:
+        q.put(str(ex))
+    g.destroy()
+
+
+def test_a_collective_larger_than_the_buffer_is_refused_with_its_sizes() -> None:
+    procs, q, _store = _spawn(_oversized, 2, lambda r: ())
+    msgs = [q.get(timeout=120) for _ in range(2)]
+    for p in procs:
+        p.join(10)
+    assert all("does not fit the group's buffer" in m and "262148 bytes" in m for m in msgs), msgs
+
+
+def test_transport_config_is_checked() -> None:
+    EngineConfig(transport="gloo").validate()
+    with pytest.raises(ValueError, match="transport must be gloo or auto"):
+        EngineConfig(transport="tcp").validate()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_every_world_maps_a_new_segment_and_status_shows_it() -> None:
+    """A deployment on one host serves on shm; a scale-up prepares the new world's segment in
+    prepare (its event says so: I2) and the ranks report it; outputs stay the oracle's; the
+    "gloo" switch keeps gloo."""
+    import asyncio
+
+    from engine_ext.launcher import LocalDeployment
+    from engine_ext.model.dense_oracle import reference_generate
+    from tests.engine_helpers import oracle_mismatch, run
+
+    prompts = [[7], [1, 2, 3], [(11 * j + 3) % 256 for j in range(9)], [(97 * j + 41) % 256 for j in range(20)]]
+    cfg = EngineConfig(dtype="float64", transport="auto")
+    ref = reference_generate(cfg, prompts, 5)
+
+    async def serve(dep: LocalDeployment) -> str:
+        got = await asyncio.gather(*(dep.generate(p, 5) for p in prompts))
+        return oracle_mismatch(list(enumerate(got)), ref)
+
+    async def scenario() -> None:
+        async with LocalDeployment(EngineConfig(dtype="float64", transport="auto"), "xport", max_dp=3) as dep:
+            await dep.start(2)
+            assert await serve(dep) == ""
+            views = dep.registry.rank_views()
+            assert {(v["transport"], v["transport_attached"], v["dp_size"]) for v in views} == {("shm", 2, 2)}
+            op = await dep.scale(3, timeout_s=120)
+            assert op["state"] == "succeeded", op
+            prep = [e for e in dep.registry.events_for(op["op_id"]) if e["phase"] == "prepare" and e["rank"] >= 0]
+            assert prep and all(e["detail"].get("transport") == "shm" and e["detail"].get("transport_attached") == 3
+                                for e in prep), prep
+            assert await serve(dep) == ""
+            await asyncio.sleep(1.5)  # a heartbeat after the switch
+            views = dep.registry.rank_views()
+            assert {(v["transport"], v["transport_attached"], v["dp_size"]) for v in views} == {("shm", 3, 3)}
+            assert not [v for v in dep.registry.violations() if v["invariant"] == "I2"]
+            # Idle on shared memory costs what idle on gloo does: the ranks sleep on the store.
+            pids = [v["pid"] for v in views]
+            cpu0 = sum(_cpu_s(p) for p in pids)
+            await asyncio.sleep(3.0)
+            idle_cpu = sum(_cpu_s(p) for p in pids) - cpu0
+            assert idle_cpu < 0.3 * 3.0, f"3 idle ranks used {idle_cpu:.2f} s of CPU in 3 s"
+        async with LocalDeployment(EngineConfig(dtype="float64", transport="gloo"), "xport-gloo", max_dp=2) as dep:
+            await dep.start(2)
+            assert await serve(dep) == ""
+            assert {v["transport"] for v in dep.registry.rank_views()} == {"gloo"}
+
+    run(scenario(), 300)
+
