@@ -91,6 +91,18 @@ class MaxWorldGroup:
         if g is None:  # detached: only this rank's own rows, as if alone
             outs[min(self.rank, len(outs) - 1)].copy_(inp)
 
+    def all_gather_many(self, items: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        """The live group's one exchange of several all-gathers (shared memory), the rest zeroed."""
+        g = self._group()
+        if g is None:
+            for outs, inp in items:
+                self.all_gather(outs, inp)
+            return
+        g.all_gather_many([(outs[:g.size], inp) for outs, inp in items])
+        for outs, _ in items:
+            for t in outs[g.size:]:
+                t.zero_()
+
     def reduce_scatter(self, out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
         g = self._group()
         if g is None:
