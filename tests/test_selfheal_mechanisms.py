@@ -43,8 +43,10 @@ def _cfg(variant: str) -> EngineConfig:
     # Without the group abort, a survivor blocked in a collective is released only by the step
     # timeout: long here, so the abort is the one thing that releases it.
     step_timeout_s = 60.0 if variant == "no_group_abort" else EngineConfig.step_timeout_s
+    # gloo: on the shared-memory transport every rank watches every peer's process, so a survivor
+    # is released by the dead peer itself and the abort is not what releases it.
     return EngineConfig(dtype="float64", num_experts=experts, slots_per_rank=6, faults=[variant],
-                        step_timeout_s=step_timeout_s)
+                        step_timeout_s=step_timeout_s, transport="gloo")
 
 
 async def _kill_under_load(dep: LocalDeployment, victim: int, bound_s: float) -> tuple[list[dict | None], int]:

@@ -92,10 +92,12 @@ def _waiter(rank: int, size: int, port: int, prefix: str, limit_s: float, q: Any
     """Rank 0 joins a collective its peer never joins and reports how the wait ended and what it cost."""
     g = StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport="auto", shm_bytes=4096)
     g.barrier()
-    q.put({"rank": rank, "pid": os.getpid(), "ready": True})
     if rank != 0:
+        # Puts nothing on the queue: a process SIGKILLed while its queue feeder still held the
+        # queue's lock would leave rank 0's report stuck behind that lock.
         time.sleep(600)  # the test kills or stops this rank
         return
+    q.put({"rank": rank, "ready": True})
     g.limit_waits(limit_s)
     time.sleep(0.5)  # the test acts on the peer now
     w0, c0 = time.monotonic(), time.process_time()
@@ -114,8 +116,8 @@ def test_a_dead_or_hung_peer_ends_the_wait_without_spinning(fault: str) -> None:
     SIGSTOP: it waits the step timeout and fails with timeout. Either way it sleeps, not spins:
     its CPU time over the wait is a small part of the wall time."""
     procs, q, _store = _spawn(_waiter, 2, lambda r: (f"wait-{fault}", 3.0))
-    ready = [q.get(timeout=120) for _ in range(2)]
-    peer = next(r["pid"] for r in ready if r["rank"] == 1)
+    assert q.get(timeout=120)["ready"]  # rank 0 is past the barrier, so rank 1 joined the group
+    peer = procs[1].pid
     os.kill(peer, signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP)
     try:
         res = q.get(timeout=60)
