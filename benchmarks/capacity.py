@@ -29,6 +29,8 @@ import statistics
 import time
 from typing import Any
 
+from benchmarks.curves import decode_step_s
+
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
@@ -176,18 +178,6 @@ async def _open(dep: Any, rate: float, tokens: int, seconds: float, seed: int = 
             "p50_ms": (_pct(lat, 0.5) or 0) * 1e3, "p99_ms": (_pct(lat, 0.99) or 0) * 1e3}
 
 
-async def _decode_step_s(dep: Any, k: int = 24, reps: int = 5) -> float:
-    t1, tk = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        await dep.generate(PROMPT, 1)
-        t1.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        await dep.generate(PROMPT, 1 + k)
-        tk.append(time.perf_counter() - t0)
-    return max(0.0, (statistics.median(tk) - statistics.median(t1)) / k)
-
-
 async def load_point(dp: int, a: argparse.Namespace, transport: str) -> dict[str, Any]:
     from engine_ext.config import EngineConfig
     from engine_ext.launcher import LocalDeployment
@@ -200,7 +190,7 @@ async def load_point(dp: int, a: argparse.Namespace, transport: str) -> dict[str
         await _closed(dep, 2, a.tokens, 1.0)  # warm: first requests, first replays
         row["transport_seen"] = sorted({v.get("transport", "") for v in dep.registry.rank_views()})
         if "step" in a.parts:
-            row["step_ms"] = await _decode_step_s(dep) * 1e3
+            row["step_ms"] = await decode_step_s(dep, reps=5, prompt=PROMPT) * 1e3
         if "closed" in a.parts:
             row["light"] = await _closed(dep, 1, a.tokens, a.seconds)
             row["closed"] = await _closed(dep, a.clients, a.tokens, a.seconds)

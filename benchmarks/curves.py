@@ -210,16 +210,17 @@ async def _client(dep: Any, stop: asyncio.Event, out: list[dict[str, Any]]) -> N
             out.append({"t": time.perf_counter() - t0, "ok": False, "error": repr(e)})
 
 
-async def decode_step_s(dep: Any, k: int = 24, reps: int = 3) -> float:
+async def decode_step_s(dep: Any, k: int = 24, reps: int = 3, prompt: list[int] | None = None) -> float:
     """One decode step of the deployment as it is: (time of 1 + k tokens - time of 1 token) / k,
     medians over ``reps``, idle deployment."""
+    prompt = prompt or PROMPT
     t1, tk = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        await dep.generate(PROMPT, 1)
+        await dep.generate(prompt, 1)
         t1.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        await dep.generate(PROMPT, 1 + k)
+        await dep.generate(prompt, 1 + k)
         tk.append(time.perf_counter() - t0)
     return max(0.0, (statistics.median(tk) - statistics.median(t1)) / k)
 
