@@ -179,7 +179,7 @@ def generate(
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 8,
     rate: Annotated[float | None, typer.Option(help="Turn into a load generator: requests per second.")] = None,
     duration: Annotated[float, typer.Option(help="Seconds of load with --rate.")] = 10.0,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for all outputs.")] = 300.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer, counted from its sending.")] = 300.0,
     api_key: ApiKey = None,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,

@@ -66,7 +66,8 @@ def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s:
               seed: int = 0, stop: threading.Event | None = None) -> dict[str, Any]:
     """``rate`` requests per second for ``duration_s`` (open loop: a slow answer does not delay
     the next request), prompts drawn with ``seed``; every outcome and the latency percentiles.
-    ``stop`` set: no more requests are sent (``stopped_early`` in the result); those sent are awaited."""
+    ``stop`` set: no more requests are sent (``stopped_early`` in the result); those sent are awaited.
+    Each request gets ``timeout_s`` from its own sending, so a long load does not eat the last ones'."""
     rng = random.Random(seed)
     stop = stop or threading.Event()
     n = max(1, int(rate * duration_s))
@@ -84,7 +85,7 @@ def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s:
     records = []
     for idx, sent_at, pending in sent:
         try:
-            r = pending.wait(max(1.0, timeout_s - (time.time() - t0)))
+            r = pending.wait(max(1.0, timeout_s - (time.time() - sent_at)))
         except EepError as e:
             r = {"error": e.message}
         records.append({"prompt_index": idx, "output": r.get("output", []), "error": error_text(r),

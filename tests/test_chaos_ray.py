@@ -39,7 +39,7 @@ def test_mixed_faults_during_scales_never_wedge(deployments, ray_cluster):
     snap = core.up(t, dp=START_DP, max_dp=MAX_DP, engine=ENGINE, cpus_per_rank=1.0, gpus_per_rank=0.0,
                    timeout_s=300, health_deadline_s=DEADLINE_S)
     cfg_d = dict(ENGINE, instance_id=d.name)
-    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "900", "--timeout", "1500",
+    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "900", "--timeout", "300",
                    "-o", "json")
     wait_serving_load(d.name)
     chaos = Chaos(core, t, lambda p: oracle(cfg_d, p), bound_s=150.0, log=lambda s: print(f"[chaos] {s}"))

@@ -176,6 +176,23 @@ def test_open_loop_sends_at_the_rate_and_reports_every_outcome() -> None:
     assert res["latency_s"]["max"] == max(r["latency_s"] for r in ok)
 
 
+def test_each_request_waits_its_timeout_from_its_own_sending() -> None:
+    """A long load must not eat the last requests' wait: the budget counts from each one's sending
+    (before, it counted from the load's start, so a 900 s load needed --timeout 1500)."""
+    waits: list[float] = []
+
+    class _Recorded:
+        def wait(self, timeout_s: float) -> dict[str, Any]:
+            waits.append(timeout_s)
+            return {"output": [1], "error": None, "latency_s": 0.01}
+
+    res = loadgen.open_loop(lambda prompt: _Recorded(), [[1]], rate=4.0, duration_s=1.0, timeout_s=2.0)
+    assert res["sent"] == 4 and res["failed"] == 0
+    # awaited in order once the last was sent (0.75 s in): the first has 0.75 s of its budget used,
+    # the last none of it (counted from the load's start, every wait would be about 1.25 s)
+    assert 1.15 <= waits[0] <= 1.35 and 1.9 <= waits[-1] <= 2.0, waits
+
+
 def test_sigint_ends_the_sending_and_the_requests_sent_are_still_reported() -> None:
     """A real SIGINT to this process (the main thread, as in `eepctl generate --rate`): sending
     ends early, every request already sent is awaited and reported; a second SIGINT interrupts."""
