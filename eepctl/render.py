@@ -226,7 +226,7 @@ def _vllm_lines(snap: dict[str, Any]) -> list[str]:
         out.append(f"WEDGED since {since} (failing phase: {wedge.get('phase')}): {wedge.get('cause')}"
                    f"{'; ' + wedge['error'] if wedge.get('error') else ''}. Remedy: {wedge.get('remedy')}")
     found = ((snap.get("info") or {}).get("control") or {}).get("vllm") or {}
-    for key in ("flag_stuck", "engines"):  # what the vLLM controller's loop found, and what repair would do
+    for key in ("server_down", "flag_stuck", "engines"):  # what the vLLM controller's loop found, and what repair would do
         if found.get(key):
             out.append(f"controller: {found[key]['reason']}"
                        + (f"; repair: {found[key]['repair']}" if found[key].get("repair") else ""))

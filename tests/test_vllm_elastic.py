@@ -83,7 +83,8 @@ def deployment(ray_head: str, vllm_checkpoint: Path, tmp_path_factory: pytest.Te
                      "--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size",
                      "4", "--eplb-config", '{"use_async": false}'], env=env)
     try:
-        yield {"elastic": elastic, "address": ray_head, "expected": request.getfixturevalue("vllm_oracle")}
+        yield {"elastic": elastic, "address": ray_head, "expected": request.getfixturevalue("vllm_oracle"),
+               "env": env}
     finally:
         elastic.stop()
         eepctl("down", "--name", NAME, "--address", ray_head, timeout=60)
@@ -387,3 +388,60 @@ def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(dep
     assert run_prompts(server, PROMPTS) == expected
     print(f"vLLM controller killed in {op_id} (DP {size} -> {target}): {done['state']} "
           f"{done['finished'] - t_kill:.1f}s after the kill: {done['error']}")
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_command_eepctl_gives(
+        deployment: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 35 point 4, the module's last test (it ends the module's server). What vLLM 0.32 does
+    when one engine-core rank of an elastic Ray DP deployment is SIGKILLed under load: the requests
+    in flight fail (500), its engine manager ray.kills every other engine core, the API server
+    exits; there is no elastic scale with a dead peer and no fault tolerance without
+    --enable-fault-tolerance (CUDA, external load balancer). eepctl answers as well as that allows:
+    status names the dead rank within seconds, `repair` exits 4 with one line saying what happened
+    and the command that starts the server again, and that command, run, serves the oracle's tokens."""
+    import concurrent.futures as cf
+    import shlex
+
+    from tests.helpers import ROOT
+
+    server: Server = deployment["elastic"]
+    address, expected = deployment["address"], deployment["expected"]
+    server.wait_healthy()
+    snap = _status(address)
+    victim = max(snap["ranks"], key=lambda r: r["rank"])
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
+        flying = [ex.submit(server.complete, p, 40) for p in PROMPTS]
+        time.sleep(0.3)
+        os.kill(int(victim["pid"]), 9)  # SIGKILL, by pid: the engine-core actor of the highest rank
+        t_kill = time.time()
+        codes = [f.result()[0] for f in flying]
+    assert server.proc.wait(timeout=60) is not None  # vLLM exits the server: nothing is left to scale
+
+    def down() -> dict[str, Any] | None:
+        return ((_status(address)["info"].get("control") or {}).get("vllm") or {}).get("server_down")
+
+    found = wait_for(down, timeout=60, interval=1.0, what="status naming the dead engine core")
+    named_after = time.time() - t_kill
+    assert found["dead_rank"] == victim["rank"] and found["dead_pid"] == int(victim["pid"]), found
+    text = _cli(address, "status", timeout=120)
+    assert f"engine-core rank {victim['rank']} (pid {victim['pid']}) died first" in text.stdout, text.stdout
+    rep = _cli(address, "repair", timeout=120)
+    assert rep.returncode == 4 and len(rep.stderr.strip().splitlines()) == 1, (rep.returncode, rep.stderr)
+    assert "start the server again: " in rep.stderr
+    command = found["repair"].split("start the server again: ", 1)[1]
+    log = tmp_path / "restarted.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(shlex.split(command), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                                         **deployment["env"]), cwd=ROOT,
+                                start_new_session=True)
+    again = Server(proc, server.url, server.model, log)
+    try:
+        back_s = again.wait_healthy()
+        assert run_prompts(again, PROMPTS) == expected
+        wait_for(lambda: down() is None, timeout=60, interval=1.0, what="the finding cleared")
+    finally:
+        again.stop()
+    print(f"engine core rank {victim['rank']} killed: in-flight answers {sorted(codes)}; named in status "
+          f"{named_after:.1f}s after the kill; serving again {back_s:.0f}s after eepctl's command ran")

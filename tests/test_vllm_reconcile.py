@@ -20,6 +20,7 @@ from engine_ext.control.vllm_reconcile import (
     engines_finding,
     published_flag,
     repair_plan,
+    server_down_finding,
 )
 from engine_ext.ray.autoscale_host import AutoscaleHost
 from engine_ext.ray.registry import Registry
@@ -212,3 +213,31 @@ def test_the_loop_ends_an_orphaned_operation_in_the_registry() -> None:
     ended = next(o for o in registry.events()["operations"] if o["op_id"] == "op-orphan")
     assert ended["state"] == "succeeded" and "controller died" in ended["error"], ended
     assert not registry.snapshot().get("operation")
+
+
+def test_a_dead_engine_core_names_its_rank_and_the_command_that_restarts_the_server() -> None:
+    """What tests/test_vllm_elastic.py's rank-death case sees for real (vLLM kills every other
+    engine core with ray.kill and exits the server), with the edges: a fresh server, a server that
+    still answers its flag endpoint, ranks that vLLM killed itself only, and an API key on the
+    server's command line (never shown)."""
+    from engine_ext.vllm.reporter import restart_command
+
+    cmd = restart_command(["python", "-m", "vllm.entrypoints.openai.api_server", "--api-key", "s3cret",
+                           "--model", "/m x", "--api-key=t0k"])
+    assert "s3cret" not in cmd and "t0k" not in cmd and "--api-key $VLLM_API_KEY" in cmd and "'/m x'" in cmd
+    now = 1000.0
+    ranks = [dict(_rank(0, 0, 0, 0.0, state="stale", age=20.0), pid=11), dict(_rank(1, 0, 0, 0.0, state="stale",
+                                                                                   age=20.0), pid=12)]
+    info = {"api_url": "http://h:1", "api_pid": 7, "api_heartbeat": now - 20.0, "api_command": cmd}
+    ends = {12: {"reason": "WORKER_DIED", "message": "worker died: SIGKILL", "end": now - 19.5},
+            11: {"reason": "RAY_KILL", "message": "killed by ray.kill", "end": now - 19.0}}
+    down = server_down_finding(_snap(ranks, **info), now, ends, flag=None)
+    assert down is not None and down["dead_rank"] == 1 and down["dead_pid"] == 12 and down["dead_ranks"] == [0, 1]
+    assert "rank 1 (pid 12) died first (WORKER_DIED" in down["reason"] and "stopped rank(s) 0" in down["reason"]
+    assert down["repair"].endswith(cmd)
+    plan = repair_plan(_snap(ranks, **info, control={"vllm": {"server_down": down}}))
+    assert plan and plan[0].startswith("vLLM's API server (pid 7) stopped answering 20s ago")
+    assert server_down_finding(_snap(ranks, **dict(info, api_heartbeat=now - 1)), now, ends, flag=None) is None
+    assert server_down_finding(_snap(ranks, **info), now, ends, flag=False) is None  # its endpoint answers
+    only_killed = server_down_finding(_snap(ranks, **info), now, {11: ends[11]}, flag=None)
+    assert only_killed is not None and "dead_rank" not in only_killed and only_killed["dead_ranks"] == [0]

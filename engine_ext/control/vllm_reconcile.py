@@ -133,6 +133,37 @@ def engines_finding(body: dict[str, Any] | None) -> dict[str, Any] | None:
             "repair": "; ".join(plan)}
 
 
+def server_down_finding(snap: dict[str, Any], now: float, ends: dict[int, dict[str, Any]],
+                        flag: bool | None) -> dict[str, Any] | None:
+    """vLLM's API server gone: its info older than INFO_FRESH_S and its flag endpoint not
+    answering (``flag`` None). ``ends`` is Ray's record of the engine-core actors that ended (pid
+    -> ``reason``, ``message``, ``end``): the first to die that vLLM did not kill itself is the
+    cause. vLLM 0.32 answers a dead engine core by killing every other one and exiting the server
+    (its engine manager's liveness monitor), so nothing is left to scale: the server must be
+    started again, and the finding says with what command."""
+    info = snap.get("info") or {}
+    age = now - float(info.get("api_heartbeat") or 0.0)
+    if not info.get("api_url") or flag is not None or age <= INFO_FRESH_S:
+        return None
+    ranks = {int(r["pid"]): int(r["rank"]) for r in snap.get("ranks", []) if isinstance(r, dict) and r.get("pid")}
+    dead = sorted((float(e.get("end") or now), ranks[pid], pid, e) for pid, e in ends.items() if pid in ranks)
+    cause = next((d for d in dead if d[3].get("reason") != "RAY_KILL"), None)
+    reason = f"vLLM's API server (pid {info.get('api_pid')}) stopped answering {age:.0f}s ago"
+    finding: dict[str, Any] = {"since": round(now - age, 3), "dead_ranks": sorted(r for _, r, _, _ in dead)}
+    if cause is not None:
+        _, rank, pid, e = cause
+        finding.update(dead_rank=rank, dead_pid=pid)
+        killed = [r for _, r, _, x in dead if x is not e]
+        reason += (f": engine-core rank {rank} (pid {pid}) died first ({e.get('reason')}: "
+                   f"{str(e.get('message') or '').strip()[:160]})"
+                   + (f"; vLLM then stopped rank(s) {', '.join(map(str, killed))} and exited" if killed else ""))
+    command = info.get("api_command")
+    finding.update(reason=reason, repair="vLLM cannot go on without a rank (no elastic scale with a dead peer; "
+                   "its fault tolerance needs --enable-fault-tolerance with an external load balancer): "
+                   + (f"start the server again: {command}" if command else RESTART_REMEDY))
+    return finding
+
+
 def repair_plan(snap: dict[str, Any]) -> list[str]:
     """What `eepctl repair` would do, from what the controller and the plugin published: the
     findings first (a stuck flag blocks everything else: vLLM answers 503 to the fault-tolerance
@@ -142,6 +173,8 @@ def repair_plan(snap: dict[str, Any]) -> list[str]:
     plan = []
     if found.get("flag_stuck") or info.get("wedged"):
         plan.append(f"vLLM's scaling flag is stuck: {RESTART_REMEDY}; repair cannot lower it")
+    if found.get("server_down"):
+        plan.append(f"{found['server_down']['reason']}; {found['server_down']['repair']}")
     if found.get("engines") and found["engines"].get("repair"):
         plan.append(found["engines"]["repair"])
     return plan

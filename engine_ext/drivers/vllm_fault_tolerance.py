@@ -55,6 +55,10 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
     name = snap["deployment"]
     size = int((snap.get("info") or {}).get("dp") or max(1, len(snap.get("ranks", []))))
     plan = repair_plan(snap)  # the controller's findings: a stuck flag blocks the rest (503 to everything)
+    down = (((snap.get("info") or {}).get("control") or {}).get("vllm") or {}).get("server_down")
+    if down:  # nothing answers any more: say what happened and the one command that brings it back
+        raise PreconditionError(f"repair of vLLM deployment {name!r}: {down['reason']}; {down['repair']}",
+                                detail={"plan": plan, "server_down": down})
     if plan and plan[0].startswith("vLLM's scaling flag is stuck"):
         raise PreconditionError(f"repair of vLLM deployment {name!r}: {plan[0]}", detail={"plan": plan})
     before = status(snap, api_key=api_key)

@@ -21,11 +21,13 @@ from engine_ext.control.vllm_api import VllmApi, fault_tolerance_health
 from engine_ext.control.vllm_deployment import api_for, current_size
 from engine_ext.control.vllm_reconcile import (
     FLAG_STUCK_S,
+    INFO_FRESH_S,
     FlagWatch,
     OrphanWatch,
     current_world,
     engines_finding,
     published_flag,
+    server_down_finding,
 )
 from engine_ext.protocol import EepError, PreconditionError, error_record
 from engine_ext.ray.autoscale_host import AutoscaleHost
@@ -75,6 +77,7 @@ class VllmLoop:
         self.ticks = 0
         self._key: str | None = None  # the last API key a client passed: memory only, for the loop's reads
         self._ft: tuple[float, dict[str, Any] | None] = (0.0, None)  # (read at, finding)
+        self._ends: tuple[float, dict[int, dict[str, Any]]] = (0.0, {})  # (read at, pid -> how its actor ended)
         self.durable = DurableState(namespace, self.deployment)
         try:
             saved = self.durable.load() or {}
@@ -174,6 +177,9 @@ class VllmLoop:
         engines = self._engines(snap, now, flag)
         if engines:
             findings["engines"] = engines
+        down = server_down_finding(snap, now, self._rank_ends(snap, now), flag)
+        if down:
+            findings["server_down"] = down
         self.findings = findings
         self.ticks += 1
         shown = self._autoscale(snap, now, flag, running)
@@ -189,6 +195,18 @@ class VllmLoop:
         if now - self._ft[0] >= FT_EVERY_S:
             self._ft = (now, engines_finding(fault_tolerance_health(api_for(snap, self._key, timeout_s=5.0))))
         return self._ft[1]
+
+    def _rank_ends(self, snap: dict[str, Any], now: float) -> dict[int, dict[str, Any]]:
+        """Ray's record of the ranks' engine-core actors that ended, read only while the API
+        server's info is stale (at most every FT_EVERY_S / 2) and kept once read."""
+        info = snap.get("info") or {}
+        if now - float(info.get("api_heartbeat") or now) <= INFO_FRESH_S:
+            self._ends = (0.0, {})
+            return {}
+        if now - self._ends[0] >= FT_EVERY_S / 2:
+            pids = {int(r["pid"]) for r in snap.get("ranks", []) if isinstance(r, dict) and r.get("pid")}
+            self._ends = (now, {**self._ends[1], **actor_ends(pids)})
+        return self._ends[1]
 
     def _autoscale(self, snap: dict[str, Any], now: float, flag: bool | None,
                    running: str | None) -> dict[str, Any] | None:
@@ -213,6 +231,24 @@ class VllmLoop:
             want["autoscale"] = shown
         if any(info.get(k) != v for k, v in want.items()):
             self.host.call("set_info", want)
+
+
+def actor_ends(pids: set[int]) -> dict[int, dict[str, Any]]:
+    """How the dead actors with these pids ended, from Ray's actor table: pid -> reason (Ray's
+    ``ActorDiedErrorContext.Reason``: RAY_KILL when vLLM killed it, WORKER_DIED for a SIGKILL),
+    message and end time."""
+    from ray._private.state import state
+    from ray.core.generated import common_pb2
+
+    reasons = common_pb2.ActorDiedErrorContext.Reason
+    out: dict[int, dict[str, Any]] = {}
+    for a in (state.actor_table(None, actor_state_name="DEAD") or {}).values():
+        ctx = a["DeathCause"].actor_died_error_context
+        pid = int(a.get("Pid") or ctx.pid or 0)
+        if pid in pids:
+            out[pid] = {"reason": reasons.Name(ctx.reason), "message": ctx.error_message,
+                        "end": float(a.get("EndTime") or 0) / 1000.0 or None, "class": a.get("ActorClassName")}
+    return out
 
 
 def read_flag(api: VllmApi) -> bool | None:

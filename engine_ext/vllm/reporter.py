@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -307,6 +308,7 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watc
     if mc is not None:
         info["model"] = str(getattr(mc, "served_model_name", None) or getattr(mc, "model", ""))
     info["api_key_required"] = api_key_required
+    info["api_command"] = restart_command()
     if watch is not None:  # the wedged state (None when healthy) and the scales this server ran
         from engine_ext.vllm import api_patches
 
@@ -319,6 +321,30 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watc
     except Exception:  # noqa: BLE001
         pass
     return info
+
+
+def restart_command(cmdline: list[str] | None = None) -> str:
+    """The API server's own command line, for the operator to run again after vLLM exited (a dead
+    engine core takes the whole server down), with any API key replaced by ``$VLLM_API_KEY``."""
+    import shlex
+
+    if cmdline is None:
+        try:
+            with open("/proc/self/cmdline", "rb") as f:
+                cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            cmdline = [sys.executable, *sys.argv]
+    out: list[str] = []
+    hide = False
+    for arg in cmdline:
+        if hide:
+            out.append("$VLLM_API_KEY")
+        elif arg.startswith("--api-key="):
+            out.append("--api-key=$VLLM_API_KEY")
+        else:
+            out.append(shlex.quote(arg))
+        hide = arg == "--api-key"
+    return " ".join(out)
 
 
 class ApiServerReporter(threading.Thread):
