@@ -83,6 +83,14 @@ def _cli(address: str, *args: str, timeout: float = 600) -> subprocess.Completed
     return eepctl(*args, "--name", NAME, "--address", address, timeout=timeout)
 
 
+def _cli_together(address: str, *commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """Independent eepctl calls at once (each process mostly starts up: a few seconds on a busy box)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: _cli(address, *args, timeout=120), commands))
+
+
 def _status(address: str) -> dict[str, Any]:
     res = _cli(address, "status", "-o", "json", timeout=120)
     assert res.returncode == 0, res.stderr
@@ -207,7 +215,7 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
         t0 = time.time()
         done = _scale_with_its_cli_killed(address, 2, 3)
         windows.append((t0, done["finished"]))
-        assert _status(address)["info"]["dp"] == 3
+        assert done["status"]["info"]["dp"] == 3
         t0 = time.time()
         res = _cli(address, "scale", "--dp", "2", "-o", "json", "--timeout", "500")
         windows.append((t0, time.time()))
@@ -335,11 +343,15 @@ def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: 
                     what=f"{op_id} ending in the cluster after its eepctl was killed")
     assert done["state"] == "succeeded", done
     assert (done["from_size"], done["to_size"]) == (size, target) and done["finished"] <= done["deadline"], done
-    res = _cli(address, "events", "--op", op_id, "-o", "json", timeout=120)
+    wait_for(lambda: (_snapshot_now().get("info") or {}).get("dp") == target, timeout=30,
+             what=f"DP {target} in the API server's info (refreshed every 2 s)")
+    res, status = _cli_together(address, ("events", "--op", op_id, "-o", "json"), ("status", "-o", "json"))
     assert res.returncode == 0, res.stderr
     assert [(o["op_id"], o["state"]) for o in json.loads(res.stdout)["operations"]] == [(op_id, "succeeded")]
-    assert _status(address)["operation"] is None
-    return done
+    assert status.returncode == 0, status.stderr
+    snap = json.loads(status.stdout)
+    assert snap["operation"] is None
+    return {**done, "status": snap}
 
 
 def _controller_pid() -> int:
@@ -380,10 +392,12 @@ def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(dep
         return op if op["state"] != "running" else None
 
     wait_for(ended, timeout=300, interval=0.5, what=f"{op_id} ended by the restarted controller")
-    done = next(o for o in _operations(address) if o["op_id"] == op_id)  # as eepctl events shows it
+    events, status = _cli_together(address, ("events", "-o", "json"), ("status", "-o", "json"))
+    assert events.returncode == 0 and status.returncode == 0, (events.stderr, status.stderr)
+    done = next(o for o in json.loads(events.stdout)["operations"] if o["op_id"] == op_id)  # as eepctl shows it
     assert done["state"] in ("succeeded", "rolled_back") and "controller died" in done["error"], done
     assert _controller_pid() != old_pid  # Ray restarted it
-    snap = _status(address)
+    snap = json.loads(status.stdout)
     now = target if done["state"] == "succeeded" else size
     assert snap["info"]["dp"] == now and snap["operation"] is None, (done, snap["info"].get("dp"))
     assert run_prompts(server, PROMPTS) == expected
