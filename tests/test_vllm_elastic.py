@@ -254,8 +254,8 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
 
 def _check_operations(address: str) -> None:
     """The operations eepctl recorded, with vLLM's phases as the plugin timed them on each rank."""
-    res = _cli(address, "events", "-o", "json", timeout=120)
-    assert res.returncode == 0, res.stderr
+    res, status = _cli_together(address, ("events", "-o", "json"), ("status", "-o", "json"))
+    assert res.returncode == 0 and status.returncode == 0, (res.stderr, status.stderr)
     history = json.loads(res.stdout)
     up, down = [o for o in history["operations"] if o["state"] == "succeeded"][-2:]
     assert [(o["from_size"], o["to_size"]) for o in (up, down)] == [(2, 3), (3, 2)], history["operations"]
@@ -275,7 +275,7 @@ def _check_operations(address: str) -> None:
     # answered requests above kept the oracle's tokens); on CPU there is no workspace to re-size.
     warms = {e["rank"] for e in events if e["phase"] == "warm" and e["outcome"] == "ok"}
     assert warms == {0, 1, 2}, warms
-    snap = _status(address)
+    snap = json.loads(status.stdout)
     ranks = sorted(snap["ranks"], key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks if r["state"] == "serving"] == [0, 1], ranks
     assert all(r["workspace_available"] is False and "CPU" in r["workspace_note"] for r in ranks[:2])
