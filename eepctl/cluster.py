@@ -143,8 +143,10 @@ def _free_port(preferred: int = 6379) -> int:
             return s.getsockname()[1]
 
 
-def start_local(num_cpus: int | None = None, timeout_s: float = 90.0, dashboard: bool = False) -> dict[str, Any]:
-    """Start a local Ray head in its own process group and remember it."""
+def start_local(num_cpus: int | None = None, timeout_s: float = 90.0, dashboard: bool = False,
+                resources: dict[str, float] | None = None) -> dict[str, Any]:
+    """Start a local Ray head in its own process group and remember it; ``resources`` are custom
+    resources it advertises (the tests' head: ``vllm_cpu_rank`` for vLLM's Ray DP ranks on CPU)."""
     port = _free_port()
     cpus = num_cpus or max(os.cpu_count() or 1, 8)
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
@@ -153,7 +155,7 @@ def start_local(num_cpus: int | None = None, timeout_s: float = 90.0, dashboard:
     log = state_dir() / "local-cluster.log"
     cmd = [ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
            f"--include-dashboard={'true' if dashboard else 'false'}",
-           "--disable-usage-stats", "--block"]
+           "--disable-usage-stats", "--block", *([f"--resources={json.dumps(resources)}"] if resources else [])]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -32,10 +32,12 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster(state_dir: Path) -> Iterator[dict[str, Any]]:
-    """A local Ray head for the whole session; RAY_ADDRESS points at it."""
+    """A local Ray head for the whole session; RAY_ADDRESS points at it. It advertises 8 units of
+    ``vllm_cpu_rank``, the resource the plugin's CPU platform places vLLM's Ray DP ranks on
+    (tests/test_vllm_elastic.py); nothing else asks for it."""
     from eepctl import cluster
 
-    info = cluster.start_local(num_cpus=16)
+    info = cluster.start_local(num_cpus=16, resources={"vllm_cpu_rank": 8})
     os.environ["RAY_ADDRESS"] = info["address"]
     try:
         yield info

@@ -252,6 +252,7 @@ def test_vllm_answers_map_to_the_exit_code_table() -> None:
 
 # ---- part 2: a real vLLM server with the plugin ---------------------------------------------------------
 FLAG_BOUND_S = 3.0  # short, so the stuck-flag finding costs the wedge test seconds
+FLAG_SETTLE_S = 3.0  # the controller's wait for vLLM's flag after it answered (10 s): the wedge test waits it out
 
 
 def _free_port() -> int:
@@ -284,7 +285,8 @@ def server_process(ray_cluster: dict[str, Any], model_dir: Path,
     env = dict(os.environ, **_offline_env(), EEPCTL_DEPLOYMENT=name, RAY_ADDRESS=ray_cluster["address"],
                VLLM_API_KEY=API_KEY, VLLM_SERVER_DEV_MODE="1", EEPCTL_VLLM_RUNTIME_DIR=str(runtime),
                EEPCTL_VLLM_DEBUG_FAIL_COMMIT=str(fail_commit),
-               EEPCTL_VLLM_FLAG_STUCK_S=str(FLAG_BOUND_S))  # the vLLM controller's bound (the plugin creates it)
+               EEPCTL_VLLM_FLAG_STUCK_S=str(FLAG_BOUND_S),  # the vLLM controller's bound (the plugin creates it)
+               EEPCTL_VLLM_FLAG_SETTLE_S=str(FLAG_SETTLE_S))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--gpu-memory-utilization", "0.25",
            "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8",
@@ -580,6 +582,51 @@ def test_a_retried_request_id_gets_the_same_operation(server: dict[str, Any], ra
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)
+def test_a_restarted_vllm_controller_answers_a_retried_request_id(server: dict[str, Any], ray_cluster: dict) -> None:
+    """Issue 35 point 3: the vLLM controller keeps its operations and request ids in the GCS KV, as
+    the reference controller does. SIGKILLed (by pid) and restarted by Ray, it answers a retry of a
+    request id its predecessor admitted with that operation, records no other, and still refuses
+    the id for another target. (Before, the ids lived in its memory: the retry became a second
+    operation.)"""
+    import ray
+
+    from eepctl import cluster
+    from engine_ext.drivers import open_deployment
+    from engine_ext.protocol import PreconditionError, TransitionFailed
+    from engine_ext.ray.deployment import actor
+    from engine_ext.ray.names import registry_name, vllm_controller_name
+
+    name = server["name"]
+    cluster.connect(ray_cluster["address"], "eepctl")
+    driver = open_deployment(name, actor(registry_name(name), "eepctl"), None, api_key=API_KEY)
+    ask = {"drain_timeout_s": 1, "timeout_s": 60, "wait": True, "request_id": "retry-across-restart"}
+    with pytest.raises(TransitionFailed) as first:  # vLLM refuses (no elastic EP): an ended operation
+        driver.scale(2, **ask)
+    controller = ray.get_actor(vllm_controller_name(name), namespace="eepctl")
+    old_pid = ray.get(controller.pid.remote(), timeout=30)
+    recorded = len(json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"])
+    os.kill(old_pid, signal.SIGKILL)
+    t_kill = time.time()
+
+    def restarted() -> bool:
+        try:
+            return ray.get(controller.pid.remote(), timeout=10) != old_pid
+        except Exception:  # noqa: BLE001 - the actor is restarting
+            return False
+
+    wait_for(restarted, timeout=60, interval=0.5, what="Ray restarting the vLLM controller")
+    assert ray.get(controller.info.remote(), timeout=10)["started_at"] > t_kill
+    with pytest.raises(TransitionFailed) as again:
+        driver.scale(2, **ask)
+    assert again.value.detail["operation"]["op_id"] == first.value.detail["operation"]["op_id"]
+    assert again.value.detail["operation"]["state"] == "failed"
+    assert len(json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]) == recorded
+    with pytest.raises(PreconditionError, match="request id 'retry-across-restart' already asked for DP 2"):
+        driver.scale(3, **ask)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
 def test_generate_and_load_go_through_the_completions_api(server: dict[str, Any]) -> None:
     """`eepctl generate` (and `--rate`) against the vLLM deployment: token-id prompts through
     /v1/completions, the outputs vLLM itself gives for them, and a latency per request."""
@@ -690,6 +737,7 @@ def test_failed_commit_wedges_vllm_and_status_and_scale_say_so(server: dict[str,
     assert ops[-1]["to_size"] == 2 and ops[-1]["state"] == "failed"
     # The vLLM controller reconciled vLLM's flag after the answer: the record says it is wedged.
     assert "scaling flag is still set" in ops[-1]["error"] and "wedged" in ops[-1]["error"], ops[-1]["error"]
+    assert f"still set {FLAG_SETTLE_S:.0f}s after it answered" in ops[-1]["error"]  # the server's settle reached it
     # Issue 22 point 8: between operations the controller's loop sees the flag held with no
     # operation of ours for longer than its bound; status gives that reason and repair's plan.
     stuck = wait_for(lambda: ((_info(name).get("control") or {}).get("vllm") or {}).get("flag_stuck"),

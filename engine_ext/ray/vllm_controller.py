@@ -43,7 +43,10 @@ from engine_ext.ray.names import registry_name, vllm_controller_name
 from engine_ext.ray.vllm_loop import TICK_S, VllmLoop, read_flag
 
 FLAG_SETTLE_S = 10.0  # how long vLLM may take to lower its scaling flag after it answered
+DURABLE_OPS = 100  # operations and request ids kept in the GCS KV, as the reference controller keeps them
 FLAG_BOUND_ENV = "EEPCTL_VLLM_FLAG_STUCK_S"
+FLAG_SETTLE_ENV = "EEPCTL_VLLM_FLAG_SETTLE_S"  # FLAG_SETTLE_S of the creating process (tests shorten it)
+ORPHAN_SETTLE_ENV = "EEPCTL_VLLM_ORPHAN_SETTLE_S"  # the loop's OrphanWatch.settle_s, likewise
 
 
 class VllmController:
@@ -51,15 +54,23 @@ class VllmController:
     Its loop (``VllmLoop``) reaches it through ``call``, ``record``, ``running_op`` and ``owns_op``."""
 
     def __init__(self, deployment: str, namespace: str, flag_bound_s: float = FLAG_STUCK_S,
-                 tick_s: float = TICK_S) -> None:
+                 tick_s: float = TICK_S, flag_settle_s: float = FLAG_SETTLE_S,
+                 orphan_settle_s: float | None = None) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.started_at = time.time()
+        self.flag_settle_s = flag_settle_s
         self._changed = threading.Condition()  # guards _ops, _by_request, _running
         self._ops: dict[str, dict[str, Any]] = {}
         self._by_request: dict[str, str] = {}
         self._running: str | None = None
         self.loop = VllmLoop(self, namespace, flag_bound_s, tick_s)
+        if orphan_settle_s is not None:
+            self.loop.orphans.settle_s = orphan_settle_s
+        # A restarted controller's memory of its predecessors (the GCS KV): ended or orphaned
+        # operations (never "ours": the loop's OrphanWatch ends a running one) and request ids.
+        self._restored: dict[str, dict[str, Any]] = {op["op_id"]: op for op in self.loop.saved.get("operations", [])}
+        self._by_request.update(self.loop.saved.get("request_ids", {}))
         self.loop.start()
 
     def _registry(self) -> Any:
@@ -77,12 +88,19 @@ class VllmController:
         return call(getattr(self._registry(), method).remote(*args), timeout=10)
 
     def record(self, op: dict[str, Any]) -> None:
-        """Keep ``op`` as this controller's and send it to the registry (best effort)."""
+        """Keep ``op`` as this controller's, in the GCS KV with the request ids (the last
+        DURABLE_OPS of each), and send it to the registry (best effort)."""
         with self._changed:
             self._ops[op["op_id"]] = dict(op)
             if op["state"] != OpState.RUNNING.value and self._running == op["op_id"]:
                 self._running = None
             self._changed.notify_all()
+            kept = list({**self._restored, **self._ops}.values())[-DURABLE_OPS:]
+            ids = dict(list(self._by_request.items())[-DURABLE_OPS:])
+        try:
+            self.loop.save_parts({"operations": kept, "request_ids": ids})
+        except Exception:  # noqa: BLE001 - no GCS KV now: the registry still gets the record
+            pass
         try:
             self.call("record_operation", dict(op))
         except EepError:
@@ -141,6 +159,8 @@ class VllmController:
     def wait_op(self, op_id: str, timeout_s: float) -> dict[str, Any]:
         """The operation once it has ended, or as it stands after ``timeout_s``."""
         deadline = time.time() + timeout_s
+        if not self.owns_op(op_id):  # a predecessor's (a retried request id after a restart)
+            return self._predecessors_op(op_id, deadline)
         with self._changed:
             while op_id in self._ops and self._ops[op_id]["state"] == OpState.RUNNING.value:
                 left = deadline - time.time()
@@ -151,6 +171,32 @@ class VllmController:
                 return error_record(UnreachableError(f"no operation {op_id} in the controller of "
                                                      f"{self.deployment!r}"))
             return dict(self._ops[op_id])
+
+    def _predecessors_op(self, op_id: str, deadline: float) -> dict[str, Any]:
+        """An operation a controller before this one started, followed in the registry (where the
+        loop ends it if it was running when that controller died) until it ends or ``deadline``."""
+        while True:
+            op = self._known_op(op_id)
+            if op is None:
+                return error_record(UnreachableError(f"no operation {op_id} in the controller of "
+                                                     f"{self.deployment!r}"))
+            if op["state"] != OpState.RUNNING.value or time.time() >= deadline:
+                return op
+            time.sleep(min(0.5, max(0.0, deadline - time.time())))
+
+    def _known_op(self, op_id: str) -> dict[str, Any] | None:
+        """This controller's record of ``op_id``, else the registry's (current: the loop ends an
+        orphan there), else the one a predecessor left in the GCS KV."""
+        with self._changed:
+            if op_id in self._ops:
+                return dict(self._ops[op_id])
+        try:
+            found = self.call("events", op_id, 1 << 62)["operations"]  # the record, no events
+        except EepError:
+            found = []
+        if found:
+            return dict(found[-1])
+        return dict(self._restored[op_id]) if op_id in self._restored else None
 
     def pid(self) -> int:
         """This actor's process id (a test SIGKILLs it by pid, as an operator's fault would)."""
@@ -167,7 +213,9 @@ class VllmController:
         """A retry: the operation this request id already started (a different target is refused)."""
         if not request_id or request_id not in self._by_request:
             return None
-        op = self._ops[self._by_request[request_id]]
+        op = self._known_op(self._by_request[request_id])
+        if op is None:  # its record is gone everywhere (past DURABLE_OPS): a new operation
+            return None
         if op["to_size"] != target:
             raise PreconditionError(f"request id {request_id!r} already asked for DP {op['to_size']} "
                                     f"({op['op_id']}, {op['state']}); use a new id for another target")
@@ -260,12 +308,12 @@ class VllmController:
         """vLLM's scaling flag at the end. Still set once vLLM has answered and had time to lower
         it: the deployment is wedged (503 to everything), whatever vLLM answered. Still set at the
         deadline with no answer: said in the timeout's reason."""
-        settle = time.time() + (FLAG_SETTLE_S if answered else 0.0)
+        settle = time.time() + (self.flag_settle_s if answered else 0.0)
         while read_flag(api) is True:
             if time.time() >= settle:
                 why = ("vLLM's scaling flag is still set at the controller's deadline: it answers 503 to every "
                        "request until its scale ends (or, wedged, until its API server restarts)" if not answered
-                       else f"vLLM's scaling flag is still set {FLAG_SETTLE_S:.0f}s after it answered, so it answers "
+                       else f"vLLM's scaling flag is still set {self.flag_settle_s:.0f}s after it answered, so it answers "
                        "503 to every request (wedged; restart the vLLM API server)")
                 if error is None:
                     return TransitionFailed(f"{op['op_id']}: {why}")
@@ -323,15 +371,18 @@ def controller_for(deployment: str, namespace: str | None = None) -> Any:
     """The deployment's vLLM controller, created (named, detached, next to the caller like the
     reference controller) by the first client that needs it (the plugin's API server, else eepctl);
     the namespace is the caller's. Ray restarts it (its loop and autoscaling policy come back from
-    the GCS KV); the flag bound is EEPCTL_VLLM_FLAG_STUCK_S of the creating process (default 60 s)."""
+    the GCS KV); the flag bound is EEPCTL_VLLM_FLAG_STUCK_S of the creating process (default 60 s), the
+    settle times EEPCTL_VLLM_FLAG_SETTLE_S (10 s) and EEPCTL_VLLM_ORPHAN_SETTLE_S (6 s)."""
     from engine_ext.ray.placement import on_this_node
 
     namespace = namespace or ray.get_runtime_context().namespace
     bound = float(os.environ.get(FLAG_BOUND_ENV) or FLAG_STUCK_S)
+    settle = float(os.environ.get(FLAG_SETTLE_ENV) or FLAG_SETTLE_S)
+    orphan = float(os.environ[ORPHAN_SETTLE_ENV]) if os.environ.get(ORPHAN_SETTLE_ENV) else None
     return ray.remote(VllmController).options(
         name=vllm_controller_name(deployment), namespace=namespace, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_concurrency=32, scheduling_strategy=on_this_node(), max_restarts=-1, max_task_retries=0,
-    ).remote(deployment, namespace, bound)
+    ).remote(deployment, namespace, bound, TICK_S, settle, orphan)
 
 
 def existing_controller(deployment: str) -> Any:

@@ -7,7 +7,8 @@ stale), ends an operation whose controller died mid-scale once vLLM's flag is do
 fault-tolerance status at most every FT_EVERY_S on a server that has it, and runs one decision of
 the shared core (engine_ext.ray.autoscale_host) in advisory mode. What status shows goes into the
 registry's info only when it differs from what is there; the policy and the decisions persist in
-the GCS KV under the key `eepctl down` deletes. Owned by
+the GCS KV under the key `eepctl down` deletes, with the controller's operations and request ids
+(``save_parts``). Owned by
 ``engine_ext.ray.vllm_controller.VllmController``, which it reaches only through ``LoopHost``.
 """
 
@@ -83,6 +84,8 @@ class VllmLoop:
             saved = self.durable.load() or {}
         except Exception:  # noqa: BLE001 - no GCS KV reachable: start without a policy
             saved = {}
+        self.saved: dict[str, Any] = dict(saved)  # what a restarted controller restores (operations, request ids)
+        self._saving = threading.Lock()  # the loop's thread and the controller's scale threads save parts
         self.autoscale_host = AutoscaleHost(self.deployment, max_dp=1 << 16, persist=self._persist,
                                             saved=saved.get("autoscale"))
         self._stop = threading.Event()
@@ -96,7 +99,14 @@ class VllmLoop:
 
     def _persist(self, state: dict[str, Any]) -> None:
         """The autoscaler's durable state (policy, last decisions), written only when it changed."""
-        self.durable.save({"kind": "vllm", "autoscale": state})
+        self.save_parts({"autoscale": state})
+
+    def save_parts(self, parts: dict[str, Any]) -> None:
+        """Parts of the durable state (``autoscale``, the controller's ``operations`` and
+        ``request_ids``) replaced; the whole is written when it changed (DurableState)."""
+        with self._saving:
+            self.saved.update(parts)
+            self.durable.save(dict(self.saved, kind="vllm"))
 
     def remember_key(self, api_key: str | None) -> None:
         if api_key:
