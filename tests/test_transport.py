@@ -131,7 +131,9 @@ def test_a_dead_or_hung_peer_ends_the_wait_without_spinning(fault: str) -> None:
         assert res["wall_s"] < 3.0, res  # before the 3 s step timeout
     else:
         assert res["code"] == GroupFailure.TIMEOUT.value, res
-        assert res["wall_s"] >= 3.0, res
+        # It ends at the step timeout, as a gloo collective would (the slack: a sleep of at most
+        # 1 ms, a probe, and a busy box's scheduling), never later and never stuck on the flag.
+        assert 3.0 <= res["wall_s"] < 3.0 + 1.5, res
     assert res["cpu_s"] < 0.5 * res["wall_s"], f"the survivor spun while it waited: {res}"
 
 
