@@ -60,7 +60,7 @@ def up(
     ifname: Annotated[str, typer.Option(help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME.")] = "",
     standby: Annotated[int, typer.Option("--standby", help="Ranks to keep launched ahead (model and KV loaded, in no DP group): a scale-up adopts them and skips its launch phase.")] = 0,
     capture_policy: Annotated[str, typer.Option("--capture-policy", help="recapture: capture once per transition, workspace right-sized; reuse: size captures for --max-dp at start; survivors capture nothing in transitions, a joiner once (more memory).")] = "recapture",
-    transport: Annotated[str, typer.Option("--transport", help="The per-step collectives: gloo (TCP), or auto (shared memory among the ranks of one host, gloo across hosts; measured faster, opt-in).")] = "gloo",
+    transport: Annotated[str, typer.Option("--transport", help="The per-step collectives: auto (shared memory when every rank of a world shares one host, gloo otherwise; chosen again at every transition), or gloo (TCP always).")] = "auto",
     health_deadline: Annotated[float, typer.Option("--health-deadline", help="Seconds a rank may stay silent (no probe answer, token or result) before it is fenced and recovered around; also how long a serving step waits for a peer.")] = 5.0,
     output: OutputOpt = Output.table,
 ) -> None:

@@ -82,9 +82,9 @@ class EngineConfig:
     backend: str = "gloo"
     # The per-step collectives' transport: "auto" uses shared memory when every rank of a world
     # shares one host (CPU tensors, x86-64), gloo otherwise; "gloo" always uses gloo. Chosen again
-    # for every world (engine_ext/transport/shm.py). Opt-in until the whole fault suite runs on it
-    # (docs/benchmarks.md "Capacity against width").
-    transport: str = "gloo"
+    # for every world (engine_ext/transport/shm.py), so a mixed world (a joiner on another node)
+    # goes back to gloo at that transition (docs/benchmarks.md "Capacity against width").
+    transport: str = "auto"
     group_timeout_s: float = 120.0
     # A serving step's collectives wait this long for a peer (gloo's per-operation timeout on the
     # live group while it serves): a peer that hangs or is cut off fails the step in seconds, the

@@ -34,6 +34,12 @@ VARIANTS: dict[str, str] = {
     "late_eplb_comm": "prepare runs its steps in reverse: the non-expert weight transfer before the "
                       "groups and the EPLB communicator, so the transfer finds no channel and the scale "
                       "fails (I2)",
+    "transport_sized_for_old_world": "at a transition the new world's shared memory is sized for the old "
+                                     "world's exchanges: on a scale-up the I2 transport check refuses it in "
+                                     "prepare (the scale rolls back, nothing moved)",
+    "no_transport_check": "prepare does not check the new world's transport from its evidence (shows "
+                          "transport_sized_for_old_world's harm: the commit's warm-up overflows the segment, "
+                          "the scale fails in its commit and a recovery rebuilds the world)",
     "reuse_sized_for_world": "under capture_policy=reuse, captures are sized for the world at launch "
                              "instead of max DP: the reuse check refuses them on a scale-up",
     "no_token_stream": "the rank does not stream its tokens to the router: a request moved off a dead "
@@ -72,6 +78,11 @@ VARIANTS: dict[str, str] = {
 HOLD_PHASES = ("admit", "launch", "adopt", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture",
                "regroup", "step")
 ONCE_PHASES = frozenset({"step"})
+# Phases of a transition's commit, where forward passes are paused. A hold in one of them on a member
+# that serves on in the new world (role "existing" or "remaining") makes that rank agree to commit
+# only once it holds a running request with output tokens: a kill in the hold then finds requests
+# mid-decode however fast steps are (the agreement waits for the request, not a timer).
+PAUSED_PHASES = ("commit", "reshuffle", "warm", "capture")
 # "fail:step@<rank>": that rank's step raises a local error (as an out-of-memory would) once, at its
 # first step ``fault_delay_s`` after it started; the process stays alive. Only a rank started with
 # the deployment fails (its replacement, a joiner, does not).
@@ -106,6 +117,11 @@ class Faults:
         if f"hold:{phase}" in self.names or f"hold:{phase}@{self.rank}" in self.names:
             return True
         return phase == "prepare" and joining and "slow_prepare" in self.names
+
+    def commit_waits_for_requests(self, role: str) -> bool:
+        """Whether this rank, ``role`` in a transition, agrees to commit only while it holds a
+        request with output tokens (a hold in PAUSED_PHASES names it; PAUSED_PHASES says why)."""
+        return role in ("existing", "remaining") and any(self.holds(p) for p in PAUSED_PHASES)
 
     def fail_now(self, phase: str) -> bool:
         """Whether a "fail:<phase>@<rank>" fault makes this rank fail now (once)."""

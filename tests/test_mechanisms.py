@@ -725,6 +725,20 @@ def test_step_hold_holds_once_per_process():
     assert Faults(["hold:step@1"], 0.0, rank=1, joining=True).hold("step") is False  # a replacement serves on
 
 
+def test_a_hold_in_a_paused_phase_makes_a_serving_member_wait_for_a_request_before_commit():
+    """A member that serves on, held in commit/reshuffle/warm/capture, agrees to commit only with a
+    request mid-decode (the kill in the hold then finds one however fast steps are); a joiner or a
+    removing rank never holds requests, so it does not wait."""
+    from engine_ext.faults import Faults
+
+    for phase in ("commit", "reshuffle", "warm", "capture"):
+        f = Faults([f"hold:{phase}@1"], 0.0, rank=1)
+        assert f.commit_waits_for_requests("existing") and f.commit_waits_for_requests("remaining")
+        assert not f.commit_waits_for_requests("joining") and not f.commit_waits_for_requests("removing")
+    assert not Faults(["hold:prepare@1"], 0.0, rank=1).commit_waits_for_requests("existing")
+    assert not Faults(["hold:commit@1"], 0.0, rank=0).commit_waits_for_requests("existing")
+
+
 def test_rank_held_at_launch_says_so_while_held():
     from engine_ext.rank.engine import RankEngine
 

@@ -29,6 +29,7 @@ from tests.helpers import (
     json_lines,
     last_json,
     moved_off,
+    oracle,
     owned_deployments,
     scale_json,
     serving_view,
@@ -177,6 +178,54 @@ def test_spread_over_two_nodes_and_scale_under_load(md):
     result = last_json(out)
     assert result["stopped_early"] and result["sent"] >= 10, result["sent"]  # it ran through the sequence
     check_load(result, cfg_d)
+
+
+def _transports(name: str, n: int) -> dict[int, tuple[str, str, int]]:
+    """rank -> (node IP, transport, ranks that mapped its shared memory), once all ``n`` report a
+    group of ``n`` (a heartbeat after a switch)."""
+    def ok() -> dict[int, tuple[str, str, int]] | None:
+        snap = serving_view(name, n)
+        if all(r["dp_size"] == n and r.get("transport") for r in snap["ranks"]):
+            return {r["rank"]: (r["node_ip"], r["transport"], r["transport_attached"]) for r in snap["ranks"]}
+        return None
+    return wait_for(ok, timeout=30, interval=0.5, what=f"{n} ranks reporting their transport")
+
+
+def _serves_the_oracle(name: str, cfg_d: dict[str, Any]) -> None:
+    gen = eepctl_json("generate", "--name", name, timeout=120)
+    for r in gen["results"]:
+        assert r["error"] is None and r["output"] == oracle(cfg_d, r["prompt"]), r
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_the_transport_follows_the_world_onto_a_second_node_and_back(md):
+    """transport auto (the default), chosen per world at every transition: two ranks packed on one
+    node share memory; a joiner on the other node makes a mixed world, in which every rank goes to
+    gloo; retiring it brings the two back to shared memory. Each world serves the oracle's tokens,
+    and status shows each rank's transport."""
+    d = md("mn-xport")
+    res = eepctl("up", "--dp", "2", "--max-dp", "3", "--dtype", "float64", "--cpus-per-rank", "3",
+                 "--name", d.name, "-o", "json", timeout=240)  # 3 of a node's 6 CPUs: two ranks fill one
+    assert res.returncode == 0, f"up exited {res.returncode}: {res.stderr[-3000:]}"
+    cfg_d = serving_view(d.name, 2)["info"]["config"]
+    assert cfg_d["transport"] == "auto"
+    one = _transports(d.name, 2)
+    assert len({ip for ip, _, _ in one.values()}) == 1 and {(t, a) for _, t, a in one.values()} == {("shm", 2)}, one
+    _serves_the_oracle(d.name, cfg_d)
+    op = eepctl_json("scale", "--dp", "3", "--name", d.name, timeout=240)
+    assert op["state"] == "succeeded", op
+    mixed = _transports(d.name, 3)
+    assert len({ip for ip, _, _ in mixed.values()}) == 2 and {(t, a) for _, t, a in mixed.values()} == {("gloo", 0)}, mixed
+    prep = [e for e in events(d.name, op["op_id"])["events"] if e["phase"] == "prepare" and e["rank"] >= 0]
+    assert prep and {e["detail"].get("transport") for e in prep} == {"gloo"}, prep  # chosen in prepare
+    _serves_the_oracle(d.name, cfg_d)
+    op = eepctl_json("scale", "--dp", "2", "--retire", "2", "--name", d.name, timeout=240)
+    assert op["state"] == "succeeded", op
+    back = _transports(d.name, 2)
+    assert back == one, (back, one)
+    _serves_the_oracle(d.name, cfg_d)
+    assert status(d.name)["violations"] == []
 
 
 @pytest.mark.ray

@@ -1,7 +1,8 @@
 """The correctness oracle: a multi-process expert-parallel deployment (real gloo groups,
 redundant experts, captured decode steps, paged KV) produces the greedy tokens of the dense
 recompute (engine_ext.model.dense_oracle), logits within a float tolerance, at every DP size
-from 1 to 4 and for a sharded config (16 experts, 6 slots per rank)."""
+from 1 to 4 and for a sharded config (16 experts, 6 slots per rank), on either transport of the
+per-step collectives: shared memory (``auto``, the default; all ranks share this host) and gloo."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ async def _serve_sizes(cfg: EngineConfig, sizes: list[int], name: str) -> dict[i
             else:
                 op = await dep.scale(dp, timeout_s=120)
                 assert op["state"] == "succeeded", op
+                # the new world's transport, chosen in prepare: what this run compares
+                kinds = {e["detail"].get("transport") for e in dep.registry.events_for(op["op_id"])
+                         if e["phase"] == "prepare" and e["rank"] >= 0}
+                assert kinds == {"shm" if cfg.transport == "auto" else "gloo"}, kinds
             results = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS))
             out[dp] = (list(results), dep.orch.layout)
     return out
@@ -67,9 +72,13 @@ def _check(results, layout, dp, experts, slots, reference) -> None:
     assert _mismatch(results, reference) == ""
 
 
-@pytest.fixture(scope="module")
-def served_8x8() -> dict[int, tuple[list[dict], object]]:
-    return run(_serve_sizes(_cfg(slots_per_rank=8), [1, 2, 3, 4], "oracle8"), 240)
+TRANSPORTS = ["auto", "gloo"]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def served_8x8(request: pytest.FixtureRequest) -> dict[int, tuple[list[dict], object]]:
+    return run(_serve_sizes(_cfg(slots_per_rank=8, transport=request.param), [1, 2, 3, 4],
+                            f"oracle8-{request.param}"), 240)
 
 
 @pytest.mark.timeout(270)
@@ -82,10 +91,11 @@ def test_dense_oracle_equals_serving_at_dp(served_8x8, dp):
 
 
 @pytest.mark.timeout(270)
-def test_dense_oracle_equals_sharded_serving():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_dense_oracle_equals_sharded_serving(transport):
     """16 experts on 6 slots per rank: no rank holds every expert, so EP dispatch is load-bearing."""
-    cfg = _cfg(num_experts=16, slots_per_rank=6)
-    served = run(_serve_sizes(cfg, [3, 4], "oracle16"), 240)
+    cfg = _cfg(num_experts=16, slots_per_rank=6, transport=transport)
+    served = run(_serve_sizes(cfg, [3, 4], f"oracle16-{transport}"), 240)
     reference = reference_generate(cfg, PROMPTS, MAX_TOKENS)
     for dp, (results, layout) in served.items():
         assert all(len(layout.local_logical(r)) < 16 for r in range(dp))

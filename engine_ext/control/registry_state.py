@@ -212,6 +212,10 @@ class RegistryState:
                     found.append({"invariant": "I2", "rank": str(e.rank),
                                   "message": f"shared memory of {e.op_id} prepared with "
                                              f"{e.detail.get('transport_attached')} of {e.detail.get('world')} ranks"})
+                if e.detail.get("transport") == "shm" and e.detail.get("transport_bytes", 0) < e.detail.get("transport_needed", 0):
+                    found.append({"invariant": "I2", "rank": str(e.rank),
+                                  "message": f"shared memory of {e.op_id} takes {e.detail['transport_bytes']} bytes "
+                                             f"per rank, the new world's exchanges need {e.detail['transport_needed']}"})
             elif e.phase == "transfer" and key not in comm_formed:
                 # I2: the rank's report that it formed the communicator must arrive before its
                 # weight transfer's: the order of receipt, not timestamps the rank writes.

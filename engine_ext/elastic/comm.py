@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine_ext.elastic.rendezvous import Rendezvous
+from engine_ext.transport import TransportNotPrepared, host_key
 from engine_ext.transport import shm as shm_transport
 
 IFNAME_ENV = "EEPCTL_IFNAME"  # operator override: the interface ranks bind (store and gloo)
@@ -112,6 +113,8 @@ class GroupFailure(str, enum.Enum):
     PEER_GONE = "peer_gone"  # the other side closed, reset or never answered the connection
     TIMEOUT = "timeout"  # the backend's or the store's timeout ran out
     ABORTED = "aborted"  # this process aborted or destroyed the group (recovery stops the step loop so)
+    # larger than the world's shared memory was sized for: every member refuses it; the world is rebuilt
+    OVERFLOW = "overflow"
 
 
 class GroupError(RuntimeError):
@@ -158,18 +161,6 @@ def _pinned_like(t: torch.Tensor) -> torch.Tensor:
     """A page-locked host tensor shaped like ``t`` (the staging buffer of a device transfer)."""
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
-def host_key() -> str:
-    """What ranks that share one host (and one address on it) have in common: the kernel's boot
-    id, the hostname and the configured node address (two network namespaces of one machine are
-    two nodes here, as they are to gloo)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{boot}/{socket.gethostname()}/{_node.ip if _node is not None else ''}"
-
-
 SHM_MIN_BYTES = 64 * 1024  # a group given no size (a barrier's, a header's exchanges) gets this
 
 
@@ -179,7 +170,7 @@ class StatelessGroup:
 
     ``transport="auto"``: when every member runs on this host (and the tensors live on the CPU),
     the all-reduces, all-gathers and reduce-scatters go through a shared-memory segment of this
-    group (``shm_bytes`` per rank and buffer: a larger one is an error that names the sizes);
+    group (``shm_bytes`` per rank and buffer: a larger one fails with GroupFailure.OVERFLOW, naming the sizes);
     broadcasts and point-to-point transfers stay on gloo. ``transport_kind`` says which was chosen."""
 
     def __init__(
@@ -236,7 +227,7 @@ class StatelessGroup:
 
     def _one_host(self) -> bool:
         """Every member's ``host_key`` through the group's store: the same answer on every rank."""
-        self.store.set(f"xport/host/{self.rank}", host_key())
+        self.store.set(f"xport/host/{self.rank}", host_key(_node.ip if _node is not None else ""))
         keys = {self.store.get(f"xport/host/{r}").decode() for r in range(self.size)}
         return len(keys) == 1
 
@@ -244,6 +235,23 @@ class StatelessGroup:
     def transport_attached(self) -> int:
         """Ranks this rank saw map the group's shared memory (its preparation's evidence); 0 on gloo."""
         return self.shm.attached if self.shm is not None else 0
+
+    @property
+    def transport_bytes(self) -> int:
+        """The largest collective the group's shared memory takes per rank; 0 on gloo (no bound)."""
+        return self.shm.capacity if self.shm is not None else 0
+
+    def check_transport(self, needed_bytes: int) -> None:
+        """I2 for the transport, from its evidence: on shared memory every member mapped the
+        segment and it takes ``needed_bytes`` (the world's largest per-step collective)."""
+        if self.shm is None:
+            return
+        if self.transport_attached != self.size:
+            raise TransportNotPrepared(f"shared memory of {self.rdzv.prefix}: {self.transport_attached} of "
+                                       f"{self.size} ranks mapped it")
+        if self.transport_bytes < needed_bytes:
+            raise TransportNotPrepared(f"shared memory of {self.rdzv.prefix} takes {self.transport_bytes} bytes "
+                                       f"per rank, the world's exchanges need {needed_bytes}")
 
     def _pg(self) -> dist.ProcessGroup:
         if self.pg is None:

@@ -22,6 +22,7 @@ class OpState:
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     result: dict[str, Any] = field(default_factory=dict)
+    commit_held_since: float = 0.0  # when a test's hold first kept this rank from agreeing to commit
 
     def drop_groups(self) -> None:
         for g in (self.standby, self.eplb_comm):

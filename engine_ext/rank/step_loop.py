@@ -82,8 +82,19 @@ class StepLoop:
         h[H_TOKENS] = sum(len(i.feed) for i in items)
         h[H_PREFILL] = 1 if any(len(i.feed) != 1 for i in items) else 0
         h[H_DECODES] = len(items)
-        h[H_NOT_READY] = 0 if self.shared.commit_ready else 1
+        h[H_NOT_READY] = 0 if self.shared.commit_ready and not self._commit_held_back() else 1
         return h
+
+    def _commit_held_back(self) -> bool:
+        """A test's hold in a paused phase (faults.PAUSED_PHASES) keeps this rank from agreeing to
+        commit until it holds a request with output tokens, for at most the group's timeout."""
+        op = self.shared.op
+        if op is None or not self.res.faults.commit_waits_for_requests(op.role):
+            return False
+        with self.shared.lock:
+            holds = any(r.output for r in self.res.sched.running)
+        op.commit_held_since = op.commit_held_since or time.monotonic()
+        return not holds and time.monotonic() - op.commit_held_since < self.res.cfg.group_timeout_s
 
     def _running(self) -> bool:
         return (not self.shared.stopping and not self.shared.halting.is_set()

@@ -84,13 +84,19 @@ class RankTransition:
         t = plan.timeout_s
         with self.telemetry.phase(plan.op_id, "prepare", role=op.role) as d:
             if op.role != "removing":
+                needed = res.model.exchange_bound(plan.new_size)
+                # The broken variant sizes the new world's shared memory for the old world's exchanges.
+                sized_for = plan.old_size if res.faults.active("transport_sized_for_old_world") else plan.new_size
                 op.standby = StatelessGroup(plan.rdzv.child("dp"), plan.new_pos(me), plan.new_size, timeout_s=t,
                                             backend=res.cfg.backend, device=res.device, transport=res.cfg.transport,
-                                            shm_bytes=res.model.exchange_bound(plan.new_size))
-                # The new world's transport, prepared (every member mapped its shared memory) here,
-                # before any weight moves or warm-up collective: I2's evidence for the transport.
+                                            shm_bytes=res.model.exchange_bound(sized_for))
+                # The new world's transport, prepared (every member mapped its shared memory, sized
+                # for the new world's exchanges) here, before any weight moves or warm-up
+                # collective: I2's evidence for the transport, checked before the transfer.
                 d.update(transport=op.standby.transport_kind, transport_attached=op.standby.transport_attached,
-                         world=plan.new_size)
+                         world=plan.new_size, transport_bytes=op.standby.transport_bytes, transport_needed=needed)
+                if not res.faults.active("no_transport_check"):
+                    op.standby.check_transport(needed)
             comm_world = comm_members(plan)
             op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), comm_world.index(me), len(comm_world),
                                           timeout_s=t, device=res.device)

@@ -272,10 +272,12 @@ class Warmup:
         batch = Batch(torch.randint(0, cfg.vocab_size, (n,), generator=g).to(dev),
                       torch.tensor(positions, device=dev), torch.tensor(req_slots, dtype=torch.int64, device=dev),
                       torch.ones(n, dtype=torch.bool, device=dev))
-        model.forward(batch, group, res.workspace, record_load=record_load)
-        if not broken:
-            for s in reversed(taken):
-                sched.slots.release(s)
+        try:
+            model.forward(batch, group, res.workspace, record_load=record_load)
+        finally:  # a warm-up that fails (a peer lost, an overflow) must not keep the slots it took
+            if not broken:
+                for s in reversed(taken):
+                    sched.slots.release(s)
         kv_after = self.live_kv_checksum()
         return {
             "warmup_requests": len(taken),

@@ -18,7 +18,9 @@ then), write this rank's part into its buffer ``g % 2``, set ``seq = g``, wait u
 Waiting never spins for long: 0.1 ms of polling, then ``sched_yield`` to 2 ms, then sleeps
 that grow to a millisecond (an idle rank sleeps on the store, not here). A wait ends with ``ShmError``: ``timeout`` after ``timeout_s`` (the group's, or the
 step's while serving), ``peer_gone`` when a peer's process is gone or it left the group, and
-``aborted`` when this rank aborted the group (``abort`` wakes its waiters within a sleep).
+``aborted`` when this rank aborted the group (``abort`` wakes its waiters within a sleep),
+``overflow`` when a collective is larger than the segment was sized for (before anything is
+written: every member refuses the same collective, and the group stays usable).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def shm_dir() -> str:
 
 
 class ShmError(RuntimeError):
-    """A shared-memory collective failed: ``code`` is "timeout", "peer_gone" or "aborted"."""
+    """A shared-memory collective failed: ``code`` is "timeout", "peer_gone", "aborted" or "overflow"."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -178,9 +180,9 @@ class ShmCollectives:
             raise ShmError("aborted", f"shm {what}: this rank aborted the group")
         if self._broken:
             raise ShmError("aborted", f"shm {what}: the group failed before: {self._broken}")
-        if nbytes > self.capacity:
-            raise ValueError(f"shm {what} of {nbytes} bytes does not fit the group's buffer of "
-                             f"{self.capacity} bytes (sized for a smaller exchange)")
+        if nbytes > self.capacity:  # every member sizes alike, so all refuse the same collective
+            raise ShmError("overflow", f"shm {what} of {nbytes} bytes does not fit the group's buffer of "
+                           f"{self.capacity} bytes (sized for a smaller exchange)")
         self._gen += 1
         g = self._gen
         if g > 2:
