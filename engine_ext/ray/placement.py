@@ -163,10 +163,15 @@ async def _awaited(ref: Any) -> Any:
 
 
 def node_alive(node_id: str) -> bool:
-    """Whether Ray's GCS lists ``node_id`` as alive."""
+    """Whether Ray's GCS lists ``node_id`` as alive (True when the GCS cannot be asked: only a
+    node Ray declared dead ends a wait early)."""
     import ray
 
-    return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
+    try:
+        nodes = ray.nodes()
+    except Exception:  # noqa: BLE001 - the GCS restarting: keep waiting on the bound
+        return True
+    return any(n.get("NodeID") == node_id and n.get("Alive") for n in nodes)
 
 
 def scheduling(pg: Any) -> Any:
