@@ -227,12 +227,18 @@ def status_reader(t: Target) -> Callable[[], dict[str, Any]]:
 
 
 def events(t: Target, op_id: str | None = None, since_seq: int = 0) -> dict[str, Any]:
+    """The registry's operations and events: over the light read path when it answers, else
+    through a Ray driver (which reports a missing deployment or registry)."""
+    from eepctl import readpath
+
     t.validated()
-    _connect(t)
-    registry, _ = _deployment(t, controller=False)
-    if registry is None:
-        raise UnreachableError(f"the registry of {t.name!r} is gone; operation history is unavailable")
-    data = _get(registry.events.remote(op_id, since_seq), timeout=10)
+    data = readpath.events(t.address, t.namespace, t.name, op_id, since_seq)
+    if data is None:
+        _connect(t)
+        registry, _ = _deployment(t, controller=False)
+        if registry is None:
+            raise UnreachableError(f"the registry of {t.name!r} is gone; operation history is unavailable")
+        data = _get(registry.events.remote(op_id, since_seq), timeout=10)
     if op_id and not data["operations"] and not data["events"]:
         raise UnreachableError(f"no operation {op_id!r} in deployment {t.name!r}")
     return data

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -103,8 +104,10 @@ def kv_get(host: str, port: int, key: bytes, namespace: bytes = KV_NAMESPACE, ti
     return fields.get(2)
 
 
-def fetch(endpoint: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
-    req = urllib.request.Request(endpoint["url"], headers={SECRET_HEADER: endpoint["secret"]})
+def fetch(endpoint: dict[str, Any], timeout_s: float = 10.0, path: str = "") -> dict[str, Any]:
+    """GET the snapshot (the published URL), or ``path`` (e.g. ``events?op=ID``) next to it."""
+    url = endpoint["url"] if not path else endpoint["url"].rsplit("/", 1)[0] + "/" + path
+    req = urllib.request.Request(url, headers={SECRET_HEADER: endpoint["secret"]})
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - a URL the registry published
         return msgspec.json.decode(resp.read())
 
@@ -138,6 +141,32 @@ def reader(address: str | None, namespace: str, name: str) -> Callable[[], dict[
     """A function returning the snapshot over the light path, or None (use the Ray driver).
     The endpoint remembered from the last command is tried first (no GCS call, no gRPC start-up);
     when it fails the KV is read again."""
+    found = _resolve(address, namespace, name, "")
+    if found is None:
+        return None
+    endpoint, first = found
+    pending = [first]
+
+    def read() -> dict[str, Any]:
+        return pending.pop() if pending else fetch(endpoint)
+
+    return read
+
+
+def events(address: str | None, namespace: str, name: str, op_id: str | None = None,
+           since_seq: int = 0) -> dict[str, Any] | None:
+    """The registry's events and operations (what its ``events`` actor call answers) over the
+    light path, or None (use the Ray driver)."""
+    query = urllib.parse.urlencode({"since": since_seq, **({"op": op_id} if op_id else {})})
+    found = _resolve(address, namespace, name, f"events?{query}")
+    if found is None or not {"events", "operations"} <= set(found[1]):  # a registry that serves only its snapshot
+        return None
+    return found[1]
+
+
+def _resolve(address: str | None, namespace: str, name: str, path: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(the endpoint, its answer at ``path``), from the remembered endpoint or the GCS KV; None
+    when there is no light path (or ``EEPCTL_READ_PATH=ray``)."""
     if os.environ.get("EEPCTL_READ_PATH") == "ray":
         return None
     from eepctl import cluster
@@ -147,27 +176,19 @@ def reader(address: str | None, namespace: str, name: str) -> Callable[[], dict[
         return None
     cache = _cache_file(addr, namespace, name)
     endpoint = _cached(cache)
-    first = None
     if endpoint is not None:
         try:
-            first = fetch(endpoint, timeout_s=2.0)
+            return endpoint, fetch(endpoint, timeout_s=2.0, path=path)
         except Exception:  # noqa: BLE001 - a new registry, or none: ask the GCS
             cache.unlink(missing_ok=True)
-            endpoint = None
-    if endpoint is None:
-        try:
-            host, port = cluster.parse_address(addr)
-            raw = kv_get(host, port, endpoint_key(namespace, name))
-            if not raw:
-                return None
-            endpoint = json.loads(raw)
-            first = fetch(endpoint, timeout_s=2.0)
-        except Exception:  # noqa: BLE001 - any trouble: the Ray driver path reports it properly
+    try:
+        host, port = cluster.parse_address(addr)
+        raw = kv_get(host, port, endpoint_key(namespace, name))
+        if not raw:
             return None
-        _remember(cache, endpoint)
-    pending = [first]
-
-    def read() -> dict[str, Any]:
-        return pending.pop() if pending else fetch(endpoint)
-
-    return read
+        endpoint = json.loads(raw)
+        first = fetch(endpoint, timeout_s=2.0, path=path)
+    except Exception:  # noqa: BLE001 - any trouble: the Ray driver path reports it properly
+        return None
+    _remember(cache, endpoint)
+    return endpoint, first

@@ -10,6 +10,7 @@ started and by ``ip netns del``; no other process is touched.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,17 @@ from pathlib import Path
 HEAD_IP = "10.213.0.1"
 WORKER_IP = "10.213.0.2"
 PREFIX = 24
+# Ray's node health check, tightened for this test cluster (Ray's defaults: a check every 3 s, a
+# node dead after 5 failed ones, ~15 s). A killed node refuses the check at once, so it is marked
+# dead ~5 s after the loss; a node behind a downed link fails each check only at its 10 s timeout
+# (Ray's default, kept), so the partition tests' cuts (well under 50 s) never make Ray declare
+# the worker dead, which would end its raylet once the link is back.
+HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5,
+                "health_check_timeout_ms": 10000}
+# The controllers of this cluster retry a growth that found no capacity at least every 3 s, not at
+# the escalated 30 s (engine_ext.control.reconciler): the tests bring a node back seconds later.
+CONTROL_ENV = {"EEPCTL_TEST_BACKOFF_MAX_S": "3"}
+STOP_GRACE_S = 3.0  # SIGTERM to SIGKILL for the `ray start --block` processes (their nodes end with them)
 
 
 class NamespaceRefused(RuntimeError):
@@ -72,7 +84,7 @@ class TwoNodeCluster:
     def restart_worker_node(self, timeout_s: float = 90.0) -> None:
         """Start a fresh worker raylet in the namespace (capacity coming back after a node loss):
         same IP, a new Ray node id; returns once the cluster has two alive nodes again."""
-        env = dict(os.environ)
+        env = dict(os.environ, **CONTROL_ENV)
         env.pop("RAY_ADDRESS", None)
         n = len(self.procs)
         log = open(self.temp_root / f"worker{n}.log", "w")
@@ -96,7 +108,7 @@ class TwoNodeCluster:
                     os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        deadline = time.time() + 15
+        deadline = time.time() + STOP_GRACE_S
         for p in self.procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
@@ -157,10 +169,11 @@ def start(num_cpus: int = 8, timeout_s: float = 90.0) -> TwoNodeCluster:
         cl.address = f"{HEAD_IP}:{port}"
         ray = _ray_bin()
         common = [f"--num-cpus={num_cpus}", "--disable-usage-stats", "--block"]
-        env = dict(os.environ)
+        env = dict(os.environ, **CONTROL_ENV)
         env.pop("RAY_ADDRESS", None)
         for name, cmd in (
             ("head", [ray, "start", "--head", f"--port={port}", f"--node-ip-address={HEAD_IP}",
+                      f"--system-config={json.dumps(HEALTH_CHECK)}",
                       f"--temp-dir={cl.temp_root / 'head'}", "--include-dashboard=false", *common]),
             ("worker", ["ip", "netns", "exec", ns, ray, "start", f"--address={cl.address}",
                         f"--node-ip-address={WORKER_IP}", f"--temp-dir={cl.temp_root / 'worker'}", *common]),

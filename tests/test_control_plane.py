@@ -9,6 +9,8 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+
 from eepctl.render_control import control_lines
 from engine_ext.control.health import Health
 from engine_ext.control.rank_client import RankClient
@@ -244,3 +246,17 @@ def test_an_action_failing_the_same_way_three_times_in_a_row_is_escalated_with_w
     for _ in range(ESCALATE_AFTER):
         rec.failed("grow", "no capacity to grow DP 1 -> 2: 0 of 1 new rank(s) fit")
     assert "add nodes" in rec.escalated["operator"]
+
+
+def test_the_test_only_backoff_cap_shortens_the_escalated_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EEPCTL_TEST_BACKOFF_MAX_S (set only by the two-node test cluster) caps the escalated
+    backoff; without it the product's BACKOFF_MAX_S holds (the test above)."""
+    from types import SimpleNamespace
+
+    from engine_ext.control.reconciler import BACKOFF_MAX_ENV, ESCALATE_AFTER, Reconciler
+
+    monkeypatch.setenv(BACKOFF_MAX_ENV, "3")
+    rec = Reconciler(SimpleNamespace(world=World("t"), name="t", recovery=SimpleNamespace(running=lambda: False)))
+    for _ in range(ESCALATE_AFTER):
+        rec.failed("grow", "no capacity to grow DP 1 -> 2: 0 of 1 new rank(s) fit")
+    assert rec.escalated is not None and 2.0 <= rec.view()["retry_at"] - time.time() <= 3.1

@@ -97,10 +97,18 @@ def test_scale_on_a_terminal_then_status_timeline_and_registry_restart(deploymen
     import ray
 
     from eepctl import cluster
+    from eepctl.readpath import events as readpath_events
     from eepctl.readpath import reader
     from engine_ext.ray.names import registry_name
 
     assert reader(ray_cluster["address"], NAMESPACE, d.name) is not None, "the registry published no endpoint"
+    # `events` reads the same endpoint (GET /events), and answers what the Ray driver path answers
+    light_ev = readpath_events(ray_cluster["address"], NAMESPACE, d.name, op_id)
+    assert light_ev is not None, "the registry serves no events over the light path"
+    res = eepctl("events", "--op", op_id, "--name", d.name, "-o", "json", env={"EEPCTL_READ_PATH": "ray"})
+    via_ray_ev = __import__("json").loads(res.stdout.splitlines()[-1])
+    assert [e["seq"] for e in light_ev["events"]] == [e["seq"] for e in via_ray_ev["events"]] != []
+    assert [o["op_id"] for o in light_ev["operations"]] == [o["op_id"] for o in via_ray_ev["operations"]] == [op_id]
     cluster.connect(ray_cluster["address"], NAMESPACE)
     old = ray.get_actor(registry_name(d.name), namespace=NAMESPACE)
     old_id = old._actor_id.hex()

@@ -15,6 +15,7 @@ Torch-free and transport-free: the Ray controller and the process launcher both 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 TICK_S = 1.0
 PARK_BOUND_S = 120.0  # a request waits this long for a world to serve it, then fails with why
 BACKOFF_MAX_S = 30.0
+# A test-only override of BACKOFF_MAX_S, read from the controller's environment: the multi-node
+# tests bring capacity back seconds after a loss and must not wait out the escalated 30 s.
+BACKOFF_MAX_ENV = "EEPCTL_TEST_BACKOFF_MAX_S"
 SWEEP_EVERY = 5  # ticks between two looks for orphaned rank processes
 ESCALATE_AFTER = 3  # the same action failing the same way this many times in a row is escalated
 _VARYING = re.compile(r"op-[0-9a-z-]+|'[0-9a-f]{16,}'|\d+(\.\d+)?")  # ids and numbers: the same way either way
@@ -58,6 +62,7 @@ class Reconciler:
         self.ticks = 0
         self._backoff_until = 0.0
         self._backoff_s = 0.0
+        self.backoff_max_s = float(os.environ.get(BACKOFF_MAX_ENV) or BACKOFF_MAX_S)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -102,9 +107,9 @@ class Reconciler:
         if streak != self._streak:
             self._streak, self._attempts = streak, []
         self._attempts = (self._attempts + [f"{time.strftime('%H:%M:%S', time.gmtime(now))}Z {text[:300]}"])[-10:]
-        self._backoff_s = min(BACKOFF_MAX_S, max(1.0, self._backoff_s * 2))
+        self._backoff_s = min(self.backoff_max_s, max(1.0, self._backoff_s * 2))
         if len(self._attempts) >= ESCALATE_AFTER:
-            self._backoff_s = BACKOFF_MAX_S  # retrying blind at once would only fail again: keep it cheap
+            self._backoff_s = self.backoff_max_s  # retrying blind at once would only fail again: keep it cheap
             self.escalated = {"action": action, "cause": text, "attempts": len(self._attempts),
                               "tried": self._attempts[-ESCALATE_AFTER:], "operator": self._advice(action, text)}
         self._backoff_until = now + self._backoff_s

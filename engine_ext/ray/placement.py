@@ -126,9 +126,12 @@ def bundle(node: Node, cpus: float, gpus: float) -> dict[str, float]:
     return {k: v for k, v in b.items() if v > 0}
 
 
-async def reserve(node: Node, cpus: float, gpus: float, policy: str, name: str, timeout_s: float = 60.0) -> Any:
+async def reserve(node: Node, cpus: float, gpus: float, policy: str, name: str, timeout_s: float = 60.0,
+                  check_s: float = 1.0) -> Any:
     """A ready placement group of one bundle pinned to ``node``; removed again if it is not ready
-    in time (the node went away, or someone else took its resources)."""
+    in time (someone else took its resources) or as soon as Ray marks ``node`` dead (checked every
+    ``check_s``): a bundle pinned to a lost node never becomes ready, and a growth tried just
+    before Ray noticed the loss would otherwise wait out the whole ``timeout_s``."""
     import asyncio
 
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -136,12 +139,39 @@ async def reserve(node: Node, cpus: float, gpus: float, policy: str, name: str, 
     # Detached: a rank's reservation outlives a controller restart (the rank keeps running in
     # it); `eepctl down` and the controller remove it (``release``, ``remove_named``).
     pg = placement_group([bundle(node, cpus, gpus)], strategy=POLICIES[policy], name=name, lifetime="detached")
+    ready = asyncio.ensure_future(_awaited(pg.ready()))
+    deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        await asyncio.wait_for(pg.ready(), timeout_s)
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise asyncio.TimeoutError(f"placement group {name} not ready in {timeout_s:.0f}s")
+            done, _ = await asyncio.wait({ready}, timeout=min(check_s, left))
+            if done:
+                ready.result()
+                return pg
+            if not node_alive(node.node_id):
+                raise RuntimeError(f"node {node.label()} was lost before rank {name} could be placed on it")
     except BaseException:
+        ready.cancel()
         remove_placement_group(pg)
         raise
-    return pg
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
+def node_alive(node_id: str) -> bool:
+    """Whether Ray's GCS lists ``node_id`` as alive (True when the GCS cannot be asked: only a
+    node Ray declared dead ends a wait early)."""
+    import ray
+
+    try:
+        nodes = ray.nodes()
+    except Exception:  # noqa: BLE001 - the GCS restarting: keep waiting on the bound
+        return True
+    return any(n.get("NodeID") == node_id and n.get("Alive") for n in nodes)
 
 
 def scheduling(pg: Any) -> Any:

@@ -1,8 +1,8 @@
 """The registry: a named, detached actor per deployment holding what its ranks report.
 
 Ranks push to it fire-and-forget; losing it never stops serving, and a new one rebuilds the
-picture from the ranks' next heartbeats and re-sent events. It also serves its snapshot over
-HTTP for eepctl's light read path (eepctl/readpath.py, docs/operations.md "Read path").
+picture from the ranks' next heartbeats and re-sent events. It also serves its snapshot and its
+events over HTTP for eepctl's light read path (eepctl/readpath.py, docs/operations.md "Read path").
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 
@@ -56,7 +57,21 @@ class Registry:
                 if not hmac.compare_digest(self.headers.get(SECRET_HEADER, ""), secret):
                     self.send_error(403)
                     return
-                body = msgspec.json.encode(registry.snapshot(), enc_hook=str)
+                url = urlsplit(self.path)
+                if url.path == "/snapshot":
+                    data = registry.snapshot()
+                elif url.path == "/events":  # GET /events?op=ID&since=SEQ: what the `events` actor call answers
+                    q = parse_qs(url.query)
+                    try:
+                        since = int(q.get("since", ["0"])[0])
+                    except ValueError:
+                        self.send_error(400)
+                        return
+                    data = registry.events(q.get("op", [None])[0] or None, since)
+                else:
+                    self.send_error(404)
+                    return
+                body = msgspec.json.encode(data, enc_hook=str)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
