@@ -9,6 +9,7 @@ own child processes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -323,17 +324,23 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watc
     return info
 
 
+@functools.lru_cache(maxsize=1)
+def _own_cmdline() -> list[str]:
+    """This process's command line as it was started (read once: the info is refreshed every 2 s)."""
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return [sys.executable, *sys.argv]
+
+
 def restart_command(cmdline: list[str] | None = None) -> str:
     """The API server's own command line, for the operator to run again after vLLM exited (a dead
     engine core takes the whole server down), with any API key replaced by ``$VLLM_API_KEY``."""
     import shlex
 
     if cmdline is None:
-        try:
-            with open("/proc/self/cmdline", "rb") as f:
-                cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-        except OSError:
-            cmdline = [sys.executable, *sys.argv]
+        cmdline = _own_cmdline()
     out: list[str] = []
     hide = False
     for arg in cmdline:
