@@ -124,6 +124,8 @@ def _check_auth(addr: str, host: str, port: int, timeout_s: float = 3.0) -> None
                 gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            if not metadata and _adopt_saved_token():
+                return _check_auth(addr, host, port, timeout_s)
             how = ("the token this process has was refused" if metadata else "this process has no Ray token")
             raise UnreachableError(
                 f"the Ray cluster at {addr} requires token authentication and {how}: set "
@@ -131,6 +133,23 @@ def _check_auth(addr: str, host: str, port: int, timeout_s: float = 3.0) -> None
                 "RAY_AUTH_TOKEN_PATH (default ~/.ray/auth_token)") from None
     except Exception:  # noqa: BLE001 - not our concern here; ray.init reports it
         return
+
+
+def _adopt_saved_token() -> bool:
+    """Ray's rule for a local cluster, applied to one that asks for a token: with RAY_AUTH_MODE
+    unset, a saved token (``ray get-auth-token --generate``) turns token auth on, as `ray start`
+    did for the cluster itself. Ray's clients skip the rule for an explicit address, so without
+    this every eepctl command against the cluster `eepctl up` started would be refused."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return False
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+    except Exception:  # noqa: BLE001 - a Ray without token auth: nothing to adopt
+        return False
 
 
 def _free_port(preferred: int = 6379) -> int:

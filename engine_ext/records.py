@@ -115,6 +115,7 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dp_size: int = 0
     requests_running: int = 0
     requests_waiting: int = 0
+    request_seconds: float | None = None  # requests held integrated over time (RequestSeconds), at last_heartbeat
     slots_used: int = 0
     slots_total: int = 0
     kv_blocks_used: int = 0

@@ -84,7 +84,8 @@ class Runner:
     def __call__(self, *args: str, token: bool = True, env: dict[str, str] | None = None,
                  timeout: float = 300) -> subprocess.CompletedProcess:
         e = _clean_env(RAY_ADDRESS=self.c["address"], HOME=str(self.c["home"]),
-                       EEPCTL_STATE_DIR=str(self.c["tmp"] / "state"), **(env or {}))
+                       EEPCTL_STATE_DIR=str(self.c["tmp"] / "state"))
+        e.update(env or {})
         if token:
             e.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=RAY_TOKEN)
         res = subprocess.run([sys.executable, "-m", "eepctl", *args], capture_output=True, text=True, env=e,
@@ -112,7 +113,13 @@ def test_without_token_exit_3_with_token_everything_works(auth_cluster):
     try:
         res = run("up", "--dp", "1", "--max-dp", "2", "--name", name, *ENGINE, "-o", "json")
         assert res.returncode == 0, res.stderr
-        res = run("status", "--name", name, "-o", "json")
+        # A token saved where Ray keeps it (`ray get-auth-token --generate`), RAY_AUTH_MODE unset: as
+        # `ray start` does for a local cluster, eepctl turns token auth on (Ray's own clients would
+        # not, for an explicit address, and every command was refused).
+        saved = auth_cluster["tmp"] / "saved-home"
+        (saved / ".ray").mkdir(parents=True, exist_ok=True)
+        (saved / ".ray" / "auth_token").write_text(RAY_TOKEN)
+        res = run("status", "--name", name, "-o", "json", token=False, env={"HOME": str(saved)})
         assert res.returncode == 0, res.stderr
         snap = json.loads(res.stdout.splitlines()[-1])
         assert [r["state"] for r in snap["ranks"]] == ["serving"], snap["ranks"]

@@ -35,3 +35,26 @@ def test_the_window_forgets_old_requests() -> None:
     assert w.summary(now=15.0)["ttft_ms_p50"] == 300.0 and w.summary(now=15.0)["latency_samples"] == 1
     assert w.summary(now=30.0)["ttft_ms_p95"] is None
     assert request_latency(0.0, 0.1, 0.4, 4) == (100.0, 100.0) and request_latency(0.0, None, 1.0, 3) == (None, None)
+
+
+def test_the_queue_signal_counts_requests_shorter_than_a_tick() -> None:
+    """Requests that each live 0.2 s of every 1 s tick are never seen by a count sampled at the
+    ticks; the rank's request-seconds counter gives their true mean (0.2), also across a restart."""
+    from engine_ext.control.autoscale_signals import SignalWindow
+    from engine_ext.rank.latency import RequestSeconds
+
+    held, w, t = RequestSeconds(), SignalWindow(window_s=30.0), 1000.0
+    for tick in range(10):
+        now = t + tick
+        w.add(now, [{"rank": 0, "requests_waiting": 0, "requests_running": 0, "instance_id": "a",
+                     "request_seconds": held.total(now), "last_heartbeat": now}])
+        held.change(+1, now + 0.4)
+        held.change(-1, now + 0.6)
+    w.add(t + 10.5, [{"rank": 0, "requests_running": 1, "instance_id": "b", "request_seconds": 0.1,
+                      "last_heartbeat": t + 10.5}])  # restarted: a new counter, not a negative step
+    obs = w.observed(t + 10.5, [0])
+    assert abs(obs.ranks[0].requests - 0.2) < 1e-9, obs.ranks[0].requests
+    sampled = SignalWindow(window_s=30.0)  # a vLLM rank reports no counter: the sampled counts
+    sampled.add(t, [{"rank": 0, "requests_running": 0}])
+    sampled.add(t + 1, [{"rank": 0, "requests_running": 2}])
+    assert sampled.observed(t + 1, [0]).ranks[0].requests == 1.0

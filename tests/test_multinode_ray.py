@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from engine_ext.ray.placement import Node, PlacementError, choose_nodes
+from engine_ext.ray.placement import Node, PlacementError, after_pending, choose_nodes
 from tests import multinode
 from tests.helpers import (
     check_load,
@@ -67,6 +67,15 @@ def test_capacity_is_per_node():
         choose_nodes("spread", [A, C], Counter(), 6, 1.0, 0.0)
     with pytest.raises(PlacementError, match="GPU"):
         choose_nodes("pack", [A], Counter(), 1, 1.0, 1.0)
+
+
+def test_pending_placement_groups_take_their_cpus_first():
+    """Demand that waits already (a pinned bundle on its node, another on the freest node that fits
+    it; one that fits nowhere takes nothing) is not counted as room for a new rank."""
+    got = after_pending([A, B, C], [{"CPU": 3.0, "node:10.0.0.2": 0.001}, {"CPU": 2.0}, {"CPU": 9.0}])
+    assert [(n.node_id, n.cpus) for n in got] == [(A.node_id, 2.0), (B.node_id, 1.0), (C.node_id, 1.0)]
+    with pytest.raises(PlacementError, match=r"only 4 fit"):
+        choose_nodes("spread", got, Counter(), 5, 1.0, 0.0)
 
 
 # ---- a real two-node cluster ---------------------------------------------------------------------------

@@ -203,11 +203,14 @@ HELD = {
 async def _kill_when_held(dep: LocalDeployment, rank: int, phase: str, *, with_requests: bool = False) -> int:
     """SIGKILL the process that reports itself as ``rank`` held in ``phase``, by the pid it
     reported (a standby being adopted is in no member table yet). Returns that pid.
-    ``with_requests``: only once a report from the hold also shows requests running on it."""
-    await wait_until(lambda: (st := dep.registry.ranks.get(rank)) is not None
-                     and f"held in {phase}" in st.state_reason and (st.requests_running > 0 or not with_requests),
-                     60, f"rank {rank} held in {phase}" + (" with requests running" if with_requests else ""))
+    ``with_requests``: only once the held rank also owns a request that streamed tokens, read from
+    the router every 2 ms (a heartbeat report, a second apart, misses requests that take tens of ms)."""
+    await wait_until(lambda: (st := dep.registry.ranks.get(rank)) is not None and f"held in {phase}" in st.state_reason,
+                     60, f"rank {rank} held in {phase}")
     pid = dep.registry.ranks[rank].pid
+    if with_requests:
+        await wait_until(lambda: dep.orch.router.mid_decode(rank) > 0, 60, f"rank {rank} held in {phase} mid-decode",
+                         interval_s=0.002)
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -256,7 +259,8 @@ def test_rank_killed_while_held_in_a_scale_phase(reference: list[dict], case: st
             assert dep.orch.members == members
             recovers = [o for o in dep.orch.history if o.get("kind") == "recover"]
             # the records say what happened: who died, and that the world healed
-            assert [(o["state"], o["dead_ranks"]) for o in recovers] == [("succeeded", d) for d in recovered]
+            assert [(o["state"], o["dead_ranks"]) for o in recovers] == [("succeeded", d) for d in recovered], \
+                [(o["state"], o["dead_ranks"], o.get("error"), o.get("started")) for o in recovers] + [op]
             if standby:  # the standby died in its adoption: the scale launched a fresh rank instead
                 assert dep.pool is not None and dep.pool.taken == 0
                 assert dep.processes[victim].pid() != killed

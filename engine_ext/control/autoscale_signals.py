@@ -1,7 +1,8 @@
 """The autoscaler's window of rank signals: what the controller's loop saw in the ranks' status
 records over the policy's window, turned into the ``Observed`` of one tick. Torch- and Ray-free.
 
-Per rank and tick it keeps requests (waiting + running), KV-cache use (a vLLM rank's
+Per rank and tick it keeps requests (waiting + running; a reference rank's also as a
+request-seconds counter, read as the exact time-weighted mean over the window), KV-cache use (a vLLM rank's
 ``kv_usage``, else used/total blocks) and the rank's windowed TTFT/TPOT p95; ``observed`` gives
 the window's mean load per rank and the p95 readings as the latency samples.
 """
@@ -24,6 +25,9 @@ class RankReading:
     kv_use: float
     ttft_ms: float | None
     tpot_ms: float | None
+    held_s: float | None = None  # the rank's request-seconds counter (a reference rank's), at ``rank_at``
+    rank_at: float = 0.0
+    instance: str = ""
 
 
 def kv_use(st: dict[str, Any]) -> float:
@@ -35,8 +39,26 @@ def kv_use(st: dict[str, Any]) -> float:
 
 
 def reading(now: float, st: dict[str, Any]) -> RankReading:
+    held = st.get("request_seconds")
     return RankReading(now, int(st["rank"]), float((st.get("requests_waiting") or 0) + (st.get("requests_running") or 0)),
-                       kv_use(st), st.get("ttft_ms_p95"), st.get("tpot_ms_p95"))
+                       kv_use(st), st.get("ttft_ms_p95"), st.get("tpot_ms_p95"),
+                       None if held is None else float(held), float(st.get("last_heartbeat") or 0.0),
+                       str(st.get("instance_id") or ""))
+
+
+def mean_held(rows: list[RankReading], min_span_s: float = 0.5) -> float:
+    """The mean requests a rank held over ``rows``: exact from its request-seconds counter where
+    readings span at least ``min_span_s`` of one process's clock (a restart's reset is skipped),
+    else the mean of the sampled counts (a vLLM rank's)."""
+    timed = sorted((r for r in rows if r.held_s is not None and r.rank_at > 0), key=lambda r: r.rank_at)
+    area = span = 0.0
+    for a, b in zip(timed, timed[1:]):
+        if b.instance == a.instance and b.rank_at > a.rank_at and b.held_s >= a.held_s:  # type: ignore[operator]
+            area += b.held_s - a.held_s  # type: ignore[operator]
+            span += b.rank_at - a.rank_at
+    if span >= min_span_s:
+        return area / span
+    return sum(x.requests for x in rows) / max(1, len(rows))
 
 
 class SignalWindow:
@@ -63,7 +85,7 @@ class SignalWindow:
         for r in members:
             rows = [x for x in self.readings if x.rank == r and x.at >= now - self.window_s]
             n = max(1, len(rows))
-            ranks.append(RankSignals(r, sum(x.requests for x in rows) / n, sum(x.kv_use for x in rows) / n,
+            ranks.append(RankSignals(r, mean_held(rows), sum(x.kv_use for x in rows) / n,
                                      [x.ttft_ms for x in rows if x.ttft_ms is not None],
                                      [x.tpot_ms for x in rows if x.tpot_ms is not None]))
         return Observed(dp=len(members), ranks=ranks, window_s=self.window_s, busy=busy, num_experts=num_experts,

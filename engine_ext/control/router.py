@@ -179,6 +179,11 @@ class Router:
     def parked(self) -> int:
         return len(self._parked)
 
+    def mid_decode(self, rank: int) -> int:
+        """Unanswered requests ``rank`` owns that streamed tokens already: what its death would
+        move with their tokens so far."""
+        return sum(1 for rid, r in self._owner.items() if r == rank and self._wires.get(rid, {}).get("output"))
+
     def pause(self) -> None:
         """A recovery starts: new and re-routed requests wait here until ``resume``."""
         self.paused = True

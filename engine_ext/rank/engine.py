@@ -188,13 +188,14 @@ class RankEngine:
     def status(self) -> dict[str, Any]:
         shared, res = self.shared, self.res
         s, g, eplb = res.sched, res.graphs, res.eplb
+        now = time.time()
         st = RankStatus(
             deployment=self.deployment, rank=shared.rank, instance_id=self.instance_id, engine_id=self.engine_id,
             kind=self.kind, node=f"{self.node}/{self.ip}", node_id=self.node_id, node_ip=self.ip,
             pid=os.getpid(), device=str(self.device),
             state=shared.state.value, state_reason=shared.state_reason, dp_size=shared.world_size,
             requests_running=len(s.running), requests_waiting=len(s.waiting),
-            slots_used=s.slots.used, slots_total=s.slots.total,
+            request_seconds=round(s.held.total(now), 6), slots_used=s.slots.used, slots_total=s.slots.total,
             kv_blocks_used=s.blocks.used, kv_blocks_total=s.blocks.total,
             workspace_bytes=res.workspace.nbytes, workspace_locked=res.workspace.locked,
             workspace_required_bytes=shared.required_workspace, capture_policy=self.cfg.capture_policy,
@@ -207,7 +208,7 @@ class RankEngine:
             captures_this_op=shared.capture_passes, current_op=shared.current_op,
             eplb_step=eplb.step, eplb_imbalance=eplb.imbalance(),
             physical_experts=eplb.layout.num_physical, logical_experts=eplb.layout.num_logical,
-            steps=shared.steps, last_heartbeat=time.time(), epoch=shared.epoch,
+            steps=shared.steps, last_heartbeat=now, epoch=shared.epoch,
             transport=getattr(shared.group, "transport_kind", ""),
             transport_attached=getattr(shared.group, "transport_attached", 0),
             stale_replays_refused=shared.stale_replays_refused, eplb_logical_load=list(eplb.logical_load),

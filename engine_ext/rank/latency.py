@@ -52,6 +52,27 @@ class LatencyWindow:
         return out
 
 
+class RequestSeconds:
+    """The requests held here (waiting + running) integrated over time, a counter that only grows.
+    Two readings give the exact mean held between them (Little's law), where a count sampled once
+    a tick misses every request shorter than the tick: a light load read as no load at all."""
+
+    def __init__(self) -> None:
+        self._held, self._total, self._since = 0, 0.0, time.time()
+        self._lock = threading.Lock()
+
+    def change(self, delta: int, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._lock:
+            self._total += self._held * max(0.0, now - self._since)
+            self._held, self._since = max(0, self._held + delta), now
+
+    def total(self, now: float | None = None) -> float:
+        now = time.time() if now is None else now
+        with self._lock:
+            return self._total + self._held * max(0.0, now - self._since)
+
+
 def request_latency(arrival: float, first_token_at: float | None, finished_at: float,
                     tokens: int) -> tuple[float | None, float | None]:
     """(TTFT ms, TPOT ms) of one finished request; None where it cannot be measured here."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_ext.config import EngineConfig
-from engine_ext.rank.latency import LatencyWindow
+from engine_ext.rank.latency import LatencyWindow, RequestSeconds
 
 NULL_BLOCK = 0
 
@@ -152,6 +152,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.latency = LatencyWindow()  # TTFT/TPOT of the requests finished here
+        self.held = RequestSeconds()  # the autoscaler's queue signal, time-weighted
 
     def validate(self, req: Request) -> None:
         cfg = self.cfg
@@ -169,6 +170,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.validate(req)
         self.waiting.append(req)
+        self.held.change(+1)
 
     @property
     def has_work(self) -> bool:
@@ -201,6 +203,7 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         self.running.remove(req)
+        self.held.change(-1)
         self.slots.release(req.slot)
         self.blocks.release(req.blocks)
         req.slot, req.blocks = -1, []
@@ -210,6 +213,7 @@ class Scheduler:
         out = list(self.running) + list(self.waiting)
         for req in list(self.running):
             self.finish(req)
+        self.held.change(-len(self.waiting))
         self.waiting.clear()
         for req in out:
             req.num_computed = 0

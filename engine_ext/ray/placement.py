@@ -98,9 +98,36 @@ def _why(policy: str, nodes: list[Node], held: Counter[str], count: int, placed:
             f"{len(nodes)} alive node(s) (free: {free or 'none'})")
 
 
+def after_pending(nodes: list[Node], pending: list[dict[str, float]]) -> list[Node]:
+    """``nodes`` less the bundles that already wait for resources (pending placement groups, the
+    deployment's own or anyone's): a bundle pinned by ``node:<ip>`` counts on that node, any other
+    on the node with the most free CPU that fits it, as Ray would likely place it; one that fits
+    nowhere waits for a node and takes nothing. Without this a growth checked as placeable races
+    the earlier demand for the same CPUs and waits out its whole placement bound when it loses."""
+    free = {n.node_id: [n.cpus, n.gpus] for n in nodes}
+    by_ip = {n.ip: n.node_id for n in nodes}
+    for b in pending:
+        cpus, gpus = float(b.get("CPU", 0.0)), float(b.get("GPU", 0.0))
+        pinned = [by_ip[k[5:]] for k in b if k.startswith("node:") and k[5:] in by_ip]
+        fits = [i for i in (pinned or list(free)) if free[i][0] + _EPS >= cpus and free[i][1] + _EPS >= gpus]
+        if fits:
+            best = max(fits, key=lambda i: (free[i][0], free[i][1]))
+            free[best][0] -= cpus
+            free[best][1] -= gpus
+    return [Node(n.node_id, n.ip, max(0.0, free[n.node_id][0]), max(0.0, free[n.node_id][1])) for n in nodes]
+
+
 # ---- the live cluster (Ray imported only here) ------------------------------------------------------
+def pending_bundles() -> list[dict[str, float]]:
+    """The bundles of every placement group Ray has not placed yet."""
+    from ray.util import placement_group_table
+
+    return [dict(b) for pg in placement_group_table().values() if pg.get("state") == "PENDING"
+            for b in (pg.get("bundles") or {}).values()]
+
+
 def cluster_nodes() -> list[Node]:
-    """Alive nodes with their free CPUs and GPUs, as Ray's GCS reports them."""
+    """Alive nodes with what is free on them once the pending placement groups are placed."""
     import ray
     from ray._private.state import available_resources_per_node
 
@@ -111,7 +138,7 @@ def cluster_nodes() -> list[Node]:
             continue
         free = avail.get(n["NodeID"], {})
         out.append(Node(n["NodeID"], n["NodeManagerAddress"], float(free.get("CPU", 0.0)), float(free.get("GPU", 0.0))))
-    return sorted(out, key=lambda n: n.node_id)
+    return after_pending(sorted(out, key=lambda n: n.node_id), pending_bundles())
 
 
 def predict_nodes(policy: str, held: Counter[str], count: int, cpus: float, gpus: float) -> list[Node]:
