@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.transport import shm as shm_transport
+from engine_ext.transport.alltoall import gloo_all_to_all_v
 
 IFNAME_ENV = "EEPCTL_IFNAME"  # operator override: the interface ranks bind (store and gloo)
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # what gloo users already set; honoured the same way
@@ -302,6 +303,16 @@ class StatelessGroup:
         if self.shm is not None:
             return self.shm.reduce_scatter(out, inputs)
         pg.reduce_scatter([out], [inputs], dist.ReduceScatterOptions()).wait()
+
+    @_collective
+    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int], recv_alloc: Callable[[int], torch.Tensor],
+                     recv_counts: list[int] | None = None) -> list[int]:
+        """Rows of ``send`` (by destination, ``send_counts`` per rank) to their ranks, received in
+        rank order into ``recv_alloc(total)``; the rows from each rank returned. Shared memory:
+        one exchange; gloo: the counts (unless ``recv_counts`` is known), then the rows."""
+        if self.shm is not None:
+            return self.shm.all_to_all_v(send, send_counts, recv_alloc)
+        return gloo_all_to_all_v(self._pg(), send, send_counts, recv_alloc, recv_counts)
 
     @_collective
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
