@@ -249,28 +249,38 @@ class MoEModel:
 
         steps.append(("compute", start))
         for l in range(cfg.num_layers):
-            steps.append(("compute", lambda l=l: self._attention_and_route(l, batch, ns, workspace, b, N, record_load,
-                                                                           routed, W)))
-            if routed is not None:
-                if group is not None:
-                    steps.append(("comm", lambda l=l: routed.dispatch(group, ns, l)))
-                steps.append(("compute", lambda l=l: routed.experts(ns, l, b.w1[l], b.w2[l], group)))
-                if group is not None:
-                    steps.append(("comm", lambda l=l: routed.combine(group, ns, l)))
-                steps.append(("compute", lambda l=l: routed.residual(ns, l)))
-                continue
-            if group is not None:
-                steps.append(("comm", lambda l=l: self._dispatch(group, ns, W, l)))
-            steps.append(("compute", lambda l=l: self._experts(l, ns, b, N)))
-            if group is not None:
-                steps.append(("comm", lambda l=l: self._combine(group, ns, W, l)))
-            steps.append(("compute", lambda l=l: self._residual(ns, group, T, l)))
+            steps += self._layer_steps(l, batch, ns, workspace, b, group, record_load, routed)
 
         def finish() -> None:
             ns["logits"] = self._rms(ns["x"], d["final_norm"]) @ d["lm_head"]
 
         steps.append(("compute", finish))
         return steps, ns
+
+    def _layer_steps(self, l: int, batch: Batch, ns: dict[str, torch.Tensor], workspace: WorkspaceManager, b: Bound,
+                     group: StatelessGroup | None, record_load: bool,
+                     routed: RoutedMoE | None) -> list[tuple[str, Callable[[], None]]]:
+        """One layer's steps: attention and routing, then the MoE exchange (routed or gathered)."""
+        T = batch.num_tokens
+        W = 1 if group is None else group.size
+        N = W * T
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("compute", lambda: self._attention_and_route(l, batch, ns, workspace, b, N, record_load, routed, W))]
+        if routed is not None:
+            if group is not None:
+                steps.append(("comm", lambda: routed.dispatch(group, ns, l)))
+            steps.append(("compute", lambda: routed.experts(ns, l, b.w1[l], b.w2[l], group)))
+            if group is not None:
+                steps.append(("comm", lambda: routed.combine(group, ns, l)))
+            steps.append(("compute", lambda: routed.residual(ns, l)))
+            return steps
+        if group is not None:
+            steps.append(("comm", lambda: self._dispatch(group, ns, W, l)))
+        steps.append(("compute", lambda: self._experts(l, ns, b, N)))
+        if group is not None:
+            steps.append(("comm", lambda: self._combine(group, ns, W, l)))
+        steps.append(("compute", lambda: self._residual(ns, group, T, l)))
+        return steps
 
     def _attention_and_route(self, l: int, batch: Batch, ns: dict[str, torch.Tensor], workspace: WorkspaceManager,
                              b: Bound, N: int, record_load: bool, routed: RoutedMoE | None, W: int) -> None:
