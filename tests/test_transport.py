@@ -42,10 +42,19 @@ def _collectives(rank: int, size: int, port: int, prefix: str, transport: str, n
     g.all_gather(outs, torch.full((3,), float(rank), dtype=torch.float64) + torch.arange(3))
     out = torch.empty(2, dtype=torch.float64)
     g.reduce_scatter(out, list((torch.arange(2 * size, dtype=torch.float64) + 100 * rank).chunk(size)))
+    # The MoE dispatch's all-to-all: uneven rows (some none) to each rank, a second one back.
+    counts = [(rank * j + j) % 3 for j in range(size)]
+    send = torch.tensor([[100 * rank + 10 * j + i, -1.0] for j in range(size) for i in range(counts[j])],
+                        dtype=torch.float64).reshape(-1, 2)
+    got: list[torch.Tensor] = []
+    rc = g.all_to_all_v(send, counts, lambda n: got.append(torch.empty(n, 2, dtype=torch.float64)) or got[-1])
+    back = torch.empty_like(send)
+    g.all_to_all_v(got[0] * 2, rc, lambda n: back[:n], counts)
     for _ in range(50):  # more generations than the two buffers: reuse must wait for the readers
         g.all_reduce_sum(torch.ones(8))
     q.put({"rank": rank, "kind": g.transport_kind, "attached": g.transport_attached, "max": mx, "sum": sm,
-           "gather": [o.tolist() for o in outs], "rs": out.tolist()})
+           "gather": [o.tolist() for o in outs], "rs": out.tolist(), "a2a": got[0][:, 0].tolist(), "a2a_counts": rc,
+           "a2a_back": torch.equal(back, send * 2)})
     g.barrier()
     g.destroy()
 
@@ -76,6 +85,7 @@ def test_shm_collectives_equal_gloo_and_leave_no_segment() -> None:
         assert {k: v for k, v in a.items() if k not in ("kind", "attached")} == \
             {k: v for k, v in b.items() if k not in ("kind", "attached")}
     assert shm[0]["max"] == [2, 10, 3] and shm[1]["rs"] == [3 * 2 + 300, 3 * 3 + 300]
+    assert shm[1]["a2a_counts"] == [1, 2, 0] and shm[1]["a2a"] == [10, 110, 111] and all(r["a2a_back"] for r in shm)
     assert _segments() == before  # rank 0 unlinked the name once every rank had mapped it
 
 

@@ -25,11 +25,13 @@ written: every member refuses the same collective, and the group stays usable).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import platform
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -254,6 +256,34 @@ class ShmCollectives:
         for j in range(1, self.size):
             out.add_(self._part(j, g, offsets[self.rank], mine))
         self._end(g)
+
+    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int],
+                     recv_alloc: Callable[[int], torch.Tensor]) -> list[int]:
+        """Rows of ``send`` (ordered by destination, ``send_counts[j]`` rows for rank ``j``) to
+        their ranks in one exchange: this rank's counts (a 64-byte-aligned header), then its rows.
+        The rows for this rank land in rank order in ``recv_alloc(total rows)``; returns how
+        many came from each rank."""
+        W, me = self.size, self.rank
+        head = _align(W * 8)
+        row = send.element_size() * math.prod(send.shape[1:])
+        g, buf = self._begin(head + send.shape[0] * row, "all_to_all")
+        buf[:W * 8].view(torch.int64).copy_(torch.tensor(send_counts, dtype=torch.int64))
+        if send.shape[0]:
+            buf[head:head + send.shape[0] * row].copy_(send.contiguous().view(-1).view(torch.uint8))
+        self._publish_and_wait(g, "all_to_all")
+        headers = torch.stack([self._data[j, g % 2, :W * 8].view(torch.int64) for j in range(W)])
+        counts = [int(c) for c in headers[:, me]]
+        starts = [int(c) for c in headers[:, :me].sum(1)]
+        out = recv_alloc(sum(counts)).view(-1).view(torch.uint8)
+        at = 0
+        for j in range(W):
+            n = counts[j] * row
+            if n:
+                src = head + starts[j] * row
+                out[at:at + n].copy_(self._data[j, g % 2, src:src + n])
+                at += n
+        self._end(g)
+        return counts
 
     # ---- teardown ------------------------------------------------------------------------------
     def abort(self) -> None:
