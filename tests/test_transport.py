@@ -319,21 +319,50 @@ def test_a_transport_sized_for_the_old_world_is_refused_in_prepare() -> None:
     assert oracle_mismatch([(i % len(SCALE_PROMPTS), r) for i, r in enumerate(results)], ref) == ""
 
 
+def _worst_case_combine(rank: int, size: int, port: int, shm_bytes: int, rows: int, row: int, q: Any) -> None:
+    """The combine of the routing's worst case in a ``size`` world: rank 0 received every pair of
+    the world and sends each back (``rows`` of ``row`` bytes); the others send nothing."""
+    g = StatelessGroup(Rendezvous("127.0.0.1", port, "worst"), rank, size, transport="auto", shm_bytes=shm_bytes,
+                       timeout_s=5.0)
+    n = rows if rank == 0 else 0
+    counts = [n // size + (1 if j < n % size else 0) for j in range(size)]
+    try:
+        g.all_to_all_v(torch.zeros(n, row, dtype=torch.uint8), counts, lambda k: torch.empty(k, row, dtype=torch.uint8))
+        q.put(f"{rank} no error")
+    except GroupError as ex:
+        q.put(f"{rank} {ex.code.value} {ex}")
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.harm("transport_sized_for_old_world", "no_transport_check")
-def test_without_the_transport_check_the_commit_overflows_the_segment() -> None:
-    """Harm: unchecked, the small segment reaches the commit; the warm-up's first full-size
-    exchange does not fit it on any member (GroupFailure.OVERFLOW, a group failure the ranks'
-    recovery path reads), the scale fails in its commit with the world switched, and only a
-    recovery (whose groups are sized right) brings serving back. The registry flags I2 from
-    the prepare events' evidence."""
+def test_without_the_transport_check_the_world_runs_on_a_segment_its_worst_exchange_overflows() -> None:
+    """Harm: unchecked, the segment sized for the old world reaches the new world. With routed
+    dispatch a step puts only the pairs its routing chose into it, so a light load still serves
+    the oracle's tokens (the scale succeeds) while the world runs on a segment smaller than its
+    largest legal exchange: the registry flags I2 on every rank from the prepare events'
+    evidence. That exchange, run for real on a 3-rank shared-memory group with the segment the
+    fault gives (every pair of the world routed to rank 0, which sends them back), fails the step:
+    rank 0 refuses it (overflow) and its peers' wait ends in the group's timeout, a group failure
+    the ranks' recovery path answers by rebuilding the world. With the check on, prepare refuses
+    the segment (the test above)."""
+    from engine_ext.elastic.eplb import build_layout
     from engine_ext.model.dense_oracle import reference_generate
+    from engine_ext.model.model import MoEModel
+    from engine_ext.model.routed import row_bytes, worst_case
     from tests.engine_helpers import oracle_mismatch, run
 
     cfg = EngineConfig(dtype="float64", faults=["transport_sized_for_old_world", "no_transport_check"])
     op, results, i2, recovers = run(_scale_2_to_3(cfg, "xport-overflow"), 180)
-    assert op["state"] == "failed" and "overflow" in op["error"], op
-    assert recovers and recovers[-1]["state"] == "succeeded", recovers
+    assert op["state"] == "succeeded" and recovers == [], (op, recovers)
     assert {v["rank"] for v in i2} == {"0", "1", "2"} and all("bytes per rank" in v["message"] for v in i2), i2
     ref = reference_generate(EngineConfig(dtype="float64"), SCALE_PROMPTS, 8)
     assert oracle_mismatch([(i % len(SCALE_PROMPTS), r) for i, r in enumerate(results)], ref) == ""
+    model = MoEModel(cfg, build_layout(cfg.num_experts, cfg.slots_per_rank, 1), 0, torch.device("cpu"), cfg.seed)
+    tokens = max([cfg.max_num_tokens, *cfg.capture_sizes])
+    rows, row = worst_case(cfg, 3, tokens)[1], row_bytes(cfg, model.dtype)
+    procs, q, _store = _spawn(_worst_case_combine, 3, lambda r: (model.exchange_bound(2), rows, row))
+    msgs = sorted(q.get(timeout=120) for _ in range(3))
+    for p in procs:
+        p.join(30)
+    assert msgs[0].startswith("0 overflow ") and "does not fit the group's buffer" in msgs[0], msgs
+    assert all(m.split()[1] in ("timeout", "peer_gone") for m in msgs[1:]), msgs
