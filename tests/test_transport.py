@@ -193,17 +193,28 @@ def _oversized(rank: int, size: int, port: int, q: Any) -> None:
     except GroupError as ex:  # a group's failure, which a rank's recovery path reads (is_peer_failure)
         q.put(f"{ex.code.value} {ex}")
     g.all_reduce_sum(torch.ones(4))  # every member refused the same collective: the group goes on
+    # An all-to-all's parts differ per rank: only rank 0's is too large, and every member refuses it.
+    n = 64 * 1024 if rank == 0 else 0
+    try:
+        g.all_to_all_v(torch.ones(n, 1), [0, n], lambda k: torch.empty(k, 1))
+        q.put("a2a no error")
+    except GroupError as ex:
+        q.put(f"a2a {ex.code.value} {ex}")
+    got = g.all_to_all_v(torch.full((1, 1), float(rank)), [0, 1] if rank == 0 else [1, 0], lambda k: torch.empty(k, 1))
+    assert got == ([0, 1] if rank == 0 else [1, 0]), got  # and the group goes on
     g.destroy()
 
 
 def test_a_collective_larger_than_the_buffer_is_refused_with_its_sizes() -> None:
     procs, q, _store = _spawn(_oversized, 2, lambda r: ())
-    msgs = [q.get(timeout=120) for _ in range(2)]
+    msgs = [q.get(timeout=120) for _ in range(4)]
     for p in procs:
         p.join(10)
+    a2a = [m for m in msgs if m.startswith("a2a ")]
     assert all(m.startswith("overflow ") and "does not fit the group's buffer" in m and "262148 bytes" in m
-               for m in msgs), msgs
-    assert [p.exitcode for p in procs] == [0, 0]  # the collective after the refusal completed
+               for m in msgs if m not in a2a), msgs
+    assert len(a2a) == 2 and all(m.startswith("a2a overflow ") and "rank 0's 262208 bytes" in m for m in a2a), msgs
+    assert [p.exitcode for p in procs] == [0, 0]  # the collectives after the refusals completed
 
 
 def test_transport_config_is_checked() -> None:
@@ -341,10 +352,10 @@ def test_without_the_transport_check_the_world_runs_on_a_segment_its_worst_excha
     the oracle's tokens (the scale succeeds) while the world runs on a segment smaller than its
     largest legal exchange: the registry flags I2 on every rank from the prepare events'
     evidence. That exchange, run for real on a 3-rank shared-memory group with the segment the
-    fault gives (every pair of the world routed to rank 0, which sends them back), fails the step:
-    rank 0 refuses it (overflow) and its peers' wait ends in the group's timeout, a group failure
-    the ranks' recovery path answers by rebuilding the world. With the check on, prepare refuses
-    the segment (the test above)."""
+    fault gives (every pair of the world routed to rank 0, which sends them back), fails the step
+    on every member at once: rank 0's part does not fit, its header says so, and all three raise
+    GroupFailure.OVERFLOW (none waits out a timeout), a group failure the ranks' recovery path
+    answers by rebuilding the world. With the check on, prepare refuses the segment (the test above)."""
     from engine_ext.elastic.eplb import build_layout
     from engine_ext.model.dense_oracle import reference_generate
     from engine_ext.model.model import MoEModel
@@ -364,5 +375,5 @@ def test_without_the_transport_check_the_world_runs_on_a_segment_its_worst_excha
     msgs = sorted(q.get(timeout=120) for _ in range(3))
     for p in procs:
         p.join(30)
-    assert msgs[0].startswith("0 overflow ") and "does not fit the group's buffer" in msgs[0], msgs
-    assert all(m.split()[1] in ("timeout", "peer_gone") for m in msgs[1:]), msgs
+    assert [m.split()[:2] for m in msgs] == [["0", "overflow"], ["1", "overflow"], ["2", "overflow"]], msgs
+    assert all("of rank 0's " in m and "does not fit the group's buffer" in m for m in msgs), msgs
