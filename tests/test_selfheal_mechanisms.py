@@ -1,6 +1,7 @@
 """Every self-healing mechanism is load-bearing: a fault variant switches one off (through the
-one fault seam, engine_ext.faults), a serving rank is SIGKILLed with requests on it, and the
-harm shows: requests lost or failed, or wrong tokens against the dense oracle.
+one fault seam, engine_ext.faults), a serving rank is SIGKILLed with requests on it (for the
+group abort: between steps, see VARIANTS), and the harm shows: requests lost or failed, a
+recovery that fails, or wrong tokens against the dense oracle.
 
 The same scenario with the mechanism on is in tests/test_selfheal_local.py, which also shows
 each mechanism's evidence (re-routed requests, degraded survivors, the new store host, the
