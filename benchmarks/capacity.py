@@ -2,8 +2,8 @@
 
   profile  where one decode step's time goes at each DP: W processes run the reference model's
            forward plan directly (no scheduler, no router), each step of the plan timed: the
-           step header all-reduce, the per-layer dispatch (3 all-gathers) and combine
-           (reduce-scatter), and the compute between them. Medians over ``--steps`` steps; then
+           step header all-reduce, the per-layer dispatch and combine (the routed all-to-alls,
+           engine_ext/model/routed.py), and the compute between them. Medians over ``--steps`` steps; then
            500 header all-reduces back to back (the transport's own latency, no compute between).
   closed   ``--clients`` closed-loop clients (``--tokens`` output tokens each) against a
            ``LocalDeployment`` for ``--seconds``: tok/s, request p50/p99

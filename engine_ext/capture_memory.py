@@ -18,12 +18,17 @@ def _aligned(n: int) -> int:
 
 
 def workspace_bytes(cfg: EngineConfig, world: int) -> int:
-    """The MoE workspace bound at ``world`` ranks: every gathered token on one slot."""
-    n = world * cfg.max_num_tokens
+    """The MoE workspace bound at ``world`` ranks, the larger of the routed path's (every pair of
+    every rank routed to one rank) and the gathered path's (every gathered token, captured CUDA
+    steps)."""
+    t = cfg.max_num_tokens
+    n = world * t
     dt = _DTYPE_BYTES[cfg.dtype]
     h, k, f = cfg.hidden_size, cfg.top_k, cfg.expert_hidden
-    sizes = [n * h * dt, n * k * 8, n * k * dt, n * h * dt, n * h * dt, n * f * dt]
-    return sum(_aligned(s) for s in sizes)
+    row = 8 + -(-h * dt // 8) * 8  # engine_ext.model.routed.row_bytes
+    routed = [t * k * row, n * min(k, cfg.slots_per_rank) * row, n * h * dt, n * f * dt]
+    gathered = [n * h * dt, n * k * 8, n * k * dt, n * h * dt, h * dt, f * dt]
+    return max(sum(_aligned(s) for s in routed), sum(_aligned(s) for s in gathered))
 
 
 def policy_memory(cfg: EngineConfig, dp: int, max_dp: int, policy: str | None = None) -> dict[str, Any]:

@@ -38,8 +38,8 @@ VARIANTS: dict[str, str] = {
                                      "world's exchanges: on a scale-up the I2 transport check refuses it in "
                                      "prepare (the scale rolls back, nothing moved)",
     "no_transport_check": "prepare does not check the new world's transport from its evidence (shows "
-                          "transport_sized_for_old_world's harm: the commit's warm-up overflows the segment, "
-                          "the scale fails in its commit and a recovery rebuilds the world)",
+                          "transport_sized_for_old_world's harm: the new world runs on a segment its largest "
+                          "routed exchange overflows, which fails the step on every member)",
     "reuse_sized_for_world": "under capture_policy=reuse, captures are sized for the world at launch "
                              "instead of max DP: the reuse check refuses them on a scale-up",
     "no_token_stream": "the rank does not stream its tokens to the router: a request moved off a dead "

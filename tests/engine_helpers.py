@@ -121,3 +121,23 @@ def watch_reported_reasons(dep: Any, state: str) -> dict[int, list[str]]:
 
     dep.registry.report_status = spy
     return seen
+
+
+async def kill_between_steps(dep: Any, victim: int, prompts: list[list[int]], max_tokens: int,
+                             bound_s: float, report_delay_s: float = 3.0) -> list[dict | None]:
+    """SIGKILL ``victim`` (of a ``LocalDeployment``) while the world is idle, its death reported
+    ``report_delay_s`` late (as Ray reports it), and submit every prompt at once: the survivors
+    wake into the next step's header all-reduce before any recovery. On gloo that is a ring: the
+    dead rank's right-hand neighbour fails on its connection, and a survivor after it waits on a
+    survivor that left (only a group abort releases it). Each result within ``bound_s``, or None."""
+    import os
+    import signal
+
+    dep.death_report_delay_s = report_delay_s
+    await asyncio.sleep(1.0)  # the world sleeps on its store (no step in flight)
+    os.kill(dep.processes[victim].pid(), signal.SIGKILL)
+    tasks = [asyncio.ensure_future(dep.generate(p, max_tokens)) for p in prompts]
+    await asyncio.sleep(0.5)  # the victim's pipe reader took the delay; later deaths are told at once
+    dep.death_report_delay_s = 0.0
+    _, pending = await asyncio.wait(tasks, timeout=bound_s)
+    return [None if t in pending else t.result() for t in tasks]

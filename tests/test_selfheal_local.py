@@ -13,7 +13,8 @@ import pytest
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import oracle_mismatch, run, wait_decoding, wait_until, watch_reported_states
+from tests.engine_helpers import (kill_between_steps, oracle_mismatch, run, wait_decoding, wait_until,
+                                  watch_reported_states)
 from tests.helpers import moved_off
 
 MAX_TOKENS = 24
@@ -116,19 +117,34 @@ def test_without_token_streaming_moved_requests_restart_from_the_prompt(referenc
 
 @pytest.mark.timeout(240)
 def test_replace_policy_grows_back_to_desired_size(reference: list[dict]) -> None:
+    """Then, on the world grown back to DP 4, the group abort firing: a rank killed between steps
+    with its death reported late leaves a survivor blocked on a survivor in the next step's gloo
+    ring (tests/engine_helpers.py::kill_between_steps); with a 60 s step timeout only the abort
+    releases it within the recovery's 10 s halt, and the recovery succeeds (the harm without it:
+    test_selfheal_mechanisms.py's no_group_abort)."""
     async def scenario() -> None:
-        async with LocalDeployment(_cfg(slots_per_rank=6), "heal-replace", max_dp=4) as dep:
-            await dep.start(3)
-            victim_pid = dep.processes[2].pid()
-            results = await _load_with_kill(dep, 2)
+        async with LocalDeployment(_cfg(slots_per_rank=6, transport="gloo", step_timeout_s=60.0), "heal-replace",
+                                   max_dp=4) as dep:
+            await dep.start(4)
+            victim_pid = dep.processes[3].pid()
+            results = await _load_with_kill(dep, 3)
             assert oracle_mismatch(results, reference, logits=False) == ""
-            moved_off([r for _, r in results], 2)  # killed mid-decode: its requests continued with their tokens
-            await wait_until(lambda: len(dep.orch.members) == 3 and not dep.orch.busy(), 120, "DP 3 again")
+            moved_off([r for _, r in results], 3)  # killed mid-decode: its requests continued with their tokens
+            await wait_until(lambda: len(dep.orch.members) == 4 and not dep.orch.busy(), 120, "DP 4 again")
             await dep.orch.recovery.wait()
             # the replacement takes the dead rank's number (free again), in a new process
-            assert dep.orch.members == [0, 1, 2] and dep.processes[2].pid() != victim_pid
+            assert dep.orch.members == [0, 1, 2, 3] and dep.processes[3].pid() != victim_pid
             kinds = [op.get("kind") for op in dep.orch.history]
             assert kinds[-2:] == ["recover", "scale"], kinds
+            # [0, 1, 2, 3]: rank 1 dies idle; rank 2 fails on its connection; rank 3, whose ring
+            # neighbours are ranks 2 and 0, waits on rank 2 (at DP 3 every rank neighbours the victim)
+            results = await kill_between_steps(dep, 1, PROMPTS, MAX_TOKENS, 120)
+            assert None not in results, "a request was not answered within 120 s"
+            assert oracle_mismatch(list(enumerate(results)), reference, logits=False) == ""
+            await wait_until(lambda: len(dep.orch.members) == 4 and not dep.orch.busy(), 120, "DP 4 again")
+            await dep.orch.recovery.wait()
+            ops = [op for op in dep.orch.history if op.get("kind") == "recover"]
+            assert [(op["state"], op["dead_ranks"]) for op in ops] == [("succeeded", [3]), ("succeeded", [1])], ops
     run(scenario(), 220)
 
 

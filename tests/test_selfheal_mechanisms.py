@@ -1,6 +1,7 @@
 """Every self-healing mechanism is load-bearing: a fault variant switches one off (through the
-one fault seam, engine_ext.faults), a serving rank is SIGKILLed with requests on it, and the
-harm shows: requests lost or failed, or wrong tokens against the dense oracle.
+one fault seam, engine_ext.faults), a serving rank is SIGKILLed with requests on it (for the
+group abort: between steps, see VARIANTS), and the harm shows: requests lost or failed, a
+recovery that fails, or wrong tokens against the dense oracle.
 
 The same scenario with the mechanism on is in tests/test_selfheal_local.py, which also shows
 each mechanism's evidence (re-routed requests, degraded survivors, the new store host, the
@@ -17,20 +18,22 @@ import pytest
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import oracle_mismatch, run, wait_until, watch_reported_reasons, watch_reported_states
+from tests.engine_helpers import (kill_between_steps, oracle_mismatch, run, wait_until, watch_reported_reasons,
+                                  watch_reported_states)
 
 MAX_TOKENS = 24
 PROMPTS = [[(13 * i + 7 * j + 1) % 256 for j in range(3 + i % 9)] for i in range(12)]
 LOST_AFTER_S = 15.0  # several times a healthy recovery here (seconds): a request still open then is lost
 ANSWER_BOUND_S = 120.0
 
-# variant -> (experts, start DP, victim). The victim holds requests when it is killed.
+# variant -> (experts, start DP, victim). The victim holds requests when it is killed (no_group_abort:
+# it is killed between steps: tests/engine_helpers.py::kill_between_steps).
 VARIANTS = {
     "no_reroute": (8, 3, 1),
     "no_degrade": (8, 3, 1),
     "no_store_rehost": (8, 3, 0),
     "no_weight_source_restore": (16, 4, 1),
-    "no_group_abort": (8, 4, 1),  # at DP 4 rank 3 never talks to rank 1 in a collective
+    "no_group_abort": (8, 4, 1),  # in the step header's ring all-reduce rank 3 hears only from rank 2
 }
 LOSES_REQUESTS = {"no_reroute", "no_store_rehost"}
 # The error types a failed rank names when what failed was a peer (engine_ext.rank.recovery.is_peer_failure)
@@ -71,8 +74,11 @@ def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
             await dep.start(start)
             states = watch_reported_states(dep)
             failed_because = watch_reported_reasons(dep, "failed")
-            results, held = await _kill_under_load(dep, victim, LOST_AFTER_S if variant in LOSES_REQUESTS
-                                                   else ANSWER_BOUND_S)
+            if variant == "no_group_abort":
+                results, held = await kill_between_steps(dep, victim, PROMPTS, MAX_TOKENS, ANSWER_BOUND_S), 0
+            else:
+                results, held = await _kill_under_load(dep, victim, LOST_AFTER_S if variant in LOSES_REQUESTS
+                                                       else ANSWER_BOUND_S)
             lost = sum(r is None for r in results)
             failed = [r["error"] for r in results if r is not None and r.get("error")]
 
@@ -100,10 +106,13 @@ def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
             elif variant == "no_group_abort":
                 # a survivor blocked in a collective with another survivor is never released: its
                 # step loop does not stop and the recovery fails; only a rebuild of the whole
-                # world from the weight source brings serving back
+                # world from the weight source brings serving back. (Killed under load, the step's
+                # routed all-to-alls connect every survivor to the dead rank, whose reset releases
+                # them all: the abort matters where a survivor waits on a survivor, as here.)
                 await dep.orch.recovery.wait()
                 ops = recovers()
-                assert ops and ops[-1]["state"] == "failed" and "did not stop" in ops[-1]["error"], ops
+                assert ops and ops[0]["state"] == "failed" and "did not stop" in ops[0]["error"], ops
+                assert ops[0]["dead_ranks"] == [victim], ops
                 await wait_until(lambda: any(op.get("kind") == "rebuild" for op in dep.orch.history), 60,
                                  "a rebuild of the whole world")
             else:  # no_weight_source_restore: the slot of the lost expert keeps another expert's weights

@@ -42,10 +42,19 @@ def _collectives(rank: int, size: int, port: int, prefix: str, transport: str, n
     g.all_gather(outs, torch.full((3,), float(rank), dtype=torch.float64) + torch.arange(3))
     out = torch.empty(2, dtype=torch.float64)
     g.reduce_scatter(out, list((torch.arange(2 * size, dtype=torch.float64) + 100 * rank).chunk(size)))
+    # The MoE dispatch's all-to-all: uneven rows (some none) to each rank, a second one back.
+    counts = [(rank * j + j) % 3 for j in range(size)]
+    send = torch.tensor([[100 * rank + 10 * j + i, -1.0] for j in range(size) for i in range(counts[j])],
+                        dtype=torch.float64).reshape(-1, 2)
+    got: list[torch.Tensor] = []
+    rc = g.all_to_all_v(send, counts, lambda n: got.append(torch.empty(n, 2, dtype=torch.float64)) or got[-1])
+    back = torch.empty_like(send)
+    g.all_to_all_v(got[0] * 2, rc, lambda n: back[:n], counts)
     for _ in range(50):  # more generations than the two buffers: reuse must wait for the readers
         g.all_reduce_sum(torch.ones(8))
     q.put({"rank": rank, "kind": g.transport_kind, "attached": g.transport_attached, "max": mx, "sum": sm,
-           "gather": [o.tolist() for o in outs], "rs": out.tolist()})
+           "gather": [o.tolist() for o in outs], "rs": out.tolist(), "a2a": got[0][:, 0].tolist(), "a2a_counts": rc,
+           "a2a_back": torch.equal(back, send * 2)})
     g.barrier()
     g.destroy()
 
@@ -76,6 +85,7 @@ def test_shm_collectives_equal_gloo_and_leave_no_segment() -> None:
         assert {k: v for k, v in a.items() if k not in ("kind", "attached")} == \
             {k: v for k, v in b.items() if k not in ("kind", "attached")}
     assert shm[0]["max"] == [2, 10, 3] and shm[1]["rs"] == [3 * 2 + 300, 3 * 3 + 300]
+    assert shm[1]["a2a_counts"] == [1, 2, 0] and shm[1]["a2a"] == [10, 110, 111] and all(r["a2a_back"] for r in shm)
     assert _segments() == before  # rank 0 unlinked the name once every rank had mapped it
 
 
@@ -183,17 +193,28 @@ def _oversized(rank: int, size: int, port: int, q: Any) -> None:
     except GroupError as ex:  # a group's failure, which a rank's recovery path reads (is_peer_failure)
         q.put(f"{ex.code.value} {ex}")
     g.all_reduce_sum(torch.ones(4))  # every member refused the same collective: the group goes on
+    # An all-to-all's parts differ per rank: only rank 0's is too large, and every member refuses it.
+    n = 64 * 1024 if rank == 0 else 0
+    try:
+        g.all_to_all_v(torch.ones(n, 1), [0, n], lambda k: torch.empty(k, 1))
+        q.put("a2a no error")
+    except GroupError as ex:
+        q.put(f"a2a {ex.code.value} {ex}")
+    got = g.all_to_all_v(torch.full((1, 1), float(rank)), [0, 1] if rank == 0 else [1, 0], lambda k: torch.empty(k, 1))
+    assert got == ([0, 1] if rank == 0 else [1, 0]), got  # and the group goes on
     g.destroy()
 
 
 def test_a_collective_larger_than_the_buffer_is_refused_with_its_sizes() -> None:
     procs, q, _store = _spawn(_oversized, 2, lambda r: ())
-    msgs = [q.get(timeout=120) for _ in range(2)]
+    msgs = [q.get(timeout=120) for _ in range(4)]
     for p in procs:
         p.join(10)
+    a2a = [m for m in msgs if m.startswith("a2a ")]
     assert all(m.startswith("overflow ") and "does not fit the group's buffer" in m and "262148 bytes" in m
-               for m in msgs), msgs
-    assert [p.exitcode for p in procs] == [0, 0]  # the collective after the refusal completed
+               for m in msgs if m not in a2a), msgs
+    assert len(a2a) == 2 and all(m.startswith("a2a overflow ") and "rank 0's 262208 bytes" in m for m in a2a), msgs
+    assert [p.exitcode for p in procs] == [0, 0]  # the collectives after the refusals completed
 
 
 def test_transport_config_is_checked() -> None:
@@ -309,21 +330,50 @@ def test_a_transport_sized_for_the_old_world_is_refused_in_prepare() -> None:
     assert oracle_mismatch([(i % len(SCALE_PROMPTS), r) for i, r in enumerate(results)], ref) == ""
 
 
+def _worst_case_combine(rank: int, size: int, port: int, shm_bytes: int, rows: int, row: int, q: Any) -> None:
+    """The combine of the routing's worst case in a ``size`` world: rank 0 received every pair of
+    the world and sends each back (``rows`` of ``row`` bytes); the others send nothing."""
+    g = StatelessGroup(Rendezvous("127.0.0.1", port, "worst"), rank, size, transport="auto", shm_bytes=shm_bytes,
+                       timeout_s=5.0)
+    n = rows if rank == 0 else 0
+    counts = [n // size + (1 if j < n % size else 0) for j in range(size)]
+    try:
+        g.all_to_all_v(torch.zeros(n, row, dtype=torch.uint8), counts, lambda k: torch.empty(k, row, dtype=torch.uint8))
+        q.put(f"{rank} no error")
+    except GroupError as ex:
+        q.put(f"{rank} {ex.code.value} {ex}")
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.harm("transport_sized_for_old_world", "no_transport_check")
-def test_without_the_transport_check_the_commit_overflows_the_segment() -> None:
-    """Harm: unchecked, the small segment reaches the commit; the warm-up's first full-size
-    exchange does not fit it on any member (GroupFailure.OVERFLOW, a group failure the ranks'
-    recovery path reads), the scale fails in its commit with the world switched, and only a
-    recovery (whose groups are sized right) brings serving back. The registry flags I2 from
-    the prepare events' evidence."""
+def test_without_the_transport_check_the_world_runs_on_a_segment_its_worst_exchange_overflows() -> None:
+    """Harm: unchecked, the segment sized for the old world reaches the new world. With routed
+    dispatch a step puts only the pairs its routing chose into it, so a light load still serves
+    the oracle's tokens (the scale succeeds) while the world runs on a segment smaller than its
+    largest legal exchange: the registry flags I2 on every rank from the prepare events'
+    evidence. That exchange, run for real on a 3-rank shared-memory group with the segment the
+    fault gives (every pair of the world routed to rank 0, which sends them back), fails the step
+    on every member at once: rank 0's part does not fit, its header says so, and all three raise
+    GroupFailure.OVERFLOW (none waits out a timeout), a group failure the ranks' recovery path
+    answers by rebuilding the world. With the check on, prepare refuses the segment (the test above)."""
+    from engine_ext.elastic.eplb import build_layout
     from engine_ext.model.dense_oracle import reference_generate
+    from engine_ext.model.model import MoEModel
+    from engine_ext.model.routed import row_bytes, worst_case
     from tests.engine_helpers import oracle_mismatch, run
 
     cfg = EngineConfig(dtype="float64", faults=["transport_sized_for_old_world", "no_transport_check"])
     op, results, i2, recovers = run(_scale_2_to_3(cfg, "xport-overflow"), 180)
-    assert op["state"] == "failed" and "overflow" in op["error"], op
-    assert recovers and recovers[-1]["state"] == "succeeded", recovers
+    assert op["state"] == "succeeded" and recovers == [], (op, recovers)
     assert {v["rank"] for v in i2} == {"0", "1", "2"} and all("bytes per rank" in v["message"] for v in i2), i2
     ref = reference_generate(EngineConfig(dtype="float64"), SCALE_PROMPTS, 8)
     assert oracle_mismatch([(i % len(SCALE_PROMPTS), r) for i, r in enumerate(results)], ref) == ""
+    model = MoEModel(cfg, build_layout(cfg.num_experts, cfg.slots_per_rank, 1), 0, torch.device("cpu"), cfg.seed)
+    tokens = max([cfg.max_num_tokens, *cfg.capture_sizes])
+    rows, row = worst_case(cfg, 3, tokens)[1], row_bytes(cfg, model.dtype)
+    procs, q, _store = _spawn(_worst_case_combine, 3, lambda r: (model.exchange_bound(2), rows, row))
+    msgs = sorted(q.get(timeout=120) for _ in range(3))
+    for p in procs:
+        p.join(30)
+    assert [m.split()[:2] for m in msgs] == [["0", "overflow"], ["1", "overflow"], ["2", "overflow"]], msgs
+    assert all("of rank 0's " in m and "does not fit the group's buffer" in m for m in msgs), msgs

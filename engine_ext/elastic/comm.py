@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import datetime
 import enum
-import fcntl
 import functools
 import os
-import socket
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,9 +18,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from engine_ext.elastic.netaddr import interface_ip
 from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.transport import TransportNotPrepared, host_key
 from engine_ext.transport import shm as shm_transport
+from engine_ext.transport.alltoall import gloo_all_to_all_v
 
 IFNAME_ENV = "EEPCTL_IFNAME"  # operator override: the interface ranks bind (store and gloo)
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # what gloo users already set; honoured the same way
@@ -40,16 +39,6 @@ class NodeAddress:
 
 
 _node: NodeAddress | None = None  # one rank per process: set once by the engine (configure_node)
-
-
-def interface_ip(ifname: str) -> str:
-    """The IPv4 address of a network interface (SIOCGIFADDR)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
-        except OSError as e:
-            raise ValueError(f"interface {ifname!r} has no IPv4 address here: {e}") from None
-    return socket.inet_ntoa(packed[20:24])
 
 
 def configure_node(node_ip: str, ifname: str = "") -> NodeAddress:
@@ -73,16 +62,6 @@ def gloo_options(timeout: datetime.timedelta) -> dist.ProcessGroupGloo._Options 
     else:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_node.ip)]
     return opts
-
-
-def local_ip() -> str:
-    """The process launcher's guess (one node): the default route's address."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the default route's address
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 def host_store(host: str | None = None) -> dist.TCPStore:
@@ -310,6 +289,16 @@ class StatelessGroup:
         if self.shm is not None:
             return self.shm.reduce_scatter(out, inputs)
         pg.reduce_scatter([out], [inputs], dist.ReduceScatterOptions()).wait()
+
+    @_collective
+    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int], recv_alloc: Callable[[int], torch.Tensor],
+                     recv_counts: list[int] | None = None) -> list[int]:
+        """Rows of ``send`` (by destination, ``send_counts`` per rank) to their ranks, received in
+        rank order into ``recv_alloc(total)``; the rows from each rank returned. Shared memory:
+        one exchange; gloo: the counts (unless ``recv_counts`` is known), then the rows."""
+        if self.shm is not None:
+            return self.shm.all_to_all_v(send, send_counts, recv_alloc)
+        return gloo_all_to_all_v(self._pg(), send, send_counts, recv_alloc, recv_counts)
 
     @_collective
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.workspace import WorkspaceManager, bytes_for
 from engine_ext.capture_memory import replica_table_width
 from engine_ext.config import EngineConfig
+from engine_ext.model.routed import RoutedMoE, routed_specs, row_bytes, worst_case
 from engine_ext.model.weights import dense_weights, expert_weights, torch_dtype
 
 PLACEHOLDER_SEED_OFFSET = 7_919_000
@@ -160,19 +161,25 @@ class MoEModel:
         ]
 
     def moe_workspace_bound(self, world_size: int) -> int:
-        """Worst case over all routings at max_num_tokens: every gathered token on one slot."""
-        n = world_size * self.cfg.max_num_tokens
-        return bytes_for(self.moe_specs(n, n))
+        """Worst case over all routings at max_num_tokens, over both MoE paths: the routed path
+        (every pair of every rank on one rank, ``engine_ext.model.routed``) and the gathered one
+        that captured CUDA steps keep (every gathered token through every slot)."""
+        cfg = self.cfg
+        T = cfg.max_num_tokens
+        routed = bytes_for(routed_specs(cfg, self.dtype, *worst_case(cfg, world_size, T)))
+        return max(routed, bytes_for(self.moe_specs(world_size * T, 1)))
 
     def exchange_bound(self, world_size: int) -> int:
         """Bytes one rank puts into the largest per-step collective of a ``world_size`` world: the
-        combine's reduce-scatter of the accumulator ([world x tokens, hidden]) or the dispatch's
-        one exchange of this rank's rows (hidden states, expert ids, weights; each part 64-byte
-        aligned). Tokens: max_num_tokens or the largest capture."""
+        routed combine's return of every pair it received (worst case: every pair of the world,
+        ``routed.worst_case``) behind a 64-byte-aligned header of counts, or (the gathered path of
+        captured CUDA steps) the reduce-scatter of the accumulator ([world x tokens, hidden]).
+        Tokens: max_num_tokens or the largest capture."""
         cfg, item = self.cfg, self.dtype.itemsize
         tokens = max([cfg.max_num_tokens, *cfg.capture_sizes])
-        dispatch = tokens * (cfg.hidden_size * item + cfg.top_k * (8 + item)) + 3 * 64
-        return max(world_size * tokens * cfg.hidden_size * item, dispatch)
+        received = worst_case(cfg, world_size, tokens)[1]
+        routed = -(-world_size * 8 // 64) * 64 + received * row_bytes(cfg, self.dtype)
+        return max(world_size * tokens * cfg.hidden_size * item, routed)
 
     # ---- forward ---------------------------------------------------------------------------
     # The forward pass is a plan: a list of steps, each either local compute or a collective.
@@ -221,7 +228,11 @@ class MoEModel:
         T = batch.num_tokens
         W = 1 if group is None else group.size
         N = W * T
-        b = self.bind(workspace.get(self.moe_specs(N, 1)) if bind_workspace else None)
+        # The routed path (engine_ext.model.routed) serves eager steps and CPU captures; the
+        # gathered, dense one stays for CUDA captures: its shapes do not depend on the routing.
+        specs = self.moe_specs(N, 1) if dense_moe else routed_specs(cfg, self.dtype, *worst_case(cfg, W, T))
+        b = self.bind(workspace.get(specs) if bind_workspace else None)
+        routed = None if dense_moe else RoutedMoE(cfg, self.dtype, workspace, b.workspace)
         d = b.dense
         ns: dict[str, torch.Tensor] = {}
         steps: list[tuple[str, Callable[[], None]]] = []
@@ -238,13 +249,7 @@ class MoEModel:
 
         steps.append(("compute", start))
         for l in range(cfg.num_layers):
-            steps.append(("compute", lambda l=l: self._attention_and_route(l, batch, ns, workspace, b, N, record_load)))
-            if group is not None:
-                steps.append(("comm", lambda l=l: self._dispatch(group, ns, W, l)))
-            steps.append(("compute", lambda l=l: self._experts(l, ns, workspace, b, N, dense_moe)))
-            if group is not None:
-                steps.append(("comm", lambda l=l: self._combine(group, ns, W, l)))
-            steps.append(("compute", lambda l=l: self._residual(ns, group, T, l)))
+            steps += self._layer_steps(l, batch, ns, workspace, b, group, record_load, routed)
 
         def finish() -> None:
             ns["logits"] = self._rms(ns["x"], d["final_norm"]) @ d["lm_head"]
@@ -252,8 +257,33 @@ class MoEModel:
         steps.append(("compute", finish))
         return steps, ns
 
+    def _layer_steps(self, l: int, batch: Batch, ns: dict[str, torch.Tensor], workspace: WorkspaceManager, b: Bound,
+                     group: StatelessGroup | None, record_load: bool,
+                     routed: RoutedMoE | None) -> list[tuple[str, Callable[[], None]]]:
+        """One layer's steps: attention and routing, then the MoE exchange (routed or gathered)."""
+        T = batch.num_tokens
+        W = 1 if group is None else group.size
+        N = W * T
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("compute", lambda: self._attention_and_route(l, batch, ns, workspace, b, N, record_load, routed, W))]
+        if routed is not None:
+            if group is not None:
+                steps.append(("comm", lambda: routed.dispatch(group, ns, l)))
+            steps.append(("compute", lambda: routed.experts(ns, l, b.w1[l], b.w2[l], group)))
+            if group is not None:
+                steps.append(("comm", lambda: routed.combine(group, ns, l)))
+            steps.append(("compute", lambda: routed.residual(ns, l)))
+            return steps
+        if group is not None:
+            steps.append(("comm", lambda: self._dispatch(group, ns, W, l)))
+        steps.append(("compute", lambda: self._experts(l, ns, b, N)))
+        if group is not None:
+            steps.append(("comm", lambda: self._combine(group, ns, W, l)))
+        steps.append(("compute", lambda: self._residual(ns, group, T, l)))
+        return steps
+
     def _attention_and_route(self, l: int, batch: Batch, ns: dict[str, torch.Tensor], workspace: WorkspaceManager,
-                             b: Bound, N: int, record_load: bool) -> None:
+                             b: Bound, N: int, record_load: bool, routed: RoutedMoE | None, W: int) -> None:
         cfg, d = self.cfg, b.dense
         T, H, nh, hd, k = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.top_k
         x = ns["x"]
@@ -275,6 +305,9 @@ class MoEModel:
         top_w = top_w / top_w.sum(-1, keepdim=True)
         if record_load:  # EPLB statistics, recorded in the forward pass; shape-static and sync-free
             b.expert_load.scatter_add_(0, top_i.reshape(-1), batch.valid.to(torch.int64).repeat_interleave(k))
+        if routed is not None:
+            routed.route(ns, l, h, top_i, top_w, batch.valid, b, W)
+            return
         # Gathered buffers come from the workspace; views are taken here so collectives reuse them.
         gh, gi, gw, acc, _, _ = b.workspace if b.workspace is not None else workspace.get(self.moe_specs(N, 1))
         ns.update({f"h{l}": h, f"top_w{l}": top_w, f"top_i{l}": top_i, f"gh{l}": gh, f"gi{l}": gi,
@@ -285,8 +318,9 @@ class MoEModel:
         group.all_gather_many([(list(ns[f"{g}{l}"].chunk(W)), ns[f"{x}{l}"].contiguous())
                                for g, x in (("gh", "h"), ("gi", "top_i"), ("gw", "top_w"))])
 
-    def _experts(self, layer: int, ns: dict[str, torch.Tensor], workspace: WorkspaceManager, b: Bound, N: int,
-                 dense: bool) -> None:
+    def _experts(self, layer: int, ns: dict[str, torch.Tensor], b: Bound, N: int) -> None:
+        """The gathered path (captured CUDA steps): every local slot over every gathered token,
+        weighted by the routing (zero where another rank's slot serves it): shape-static."""
         cfg = self.cfg
         k, L = cfg.top_k, cfg.slots_per_rank
         l = layer
@@ -303,28 +337,10 @@ class MoEModel:
         local = (phys // L) == b.position
         local_slot = phys % L
         acc.zero_()
-        if dense:
-            for s in range(L):
-                wsel = (gw * (local & (local_slot == s))).sum(-1, keepdim=True)  # [N, 1]
-                y = torch.relu(gh @ b.w1[layer, s]) @ b.w2[layer, s]
-                acc.add_(y * wsel)
-            return
-        sel_counts = [int(((local_slot == s) & local).sum()) for s in range(L)]
-        # Sized by the busiest local slot of this batch; the bound covers the worst case.
-        gh, gi, gw, acc, xin, mid = workspace.get(self.moe_specs(N, max(sel_counts + [1])))
-        # The buffer may have grown: later steps use these views.
-        ns.update({f"gh{l}": gh, f"gi{l}": gi, f"gw{l}": gw, f"acc{l}": acc})
         for s in range(L):
-            if sel_counts[s] == 0:
-                continue
-            rows, cols = torch.nonzero(local & (local_slot == s), as_tuple=True)
-            n = rows.shape[0]
-            xs = xin[:n]
-            torch.index_select(gh, 0, rows, out=xs)
-            ms = mid[:n]
-            torch.matmul(xs, b.w1[layer, s], out=ms)
-            ms.relu_()
-            acc.index_add_(0, rows, (ms @ b.w2[layer, s]) * gw[rows, cols].unsqueeze(-1))
+            wsel = (gw * (local & (local_slot == s))).sum(-1, keepdim=True)  # [N, 1]
+            y = torch.relu(gh @ b.w1[layer, s]) @ b.w2[layer, s]
+            acc.add_(y * wsel)
 
     @staticmethod
     def _combine(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int, l: int) -> None:

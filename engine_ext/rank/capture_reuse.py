@@ -103,6 +103,20 @@ class MaxWorldGroup:
             for t in outs[g.size:]:
                 t.zero_()
 
+    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int], recv_alloc: Callable[[int], torch.Tensor],
+                     recv_counts: list[int] | None = None) -> list[int]:
+        """The live group's all-to-all (absent ranks send and receive nothing); detached, only
+        the rows this rank routes to itself, as if alone."""
+        g = self._group()
+        if g is None:
+            me = min(self.rank, len(send_counts) - 1)
+            start, n = sum(send_counts[:me]), send_counts[me]
+            recv_alloc(n).copy_(send[start:start + n])
+            return [n if j == me else 0 for j in range(len(send_counts))]
+        got = g.all_to_all_v(send, send_counts[:g.size], recv_alloc,
+                             None if recv_counts is None else recv_counts[:g.size])
+        return got + [0] * (len(send_counts) - g.size)
+
     def reduce_scatter(self, out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
         g = self._group()
         if g is None:

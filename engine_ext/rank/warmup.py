@@ -305,6 +305,9 @@ class Warmup:
         output = torch.zeros(size, cfg.vocab_size, dtype=model.dtype, device=dev)
         batch = Batch(inputs["token_ids"], inputs["positions"], inputs["req_slots"], inputs["valid"])
         group = self.shared.group if self.reuse is None else self.reuse.handle  # reuse: sized for max DP
-        steps, ns = model.plan(batch, group, res.workspace, dense_moe=True, bind_workspace=True)  # type: ignore[arg-type]
+        # CUDA: the gathered, shape-static MoE path (a routed exchange's sizes follow the routing,
+        # which a graph cannot); CPU replays run Python and take the routed path.
+        steps, ns = model.plan(batch, group, res.workspace, dense_moe=dev.type == "cuda",  # type: ignore[arg-type]
+                               bind_workspace=True)
         steps = [*steps, ("compute", lambda: output.copy_(ns["logits"]))]
         res.graphs.capture(size, inputs, output, steps)

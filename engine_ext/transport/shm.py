@@ -19,17 +19,20 @@ Waiting never spins for long: 0.1 ms of polling, then ``sched_yield`` to 2 ms, t
 that grow to a millisecond (an idle rank sleeps on the store, not here). A wait ends with ``ShmError``: ``timeout`` after ``timeout_s`` (the group's, or the
 step's while serving), ``peer_gone`` when a peer's process is gone or it left the group, and
 ``aborted`` when this rank aborted the group (``abort`` wakes its waiters within a sleep),
-``overflow`` when a collective is larger than the segment was sized for (before anything is
-written: every member refuses the same collective, and the group stays usable).
+``overflow`` when a collective is larger than the segment was sized for (before any data is
+written: every member refuses the same collective, and the group stays usable; an all-to-all's
+parts differ per rank, so its refusal travels in the headers of one exchange).
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import platform
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -254,6 +257,44 @@ class ShmCollectives:
         for j in range(1, self.size):
             out.add_(self._part(j, g, offsets[self.rank], mine))
         self._end(g)
+
+    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int],
+                     recv_alloc: Callable[[int], torch.Tensor]) -> list[int]:
+        """Rows of ``send`` (ordered by destination, ``send_counts[j]`` rows for rank ``j``) to
+        their ranks in one exchange: this rank's counts (a 64-byte-aligned header), then its rows.
+        The rows for this rank land in rank order in ``recv_alloc(total rows)``; returns how
+        many came from each rank. Parts differ in size, so a rank whose part does not fit says so
+        in its header instead (-bytes) and every member raises ``overflow`` for the same exchange."""
+        W, me = self.size, self.rank
+        head = _align(W * 8)
+        row = send.element_size() * math.prod(send.shape[1:])
+        nbytes = head + send.shape[0] * row
+        g, buf = self._begin(head, "all_to_all")  # the header alone: every member sizes it alike
+        if nbytes > self.capacity:  # only this rank knows: its header tells the others (all refuse)
+            buf[:W * 8].view(torch.int64).fill_(-nbytes)
+        else:
+            buf[:W * 8].view(torch.int64).copy_(torch.tensor(send_counts, dtype=torch.int64))
+            if send.shape[0]:
+                buf[head:nbytes].copy_(send.contiguous().view(-1).view(torch.uint8))
+        self._publish_and_wait(g, "all_to_all")
+        headers = torch.stack([self._data[j, g % 2, :W * 8].view(torch.int64) for j in range(W)])
+        if (over := [j for j in range(W) if int(headers[j, 0]) < 0]):
+            sizes = ", ".join(f"rank {j}'s {-int(headers[j, 0])} bytes" for j in over)
+            self._end(g)
+            raise ShmError("overflow", f"shm all_to_all of {sizes} does not fit the group's buffer of "
+                           f"{self.capacity} bytes (sized for a smaller exchange)")
+        counts = [int(c) for c in headers[:, me]]
+        starts = [int(c) for c in headers[:, :me].sum(1)]
+        out = recv_alloc(sum(counts)).view(-1).view(torch.uint8)
+        at = 0
+        for j in range(W):
+            n = counts[j] * row
+            if n:
+                src = head + starts[j] * row
+                out[at:at + n].copy_(self._data[j, g % 2, src:src + n])
+                at += n
+        self._end(g)
+        return counts
 
     # ---- teardown ------------------------------------------------------------------------------
     def abort(self) -> None:
