@@ -269,6 +269,9 @@ class LocalDeployment:
             self.orch.router.on_tokens(payload["tokens"], rank)
 
     def on_rank_exit(self, rank: int, proc: mp.process.BaseProcess) -> None:
+        current = self.processes.get(rank)
+        if current is not None and current.proc is not proc:
+            return  # a late report of a process already replaced under this rank number: not news
         proc.join(0.5)
         code = proc.exitcode
         cause = f"process exited (exit code {code})" if code is not None and code >= 0 else \
