@@ -35,7 +35,9 @@ HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold"
                 "health_check_timeout_ms": 10000}
 # The controllers of this cluster retry a growth that found no capacity at least every 3 s, not at
 # the escalated 30 s (engine_ext.control.reconciler): the tests bring a node back seconds later.
-CONTROL_ENV = {"EEPCTL_TEST_BACKOFF_MAX_S": "3"}
+# RAY_AUTH_MODE pinned: `ray start` turns token auth on by itself where a token is saved in
+# ~/.ray/auth_token, and the probes here connect by explicit address, which never sends one.
+CONTROL_ENV = {"EEPCTL_TEST_BACKOFF_MAX_S": "3", "RAY_AUTH_MODE": "disabled"}
 STOP_GRACE_S = 3.0  # SIGTERM to SIGKILL for the `ray start --block` processes (their nodes end with them)
 
 
