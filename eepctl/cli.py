@@ -63,6 +63,7 @@ def up(
     transport: Annotated[str, typer.Option("--transport", help="The per-step collectives: gloo (TCP), or auto (shared memory among the ranks of one host, gloo across hosts; measured faster, opt-in).")] = "gloo",
     health_deadline: Annotated[float, typer.Option("--health-deadline", help="Seconds a rank may stay silent (no probe answer, token or result) before it is fenced and recovered around; also how long a serving step waits for a peer.")] = 5.0,
     ingress: Annotated[int, typer.Option("--ingress", help="Ingress actors (requests enter there, HTTP and Ray calls; spread over nodes, the head first).")] = 1,
+    api_key: ApiKey = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
@@ -93,7 +94,7 @@ def up(
                       cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
                       placement={"policy": placement, "ifname": ifname},
                       on_rank_failure=on_rank_failure, standby=standby, health_deadline_s=health_deadline,
-                      ingress=ingress)
+                      ingress=ingress, api_key=api_key)
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 
 

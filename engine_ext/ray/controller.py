@@ -195,7 +195,7 @@ class Controller:
                              "stale_removed": self.spawner.stale_removed,
                              "fenced_messages_dropped": self.orch.router.fenced_dropped,
                              "stale_messages_dropped": self.orch.router.stale_dropped},
-                 "ingress": self.orch.router.shown()}
+                 "ingress": self.orch.router.shown() or self._info.get("ingress", [])}
         self._info.update(extra)
         if self._info == self._published:
             return

@@ -72,7 +72,7 @@ def list_deployments(namespace: str) -> list[str]:
 def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, max_dp: int, cpus: float,
                       gpus: float, timeout_s: float, placement: dict[str, Any] | None = None,
                       on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0,
-                      ingress: int = 1, api_key: str = "") -> tuple[DeploymentHandles, dict[str, Any]]:
+                      ingress: int = 1, api_key_sha256: str = "") -> tuple[DeploymentHandles, dict[str, Any]]:
     """Create the registry, ``ingress`` ingresses and the controller (detached, named) and start
     ``dp`` ranks.
 
@@ -96,7 +96,7 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
             "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}, "desired_dp": dp,
             "on_rank_failure": on_rank_failure}
-    ingresses = create_ingresses(name, namespace, ingress, api_key)
+    ingresses = create_ingresses(name, namespace, ingress, api_key_sha256)
     info["ingress"] = [call(h.ready.remote(), timeout=60) for h in ingresses]
     call(registry.set_info.remote(info))
     # Restarted by Ray whenever it dies (its state is durable: engine_ext.ray.durable); calls in
@@ -117,7 +117,7 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     return DeploymentHandles(registry, controller), result
 
 
-def create_ingresses(name: str, namespace: str, count: int, api_key: str = "") -> list[Any]:
+def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str = "") -> list[Any]:
     """``count`` ingress actors (engine_ext.ray.ingress), restarted by Ray when they die; spread
     over the alive nodes, the head node first (placement.control_nodes)."""
     import ray
@@ -129,7 +129,7 @@ def create_ingresses(name: str, namespace: str, count: int, api_key: str = "") -
     return [ray.remote(Ingress).options(
         name=ingress_name(name, i), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
         max_restarts=-1, max_task_retries=0, scheduling_strategy=on_node(nodes[i % len(nodes)], soft=True),
-    ).remote(name, namespace, i, api_key) for i in range(count)]
+    ).remote(name, namespace, i, api_key_sha256) for i in range(count)]
 
 
 def ingress_names(name: str, namespace: str) -> list[str]:

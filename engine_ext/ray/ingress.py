@@ -35,10 +35,10 @@ REFENCE_EVERY_S = 3.0  # a fenced rank still sending is reported to the controll
 class Ingress:
     """One ingress: the router, the world as the controller last said, and the request API."""
 
-    def __init__(self, deployment: str, namespace: str, index: int, api_key: str = "", port: int = 0,
+    def __init__(self, deployment: str, namespace: str, index: int, api_key_sha256: str = "", port: int = 0,
                  host: str = "0.0.0.0") -> None:
         self.deployment, self.namespace, self.index = deployment, namespace, index
-        self.api_key = api_key
+        self.api_key_sha256 = api_key_sha256  # the deployment's API key, hashed (HTTP wants the key)
         self.router = Router()
         self.version: list[Any] | None = None  # the controller's world version last applied
         self.fenced: dict[int, int] = {}  # rank -> the newest epoch it is fenced at
@@ -47,18 +47,21 @@ class Ingress:
         self.started_at = time.time()
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._from_durable()
-        self._retry = asyncio.get_event_loop().create_task(self._retry_loop())
-        self.http: Any = None
+        loop = asyncio.get_event_loop()
+        self._retry = loop.create_task(self._retry_loop())
         self.url = ""
-        self._http_args = (host, port)
+        self.http: Any = None
+        self._http = loop.create_task(self._serve_http(host, port))  # a restarted ingress serves again too
+
+    async def _serve_http(self, host: str, port: int) -> None:
+        from engine_ext.ray.ingress_http import IngressHttp
+
+        self.http = IngressHttp(self)
+        self.url = await self.http.start(host, port)
 
     async def ready(self) -> dict[str, Any]:
-        """Start the HTTP server (once) and say where it listens."""
-        if self.http is None:
-            from engine_ext.ray.ingress_http import IngressHttp
-
-            self.http = IngressHttp(self)
-            self.url = await self.http.start(*self._http_args)
+        """Once the HTTP server listens: where."""
+        await asyncio.shield(self._http)
         return {"index": self.index, "url": self.url, "node_id": ray.get_runtime_context().get_node_id()}
 
     # ---- the world, as the controller says ---------------------------------------------------
@@ -87,6 +90,8 @@ class Ingress:
             if old is not None and getattr(old, "actor_id", None) == actor_id:
                 clients[rank] = old
                 continue
+            if not name:
+                continue  # gone when a restarted controller took over: its recovery follows
             try:
                 handle = ray.get_actor(name, namespace=self.namespace)
             except ValueError:

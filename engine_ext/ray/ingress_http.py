@@ -22,6 +22,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from fastapi import Request  # module level: FastAPI reads the handlers' annotations from here
+
 from engine_ext.control.router import Router
 
 
@@ -31,7 +33,7 @@ class Ingress(Protocol):
     deployment: str
     namespace: str
     index: int
-    api_key: str
+    api_key_sha256: str
     started_at: float
     router: Router
 
@@ -117,14 +119,17 @@ class IngressHttp:
         return f"http://{ray.util.get_node_ip_address()}:{port}"
 
     def _authorized(self, request: Any) -> bool:
-        key = self.ingress.api_key
-        if not key:
+        import hashlib
+
+        want = self.ingress.api_key_sha256
+        if not want:
             return True
-        given = request.headers.get("authorization", "")
-        return secrets.compare_digest(given.encode(), f"Bearer {key}".encode())
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        digest = hashlib.sha256(given.strip().encode()).hexdigest()
+        return scheme.lower() == "bearer" and secrets.compare_digest(digest, want)
 
     def app(self) -> Any:
-        from fastapi import FastAPI, Request
+        from fastapi import FastAPI
         from fastapi.responses import PlainTextResponse, StreamingResponse
 
         app = FastAPI(title=f"eepctl ingress {self.ingress.deployment}", docs_url=None, redoc_url=None)
