@@ -178,6 +178,7 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
              timeout=60, interval=0.5, what="serving again after the controller's death")
     print(f"controller death: serving again {time.time() - t_kill:.1f}s after SIGKILL")
     assert _controller_pid(d.name) != old_pid
+    time.sleep(4.0)  # the load goes on through the take-over
     stop_sending(load)
     out, err = load.communicate(timeout=120)
     res = json_lines(out)[-1]

@@ -149,3 +149,35 @@ def test_http_api_with_curl_and_the_openai_client(deployments, ray_cluster):
     assert got == want, got
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+@pytest.mark.timeout(300)
+def test_an_ingress_killed_under_load_is_restarted_and_its_requests_are_resent(deployments, ray_cluster):
+    """Two ingresses, 4 requests/s sent to them in turn; ingress 0 SIGKILLed: Ray restarts it
+    (HTTP again on the same URL), the requests it held are sent again by `eepctl generate` to the
+    other ingress (their records say `resent`), none fails, every output equals the oracle."""
+    import ray
+
+    from eepctl import cluster
+    from engine_ext.ray.names import ingress_name
+
+    cluster.connect(ray_cluster["address"], NAMESPACE)
+    d = deployments("ing-kill")
+    snap = _up(d.name, 1, ingress=2, faults=["hold:step@0"], delay_s=2.0)
+    cfg_d = snap["info"]["config"]
+    url = snap["info"]["ingress"][0]["url"]
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "8", "--max-tokens", "16",
+                   "-o", "json")
+    _held(d.name, 0, "step")  # requests mid-decode, half of them ingress 0's
+    handle = ray.get_actor(ingress_name(d.name, 0), namespace=NAMESPACE)
+    old = ray.get(handle.pid.remote(), timeout=30)
+    os.kill(old, signal.SIGKILL)  # this test's own deployment's ingress actor
+    res = finish_load(load, cfg_d, 16)  # all 32 sent (across the restart): none failed, all equal to the oracle
+    resent = [r for r in res["records"] if r["resent"]]
+    assert resent, "no request was held by the killed ingress"
+    st = wait_for(lambda: (s := _ingress_stats(d.name, 0))["restarted"] and s, timeout=60, what="ingress 0 back")
+    assert ray.get(handle.pid.remote(), timeout=30) != old and st["url"] == url, st
+    body, code = _body_and_code(_curl("-H", "Content-Type: application/json", "-d",
+                                      json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}), f"{url}/v1/completions"))
+    assert code == 200 and json.loads(body)["choices"][0]["token_ids"] == oracle(cfg_d, [1, 2, 3], 4), body
+    print(f"\n[ingress] killed with requests: {len(resent)} re-sent, {res['completed']} of {len(res['records'])} served")

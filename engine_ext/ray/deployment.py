@@ -82,7 +82,7 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
 
     from engine_ext.config import EngineConfig
     from engine_ext.ray.controller import Controller
-    from engine_ext.ray.placement import on_this_node
+    from engine_ext.ray.placement import control_nodes, on_node
     from engine_ext.ray.registry import Registry
 
     from engine_ext.ray.durable import DurableState
@@ -91,8 +91,11 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     engine_cfg = EngineConfig.from_dict(cfg)
     engine_cfg.size_captures_for(max_dp)
     cfg = engine_cfg.to_dict()
+    # The control plane's place is the policy's (the head node, docs/operations.md), never the
+    # caller's; soft, so that Ray's restart after that node died lands on a live one.
+    control = on_node(control_nodes()[0], soft=True)
     registry = ray.remote(Registry).options(name=registry_name(name), namespace=namespace, lifetime="detached",
-                                            num_cpus=0, scheduling_strategy=on_this_node()).remote(name)
+                                            num_cpus=0, scheduling_strategy=control).remote(name)
     info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
             "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}, "desired_dp": dp,
             "on_rank_failure": on_rank_failure}
@@ -103,7 +106,7 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     # flight at its death fail, and are not retried, so a scale is never sent twice.
     controller = ray.remote(Controller).options(
         name=controller_name(name), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
-        scheduling_strategy=on_this_node(), max_restarts=-1, max_task_retries=0,
+        scheduling_strategy=control, max_restarts=-1, max_task_retries=0,
     ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby, health_deadline_s,
              ingress)
     try:
