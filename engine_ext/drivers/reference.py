@@ -185,15 +185,15 @@ class ReferenceDriver:
 
         from engine_ext.ray.names import ingress_name
 
-        found = []
-        while True:
+        found: list[Any] = []
+        while ray.is_initialized():  # (not connected: nothing to find, and nothing to start here)
             try:
                 found.append(ray.get_actor(ingress_name(self.name, len(found))))
             except ValueError:
                 break
         if not found:
-            raise UnreachableError(f"deployment {self.name!r} has no ingress; `eepctl repair --name {self.name}` "
-                                   "or `eepctl up` again")
+            raise UnreachableError(f"deployment {self.name!r} has no ingress: the deployment cannot serve requests "
+                                   f"(`eepctl down --name {self.name}` then `eepctl up` again)")
         return found
 
     @contextmanager
