@@ -166,8 +166,8 @@ class IngressLink:
 
     def expire_parked(self, max_wait_s: float, reason: str) -> int:
         """Each ingress fails what waited too long; returns the count answered since the last call."""
-        for i in range(self.count):
-            if (h := self._handle(i)) is not None:
+        for i in range(self.count):  # only where requests wait (idle: no call)
+            if int(self.stats.get(i, {}).get("parked", 1)) > 0 and (h := self._handle(i)) is not None:
                 asyncio.ensure_future(self._add(h.expire_parked.remote(max_wait_s, reason), "_expired"))
         n, self._expired = self._expired, 0
         return n
