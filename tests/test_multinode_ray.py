@@ -253,6 +253,8 @@ def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_
     where = nodes_of(snap)
     head_rank = next(r for r, ip in where.items() if ip == multinode.HEAD_IP)
     cut_rank = 1 - head_rank
+    # The control plane is on the head by policy: on the cut-off node it could tell nothing.
+    assert snap["info"]["control_node"]["node_ip"] == multinode.HEAD_IP, snap["info"].get("control_node")
     # Rank 0 hosts the world's store: cut off with it, the head's rank has no store to idle on
     # (its recovery once failed so: "the step loop did not stop in 10s").
     print(f"\n[partition] cut off: rank {cut_rank}{' (the store host)' if cut_rank == 0 else ''}")
@@ -385,7 +387,7 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
     where = nodes_of(snap)
     assert sorted(where.values()) == sorted([multinode.HEAD_IP, multinode.WORKER_IP]), where
     head_rank = next(r for r, ip in where.items() if ip == multinode.HEAD_IP)
-    # The control plane is pinned to the node `up` ran on (the head), not left to Ray's choice.
+    # The control plane is on the head node by policy, not left to Ray's choice.
     assert snap["info"]["control_node"]["node_ip"] == multinode.HEAD_IP, snap["info"].get("control_node")
     lost_rank = 1 - head_rank
     cfg_d = snap["info"]["config"]

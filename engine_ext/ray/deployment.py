@@ -92,8 +92,9 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     engine_cfg.size_captures_for(max_dp)
     cfg = engine_cfg.to_dict()
     # The control plane's place is the policy's (the head node, docs/operations.md), never the
-    # caller's; soft, so that Ray's restart after that node died lands on a live one.
-    control = on_node(control_nodes()[0], soft=True)
+    # caller's. Hard: Ray's soft affinity put a zero-CPU actor on another node (1 of 3 tries on the
+    # two-node test cluster), and the head's loss is the cluster's anyway.
+    control = on_node(control_nodes()[0], soft=False)
     registry = ray.remote(Registry).options(name=registry_name(name), namespace=namespace, lifetime="detached",
                                             num_cpus=0, scheduling_strategy=control).remote(name)
     info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
@@ -122,7 +123,8 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
 
 def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str = "") -> list[Any]:
     """``count`` ingress actors (engine_ext.ray.ingress), restarted by Ray when they die; spread
-    over the alive nodes, the head node first (placement.control_nodes)."""
+    over the alive nodes, the head node first (placement.control_nodes): held to the head (its loss
+    is the cluster's), soft elsewhere (a restart after that node died lands on a live one)."""
     import ray
 
     from engine_ext.ray.ingress import Ingress
@@ -131,7 +133,7 @@ def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str 
     nodes = control_nodes()
     return [ray.remote(Ingress).options(
         name=ingress_name(name, i), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
-        max_restarts=-1, max_task_retries=0, scheduling_strategy=on_node(nodes[i % len(nodes)], soft=True),
+        max_restarts=-1, max_task_retries=0, scheduling_strategy=on_node(nodes[i % len(nodes)], soft=i % len(nodes) > 0),
     ).remote(name, namespace, i, api_key_sha256) for i in range(count)]
 
 
