@@ -246,14 +246,18 @@ def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_
     """Issue 22 point 4: the worker node's link is set down under open-loop load (its processes
     live): its rank goes silent, is fenced by epoch after the health deadline, and the head's
     rank serves alone; when the link comes back, nothing of the old world serves or reports into
-    the new one. Runs before the node-loss test, which takes the worker node away."""
+    the new one. Runs before the node-loss test, which takes the worker node away. Issue 33 point
+    4: `up` runs from the worker node's shell, and the control plane is still on the head (policy,
+    not the caller's node)."""
     d = md("mn-partition")
-    up_with_faults(d.name, 2, 4, [], 5.0, placement="spread", on_rank_failure="shrink")
+    up = two_nodes.eepctl_on_worker("up", "--name", d.name, "--dp", "2", "--max-dp", "4", "--dtype", "float64",
+                                    "--placement", "spread", "--on-rank-failure", "shrink", "-o", "json")
+    assert up.returncode == 0, f"up from the worker node exited {up.returncode}: {up.stderr}"
     snap = serving_view(d.name, 2)
     where = nodes_of(snap)
     head_rank = next(r for r, ip in where.items() if ip == multinode.HEAD_IP)
     cut_rank = 1 - head_rank
-    # The control plane is on the head by policy: on the cut-off node it could tell nothing.
+    # The control plane is on the head by policy (`up` ran on the worker): cut off there, it could tell nothing.
     assert snap["info"]["control_node"]["node_ip"] == multinode.HEAD_IP, snap["info"].get("control_node")
     # Rank 0 hosts the world's store: cut off with it, the head's rank has no store to idle on
     # (its recovery once failed so: "the step loop did not stop in 10s").
