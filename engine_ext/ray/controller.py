@@ -50,7 +50,8 @@ class Controller:
                                  on_rank_failure=on_rank_failure)
         self.spawner.on_death = self._on_death
         self.orch.world.router = IngressLink(deployment, namespace, ingress, fenced=lambda: {  # type: ignore[assignment]
-            r: int(f["epoch"]) for r, f in self.orch.world.fenced.items()})
+            r: int(f["epoch"]) for r, f in self.orch.world.fenced.items()},
+            seen=lambda r, at: self.reconciler.health.heard(r, at))
         self._tasks: dict[str, asyncio.Task] = {}
         self.spawner.pool = make_pool(self.spawner, self.orch.world, self._forget_rank, standby) if standby > 0 else None
         self._pool_watch: asyncio.Task | None = None

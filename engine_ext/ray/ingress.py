@@ -43,6 +43,7 @@ class Ingress:
         self.version: list[Any] | None = None  # the controller's world version last applied
         self.fenced: dict[int, int] = {}  # rank -> the newest epoch it is fenced at
         self.fenced_dropped = 0
+        self.heard: dict[int, float] = {}  # rank -> when it last sent a token or a result (accepted)
         self._told: dict[int, float] = {}
         self.started_at = time.time()
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -134,6 +135,8 @@ class Ingress:
         controller is told, and ends it again."""
         fenced_at = self.fenced.get(rank)
         if rank < 0 or fenced_at is None or epoch > fenced_at:
+            if rank >= 0:
+                self.heard[rank] = time.time()  # a sign of life the controller's health check counts
             return True
         self.fenced_dropped += 1
         now = time.time()
@@ -168,7 +171,8 @@ class Ingress:
         return {"index": self.index, "version": self.version, "url": self.url, "parked": r.parked,
                 "paused": r.paused, "completed": r.completed, "failed": r.failed, "rerouted": r.rerouted,
                 "stale_dropped": r.stale_dropped, "fenced_dropped": self.fenced_dropped,
-                "inflight": sum(r.inflight.values()), "members": sorted(r.clients), "restarted": self.restarted}
+                "inflight": sum(r.inflight.values()), "members": sorted(r.clients), "restarted": self.restarted,
+                "heard": {str(k): t for k, t in self.heard.items()}}
 
     def pid(self) -> int:
         import os

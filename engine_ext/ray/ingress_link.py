@@ -30,9 +30,11 @@ class IngressLink:
     """Stands where the controller's router stood (``World.router``)."""
 
     def __init__(self, deployment: str, namespace: str, count: int,
-                 fenced: Callable[[], dict[int, int]]) -> None:
+                 fenced: Callable[[], dict[int, int]], seen: Callable[[int, float], None] = lambda r, at: None,
+                 ) -> None:
         self.deployment, self.namespace, self.count = deployment, namespace, count
         self._fenced = fenced  # rank -> the epoch it is fenced at (the world's)
+        self._seen = seen  # told when an ingress last heard a token or a result of a rank (health)
         self.clients: dict[int, RankClient] = {}
         self.excluded: set[int] = set()
         self._paused = False
@@ -155,6 +157,8 @@ class IngressLink:
         for i, a in zip(idx, answers):
             if isinstance(a, dict):
                 self.stats[i] = a
+                for r, at in (a.get("heard") or {}).items():
+                    self._seen(int(r), float(at))
                 if a.get("version") != self._version:
                     self._push(only=i)
 
