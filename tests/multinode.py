@@ -97,7 +97,7 @@ class TwoNodeCluster:
 
     def eepctl_on_worker(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """The CLI run from the worker node's shell (inside its namespace), as an operator there would."""
-        env = dict(os.environ, RAY_ADDRESS=self.address, NO_COLOR="1", COLUMNS="200")
+        env = dict(os.environ, **CONTROL_ENV, RAY_ADDRESS=self.address, NO_COLOR="1", COLUMNS="200")
         return subprocess.run(["ip", "netns", "exec", self.ns, sys.executable, "-m", "eepctl", *args],
                               capture_output=True, text=True, timeout=timeout, env=env,
                               cwd=Path(__file__).resolve().parent.parent)
