@@ -34,8 +34,8 @@ PROBE = [5, 6, 7]
 class Probe:
     """One request at a time, back to back: the completion times show when serving pauses."""
 
-    def __init__(self, controller: Any) -> None:
-        self.controller = controller
+    def __init__(self, ingress: Any) -> None:
+        self.ingress = ingress
         self.done: list[float] = []
         self.errors = 0
         self._stop = threading.Event()
@@ -46,7 +46,7 @@ class Probe:
 
         while not self._stop.is_set():
             try:
-                res = ray.get(self.controller.generate.remote(PROBE, 1), timeout=120)
+                res = ray.get(self.ingress.generate.remote(PROBE, 1), timeout=120)
                 if res.get("error"):
                     self.errors += 1
                 else:
@@ -64,11 +64,12 @@ class Probe:
         self._thread.join(130)
 
 
-def _controller(t: Any) -> Any:
+def _ingress(t: Any) -> Any:
+    """Requests enter the deployment's ingress (the controller is not on their path)."""
     from engine_ext.ray.deployment import actor
-    from engine_ext.ray.names import controller_name
+    from engine_ext.ray.names import ingress_name
 
-    return actor(controller_name(t.name), t.namespace)
+    return actor(ingress_name(t.name, 0), t.namespace)
 
 
 def _wait_serving(core: Any, t: Any, n: int, timeout_s: float = 120.0) -> None:
@@ -107,7 +108,7 @@ def main() -> None:
         load: dict[str, Any] = {}
         loader = threading.Thread(target=lambda: load.update(core.load(t, core.DEFAULT_PROMPTS, 8, args.rate, 12.0,
                                                                        timeout_s=300)))
-        with Probe(_controller(t)) as probe:
+        with Probe(_ingress(t)) as probe:
             loader.start()
             time.sleep(3.0)
             t_kill = time.time()

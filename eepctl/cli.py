@@ -62,6 +62,8 @@ def up(
     capture_policy: Annotated[str, typer.Option("--capture-policy", help="recapture: capture once per transition, workspace right-sized; reuse: size captures for --max-dp at start; survivors capture nothing in transitions, a joiner once (more memory).")] = "recapture",
     transport: Annotated[str, typer.Option("--transport", help="The per-step collectives: auto (shared memory when every rank of a world shares one host, gloo otherwise; chosen again at every transition), or gloo (TCP always).")] = "auto",
     health_deadline: Annotated[float, typer.Option("--health-deadline", help="Seconds a rank may stay silent (no probe answer, token or result) before it is fenced and recovered around; also how long a serving step waits for a peer.")] = 5.0,
+    ingress: Annotated[int, typer.Option("--ingress", help="Ingress actors (requests enter there, HTTP and Ray calls; spread over nodes, the head first).")] = 1,
+    api_key: ApiKey = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
@@ -91,7 +93,8 @@ def up(
         res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
                       cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
                       placement={"policy": placement, "ifname": ifname},
-                      on_rank_failure=on_rank_failure, standby=standby, health_deadline_s=health_deadline)
+                      on_rank_failure=on_rank_failure, standby=standby, health_deadline_s=health_deadline,
+                      ingress=ingress, api_key=api_key)
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 
 

@@ -82,7 +82,8 @@ def _driver(t: Target, api_key: str | None) -> Driver:
 def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
        timeout_s: float, say: Callable[[str], None] = lambda s: None,
        placement: dict[str, Any] | None = None, on_rank_failure: str = "replace",
-       standby: int = 0, health_deadline_s: float = 5.0) -> dict[str, Any]:
+       standby: int = 0, health_deadline_s: float = 5.0, ingress: int = 1,
+       api_key: str | None = None) -> dict[str, Any]:
     from engine_ext.config import EngineConfig, RankFailurePolicy
     from engine_ext.ray.deployment import actor, create_deployment
     from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
@@ -94,10 +95,13 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
         raise UsageError(f"--max-dp ({max_dp}) must be >= --dp ({dp})")
     try:
         RankFailurePolicy.parse(on_rank_failure, "--on-rank-failure")
+        spec = PlacementSpec.from_dict(placement)
+        spec.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if standby < 0:
-        raise UsageError(f"--standby must be >= 0, got {standby}")
+    for opt, value, least in (("--standby", standby, 0), ("--ingress", ingress, 1)):
+        if value < least:
+            raise UsageError(f"{opt} must be >= {least}, got {value}")
     if not health_deadline_s > 0:
         raise UsageError(f"--health-deadline must be > 0, got {health_deadline_s}")
     try:
@@ -111,11 +115,6 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     why = kv_budget_error(cfg, dp)  # refused before a cluster is touched (the controller checks it too)
     if why:
         raise PreconditionError(f"cannot start DP {dp}: {why}")
-    spec = PlacementSpec.from_dict(placement)
-    try:
-        spec.validate()
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     started = None
     t0 = time.time()
     try:
@@ -132,13 +131,21 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
                                         gpus_per_rank, timeout_s, placement=spec.to_dict(),
                                         on_rank_failure=on_rank_failure, standby=standby,
-                                        health_deadline_s=health_deadline_s)
+                                        health_deadline_s=health_deadline_s, ingress=ingress,
+                                        api_key_sha256=key_digest(api_key) if api_key else "")
     # Heartbeats lag the start by up to a second: never less than a few seconds for them.
     deadline = max(t0 + timeout_s, time.time() + 5.0)
     snap = wait_serving(lambda: _get(handles.registry.snapshot.remote()), t.name, dp, deadline)
     return {"deployment": t.name, "namespace": t.namespace, "address": address, "dp": result["dp"],
             "max_dp": max_dp, "cluster_started": started is not None, "elapsed_s": round(time.time() - t0, 2),
-            "ranks": snap.get("ranks", [])}
+            "ranks": snap.get("ranks", []), "ingress": (snap.get("info") or {}).get("ingress", [])}
+
+
+def key_digest(api_key: str) -> str:
+    """What the ingress keeps of an API key: its SHA-256 (the key itself never reaches Ray)."""
+    import hashlib
+
+    return hashlib.sha256(api_key.encode()).hexdigest()
 
 
 def wait_serving(snapshot: Callable[[], dict[str, Any]], name: str, dp: int, deadline: float,
@@ -258,7 +265,7 @@ def generate(t: Target, prompts: list[list[int]], max_tokens: int, timeout_s: fl
     return {"deployment": t.name, "results": [
         {"prompt": p, "output": r.get("output", []), "error": loadgen.error_text(r),
          "latency_s": round(r.get("latency_s") or 0.0, 4), "rank": r.get("rank"), "moved_from": r.get("moved_from", []),
-         "resumed_with": r.get("resumed_with", 0)}
+         "resumed_with": r.get("resumed_with", 0), "resent": r.get("resent", 0)}
         for p, r in zip(prompts, results)]}
 
 

@@ -90,7 +90,8 @@ def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s:
             r = {"error": e.message}
         records.append({"prompt_index": idx, "output": r.get("output", []), "error": error_text(r),
                         "latency_s": r.get("latency_s"), "rank": r.get("rank"), "moved_from": r.get("moved_from", []),
-                        "resumed_with": r.get("resumed_with", 0), "sent_at": round(sent_at, 3)})
+                        "resumed_with": r.get("resumed_with", 0), "sent_at": round(sent_at, 3),
+                        "resent": r.get("resent", 0)})
     lat = sorted(r["latency_s"] for r in records if not r["error"] and r["latency_s"] is not None)
     return {"sent": n, "completed": len(lat), "failed": n - len(lat), "duration_s": round(time.time() - t0, 2),
             "rate": rate, "stopped_early": stop.is_set(), "latency_s": percentiles(lat), "prompts": prompts,

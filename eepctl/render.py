@@ -8,7 +8,7 @@ from typing import Any
 
 # rich is imported inside the text renderers: `-o json` output never pays for it.
 from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
-from eepctl.render_control import control_lines
+from eepctl.render_control import control_lines, ingress_lines
 
 
 def to_json(kind: str, data: Any) -> str:
@@ -138,6 +138,7 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
              f"waiting {s['requests_waiting']}"]
     lines += _selfheal_lines(snap)
     lines += control_lines(snap)
+    lines += ingress_lines(snap)
     lines += _autoscale_lines(snap)
     per_node = ranks_per_node(snap["ranks"])
     if len(per_node) > 8:  # at scale, a distribution instead of one entry per node

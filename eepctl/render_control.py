@@ -46,6 +46,16 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
     return lines
 
 
+def ingress_lines(snap: dict[str, Any]) -> list[str]:
+    """Where requests enter (each ingress's HTTP URL), with what it holds when it holds some."""
+    lines = []
+    for ing in (snap.get("info") or {}).get("ingress") or []:
+        held = [f"{ing[k]} {k}" for k in ("inflight", "parked") if ing.get(k)]
+        lines.append(f"ingress {ing.get('index')}: {ing.get('url') or 'starting'}"
+                     + (f" ({', '.join(held)})" if held else "") + (" (restarted by Ray)" if ing.get("restarted") else ""))
+    return lines
+
+
 def _retry_in(control: dict[str, Any], now: float) -> str:
     """When the loop tries again: ``retry_at`` (absolute), or an older controller's ``backoff_s``."""
     left = float(control["retry_at"]) - now if control.get("retry_at") else float(control.get("backoff_s") or 0.0)

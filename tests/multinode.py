@@ -97,6 +97,13 @@ class TwoNodeCluster:
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env))
         _wait_nodes(self.address, 2, timeout_s)
 
+    def eepctl_on_worker(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """The CLI run from the worker node's shell (inside its namespace), as an operator there would."""
+        env = dict(os.environ, **CONTROL_ENV, RAY_ADDRESS=self.address, NO_COLOR="1", COLUMNS="200")
+        return subprocess.run(["ip", "netns", "exec", self.ns, sys.executable, "-m", "eepctl", *args],
+                              capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=Path(__file__).resolve().parent.parent)
+
     def set_link(self, up: bool) -> None:
         """Cut the worker node off (its processes live, no packet crosses) or connect it again."""
         _run("ip", "link", "set", self.veth_root, "up" if up else "down")

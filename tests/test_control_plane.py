@@ -50,6 +50,7 @@ def test_a_fenced_rank_is_never_heard_again_but_a_new_rank_with_its_number_is() 
 
 
 def test_health_fences_on_silence_and_on_a_reported_failure_not_on_an_answer() -> None:
+    """Silence is no probe answer and no token or result an ingress took; a fenced world's answer is none."""
     w = World("t")
     w.adopt({0: _Answers(0, {"state": "serving", "epoch": 1}), 1: _Answers(1, TimeoutError()),
              2: _Answers(2, {"state": "failed", "state_reason": "out of memory", "epoch": 1})},
@@ -61,6 +62,11 @@ def test_health_fences_on_silence_and_on_a_reported_failure_not_on_an_answer() -
     asyncio.run(h.probe([0, 1, 2]))
     bad = h.unhealthy([0, 1, 2])
     assert set(bad) == {1, 2} and bad[1].startswith("silent for") and "deadline 0.3s" in bad[1], bad
+    h.heard(1, time.time())  # an ingress took its tokens (issue 33: they never reach the controller)
+    assert set(h.unhealthy([0, 1, 2])) == {2}
+    h.forget(1)
+    h.heard(1, time.time())  # a departed (fenced) rank's tokens watch nothing
+    assert 1 not in h.last_seen
     w.fence(0, "test")  # an answer from a fenced world is no sign of life
     time.sleep(0.35)
     asyncio.run(h.probe([0]))

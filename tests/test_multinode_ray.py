@@ -255,13 +255,19 @@ def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_
     """Issue 22 point 4: the worker node's link is set down under open-loop load (its processes
     live): its rank goes silent, is fenced by epoch after the health deadline, and the head's
     rank serves alone; when the link comes back, nothing of the old world serves or reports into
-    the new one. Runs before the node-loss test, which takes the worker node away."""
+    the new one. Runs before the node-loss test, which takes the worker node away. Issue 33 point
+    4: `up` runs from the worker node's shell, and the control plane is still on the head (policy,
+    not the caller's node)."""
     d = md("mn-partition")
-    up_with_faults(d.name, 2, 4, [], 5.0, placement="spread", on_rank_failure="shrink")
+    up = two_nodes.eepctl_on_worker("up", "--name", d.name, "--dp", "2", "--max-dp", "4", "--dtype", "float64",
+                                    "--placement", "spread", "--on-rank-failure", "shrink", "-o", "json")
+    assert up.returncode == 0, f"up from the worker node exited {up.returncode}: {up.stderr}"
     snap = serving_view(d.name, 2)
     where = nodes_of(snap)
     head_rank = next(r for r, ip in where.items() if ip == multinode.HEAD_IP)
     cut_rank = 1 - head_rank
+    # The control plane is on the head by policy (`up` ran on the worker): cut off there, it could tell nothing.
+    assert snap["info"]["control_node"]["node_ip"] == multinode.HEAD_IP, snap["info"].get("control_node")
     # Rank 0 hosts the world's store: cut off with it, the head's rank has no store to idle on
     # (its recovery once failed so: "the step loop did not stop in 10s").
     print(f"\n[partition] cut off: rank {cut_rank}{' (the store host)' if cut_rank == 0 else ''}")
@@ -394,7 +400,7 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
     where = nodes_of(snap)
     assert sorted(where.values()) == sorted([multinode.HEAD_IP, multinode.WORKER_IP]), where
     head_rank = next(r for r, ip in where.items() if ip == multinode.HEAD_IP)
-    # The control plane is pinned to the node `up` ran on (the head), not left to Ray's choice.
+    # The control plane is on the head node by policy, not left to Ray's choice.
     assert snap["info"]["control_node"]["node_ip"] == multinode.HEAD_IP, snap["info"].get("control_node")
     lost_rank = 1 - head_rank
     cfg_d = snap["info"]["config"]

@@ -36,6 +36,12 @@ class Health:
         self.last_seen[rank] = time.time()
         self.probe_error.pop(rank, None)
 
+    def heard(self, rank: int, at: float) -> None:
+        """An ingress took a token or a result of ``rank`` at ``at`` (engine_ext.ray.ingress_link):
+        a sign of life of a member being watched (a fenced or departed rank is not one)."""
+        if rank in self.last_seen and at > self.last_seen[rank]:
+            self.last_seen[rank] = at
+
     async def probe(self, ranks: list[int]) -> None:
         """Ask each of ``ranks`` for its status at once; an answer is a sign of life."""
         clients = [(r, self.world.clients[r]) for r in ranks if r in self.world.clients]

@@ -73,7 +73,7 @@ class Recovery:
         """Out of the router's choice; its requests wait for a survivor with their tokens so far."""
         o = self.world
         self.dead[rank] = {"rank": rank, "cause": cause, "at": time.time()}
-        o.router.excluded.add(rank)
+        o.router.exclude(rank)
         o.router.pause()
         if not variant_on(self.cfg.faults, "no_reroute"):
             o.router.reroute({rank})

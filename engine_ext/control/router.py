@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from engine_ext.control.rank_client import RankClient
@@ -41,6 +42,7 @@ class Router:
         self.closed = False  # the deployment stops: requests fail at once
         self.unhealthy: str | None = None  # why no rank can serve (a recovery failed), until one succeeds
         self._last_pick = -1  # ties go to the next rank after it
+        self.watchers: dict[str, Callable[[int], None]] = {}  # request id -> told each new token (a stream)
 
     def set_ranks(self, clients: dict[int, RankClient]) -> None:
         # A rank number now held by a new process (a rebuild, a joiner) is not excluded any more.
@@ -48,6 +50,13 @@ class Router:
         self.clients = dict(clients)
         for r in clients:
             self.inflight.setdefault(r, 0)
+
+    def exclude(self, rank: int) -> None:
+        """No new request goes to ``rank`` (it is leaving or dead); what it holds stays its own."""
+        self.excluded.add(rank)
+
+    def include(self, rank: int) -> None:
+        self.excluded.discard(rank)
 
     def _pick(self, avoid: set[int] = frozenset()) -> int | None:  # type: ignore[assignment]
         """The least-loaded rank; among equally loaded ones the next in turn. (Lowest-numbered first
@@ -161,6 +170,8 @@ class Router:
                 continue
             output.append(int(tok))
             wire.setdefault("logits", []).append(float(logit))
+            if (watch := self.watchers.get(rid)) is not None:
+                watch(int(tok))
 
     def _park(self, wire: dict[str, Any], why: str = "") -> None:
         self._parked_at.setdefault(wire["request_id"], time.time())

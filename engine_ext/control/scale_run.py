@@ -82,7 +82,7 @@ class ScaleRun:
                 world.update(await self._launch(tplan.new_layout))
             else:
                 for r in self.leaving:
-                    self.world.router.excluded.add(r)
+                    self.world.router.exclude(r)
             await self._prepare(world, tplan)
             if not self.growing:
                 await self._drain(world)
@@ -170,7 +170,7 @@ class ScaleRun:
         w, op = self.world, self.op
         for r in w.members:
             if r not in self.recovery.dead:
-                w.router.excluded.discard(r)
+                w.router.include(r)
         if not self.commit_started:
             op.phase_durations.setdefault(Phase.ROLLBACK.value, 0.0)
             t = time.time()

@@ -58,12 +58,14 @@ def check_outcome(op: dict[str, Any]) -> dict[str, Any]:
 
 
 class RayPending:
-    """A request to the reference controller. When the controller is being restarted (it died
-    with the request in flight, or before it arrived), the request is sent again once it
-    serves: a generate has no effect but its answer, so a retry is safe."""
+    """A request to an ingress of the deployment (engine_ext.ray.ingress), which owns it until it
+    is answered; the controller is not on its path. When that ingress died with the request (Ray
+    restarts it), the request is sent again, to the next ingress, and the answer says so
+    (``resent``): a generate has no effect but its answer, so a retry is safe."""
 
-    def __init__(self, controller: Any, prompt: list[int], max_tokens: int) -> None:
-        self.send = lambda: controller.generate.remote(prompt, max_tokens)
+    def __init__(self, ingresses: list[Any], first: int, prompt: list[int], max_tokens: int) -> None:
+        self.ingresses, self.at = ingresses, first
+        self.send = lambda: self.ingresses[self.at % len(self.ingresses)].generate.remote(prompt, max_tokens)
         self.ref = self.send()
         self.retries = 0
 
@@ -71,12 +73,14 @@ class RayPending:
         deadline = time.time() + timeout_s
         while True:
             try:
-                return _get(self.ref, timeout=max(0.1, deadline - time.time()))
-            except UnreachableError as e:
-                if not e.detail.get("retriable") or time.time() + 0.5 > deadline:
+                res = _get(self.ref, timeout=max(0.1, deadline - time.time()))
+                return dict(res, resent=self.retries) if self.retries else res
+            except UnreachableError:  # the ingress died (or is being restarted) with the request
+                if time.time() + 0.5 > deadline:
                     raise
             self.retries += 1
             time.sleep(0.5)
+            self.at += 1
             self.ref = self.send()
 
 
@@ -175,7 +179,25 @@ class ReferenceDriver:
         controller = self._controller("its autoscaler's decisions went with it")
         return raise_if_error(_get(controller.autoscale_decisions.remote(since), timeout=30))
 
+    def ingresses(self) -> list[Any]:
+        """The deployment's ingress actors (requests enter there, whether a controller is up or not)."""
+        import ray
+
+        from engine_ext.ray.names import ingress_name
+
+        found: list[Any] = []
+        while ray.is_initialized():  # (not connected: nothing to find, and nothing to start here)
+            try:
+                found.append(ray.get_actor(ingress_name(self.name, len(found))))
+            except ValueError:
+                break
+        if not found:
+            raise UnreachableError(f"deployment {self.name!r} has no ingress: the deployment cannot serve requests "
+                                   f"(`eepctl down --name {self.name}` then `eepctl up` again)")
+        return found
+
     @contextmanager
     def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:
-        controller = self._controller("the deployment cannot serve requests")
-        yield lambda prompt: RayPending(controller, prompt, max_tokens)
+        ingresses = self.ingresses()
+        sent = iter(range(1 << 62))
+        yield lambda prompt: RayPending(ingresses, next(sent), prompt, max_tokens)

@@ -1,6 +1,7 @@
 """The controller: a named, detached async actor per deployment, restarted by Ray when it dies.
 
-It owns the rank actors, routes requests (the frontend), runs scale operations (so a transition
+It owns the rank actors, tells the ingresses the world (engine_ext.ray.ingress_link: requests
+enter, are routed and answered there, never here), runs scale operations (so a transition
 survives the eepctl process that asked for it) and runs the reconcile loop
 (engine_ext.control.reconciler). Its state is durable (engine_ext.ray.durable): a restarted
 controller re-attaches to the live ranks and settles what was running
@@ -26,6 +27,7 @@ from engine_ext.ray import placement
 from engine_ext.ray.autoscale_host import AutoscaleHost, autoscale_round, autoscaler_metrics
 from engine_ext.ray.controller_memory import forget_unheld_ranks, snapshot, sweep_orphans, take_over
 from engine_ext.ray.durable import DurableState
+from engine_ext.ray.ingress_link import IngressLink
 from engine_ext.ray.registry_keeper import RegistryKeeper
 from engine_ext.ray.spawner import RaySpawner
 from engine_ext.ray.standby import make_pool
@@ -34,7 +36,8 @@ from engine_ext.ray.standby import make_pool
 class Controller:
     def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
                  cpus_per_rank: float, gpus_per_rank: float, placement_d: dict[str, Any] | None = None,
-                 on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0) -> None:
+                 on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0,
+                 ingress: int = 1) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
@@ -46,6 +49,9 @@ class Controller:
                                  emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank,
                                  on_rank_failure=on_rank_failure)
         self.spawner.on_death = self._on_death
+        self.orch.world.router = IngressLink(deployment, namespace, ingress, fenced=lambda: {  # type: ignore[assignment]
+            r: int(f["epoch"]) for r, f in self.orch.world.fenced.items()},
+            seen=lambda r, at: self.reconciler.health.heard(r, at))
         self._tasks: dict[str, asyncio.Task] = {}
         self.spawner.pool = make_pool(self.spawner, self.orch.world, self._forget_rank, standby) if standby > 0 else None
         self._pool_watch: asyncio.Task | None = None
@@ -53,7 +59,6 @@ class Controller:
         # Registry recreation: what a new registry must be given back (info, ops, own events).
         self._info: dict[str, Any] = {}
         self._emitted: deque[dict[str, Any]] = deque(maxlen=2000)
-        self.fenced_dropped = 0  # messages from fenced ranks that were not taken
         self.reconciler = Reconciler(self.orch, deadline_s=health_deadline_s, on_tick=self._persist,
                                      sweep=self._sweep_orphans, autoscale=self._autoscale)
         self.durable = DurableState(namespace, deployment)
@@ -168,26 +173,10 @@ class Controller:
     def autoscale_decisions(self, since: float = 0.0, limit: int = 200) -> dict[str, Any]:
         return self.autoscale_host.autoscale_decisions(since, limit)
 
-    # ---- serving -------------------------------------------------------------------------------
-    def on_results(self, results: list[dict[str, Any]], rank: int = -1, epoch: int = -1) -> None:
-        if self._accept(rank, epoch):
-            self.orch.router.on_results(results, rank if rank >= 0 else None)
-
-    def on_tokens(self, tokens: dict[str, list[float]], rank: int = -1, epoch: int = -1) -> None:
-        if self._accept(rank, epoch):
-            self.orch.router.on_tokens(tokens, rank if rank >= 0 else None)
-
-    def _accept(self, rank: int, epoch: int) -> bool:
-        """Whether what ``rank`` sent from ``epoch`` counts: never from a fenced world (a rank
-        that hung or was cut off and came back); it is told again, and ended again."""
-        if rank < 0:
-            return True
-        if self.orch.world.accepts(rank, epoch):
-            self.reconciler.health.seen(rank)
-            return True
-        self.fenced_dropped += 1
+    # ---- serving: the ingresses hold the requests ---------------------------------------------
+    def heard_fenced(self, rank: int) -> None:
+        """An ingress dropped what a fenced rank sent (it came back): tell it again, end it again."""
         self.orch.refence(rank)
-        return False
 
     # ---- self-healing --------------------------------------------------------------------------
     def _on_death(self, rank: int, cause: str) -> None:
@@ -205,8 +194,9 @@ class Controller:
                  "standby_pool": self.spawner.pool.summary() if self.spawner.pool is not None else None,
                  "control": {**control, "controller_restarts": self.restarts, "took_over": self.took_over,
                              "stale_removed": self.spawner.stale_removed,
-                             "fenced_messages_dropped": self.fenced_dropped,
-                             "stale_messages_dropped": self.orch.router.stale_dropped}}
+                             "fenced_messages_dropped": self.orch.router.fenced_dropped,
+                             "stale_messages_dropped": self.orch.router.stale_dropped},
+                 "ingress": self.orch.router.shown() or self._info.get("ingress", [])}
         self._info.update(extra)
         if self._info == self._published:
             return
@@ -302,16 +292,6 @@ class Controller:
         self._info_dead()
         return {"deployment": self.deployment, "actions": done or ["nothing to repair"],
                 "dp": self.orch.size, "desired_dp": self.orch.desired, "failed": self.reconciler.failures_since(t0)}
-
-    async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        t0 = time.time()
-        await self._ready.wait()  # a restarted controller serves once it took the ranks back
-        try:
-            res = await self.orch.router.submit(prompt, max_tokens)
-        except EepError as e:
-            return {"error": e.message, "latency_s": time.time() - t0}
-        res["latency_s"] = time.time() - t0
-        return res
 
     # ---- scaling -------------------------------------------------------------------------------
     async def plan(self, target: int, retire: list[int] | None = None) -> dict[str, Any]:

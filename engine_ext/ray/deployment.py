@@ -20,6 +20,7 @@ from engine_ext.protocol import (
 from engine_ext.ray.names import (
     REGISTRY_PREFIX,
     controller_name,
+    ingress_name,
     registry_name,
     vllm_controller_name,
 )
@@ -71,8 +72,9 @@ def list_deployments(namespace: str) -> list[str]:
 def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, max_dp: int, cpus: float,
                       gpus: float, timeout_s: float, placement: dict[str, Any] | None = None,
                       on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0,
-                      ) -> tuple[DeploymentHandles, dict[str, Any]]:
-    """Create the registry and the controller (detached, named) and start ``dp`` ranks.
+                      ingress: int = 1, api_key_sha256: str = "") -> tuple[DeploymentHandles, dict[str, Any]]:
+    """Create the registry, ``ingress`` ingresses and the controller (detached, named) and start
+    ``dp`` ranks.
 
     Returns the handles and the controller's start result. When the start fails, both actors
     are killed again, so a failed ``up`` leaves nothing behind."""
@@ -80,7 +82,7 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
 
     from engine_ext.config import EngineConfig
     from engine_ext.ray.controller import Controller
-    from engine_ext.ray.placement import on_this_node
+    from engine_ext.ray.placement import control_nodes, on_node
     from engine_ext.ray.registry import Registry
 
     from engine_ext.ray.durable import DurableState
@@ -89,27 +91,59 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     engine_cfg = EngineConfig.from_dict(cfg)
     engine_cfg.size_captures_for(max_dp)
     cfg = engine_cfg.to_dict()
+    # The control plane's place is the policy's (the head node, docs/operations.md), never the
+    # caller's. Hard: Ray's soft affinity put a zero-CPU actor on another node (1 of 3 tries on the
+    # two-node test cluster), and the head's loss is the cluster's anyway.
+    control = on_node(control_nodes()[0], soft=False)
     registry = ray.remote(Registry).options(name=registry_name(name), namespace=namespace, lifetime="detached",
-                                            num_cpus=0, scheduling_strategy=on_this_node()).remote(name)
+                                            num_cpus=0, scheduling_strategy=control).remote(name)
     info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
             "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}, "desired_dp": dp,
             "on_rank_failure": on_rank_failure}
+    ingresses = create_ingresses(name, namespace, ingress, api_key_sha256)
+    info["ingress"] = [call(h.ready.remote(), timeout=60) for h in ingresses]
     call(registry.set_info.remote(info))
     # Restarted by Ray whenever it dies (its state is durable: engine_ext.ray.durable); calls in
     # flight at its death fail, and are not retried, so a scale is never sent twice.
     controller = ray.remote(Controller).options(
         name=controller_name(name), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
-        scheduling_strategy=on_this_node(), max_restarts=-1, max_task_retries=0,
-    ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby, health_deadline_s)
+        scheduling_strategy=control, max_restarts=-1, max_task_retries=0,
+    ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby, health_deadline_s,
+             ingress)
     try:
         result = call(controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)
         if isinstance(result, dict) and isinstance(result.get("error"), dict):
             raise error_from_record(result["error"])
     except BaseException:
-        for h in (controller, registry):
+        for h in (controller, registry, *ingresses):
             ray.kill(h, no_restart=True)
         raise
     return DeploymentHandles(registry, controller), result
+
+
+def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str = "") -> list[Any]:
+    """``count`` ingress actors (engine_ext.ray.ingress), restarted by Ray when they die; spread
+    over the alive nodes, the head node first (placement.control_nodes): held to the head (its loss
+    is the cluster's), soft elsewhere (a restart after that node died lands on a live one)."""
+    import ray
+
+    from engine_ext.ray.ingress import Ingress
+    from engine_ext.ray.placement import control_nodes, on_node
+
+    nodes = control_nodes()
+    return [ray.remote(Ingress).options(
+        name=ingress_name(name, i), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
+        max_restarts=-1, max_task_retries=0, scheduling_strategy=on_node(nodes[i % len(nodes)], soft=i % len(nodes) > 0),
+    ).remote(name, namespace, i, api_key_sha256) for i in range(count)]
+
+
+def ingress_names(name: str, namespace: str) -> list[str]:
+    """The ingress actors of deployment ``name`` that Ray lists."""
+    from ray.util import list_named_actors
+
+    prefix = ingress_name(name, 0)[:-1]
+    return sorted(a["name"] for a in list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == namespace and a["name"].startswith(prefix) and a["name"][len(prefix):].isdigit())
 
 
 def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wait_s: float = 30.0) -> list[str]:
@@ -130,6 +164,10 @@ def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wa
         except EepError:
             pass
     removed = leftovers.remove_unheld(namespace, name, keep=())
+    ingresses = ingress_names(name, namespace)
+    for n in ingresses:  # after the controller's stop: what they held has failed ("stopping")
+        if (h := actor(n, namespace)) is not None:
+            ray.kill(h, no_restart=True)
     vllm_controller = actor(vllm_controller_name(name), namespace)
     for h in (vllm_controller, handles.controller, handles.registry):
         if h is not None:
@@ -138,7 +176,7 @@ def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wa
         removed.append(f"actor {vllm_controller_name(name)}")
     _forget_stores(name, namespace)
     # ray.kill only queues the request: wait until the names are really gone.
-    names = {registry_name(name), controller_name(name), vllm_controller_name(name)}
+    names = {registry_name(name), controller_name(name), vllm_controller_name(name), *ingresses}
     deadline = time.time() + wait_s
     while True:
         alive = {a["name"] for a in list_named_actors(all_namespaces=True)
@@ -162,6 +200,8 @@ def _forget_stores(name: str, namespace: str) -> None:
 
     DurableState(namespace, name).delete()
     internal_kv._internal_kv_del(endpoint_key(namespace, name), namespace=KV_NAMESPACE)
+    internal_kv._internal_kv_del(f"ingress-port/{namespace}/{name}/".encode(), del_by_prefix=True,
+                                 namespace=KV_NAMESPACE)
 
 
 def has_leftovers(name: str, namespace: str) -> bool:
@@ -173,7 +213,8 @@ def has_leftovers(name: str, namespace: str) -> bool:
     from engine_ext.ray.durable import DurableState
     from engine_ext.ray.registry import KV_NAMESPACE, endpoint_key
 
-    if leftovers.owned(namespace, name).names() or actor(vllm_controller_name(name), namespace) is not None:
+    if (leftovers.owned(namespace, name).names() or actor(vllm_controller_name(name), namespace) is not None
+            or ingress_names(name, namespace)):
         return True
     return DurableState(namespace, name).load() is not None or bool(
         internal_kv._internal_kv_get(endpoint_key(namespace, name), namespace=KV_NAMESPACE))

@@ -224,3 +224,20 @@ def release(pg: Any) -> None:
         remove_placement_group(pg)
     except Exception:  # noqa: BLE001 - already gone with its creator
         pass
+
+
+def control_nodes() -> list[Node]:
+    """Where the control plane may run, in order of preference: the head node, then the other
+    alive nodes (by id). The head holds Ray's GCS: losing it loses the cluster anyway."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    alive.sort(key=lambda n: ("node:__internal_head__" not in n.get("Resources", {}), n["NodeID"]))
+    return [Node(n["NodeID"], n["NodeManagerAddress"], 0.0, 0.0) for n in alive]
+
+
+def on_node(node: Node, soft: bool) -> Any:
+    """Place an actor on ``node``; ``soft``: elsewhere when that node is gone (a restart by Ray)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node.node_id, soft=soft)

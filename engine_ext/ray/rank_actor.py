@@ -12,7 +12,7 @@ from typing import Any
 
 import ray
 
-from engine_ext.ray.names import controller_name, registry_name
+from engine_ext.ray.names import ingress_name, owner_of, registry_name
 from engine_ext.records import RankState
 
 
@@ -26,7 +26,7 @@ class RankActor:
         self.deployment = deployment
         self.namespace = namespace
         self._registry = None
-        self._controller = None
+        self._ingresses: dict[int, Any] = {}  # ingress index -> handle (it survives the ingress's restarts)
         self._resolve_after = 0.0
         self._registry_id: str | None = None  # the registry actor last reported to
         self._forever = threading.Event()  # never set: ``until_dead`` returns only by dying
@@ -47,19 +47,48 @@ class RankActor:
         self.engine.start_heartbeat()
 
     # ---- telemetry: never blocks the step loop ---------------------------------------------------
-    def _handles(self) -> tuple[Any, Any]:
+    def _registry_handle(self) -> Any:
         now = time.time()
-        if (self._registry is None or self._controller is None) and now >= self._resolve_after:
+        if self._registry is None and now >= self._resolve_after:
             self._resolve_after = now + 2.0
             try:
                 self._registry = ray.get_actor(registry_name(self.deployment), namespace=self.namespace)
             except ValueError:
                 self._registry = None
+        return self._registry
+
+    def _ingress(self, index: int) -> Any:
+        h = self._ingresses.get(index)
+        if h is None:
             try:
-                self._controller = ray.get_actor(controller_name(self.deployment), namespace=self.namespace)
+                h = self._ingresses[index] = ray.get_actor(ingress_name(self.deployment, index),
+                                                           namespace=self.namespace)
             except ValueError:
-                self._controller = None
-        return self._registry, self._controller
+                return None
+        return h
+
+    def _to_owners(self, kind: str, payload: dict[str, Any], engine: Any) -> None:
+        """Tokens and results go to the ingress that owns each request (its id says which), tagged
+        with the world they were produced in: an ingress drops what a fenced rank of an older
+        world sends (no split brain after a hang or a healed partition)."""
+        by_owner: dict[int | None, Any] = {}
+        if kind == "results":
+            for res in payload["results"]:
+                by_owner.setdefault(owner_of(res["request_id"]), []).append(res)
+        else:
+            for rid, tok in payload["tokens"].items():
+                by_owner.setdefault(owner_of(rid), {})[rid] = tok
+        for index, part in by_owner.items():
+            h = self._ingress(index) if index is not None else None
+            if h is None:
+                continue  # no ingress of that number: nobody waits for it
+            try:
+                if kind == "results":
+                    h.on_results.remote(part, engine.rank, engine.shared.epoch)
+                else:
+                    h.on_tokens.remote(part, engine.rank, engine.shared.epoch)
+            except Exception:  # noqa: BLE001 - an ingress being restarted: its requests fail retriably
+                pass
 
     def _sink(self, kind: str, payload: dict[str, Any]) -> None:
         if self._metrics is not None:
@@ -70,16 +99,11 @@ class RankActor:
         engine = getattr(self, "engine", None)  # None while the engine is being built
         if engine is not None and engine.state is RankState.FENCED:
             return  # the world moved on without this rank: it reports nothing more
-        registry, controller = self._handles()
         if kind in ("results", "tokens"):
-            # Tagged with the world they were produced in: the controller drops what a fenced
-            # rank of an older world sends (no split brain after a hang or a healed partition).
-            if controller is not None and engine is not None:
-                if kind == "results":
-                    controller.on_results.remote(payload["results"], engine.rank, engine.shared.epoch)
-                else:
-                    controller.on_tokens.remote(payload["tokens"], engine.rank, engine.shared.epoch)
+            if engine is not None:
+                self._to_owners(kind, payload, engine)
             return
+        registry = self._registry_handle()
         if registry is None:  # events stay in the engine's ring and go to the next registry
             return
         try:

@@ -1,0 +1,205 @@
+"""The controller's side of its ingresses (engine_ext.ray.ingress): the router's control surface
+(what the orchestrator, the recovery and the reconcile loop call on ``World.router``), carried out
+by every ingress instead of a router in the controller.
+
+Decisions (members, exclusions, pause, resume, unhealthy, closed, fences) become one world
+message, pushed to every ingress when it changes; actions on requests (re-route a dead rank's,
+hand back a drained rank's, expire or fail the parked ones) are sent to every ingress, or to the
+one that owns the request. Every reconcile tick asks each ingress for its counts and re-sends the
+world to one that holds another version (it was restarted by Ray, or missed a message). Nothing
+here waits on a request; the counts the recovery records (re-routed requests) arrive with the
+ingresses' answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from engine_ext.control.rank_client import RankClient
+from engine_ext.ray.names import ingress_name, owner_of
+
+TICK_TIMEOUT_S = 2.0
+
+
+class IngressLink:
+    """Stands where the controller's router stood (``World.router``)."""
+
+    def __init__(self, deployment: str, namespace: str, count: int,
+                 fenced: Callable[[], dict[int, int]], seen: Callable[[int, float], None] = lambda r, at: None,
+                 ) -> None:
+        self.deployment, self.namespace, self.count = deployment, namespace, count
+        self._fenced = fenced  # rank -> the epoch it is fenced at (the world's)
+        self._seen = seen  # told when an ingress last heard a token or a result of a rank (health)
+        self.clients: dict[int, RankClient] = {}
+        self.excluded: set[int] = set()
+        self._paused = False
+        self._unhealthy: str | None = None
+        self._closed = False
+        self.rerouted = 0  # re-routed requests, as the ingresses answered
+        self._expired = 0
+        self._version = [uuid.uuid4().hex[:8], 0]  # this controller's, then its message count
+        self.stats: dict[int, dict[str, Any]] = {}  # ingress index -> its last answer
+        self._handles: dict[int, Any] = {}
+        self.pushes = 0
+        self._last: dict[str, Any] | None = None  # the world last pushed (without its version)
+
+    # ---- the world ---------------------------------------------------------------------------
+    def set_ranks(self, clients: dict[int, RankClient]) -> None:
+        self.excluded = {r for r in self.excluded if r in clients and clients[r] is self.clients.get(r)}
+        self.clients = dict(clients)
+        self._push()
+
+    def exclude(self, rank: int) -> None:
+        self.excluded.add(rank)
+        self._push()
+
+    def include(self, rank: int) -> None:
+        self.excluded.discard(rank)
+        self._push()
+
+    def pause(self) -> None:
+        self._paused = True
+        self._push()
+
+    async def resume(self) -> None:
+        self._paused, self._unhealthy = False, None
+        self._push()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def unhealthy(self) -> str | None:
+        return self._unhealthy
+
+    @unhealthy.setter
+    def unhealthy(self, why: str | None) -> None:
+        self._unhealthy = why
+        self._push()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @closed.setter
+    def closed(self, closed: bool) -> None:
+        self._closed = closed
+        self._push()
+
+    def world(self) -> dict[str, Any]:
+        members = {}
+        for r, c in self.clients.items():
+            handle = getattr(c, "handle", None)
+            members[str(r)] = [getattr(c, "actor_name", ""), handle._actor_id.hex() if handle is not None else ""]
+        return {"members": members, "excluded": sorted(self.excluded),
+                "paused": self._paused, "unhealthy": self._unhealthy, "closed": self._closed,
+                "fenced": {str(r): e for r, e in self._fenced().items()}}
+
+    def _push(self, only: int | None = None) -> None:
+        """Send the world to every ingress when it changed (or to one, as it is). Never an empty
+        world before this controller knows its members (a restarted one taking over): the
+        ingresses keep the one they have."""
+        if not self.clients and not self._closed:
+            return
+        world = self.world()
+        if only is None:
+            if world == self._last:
+                return
+            self._last = world
+            self._version[1] += 1
+        world["version"] = list(self._version)
+        for i in range(self.count) if only is None else [only]:
+            h = self._handle(i)
+            if h is not None:
+                self.pushes += 1
+                h.set_world.remote(world)
+
+    def _handle(self, index: int) -> Any:
+        h = self._handles.get(index)
+        if h is None:
+            try:
+                h = self._handles[index] = ray.get_actor(ingress_name(self.deployment, index), namespace=self.namespace)
+            except ValueError:
+                return None
+        return h
+
+    # ---- requests ----------------------------------------------------------------------------
+    def reroute(self, dead: set[int]) -> int:
+        """Each ingress parks what the dead ranks held; the count arrives with the answers."""
+        for i in range(self.count):
+            if (h := self._handle(i)) is not None:
+                asyncio.ensure_future(self._add(h.reroute.remote(sorted(dead)), "rerouted"))
+        return 0
+
+    async def resubmit(self, moved: list[dict[str, Any]]) -> None:
+        """Requests a removing rank handed back go to the ingress that owns them."""
+        by_owner: dict[int, list[dict[str, Any]]] = {}
+        for wire in moved:
+            owner = owner_of(wire["request_id"])
+            if owner is not None:
+                by_owner.setdefault(owner, []).append(wire)
+        for i, wires in by_owner.items():
+            if (h := self._handle(i)) is not None:
+                h.resubmit.remote(wires)
+
+    async def retry_parked(self) -> None:
+        """The reconcile tick: each ingress re-sends what it parked and answers its counts; one
+        holding another world version (restarted, or it missed a message) is sent this one."""
+        self._push()  # a fence of a rank already dead changed no other field
+        idx = [i for i in range(self.count) if self._handle(i) is not None]
+        answers = await asyncio.gather(*(self._tick(i) for i in idx))
+        for i, a in zip(idx, answers):
+            if isinstance(a, dict):
+                self.stats[i] = a
+                for r, at in (a.get("heard") or {}).items():
+                    self._seen(int(r), float(at))
+                if a.get("version") != self._version:
+                    self._push(only=i)
+
+    async def _tick(self, index: int) -> Any:
+        try:
+            return await asyncio.wait_for(self._handles[index].tick.remote(), TICK_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - being restarted by Ray: asked again next tick
+            return e
+
+    def expire_parked(self, max_wait_s: float, reason: str) -> int:
+        """Each ingress fails what waited too long; returns the count answered since the last call."""
+        for i in range(self.count):  # only where requests wait (idle: no call)
+            if int(self.stats.get(i, {}).get("parked", 1)) > 0 and (h := self._handle(i)) is not None:
+                asyncio.ensure_future(self._add(h.expire_parked.remote(max_wait_s, reason), "_expired"))
+        n, self._expired = self._expired, 0
+        return n
+
+    def fail_parked(self, reason: str) -> None:
+        for i in range(self.count):
+            if (h := self._handle(i)) is not None:
+                h.fail_parked.remote(reason)
+
+    async def _add(self, ref: Any, attr: str) -> None:
+        try:
+            setattr(self, attr, getattr(self, attr) + int(await ref))
+        except Exception:  # noqa: BLE001 - an ingress being restarted lost what it held
+            pass
+
+    @property
+    def parked(self) -> int:
+        return sum(int(s.get("parked", 0)) for s in self.stats.values())
+
+    @property
+    def stale_dropped(self) -> int:
+        return sum(int(s.get("stale_dropped", 0)) for s in self.stats.values())
+
+    @property
+    def fenced_dropped(self) -> int:
+        return sum(int(s.get("fenced_dropped", 0)) for s in self.stats.values())
+
+    def shown(self) -> list[dict[str, Any]]:
+        """Each ingress as `eepctl status` shows it."""
+        return [{k: s.get(k) for k in ("index", "url", "parked", "completed", "failed", "inflight", "restarted")}
+                for _, s in sorted(self.stats.items())]

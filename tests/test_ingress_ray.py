@@ -1,0 +1,183 @@
+"""Ingresses apart from the controller (issue 33) on a real local Ray cluster: requests enter an
+ingress actor, which owns them; the controller only tells it the world. A rank that dies while no
+controller is up (the controller SIGSTOPped, then SIGKILLed) has its requests kept in the ingress
+and served, continued with their streamed tokens, once the restarted controller recovered. The
+HTTP API with real clients: curl and the `openai` package, behind the deployment's API key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+import pytest
+
+from tests.helpers import NAMESPACE, SMALL_ENGINE, finish_load, moved_off, oracle, status, wait_for
+from tests.test_control_plane_ray import _controller_pid, _held, _ops, _pid_of, _serving
+
+pytestmark = pytest.mark.ray
+
+API_KEY = "eepkey-" + "0c9d2b7e4f6a8c1d3e5f7a9b"
+
+
+def _up(name: str, dp: int, *, faults: list[str] | None = None, delay_s: float = 5.0,
+        api_key: str | None = None, ingress: int = 1) -> dict[str, Any]:
+    from eepctl import core
+
+    engine = dict(SMALL_ENGINE, faults=faults or [], fault_delay_s=delay_s, step_timeout_s=4.0)
+    core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=dp, engine=engine, cpus_per_rank=1.0,
+            gpus_per_rank=0.0, timeout_s=300, on_rank_failure="shrink", health_deadline_s=4.0, api_key=api_key,
+            ingress=ingress)
+    return _serving(name, list(range(dp)))
+
+
+def _ingress_stats(name: str, index: int = 0) -> dict[str, Any]:
+    import ray
+
+    from engine_ext.ray.names import ingress_name
+
+    return ray.get(ray.get_actor(ingress_name(name, index), namespace=NAMESPACE).stats.remote(), timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_while_no_controller_is_up_is_served_after_the_restart(deployments, ray_cluster):
+    """DP 2 under 4 requests/s; rank 1 holds requests mid-decode; the controller is SIGSTOPped
+    (no controller: Ray sees it alive and restarts nothing) and rank 1 SIGKILLed. Nothing
+    recovers, and the ingress keeps the dead rank's requests and the new ones that no rank took;
+    then the controller is SIGKILLed: Ray restarts it, it takes over, finds rank 1 gone and
+    recovers; every request is served, equal to the oracle, those of rank 1 continued with the
+    tokens it had streamed."""
+    from eepctl import cluster
+
+    cluster.connect(ray_cluster["address"], NAMESPACE)
+    d = deployments("ing-noctl")
+    snap = _up(d.name, 2, faults=["hold:step@1"], delay_s=3.0)
+    cfg_d = snap["info"]["config"]
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "14", "--max-tokens", "16",
+                   "-o", "json")
+    _held(d.name, 1, "step")
+    ctl = _controller_pid(d.name)
+    os.kill(ctl, signal.SIGSTOP)  # this test's own deployment's controller actor: no controller from here
+    try:
+        os.kill(_pid_of(snap, 1), signal.SIGKILL)  # the rank actor of this test's own deployment
+        t_kill = time.time()
+        held = wait_for(lambda: (s := _ingress_stats(d.name))["inflight"] + s["parked"] > 0 and s,
+                        timeout=30, interval=0.3, what="the ingress holding requests")
+        time.sleep(3.0)  # a while with no controller: nothing may recover, nothing may fail
+        assert not [o for o in _ops(d.name, "recover") if o["started"] > t_kill - 1]
+        assert _ingress_stats(d.name)["failed"] == 0, held
+    finally:
+        os.kill(ctl, signal.SIGKILL)  # stopped, it dies at once; Ray restarts it
+    _serving(d.name, [0], timeout=120)
+    res = finish_load(load, cfg_d, 16, stop=True)  # every request answered, equal to the oracle
+    moved_off(res["records"], 1)  # continued with the tokens rank 1 had streamed
+    recovers = _ops(d.name, "recover")
+    assert recovers[-1]["dead_ranks"] == [1] and recovers[-1]["state"] == "succeeded", recovers
+    assert status(d.name)["info"]["control"]["controller_restarts"] == 1
+    print(f"\n[ingress] held {held['inflight']} in flight + {held['parked']} parked with no controller; "
+          f"{res['completed']} of {len(res['records'])} served")
+
+
+def _curl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["curl", "-sS", "-w", "\n%{http_code}", *args], capture_output=True, text=True, timeout=120)
+
+
+def _body_and_code(res: subprocess.CompletedProcess) -> tuple[str, int]:
+    body, _, code = res.stdout.rpartition("\n")
+    return body, int(code)
+
+
+@pytest.mark.timeout(300)
+def test_http_api_with_curl_and_the_openai_client(deployments, ray_cluster):
+    """The ingress's OpenAI-compatible API behind the deployment's API key: curl and the openai
+    package get completions (token-id prompts) equal to the oracle, whole and streamed as
+    server-sent events; models, health and metrics answer; a wrong key is refused (401), bad
+    input is a 400 in OpenAI's error shape; `eepctl status` shows the URL."""
+    import openai
+
+    d = deployments("ing-http")
+    snap = _up(d.name, 2, api_key=API_KEY)
+    cfg_d = snap["info"]["config"]
+    url = snap["info"]["ingress"][0]["url"]
+    assert url.startswith("http://"), snap["info"]["ingress"]
+    from tests.helpers import eepctl
+
+    assert f"ingress 0: {url}" in eepctl("status", "--name", d.name, timeout=60).stdout
+    auth = ("-H", f"Authorization: Bearer {API_KEY}")
+    prompt = [3, 1, 4, 1, 5]
+    want = oracle(cfg_d, prompt, 8)
+
+    body, code = _body_and_code(_curl(f"{url}/health"))  # open, as vLLM's
+    assert code == 200 and json.loads(body)["members"] == [0, 1], body
+    body, code = _body_and_code(_curl(f"{url}/v1/models"))
+    assert code == 401 and json.loads(body)["error"]["type"] == "invalid_api_key", body
+    body, code = _body_and_code(_curl(*auth[:1], "Authorization: Bearer wrong", f"{url}/v1/models"))
+    assert code == 401, body
+    body, code = _body_and_code(_curl(*auth, f"{url}/v1/models"))
+    assert code == 200 and json.loads(body)["data"][0]["id"] == d.name, body
+
+    req = {"model": d.name, "prompt": prompt, "max_tokens": 8}
+    body, code = _body_and_code(_curl(*auth, "-H", "Content-Type: application/json", "-d", json.dumps(req),
+                                      f"{url}/v1/completions"))
+    assert code == 200, body
+    out = json.loads(body)
+    assert out["choices"][0]["token_ids"] == want and out["usage"]["completion_tokens"] == 8, out
+    res = _curl("-N", *auth, "-H", "Content-Type: application/json", "-d", json.dumps(dict(req, stream=True)),
+                f"{url}/v1/completions")
+    events = [ln[len("data: "):] for ln in res.stdout.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]", res.stdout
+    streamed = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
+    assert streamed == want and len(events) >= 3, events  # token by token as the rank streams them
+    body, code = _body_and_code(_curl(*auth, "-H", "Content-Type: application/json",
+                                      "-d", json.dumps(dict(req, prompt="a string")), f"{url}/v1/completions"))
+    assert code == 400 and "token ids" in json.loads(body)["error"]["message"], body
+    body, code = _body_and_code(_curl(*auth, f"{url}/metrics"))
+    assert code == 200 and f'eep_ingress_requests_total{{deployment="{d.name}",ingress="0",outcome="completed"}} ' \
+        in body, body
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    prompts = [[2, 7, 1, 8], [1, 4, 1, 4, 2]]
+    done = client.completions.create(model=d.name, prompt=prompts, max_tokens=8)
+    assert [c.model_extra["token_ids"] for c in done.choices] == [oracle(cfg_d, p, 8) for p in prompts], done
+    got: list[int] = []
+    for chunk in client.completions.create(model=d.name, prompt=prompt, max_tokens=8, stream=True):
+        got += chunk.choices[0].model_extra["token_ids"]
+    assert got == want, got
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+@pytest.mark.timeout(300)
+def test_an_ingress_killed_under_load_is_restarted_and_its_requests_are_resent(deployments, ray_cluster):
+    """Two ingresses, 4 requests/s sent to them in turn; ingress 0 SIGKILLed: Ray restarts it
+    (HTTP again on the same URL), the requests it held are sent again by `eepctl generate` to the
+    other ingress (their records say `resent`), none fails, every output equals the oracle."""
+    import ray
+
+    from eepctl import cluster
+    from engine_ext.ray.names import ingress_name
+
+    cluster.connect(ray_cluster["address"], NAMESPACE)
+    d = deployments("ing-kill")
+    snap = _up(d.name, 1, ingress=2, faults=["hold:step@0"], delay_s=2.0)
+    cfg_d = snap["info"]["config"]
+    url = snap["info"]["ingress"][0]["url"]
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "8", "--max-tokens", "16",
+                   "-o", "json")
+    _held(d.name, 0, "step")  # requests mid-decode, half of them ingress 0's
+    handle = ray.get_actor(ingress_name(d.name, 0), namespace=NAMESPACE)
+    old = ray.get(handle.pid.remote(), timeout=30)
+    os.kill(old, signal.SIGKILL)  # this test's own deployment's ingress actor
+    res = finish_load(load, cfg_d, 16)  # all 32 sent (across the restart): none failed, all equal to the oracle
+    resent = [r for r in res["records"] if r["resent"]]
+    assert resent, "no request was held by the killed ingress"
+    st = wait_for(lambda: (s := _ingress_stats(d.name, 0))["restarted"] and s, timeout=60, what="ingress 0 back")
+    assert ray.get(handle.pid.remote(), timeout=30) != old and st["url"] == url, st
+    body, code = _body_and_code(_curl("-H", "Content-Type: application/json", "-d",
+                                      json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}), f"{url}/v1/completions"))
+    assert code == 200 and json.loads(body)["choices"][0]["token_ids"] == oracle(cfg_d, [1, 2, 3], 4), body
+    print(f"\n[ingress] killed with requests: {len(resent)} re-sent, {res['completed']} of {len(res['records'])} served")
