@@ -189,6 +189,8 @@ HELD = {
     "joiner-in-commit": (["hold:commit@3"], 3, 4, 3, [0, 1, 2], "failed", [[]]),
     "standby-in-adopt": (["hold:adopt@3"], 3, 4, 3, [0, 1, 2, 3], "succeeded", []),
     "member-in-prepare": (["hold:prepare@1"], 3, 4, 1, [0, 2], "rolled_back", [[1]]),
+    # a sender mid pre-copy (rank 1 sends joiner 3 two experts: held after the first)
+    "member-in-precopy": (["hold:precopy@1"], 3, 4, 1, [0, 2], "rolled_back", [[1]]),
     "store-host-in-commit": (["hold:commit@0"], 3, 4, 0, [1, 2], "failed", [[0]]),
     "removing-in-drain": (["hold:drain@3"], 4, 3, 3, [0, 1, 2], "rolled_back", [[3]]),
     "removing-in-commit": (["hold:commit@3"], 4, 3, 3, [0, 1, 2], "failed", [[3]]),
