@@ -75,3 +75,28 @@ def test_reuse_holds_the_max_world_from_the_start():
     dep = LocalDeployment(cfg, "kvb", max_dp=4)
     with pytest.raises(PreconditionError, match="at DP 2 the MoE workspace takes"):
         dep.orch.check_target(2)
+
+
+def test_scale_refused_when_the_precopy_does_not_fit():
+    """3 -> 2 retiring rank 2 (4 slots per rank, 512 KiB experts): rank 1 must hold two experts
+    in spare buffers during the pre-copy (one received, one moved between its own slots), more than
+    its KV + workspace budget leaves beside one request: the admission refuses it (exit 4), saying
+    by how much, before anything moves; the deployment serves on at DP 3."""
+    from engine_ext.elastic.precopy import spare_room
+    from engine_ext.errors import ExitCode
+
+    cfg = EngineConfig(slots_per_rank=4, expert_hidden=512)
+
+    async def scenario() -> None:
+        async with LocalDeployment(cfg, "kvb-pre", max_dp=4) as dep:
+            await dep.start(3)
+            plan = await dep.orch.plan(2, retire=[2])
+            spare = plan.precopy["per_rank"]["1"]["spare"]
+            assert spare > spare_room(cfg, 3) and "short by" in plan.precopy["problem"], plan.precopy
+            with pytest.raises(PreconditionError) as e:
+                await dep.scale(2, retire=[2])
+            assert e.value.exit_code == ExitCode.PRECONDITION
+            assert f"short by {spare - spare_room(cfg, 3):,} B" in str(e.value), str(e.value)
+            assert dep.orch.members == [0, 1, 2]
+            assert "output" in await dep.generate([1, 2, 3], 4)
+    run(scenario(), 120)

@@ -20,7 +20,8 @@ from engine_ext.control.scale_plan import ScalePlan, choose_leaving, plan_scale
 from engine_ext.control.spawner import Spawner
 from engine_ext.control.standby_pool import mark_pool_joiners
 from engine_ext.control.world import World, quiet, short_error
-from engine_ext.elastic.eplb import min_world_size
+from engine_ext.elastic.eplb import ExpertLayout, min_world_size
+from engine_ext.elastic.precopy import expert_nbytes, move_bytes, plan_summary, precopy_fit_error
 from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import Operation, OpState, PreconditionError, UsageError
 
@@ -65,6 +66,8 @@ class Admission:
                                                      [int(j["rank"]) for j in plan.joining])
                 if reason:
                     raise PreconditionError(reason)
+                if plan.precopy.get("problem"):  # the pre-copy's spare buffers exceed a rank's budget
+                    raise PreconditionError(plan.precopy["problem"], detail={"precopy": plan.precopy})
                 if probe_ranks:
                     await self.check_ranks()
         except BaseException:
@@ -123,8 +126,24 @@ class Admission:
                      requests=requests if requests != float("inf") else None,
                      kv_blocks_used=kv if kv != float("inf") else None)
         plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
+        if not plan.noop:
+            self._precopy(plan)
         mark_pool_joiners(plan, self.spawner.pool)
         return plan
+
+    def _precopy(self, plan: ScalePlan) -> None:
+        """The bytes each rank's expert pre-copy moves and holds (engine_ext/elastic/precopy.py), and
+        why it would not fit a rank's KV + workspace budget at the current size, if it would not."""
+        w = self.world
+        assert w.layout is not None
+        old = list(w.members)
+        gone = {int(j["rank"]) for j in plan.leaving}
+        new = [m for m in old if m not in gone] + [int(j["rank"]) for j in plan.joining]
+        per_rank = move_bytes(w.layout, ExpertLayout.from_dict(plan.layout), old, new, expert_nbytes(self.cfg))
+        plan.precopy = plan_summary(per_rank)
+        problem = precopy_fit_error(self.cfg, w.size, per_rank)
+        if problem:
+            plan.precopy["problem"] = problem
 
     async def _loads(self) -> tuple[list[float], dict[int, tuple[float, float]]]:
         """The deployment's expert loads and each rank's work: (requests, KV blocks in use).
