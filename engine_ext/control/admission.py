@@ -21,7 +21,7 @@ from engine_ext.control.spawner import Spawner
 from engine_ext.control.standby_pool import mark_pool_joiners
 from engine_ext.control.world import World, quiet, short_error
 from engine_ext.elastic.eplb import ExpertLayout, min_world_size
-from engine_ext.elastic.precopy import expert_nbytes, move_bytes, plan_summary, precopy_fit_error
+from engine_ext.elastic.precopy import expert_nbytes, plan_summary, precopy_fit_error, spare_room, split_moves
 from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import Operation, OpState, PreconditionError, UsageError
 
@@ -66,7 +66,7 @@ class Admission:
                                                      [int(j["rank"]) for j in plan.joining])
                 if reason:
                     raise PreconditionError(reason)
-                if plan.precopy.get("problem"):  # the pre-copy's spare buffers exceed a rank's budget
+                if plan.precopy.get("problem"):  # a rank's expert buffers exceed even the commit's room
                     raise PreconditionError(plan.precopy["problem"], detail={"precopy": plan.precopy})
                 if probe_ranks:
                     await self.check_ranks()
@@ -132,15 +132,17 @@ class Admission:
         return plan
 
     def _precopy(self, plan: ScalePlan) -> None:
-        """The bytes each rank's expert pre-copy moves and holds (engine_ext/elastic/precopy.py), and
-        why it would not fit a rank's KV + workspace budget at the current size, if it would not."""
+        """Which expert moves the pre-copy makes and which wait for the commit (what fits a rank's
+        spare room while serving; engine_ext/elastic/precopy.py), and why even the commit's room
+        would not hold a rank's moves, if it would not."""
         w = self.world
         assert w.layout is not None
         old = list(w.members)
         gone = {int(j["rank"]) for j in plan.leaving}
         new = [m for m in old if m not in gone] + [int(j["rank"]) for j in plan.joining]
-        per_rank = move_bytes(w.layout, ExpertLayout.from_dict(plan.layout), old, new, expert_nbytes(self.cfg))
-        plan.precopy = plan_summary(per_rank)
+        per_rank, moves = split_moves(w.layout, ExpertLayout.from_dict(plan.layout), old, new,
+                                      expert_nbytes(self.cfg), spare_room(self.cfg, w.size))
+        plan.precopy = plan_summary(per_rank, moves)
         problem = precopy_fit_error(self.cfg, w.size, per_rank)
         if problem:
             plan.precopy["problem"] = problem

@@ -66,7 +66,8 @@ class ScaleRun:
                               old_size=plan.from_size, new_size=plan.to_size, rdzv=w.rendezvous(plan.op_id),
                               old_layout=w.layout, new_layout=ExpertLayout.from_dict(plan.layout),
                               timeout_s=self.timeout_s, old_members=tuple(self.old_members),
-                              new_members=tuple(self.new_members))
+                              new_members=tuple(self.new_members),
+                              precopy_moves=tuple(plan.precopy["moves"]) if "moves" in plan.precopy else None)
 
     async def run(self) -> None:
         tplan = self._transition_plan()
