@@ -80,7 +80,7 @@ class Phase(str, enum.Enum):
 
 
 # Phases whose per-operation durations `eepctl events` reports, in protocol order.
-REPORTED_PHASES = ("launch", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture")
+REPORTED_PHASES = ("launch", "prepare", "transfer", "precopy", "drain", "commit", "reshuffle", "warm", "capture")
 
 
 class OpState(str, enum.Enum):
