@@ -85,6 +85,7 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit():
     (5 experts). The pre-copy moves the 5 that fit, the commit the other 3 (into buffers carved from
     the idle MoE workspace and the KV pool); the plan and the operation record say which, and every
     output before, during and after equals the oracle's."""
+    from eepctl.render import plan_text
     from engine_ext.elastic.precopy import expert_nbytes, spare_room
     from engine_ext.model.dense_oracle import reference_generate
     from tests.engine_helpers import oracle_mismatch
@@ -103,6 +104,8 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit():
             assert "problem" not in plan.precopy, plan.precopy
             assert (r2["precopied"], r2["in_commit"]) == (spare_room(cfg, 3) // per_expert, 8 - r2["precopied"]) == (5, 3), r2
             assert (r2["spare"], r2["commit_moved"]) == (5 * per_expert, 3 * per_expert), r2
+            # what `eepctl scale --dry-run` prints of it
+            assert f"rank 2: 5 pre-copied ({5 * per_expert:,} B), 3 in the commit" in plan_text(plan.to_dict())
             during = asyncio.gather(*(dep.generate(p, 6) for p in prompts[2:4]))
             op = await dep.scale(2, retire=[1])
             assert op["state"] == "succeeded" and dep.orch.members == [0, 2], op
