@@ -267,12 +267,15 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
                    requests=len(reqs), failed=sum(1 for r in reqs if not r["ok"]),
                    request_max_s=max((r["t"] for r in reqs), default=None))
         op_id = op["op_id"]
-        resh, dense = _rank_events(dep, op_id, "reshuffle"), _rank_events(dep, op_id, "transfer")
+        # Experts move in the pre-copy (prepare, while serving); the commit's reshuffle only loads a
+        # member's spare buffers. A run from before the pre-copy reported them in the reshuffle.
+        pre, resh, dense = (_rank_events(dep, op_id, ph) for ph in ("precopy", "reshuffle", "transfer"))
+        moved = pre or resh
         per_expert = expert_bytes(cfg.expert_hidden) // cfg.num_experts
         joiners = [r for r in range(start, target)]
         tx = []
         for r in joiners:
-            e = resh.get(r)
+            e = moved.get(r)
             if e is None:
                 continue
             d = e["detail"]
@@ -297,12 +300,17 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
         stops = [e["start"] for r, e in commits.items() if r < start]
         if stops:
             row["pause_window_s"] = max(e["end"] for e in commits.values()) - min(stops)
-        # inside each rank's reshuffle: snapshot, packing, the gloo exchange, loading into the slots
-        row["reshuffle_parts_by_rank"] = {str(r): {k: round(e["detail"][k], 4) for k in
-                                                   ("clone_s", "pack_s", "exchange_s", "load_s") if k in e["detail"]}
-                                          | {"sent": e["detail"].get("bytes_sent", 0),
-                                             "received": e["detail"].get("bytes_received", 0)}
-                                          for r, e in sorted(resh.items())}
+        # the move's parts: the pre-copy's packing (local copies) and exchange, in prepare; loading
+        # the spare buffers into the slots, in the commit (before the pre-copy: all in the commit)
+        row["reshuffle_parts_by_rank"] = {
+            str(r): {k: round(d[k], 4) for k in ("clone_s", "pack_s", "exchange_s") if k in d}
+            | {"load_s": round(resh.get(r, {}).get("detail", {}).get("load_s", 0.0), 4),
+               "commit_copy_bytes": resh.get(r, {}).get("detail", {}).get("commit_copy_bytes", 0),
+               "spare_bytes": d.get("spare_bytes", 0), "sent": d.get("bytes_sent", 0),
+               "received": d.get("bytes_received", 0)}
+            for r, d in sorted((r, e["detail"]) for r, e in moved.items())}
+        row["precopy_s"] = max((e["duration_s"] for e in pre.values()), default=None)
+        row["move_memory"] = dep.registry.operations(op_id)[-1].get("move_memory", {})
         for ph in ("warm", "capture", "lock", "reshuffle"):
             row[f"{ph}_by_rank"] = {str(r): e["duration_s"] for r, e in _rank_events(dep, op_id, ph).items()}
         # reuse + a standby pool: the joiners' warm-up and capture pass taken in the pool, before
@@ -313,6 +321,18 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
     finally:
         await dep.stop()
     return row
+
+
+def slopes(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Least-squares slopes of the pause and the wall time against expert GiB (0 with one point)."""
+    xs = [r["expert_MiB"] / 1024 for r in rows]
+    out: dict[str, float] = {}
+    for key in ("pause_s", "wall_s"):
+        ys = [float(r[key] or 0.0) for r in rows]
+        mx, my = (sum(xs) / len(xs), sum(ys) / len(ys)) if xs else (0.0, 0.0)
+        var = sum((x - mx) ** 2 for x in xs)
+        out[f"{key}_per_GiB"] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return out
 
 
 def rss_budget_note(eh: int, dp: int) -> str:
@@ -436,17 +456,24 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             print(f"bytes: expert_hidden {eh}: {rss_budget_note(eh, 4)}", flush=True)
             # No captures on this curve: a capture's decode runs every local slot densely, which at
             # GiBs of experts makes each CPU step take seconds; eager decode runs top-k experts only.
-            row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": []}, f"cb{eh}", 2, 4, device=dev)
+            row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": [], "capture_policy": a.bytes_policy},
+                                   f"cb{eh}", 2, 4, device=dev, standby=a.bytes_standby)
             row.update(expert_hidden=eh, expert_MiB=expert_bytes(eh) / MIB)
             res["bytes"].append(row)
             save(a, res)  # a point that stalls (memory, time limit) keeps the ones before it
-        print("\n| expert MiB | per expert MiB | wall s | launch s | pause s | commit s | transfer s (joiner) "
-              "| GB/s per joiner | failed/requests |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print(f"\n(bytes curve: capture policy {a.bytes_policy}, standby pool {a.bytes_standby})")
+        print("| expert MiB | per expert MiB | wall s | launch s | prepare s | pre-copy s | pause s | commit s "
+              "| transfer s (joiner) | GB/s per joiner | copied in commit B | failed/requests |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["bytes"]:
+            copied = max((p.get("commit_copy_bytes", 0) for p in r["reshuffle_parts_by_rank"].values()), default=0)
             print(f"| {r['expert_MiB']:.0f} | {r['expert_MiB'] / 8:.2f} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | "
+                  f"{_f(r['phases'].get('prepare'), 2)} | {_f(r.get('precopy_s'), 2)} | "
                   f"{_f(r['pause_s'])} | {_f(r['phases'].get('commit'))} | {_f(r['transfer_s'])} | "
-                  f"{_f(r['transfer_GBps_per_joiner'], 2)} | {r['failed']}/{r['requests']} |", flush=True)
+                  f"{_f(r['transfer_GBps_per_joiner'], 2)} | {copied:,} | {r['failed']}/{r['requests']} |", flush=True)
+        res["bytes_slope"] = slopes(res["bytes"])
+        print(f"slopes against expert GiB (least squares): pause {res['bytes_slope']['pause_s_per_GiB']:.4f} s/GiB, "
+              f"wall {res['bytes_slope']['wall_s_per_GiB']:.3f} s/GiB", flush=True)
 
     save(a, res)
     if "pause" in a.parts:
@@ -496,6 +523,8 @@ if __name__ == "__main__":
     ap.add_argument("--expert-hidden", default="256,4096,32768,262144",
                     help="the bytes curve's points (8 KiB of experts per unit: 2 MiB .. 2 GiB)")
     ap.add_argument("--worlds", default="2:4,4:8,8:16")
+    ap.add_argument("--bytes-policy", default="recapture", help="the bytes curve's capture policy (reuse: with a pool)")
+    ap.add_argument("--bytes-standby", type=int, default=0, help="the bytes curve's standby pool (2: the joiners' launch is off the scale)")
     ap.add_argument("--world-expert-hidden", type=int, default=1024)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the one GPU)")
     asyncio.run(main(ap.parse_args()))

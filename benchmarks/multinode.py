@@ -10,7 +10,7 @@ weight-transfer bytes and throughput per joiner (with whether it crossed nodes),
 model (``--expert-hidden``, default 32768 = 256 MiB of experts): the raw link across the veth (a
 TCP stream and gloo storage to storage, between a process on the head and one in the worker's
 namespace), then 2->4 under spread and under pack on the same cluster, with each joiner's
-reshuffle bytes, exchange seconds and rate, how much of it crossed the link, and the rate as a
+expert bytes (the pre-copy's and the commit's reshuffle's), exchange seconds and rate, how much of it crossed the link, and the rate as a
 ratio to the raw veth stream. Writes ``--out``/multinode_curve.json.
 
 Usage (as root): .venv/bin/python benchmarks/multinode.py [--rate R] [--hidden H]
@@ -115,16 +115,23 @@ def curve_case(policy: str, expert_hidden: int, rate: float) -> dict[str, Any]:
         evs = core.events(t, op["op_id"])
         record = evs["operations"][-1]
         moves = record.get("plan", {}).get("expert_moves", [])
-        joiners = []
+        # A joiner's experts move in the pre-copy (prepare) and, what did not fit its spare room, in
+        # the commit's reshuffle: its bytes and exchange seconds are both phases' sums.
+        got: dict[int, dict[str, float]] = {}
         for e in evs["events"]:
             d = e.get("detail") or {}
-            if e["phase"] != "reshuffle" or e["rank"] < 2 or "exchange_s" not in d:
+            if e["phase"] not in ("precopy", "reshuffle") or e["rank"] < 2 or "exchange_s" not in d:
                 continue
-            j = int(e["rank"])
+            g = got.setdefault(int(e["rank"]), {"precopy": 0, "reshuffle": 0, "exchange_s": 0.0})
+            g[e["phase"]] += int(d.get("bytes_received", d.get("commit_bytes_received", 0)))
+            g["exchange_s"] += d["exchange_s"]
+        joiners = []
+        for j, g in sorted(got.items()):
             crossed = sum(per_expert for m in moves if m["dst_rank"] == j and node_of.get(m["src_rank"]) != node_of.get(j))
-            got = int(d.get("bytes_received", 0))
-            joiners.append({"rank": j, "node": node_of.get(j), "bytes": got, "crossed_bytes": crossed,
-                            "exchange_s": d["exchange_s"], "GBps": got / max(d["exchange_s"], 1e-9) / 1e9})
+            nbytes = int(g["precopy"] + g["reshuffle"])
+            joiners.append({"rank": j, "node": node_of.get(j), "bytes": nbytes, "precopy_bytes": int(g["precopy"]),
+                            "commit_bytes": int(g["reshuffle"]), "crossed_bytes": crossed, "exchange_s": g["exchange_s"],
+                            "GBps": nbytes / max(g["exchange_s"], 1e-9) / 1e9})
         return {"policy": policy, "state": op["state"], "wall_s": wall, "pause_s": op["serving_pause_s"],
                 "nodes": node_of, "joiners": joiners, "moves": len(moves),
                 "load": {k: res.get(k) for k in ("sent", "completed", "failed")}}

@@ -325,6 +325,10 @@ def plan_text(plan: dict[str, Any]) -> str:
         from engine_ext.capture_memory import describe  # torch-free
 
         lines.append(f"  {describe(plan['capture_memory'])}")
+    if plan.get("precopy"):
+        from engine_ext.elastic.precopy import describe as describe_precopy  # torch-free
+
+        lines += [f"  {line}" for line in describe_precopy(plan["precopy"])]
     if plan.get("capacity_problem"):
         lines.append(f"  WARNING: {plan['capacity_problem']}")
     if plan.get("running_op"):

@@ -85,3 +85,8 @@ def replica_table_width(cfg: EngineConfig) -> int:
     if cfg.capture_policy != "reuse" or cfg.capture_world <= 0:
         return 0
     return max(1, cfg.slots_per_rank * cfg.capture_world - cfg.num_experts + 1)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of the config's ``dtype``."""
+    return _DTYPE_BYTES[dtype]

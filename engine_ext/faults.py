@@ -47,6 +47,9 @@ VARIANTS: dict[str, str] = {
     "reuse_drops_captures": "under capture_policy=reuse, survivors release their captures in a transition "
                             "instead of keeping them: they serve decodes eagerly (outputs unchanged; the "
                             "eager-fallback counter and the registry show it)",
+    "precopy_into_live_slots": "a member receives a scale's pre-copied experts straight into the slots it "
+                               "serves from instead of spare buffers: the old world serves them before the "
+                               "switch, and a failure before the switch leaves them moved (wrong tokens)",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
     # Self-healing mechanisms switched off: the harm shows when a rank dies.
     "no_reroute": "the controller does not re-route a dead rank's requests (router park/re-route): "
@@ -70,12 +73,13 @@ VARIANTS: dict[str, str] = {
 # from the pool, after it got its DP rank; ``regroup``: a survivor at the start of a recovery's regroup;
 # ``admit``: the controller, not a rank, for ``fault_delay_s`` inside a scale's admission, after its
 # request id was taken: a window for a retry with the same id).
+# ``precopy`` holds a rank after its first expert move of a scale's pre-copy when it has more (mid pre-copy).
 # ``warm`` and ``capture`` hold in a transition or a recovery, not in the deployment's start-up.
 # "step" holds once per process, at the first step where a request it serves already has output
 # tokens: a window to kill a rank that certainly holds requests with tokens to continue with. Only a
 # rank started with the deployment holds there: its replacement (a joiner) would otherwise stall its
 # peers' steps past the step timeout and turn one kill into a cascade the test did not ask for.
-HOLD_PHASES = ("admit", "launch", "adopt", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture",
+HOLD_PHASES = ("admit", "launch", "adopt", "prepare", "transfer", "precopy", "drain", "commit", "reshuffle", "warm", "capture",
                "regroup", "step")
 ONCE_PHASES = frozenset({"step"})
 # Phases of a transition's commit, where forward passes are paused. A hold in one of them on a member

@@ -80,7 +80,7 @@ class Phase(str, enum.Enum):
 
 
 # Phases whose per-operation durations `eepctl events` reports, in protocol order.
-REPORTED_PHASES = ("launch", "prepare", "transfer", "drain", "commit", "reshuffle", "warm", "capture")
+REPORTED_PHASES = ("launch", "prepare", "transfer", "precopy", "drain", "commit", "reshuffle", "warm", "capture")
 
 
 class OpState(str, enum.Enum):
@@ -121,6 +121,7 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     workspace_bytes: int = 0
+    move_bytes_held: int = 0  # a scale's expert pre-copy: spare buffers held until its commit (out of the KV pool)
     workspace_locked: bool = False
     workspace_required_bytes: int = 0
     capture_policy: str = "recapture"  # "reuse": workspace and captures sized for max DP at start
@@ -235,6 +236,8 @@ class Operation(msgspec.Struct, forbid_unknown_fields=True):
     kind: str = "scale"  # "scale" | "recover" (a death turned into a transition) | "rebuild" (nothing left)
     dead_ranks: list[int] = []  # recover: the global ranks that died
     rerouted_requests: int = 0  # recover: requests of dead ranks re-submitted to survivors
+    # scale: by rank, the spare bytes its expert pre-copy held, for how long, when and why they were freed
+    move_memory: dict[str, dict[str, Any]] = {}
 
 
 def to_builtins(record: Any) -> Any:

@@ -8,6 +8,8 @@ launches ranks that then serve nothing)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine_ext.capture_memory import kv_block_bytes, kv_budget, kv_budget_error
@@ -75,3 +77,69 @@ def test_reuse_holds_the_max_world_from_the_start():
     dep = LocalDeployment(cfg, "kvb", max_dp=4)
     with pytest.raises(PreconditionError, match="at DP 2 the MoE workspace takes"):
         dep.orch.check_target(2)
+
+
+def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit():
+    """The default config, 3 -> 2 retiring rank 1: rank 2 takes rank 1's position and needs all 8 of
+    its slots' experts, more than the spare room its KV pool leaves beside one request while serving
+    (5 experts). The pre-copy moves the 5 that fit, the commit the other 3 (into buffers carved from
+    the idle MoE workspace and the KV pool); the plan and the operation record say which, and every
+    output before, during and after equals the oracle's."""
+    from eepctl.render import plan_text
+    from engine_ext.elastic.precopy import expert_nbytes, spare_room
+    from engine_ext.model.dense_oracle import reference_generate
+    from tests.engine_helpers import oracle_mismatch
+
+    cfg = EngineConfig()
+    prompts = [[1 + i, 2 + 2 * i, 3 + i] for i in range(6)]
+    ref = reference_generate(cfg, prompts, 6)
+    per_expert = expert_nbytes(cfg)
+
+    async def scenario() -> None:
+        async with LocalDeployment(cfg, "kvb-split", max_dp=3) as dep:
+            await dep.start(3)
+            before = [await dep.generate(p, 6) for p in prompts[:2]]
+            plan = await dep.orch.plan(2, retire=[1])
+            r2 = plan.precopy["per_rank"]["2"]
+            assert "problem" not in plan.precopy, plan.precopy
+            assert (r2["precopied"], r2["in_commit"]) == (spare_room(cfg, 3) // per_expert, 8 - r2["precopied"]) == (5, 3), r2
+            assert (r2["spare"], r2["commit_moved"]) == (5 * per_expert, 3 * per_expert), r2
+            # what `eepctl scale --dry-run` prints of it
+            assert f"rank 2: 5 pre-copied ({5 * per_expert:,} B), 3 in the commit" in plan_text(plan.to_dict())
+            during = asyncio.gather(*(dep.generate(p, 6) for p in prompts[2:4]))
+            op = await dep.scale(2, retire=[1])
+            assert op["state"] == "succeeded" and dep.orch.members == [0, 2], op
+            assert op["plan"]["precopy"]["per_rank"]["2"] == r2, op["plan"]["precopy"]
+            mm = op["move_memory"]["2"]
+            assert (mm["spare_bytes"], mm["commit_moved_bytes"], mm["freed_by"]) == (r2["spare"], r2["commit_moved"], "commit"), mm
+            after = [await dep.generate(p, 6) for p in prompts[4:]]
+            got = list(enumerate(before)) + [(2 + i, r) for i, r in enumerate(await during)] + \
+                [(4 + i, r) for i, r in enumerate(after)]
+            assert oracle_mismatch(got, ref, logits=False) == ""
+            assert all(dep.registry.ranks[r].move_bytes_held == 0 for r in (0, 2))
+    run(scenario(), 120)
+
+
+def test_scale_refused_when_the_moves_do_not_fit_even_in_the_commit():
+    """3 -> 2 retiring rank 1 (4 slots per rank, 512 KiB experts): rank 2 must hold three experts
+    (one pre-copied, two in the commit), more than its MoE workspace and whole KV pool hold in the
+    pause: the admission refuses it (exit 4), saying by how much, before anything moves; the
+    deployment serves on at DP 3."""
+    from engine_ext.elastic.precopy import commit_room
+    from engine_ext.errors import ExitCode
+
+    cfg = EngineConfig(slots_per_rank=4, expert_hidden=512)
+
+    async def scenario() -> None:
+        async with LocalDeployment(cfg, "kvb-pre", max_dp=4) as dep:
+            await dep.start(3)
+            plan = await dep.orch.plan(2, retire=[1])
+            held = plan.precopy["per_rank"]["2"]["commit_held"]
+            assert held > commit_room(cfg, 3) and "short by" in plan.precopy["problem"], plan.precopy
+            with pytest.raises(PreconditionError) as e:
+                await dep.scale(2, retire=[1])
+            assert e.value.exit_code == ExitCode.PRECONDITION
+            assert f"short by {held - commit_room(cfg, 3):,} B" in str(e.value), str(e.value)
+            assert dep.orch.members == [0, 1, 2]
+            assert "output" in await dep.generate([1, 2, 3], 4)
+    run(scenario(), 120)

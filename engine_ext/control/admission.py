@@ -20,7 +20,8 @@ from engine_ext.control.scale_plan import ScalePlan, choose_leaving, plan_scale
 from engine_ext.control.spawner import Spawner
 from engine_ext.control.standby_pool import mark_pool_joiners
 from engine_ext.control.world import World, quiet, short_error
-from engine_ext.elastic.eplb import min_world_size
+from engine_ext.elastic.eplb import ExpertLayout, min_world_size
+from engine_ext.elastic.precopy import expert_nbytes, plan_summary, precopy_fit_error, spare_room, split_moves
 from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import Operation, OpState, PreconditionError, UsageError
 
@@ -65,6 +66,8 @@ class Admission:
                                                      [int(j["rank"]) for j in plan.joining])
                 if reason:
                     raise PreconditionError(reason)
+                if plan.precopy.get("problem"):  # a rank's expert buffers exceed even the commit's room
+                    raise PreconditionError(plan.precopy["problem"], detail={"precopy": plan.precopy})
                 if probe_ranks:
                     await self.check_ranks()
         except BaseException:
@@ -123,8 +126,26 @@ class Admission:
                      requests=requests if requests != float("inf") else None,
                      kv_blocks_used=kv if kv != float("inf") else None)
         plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
+        if not plan.noop:
+            self._precopy(plan)
         mark_pool_joiners(plan, self.spawner.pool)
         return plan
+
+    def _precopy(self, plan: ScalePlan) -> None:
+        """Which expert moves the pre-copy makes and which wait for the commit (what fits a rank's
+        spare room while serving; engine_ext/elastic/precopy.py), and why even the commit's room
+        would not hold a rank's moves, if it would not."""
+        w = self.world
+        assert w.layout is not None
+        old = list(w.members)
+        gone = {int(j["rank"]) for j in plan.leaving}
+        new = [m for m in old if m not in gone] + [int(j["rank"]) for j in plan.joining]
+        per_rank, moves = split_moves(w.layout, ExpertLayout.from_dict(plan.layout), old, new,
+                                      expert_nbytes(self.cfg), spare_room(self.cfg, w.size))
+        plan.precopy = plan_summary(per_rank, moves)
+        problem = precopy_fit_error(self.cfg, w.size, per_rank)
+        if problem:
+            plan.precopy["problem"] = problem
 
     async def _loads(self) -> tuple[list[float], dict[int, tuple[float, float]]]:
         """The deployment's expert loads and each rank's work: (requests, KV blocks in use).

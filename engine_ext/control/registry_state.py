@@ -31,7 +31,7 @@ from engine_ext.records import (
 
 _MAX_EVENTS = 5000
 _TERMINAL = {RankState.REMOVED.value}
-_RANK_PHASES = {"transfer", "reshuffle", "warm", "capture"}
+_RANK_PHASES = {"transfer", "precopy", "reshuffle", "warm", "capture"}
 _STACKED = re.compile(r"_dp\d+_dp\d+$")
 _MAX_RECORD_BYTES = 1 << 20
 

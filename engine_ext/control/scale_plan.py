@@ -25,6 +25,7 @@ class ScalePlan:
     layout: dict[str, Any] = field(default_factory=dict)
     noop: bool = False
     capture_memory: dict[str, Any] = field(default_factory=dict)  # engine_ext.capture_memory.policy_memory
+    precopy: dict[str, Any] = field(default_factory=dict)  # engine_ext.elastic.precopy: bytes per rank, fit
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -32,6 +33,7 @@ class ScalePlan:
             "joining": self.joining, "leaving": self.leaving,
             "transfer_pairs": {str(k): v for k, v in self.transfer_pairs.items()},
             "expert_moves": self.expert_moves, "layout": self.layout, "capture_memory": self.capture_memory,
+            "precopy": self.precopy,
         }
 
 

@@ -66,7 +66,8 @@ class ScaleRun:
                               old_size=plan.from_size, new_size=plan.to_size, rdzv=w.rendezvous(plan.op_id),
                               old_layout=w.layout, new_layout=ExpertLayout.from_dict(plan.layout),
                               timeout_s=self.timeout_s, old_members=tuple(self.old_members),
-                              new_members=tuple(self.new_members))
+                              new_members=tuple(self.new_members),
+                              precopy_moves=tuple(plan.precopy["moves"]) if "moves" in plan.precopy else None)
 
     async def run(self) -> None:
         tplan = self._transition_plan()
@@ -108,7 +109,10 @@ class ScaleRun:
     async def _prepare(self, world: dict[int, RankClient], tplan: TransitionPlan) -> None:
         self.world.enter_phase(self.op, Phase.PREPARE.value)
         t = time.time()
-        await World.call_all(world, "prepare", lambda c: c.prepare(tplan, timeout=self.timeout_s))
+        prepared = await World.call_all(world, "prepare", lambda c: c.prepare(tplan, timeout=self.timeout_s))
+        # What each rank's expert pre-copy holds until the commit (or the rollback) frees it.
+        self.op.move_memory = {str(r): {"spare_bytes": int(res.get("spare_bytes", 0)), "held_since": t}
+                               for r, res in sorted(prepared.items()) if isinstance(res, dict)}
         self.world.phase_done(self.op, Phase.PREPARE.value, t)
 
     async def _drain(self, world: dict[int, RankClient]) -> None:
@@ -151,6 +155,8 @@ class ScaleRun:
                 op.captures_per_rank[str(r)] = int(res.get("captures_this_op", 0))
                 op.workspace_after[str(r)] = int(res.get("workspace_after", 0))
                 op.serving_pause_s = max(op.serving_pause_s, float(res.get("pause_s", 0.0)))
+            if str(r) in op.move_memory and isinstance(res.get("move_memory"), dict):
+                op.move_memory[str(r)].update(res["move_memory"])
         leaving = {r: c for r, c in world.items() if r not in self.new_members}
         w.adopt({r: world[r] for r in self.new_members}, layout, epoch)
         if moved:
@@ -177,6 +183,9 @@ class ScaleRun:
             for c in list(w.clients.values()):
                 await quiet(c.abort(op.op_id, timeout=10))
             await self._stop_joiners()
+            for held in op.move_memory.values():  # the ranks' abort freed their spare buffers
+                held.setdefault("freed_at", time.time())
+                held.setdefault("freed_by", "rollback")
             if op.state == OpState.FAILED.value:
                 op.state = OpState.ROLLED_BACK.value
             w.phase_done(op, Phase.ROLLBACK.value, t)

@@ -38,6 +38,9 @@ class TransitionPlan:
     # recover: members whose expert weights may be half moved (a failed commit); every slot they
     # held is restored from another copy or the weight source instead.
     untrusted: tuple[int, ...] = ()
+    # scale: the expert moves (indices into plan_moves' list) the pre-copy makes in prepare; the rest
+    # move in the commit (engine_ext/elastic/precopy.py split_moves). None: every move.
+    precopy_moves: tuple[int, ...] | None = None
 
     @property
     def old_world(self) -> tuple[int, ...]:

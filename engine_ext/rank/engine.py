@@ -113,7 +113,7 @@ class RankEngine:
         self.telemetry = telemetry = RankTelemetry(shared, sink, self.status)
         reuse = CaptureReuse(handle, res, shared, telemetry) if handle is not None else None
         self.warmup = Warmup(res, shared, telemetry, reuse)
-        reshuffle = ExpertReshuffle(res, shared, weight_source or SeededWeightSource(cfg))
+        reshuffle = ExpertReshuffle(res, shared, weight_source or SeededWeightSource(cfg), self.warmup.kv_pool_blocks)
         self.loop = StepLoop(res, shared, telemetry)
         self.recovery = RankRecovery(res, shared, telemetry, self.loop, self.warmup, reshuffle)
         self.transition = RankTransition(res, shared, telemetry, self.loop, self.warmup, reshuffle,
@@ -219,6 +219,7 @@ class RankEngine:
             captured_in={str(k): v for k, v in g.captured_in.items()},
             eplb_recent_load=eplb.recent_load(),
             eplb_slots=eplb.layout.local_logical(res.model.rank),  # the layout slice at the model's position
+            move_bytes_held=shared.move_bytes_held,
             **s.latency.summary(),  # windowed TTFT/TPOT p50/p95 (engine_ext/rank/latency.py)
         )
         return to_builtins(st)

@@ -1,16 +1,23 @@
-"""The expert reshuffle a transition's commit and a recovery both run: expert weights move into
-the operation's new layout over its EPLB communicator."""
+"""Expert moves into an operation's new layout over its EPLB communicator.
+
+A scale moves what fits ahead of its commit (``precopy``, in prepare, while the old world serves:
+expert weights do not change while serving, so the senders read their live storage); its commit
+moves the rest (the plan's split, engine_ext/elastic/precopy.py) into buffers carved from the idle
+MoE workspace, then loads every buffer into its slot (``apply``); a recovery, whose sources just
+died or may be half moved, moves them in one go (``run``)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from engine_ext.elastic.eplb import ExpertMove, plan_moves
+from engine_ext.elastic.workspace import bytes_for
 from engine_ext.elastic.weight_source import WeightSource
-from engine_ext.rank.operation import OpState, comm_members
+from engine_ext.rank.operation import OpState, PreCopy, comm_members
 from engine_ext.rank.shared import RankResources, RankShared
 
 TAG_BASE = 1000  # dense transfers use tags below it (engine_ext/rank/transition.py)
@@ -20,10 +27,14 @@ class ExpertReshuffle:
     """Moves expert weights into an operation's new layout over its EPLB communicator; experts
     whose every copy died come from the weight source (a checkpoint loader in production)."""
 
-    def __init__(self, res: RankResources, shared: RankShared, weight_source: WeightSource) -> None:
+    def __init__(self, res: RankResources, shared: RankShared, weight_source: WeightSource,
+                 pool_blocks: Callable[[int], int] | None = None) -> None:
         self.res = res
         self.shared = shared
         self.weight_source = weight_source
+        # Warmup.kv_pool_blocks: the KV blocks the rank's budget leaves beside so many bytes of
+        # workspace (and spare buffers): a pre-copy's spare buffers come out of the KV pool.
+        self.pool_blocks = pool_blocks
 
     def _pieces(self, slot: int, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The contiguous per-layer parts of one expert, as sent: storage views, or views of
@@ -38,15 +49,20 @@ class ExpertReshuffle:
         b = flat[layers * n1:].view(layers, *w2.shape[2:])
         return [t[l] for l in range(layers) for t in (a, b)]
 
-    def _schedule(self, op: OpState, moves: list[ExpertMove],
-                  into_storage: bool) -> tuple[list, list, list, list, list]:
-        """(sends, recvs, local copies, weight-source restores, landing buffers) of this rank."""
+    def _schedule(self, op: OpState, moves: list[ExpertMove], into_storage: bool,
+                  take: Callable[[int], bool] = lambda i: True,
+                  new_buffer: Callable[[], torch.Tensor] | None = None) -> tuple[list, list, list, list, list]:
+        """(sends, recvs, local copies, weight-source restores, landing buffers) of this rank's moves
+        whose index ``take`` accepts; buffers from ``new_buffer`` (default: fresh memory)."""
         plan, model, me = op.plan, self.res.model, self.shared.rank
         old_w, new_w, comm_world = plan.old_world, plan.new_world, comm_members(plan)
         per_move = 2 * model.w1.shape[0]
         sends, recvs, local, restored, landing = [], [], [], [], []
         vec_len = model.w1[:, 0].numel() + model.w2[:, 0].numel()
+        alloc = new_buffer or (lambda: torch.empty(vec_len, dtype=model.dtype, device=self.res.device))
         for i, m in enumerate(moves):
+            if not take(i):
+                continue
             src_g = old_w[m.src_rank] if m.src_rank >= 0 else -1
             dst_g = new_w[m.dst_rank]
             tags = range(TAG_BASE + i * per_move, TAG_BASE + (i + 1) * per_move)
@@ -55,7 +71,10 @@ class ExpertReshuffle:
             elif src_g == me and dst_g == me:
                 if m.src_slot != m.dst_slot:  # else the slot keeps its expert: nothing to copy
                     # A copy taken before anything is loaded: another local move may overwrite the slot.
-                    local.append((m, model.expert_vector(m.src_slot)))
+                    buf = alloc()
+                    for t, piece in zip(self._pieces(m.dst_slot, buf), self._pieces(m.src_slot)):
+                        t.copy_(piece)
+                    local.append((m, buf))
             elif src_g == me:
                 peer = comm_world.index(dst_g)
                 sends += [(t, peer, tag) for t, tag in zip(self._pieces(m.src_slot), tags)]
@@ -64,7 +83,7 @@ class ExpertReshuffle:
                 if into_storage:
                     targets = self._pieces(m.dst_slot)
                 else:
-                    buf = torch.empty(vec_len, dtype=model.dtype, device=self.res.device)
+                    buf = alloc()
                     landing.append((m, buf))
                     targets = self._pieces(m.dst_slot, buf)
                 recvs += [(t, peer, tag) for t, tag in zip(targets, tags)]
@@ -116,3 +135,116 @@ class ExpertReshuffle:
         w1 = torch.stack([a for a, _ in pairs]).to(self.res.device)
         w2 = torch.stack([b for _, b in pairs]).to(self.res.device)
         return torch.cat([w1.reshape(-1), w2.reshape(-1)])
+
+    # ---- a scale: moves before the commit, the commit only loads -----------------------------------
+    def precopy(self, op: OpState) -> dict[str, Any]:
+        """Receive the experts the new layout gives this rank, as far as the plan's split
+        (``precopy_moves``) takes them, while the old world serves: a joiner
+        into its slots (placeholders nobody serves from), a member into spare buffers (its slots
+        serve until the switch; a failure before it leaves them whole). One exchange per move, in
+        the plan's order (every rank walks the same order, so none waits on a move its peer has
+        not reached); ``hold:precopy`` keeps a rank after its first of several (mid pre-copy)."""
+        plan, res, model = op.plan, self.res, self.res.model
+        moves = plan_moves(plan.old_layout, plan.new_layout, set(range(plan.old_size)))
+        comm = op.eplb_comm
+        assert comm is not None
+        per_move = 2 * model.w1.shape[0]
+        # "precopy_into_live_slots": a member receives straight into the slots it serves from.
+        into_storage = op.role == "joining" or res.faults.active("precopy_into_live_slots")
+        t0 = time.perf_counter()
+        sends, recvs, local, _, landing = self._schedule(op, moves, into_storage, self._in_precopy(plan))
+        held = local + landing  # local copies are taken now: another move may overwrite their source slot
+        spare = sum(buf.numel() * buf.element_size() for _, buf in held)
+        self._hold_spare(op, held, spare)
+        t_pack = time.perf_counter()
+        by_move: dict[int, tuple[list, list]] = {}
+        for side, items in ((0, sends), (1, recvs)):
+            for item in items:
+                by_move.setdefault((item[2] - TAG_BASE) // per_move, ([], []))[side].append(item)
+        for k, i in enumerate(sorted(by_move)):
+            comm.exchange(*by_move[i])
+            if k == 0 and len(by_move) > 1:
+                res.faults.hold("precopy")
+        t_exchange = time.perf_counter()
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {"moves_total": len(moves), "sent": len(sends) // per_move, "received": len(recvs) // per_move,
+                "local": len(local), "received_into_storage": into_storage, "exchanges": len(by_move),
+                "bytes_sent": nbytes(t for t, _, _ in sends), "bytes_received": nbytes(t for t, _, _ in recvs),
+                "spare_bytes": spare, "pack_s": t_pack - t0, "exchange_s": t_exchange - t_pack}
+
+    @staticmethod
+    def _in_precopy(plan: Any) -> Callable[[int], bool]:
+        """Whether move ``i`` is the pre-copy's (the plan's split; without one, every move is)."""
+        chosen = None if plan.precopy_moves is None else frozenset(plan.precopy_moves)
+        return lambda i: chosen is None or i in chosen
+
+    def _account(self, nbytes: int) -> None:
+        """Take ``nbytes`` of expert buffers out of the KV pool (the rank's budget is KV +
+        workspace + spare), or give them back with 0; status shows them as ``move_bytes_held``."""
+        res, shared = self.res, self.shared
+        with shared.lock:
+            if self.pool_blocks is not None:
+                res.sched.blocks.resize(self.pool_blocks(res.workspace.nbytes + nbytes))
+            shared.move_bytes_held = nbytes
+
+    def _hold_spare(self, op: OpState, held: list, nbytes: int) -> None:
+        """Keep the spare buffers in ``op`` and their bytes out of the KV pool until
+        ``OpState.free_precopy`` gives them back."""
+        if nbytes:
+            self._account(nbytes)
+        op.precopy = PreCopy(held, nbytes, time.time(), lambda: self._account(0) if nbytes else None)
+
+    def _commit_buffers(self) -> tuple[Callable[[], torch.Tensor], Callable[[], int]]:
+        """Buffers for the commit's moves: carved from the MoE workspace (no forward pass runs until
+        the re-warm after the load), then fresh memory; and how many bytes the fresh ones took."""
+        model, ws = self.res.model, self.res.workspace
+        vec_len = model.w1[:, 0].numel() + model.w2[:, 0].numel()
+        spec = ((vec_len,), model.dtype)
+        fits = ws.nbytes // bytes_for([spec]) if ws.nbytes else 0
+        carved = list(reversed(ws.get([spec] * fits))) if fits else []
+        extra = [0]
+
+        def new_buffer() -> torch.Tensor:
+            if carved:
+                return carved.pop()
+            extra[0] += vec_len * model.w1.element_size()
+            return torch.empty(vec_len, dtype=model.dtype, device=self.res.device)
+
+        return new_buffer, lambda: extra[0]
+
+    def apply(self, op: OpState) -> dict[str, Any]:
+        """At the commit: move what the pre-copy left (the plan's split: received into buffers and
+        local copies, as a recovery's move), then copy every buffer, pre-copied or not, into the slot
+        whose expert changes, and free them. A failure before the loads leaves the slots whole."""
+        plan, model = op.plan, self.res.model
+        comm = op.eplb_comm
+        assert comm is not None
+        in_pre = self._in_precopy(plan)
+        moves = plan_moves(plan.old_layout, plan.new_layout, set(range(plan.old_size)))
+        t0 = time.perf_counter()
+        new_buffer, extra = self._commit_buffers()
+        sends, recvs, local, _, landing = self._schedule(op, moves, op.role == "joining",
+                                                         lambda i: not in_pre(i), new_buffer)
+        pc = op.precopy
+        if extra():  # what the workspace could not hold comes out of the KV pool too, for the pause
+            self._account((pc.nbytes if pc is not None else 0) + extra())
+            if pc is None:
+                op.precopy = pc = PreCopy([], 0, time.time(), lambda: None)
+            pc.release = lambda: self._account(0)  # the commit's load, or a failed commit's abort
+        t_pack = time.perf_counter()
+        comm.exchange(sends, recvs)
+        t_exchange = time.perf_counter()
+        copied = 0
+        for m, buf in [*(pc.held if pc is not None else []), *local, *landing]:
+            model.load_expert_vector(m.dst_slot, buf)
+            copied += buf.numel() * buf.element_size()
+        moved = sum(buf.numel() * buf.element_size() for _, buf in local + landing)
+        t_load = time.perf_counter()
+        freed = op.free_precopy("commit")
+        # the operation record's move_memory: what was held, and what of the move the commit made
+        op.result["move_memory"] = freed = {**freed, "commit_moved_bytes": moved, "commit_extra_bytes": extra()}
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {"commit_copy_bytes": copied, "commit_moved_bytes": moved, "commit_moves": len(local) + len(landing),
+                "commit_bytes_sent": nbytes(t for t, _, _ in sends),
+                "commit_bytes_received": nbytes(t for t, _, _ in recvs), "commit_extra_bytes": extra(),
+                "pack_s": t_pack - t0, "exchange_s": t_exchange - t_pack, "load_s": t_load - t_exchange, **freed}

@@ -70,6 +70,7 @@ class RankShared:
         self.required_workspace = 0
         self.steps = 0
         self.stale_replays_refused = 0
+        self.move_bytes_held = 0  # a scale's pre-copy spare buffers, out of the KV pool (under ``lock``)
 
     @property
     def world_size(self) -> int:

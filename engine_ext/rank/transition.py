@@ -1,5 +1,6 @@
 """The rank side of a transition: prepare (standby groups, EPLB communicator, non-expert
-weights), drain, commit at an agreed step (switch groups, reshuffle experts, re-warm), abort.
+weights, the expert pre-copy), drain, commit at an agreed step (switch groups, load the experts
+the pre-copy holds into their slots, re-warm), abort.
 
 Existing ranks prepare while their step loop keeps serving on the old group; the commit runs
 on the step thread once every rank's header says it is ready, so forward passes pause there.
@@ -62,6 +63,7 @@ class RankTransition:
         try:
             for step in steps:
                 step(op)
+            self._precopy_phase(op)
             with telemetry.phase(plan.op_id, "prepare_warm_groups"):
                 if op.standby is not None:
                     op.standby.barrier()
@@ -75,7 +77,8 @@ class RankTransition:
         op.prepared.set()
         if role == "joining":
             self.loop.start(self._join_commit_then_serve, name="joiner")
-        return {"rank": shared.rank, "role": role}
+        return {"rank": shared.rank, "role": role,
+                "spare_bytes": op.precopy.nbytes if op.precopy is not None else 0}
 
     def _form_groups(self, op: OpState) -> None:
         """The new world's DP group (standby until commit) and the EPLB communicator: on a
@@ -129,6 +132,12 @@ class RankTransition:
                 comm.exchange([], [(t, src, DENSE_TAG + j) for j, t in enumerate(tensors)])
                 return {"received_from": src, "bytes": nbytes}
         return {}
+
+    def _precopy_phase(self, op: OpState) -> None:
+        """The experts the new layout gives each rank move now, while the old world serves
+        (engine_ext/rank/reshuffle.py); the commit only loads what a member holds in spare buffers."""
+        with self.telemetry.phase(op.plan.op_id, "precopy", role=op.role) as d:
+            d.update(self.reshuffle.precopy(op))
 
     # ---- drain, commit request, abort -------------------------------------------------------------
     def _prepared_op(self, op_id: str) -> OpState:
@@ -260,9 +269,11 @@ class RankTransition:
         return parts
 
     def _reshuffle_phase(self, op: OpState) -> None:
+        """What of the expert moves could not happen before the switch: a member's spare buffers
+        copied into its slots (their bytes bounded by what it received and its local moves)."""
         self.res.faults.hold("reshuffle")
         with self.telemetry.phase(op.plan.op_id, "reshuffle") as r:
-            r.update(self.reshuffle.run(op))
+            r.update(self.reshuffle.apply(op))
 
     def _switch(self, op: OpState) -> None:
         """Adopt the standby group as the live DP/EP group and the new layout (I6)."""
