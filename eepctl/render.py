@@ -137,8 +137,7 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
     lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
              f"waiting {s['requests_waiting']}"]
     lines += _selfheal_lines(snap)
-    lines += control_lines(snap)
-    lines += ingress_lines(snap)
+    lines += control_lines(snap) + ingress_lines(snap)
     lines += _autoscale_lines(snap)
     per_node = ranks_per_node(snap["ranks"])
     if len(per_node) > 8:  # at scale, a distribution instead of one entry per node
