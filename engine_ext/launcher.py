@@ -205,8 +205,8 @@ class ProcessSpawner:
         device = o.device_for(rank if standby < 0 else 0)
         proc = self.ctx.Process(target=_rank_main,
                                 name=f"{o.name}_dp{rank}" if standby < 0 else f"{o.name}_standby{standby}",
-                                args=(child, o.cfg.to_dict(), o.name, rank, layout.to_dict(), joining, device, {**os.environ, **o.env},
-                                      standby),
+                                args=(child, o.cfg.to_dict(), o.name, rank, layout.to_dict(), joining, device,
+                                      {**os.environ, **o.env}, standby),
                                 daemon=True)
         proc.start()
         child.close()
