@@ -80,17 +80,19 @@ def test_reuse_holds_the_max_world_from_the_start():
 
 
 def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit():
-    """The default config, 3 -> 2 retiring rank 1: rank 2 takes rank 1's position and needs all 8 of
-    its slots' experts, more than the spare room its KV pool leaves beside one request while serving
-    (5 experts). The pre-copy moves the 5 that fit, the commit the other 3 (into buffers carved from
-    the idle MoE workspace and the KV pool); the plan and the operation record say which, and every
-    output before, during and after equals the oracle's."""
+    """16 experts in 8 slots a rank, 3 -> 2 retiring rank 1: rank 2 takes rank 1's position, keeps
+    the experts it holds (moves are planned by rank, not by position), receives the 3 only rank 1
+    held and copies 5 between its own slots: 8 moves, more than the spare room its KV pool leaves
+    beside one request while serving (5 experts). The pre-copy moves the 5 that fit (received
+    ones first), the commit the other 3 (into buffers carved from the idle MoE workspace and the KV
+    pool); the plan and the operation record say which, and every output before, during and after
+    equals the oracle's."""
     from eepctl.render import plan_text
     from engine_ext.elastic.precopy import expert_nbytes, spare_room
     from engine_ext.model.dense_oracle import reference_generate
     from tests.engine_helpers import oracle_mismatch
 
-    cfg = EngineConfig()
+    cfg = EngineConfig(num_experts=16, slots_per_rank=8)
     prompts = [[1 + i, 2 + 2 * i, 3 + i] for i in range(6)]
     ref = reference_generate(cfg, prompts, 6)
     per_expert = expert_nbytes(cfg)
@@ -103,7 +105,7 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit():
             r2 = plan.precopy["per_rank"]["2"]
             assert "problem" not in plan.precopy, plan.precopy
             assert (r2["precopied"], r2["in_commit"]) == (spare_room(cfg, 3) // per_expert, 8 - r2["precopied"]) == (5, 3), r2
-            assert (r2["spare"], r2["commit_moved"]) == (5 * per_expert, 3 * per_expert), r2
+            assert (r2["receive"], r2["spare"], r2["commit_moved"]) == (3 * per_expert, 5 * per_expert, 3 * per_expert), r2
             # what `eepctl scale --dry-run` prints of it
             assert f"rank 2: 5 pre-copied ({5 * per_expert:,} B), 3 in the commit" in plan_text(plan.to_dict())
             during = asyncio.gather(*(dep.generate(p, 6) for p in prompts[2:4]))
@@ -121,23 +123,23 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit():
 
 
 def test_scale_refused_when_the_moves_do_not_fit_even_in_the_commit():
-    """3 -> 2 retiring rank 1 (4 slots per rank, 512 KiB experts): rank 2 must hold three experts
-    (one pre-copied, two in the commit), more than its MoE workspace and whole KV pool hold in the
-    pause: the admission refuses it (exit 4), saying by how much, before anything moves; the
-    deployment serves on at DP 3."""
+    """3 -> 2 retiring rank 2 (4 slots per rank, 1 MiB experts): rank 1 must hold two experts in
+    the commit (one received, one copied between its own slots; none fits the pre-copy's room),
+    more than its MoE workspace and whole KV pool hold in the pause: the admission refuses it
+    (exit 4), saying by how much, before anything moves; the deployment serves on at DP 3."""
     from engine_ext.elastic.precopy import commit_room
     from engine_ext.errors import ExitCode
 
-    cfg = EngineConfig(slots_per_rank=4, expert_hidden=512)
+    cfg = EngineConfig(slots_per_rank=4, expert_hidden=1024)
 
     async def scenario() -> None:
         async with LocalDeployment(cfg, "kvb-pre", max_dp=4) as dep:
             await dep.start(3)
-            plan = await dep.orch.plan(2, retire=[1])
-            held = plan.precopy["per_rank"]["2"]["commit_held"]
+            plan = await dep.orch.plan(2, retire=[2])
+            held = plan.precopy["per_rank"]["1"]["commit_held"]
             assert held > commit_room(cfg, 3) and "short by" in plan.precopy["problem"], plan.precopy
             with pytest.raises(PreconditionError) as e:
-                await dep.scale(2, retire=[1])
+                await dep.scale(2, retire=[2])
             assert e.value.exit_code == ExitCode.PRECONDITION
             assert f"short by {held - commit_room(cfg, 3):,} B" in str(e.value), str(e.value)
             assert dep.orch.members == [0, 1, 2]

@@ -800,3 +800,25 @@ def test_controller_side_modules_never_import_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_rank_that_moves_down_a_position_keeps_its_experts():
+    """3 -> 2 retiring the middle rank: the last rank takes position 1. Planned by position, its
+    slots would be filled from the leaver (old position 1): every expert sent again. Planned by
+    rank, what it held stays: only the experts the leaver alone held move."""
+    from engine_ext.elastic.eplb import old_positions
+
+    old = build_layout(16, 8, 3)
+    kept = (0, 2)
+    previous = ExpertLayout(16, 8, 2, tuple(e for p in kept for e in old.local_logical(p)))
+    new = build_layout(16, 8, 2, None, previous)
+    pos = old_positions([0, 1, 2], [0, 2])
+    assert pos == [0, 2]
+    by_rank = plan_moves(old, new, {0, 1, 2}, old_pos=pos)
+    by_position = plan_moves(old, new, {0, 1, 2})
+    from_leaver = lambda ms: [m for m in ms if m.dst_rank == 1 and m.src_rank == 1]  # noqa: E731
+    only_leaver = {e for e in old.local_logical(1)} - {e for p in kept for e in old.local_logical(p)}
+    # the harm: every slot whose expert the leaver also held is refilled over the network
+    assert len(from_leaver(by_position)) == len(set(new.local_logical(1)) & set(old.local_logical(1))) > len(only_leaver)
+    assert {m.logical for m in from_leaver(by_rank)} == only_leaver and 0 < len(only_leaver) < 8
+    assert all(m.src_rank == 2 for m in by_rank if m.dst_rank == 1 and m.logical not in only_leaver)

@@ -58,7 +58,8 @@ def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int
     previous = layout if target > cur else ExpertLayout(
         layout.num_logical, layout.slots_per_rank, target, tuple(e for p in kept for e in layout.local_logical(p)))
     new = build_layout(layout.num_logical, layout.slots_per_rank, target, loads, previous)
-    moves = plan_moves(layout, new, set(range(cur)))
+    old_pos: list[int | None] = [*kept, *[None] * (target - len(kept))]  # kept ranks, then joiners
+    moves = plan_moves(layout, new, set(range(cur)), old_pos=old_pos)
     first = cur if next_rank is None else next_rank
     if target > cur:
         plan.joining = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)}
@@ -66,7 +67,7 @@ def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int
         plan.transfer_pairs = transfer_pairs(cur, target)
     else:
         plan.leaving = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)} for r in members if r in gone]
-    plan.expert_moves = [m.__dict__ for m in moves if not m.local]
+    plan.expert_moves = [m.__dict__ for m in moves if m.src_rank != old_pos[m.dst_rank]]
     plan.layout = new.to_dict()
     return plan
 

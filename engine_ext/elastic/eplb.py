@@ -155,9 +155,17 @@ class ExpertMove:
         return self.src_rank < 0
 
 
+def old_positions(old_world: list[int] | tuple[int, ...], new_world: list[int] | tuple[int, ...]) -> list[int | None]:
+    """For each position of the new world, the old position of the same rank (None: a joiner)."""
+    return [old_world.index(r) if r in old_world else None for r in new_world]
+
+
 def plan_moves(old: ExpertLayout, new: ExpertLayout, alive_sources: set[int] | None = None,
-               *, missing_ok: bool = False) -> list[ExpertMove]:
-    """Where each new physical slot gets its weights from. Local copies when possible.
+               *, missing_ok: bool = False, old_pos: list[int | None] | None = None) -> list[ExpertMove]:
+    """Where each new physical slot gets its weights from. Local copies when possible: from the
+    slots the same rank held, ``old_pos`` (``old_positions``) saying where it stood in the old world
+    (by default at the same position). Without it a rank that moved down a position, after a
+    lower rank left, took every expert it already held from the rank now at its old place.
 
     ``missing_ok`` (recovery): an expert whose every old copy died gets a move with source
     rank -1, to be restored from the model's weight source."""
@@ -178,7 +186,8 @@ def plan_moves(old: ExpertLayout, new: ExpertLayout, alive_sources: set[int] | N
             continue
         if not cands:
             raise ValueError(f"logical expert {e} has no live source in the old layout")
-        local = [c for c in cands if c[0] == dst_rank]
+        home = dst_rank if old_pos is None else old_pos[dst_rank]
+        local = [c for c in cands if c[0] == home]
         if local:
             src = local[0]
         else:  # spread remote copies over the holders

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine_ext.capture_memory import dtype_bytes, kv_budget
 from engine_ext.config import EngineConfig
-from engine_ext.elastic.eplb import ExpertLayout, plan_moves
+from engine_ext.elastic.eplb import ExpertLayout, old_positions, plan_moves
 
 
 def expert_nbytes(cfg: EngineConfig) -> int:
@@ -56,7 +56,7 @@ def split_moves(old: ExpertLayout, new: ExpertLayout, old_world: list[int] | tup
     joining = set(new_world) - set(old_world)
     keys = ("send", "receive", "spare", "precopied", "in_commit", "commit_moved", "commit_copy", "commit_held")
     out = {r: dict.fromkeys(keys, 0) for r in (*old_world, *new_world)}
-    moves = plan_moves(old, new, set(range(old.world_size)))
+    moves = plan_moves(old, new, set(range(old.world_size)), old_pos=old_positions(old_world, new_world))
     into_member: dict[int, list[tuple[bool, int]]] = {}  # dst -> (local, index), receives first
     chosen = []
     for i, m in enumerate(moves):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine_ext.elastic.eplb import ExpertMove, plan_moves
+from engine_ext.elastic.eplb import ExpertMove, old_positions, plan_moves
 from engine_ext.elastic.workspace import bytes_for
 from engine_ext.elastic.weight_source import WeightSource
 from engine_ext.rank.operation import OpState, PreCopy, comm_members
@@ -95,7 +95,8 @@ class ExpertReshuffle:
         old_w, new_w = plan.old_world, plan.new_world
         alive = {p for p, m in enumerate(old_w)
                  if plan.kind != "recover" or (m in new_w and m not in plan.untrusted)}
-        moves = plan_moves(plan.old_layout, plan.new_layout, alive, missing_ok=plan.kind == "recover")
+        moves = plan_moves(plan.old_layout, plan.new_layout, alive, missing_ok=plan.kind == "recover",
+                           old_pos=old_positions(old_w, new_w))
         comm = op.eplb_comm
         assert comm is not None
         t0 = time.perf_counter()
@@ -145,7 +146,8 @@ class ExpertReshuffle:
         the plan's order (every rank walks the same order, so none waits on a move its peer has
         not reached); ``hold:precopy`` keeps a rank after its first of several (mid pre-copy)."""
         plan, res, model = op.plan, self.res, self.res.model
-        moves = plan_moves(plan.old_layout, plan.new_layout, set(range(plan.old_size)))
+        moves = plan_moves(plan.old_layout, plan.new_layout, set(range(plan.old_size)),
+                           old_pos=old_positions(plan.old_world, plan.new_world))
         comm = op.eplb_comm
         assert comm is not None
         per_move = 2 * model.w1.shape[0]
@@ -220,7 +222,8 @@ class ExpertReshuffle:
         comm = op.eplb_comm
         assert comm is not None
         in_pre = self._in_precopy(plan)
-        moves = plan_moves(plan.old_layout, plan.new_layout, set(range(plan.old_size)))
+        moves = plan_moves(plan.old_layout, plan.new_layout, set(range(plan.old_size)),
+                           old_pos=old_positions(plan.old_world, plan.new_world))
         t0 = time.perf_counter()
         new_buffer, extra = self._commit_buffers()
         sends, recvs, local, _, landing = self._schedule(op, moves, op.role == "joining",
