@@ -136,11 +136,20 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
 
 
 def _controller_pid(name: str) -> int:
+    """The controller actor's pid, once it answers: requests no longer pass through it (issue 33),
+    so serving again after its SIGKILL does not mean Ray finished restarting it."""
     import ray
+    from ray.exceptions import ActorUnavailableError
 
     from engine_ext.ray.names import controller_name
 
-    return int(ray.get(ray.get_actor(controller_name(name), namespace=NAMESPACE).pid.remote(), timeout=30))
+    def ask() -> int | None:
+        try:
+            return int(ray.get(ray.get_actor(controller_name(name), namespace=NAMESPACE).pid.remote(), timeout=30))
+        except ActorUnavailableError:  # being restarted by Ray
+            return None
+
+    return wait_for(ask, timeout=90, interval=0.5, what=f"{name}'s controller answering")
 
 
 def _held(name: str, rank: int, phase: str) -> None:
