@@ -44,7 +44,7 @@ async def _serve_sizes(cfg: EngineConfig, sizes: list[int], name: str) -> dict[i
                 await dep.start(dp)
             else:
                 op = await dep.scale(dp, timeout_s=120)
-                assert op["state"] == "succeeded", op
+                assert op["state"] == "succeeded", (op.get("error"), op.get("phase_durations"), op.get("rank_states"))
                 # the new world's transport, chosen in prepare: what this run compares
                 kinds = {e["detail"].get("transport") for e in dep.registry.events_for(op["op_id"])
                          if e["phase"] == "prepare" and e["rank"] >= 0}
