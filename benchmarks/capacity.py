@@ -9,13 +9,19 @@
            ``LocalDeployment`` for ``--seconds``: tok/s, request p50/p99
   open     open-loop arrivals (Poisson, ``--rate`` requests/s) for ``--seconds``: the same figures
   step     one decode step of the idle deployment: (time of 1 + k tokens - time of 1 token) / k
+  ingress  a Ray deployment (`eepctl up --ingress N`) for each of ``--ingress`` at the largest
+           ``--dp``: closed-loop tok/s through the ingresses' HTTP endpoint and through Ray actor
+           calls to them, the requests each answered, the ingress CPU per token
+           (benchmarks/capacity_ingress.py); ``closed`` is the direct path beside it
 
 Every load point also runs with one client (``light``): the light-load request p50.
 ``--transport`` picks the per-step collectives' transport (engine config ``transport``):
 ``gloo`` (TCP), ``shm`` (shared memory among the ranks of one host; gloo across hosts) or ``auto``.
 
 Usage: PYTHONPATH=. python benchmarks/capacity.py [--dp 1,2,4] [--device cpu|cuda]
-       [--transport gloo,auto] [--parts profile,closed,open,step] [--out docs/results]
+       [--transport gloo,auto] [--parts profile,closed,open,step,ingress] [--ingress 1,2] [--out docs/results]
+       [--address HOST:PORT]
+A bigger host: ``--big`` (DP 1,2,4,8, 64 clients, 1, 2 and 4 ingresses, 30 s a run).
 """
 
 from __future__ import annotations
@@ -236,6 +242,14 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             print(f"| {r['transport']} | {r['dp']} | {_f(c.get('tok_s'), 0)} | {_f(c.get('p50_ms'))} | "
                   f"{_f(c.get('p99_ms'))} | {_f(lt.get('p50_ms'))} | {_f(o.get('tok_s'), 0)} | {_f(o.get('p50_ms'))} | "
                   f"{_f(o.get('p99_ms'))} | {_f(r.get('step_ms'), 2)} |", flush=True)
+    if "ingress" in a.parts:
+        from benchmarks.capacity_ingress import ingress_point, print_table
+
+        res["ingress"] = []
+        for n in [int(x) for x in a.ingress.split(",")]:
+            res["ingress"].append(ingress_point(max(dps), n, a, transports[0]))
+            print(json.dumps(res["ingress"][-1]), flush=True)
+        print_table(res["ingress"], a.clients)
     res["loadavg_end"] = os.getloadavg()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -259,7 +273,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="profile: steps per DP")
     p.add_argument("--profile-tokens", type=int, default=8, help="profile: decode tokens per rank")
     p.add_argument("--out", default="", help="folder for capacity_<device>.json")
+    p.add_argument("--ingress", default="1,2", help="ingress part: comma-separated ingress counts")
+    p.add_argument("--address", default="", help="ingress part: a Ray cluster (default: RAY_ADDRESS, or a local one)")
+    p.add_argument("--big", action="store_true", help="a bigger host: DP 1,2,4,8, 64 clients, ingresses 1,2,4, 30 s")
     a = p.parse_args()
+    if a.big:
+        a.dp, a.clients, a.ingress, a.seconds = "1,2,4,8", 64, "1,2,4", 30.0
     a.parts = a.parts.split(",")
     return a
 

@@ -247,7 +247,7 @@ def main() -> None:
     try:
         core.up(t, dp=START_DP, max_dp=MAX_DP, engine=ENGINE, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
                 health_deadline_s=DEADLINE_S)
-        submit_ctx = core._driver(t, None).requests(8, 3600)
+        submit_ctx = core.requests(t, 8, 3600, note=lambda s: print(s, flush=True))
         from eepctl import loadgen
 
         with submit_ctx as submit:

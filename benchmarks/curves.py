@@ -16,6 +16,9 @@ expert_hidden x 4 B = 8 KiB x expert_hidden, one expert (what one move sends) 1/
 each rank holds 4 slots = half of the experts (2 GiB of experts: 1 GiB per rank, 4 GiB at DP 4).
 
 Writes ``curves.json``, ``curves.svg`` and ``curves.csv`` into ``--out``; prints markdown tables.
+Each scale's row keeps the plan's predicted cost beside the measured one (``cost``); ``--fit`` fits
+the scale cost model to the bytes part and writes ``cost_model.json`` with this host
+(benchmarks/fit_cost.py; docs/operations.md, "What a scale will cost").
 
 Usage: PYTHONPATH=. python benchmarks/curves.py [--quick] [--out docs/results]
 """
@@ -32,6 +35,8 @@ import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+
+from engine_ext.control.cost_model import host_identity
 
 MIB = 2**20
 BASE: dict[str, Any] = {"dtype": "float32", "num_layers": 2, "num_experts": 8, "hidden_size": 64, "slots_per_rank": 4,
@@ -225,18 +230,45 @@ async def decode_step_s(dep: Any, k: int = 24, reps: int = 3, prompt: list[int] 
     return max(0.0, (statistics.median(tk) - statistics.median(t1)) / k)
 
 
+DEVICE_COPY = """
+import statistics, sys, time, torch
+n = 1 << 30
+a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+ts = []
+for _ in range(6):
+    torch.cuda.synchronize(); t = time.perf_counter(); b.copy_(a); torch.cuda.synchronize()
+    ts.append(time.perf_counter() - t)
+print(n / statistics.median(ts[1:]) / 1e9)
+"""
+
+
+def device_copy_GBps() -> float:
+    """The device's own device-to-device copy rate (1 GiB, bytes copied per second), in a process
+    of its own: the benchmark process must not hold a CUDA context while it starts ranks."""
+    import subprocess
+    import sys
+
+    return float(subprocess.run([sys.executable, "-c", DEVICE_COPY], check=True, capture_output=True,
+                                text=True).stdout.strip())
+
+
 def _rank_events(dep: Any, op_id: str, phase: str) -> dict[int, dict[str, Any]]:
     return {e["rank"]: e for e in dep.registry.events_for(op_id) if e["phase"] == phase and e["rank"] >= 0}
 
 
 async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, *, standby: int = 0,
-                     step: bool = False, device: str = "cpu") -> dict[str, Any]:
-    """One scale ``start`` -> ``target`` under one closed-loop client, on a fresh deployment."""
+                     step: bool = False, device: str = "cpu", kv_experts: int = 0) -> dict[str, Any]:
+    """One scale ``start`` -> ``target`` under one closed-loop client, on a fresh deployment.
+    ``kv_experts``: KV blocks for that many experts beside the pool, room for a member's pre-copy.
+    A scale the admission refuses is a row with ``state`` "refused" and the reason."""
+    from engine_ext.capture_memory import kv_block_bytes
     from engine_ext.config import EngineConfig
+    from engine_ext.elastic.precopy import expert_nbytes
     from engine_ext.launcher import LocalDeployment
+    from engine_ext.protocol import PreconditionError
 
     cfg = EngineConfig(**cfg_d)
-    cfg.num_blocks = kv_blocks(cfg, max(target, 4))
+    cfg.num_blocks = kv_blocks(cfg, max(target, 4)) + kv_experts * -(-expert_nbytes(cfg) // kv_block_bytes(cfg))
     dep = LocalDeployment(cfg, name, max_dp=max(target, 4), standby=standby, device=device)
     t_up = time.perf_counter()
     await dep.start(start)
@@ -252,7 +284,12 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
         client = asyncio.ensure_future(_client(dep, stop, reqs))
         await asyncio.sleep(1.0)
         t0 = time.perf_counter()
-        op = await dep.scale(target, timeout_s=600)
+        try:
+            op = await dep.scale(target, timeout_s=600)
+        except PreconditionError as e:
+            stop.set()
+            await client
+            return row | {"state": "refused", "error": e.message}
         row["wall_s"] = time.perf_counter() - t0
         await asyncio.sleep(0.5)
         stop.set()
@@ -303,14 +340,22 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
         # the move's parts: the pre-copy's packing (local copies) and exchange, in prepare; loading
         # the spare buffers into the slots, in the commit (before the pre-copy: all in the commit)
         row["reshuffle_parts_by_rank"] = {
-            str(r): {k: round(d[k], 4) for k in ("clone_s", "pack_s", "exchange_s") if k in d}
+            str(r): {k: round(d[k], 4) for k in ("clone_s", "pack_s", "exchange_s", "exchanges", "move_wait_s",
+                                                 "move_map_s", "move_copy_s") if k in d}
             | {"load_s": round(resh.get(r, {}).get("detail", {}).get("load_s", 0.0), 4),
                "commit_copy_bytes": resh.get(r, {}).get("detail", {}).get("commit_copy_bytes", 0),
                "spare_bytes": d.get("spare_bytes", 0), "sent": d.get("bytes_sent", 0),
                "received": d.get("bytes_received", 0)}
             for r, d in sorted((r, e["detail"]) for r, e in moved.items())}
         row["precopy_s"] = max((e["duration_s"] for e in pre.values()), default=None)
+        # the move alone: expert bytes a joiner received over its pre-copy's exchanges' time
+        rates = [e["detail"]["bytes_received"] / e["detail"]["exchange_s"] for r, e in pre.items()
+                 if r in joiners and e["detail"].get("exchange_s") and e["detail"].get("bytes_received")]
+        row["move_GBps_per_joiner"] = statistics.median(rates) / 1e9 if rates else None
         row["move_memory"] = dep.registry.operations(op_id)[-1].get("move_memory", {})
+        # the plan's predicted cost beside the measured one (benchmarks/fit_cost.py fits from them)
+        row["cost"] = dep.registry.operations(op_id)[-1].get("cost", {})
+        row.update(capture_policy=str(cfg.capture_policy), capture_sizes=list(cfg.capture_sizes), pool=standby > 0)
         for ph in ("warm", "capture", "lock", "reshuffle"):
             row[f"{ph}_by_rank"] = {str(r): e["duration_s"] for r, e in _rank_events(dep, op_id, ph).items()}
         # reuse + a standby pool: the joiners' warm-up and capture pass taken in the pool, before
@@ -321,6 +366,20 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
     finally:
         await dep.stop()
     return row
+
+
+def copy_rate(nbytes: int = 64 * MIB, reps: int = 5) -> float:
+    """The host's memory copy rate (GB/s, median of ``reps``): a touched tensor into another, as the
+    commit loads a spare buffer into its slot (the cost model prices those loads with it)."""
+    import torch
+
+    src, dst = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
 
 
 def slopes(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -413,12 +472,16 @@ def _f(v: Any, nd: int = 3) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
 
+def _tag(a: argparse.Namespace) -> str:
+    return ("_quick" if a.quick else "") + ("" if a.device == "cpu" else "_" + a.device.replace(":", ""))
+
+
 def save(a: argparse.Namespace, res: dict[str, Any]) -> None:
     """Write what is measured so far (a long run stopped half way keeps its curves)."""
     res["loadavg_end"] = os.getloadavg()
     res.setdefault("bytes", [])
     res.setdefault("world", [])
-    tag = ("_quick" if a.quick else "") + ("" if a.device == "cpu" else "_" + a.device.replace(":", ""))
+    tag = _tag(a)
     with open(os.path.join(a.out, f"curves{tag}.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     write_svg(os.path.join(a.out, f"curves{tag}.svg"), res)
@@ -430,7 +493,7 @@ def save(a: argparse.Namespace, res: dict[str, Any]) -> None:
 async def main(a: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(a.out, exist_ok=True)
     res: dict[str, Any] = {"quick": a.quick, "base_config": BASE, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                           "loadavg_start": os.getloadavg(), "cpus": os.cpu_count()}
+                           "loadavg_start": os.getloadavg(), "cpus": os.cpu_count(), "host": host_identity(a.device)}
     link_sizes = [1, 8] if a.quick else [16, 256, 1024]
     dev = a.device
     ehs = [128] if a.quick else [int(x) for x in a.expert_hidden.split(",")]
@@ -452,25 +515,41 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
 
     res["bytes"] = []
     if "bytes" in a.parts:
+        if dev.startswith("cuda"):
+            res["device_copy_GBps"] = device_copy_GBps()
+            print(f"bytes: the device's own device-to-device copy: {res['device_copy_GBps']:.0f} GB/s", flush=True)
+        res["copy_GBps"] = copy_rate()
+        print(f"host memory copy: {res['copy_GBps']:.2f} GB/s (the commit's loads into slots)", flush=True)
         for eh in ehs:
             print(f"bytes: expert_hidden {eh}: {rss_budget_note(eh, 4)}", flush=True)
             # No captures on this curve: a capture's decode runs every local slot densely, which at
             # GiBs of experts makes each CPU step take seconds; eager decode runs top-k experts only.
-            row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": [], "capture_policy": a.bytes_policy},
-                                   f"cb{eh}", 2, 4, device=dev, standby=a.bytes_standby)
+            row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": [], "capture_policy": a.bytes_policy,
+                                    "transport": a.transport},
+                                   f"cb{eh}", 2, 4, device=dev, standby=a.bytes_standby, kv_experts=a.kv_experts)
             row.update(expert_hidden=eh, expert_MiB=expert_bytes(eh) / MIB)
+            if row.get("state") == "refused":  # kept apart: the tables and the fit take scales that ran
+                print(f"  refused: {row['error']}", flush=True)
+                res.setdefault("bytes_refused", []).append(row)
+                continue
             res["bytes"].append(row)
             save(a, res)  # a point that stalls (memory, time limit) keeps the ones before it
-        print(f"\n(bytes curve: capture policy {a.bytes_policy}, standby pool {a.bytes_standby})")
+        print(f"\n(bytes curve: capture policy {a.bytes_policy}, standby pool {a.bytes_standby}, transport {a.transport})")
         print("| expert MiB | per expert MiB | wall s | launch s | prepare s | pre-copy s | pause s | commit s "
-              "| transfer s (joiner) | GB/s per joiner | copied in commit B | failed/requests |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| transfer s (joiner) | GB/s per joiner | move GB/s | copied in commit B | failed/requests |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["bytes"]:
             copied = max((p.get("commit_copy_bytes", 0) for p in r["reshuffle_parts_by_rank"].values()), default=0)
             print(f"| {r['expert_MiB']:.0f} | {r['expert_MiB'] / 8:.2f} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | "
                   f"{_f(r['phases'].get('prepare'), 2)} | {_f(r.get('precopy_s'), 2)} | "
                   f"{_f(r['pause_s'])} | {_f(r['phases'].get('commit'))} | {_f(r['transfer_s'])} | "
-                  f"{_f(r['transfer_GBps_per_joiner'], 2)} | {copied:,} | {r['failed']}/{r['requests']} |", flush=True)
+                  f"{_f(r['transfer_GBps_per_joiner'], 2)} | {_f(r.get('move_GBps_per_joiner'), 2)} | {copied:,} | "
+                  f"{r['failed']}/{r['requests']} |", flush=True)
+        if res.get("device_copy_GBps"):
+            for r in res["bytes"]:
+                if r.get("move_GBps_per_joiner"):
+                    print(f"{r['expert_MiB']:.0f} MiB: move {r['move_GBps_per_joiner']:.1f} GB/s = "
+                          f"{r['move_GBps_per_joiner'] / res['device_copy_GBps']:.3f}x the device's copy", flush=True)
         res["bytes_slope"] = slopes(res["bytes"])
         print(f"slopes against expert GiB (least squares): pause {res['bytes_slope']['pause_s_per_GiB']:.4f} s/GiB, "
               f"wall {res['bytes_slope']['wall_s_per_GiB']:.3f} s/GiB", flush=True)
@@ -512,6 +591,10 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                   f"{_f(ph.get('warm'))} | {_f(ph.get('capture'))} | {r['pause_s'] / p0:.2f} |", flush=True)
 
     save(a, res)
+    if a.fit:
+        from benchmarks.fit_cost import fit_and_write
+
+        fit_and_write([os.path.join(a.out, f"curves{_tag(a)}.json")], os.path.join(a.out, "cost_model.json"))
     return res
 
 
@@ -527,4 +610,9 @@ if __name__ == "__main__":
     ap.add_argument("--bytes-standby", type=int, default=0, help="the bytes curve's standby pool (2: the joiners' launch is off the scale)")
     ap.add_argument("--world-expert-hidden", type=int, default=1024)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the one GPU)")
+    ap.add_argument("--transport", default="auto", help="the bytes curve's: auto (same-host memory) or gloo")
+    ap.add_argument("--kv-experts", type=int, default=0,
+                    help="the bytes curve's KV pool also holds this many experts: room for a member's pre-copy")
+    ap.add_argument("--fit", action="store_true",
+                    help="fit the cost model to this run's bytes and pause points: <out>/cost_model.json")
     asyncio.run(main(ap.parse_args()))

@@ -87,6 +87,7 @@ async def _case(name: str, cfg: EngineConfig, device: str, reference: list[dict]
     stop.set()
     await asyncio.gather(*clients)
     mem_after, ws_after = _device_used_bytes(device), _workspace(dep)
+    transports = sorted({str(s.transport) for r, s in dep.registry.ranks.items() if r in dep.orch.members})
     finals = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
     await dep.stop()
     want = {tuple(r["prompt"]): r["output"] for r in reference}
@@ -98,7 +99,8 @@ async def _case(name: str, cfg: EngineConfig, device: str, reference: list[dict]
             "workspace_before": ws_before, "workspace_after": ws_after,
             "device_used_before": mem_before, "device_used_after": mem_after,
             "requests": len(records), "failed": sum(1 for r in records if r["error"]), "wrong": wrong,
-            "rerouted": op.get("rerouted_requests"), "first_completion_after_kill_s": first_after_kill}
+            "rerouted": op.get("rerouted_requests"), "first_completion_after_kill_s": first_after_kill,
+            "transport": transports}
 
 
 async def main(device: str, out: str, cases: list[str]) -> None:

@@ -189,9 +189,11 @@ def generate(
     namespace: Namespace = DEFAULT_NAMESPACE,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Send prompts (a built-in set by default) and print the outputs; with --rate, measure load.
+    """Send prompts (a built-in set by default) and print the outputs as they stream; with --rate, measure load.
 
-    A vLLM deployment is sent the prompts as token ids through its OpenAI completions API."""
+    Through the deployment's OpenAI completions endpoint, whatever engine serves it: the ingress
+    URLs `eepctl status` shows (a vLLM deployment: its API server). A request dropped there (an
+    ingress restarting, HTTP 503) is re-sent from its prompt, with a note on stderr."""
     from eepctl import core, render
 
     prompts = [_parse_prompt(p) for p in prompt_ids] if prompt_ids else core.DEFAULT_PROMPTS
@@ -199,16 +201,27 @@ def generate(
     leaves = "requests already sent finish in the cluster, their answers unreported"
     if rate is not None:
         with interrupt.doing(f"load on {name} ({rate:g} requests/s)", leaves):
-            res = core.load(t, prompts, max_tokens, rate, duration, timeout, api_key=api_key)
+            res = core.load(t, prompts, max_tokens, rate, duration, timeout, api_key=api_key, note=_note)
         _emit(render.to_json("load", res) + "\n" if output == Output.json else render.load_text(res))
         if res["failed"]:
             raise typer.Exit(5)
         return
+    hooks: dict[str, Any] = {}
+    if output != Output.json:  # each line as it streams
+        from eepctl.streamed import StreamedLines
+
+        lines = StreamedLines(prompts, streams.output())
+        hooks = {"on_token": lines.on_token, "on_answer": lines.on_answer}
     with interrupt.doing(f"generate on {name}", leaves):
-        res = core.generate(t, prompts, max_tokens, timeout, api_key=api_key)
-    _emit(render.to_json("generate", res) + "\n" if output == Output.json else render.generate_text(res))
+        res = core.generate(t, prompts, max_tokens, timeout, api_key=api_key, note=_note, **hooks)
+    if output == Output.json:
+        _emit(render.to_json("generate", res) + "\n")
     if any(r["error"] for r in res["results"]):
         raise typer.Exit(5)
+
+
+def _note(line: str) -> None:
+    _say(f"note: {line}")
 
 
 def _parse_prompt(text: str) -> list[int]:

@@ -153,20 +153,22 @@ def _adopt_saved_token() -> bool:
 
 
 def _free_port(preferred: int = 6379) -> int:
+    """``preferred`` when it is free, else (or with 0) one the OS picks."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", preferred))
-            return preferred
         except OSError:
             s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        return s.getsockname()[1]
 
 
 def start_local(num_cpus: int | None = None, timeout_s: float = 90.0, dashboard: bool = False,
-                resources: dict[str, float] | None = None) -> dict[str, Any]:
+                resources: dict[str, float] | None = None, temp_dir: str | None = None,
+                any_port: bool = False) -> dict[str, Any]:
     """Start a local Ray head in its own process group and remember it; ``resources`` are custom
-    resources it advertises (the tests' head: ``vllm_cpu_rank`` for vLLM's Ray DP ranks on CPU)."""
-    port = _free_port()
+    resources it advertises (the tests' head: ``vllm_cpu_rank`` for vLLM's Ray DP ranks on CPU).
+    ``temp_dir`` and ``any_port`` (not Ray's 6379 first) keep heads started side by side apart."""
+    port = _free_port(0 if any_port else 6379)
     cpus = num_cpus or max(os.cpu_count() or 1, 8)
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_bin is None:
@@ -174,7 +176,8 @@ def start_local(num_cpus: int | None = None, timeout_s: float = 90.0, dashboard:
     log = state_dir() / "local-cluster.log"
     cmd = [ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
            f"--include-dashboard={'true' if dashboard else 'false'}",
-           "--disable-usage-stats", "--block", *([f"--resources={json.dumps(resources)}"] if resources else [])]
+           "--disable-usage-stats", "--block", *([f"--resources={json.dumps(resources)}"] if resources else []),
+           *([f"--temp-dir={temp_dir}"] if temp_dir else [])]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from eepctl import cluster, loadgen
 from eepctl.loadgen import DEFAULT_PROMPTS, percentiles
-from engine_ext.drivers import Driver, open_deployment, status_view
+from engine_ext.drivers import Driver, endpoints, open_deployment, served_model, status_view
+from engine_ext.drivers.base import Submit
+from engine_ext.drivers.completions import CompletionsClient, TokenSink
 from engine_ext.drivers.reference import check_outcome
 from engine_ext.protocol import (
     DEFAULT_NAMESPACE,
+    EepError,
     PreconditionError,
     TransitionFailed,
     TransitionTimeout,
@@ -30,7 +34,7 @@ from engine_ext.ray.deployment import list_deployments
 from engine_ext.ray.names import controller_name, registry_name
 
 __all__ = ["DEFAULT_PROMPTS", "Target", "autoscale", "autoscale_decisions", "autoscale_show", "check_outcome", "down", "events", "generate", "list_deployments", "load",
-           "percentiles", "plan", "scale", "status", "up"]
+           "percentiles", "plan", "requests", "scale", "status", "up"]
 
 
 @dataclass
@@ -253,33 +257,60 @@ def events(t: Target, op_id: str | None = None, since_seq: int = 0) -> dict[str,
 
 # ---- generate / load --------------------------------------------------------------------------------
 def generate(t: Target, prompts: list[list[int]], max_tokens: int, timeout_s: float,
-             api_key: str | None = None) -> dict[str, Any]:
-    """Every prompt once, concurrently; outputs and latencies."""
+             api_key: str | None = None, note: Callable[[str], None] = lambda s: None,
+             on_token: TokenSink | None = None,
+             on_answer: Callable[[int, dict[str, Any]], None] = lambda i, r: None) -> dict[str, Any]:
+    """Every prompt at once, streamed (``on_token``: each token by prompt position, ``on_answer``: each answer in order)."""
     t.validated()
     if max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
     deadline = time.time() + timeout_s
-    with _driver(t, api_key).requests(max_tokens, timeout_s) as submit:
+    results = []
+    with requests(t, max_tokens, timeout_s, api_key, note, on_token) as submit:
         pending = [submit(p) for p in prompts]
-        results = [p.wait(max(0.1, deadline - time.time())) for p in pending]
-    return {"deployment": t.name, "results": [
-        {"prompt": p, "output": r.get("output", []), "error": loadgen.error_text(r),
-         "latency_s": round(r.get("latency_s") or 0.0, 4), "rank": r.get("rank"), "moved_from": r.get("moved_from", []),
-         "resumed_with": r.get("resumed_with", 0), "resent": r.get("resent", 0)}
-        for p, r in zip(prompts, results)]}
+        for i, (p, sent) in enumerate(zip(prompts, pending)):
+            r = sent.wait(max(0.1, deadline - time.time()))
+            results.append({"prompt": p, "output": r.get("output", []), "error": loadgen.error_text(r),
+                            "latency_s": round(r.get("latency_s") or 0.0, 4), **{k: r.get(k, d) for k, d in (
+                                ("rank", None), ("moved_from", []), ("resumed_with", 0), ("resent", 0))}})
+            on_answer(i, results[-1])
+    return {"deployment": t.name, "results": results}
 
 
 def load(t: Target, prompts: list[list[int]], max_tokens: int, rate: float, duration_s: float,
-         timeout_s: float, seed: int = 0, api_key: str | None = None) -> dict[str, Any]:
+         timeout_s: float, seed: int = 0, api_key: str | None = None,
+         note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Open-loop load: ``rate`` requests per second for ``duration_s``; report outcomes and latency."""
     t.validated()
-    if rate <= 0 or duration_s <= 0:
-        raise UsageError("--rate and --duration must be > 0")
-    if max_tokens < 1:
-        raise UsageError("--max-tokens must be >= 1")
-    with _driver(t, api_key).requests(max_tokens, timeout_s) as submit, loadgen.interrupt_ends_sending() as stop:
+    if rate <= 0 or duration_s <= 0 or max_tokens < 1:
+        raise UsageError("--rate and --duration must be > 0" if max_tokens >= 1 else "--max-tokens must be >= 1")
+    with requests(t, max_tokens, timeout_s, api_key, note) as submit, loadgen.interrupt_ends_sending() as stop:
         res = loadgen.open_loop(submit, prompts, rate, duration_s, timeout_s, seed, stop)
     return {"deployment": t.name, **res}
+
+
+def requests(t: Target, max_tokens: int, timeout_s: float, api_key: str | None = None,
+             note: Callable[[str], None] = lambda s: None,
+             on_token: TokenSink | None = None) -> AbstractContextManager[Submit]:
+    """Prompts through the deployment's HTTP endpoint, whatever engine serves it (the URLs `status`
+    shows, from the snapshot; else asked of the cluster), looked up again when one drops a request."""
+    try:
+        read: Callable[[], dict[str, Any]] | None = status_reader(t)
+    except UnreachableError:
+        read = None  # the registry is gone (or the deployment): the driver says which
+    snap: dict[str, Any] | None = None
+
+    def lookup() -> list[str]:
+        nonlocal snap
+        try:
+            snap = read() if read is not None else None
+        except EepError:
+            snap = None
+        return (endpoints(snap) if snap else []) or _driver(t, api_key).endpoints()
+
+    urls = lookup()
+    model = served_model(snap, t.name, urls[0], api_key)
+    return CompletionsClient(lookup, api_key, model, max_tokens, timeout_s, note, on_token).requests()
 
 
 # ---- scale / repair ------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from typing import Any
 # rich is imported inside the text renderers: `-o json` output never pays for it.
 from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
 from eepctl.render_control import control_lines, ingress_lines
+from eepctl.render_cost import cost_lines, plan_cost_lines
+from eepctl.render_requests import generate_head, generate_tail, generate_text, load_text  # noqa: F401 - render's API
 
 
 def to_json(kind: str, data: Any) -> str:
@@ -218,8 +220,10 @@ def ranks_per_node(ranks: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _vllm_lines(snap: dict[str, Any]) -> list[str]:
-    """A vLLM deployment's wedged state and its engines' fault-tolerance health."""
-    out: list[str] = []
+    """A vLLM deployment's workers, its wedged state and its engines' fault-tolerance health."""
+    from eepctl.render_vllm import worker_lines
+
+    out: list[str] = worker_lines(snap, human_bytes)
     wedge = (snap.get("info") or {}).get("wedged")
     if wedge:
         since = time.strftime("%H:%M:%S UTC", time.gmtime(float(wedge.get("since") or 0)))
@@ -255,7 +259,7 @@ def events_text(data: dict[str, Any], width: int = 160) -> str:
             table.add_row(op["op_id"], f"{op['from_size']}->{op['to_size']}", op["state"],
                           *[f"{pd[p]:.2f}s" if p in pd else "-" for p in REPORTED_PHASES],
                           f"{op.get('serving_pause_s', 0.0):.3f}s", caps, f"{wb} -> {wa}", Text(op.get("error", "") or ""))
-        out.append(table)
+        out += [table, *cost_lines(ops)]
     evs = data.get("events", [])
     if evs:
         out.append("\n".join(event_line(e) for e in evs))
@@ -324,10 +328,7 @@ def plan_text(plan: dict[str, Any]) -> str:
         from engine_ext.capture_memory import describe  # torch-free
 
         lines.append(f"  {describe(plan['capture_memory'])}")
-    if plan.get("precopy"):
-        from engine_ext.elastic.precopy import describe as describe_precopy  # torch-free
-
-        lines += [f"  {line}" for line in describe_precopy(plan["precopy"])]
+    lines += [f"  {line}" for line in plan_cost_lines(plan)]
     if plan.get("capacity_problem"):
         lines.append(f"  WARNING: {plan['capacity_problem']}")
     if plan.get("running_op"):
@@ -368,27 +369,6 @@ def up_text(res: dict[str, Any]) -> str:
     for r in res.get("ranks", []):
         lines.append(f"  rank {r['rank']}: {r['instance_id']} pid {r['pid']} {r['state']}")
     return "\n".join(lines) + "\n"
-
-
-def generate_text(res: dict[str, Any]) -> str:
-    lines = []
-    for r in res["results"]:
-        out = " ".join(map(str, r["output"])) if not r["error"] else f"ERROR {r['error']}"
-        where = f", rank {r['rank']}" if r.get("rank") is not None else ""  # vLLM does not say which rank
-        lines.append(f"[{' '.join(map(str, r['prompt']))}] -> {out}  ({r['latency_s'] * 1000:.0f} ms{where})")
-    return "\n".join(lines) + "\n"
-
-
-def load_text(res: dict[str, Any]) -> str:
-    lat = res["latency_s"]
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1000:.0f} ms"
-
-    early = " (sending ended early by SIGINT)" if res.get("stopped_early") else ""
-    return (f"sent {res['sent']} at {res['rate']:g}/s over {res['duration_s']:.1f}s{early}: completed {res['completed']}, "
-            f"failed {res['failed']}\nlatency p50 {ms(lat['p50'])}, p90 {ms(lat['p90'])}, p99 {ms(lat['p99'])}, "
-            f"max {ms(lat['max'])}\n")
 
 
 def down_text(res: dict[str, Any]) -> str:

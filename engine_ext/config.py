@@ -85,6 +85,10 @@ class EngineConfig:
     # for every world (engine_ext/transport/shm.py), so a mixed world (a joiner on another node)
     # goes back to gloo at that transition (docs/benchmarks.md "Capacity against width").
     transport: str = "auto"
+    # The most expert bytes one exchange of a scale's pre-copy carries: consecutive moves go
+    # together up to it (one handshake for many moves; the staging of a move through host or
+    # shared memory holds at most this much). 0: one move per exchange.
+    move_batch_bytes: int = 1 << 30
     group_timeout_s: float = 120.0
     # A serving step's collectives wait this long for a peer (gloo's per-operation timeout on the
     # live group while it serves): a peer that hangs or is cut off fails the step in seconds, the
@@ -137,6 +141,8 @@ class EngineConfig:
             raise ValueError("top_k must be between 1 and num_experts")
         if not self.step_timeout_s > 0:
             raise ValueError("step_timeout_s must be > 0")
+        if self.move_batch_bytes < 0:
+            raise ValueError("move_batch_bytes must be >= 0")
         if self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
         if max(self.capture_sizes, default=0) > self.max_num_seqs:

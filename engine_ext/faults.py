@@ -73,7 +73,8 @@ VARIANTS: dict[str, str] = {
 # from the pool, after it got its DP rank; ``regroup``: a survivor at the start of a recovery's regroup;
 # ``admit``: the controller, not a rank, for ``fault_delay_s`` inside a scale's admission, after its
 # request id was taken: a window for a retry with the same id).
-# ``precopy`` holds a rank after its first expert move of a scale's pre-copy when it has more (mid pre-copy).
+# ``precopy`` holds a rank after its first exchange of a scale's pre-copy when it has more (mid pre-copy;
+# ``move_batch_bytes=0`` makes every move an exchange).
 # ``warm`` and ``capture`` hold in a transition or a recovery, not in the deployment's start-up.
 # "step" holds once per process, at the first step where a request it serves already has output
 # tokens: a window to kill a rank that certainly holds requests with tokens to continue with. Only a

@@ -242,6 +242,7 @@ class LocalDeployment:
         self.orch = Orchestrator(name, cfg, spawner, max_dp=max_dp,
                                  emit=self.registry.report_event, record_op=self.registry.record_operation,
                                  forget_rank=self.registry.forget_rank, on_rank_failure=on_rank_failure)
+        self.orch.admission.device = device  # the cost model's host check (engine_ext.control.cost_model)
         # The same reconcile loop as the Ray controller: fences a silent or failed rank (SIGKILL),
         # rebuilds from the weight source when no healthy rank is left, grows back.
         self.reconciler = Reconciler(self.orch, deadline_s=health_deadline_s)

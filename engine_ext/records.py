@@ -145,7 +145,8 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stale_replays_refused: int = 0  # I3
     epoch: int = 0  # the world (rendezvous) the rank serves in; a fenced rank's older epoch is ignored
     # The per-step collectives' transport of the rank's live group ("shm": shared memory among the
-    # ranks of one host; "gloo"; "" before a group), and how many ranks it saw map the shared memory.
+    # ranks of one host; "cuda_ipc": device buffers mapped through CUDA IPC among the GPU ranks of
+    # one host; "gloo"; "" before a group), and how many ranks it saw map its buffers.
     transport: str = ""
     transport_attached: int = 0
     # Since the rank switched to its current world (``switch_op``'s): replays and eager fallbacks
@@ -187,6 +188,50 @@ class VllmRankStatus(RankStatus, kw_only=True, forbid_unknown_fields=True):
     worker_pid: int = 0
     dp_backend: str = ""
     elastic_ep: bool = False
+    # From the rank's worker record (VllmWorkerStatus), merged by the registry; "" / None before one.
+    started: FiniteFloat = 0.0  # when the plugin started in the engine-core process
+    worker_executor: str = ""  # what started the worker: "uni", "mp" or "ray"
+    worker_age_s: FiniteFloat | None = None  # seconds since the worker's last report
+    warmups_total: int = 0
+    warmups_this_op: int = 0
+    last_warmup_s: FiniteFloat | None = None
+
+
+class VllmWorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a vLLM worker (the driver worker of a DP rank, TP rank 0) reports itself, from its own
+    process under any executor; the registry merges it into its rank's VllmRankStatus
+    (engine_ext.control.worker_records), the worker's fields winning for workspace and captures."""
+
+    deployment: str
+    rank: Annotated[int, msgspec.Meta(ge=0)]  # DP rank, read live from the worker's config
+    dp_size: int = 0
+    executor: str = ""
+    pid: int = 0
+    node: str = ""
+    device: str = ""
+    started: FiniteFloat = 0.0  # when the plugin started in the worker's process
+    last_heartbeat: FiniteFloat = 0.0
+    state: str = ""  # the rank state while a wrapped step runs; "" between steps
+    workspace_available: bool = False
+    workspace_bytes: int = 0
+    workspace_locked: bool = False
+    workspace_note: str = ""
+    graph_kind: str = "none"
+    graphs_captured: int = 0
+    capture_sizes: list[int] = []  # the sizes the live capture pass captured (measured)
+    capture_sizes_expected: list[int] = []  # the sizes the config captures
+    capture_times_s: dict[str, FiniteFloat] = {}  # the last capture pass: seconds per size
+    last_capture_pass_s: FiniteFloat | None = None
+    captures_total: int = 0
+    captures_this_op: int = 0
+    warmups_total: int = 0
+    warmups_this_op: int = 0
+    last_warmup_s: FiniteFloat | None = None
+    current_op: str = ""
+    last_op: str = ""
+    op_phase_s: dict[str, FiniteFloat] = {}
+    hook_calls: dict[str, dict[str, int | FiniteFloat]] = {}
+    hooks: dict[str, str] = {}
 
 
 def rank_status_type(kind: Any) -> type[RankStatus]:
@@ -233,11 +278,14 @@ class Operation(msgspec.Struct, forbid_unknown_fields=True):
     # Only a vLLM operation (driven from outside the ranks) has these; absent from the JSON otherwise.
     deadline: FiniteFloat | msgspec.UnsetType = msgspec.UNSET  # after it, a still-running op is stale
     rank_ops: list[str] | msgspec.UnsetType = msgspec.UNSET  # the op ids vLLM's ranks used
+    warmups_per_rank: dict[str, int] | msgspec.UnsetType = msgspec.UNSET  # vLLM: worker warm-up passes
     kind: str = "scale"  # "scale" | "recover" (a death turned into a transition) | "rebuild" (nothing left)
     dead_ranks: list[int] = []  # recover: the global ranks that died
     rerouted_requests: int = 0  # recover: requests of dead ranks re-submitted to survivors
     # scale: by rank, the spare bytes its expert pre-copy held, for how long, when and why they were freed
     move_memory: dict[str, dict[str, Any]] = {}
+    # scale: the plan's predicted cost beside what the scale measured (engine_ext.control.cost_model)
+    cost: dict[str, Any] = {}
 
 
 def to_builtins(record: Any) -> Any:

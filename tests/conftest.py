@@ -4,6 +4,7 @@ Shared helpers (not fixtures) are in tests/helpers.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +13,43 @@ from typing import Any
 import pytest
 
 from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
+
+
+# Under pytest-xdist (`EEPCTL_TEST_WORKERS=2 bash scripts/test.sh`: the suite waits on detection bounds,
+# Ray and vLLM start-ups about a third of its time, and a second worker fills the idle core): a module is
+# one unit of work (its module-scoped deployment or server serves all its tests), and the modules
+# that start vLLM servers are one unit (their servers would race for vLLM's default ports, and
+# two of them share the session's oracle server). The longest units go first, so neither worker
+# is left with a long one at the end; the rest keep their order. (xdist's own ``loadgroup`` does
+# not group on pytest 9.2, which no longer reads the node id xdist rewrites: a scheduler of ours.)
+VLLM_SERVER_MODULES = ("test_vllm_elastic", "test_vllm_cpu_ep", "test_vllm_plugin", "test_vllm_amx")
+LONGEST_FIRST = ("vllm", "test_multinode_ray", "test_scaling_ray", "test_control_plane_ray", "test_selfheal_local",
+                 "test_selfheal_ray", "test_autoscale_e2e_ray", "test_cli_ray", "test_selfheal_mechanisms")
+
+
+def _work_unit(nodeid: str) -> str:
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return "vllm" if module in VLLM_SERVER_MODULES else module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the order a worker collects is the one xdist deals out
+        rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(rank)))  # stable: the rest keep their order
+
+
+if importlib.util.find_spec("xdist") is not None:
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        from xdist.scheduler import LoadScopeScheduling
+
+        class WorkUnits(LoadScopeScheduling):
+            """Whole work units (``_work_unit``) to a worker, in collection order."""
+
+            def _split_scope(self, nodeid: str) -> str:
+                return _work_unit(nodeid)
+
+        config.option.loadscopereorder = False  # our order, not by number of tests
+        return WorkUnits(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -37,7 +75,9 @@ def ray_cluster(state_dir: Path) -> Iterator[dict[str, Any]]:
     (tests/test_vllm_elastic.py); nothing else asks for it."""
     from eepctl import cluster
 
-    info = cluster.start_local(num_cpus=16, resources={"vllm_cpu_rank": 8})
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # a head per xdist worker: its own port and temp dir
+    info = cluster.start_local(num_cpus=16, resources={"vllm_cpu_rank": 8}, any_port=bool(worker),
+                               temp_dir=f"/tmp/eepray-{worker}-{os.getpid()}" if worker else None)
     os.environ["RAY_ADDRESS"] = info["address"]
     try:
         yield info

@@ -200,14 +200,14 @@ def stop_sending(proc: Any) -> None:
 def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS, *,
                 stop: bool = False) -> dict[str, Any]:
     """Wait for an `eepctl generate --rate` process (``stop``: ending its sending first); it exited
-    0, lost nothing, matched the oracle."""
+    0, lost nothing, matched the oracle. Its stderr comes back as ``res["stderr"]``."""
     if stop:
         stop_sending(proc)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, f"load exited {proc.returncode}: {err[-2000:]}"
     res = json_lines(out)[-1]
     check_load(res, cfg_d, max_tokens)
-    return res
+    return dict(res, stderr=err)
 
 
 def moved_off(records: list[dict[str, Any]], victim: int, *, resumed: bool = True) -> list[dict[str, Any]]:
@@ -228,7 +228,7 @@ def moved_off(records: list[dict[str, Any]], victim: int, *, resumed: bool = Tru
 
 def up_with_faults(name: str, dp: int, max_dp: int, faults: list[str], delay_s: float, *,
                    on_rank_failure: str = "replace", standby: int = 0, placement: str = "pack",
-                   **engine: Any) -> dict[str, Any]:
+                   ingress: int = 1, **engine: Any) -> dict[str, Any]:
     """``up`` (in this process, as the CLI does) with the CLI's engine and test faults. This
     process's Ray connection is dropped first: it may belong to another test's cluster (the
     multi-node one points RAY_ADDRESS elsewhere), and a connected driver never re-reads it."""
@@ -242,7 +242,7 @@ def up_with_faults(name: str, dp: int, max_dp: int, faults: list[str], delay_s: 
     eng = dict(SMALL_ENGINE, faults=faults, fault_delay_s=delay_s, **engine)
     return core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=eng,
                    cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300, on_rank_failure=on_rank_failure,
-                   standby=standby, placement={"policy": placement, "ifname": ""})
+                   standby=standby, placement={"policy": placement, "ifname": ""}, ingress=ingress)
 
 
 def wait_held(name: str, rank: int, phase: str, timeout: float = 90.0) -> dict[str, Any]:
@@ -254,3 +254,20 @@ def wait_held(name: str, rank: int, phase: str, timeout: float = 90.0) -> dict[s
         return s if hit else None
 
     return wait_for(ok, timeout=timeout, interval=0.3, what=f"rank {rank} held in {phase}")
+
+
+def parse_source(source: str, filename: str = "<unknown>") -> Any:
+    """``ast.parse``, tried again when CPython 3.11's AST converter trips on another thread of
+    this process using it at the same time ("AST constructor recursion depth mismatch", gh-106905,
+    fixed in later releases): a pytest worker runs Ray's and the tests' threads, and a traceback
+    formatted on one of them parses source lines too."""
+    import ast
+
+    for attempt in range(5):
+        try:
+            return ast.parse(source, filename)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == 4:
+                raise
+            time.sleep(0.05)
+    raise AssertionError("unreachable")

@@ -74,6 +74,21 @@ def _pid_of(snap: dict[str, Any], rank: int) -> int:
     return int(next(r for r in snap["ranks"] if r["rank"] == rank)["pid"])
 
 
+def _stop_while_busy(snap: dict[str, Any], rank: int, timeout: float = 30.0) -> int:
+    """SIGSTOP ``rank`` the moment it runs a request, asked of its actor directly (a few ms; a
+    heartbeat a second old, or a status read, missed the short requests of a light load). Returns its pid."""
+    import ray
+
+    row = next(r for r in snap["ranks"] if r["rank"] == rank)
+    if not ray.is_initialized():
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+    actor = ray.get_actor(row["instance_id"], namespace=NAMESPACE)
+    wait_for(lambda: ray.get(actor.call.remote("status"), timeout=10)["requests_running"] > 0, timeout=timeout,
+             interval=0.01, what=f"rank {rank} running a request")
+    os.kill(int(row["pid"]), signal.SIGSTOP)  # the rank actor's process of this test's own deployment
+    return int(row["pid"])
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -94,22 +109,26 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
     oracle, requests the hung rank held continue on a survivor; after SIGCONT the old process
     serves and reports nothing; a later scale works."""
     d = deployments("cp-hang")
-    # Rank 2 fails at its first step 30 s after it started: after the hang is handled (the second
-    # load below keeps it stepping past then).
-    snap = _up(d.name, 3, 3, faults=["fail:step@2"], delay_s=30.0)
+    # Rank 2 fails at its first step 45 s after it started: after the hang is handled, also on a box
+    # busy with a second test worker (the second load below keeps it stepping past then).
+    snap = _up(d.name, 3, 3, faults=["fail:step@2"], delay_s=45.0)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "12", "--max-tokens", "24",
                    "-o", "json")
     wait_serving_load(d.name)
-    hung = _pid_of(snap, 1)
-    os.kill(hung, signal.SIGSTOP)  # the rank actor's process of this test's own deployment
+    hung = _stop_while_busy(snap, 1)
     t_stop = time.time()
-    healed = wait_for(lambda: [o for o in _ops(d.name, "recover") if o["dead_ranks"] == [1] and o.get("finished")],
-                      timeout=120, interval=0.5, what="the recovery without the hung rank")
+    try:
+        healed = wait_for(lambda: [o for o in _ops(d.name, "recover") if o["dead_ranks"] == [1] and o.get("finished")],
+                          timeout=120, interval=0.5, what="the recovery without the hung rank")
+    except AssertionError as ex:  # which recoveries there were instead, and what status says of the ranks
+        recovers = [(o["dead_ranks"], o["state"], o.get("error")) for o in _ops(d.name, "recover")]
+        ranks = [(r["rank"], r["state"], r.get("state_reason")) for r in status(d.name)["ranks"]]
+        raise AssertionError(f"{ex}; recoveries: {recovers}; ranks: {ranks}") from None
     served_again_s = healed[0]["finished"] - t_stop
     if _alive(hung):
         os.kill(hung, signal.SIGCONT)  # it comes back: it must never serve or report again
-    # Until rank 2's fault fires (30 s after its start) and past it: a hang handled fast left a
+    # Until rank 2's fault fires (45 s after its start) and past it: a hang handled fast left a
     # 20 s load ending first, and rank 2 never stepped again (ended once rank 0 serves alone).
     load2 = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "60", "--max-tokens", "24",
                     "-o", "json")

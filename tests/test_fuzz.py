@@ -214,7 +214,7 @@ def _assert_state_valid(state: RegistryState) -> dict[str, Any]:
         assert isinstance(r["rank"], int) and r["rank"] >= 0 and isinstance(r["state"], str)
     for op in ops:
         declared = set(Operation.__struct_fields__)
-        assert declared - {"deadline", "rank_ops"} <= set(op) <= declared  # the two are vLLM's only
+        assert declared - {"deadline", "rank_ops", "warmups_per_rank"} <= set(op) <= declared  # vLLM's only
     assert [e["seq"] for e in events] == sorted({e["seq"] for e in events})
     for e in events:
         assert set(e) == {*Event.__struct_fields__, "seq"}

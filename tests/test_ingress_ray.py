@@ -11,12 +11,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Any
 
 import pytest
 
-from tests.helpers import NAMESPACE, SMALL_ENGINE, finish_load, moved_off, oracle, status, wait_for
+from tests.helpers import NAMESPACE, ROOT, SMALL_ENGINE, finish_load, moved_off, oracle, status, wait_for
 from tests.test_control_plane_ray import _controller_pid, _held, _ops, _pid_of, _serving
 
 pytestmark = pytest.mark.ray
@@ -150,12 +151,33 @@ def test_http_api_with_curl_and_the_openai_client(deployments, ray_cluster):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
 
+    # `eepctl generate` through the same endpoint: the key as every command takes it, the line
+    # streamed; no key is exit 3 and bad input the ingress refuses exit 2, one line each
+    gen = eepctl("generate", "--name", d.name, "-p", "3,1,4,1,5", timeout=60, env={"VLLM_API_KEY": API_KEY})
+    assert gen.returncode == 0 and gen.stdout.startswith(f"[3 1 4 1 5] -> {' '.join(map(str, want))}  ("), gen
+    for args, code, says in ((["-p", "1,2"], 3, "refused the API key (HTTP 401)"),
+                             (["--prompt-ids=-1,2", "--api-key", API_KEY], 2, "refused the request (HTTP 400)")):
+        res = eepctl("generate", "--name", d.name, *args, timeout=60)
+        assert res.returncode == code and res.stdout == "" and says in res.stderr, res
+        assert len(res.stderr.strip().splitlines()) == 1 and API_KEY not in res.stderr, res.stderr
+    # no registry snapshot to read it from (the registry gone): the ingress actors say their URLs
+    from engine_ext.drivers.reference import ReferenceDriver
+
+    assert ReferenceDriver(d.name, None, None).endpoints() == [url]
+    # the endpoint comes from the registry's light read path: generate is no Ray driver at all
+    code = ("import sys; from eepctl.main import run; rc = run(['generate', '--name', %r, '-p', '1,2', '-o', 'json']);"
+            " assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)" % d.name)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(os.environ, VLLM_API_KEY=API_KEY))
+    assert res.returncode == 0 and json.loads(res.stdout)["results"][0]["output"] == oracle(cfg_d, [1, 2], 8), res
+
 
 @pytest.mark.timeout(300)
 def test_an_ingress_killed_under_load_is_restarted_and_its_requests_are_resent(deployments, ray_cluster):
-    """Two ingresses, 4 requests/s sent to them in turn; ingress 0 SIGKILLed: Ray restarts it
-    (HTTP again on the same URL), the requests it held are sent again by `eepctl generate` to the
-    other ingress (their records say `resent`), none fails, every output equals the oracle."""
+    """Two ingresses, 4 requests/s sent to their HTTP endpoints in turn; ingress 0 SIGKILLed: Ray
+    restarts it (HTTP again on the same URL), the requests whose streams it dropped are sent again
+    by `eepctl generate` from their prompts to the other ingress (their records say `resent`, a
+    note on stderr says so), none fails, every output equals the oracle."""
     import ray
 
     from eepctl import cluster
@@ -175,6 +197,8 @@ def test_an_ingress_killed_under_load_is_restarted_and_its_requests_are_resent(d
     res = finish_load(load, cfg_d, 16)  # all 32 sent (across the restart): none failed, all equal to the oracle
     resent = [r for r in res["records"] if r["resent"]]
     assert resent, "no request was held by the killed ingress"
+    notes = [ln for ln in res["stderr"].splitlines() if "re-sent from its prompt" in ln]
+    assert len(notes) >= len(resent) and all(url in n and "Traceback" not in n for n in notes), res["stderr"][-2000:]
     st = wait_for(lambda: (s := _ingress_stats(d.name, 0))["restarted"] and s, timeout=60, what="ingress 0 back")
     assert ray.get(handle.pid.remote(), timeout=30) != old and st["url"] == url, st
     body, code = _body_and_code(_curl("-H", "Content-Type: application/json", "-d",

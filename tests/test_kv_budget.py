@@ -79,15 +79,19 @@ def test_reuse_holds_the_max_world_from_the_start():
         dep.orch.check_target(2)
 
 
-def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit():
+def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path, monkeypatch):
     """16 experts in 8 slots a rank, 3 -> 2 retiring rank 1: rank 2 takes rank 1's position, keeps
     the experts it holds (moves are planned by rank, not by position), receives the 3 only rank 1
     held and copies 5 between its own slots: 8 moves, more than the spare room its KV pool leaves
     beside one request while serving (5 experts). The pre-copy moves the 5 that fit (received
     ones first), the commit the other 3 (into buffers carved from the idle MoE workspace and the KV
     pool); the plan and the operation record say which, and every output before, during and after
-    equals the oracle's."""
-    from eepctl.render import plan_text
+    equals the oracle's. With a cost model fitted on this host (synthetic coefficients) the plan
+    predicts the pause and move time, and the record sets what the scale measured beside them: the
+    bytes per rank as planned, the pause and the slowest pre-copy as measured."""
+    from eepctl.render import events_text, plan_text
+    from engine_ext.control import cost_model
+    from tests.test_cost_model import _points, _write
     from engine_ext.elastic.precopy import expert_nbytes, spare_room
     from engine_ext.model.dense_oracle import reference_generate
     from tests.engine_helpers import oracle_mismatch
@@ -96,6 +100,8 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit():
     prompts = [[1 + i, 2 + 2 * i, 3 + i] for i in range(6)]
     ref = reference_generate(cfg, prompts, 6)
     per_expert = expert_nbytes(cfg)
+    model = cost_model.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), cost_model.host_identity(), ["synthetic"])
+    monkeypatch.setenv(cost_model.ENV, str(_write(tmp_path, model | {"pause": {"recapture": model["pause"]["reuse"]}})))
 
     async def scenario() -> None:
         async with LocalDeployment(cfg, "kvb-split", max_dp=3) as dep:
@@ -108,12 +114,20 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit():
             assert (r2["receive"], r2["spare"], r2["commit_moved"]) == (3 * per_expert, 5 * per_expert, 3 * per_expert), r2
             # what `eepctl scale --dry-run` prints of it
             assert f"rank 2: 5 pre-copied ({5 * per_expert:,} B), 3 in the commit" in plan_text(plan.to_dict())
+            assert plan.cost["pause_s"] > 0 and plan.cost["move_s"] > 0, plan.cost
+            assert "predicted cost (model fitted on" in plan_text(plan.to_dict())
             during = asyncio.gather(*(dep.generate(p, 6) for p in prompts[2:4]))
             op = await dep.scale(2, retire=[1])
             assert op["state"] == "succeeded" and dep.orch.members == [0, 2], op
             assert op["plan"]["precopy"]["per_rank"]["2"] == r2, op["plan"]["precopy"]
             mm = op["move_memory"]["2"]
             assert (mm["spare_bytes"], mm["commit_moved_bytes"], mm["freed_by"]) == (r2["spare"], r2["commit_moved"], "commit"), mm
+            pred, got = op["cost"]["predicted"], op["cost"]["measured"]
+            assert pred["per_rank"] == got["per_rank"], op["cost"]  # the bytes moved as planned
+            assert got["per_rank"]["2"] == {"moved_bytes": 5 * per_expert, "commit_bytes": 3 * per_expert,
+                                            "spare_bytes": 5 * per_expert}, got
+            assert got["pause_s"] == op["serving_pause_s"] > 0 and got["move_s"] > 0, got
+            assert f"{op['op_id']} predicted vs measured: pause" in events_text({"operations": [op]})
             after = [await dep.generate(p, 6) for p in prompts[4:]]
             got = list(enumerate(before)) + [(2 + i, r) for i, r in enumerate(await during)] + \
                 [(4 + i, r) for i, r in enumerate(after)]
@@ -144,4 +158,33 @@ def test_scale_refused_when_the_moves_do_not_fit_even_in_the_commit():
             assert f"short by {held - commit_room(cfg, 3):,} B" in str(e.value), str(e.value)
             assert dep.orch.members == [0, 1, 2]
             assert "output" in await dep.generate([1, 2, 3], 4)
+    run(scenario(), 120)
+
+
+def test_a_scale_up_whose_balanced_layout_does_not_fit_keeps_the_members_experts():
+    """2 -> 4 after traffic of one prompt (a skewed expert load, as benchmarks/curves.py's client
+    makes): balancing by load re-deals every member's slots, 4 experts of 8 MiB each, more than a
+    member's MoE workspace and KV pool hold in the commit. Refusing the scale for it (what the
+    admission did) leaves the operator no way to grow; instead the plan keeps each member's experts
+    (the joiners receive theirs, the members none), says why, and the scale serves the oracle's tokens."""
+    from engine_ext.model.dense_oracle import reference_generate
+    from tests.engine_helpers import oracle_mismatch
+
+    cfg = EngineConfig(num_layers=2, num_experts=8, hidden_size=64, slots_per_rank=4, expert_hidden=4096,
+                       num_blocks=768)  # the KV the MoE workspace leaves at DP 4 (as curves.py sizes it)
+    prompt = [5, 6, 7, 8]
+    ref = reference_generate(cfg, [prompt], 6)
+
+    async def scenario() -> None:
+        async with LocalDeployment(cfg, "kvb-keep", max_dp=4) as dep:
+            await dep.start(2)
+            got = [(0, await dep.generate(prompt, 6)) for _ in range(12)]
+            plan = await dep.orch.plan(4)
+            pc = plan.precopy
+            assert "problem" not in pc and "short by" in pc.get("balance_deferred", ""), pc
+            assert all(pc["per_rank"][r]["receive"] == 0 for r in ("0", "1")), pc["per_rank"]
+            op = await dep.scale(4)
+            assert op["state"] == "succeeded" and "balance_deferred" in op["plan"]["precopy"], op
+            got += [(0, await dep.generate(prompt, 6)) for _ in range(2)]
+            assert oracle_mismatch(got, ref, logits=False) == ""
     run(scenario(), 120)

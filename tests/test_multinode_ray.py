@@ -10,6 +10,7 @@ gloo's connectFullMesh. The placement-policy tests at the top are pure (no Ray).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tempfile
 import time
@@ -382,6 +383,26 @@ def test_store_host_cut_off_while_the_survivor_sleeps_on_it(md, two_nodes, aband
     assert gen["results"] and all(not r["error"] for r in gen["results"]), gen
 
 
+def _lost_ingress_served_again(name: str, load: dict[str, Any], head_url: str, lost_url: str,
+                               cfg_d: dict[str, Any]) -> None:
+    """The ingress on the lost node: what it dropped was re-sent to the head's (the head's own
+    requests never dropped), and Ray restarted it on the head, where it serves."""
+    import httpx
+
+    drops = re.findall(r"re-sent from its prompt to (\S+): (\S+) ", load["stderr"])
+    assert any(r["resent"] for r in load["records"]) and drops, load["stderr"][-2000:]
+    assert {dropped for _, dropped in drops} == {lost_url} and {to for to, _ in drops} == {head_url}, drops
+
+    def moved() -> dict[str, Any] | None:
+        ing = {i["index"]: i for i in status(name)["info"]["ingress"]}.get(1) or {}
+        return ing if ing.get("restarted") and str(ing.get("url")).startswith(f"http://{multinode.HEAD_IP}:") else None
+
+    back = wait_for(moved, timeout=90, interval=1.0, what="ingress 1 restarted on the head")
+    got = httpx.post(back["url"] + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
+    assert got.status_code == 200 and got.json()["choices"][0]["token_ids"] == oracle(cfg_d, [1, 2, 3], 4), got.text
+    print(f"\n[node-loss] ingress 1 back on the head at {back['url']}; {len(drops)} request(s) re-sent from it")
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(420)
 def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
@@ -389,14 +410,19 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
     open-loop load; the head node's rank keeps serving with nothing lost. Issue 22: under policy
     replace and strict-spread (one rank per node) nothing can grow back while the node is gone:
     status says it waits for capacity, and once a worker node joins again the growth is retried
-    and succeeds."""
+    and succeeds. Issue 33: two ingresses, one per node; the one on the lost node is restarted by
+    Ray on the head and serves there, the requests whose streams it dropped are re-sent by
+    `eepctl generate` to the head's ingress (a note each), and none sent to the head's failed."""
     d = md("mn-nodeloss")
     # Each rank holds once in its first step with a request mid-decode: the worker's rank is
     # killed in that hold, so it certainly holds requests with tokens (the head's hold just delays;
     # when the worker's is rank 1, its hold comes once rank 0's ended).
     up_with_faults(d.name, 2, 4, ["hold:step@0", "hold:step@1"], 6.0, placement="strict-spread",
-                   on_rank_failure="replace")
+                   on_rank_failure="replace", ingress=2)
     snap = serving_view(d.name, 2)
+    head_url, lost_url = (i["url"] for i in sorted(snap["info"]["ingress"], key=lambda i: i["index"]))
+    assert head_url.startswith(f"http://{multinode.HEAD_IP}:") and lost_url.startswith(f"http://{multinode.WORKER_IP}:"), \
+        snap["info"]["ingress"]
     where = nodes_of(snap)
     assert sorted(where.values()) == sorted([multinode.HEAD_IP, multinode.WORKER_IP]), where
     head_rank = next(r for r, ip in where.items() if ip == multinode.HEAD_IP)
@@ -433,7 +459,9 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
         raise AssertionError(f"{e}; {len(unavailable)}/{len(seen)} status calls failed, last: {unavailable[-1:]}") from e
     print(f"\n[node-loss] status failed {len(unavailable)} time(s) before recovery: {unavailable[:1]}")
     assert not after.get("violations"), after["violations"]
-    moved_off(finish_load(load, cfg_d)["records"], lost_rank)  # every line of its stdout parses as JSON
+    res = finish_load(load, cfg_d)
+    moved_off(res["records"], lost_rank)  # every line of its stdout parses as JSON
+    _lost_ingress_served_again(d.name, res, head_url, lost_url, cfg_d)
     watch.terminate()  # SIGTERM: a SIGINT is ignored by a child of a shell's background job
     watch.communicate(timeout=30)
     watched_to.seek(0)

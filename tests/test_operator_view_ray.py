@@ -88,6 +88,9 @@ def test_scale_on_a_terminal_then_status_timeline_and_registry_restart(deploymen
     assert tl["pause"]["duration_s"] > 0 and tl["slowest_rank"] in (0, 1, 2)
     drawn = eepctl("events", "--op", op_id, "--timeline", "--name", d.name).stdout
     assert "serving pause" in drawn and "<- slowest" in drawn and "controller" in drawn
+    # the plan's predicted cost beside what the scale measured (engine_ext/control/cost_model.py)
+    listed = eepctl("events", "--op", op_id, "--name", d.name).stdout
+    assert f"{op_id} predicted vs measured: pause" in listed and "moved per rank" in listed, listed
 
     light = eepctl_json("status", "--name", d.name)
     res = eepctl("status", "--name", d.name, "-o", "json", env={"EEPCTL_READ_PATH": "ray"})

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from engine_ext.faults import VARIANTS
-from tests.helpers import ROOT
+from tests.helpers import ROOT, parse_source
 
 # Entries of VARIANTS that break nothing, so there is no harm to show (each says why).
 NOT_BROKEN = {"slow_prepare": "a hold on joining ranks in prepare: a window to kill a joiner, not a broken mechanism"}
@@ -62,7 +62,7 @@ def _defined_test_names() -> set[str]:
     names: set[str] = set()
     for path in (ROOT / "tests").glob("*.py"):
         names.add(path.stem)
-        names.update(n.name for n in ast.walk(ast.parse(path.read_text()))
+        names.update(n.name for n in ast.walk(parse_source(path.read_text()))
                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
     return names
 

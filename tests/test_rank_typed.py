@@ -55,3 +55,31 @@ def test_a_destroyed_group_fails_its_collectives_as_aborted():
     with pytest.raises(GroupError) as ei:
         group.all_reduce_max(torch.zeros(1))
     assert ei.value.code is GroupFailure.ABORTED
+
+
+def test_wait_op_answers_an_abandoned_operations_error_and_a_rolled_back_one_at_once():
+    """A commit that fails marks the rank failed, and the reconcile loop's fence abandons its
+    operation; a controller's ``wait_op`` that arrives after that gets the commit's error (it got
+    "no operation" before: a busy box's CI run); a rolled-back operation answers at once."""
+    from types import SimpleNamespace
+
+    from engine_ext.rank.operation import OpState
+    from engine_ext.rank.shared import RankShared
+    from engine_ext.rank.transition import RankTransition
+
+    shared = RankShared(0)
+    rank = RankTransition(None, shared, None, None, None, None, lambda ex: None)  # wait_op and abort read ``shared``
+    failed = OpState(SimpleNamespace(op_id="op-failed"), "remaining")
+    shared.begin_op("op-failed", failed)
+    failed.error = "commit failed on rank 0: WorkspaceSizeError: 1024 bytes locked, 2048 bytes needed"
+    failed.done.set()
+    assert shared.take_op() is failed  # the fence
+    with pytest.raises(RuntimeError, match="WorkspaceSizeError"):
+        rank.wait_op("op-failed", 1.0)
+    with pytest.raises(RuntimeError, match="no operation op-other on rank 0"):
+        rank.wait_op("op-other", 1.0)
+    prepared = OpState(SimpleNamespace(op_id="op-rolled"), "existing")
+    shared.begin_op("op-rolled", prepared)
+    assert rank.abort("op-rolled")
+    with pytest.raises(RuntimeError, match="op-rolled rolled back"):
+        rank.wait_op("op-rolled", 30.0)  # at once, not after the 30 s

@@ -260,6 +260,13 @@ def test_dry_run_prints_plan_and_changes_nothing(deployments):
         assert m["src_rank"] in (0, 1), m  # only live ranks hold weights
     assert {m["dst_rank"] for m in moves} >= {2, 3}  # joiners get every slot from live ranks
     assert plan["layout"]["world_size"] == 4
+    # the predicted cost, through the controller: the plan's bytes always; times only from a model
+    # fitted on this host (the shipped one was fitted on the project's box), else it says why
+    cost = plan["cost"]
+    assert cost["per_rank"]["2"]["moved_bytes"] > 0 and cost["moved_bytes"] > 0, cost
+    assert cost.get("move_s", 0) > 0 or cost["no_model"].startswith("no cost model fitted on this host"), cost
+    text = eepctl("scale", "--dp", "4", "--dry-run", "--name", d.name, timeout=120).stdout
+    assert "predicted cost" in text and "moved per rank (0: " in text, text
     planned = time.time()
     # A status every rank reported after the dry run ended (heartbeats are about 1 s apart).
     snap = wait_for(lambda: (s := status(d.name))["ranks"] and all(r["last_heartbeat"] > planned for r in s["ranks"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -218,17 +219,39 @@ HELD = {
 }
 
 
-async def _kill_when_held(dep: LocalDeployment, rank: int, phase: str, *, with_requests: bool = False) -> int:
+async def _kill_when_held(dep: LocalDeployment, rank: int, phase: str, *, scale: asyncio.Future | None = None,
+                          with_requests: bool = False) -> int:
     """SIGKILL the process that reports itself as ``rank`` held in ``phase``, by the pid it
     reported (a standby being adopted is in no member table yet). Returns that pid.
     ``with_requests``: only once the held rank also owns a request that streamed tokens, read from
-    the router every 2 ms (a heartbeat report, a second apart, misses requests that take tens of ms)."""
-    await wait_until(lambda: (st := dep.registry.ranks.get(rank)) is not None and f"held in {phase}" in st.state_reason,
-                     60, f"rank {rank} held in {phase}")
+    the router every 2 ms (a heartbeat report, a second apart, misses requests that take tens of ms).
+    A ``scale`` that ends before the hold is seen fails the test with its record."""
+    def held() -> bool:
+        st = dep.registry.ranks.get(rank)
+        return (scale is not None and scale.done()) or (st is not None and f"held in {phase}" in st.state_reason)
+
+    def says() -> str:  # what the rank and the router said last, for a failure's message
+        st = dep.registry.ranks.get(rank)
+        return (f"rank {rank}: {st.state if st else None} {st.state_reason if st else ''!r}, "
+                f"{dep.orch.router.inflight.get(rank, 0)} request(s) in flight on it")
+
+    try:
+        await wait_until(held, 60, f"rank {rank} held in {phase}")
+    except AssertionError as ex:
+        raise AssertionError(f"{ex}; {says()}") from None
+    if scale is not None and scale.done():
+        raise AssertionError(f"the scale ended before rank {rank} was held in {phase}: "
+                             f"{scale.exception() or scale.result()!r}; {says()}")
+    seen = time.monotonic()
     pid = dep.registry.ranks[rank].pid
     if with_requests:
-        await wait_until(lambda: dep.orch.router.mid_decode(rank) > 0, 60, f"rank {rank} held in {phase} mid-decode",
-                         interval_s=0.002)
+        # a hold outside PAUSED_PHASES is a timer (fault_delay_s from before it was seen): a kill after
+        # it would land in a later phase and end the scale otherwise, so the moment must be inside it
+        window = dep.cfg.fault_delay_s - 1.0
+        await wait_until(lambda: dep.orch.router.mid_decode(rank) > 0 or time.monotonic() - seen > window, 60,
+                         f"rank {rank} held in {phase} mid-decode", interval_s=0.002)
+        assert time.monotonic() - seen <= window, \
+            f"no request was mid-decode on rank {rank} in the {window:.0f}s its hold in {phase} had left: missed"
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -248,7 +271,11 @@ async def _steady_load(dep: LocalDeployment, stop: asyncio.Event, rate_per_s: fl
 @pytest.mark.parametrize("case", sorted(HELD))
 def test_rank_killed_while_held_in_a_scale_phase(reference: list[dict], case: str) -> None:
     faults, start, target, victim, members, scale_state, recovered = HELD[case]
-    cfg = _cfg(slots_per_rank=6, faults=faults, fault_delay_s=4.0)
+    # a member held by a timer (prepare, pre-copy) is killed once a request is mid-decode on it: a
+    # longer hold leaves room for that on a loaded box (the kill ends it early, so it costs nothing)
+    timed_member = faults[0].split(":")[1].split("@")[0] in ("prepare", "precopy") and victim < start < target
+    # one move per exchange (move_batch_bytes=0): a hold after the first is mid pre-copy
+    cfg = _cfg(slots_per_rank=6, faults=faults, fault_delay_s=8.0 if timed_member else 4.0, move_batch_bytes=0)
     standby = 1 if case.startswith("standby") else 0
 
     async def scenario() -> None:
@@ -265,7 +292,7 @@ def test_rank_killed_while_held_in_a_scale_phase(reference: list[dict], case: st
             # a member that serves on in the new world is killed holding requests (a removing rank
             # may have drained its own); a joiner or a standby never held one
             member = victim < start and target > start
-            killed = await _kill_when_held(dep, victim, phase, with_requests=member)
+            killed = await _kill_when_held(dep, victim, phase, scale=scale, with_requests=member)
             stop.set()
             op = await asyncio.wait_for(scale, 120)
             assert op["state"] == scale_state, op
@@ -302,7 +329,9 @@ def test_sender_killed_mid_precopy_leaves_the_survivors_experts_whole(variant: l
     while rank 3 is held are served then, by the old world, mid pre-copy."""
     base = _cfg(num_experts=16, slots_per_rank=6)
     ref = reference_generate(base, PROMPTS, MAX_TOKENS)
-    cfg = _cfg(num_experts=16, slots_per_rank=6, faults=["hold:precopy@3", *variant], fault_delay_s=8.0)
+    # one move per exchange (move_batch_bytes=0): a hold after the first finds the second not yet received
+    cfg = _cfg(num_experts=16, slots_per_rank=6, faults=["hold:precopy@3", *variant], fault_delay_s=8.0,
+               move_batch_bytes=0)
 
     async def scenario() -> None:
         async with LocalDeployment(cfg, "heal-precopy", max_dp=4, on_rank_failure="shrink") as dep:

@@ -199,7 +199,8 @@ def test_joiner_killed_in_launch_rolls_back_then_scale_works(deployments):
     """The joining rank dies before it joins the world: the scale is rolled back (exit 5), the
     old world keeps serving the open-loop load, and a later scale to 3 succeeds."""
     d = deployments("heal-joiner")
-    snap = _up_with_fault(d.name, "hold:launch@2", 8.0)
+    # the hold outlasts the status poll that sees it (0.3 s apart); the second joiner waits it out
+    snap = _up_with_fault(d.name, "hold:launch@2", 5.0)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "10", "--max-tokens", "16", "-o", "json")
     wait_serving_load(d.name)

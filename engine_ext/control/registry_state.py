@@ -15,7 +15,9 @@ from typing import Any
 
 import msgspec
 
+from engine_ext.control.worker_records import merge as merge_worker
 from engine_ext.protocol import STALE_AFTER_S
+from engine_ext.transport import MAPPED
 from engine_ext.records import (
     DeploymentKind,
     Event,
@@ -24,6 +26,7 @@ from engine_ext.records import (
     RankState,
     RankStatus,
     Record,
+    VllmWorkerStatus,
     from_builtins,
     rank_status_type,
     to_builtins,
@@ -61,6 +64,7 @@ class RegistryState:
         self.events: deque[tuple[int, Event]] = deque(maxlen=_MAX_EVENTS)  # (seq, event)
         self._event_keys: set[tuple[str, int, str, float]] = set()
         self.ops: dict[str, Operation] = {}
+        self.workers: dict[int, tuple[VllmWorkerStatus, float]] = {}  # vLLM: by DP rank, (record, received)
         self.rejected: list[str] = []
         self.seq = 0
         self._left_at: dict[int, list[int]] = {}  # rank -> the event seqs at which it was forgotten
@@ -97,6 +101,15 @@ class RegistryState:
         self.received_at[st.rank] = time.time()
         return {"accepted": True}
 
+    def report_worker(self, record: Any) -> dict[str, Any]:
+        """A vLLM worker's own record, merged into its rank's at every view (worker_records)."""
+        try:
+            worker = _intake(record, VllmWorkerStatus, "worker status")
+        except ValueError as e:  # answered, not raised: the worker logs it once (a refused field)
+            return {"accepted": False, "reason": str(e)}
+        self.workers[worker.rank] = (worker, time.time())
+        return {"accepted": True}
+
     def report_event(self, event: Any) -> None:
         ev = _intake(event, Event, "event")
         key = (ev.op_id, ev.rank, ev.phase, round(ev.start, 6))
@@ -115,6 +128,7 @@ class RegistryState:
         self._left_at.setdefault(rank, []).append(self.seq)
         self.ranks.pop(rank, None)
         self.received_at.pop(rank, None)
+        self.workers.pop(rank, None)
 
     # ---- views -------------------------------------------------------------------------------
     def _rank_records(self, now: float | None = None) -> list[RankStatus]:
@@ -123,6 +137,9 @@ class RegistryState:
         out = []
         for rank in sorted(self.ranks):
             st = self.ranks[rank]
+            if rank in self.workers:
+                worker, received = self.workers[rank]
+                st = merge_worker(st, worker, max(0.0, now - received))
             age = max(0.0, now - self.received_at.get(rank, st.last_heartbeat))
             st = msgspec.structs.replace(st, heartbeat_age_s=round(age, 2))
             if age > STALE_AFTER_S and st.state not in _TERMINAL:
@@ -207,12 +224,12 @@ class RegistryState:
                 locks[key] = (seq, e)
             elif e.phase == "prepare" and e.outcome == "ok":
                 comm_formed.add(key)  # the groups and the EPLB communicator are formed
-                if e.detail.get("transport") == "shm" and e.detail.get("transport_attached") != e.detail.get("world"):
+                if e.detail.get("transport") in MAPPED and e.detail.get("transport_attached") != e.detail.get("world"):
                     # I2 for the transport: every member mapped the new world's shared memory in prepare
                     found.append({"invariant": "I2", "rank": str(e.rank),
                                   "message": f"shared memory of {e.op_id} prepared with "
                                              f"{e.detail.get('transport_attached')} of {e.detail.get('world')} ranks"})
-                if e.detail.get("transport") == "shm" and e.detail.get("transport_bytes", 0) < e.detail.get("transport_needed", 0):
+                if e.detail.get("transport") in MAPPED and e.detail.get("transport_bytes", 0) < e.detail.get("transport_needed", 0):
                     found.append({"invariant": "I2", "rank": str(e.rank),
                                   "message": f"shared memory of {e.op_id} takes {e.detail['transport_bytes']} bytes "
                                              f"per rank, the new world's exchanges need {e.detail['transport_needed']}"})

@@ -26,6 +26,7 @@ class ScalePlan:
     noop: bool = False
     capture_memory: dict[str, Any] = field(default_factory=dict)  # engine_ext.capture_memory.policy_memory
     precopy: dict[str, Any] = field(default_factory=dict)  # engine_ext.elastic.precopy: bytes per rank, fit
+    cost: dict[str, Any] = field(default_factory=dict)  # engine_ext.control.cost_model.predict
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -33,7 +34,7 @@ class ScalePlan:
             "joining": self.joining, "leaving": self.leaving,
             "transfer_pairs": {str(k): v for k, v in self.transfer_pairs.items()},
             "expert_moves": self.expert_moves, "layout": self.layout, "capture_memory": self.capture_memory,
-            "precopy": self.precopy,
+            "precopy": self.precopy, **({"cost": self.cost} if self.cost else {}),
         }
 
 

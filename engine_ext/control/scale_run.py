@@ -10,13 +10,14 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from engine_ext.control.cost_model import measured, relative_errors
 from engine_ext.control.rank_client import RankClient
 from engine_ext.control.scale_plan import ScalePlan
 from engine_ext.control.spawner import Spawner
 from engine_ext.control.world import RankCallFailed, World, quiet, short_error
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.transition_plan import TransitionPlan
-from engine_ext.protocol import EepError, Operation, OpState, Phase, TransitionFailed
+from engine_ext.protocol import EepError, Operation, OpState, Phase, TransitionFailed, to_builtins
 
 if TYPE_CHECKING:
     from engine_ext.control.recovery import Recovery
@@ -39,6 +40,7 @@ class ScaleRun:
         self.new_members = (self.old_members + self.new_ranks if self.growing
                             else [m for m in self.old_members if m not in self.leaving])
         self.joiners: dict[int, RankClient] = {}  # ranks this run launched (the rollback stops them)
+        self.prepared: dict[str, dict[str, Any]] = {}  # each rank's prepare answer: its pre-copy's seconds, bytes
         self.commit_started = False
 
     async def execute(self) -> None:
@@ -113,6 +115,7 @@ class ScaleRun:
         # What each rank's expert pre-copy holds until the commit (or the rollback) frees it.
         self.op.move_memory = {str(r): {"spare_bytes": int(res.get("spare_bytes", 0)), "held_since": t}
                                for r, res in sorted(prepared.items()) if isinstance(res, dict)}
+        self.prepared = {str(r): res for r, res in prepared.items() if isinstance(res, dict)}
         self.world.phase_done(self.op, Phase.PREPARE.value, t)
 
     async def _drain(self, world: dict[int, RankClient]) -> None:
@@ -157,6 +160,9 @@ class ScaleRun:
                 op.serving_pause_s = max(op.serving_pause_s, float(res.get("pause_s", 0.0)))
             if str(r) in op.move_memory and isinstance(res.get("move_memory"), dict):
                 op.move_memory[str(r)].update(res["move_memory"])
+        if self.plan.cost:  # predicted beside measured, for `eepctl events`
+            op.cost = {"predicted": self.plan.cost, "measured": measured(to_builtins(op), self.prepared)}
+            op.cost["error"] = relative_errors(op.cost["predicted"], op.cost["measured"])
         leaving = {r: c for r, c in world.items() if r not in self.new_members}
         w.adopt({r: world[r] for r in self.new_members}, layout, epoch)
         if moved:

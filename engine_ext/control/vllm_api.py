@@ -6,7 +6,6 @@ into output, logs, errors, the registry or an operation record.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from engine_ext.protocol import (
@@ -108,34 +107,6 @@ class VllmApi:
             raise TransitionFailed(f"vLLM at {self.base_url} answered /fault_tolerance/status with HTTP {code}: "
                                    f"{message_of(body)}")
         return body
-
-    def complete(self, model: str, prompt: list[int], max_tokens: int, timeout_s: float) -> dict[str, Any]:
-        """One greedy completion of a token-id prompt through ``/v1/completions``.
-
-        Token ids in and out (``return_token_ids``), so it works with ``--skip-tokenizer-init``.
-        Returns the shape the reference controller answers: output, latency_s, error. A refused
-        key raises UnreachableError (exit 3) instead: no request can succeed with it."""
-        t0 = time.monotonic()
-        try:
-            code, body = self.post("/v1/completions", {"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
-                                                       "temperature": 0, "return_token_ids": True},
-                                   timeout_s=timeout_s)
-        except EepError as e:
-            return {"output": [], "latency_s": round(time.monotonic() - t0, 4), "error": e.message}
-        latency = round(time.monotonic() - t0, 4)
-        if code in (401, 403):  # the operator's configuration, not this request: stop the command
-            raise UnreachableError(f"vLLM at {self.base_url} refused the API key (HTTP {code}); "
-                                   "pass --api-key or set VLLM_API_KEY")
-        if code != 200:
-            return {"output": [], "latency_s": latency, "error": f"HTTP {code}: {message_of(body)}"}
-        try:
-            ids = body["choices"][0]["token_ids"]
-        except (KeyError, IndexError, TypeError):
-            ids = None
-        if not isinstance(ids, list):
-            return {"output": [], "latency_s": latency, "error": "vLLM answered without token_ids"}
-        return {"output": [int(i) for i in ids], "latency_s": latency, "error": None}
-
 
     def scale(self, new_size: int, drain_timeout_s: int, timeout_s: float) -> tuple[int, Any]:
         return self.post("/scale_elastic_ep", {"new_data_parallel_size": new_size, "drain_timeout": drain_timeout_s},

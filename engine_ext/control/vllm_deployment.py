@@ -7,10 +7,12 @@ in-cluster controller (admission, reconcile) read them through these functions. 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine_ext.control.vllm_api import VllmApi
-from engine_ext.protocol import DeploymentKind, UnreachableError
+from engine_ext.elastic.transition_plan import new_op_id
+from engine_ext.protocol import DeploymentKind, EepError, OpState, TransitionFailed, UnreachableError
 
 KIND = DeploymentKind.VLLM.value
 
@@ -59,3 +61,73 @@ def abandoned(op: dict[str, Any] | None) -> bool:
     """A running operation past its deadline that nobody runs any more (a client of an older
     eepctl that drove it and stopped, or a controller that died)."""
     return bool(op) and float(op.get("deadline", float("inf"))) <= time.time()
+
+
+def settle_flag(op_id: str, flag: Callable[[], bool | None], error: EepError | None, answered: bool,
+                settle_s: float) -> EepError | None:
+    """vLLM's scaling flag at the end of a scale (``flag``: True, False or None when unreadable).
+    Still set ``settle_s`` after vLLM answered: the deployment is wedged (503 to everything),
+    whatever vLLM answered. Still set at the deadline with no answer: said in the timeout's reason."""
+    settle = time.time() + (settle_s if answered else 0.0)
+    while flag() is True:
+        if time.time() >= settle:
+            why = ("vLLM's scaling flag is still set at the controller's deadline: it answers 503 to every "
+                   "request until its scale ends (or, wedged, until its API server restarts)" if not answered
+                   else f"vLLM's scaling flag is still set {settle_s:.0f}s after it answered, so it answers "
+                   "503 to every request (wedged; restart the vLLM API server)")
+            if error is None:
+                return TransitionFailed(f"{op_id}: {why}")
+            return type(error)(f"{error.message}; {why}")
+        time.sleep(0.5)
+    return error
+
+
+def follow_events(call: Callable[..., Any], seq: int, events: list[dict[str, Any]]) -> int:
+    """New rank events since ``seq`` appended to ``events`` (vLLM's ranks name their own operation
+    ids); ``call`` is the registry's. The last seq seen."""
+    try:
+        data = call("events", None, seq)
+    except EepError:
+        return seq
+    for ev in data["events"]:
+        seq = max(seq, ev["seq"])
+        if ev.get("rank", -1) >= 0:
+            events.append(ev)
+    return seq
+
+
+def last_seq(call: Callable[..., Any]) -> int:
+    try:
+        return max((e["seq"] for e in call("events", None, 0)["events"]), default=0)
+    except EepError:
+        return 0
+
+
+def phase_summary(events: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+    """The longest time any rank spent in each phase, and per rank the capture passes and the
+    worker warm-up passes that ended ok (each counted where it ran: the model runner's capture,
+    the worker's ``compile_or_warm_up_model``)."""
+    phases: dict[str, float] = {}
+    counts: dict[str, dict[str, int]] = {"capture": {}, "warmup": {}}
+    for ev in events:
+        phases[ev["phase"]] = max(phases.get(ev["phase"], 0.0), round(ev["end"] - ev["start"], 6))
+        if ev["phase"] in counts and ev.get("outcome") == "ok":
+            per_rank = counts[ev["phase"]]
+            per_rank[str(ev["rank"])] = per_rank.get(str(ev["rank"]), 0) + 1
+    return phases, counts["capture"], counts["warmup"]
+
+
+def workspace(snap: dict[str, Any]) -> dict[str, int]:
+    return {str(r["rank"]): int(r.get("workspace_bytes", 0) or 0) for r in snap.get("ranks", [])}
+
+
+def new_operation(snap: dict[str, Any], api_url: str, target: int, timeout_s: float, request_id: str | None,
+                  controller: str) -> dict[str, Any]:
+    """A vLLM scale's record as its controller admits it (running, phase prepare)."""
+    now = time.time()
+    return {"op_id": new_op_id(), "deployment": snap["deployment"], "from_size": current_size(snap),
+            "to_size": target, "state": OpState.RUNNING.value, "phase": "prepare", "started": now,
+            "finished": None, "error": "", "error_code": 0, "phase_durations": {}, "serving_pause_s": 0.0,
+            "captures_per_rank": {}, "workspace_before": workspace(snap), "workspace_after": {},
+            "rank_states": {}, "deadline": now + timeout_s,
+            "plan": {"kind": "vllm", "api_url": api_url, "request_id": request_id or "", "controller": controller}}

@@ -13,7 +13,7 @@ from typing import Any
 from engine_ext.drivers.base import Driver
 from engine_ext.protocol import DeploymentKind
 
-__all__ = ["Driver", "open_deployment", "status_view"]
+__all__ = ["Driver", "endpoints", "open_deployment", "served_model", "status_view"]
 
 
 def open_deployment(name: str, registry: Any, controller: Any, *, api_key: str | None = None) -> Driver:
@@ -43,3 +43,26 @@ def status_view(snap: dict[str, Any]) -> dict[str, Any]:
 
         return with_health(snap)
     return snap
+
+
+def endpoints(snap: dict[str, Any]) -> list[str]:
+    """The HTTP endpoints (OpenAI's completions API) a deployment takes requests on, as its
+    registry snapshot names them: each ingress's URL (reference), the API server (vLLM)."""
+    info = snap.get("info") or {}
+    if snap.get("kind") == DeploymentKind.VLLM.value:
+        return [str(info["api_url"]).rstrip("/")] if info.get("api_url") else []
+    shown = sorted(info.get("ingress") or [], key=lambda i: int(i.get("index") or 0))
+    return [str(i["url"]).rstrip("/") for i in shown if i.get("url")]
+
+
+def served_model(snap: dict[str, Any] | None, name: str, url: str, api_key: str | None) -> str:
+    """The model name requests carry: a vLLM server's (from its registry info, else its
+    ``/v1/models``); a reference ingress serves one model, named after the deployment."""
+    if not snap or snap.get("kind") != DeploymentKind.VLLM.value:
+        return name
+    model = (snap.get("info") or {}).get("model")
+    if model:
+        return str(model)
+    from engine_ext.control.vllm_api import VllmApi
+
+    return VllmApi(url, api_key).served_model()

@@ -9,7 +9,6 @@ a driver raises the exit-code table's errors (engine_ext.protocol) for what only
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 EventSink = Callable[[dict[str, Any]], None]
@@ -62,6 +61,7 @@ class Driver(Protocol):
         """The autoscaler's decisions after ``since`` (a time), oldest first."""
         ...
 
-    def requests(self, max_tokens: int, timeout_s: float) -> AbstractContextManager[Submit]:
-        """How to send prompts to the deployment while the context is open."""
+    def endpoints(self) -> list[str]:
+        """The deployment's HTTP endpoints (OpenAI's completions API: engine_ext.drivers.completions
+        sends requests there), asked of the cluster: the fallback when no snapshot names them."""
         ...

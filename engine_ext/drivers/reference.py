@@ -1,18 +1,16 @@
 """The reference engine's driver: its controller and registry actors on Ray.
 
-The controller admits and runs scales and repairs and routes requests; the registry holds the
-ranks' events and adds their phase timings to a finished operation. Either handle may be None
+The controller admits and runs scales and repairs (requests never pass it: they go to the
+ingresses' HTTP endpoints, engine_ext.drivers.completions); the registry holds the ranks' events and adds their phase timings to a finished operation. Either handle may be None
 (its actor is gone); each method says what is lost then.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from engine_ext.drivers.base import EventSink, Submit
+from engine_ext.drivers.base import EventSink
 from engine_ext.protocol import (
     DeploymentKind,
     EepError,
@@ -55,33 +53,6 @@ def check_outcome(op: dict[str, Any]) -> dict[str, Any]:
     if code == 4:
         raise PreconditionError(msg, detail={"operation": op})
     raise TransitionFailed(msg, detail={"operation": op})
-
-
-class RayPending:
-    """A request to an ingress of the deployment (engine_ext.ray.ingress), which owns it until it
-    is answered; the controller is not on its path. When that ingress died with the request (Ray
-    restarts it), the request is sent again, to the next ingress, and the answer says so
-    (``resent``): a generate has no effect but its answer, so a retry is safe."""
-
-    def __init__(self, ingresses: list[Any], first: int, prompt: list[int], max_tokens: int) -> None:
-        self.ingresses, self.at = ingresses, first
-        self.send = lambda: self.ingresses[self.at % len(self.ingresses)].generate.remote(prompt, max_tokens)
-        self.ref = self.send()
-        self.retries = 0
-
-    def wait(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.time() + timeout_s
-        while True:
-            try:
-                res = _get(self.ref, timeout=max(0.1, deadline - time.time()))
-                return dict(res, resent=self.retries) if self.retries else res
-            except UnreachableError:  # the ingress died (or is being restarted) with the request
-                if time.time() + 0.5 > deadline:
-                    raise
-            self.retries += 1
-            time.sleep(0.5)
-            self.at += 1
-            self.ref = self.send()
 
 
 class ReferenceDriver:
@@ -196,8 +167,17 @@ class ReferenceDriver:
                                    f"(`eepctl down --name {self.name}` then `eepctl up` again)")
         return found
 
-    @contextmanager
-    def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:
-        ingresses = self.ingresses()
-        sent = iter(range(1 << 62))
-        yield lambda prompt: RayPending(ingresses, next(sent), prompt, max_tokens)
+    def endpoints(self) -> list[str]:
+        """Each ingress's HTTP URL, asked of the ingress actors themselves (when the registry that
+        shows them is gone); an ingress Ray is restarting is waited for up to 30 s."""
+        from engine_ext.ray.deployment import call
+
+        urls = []
+        for ing in self.ingresses():
+            try:
+                urls.append(str(call(ing.ready.remote(), timeout=30)["url"]))
+            except EepError:
+                continue
+        if not urls:
+            raise UnreachableError(f"no ingress of {self.name!r} answers (`eepctl status --name {self.name}`)")
+        return urls

@@ -2,37 +2,20 @@
 
 It holds the registry snapshot read when the deployment was opened (the API URL, the DP bounds,
 any operation in flight) and delegates to vllm_scale (dry run; a scale is asked of the deployment's
-in-cluster controller, engine_ext.ray.vllm_controller), vllm_fault_tolerance (repair, health) and
-control.vllm_api (completions). The API key goes only into their request headers.
+in-cluster controller, engine_ext.ray.vllm_controller) and vllm_fault_tolerance (repair, health).
+Requests go to the API server through engine_ext.drivers.completions, as a reference
+deployment's go to its ingresses. The API key goes only into request headers.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager
 from typing import Any
 
-from engine_ext.drivers.base import EventSink, Submit
-from engine_ext.protocol import DeploymentKind, PreconditionError, TransitionTimeout, UsageError
+from engine_ext.drivers.base import EventSink
+from engine_ext.protocol import DeploymentKind, PreconditionError, UsageError
 
 KIND = DeploymentKind.VLLM.value
-
-
-class HttpPending:
-    """A request to a vLLM API server, run on a client thread."""
-
-    def __init__(self, future: Future) -> None:
-        self.future = future
-
-    def wait(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            return self.future.result(timeout=timeout_s)
-        except FutureTimeout:
-            raise TransitionTimeout(f"vLLM did not answer within {timeout_s:.0f}s") from None
 
 
 def with_health(snap: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +73,8 @@ class VllmDriver:
 
     def set_autoscale(self, policy: dict[str, Any]) -> dict[str, Any]:
         """Kept by the deployment's vLLM controller, whose loop runs the shared decision core on
-        vLLM's own figures; advisory only (``--mode on`` is refused there, exit 4)."""
+        vLLM's own figures; in ``--mode on`` its scales are carried out by the plugin inside the API
+        server (no key; refused, exit 4, where that plugin takes no scale orders)."""
         from engine_ext.drivers.reference import raise_if_error
         from engine_ext.ray.deployment import call
         from engine_ext.ray.vllm_controller import controller_for
@@ -116,22 +100,8 @@ class VllmDriver:
             return empty
         return raise_if_error(call(getattr(controller, method).remote(*args), timeout=30))
 
-    @contextmanager
-    def requests(self, max_tokens: int, timeout_s: float) -> Iterator[Submit]:
-        """Prompts as token ids through the OpenAI completions API, on up to 32 client threads."""
+    def endpoints(self) -> list[str]:
+        """The API server the plugin registered."""
         from engine_ext.control.vllm_deployment import api_for
 
-        api = api_for(self.snap, self._api_key, timeout_s=timeout_s)
-        model = (self.snap.get("info") or {}).get("model") or api.served_model()
-
-        def complete(prompt: list[int], submitted: float) -> dict[str, Any]:
-            answer = api.complete(model, prompt, max_tokens, timeout_s)
-            if answer["error"] is None:  # open loop: a request waiting for a client thread counts too
-                answer["latency_s"] = round(time.time() - submitted, 4)
-            return answer
-
-        pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="eepctl-request")
-        try:
-            yield lambda prompt: HttpPending(pool.submit(complete, prompt, time.time()))
-        finally:  # after a timeout, do not wait for answers nobody reads
-            pool.shutdown(wait=False, cancel_futures=True)
+        return [api_for(self.snap, self._api_key).base_url]

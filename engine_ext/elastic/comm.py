@@ -21,6 +21,7 @@ import torch.distributed as dist
 from engine_ext.elastic.netaddr import interface_ip
 from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.transport import TransportNotPrepared, host_key
+from engine_ext.transport import cuda_ipc, p2p
 from engine_ext.transport import shm as shm_transport
 from engine_ext.transport.alltoall import gloo_all_to_all_v
 
@@ -135,7 +136,6 @@ def _collective(fn: _Op) -> _Op:
     return run  # type: ignore[return-value]
 
 
-
 def _pinned_like(t: torch.Tensor) -> torch.Tensor:
     """A page-locked host tensor shaped like ``t`` (the staging buffer of a device transfer)."""
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -147,10 +147,12 @@ class StatelessGroup:
     """A process group that can be created and dropped at any time. Its collectives raise
     ``GroupError`` (with a ``GroupFailure`` code) when a peer or the store fails.
 
-    ``transport="auto"``: when every member runs on this host (and the tensors live on the CPU),
-    the all-reduces, all-gathers and reduce-scatters go through a shared-memory segment of this
-    group (``shm_bytes`` per rank and buffer: a larger one fails with GroupFailure.OVERFLOW, naming the sizes);
-    broadcasts and point-to-point transfers stay on gloo. ``transport_kind`` says which was chosen."""
+    ``transport="auto"``: when every member runs on this host, the all-reduces, all-gathers,
+    reduce-scatters and all-to-alls go through buffers the members share (``shm_bytes`` per rank
+    and buffer: a larger one fails with GroupFailure.OVERFLOW, naming the sizes): a shared-memory
+    segment on CPU, CUDA IPC on a GPU (opt-in, engine_ext/transport/cuda_ipc.py); ``exchange``
+    reads the sender's memory (engine_ext/transport/p2p.py); broadcasts stay on gloo.
+    ``transport_kind`` says which was chosen."""
 
     def __init__(
         self,
@@ -193,22 +195,32 @@ class StatelessGroup:
         # gloo cannot send/recv device tensors when ranks share one GPU: stage on the host.
         self.stage_p2p_on_host = backend == "gloo" and self.device.type == "cuda"
         self.shm: shm_transport.ShmCollectives | None = None
+        self.moves: p2p.PeerMoves | None = None  # point-to-point through shared memory / CUDA IPC
         self.transport_kind = backend
-        if transport == "auto" and size > 1 and self.device.type == "cpu" and shm_transport.supported():
-            if self._one_host():
-                try:
-                    self.shm = shm_transport.ShmCollectives(self.store, rank, size, shm_bytes or SHM_MIN_BYTES,
-                                                            timeout_s)
-                except shm_transport.ShmError as ex:
-                    self.destroy()
-                    raise GroupError(GroupFailure(ex.code), f"shared memory of {rdzv.prefix}: {ex}") from ex
-                self.transport_kind = "shm"
+        on_cpu = self.device.type == "cpu"
+        if (transport == "auto" and size > 1 and backend == "gloo" and shm_transport.supported()
+                and (on_cpu or cuda_ipc.supported(self.device)) and self._one_host()):
+            try:
+                self.shm = (shm_transport.ShmCollectives(self.store, rank, size, shm_bytes or SHM_MIN_BYTES, timeout_s)
+                            if on_cpu else cuda_ipc.CudaIpcCollectives(self.store, rank, size, shm_bytes or SHM_MIN_BYTES,
+                                                                       timeout_s, self.device))
+            except shm_transport.ShmError as ex:
+                self.destroy()
+                raise GroupError(GroupFailure(ex.code), f"shared memory of {rdzv.prefix}: {ex}") from ex
+            self.transport_kind = "shm" if on_cpu else "cuda_ipc"
+            self.moves = p2p.PeerMoves(self.shm, self.store, rank, self.device,
+                                       *((None, None) if on_cpu else (cuda_ipc.share_pieces, cuda_ipc.fetch_pieces)))
 
     def _one_host(self) -> bool:
         """Every member's ``host_key`` through the group's store: the same answer on every rank."""
         self.store.set(f"xport/host/{self.rank}", host_key(_node.ip if _node is not None else ""))
         keys = {self.store.get(f"xport/host/{r}").decode() for r in range(self.size)}
         return len(keys) == 1
+
+    @property
+    def reduce_scatters_on_device(self) -> bool:
+        """Whether ``reduce_scatter`` takes device tensors (gloo's CUDA collectives lack it)."""
+        return self.device.type != "cuda" or self.shm is not None or self.backend != "gloo"
 
     @property
     def transport_attached(self) -> int:
@@ -269,10 +281,7 @@ class StatelessGroup:
 
     @_collective
     def all_gather(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
-        pg = self._pg()
-        if self.shm is not None:
-            return self.shm.all_gather(outs, inp)
-        pg.allgather([outs], [inp]).wait()
+        self.all_gather_many([(outs, inp)])
 
     @_collective
     def all_gather_many(self, items: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
@@ -320,6 +329,9 @@ class StatelessGroup:
         one synchronisation. A pageable ``tensor.cpu()`` ran at 1.3 GB/s for 256 MiB on the H200,
         against 53 GB/s pinned, and held the staged transfer at a quarter of the link."""
         pg = self._pg()
+        if self.moves is not None:
+            self.moves.exchange(sends, recvs)  # through memory the ranks share, no socket
+            return
         works = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.stage_p2p_on_host:

@@ -123,6 +123,8 @@ def describe(summary: dict[str, Any]) -> list[str]:
         if d.get("in_commit"):
             lines.append(f"  rank {r}: {d['precopied']} pre-copied ({d['spare']:,} B), {d['in_commit']} in the "
                          f"commit ({d['commit_moved']:,} B)")
+    if summary.get("balance_deferred"):
+        lines.append(f"layout: {summary['balance_deferred']}")
     if summary.get("problem"):
         lines.append(f"WARNING: {summary['problem']}")
     return lines

@@ -19,6 +19,7 @@ from engine_ext.capture_memory import replica_table_width
 from engine_ext.config import EngineConfig
 from engine_ext.model.routed import RoutedMoE, routed_specs, row_bytes, worst_case
 from engine_ext.model.weights import dense_weights, expert_weights, torch_dtype
+from engine_ext.transport.p2p import shared_empty
 
 PLACEHOLDER_SEED_OFFSET = 7_919_000
 
@@ -78,8 +79,11 @@ class MoEModel:
             self.dense[k] = self.dense[k].to(device)
         # Expert weights for this rank's physical slots: [layers][slots, ...], written in place.
         L = cfg.slots_per_rank
-        self.w1 = torch.empty(cfg.num_layers, L, H, cfg.expert_hidden, dtype=dt, device=device)
-        self.w2 = torch.empty(cfg.num_layers, L, cfg.expert_hidden, H, dtype=dt, device=device)
+        # On CPU they live in memory the host's other ranks can map: an expert move reads them in place.
+        alloc = ((lambda *shape: shared_empty(shape, dt)) if device.type == "cpu"
+                 else (lambda *shape: torch.empty(*shape, dtype=dt, device=device)))
+        self.w1 = alloc(cfg.num_layers, L, H, cfg.expert_hidden)
+        self.w2 = alloc(cfg.num_layers, L, cfg.expert_hidden, H)
         for s, e in enumerate(layout.local_logical(rank)):
             for l in range(cfg.num_layers):
                 a, b = expert_weights(cfg, seed, l, e, dt)
@@ -345,7 +349,7 @@ class MoEModel:
     @staticmethod
     def _combine(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int, l: int) -> None:
         acc, out = ns[f"acc{l}"], ns[f"moe_out{l}"]
-        if group.device.type == "cuda":
+        if not group.reduce_scatters_on_device:
             # reduce_scatter of device tensors is not among gloo's CUDA collectives: all-reduce
             # the accumulator and keep this rank's chunk.
             group.all_reduce_sum(acc)

@@ -71,6 +71,13 @@ class MaxWorldGroup:
         g = self._live()
         return torch.device("cpu") if g is None else g.device
 
+    @property
+    def reduce_scatters_on_device(self) -> bool:
+        """The live group's answer (read at every call: a transition may change the transport);
+        detached, a reduce-scatter is a local copy."""
+        g = self._group()
+        return True if g is None else g.reduce_scatters_on_device
+
     def world_key(self) -> tuple[int, int]:
         """What a capture is bound to: constant while the live world fits in the capacity."""
         return id(self), max(self.capacity, self.live_size)

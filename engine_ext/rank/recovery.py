@@ -120,7 +120,7 @@ class RankRecovery:
                                     backend=res.cfg.backend, device=res.device, transport=res.cfg.transport,
                                     shm_bytes=res.model.exchange_bound(plan.new_size))
         op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), pos, plan.new_size, timeout_s=plan.timeout_s,
-                                      device=res.device)
+                                      device=res.device, transport=res.cfg.transport)
         op.eplb_comm.barrier()
 
     def recover(self, plan: TransitionPlan) -> dict[str, Any]:

@@ -159,20 +159,21 @@ class ExpertReshuffle:
         spare = sum(buf.numel() * buf.element_size() for _, buf in held)
         self._hold_spare(op, held, spare)
         t_pack = time.perf_counter()
-        by_move: dict[int, tuple[list, list]] = {}
-        for side, items in ((0, sends), (1, recvs)):
-            for item in items:
-                by_move.setdefault((item[2] - TAG_BASE) // per_move, ([], []))[side].append(item)
-        for k, i in enumerate(sorted(by_move)):
-            comm.exchange(*by_move[i])
-            if k == 0 and len(by_move) > 1:
+        move_bytes = model.w1.shape[0] * (model.w1[0, 0].nbytes + model.w2[0, 0].nbytes)
+        batches = _batches(sends, recvs, per_move, max(1, res.cfg.move_batch_bytes // max(1, move_bytes)))
+        peer = comm.moves  # same-host moves say where their time went
+        before = dict(peer.seconds) if peer is not None else {}
+        for k, batch in enumerate(batches):
+            comm.exchange(*batch)
+            if k == 0 and len(batches) > 1:
                 res.faults.hold("precopy")
         t_exchange = time.perf_counter()
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"moves_total": len(moves), "sent": len(sends) // per_move, "received": len(recvs) // per_move,
-                "local": len(local), "received_into_storage": into_storage, "exchanges": len(by_move),
+                "local": len(local), "received_into_storage": into_storage, "exchanges": len(batches),
                 "bytes_sent": nbytes(t for t, _, _ in sends), "bytes_received": nbytes(t for t, _, _ in recvs),
-                "spare_bytes": spare, "pack_s": t_pack - t0, "exchange_s": t_exchange - t_pack}
+                "spare_bytes": spare, "pack_s": t_pack - t0, "exchange_s": t_exchange - t_pack,
+                **{f"move_{part}": peer.seconds[part] - s for part, s in before.items()}}
 
     @staticmethod
     def _in_precopy(plan: Any) -> Callable[[int], bool]:
@@ -251,3 +252,15 @@ class ExpertReshuffle:
                 "commit_bytes_sent": nbytes(t for t, _, _ in sends),
                 "commit_bytes_received": nbytes(t for t, _, _ in recvs), "commit_extra_bytes": extra(),
                 "pack_s": t_pack - t0, "exchange_s": t_exchange - t_pack, "load_s": t_load - t_exchange, **freed}
+
+
+def _batches(sends: list, recvs: list, per_move: int, moves_per_batch: int) -> list[tuple[list, list]]:
+    """This rank's (sends, recvs) per exchange: moves ``moves_per_batch`` at a time by the plan's
+    move number (every rank cuts the same ranges, so the n-th exchange of a pair is the same on
+    both sides), skipping ranges this rank has no part in."""
+    by_batch: dict[int, tuple[list, list]] = {}
+    for side, items in ((0, sends), (1, recvs)):
+        for item in items:
+            by_batch.setdefault((item[2] - TAG_BASE) // per_move // moves_per_batch, ([], []))[side].append(item)
+    return [by_batch[b] for b in sorted(by_batch)]
+

@@ -60,6 +60,7 @@ class RankShared:
         self.group: StatelessGroup | None = None
         self.wake_round = 0  # the idle round of the current group; every rank starts it at 0
         self.op: OpState | None = None  # the transition this rank is in (kept after commit for wait_op)
+        self.abandoned: OpState | None = None  # the last one taken: wait_op still reports its error
         self.commit_ready = False
         self.current_op = ""
         self.capture_passes = 0  # capture passes in the current operation (I4: exactly one)
@@ -114,6 +115,7 @@ class RankShared:
         """Abandon the current operation (rolled back, or a peer died): nobody commits it any more."""
         with self.lock:
             op, self.op, self.commit_ready = self.op, None, False
+            self.abandoned = op or self.abandoned
         return op
 
     def stop(self) -> None:

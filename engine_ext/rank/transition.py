@@ -63,7 +63,7 @@ class RankTransition:
         try:
             for step in steps:
                 step(op)
-            self._precopy_phase(op)
+            precopy = self._precopy_phase(op)
             with telemetry.phase(plan.op_id, "prepare_warm_groups"):
                 if op.standby is not None:
                     op.standby.barrier()
@@ -78,7 +78,7 @@ class RankTransition:
         if role == "joining":
             self.loop.start(self._join_commit_then_serve, name="joiner")
         return {"rank": shared.rank, "role": role,
-                "spare_bytes": op.precopy.nbytes if op.precopy is not None else 0}
+                "spare_bytes": op.precopy.nbytes if op.precopy is not None else 0, "precopy": precopy}
 
     def _form_groups(self, op: OpState) -> None:
         """The new world's DP group (standby until commit) and the EPLB communicator: on a
@@ -102,7 +102,8 @@ class RankTransition:
                     op.standby.check_transport(needed)
             comm_world = comm_members(plan)
             op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), comm_world.index(me), len(comm_world),
-                                          timeout_s=t, device=res.device)
+                                          timeout_s=t, device=res.device,
+                                          transport=res.cfg.transport)
 
     def _transfer_phase(self, op: OpState) -> None:
         """A scale-up sends the non-expert weights to the joiners over the EPLB communicator."""
@@ -133,11 +134,14 @@ class RankTransition:
                 return {"received_from": src, "bytes": nbytes}
         return {}
 
-    def _precopy_phase(self, op: OpState) -> None:
+    def _precopy_phase(self, op: OpState) -> dict[str, Any]:
         """The experts the new layout gives each rank move now, while the old world serves
-        (engine_ext/rank/reshuffle.py); the commit only loads what a member holds in spare buffers."""
+        (engine_ext/rank/reshuffle.py); the commit only loads what a member holds in spare buffers.
+        Returns its seconds and bytes: the operation record sets them beside the plan's prediction."""
+        t0 = time.perf_counter()
         with self.telemetry.phase(op.plan.op_id, "precopy", role=op.role) as d:
             d.update(self.reshuffle.precopy(op))
+        return {"s": time.perf_counter() - t0, **{k: d.get(k, 0) for k in ("bytes_received", "bytes_sent", "spare_bytes")}}
 
     # ---- drain, commit request, abort -------------------------------------------------------------
     def _prepared_op(self, op_id: str) -> OpState:
@@ -169,8 +173,10 @@ class RankTransition:
 
     def wait_op(self, op_id: str, timeout_s: float) -> dict[str, Any]:
         shared = self.shared
-        op = shared.op
-        if op is None or op.plan.op_id != op_id:
+        # a failed commit may be abandoned (the rank fenced) before the controller asks: its error
+        # is still the answer, not "no operation"
+        op = next((o for o in (shared.op, shared.abandoned) if o is not None and o.plan.op_id == op_id), None)
+        if op is None:
             raise RuntimeError(f"no operation {op_id} on rank {shared.rank}")
         if not op.done.wait(timeout_s):
             raise TimeoutError(f"rank {shared.rank} did not finish {op_id} in {timeout_s:.0f}s "
@@ -189,6 +195,8 @@ class RankTransition:
             shared.take_op()
             shared.finish_op()
         op.drop_groups()
+        op.error = op.error or f"{op_id} rolled back"
+        op.done.set()  # a late wait_op answers at once
         if shared.state in (RankState.PREPARING, RankState.DRAINING):
             self.telemetry.set_state(RankState.SERVING, f"{op_id} rolled back")
         return True

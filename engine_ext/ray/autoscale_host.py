@@ -12,6 +12,7 @@ keeps it in Ray's GCS KV) and comes back as ``saved`` after a controller restart
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,20 @@ class AutoscaleHost:
             if self.metrics is not None:
                 self.metrics.on_outcome(ok)
             self._persist()
+
+    def record_skip(self, decision_id: str, why: str) -> None:
+        """The loop could not start ``decision_id``'s scale (another operation got there first):
+        its record says "skipped: why", it no longer counts as acted on (no cooldown, no back-off),
+        and the next tick decides again."""
+        a = self.autoscaler
+        if a is None:
+            return
+        for d in reversed(a.decisions):
+            if d.id == decision_id:
+                d.act, d.action = False, f"skipped: {why}"[:300]
+                break
+        a.last_action_at = max((d.at for d in a.decisions if d.act), default=-math.inf)
+        self._persist()
 
     def _persist(self) -> None:
         self._durable = self._live_state()

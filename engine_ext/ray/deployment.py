@@ -121,20 +121,57 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     return DeploymentHandles(registry, controller), result
 
 
+INGRESS_PLACE_TRIES = 5  # an ingress Ray started on another node than asked is made again, this often
+
+
 def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str = "") -> list[Any]:
     """``count`` ingress actors (engine_ext.ray.ingress), restarted by Ray when they die; spread
     over the alive nodes, the head node first (placement.control_nodes): held to the head (its loss
-    is the cluster's), soft elsewhere (a restart after that node died lands on a live one)."""
+    is the cluster's), soft elsewhere (a restart after that node died lands on a live one). Ray's
+    soft affinity may start a zero-CPU actor elsewhere (seen on the two-node test cluster): one
+    that did is made again, up to four times half a second apart (on a busy head the other node's
+    state reaches the scheduler late), so the spread holds."""
+    from engine_ext.ray.placement import control_nodes
+
+    nodes = control_nodes()
+    handles = []
+    for i in range(count):
+        want, soft = nodes[i % len(nodes)], i % len(nodes) > 0
+        for attempt in range(INGRESS_PLACE_TRIES):
+            handle = _ingress(name, namespace, i, api_key_sha256, want, soft)
+            last = attempt == INGRESS_PLACE_TRIES - 1
+            if not soft or last or call(handle.ready.remote(), timeout=60)["node_id"] == want.node_id:
+                break
+            _remove_named(handle, ingress_name(name, i), namespace)
+            time.sleep(0.5)
+        handles.append(handle)
+    return handles
+
+
+def _ingress(name: str, namespace: str, index: int, api_key_sha256: str, node: Any, soft: bool) -> Any:
     import ray
 
     from engine_ext.ray.ingress import Ingress
-    from engine_ext.ray.placement import control_nodes, on_node
+    from engine_ext.ray.placement import on_node
 
-    nodes = control_nodes()
-    return [ray.remote(Ingress).options(
-        name=ingress_name(name, i), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
-        max_restarts=-1, max_task_retries=0, scheduling_strategy=on_node(nodes[i % len(nodes)], soft=i % len(nodes) > 0),
-    ).remote(name, namespace, i, api_key_sha256) for i in range(count)]
+    return ray.remote(Ingress).options(
+        name=ingress_name(name, index), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
+        max_restarts=-1, max_task_retries=0, scheduling_strategy=on_node(node, soft=soft),
+    ).remote(name, namespace, index, api_key_sha256)
+
+
+def _remove_named(handle: Any, actor_name: str, namespace: str, wait_s: float = 10.0) -> None:
+    """Kill an actor for good and wait until its name is free again."""
+    import ray
+
+    ray.kill(handle, no_restart=True)
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        try:
+            ray.get_actor(actor_name, namespace=namespace)
+        except ValueError:
+            return
+        time.sleep(0.1)
 
 
 def ingress_names(name: str, namespace: str) -> list[str]:

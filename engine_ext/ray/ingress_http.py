@@ -74,9 +74,15 @@ def parse_completion(body: Any) -> tuple[list[list[int]], int, bool]:
     return prompts, max_tokens, stream
 
 
-def _choice(index: int, tokens: list[int], finish: str | None) -> dict[str, Any]:
-    return {"index": index, "text": "".join(f" {t}" for t in tokens), "token_ids": tokens,
-            "logprobs": None, "finish_reason": finish}
+def _choice(index: int, tokens: list[int], finish: str | None, res: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice; the last one of a request adds ``eep``: the rank that answered, the ranks it
+    moved off and the tokens it continued with there (an extension OpenAI clients ignore;
+    `eepctl generate` reports it)."""
+    choice = {"index": index, "text": "".join(f" {t}" for t in tokens), "token_ids": tokens,
+              "logprobs": None, "finish_reason": finish}
+    if res is not None:
+        choice["eep"] = {k: res.get(k) for k in ("rank", "moved_from", "resumed_with", "ingress")}
+    return choice
 
 
 def _error(status: int, message: str, kind: str) -> Any:
@@ -182,7 +188,7 @@ class IngressHttp:
         n_prompt = sum(len(p) for p in prompts)
         n_out = sum(len(o) for o in out)
         return {"id": f"cmpl-{results[0]['request_id']}", "object": "text_completion", "created": int(time.time()),
-                "model": model, "choices": [_choice(i, o, "length") for i, o in enumerate(out)],
+                "model": model, "choices": [_choice(i, r["output"], "length", r) for i, r in enumerate(results)],
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
 
     async def _stream(self, prompts: list[list[int]], max_tokens: int, model: str) -> AsyncIterator[str]:
@@ -214,7 +220,7 @@ class IngressHttp:
                     yield f"data: {json.dumps({'error': {'message': res['error'], 'type': 'service_unavailable', 'code': 503}})}\n\n"
                     continue
                 rest = res["output"][sent[i]:]  # tokens not streamed (a rank that streams none)
-                yield _sse(cid, model, [_choice(i, rest, "length")])
+                yield _sse(cid, model, [_choice(i, rest, "length", dict(res, ingress=self.ingress.index))])
             yield "data: [DONE]\n\n"
         finally:
             for rid in rids:

@@ -98,6 +98,10 @@ class Registry:
         with self._lock:
             return self.state.report_status(status)
 
+    def report_worker(self, record: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            return self.state.report_worker(record)
+
     def report_events(self, events: list[dict[str, Any]]) -> dict[str, int]:
         """Each event on its own: a malformed one (ValueError/TypeError) is counted, not fatal to the
         rest of the batch (callers send fire-and-forget, so no error is raised for it)."""

@@ -8,7 +8,8 @@ client. What vLLM reports at the end is reconciled into the record: a scaling fl
 wedge of vLLM #53947) and each engine's fault-tolerance health where the server has it. Clients
 reach it through ``engine_ext.drivers.vllm_scale``; the API key rides in each call, never in a record.
 Between operations its loop (engine_ext.ray.vllm_loop, a collaborator it owns and serves as
-``LoopHost``) reconciles what vLLM reports and runs the shared autoscaler in advisory mode.
+``LoopHost``) reconciles what vLLM reports and runs the shared autoscaler; a decision that acts
+becomes an operation here, carried out by the plugin inside the API server (``act_on``, no key).
 """
 
 from __future__ import annotations
@@ -16,37 +17,43 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from engine_ext.control.vllm_api import VllmApi, engine_health, error_for, fault_tolerance_health, message_of
-from engine_ext.control.vllm_reconcile import FLAG_STUCK_S
+from engine_ext.control.vllm_reconcile import FLAG_STUCK_S, published_flag
 from engine_ext.control.vllm_deployment import (
     abandoned,
     api_for,
     bounds_problem,
-    current_size,
+    follow_events,
+    last_seq,
+    new_operation,
+    phase_summary,
+    settle_flag,
     wedged_message,
+    workspace,
 )
-from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import (
     EepError,
     OpState,
     PreconditionError,
-    TransitionFailed,
     TransitionTimeout,
     UnreachableError,
     error_record,
 )
 from engine_ext.ray.names import registry_name, vllm_controller_name
 from engine_ext.ray.vllm_loop import TICK_S, VllmLoop, read_flag
+from engine_ext.ray.vllm_orders import ScaleOrders
 
 FLAG_SETTLE_S = 10.0  # how long vLLM may take to lower its scaling flag after it answered
 DURABLE_OPS = 100  # operations and request ids kept in the GCS KV, as the reference controller keeps them
 FLAG_BOUND_ENV = "EEPCTL_VLLM_FLAG_STUCK_S"
 FLAG_SETTLE_ENV = "EEPCTL_VLLM_FLAG_SETTLE_S"  # FLAG_SETTLE_S of the creating process (tests shorten it)
 ORPHAN_SETTLE_ENV = "EEPCTL_VLLM_ORPHAN_SETTLE_S"  # the loop's OrphanWatch.settle_s, likewise
+AUTOSCALE_DRAIN_S, AUTOSCALE_TIMEOUT_S = 30, 600.0  # an autoscaler's scale: `eepctl scale`'s drain, a long deadline
 
 
 class VllmController:
@@ -64,6 +71,7 @@ class VllmController:
         self._ops: dict[str, dict[str, Any]] = {}
         self._by_request: dict[str, str] = {}
         self._running: str | None = None
+        self.orders = ScaleOrders()  # the autoscaler's scales, carried out by the plugin in vLLM's API server
         self.loop = VllmLoop(self, namespace, flag_bound_s, tick_s)
         if orphan_settle_s is not None:
             self.loop.orphans.settle_s = orphan_settle_s
@@ -127,6 +135,47 @@ class VllmController:
     def stop(self) -> None:
         self.loop.stop()
 
+    # ---- the autoscaler's scales, carried out inside vLLM's API server (engine_ext.ray.vllm_orders) --
+    def take_order(self, wait_s: float) -> dict[str, Any] | None:
+        """The plugin's long poll for the next scale to carry out through its engine client."""
+        return self.orders.take(wait_s)
+
+    def order_done(self, op_id: str, reply: dict[str, Any]) -> bool:
+        return self.orders.answer(op_id, reply)
+
+    def act_on(self, decision: Any, scaling: bool) -> str | None:
+        """Start the scale an acting decision asks for, admitted as `eepctl scale`'s are (one at a
+        time; ``scaling``: vLLM's published flag) and carried out by the plugin in the API server:
+        None once it runs, else why not. Its outcome goes into the decision at the end (``_finish``)."""
+        target = int(decision.recommendation)
+        try:
+            with self._changed:
+                snap = self.call("snapshot")
+                api = api_for(snap, None)  # its URL for the record; never called with a key here
+                self._admit(snap, api, target, scaling=scaling)
+                op = new_operation(snap, api.base_url, target, AUTOSCALE_TIMEOUT_S, None,
+                                   vllm_controller_name(self.deployment))
+                op["plan"].update(by="autoscaler", decision=decision.id, retiring=list(range(target, op["from_size"])),
+                                  carried_out_by="the engine_ext plugin in vLLM's API server (no API key)")
+                seq, self._running = last_seq(self.call), op["op_id"]
+        except EepError as e:
+            return e.message
+        self.record(op)
+        order = {"op_id": op["op_id"], "to_size": target, "drain_timeout_s": AUTOSCALE_DRAIN_S,
+                 "deadline": op["deadline"]}
+        threading.Thread(target=self._run, args=(op, api, AUTOSCALE_DRAIN_S, AUTOSCALE_TIMEOUT_S, seq,
+                                                  snap.get("info") or {}, lambda: self.orders.carried_out(order),
+                                                  self._published_flag),
+                         name=f"eep-vllm-autoscale-{op['op_id']}", daemon=True).start()
+        return None
+
+    def _published_flag(self) -> bool | None:
+        """vLLM's flag as the plugin publishes it: the autoscaler's scales read no endpoint (no key)."""
+        try:
+            return published_flag(self.call("snapshot"))
+        except EepError:
+            return None
+
     # ---- what clients call -------------------------------------------------------------------
     def scale(self, target: int, drain_timeout_s: float, timeout_s: float, request_id: str | None = None,
               api_key: str | None = None) -> dict[str, Any]:
@@ -141,10 +190,11 @@ class VllmController:
                 snap = self.call("snapshot")
                 api = api_for(snap, api_key, timeout_s=10.0)
                 self._admit(snap, api, target)
-                op = self._new_op(snap, api, target, timeout_s, request_id)
+                op = new_operation(snap, api.base_url, target, timeout_s, request_id,
+                                   vllm_controller_name(self.deployment))
                 if op["to_size"] == op["from_size"]:  # vLLM answers at once and does nothing
                     return self._noop(op, api, max(1, round(drain_timeout_s)), timeout_s, snap)
-                seq = self._last_seq()
+                seq = last_seq(self.call)
                 self._running = op["op_id"]
                 if request_id:
                     self._by_request[request_id] = op["op_id"]
@@ -221,9 +271,10 @@ class VllmController:
                                     f"({op['op_id']}, {op['state']}); use a new id for another target")
         return dict(op)
 
-    def _admit(self, snap: dict[str, Any], api: VllmApi, target: int) -> None:
-        """Refuse what is visible before asking vLLM: another operation, vLLM already scaling or
-        wedged, a target out of bounds. A running record nobody runs past its deadline is closed."""
+    def _admit(self, snap: dict[str, Any], api: VllmApi, target: int, scaling: bool | None = None) -> None:
+        """Refuse what is visible before asking vLLM: another operation, vLLM already scaling
+        (``scaling``, else its endpoint) or wedged, a target out of bounds. A running record nobody
+        runs past its deadline is closed."""
         running = snap.get("operation")
         mine = self._ops.get(running["op_id"]) if running else None
         if mine is not None and mine["state"] != OpState.RUNNING.value:
@@ -236,7 +287,7 @@ class VllmController:
             op = self._ops.get(self._running or "") or running
             raise PreconditionError(f"{op['op_id']} is running on {self.deployment!r} (DP {op['from_size']} -> "
                                     f"{op['to_size']}); one scale at a time")
-        if api.is_scaling():
+        if api.is_scaling() if scaling is None else scaling:
             wedge = (snap.get("info") or {}).get("wedged")
             if wedge:
                 raise PreconditionError(wedged_message(self.deployment, wedge))
@@ -248,17 +299,6 @@ class VllmController:
         if problem:
             raise PreconditionError(problem)
 
-    def _new_op(self, snap: dict[str, Any], api: VllmApi, target: int, timeout_s: float,
-                request_id: str | None) -> dict[str, Any]:
-        now = time.time()
-        return {"op_id": new_op_id(), "deployment": self.deployment, "from_size": current_size(snap),
-                "to_size": target, "state": OpState.RUNNING.value, "phase": "prepare", "started": now,
-                "finished": None, "error": "", "error_code": 0, "phase_durations": {}, "serving_pause_s": 0.0,
-                "captures_per_rank": {}, "workspace_before": _workspace(snap), "workspace_after": {},
-                "rank_states": {}, "deadline": now + timeout_s,
-                "plan": {"kind": "vllm", "api_url": api.base_url, "request_id": request_id or "",
-                         "controller": vllm_controller_name(self.deployment)}}
-
     def _noop(self, op: dict[str, Any], api: VllmApi, drain: int, timeout_s: float,
               snap: dict[str, Any]) -> dict[str, Any]:
         """A scale to the current size: vLLM answers 200 and does nothing; nothing is recorded."""
@@ -269,14 +309,19 @@ class VllmController:
 
     # ---- the run -----------------------------------------------------------------------------
     def _run(self, op: dict[str, Any], api: VllmApi, drain: int, timeout_s: float, seq: int,
-             info: dict[str, Any]) -> None:
-        """Post the scale on a thread (vLLM answers when the transition has ended), follow vLLM's
-        flag and the ranks' events until then or the deadline, then reconcile and record."""
+             info: dict[str, Any], ask: Callable[[], tuple[int, Any]] | None = None,
+             flag: Callable[[], bool | None] | None = None) -> None:
+        """Ask vLLM for the scale on a thread (``ask``: the POST, or the autoscaler's order to the
+        plugin; answered when the transition has ended), follow vLLM's flag (``flag``: the
+        endpoint, or the published one) and the ranks' events until then or the deadline, then
+        reconcile and record."""
         answer: dict[str, Any] = {}
+        ask = ask or (lambda: api.scale(op["to_size"], drain, timeout_s))
+        flag = flag or (lambda: read_flag(api))
 
         def post() -> None:
             try:
-                answer["reply"] = api.scale(op["to_size"], drain, timeout_s)
+                answer["reply"] = ask()
             except EepError as e:
                 answer["error"] = e
 
@@ -285,8 +330,8 @@ class VllmController:
         events: list[dict[str, Any]] = []
         while poster.is_alive() and time.time() < op["deadline"]:
             poster.join(0.5)
-            seq = self._follow(seq, events)
-            if poster.is_alive() and op["phase"] != "commit" and read_flag(api):
+            seq = follow_events(self.call, seq, events)
+            if poster.is_alive() and op["phase"] != "commit" and flag():
                 self.record(dict(op, phase="commit"))  # vLLM raises its flag once prepare is done
                 op["phase"] = "commit"
         error: EepError | None
@@ -298,73 +343,31 @@ class VllmController:
         else:
             code, body = answer["reply"]
             error = None if code == 200 else error_for(code, body, op["to_size"], info)
-        error = self._reconcile_flag(op, api, error, answered=not poster.is_alive())
+        error = settle_flag(op["op_id"], flag, error, not poster.is_alive(), self.flag_settle_s)
         time.sleep(0.3)  # the ranks' last reports
-        self._follow(seq, events)
+        follow_events(self.call, seq, events)
         self._finish(op, api, events, error)
-
-    def _reconcile_flag(self, op: dict[str, Any], api: VllmApi, error: EepError | None,
-                        answered: bool) -> EepError | None:
-        """vLLM's scaling flag at the end. Still set once vLLM has answered and had time to lower
-        it: the deployment is wedged (503 to everything), whatever vLLM answered. Still set at the
-        deadline with no answer: said in the timeout's reason."""
-        settle = time.time() + (self.flag_settle_s if answered else 0.0)
-        while read_flag(api) is True:
-            if time.time() >= settle:
-                why = ("vLLM's scaling flag is still set at the controller's deadline: it answers 503 to every "
-                       "request until its scale ends (or, wedged, until its API server restarts)" if not answered
-                       else f"vLLM's scaling flag is still set {self.flag_settle_s:.0f}s after it answered, so it answers "
-                       "503 to every request (wedged; restart the vLLM API server)")
-                if error is None:
-                    return TransitionFailed(f"{op['op_id']}: {why}")
-                return type(error)(f"{error.message}; {why}")
-            time.sleep(0.5)
-        return error
-
-    def _follow(self, seq: int, events: list[dict[str, Any]]) -> int:
-        """New rank events since ``seq`` (vLLM's ranks name their own operation ids)."""
-        try:
-            data = self.call("events", None, seq)
-        except EepError:
-            return seq
-        for ev in data["events"]:
-            seq = max(seq, ev["seq"])
-            if ev.get("rank", -1) >= 0:
-                events.append(ev)
-        return seq
-
-    def _last_seq(self) -> int:
-        try:
-            return max((e["seq"] for e in self.call("events", None, 0)["events"]), default=0)
-        except EepError:
-            return 0
 
     def _finish(self, op: dict[str, Any], api: VllmApi, events: list[dict[str, Any]],
                 error: EepError | None) -> None:
-        phases: dict[str, float] = {}
-        captures: dict[str, int] = {}
-        for ev in events:
-            phases[ev["phase"]] = max(phases.get(ev["phase"], 0.0), round(ev["end"] - ev["start"], 6))
-            if ev["phase"] == "capture" and ev.get("outcome") == "ok":
-                captures[str(ev["rank"])] = captures.get(str(ev["rank"]), 0) + 1
+        phases, captures, warmups = phase_summary(events)
         try:
             snap = self.call("snapshot")
-            op["workspace_after"] = _workspace(snap)
+            op["workspace_after"] = workspace(snap)
             op["rank_states"] = {str(r["rank"]): r["state"] for r in snap.get("ranks", [])}
             if (snap.get("info") or {}).get("fault_tolerance"):
                 op["plan"] = dict(op["plan"], engines_after=engine_health(fault_tolerance_health(api)))
         except EepError:
             pass
-        op.update(phase_durations=phases, captures_per_rank=captures, rank_ops=sorted({ev["op_id"] for ev in events}),
-                  finished=time.time(), state=OpState.SUCCEEDED.value if error is None else
+        op.update(phase_durations=phases, captures_per_rank=captures, warmups_per_rank=warmups,
+                  rank_ops=sorted({ev["op_id"] for ev in events}), finished=time.time(),
+                  state=OpState.SUCCEEDED.value if error is None else
                   OpState.TIMED_OUT.value if isinstance(error, TransitionTimeout) else OpState.FAILED.value)
         if error is not None:
             op.update(error=error.message, error_code=int(error.exit_code))
         self.record(op)
-
-
-def _workspace(snap: dict[str, Any]) -> dict[str, int]:
-    return {str(r["rank"]): int(r.get("workspace_bytes", 0) or 0) for r in snap.get("ranks", [])}
+        if op["plan"].get("by") == "autoscaler":  # the decision's outcome: "scaled: ..." or "failed: ..."
+            self.loop.record_outcome(op)
 
 
 def controller_for(deployment: str, namespace: str | None = None) -> Any:

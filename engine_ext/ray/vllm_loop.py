@@ -5,7 +5,9 @@ Every TICK_S (an Event wait: no tick of its own making in between) the loop read
 once, watches vLLM's scaling flag as the plugin publishes it (the endpoint only when that is
 stale), ends an operation whose controller died mid-scale once vLLM's flag is down, reads vLLM's
 fault-tolerance status at most every FT_EVERY_S on a server that has it, and runs one decision of
-the shared core (engine_ext.ray.autoscale_host) in advisory mode. What status shows goes into the
+the shared core (engine_ext.ray.autoscale_host); a decision that acts (``--mode on``) is handed
+to the controller (``LoopHost.act_on``), which runs it as an operation carried out by the plugin in
+vLLM's API server, under the same single flight as ``eepctl scale``. What status shows goes into the
 registry's info only when it differs from what is there; the policy and the decisions persist in
 the GCS KV under the key `eepctl down` deletes, with the controller's operations and request ids
 (``save_parts``). Owned by
@@ -36,9 +38,9 @@ from engine_ext.ray.durable import DurableState
 
 TICK_S = 2.0  # the loop's period: the plugin refreshes the API server's info every 2 s, rank records every 1 s
 FT_EVERY_S = 10.0  # vLLM's fault-tolerance status is read at most this often (an HTTP call to the server)
-MODE_ON_REFUSED = ("--mode on is not available for a vLLM deployment: vLLM's scale-down always retires its "
-                   "highest ranks (not the emptiest) and the loop would need the API key kept past a controller "
-                   "restart; use --mode advisory and act with `eepctl scale`")
+MODE_ON_NEEDS = ("--mode on needs the engine_ext plugin in vLLM's API server to carry out the scales (it holds "
+                 "the engine client: no API key is used); this server's plugin reports scale_orders: {why}; "
+                 "use --mode advisory and act with `eepctl scale`")
 
 
 class LoopHost(Protocol):
@@ -60,6 +62,11 @@ class LoopHost(Protocol):
 
     def owns_op(self, op_id: str) -> bool:
         """Whether the controller started (or ended) operation ``op_id`` itself."""
+        ...
+
+    def act_on(self, decision: Any, scaling: bool) -> str | None:
+        """Start the scale an acting decision asks for (one scale at a time; ``scaling``: vLLM's
+        flag): None once it runs, else why it was not started."""
         ...
 
 
@@ -115,17 +122,19 @@ class VllmLoop:
     def stop(self) -> None:
         self._stop.set()
 
-    # ---- autoscale (the reference controller's decision core, advisory only) ------------------
+    # ---- autoscale (the reference controller's decision core) -----------------------------------
     def set_autoscale(self, changes: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
-        """The policy over the one kept: ``--mode on`` is refused (MODE_ON_REFUSED), bounds are
-        checked against what vLLM allows (its max DP, the fewest ranks that hold every expert)."""
+        """The policy over the one kept: ``--mode on`` only where the plugin in the API server takes
+        scale orders (MODE_ON_NEEDS), bounds checked against what vLLM allows (its max DP, the
+        fewest ranks that hold every expert)."""
         self.remember_key(api_key)
         try:
             autoscale = self.autoscale_host
             mode = str(changes.get("mode", autoscale.policy.mode if autoscale.policy else "advisory"))
-            if mode == "on":
-                raise PreconditionError(MODE_ON_REFUSED)
             info = self.host.call("snapshot").get("info") or {}
+            orders = str((info.get("api_patches") or {}).get("scale_orders") or "not reported")
+            if mode == "on" and orders != "active":
+                raise PreconditionError(MODE_ON_NEEDS.format(why=orders))
             autoscale.max_dp = int(info.get("max_dp") or info.get("dp") or autoscale.max_dp)
             hi = changes.get("max_dp", autoscale.policy.max_dp if autoscale.policy else 8)
             if isinstance(hi, int) and hi > autoscale.max_dp:
@@ -220,15 +229,32 @@ class VllmLoop:
 
     def _autoscale(self, snap: dict[str, Any], now: float, flag: bool | None,
                    running: str | None) -> dict[str, Any] | None:
-        """One decision of the shared core on vLLM's figures (advisory: recorded, never acted on)."""
+        """One decision of the shared core on vLLM's figures; one that acts goes to the controller.
+        A scale-down's record says which ranks vLLM retires: always its highest, not the emptiest."""
         autoscale = self.autoscale_host
         if autoscale.policy is None:
             return None
         if str(autoscale.policy.mode) != "off":
             members, statuses = current_world(snap)
             busy = running or ("vLLM's own scale (its scaling flag is set)" if flag else None)
-            autoscale.tick(statuses, members, now=now, busy=busy)
+            decision = autoscale.tick(statuses, members, now=now, busy=busy)
+            if decision is not None and decision.recommendation < decision.current_dp:
+                leaving = ", ".join(map(str, range(decision.recommendation, decision.current_dp)))
+                decision.rule += f"; vLLM retires its highest rank(s): {leaving} (not the emptiest)"
+            if decision is not None and decision.act:
+                why = ("vLLM's scaling flag is unknown (the API server's info is stale)" if flag is None
+                       else self.host.act_on(decision, flag))
+                if why:  # another scale got there first, or vLLM cannot be asked now: next tick decides again
+                    autoscale.record_skip(decision.id, why)
         return autoscale.shown(now)
+
+    def record_outcome(self, op: dict[str, Any]) -> None:
+        """How the scale of an acting decision (``op["plan"]["decision"]``) ended, into that decision."""
+        ok = op["state"] == "succeeded"
+        with self._ticking:
+            self.autoscale_host.record_outcome(
+                op["plan"]["decision"], ok, f"{op['op_id']} DP {op['from_size']} -> {op['to_size']}" if ok
+                else f"{op['op_id']} {op['state']}: {op.get('error', '')}"[:300])
 
     def _publish(self, info: dict[str, Any], findings: dict[str, Any], shown: dict[str, Any] | None) -> None:
         """What status shows, into the registry's info, only when it differs from what is there

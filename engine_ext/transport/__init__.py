@@ -1,10 +1,13 @@
 """Transports for the per-step collectives, below the rank side and free of Ray and the
 controller: shared memory among the ranks of one host (``shm``); gloo (in engine_ext.elastic.comm)
-everywhere else. A group picks one per world from its members' placement."""
+everywhere else; CUDA IPC (``cuda_ipc``) among GPU ranks of one host. A group picks one per world
+from its members' placement and its device."""
 
 from __future__ import annotations
 
 import socket
+
+MAPPED = ("shm", "cuda_ipc")  # transports whose buffers every member maps in prepare (I2's evidence)
 
 
 class TransportNotPrepared(RuntimeError):

@@ -64,7 +64,7 @@ class ShmError(RuntimeError):
         self.code = code
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie — killed, not yet reaped — counts as gone)."""
     try:
         os.kill(pid, 0)
@@ -99,7 +99,8 @@ class ShmCollectives:
         self._broken = ""
         self._gen = 0
         ctrl_bytes = _align(size * LINE * 8, 4096)
-        total = ctrl_bytes + size * 2 * self.capacity
+        self.host_capacity = self._host_capacity()
+        total = ctrl_bytes + size * 2 * self.host_capacity
         if rank == 0:
             self.path = os.path.join(shm_dir(), f"eepctl-{os.getpid()}-{uuid.uuid4().hex[:12]}")
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -120,8 +121,10 @@ class ShmCollectives:
             finally:
                 os.close(fd)
         self._ctrl = np.frombuffer(self._mm, dtype=np.int64, count=size * LINE).reshape(size, LINE)
-        self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=ctrl_bytes,
-                                      count=size * 2 * self.capacity).view(size, 2, self.capacity)
+        host = torch.frombuffer(self._mm, dtype=torch.uint8, offset=ctrl_bytes,
+                                count=size * 2 * self.host_capacity).view(size, 2, self.host_capacity)
+        self._host: list[torch.Tensor] = [host[j] for j in range(size)]  # each rank's two buffers
+        self._device: list[torch.Tensor] | None = self._map_device(store)
         self._ctrl[rank, PID] = os.getpid()
         self._ctrl[rank, ATTACHED] = 1
         try:
@@ -133,6 +136,22 @@ class ShmCollectives:
                 except OSError:
                     pass
         self.attached = int((self._ctrl[:, ATTACHED] > 0).sum())
+
+    # ---- where a collective's parts go (engine_ext.transport.cuda_ipc adds device buffers) -------
+    def _host_capacity(self) -> int:
+        return self.capacity
+
+    def _map_device(self, store: Any) -> list[torch.Tensor] | None:
+        return None
+
+    def _sync(self) -> None:
+        """Make this rank's device writes (or reads) complete before a flag tells the peers."""
+
+    def _buffers(self, t: torch.Tensor) -> tuple[list[torch.Tensor], int, bool]:
+        """(every rank's buffer pair, their capacity, on the device) for a collective of ``t``."""
+        if self._device is not None and t.device.type != "cpu":
+            return self._device, self.capacity, True
+        return self._host, self.host_capacity, False
 
     # ---- waiting -------------------------------------------------------------------------------
     def _wait(self, col: int, target: int, what: str) -> None:
@@ -159,7 +178,7 @@ class ShmCollectives:
             if elapsed > probe:
                 probe = elapsed + PROBE_S
                 dead = [int(j) for j in np.nonzero(column < target)[0]
-                        if ctrl[j, PID] > 0 and not _alive(int(ctrl[j, PID]))]
+                        if ctrl[j, PID] > 0 and not process_alive(int(ctrl[j, PID]))]
                 if dead:
                     raise self._fail("peer_gone", f"{what}: the process of rank(s) {dead} is gone")
             if elapsed < SPIN_S:
@@ -170,6 +189,34 @@ class ShmCollectives:
                 time.sleep(sleep)
                 sleep = min(MAX_SLEEP_S, sleep * 2)
 
+    def wait_peer(self, ready: Callable[[], bool], peer: int, what: str) -> None:
+        """Wait until ``ready()`` (a condition outside the segment: a store key) as a collective
+        waits for a flag: an abort, ``peer`` leaving or dying, and the timeout end it."""
+        t0 = time.perf_counter()
+        sleep, probe = 1e-4, PROBE_S
+        while not ready():
+            elapsed = time.perf_counter() - t0
+            if self._aborted:
+                raise self._fail("aborted", f"{what}: this rank aborted the group")
+            if self._ctrl[peer, LEFT] > 0:
+                raise self._fail("peer_gone", f"{what}: rank {peer} left the group")
+            if elapsed > self.timeout_s:
+                raise self._fail("timeout", f"{what}: rank {peer} did not arrive within {self.timeout_s:g} s")
+            if elapsed > probe:
+                probe = elapsed + PROBE_S
+                pid = int(self._ctrl[peer, PID])
+                if pid > 0 and not process_alive(pid):
+                    raise self._fail("peer_gone", f"{what}: the process of rank {peer} is gone")
+            time.sleep(sleep)
+            sleep = min(MAX_SLEEP_S, sleep * 2)
+
+    def check_usable(self, what: str) -> None:
+        """Raise unless the group may run another exchange (not aborted, no failure before)."""
+        if self._aborted:
+            raise ShmError("aborted", f"shm {what}: this rank aborted the group")
+        if self._broken:
+            raise ShmError("aborted", f"shm {what}: the group failed before: {self._broken}")
+
     def _fail(self, code: str, message: str) -> ShmError:
         self._broken = self._broken or message
         return ShmError(code, f"shm {message}")
@@ -178,29 +225,31 @@ class ShmCollectives:
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.capacity
 
-    def _begin(self, nbytes: int, what: str) -> tuple[int, torch.Tensor]:
-        if self._aborted:
-            raise ShmError("aborted", f"shm {what}: this rank aborted the group")
-        if self._broken:
-            raise ShmError("aborted", f"shm {what}: the group failed before: {self._broken}")
-        if nbytes > self.capacity:  # every member sizes alike, so all refuse the same collective
+    def _begin(self, nbytes: int, what: str, bufs: list[torch.Tensor], cap: int) -> tuple[int, torch.Tensor]:
+        self.check_usable(what)
+        if nbytes > cap:  # every member sizes alike, so all refuse the same collective
             raise ShmError("overflow", f"shm {what} of {nbytes} bytes does not fit the group's buffer of "
-                           f"{self.capacity} bytes (sized for a smaller exchange)")
+                           f"{cap} bytes (sized for a smaller exchange)")
         self._gen += 1
         g = self._gen
-        if g > 2:
+        if g > 2:  # the buffer about to be written (of either set) was last read at g - 2
             self._wait(DONE, g - 2, what)
-        return g, self._data[self.rank, g % 2]
+        return g, bufs[self.rank][g % 2]
 
-    def _publish_and_wait(self, g: int, what: str) -> None:
+    def _publish_and_wait(self, g: int, what: str, on_device: bool) -> None:
+        if on_device:
+            self._sync()
         self._ctrl[self.rank, SEQ] = g
         self._wait(SEQ, g, what)
 
-    def _part(self, j: int, g: int, offset: int, like: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _part(bufs: list[torch.Tensor], j: int, g: int, offset: int, like: torch.Tensor) -> torch.Tensor:
         n = like.numel() * like.element_size()
-        return self._data[j, g % 2, offset:offset + n].view(like.dtype).view(like.shape)
+        return bufs[j][g % 2, offset:offset + n].view(like.dtype).view(like.shape)
 
-    def _end(self, g: int) -> None:
+    def _end(self, g: int, on_device: bool) -> None:
+        if on_device:
+            self._sync()
         self._ctrl[self.rank, DONE] = g
 
     @staticmethod
@@ -211,52 +260,56 @@ class ShmCollectives:
 
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         """``t`` becomes the elementwise sum or max over ranks, summed in rank order on every rank."""
-        g, buf = self._begin(t.numel() * t.element_size(), f"all_reduce_{op}")
+        bufs, cap, dev = self._buffers(t)
+        g, buf = self._begin(t.numel() * t.element_size(), f"all_reduce_{op}", bufs, cap)
         self._put(buf, 0, t)
-        self._publish_and_wait(g, f"all_reduce_{op}")
-        parts = [self._part(j, g, 0, t) for j in range(self.size)]
+        self._publish_and_wait(g, f"all_reduce_{op}", dev)
+        parts = [self._part(bufs, j, g, 0, t) for j in range(self.size)]
         t.copy_(parts[0])
         for p in parts[1:]:
             if op == "max":
                 torch.maximum(t, p, out=t)
             else:
                 t.add_(p)
-        self._end(g)
+        self._end(g, dev)
         return t
 
     def all_gather(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
         self.all_gather_many([(outs, inp)])
 
     def all_gather_many(self, items: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
-        """Several all-gathers in one exchange: each input at its own 64-byte-aligned offset."""
+        """Several all-gathers in one exchange: each input at its own 64-byte-aligned offset (the
+        inputs live on one device)."""
         offsets, end = [], 0
         for _, inp in items:
             offsets.append(end)
             end = _align(end + inp.numel() * inp.element_size())
-        g, buf = self._begin(end, "all_gather")
+        bufs, cap, dev = self._buffers(items[0][1])
+        g, buf = self._begin(end, "all_gather", bufs, cap)
         for (_, inp), off in zip(items, offsets):
             self._put(buf, off, inp)
-        self._publish_and_wait(g, "all_gather")
+        self._publish_and_wait(g, "all_gather", dev)
         for (outs, inp), off in zip(items, offsets):
             for j, out in enumerate(outs):
-                out.copy_(inp if j == self.rank else self._part(j, g, off, inp))
-        self._end(g)
+                out.copy_(inp if j == self.rank else self._part(bufs, j, g, off, inp))
+        self._end(g, dev)
 
     def reduce_scatter(self, out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
         """``out`` = sum over ranks of their ``inputs[this rank]``, in rank order."""
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
-        g, buf = self._begin(nbytes, "reduce_scatter")
+        bufs, cap, dev = self._buffers(out)
+        g, buf = self._begin(nbytes, "reduce_scatter", bufs, cap)
         offset = 0
         offsets = []
         for t in inputs:
             offsets.append(offset)
             offset = self._put(buf, offset, t)
-        self._publish_and_wait(g, "reduce_scatter")
+        self._publish_and_wait(g, "reduce_scatter", dev)
         mine = inputs[self.rank]
-        out.copy_(self._part(0, g, offsets[self.rank], mine))
+        out.copy_(self._part(bufs, 0, g, offsets[self.rank], mine))
         for j in range(1, self.size):
-            out.add_(self._part(j, g, offsets[self.rank], mine))
-        self._end(g)
+            out.add_(self._part(bufs, j, g, offsets[self.rank], mine))
+        self._end(g, dev)
 
     def all_to_all_v(self, send: torch.Tensor, send_counts: list[int],
                      recv_alloc: Callable[[int], torch.Tensor]) -> list[int]:
@@ -269,20 +322,21 @@ class ShmCollectives:
         head = _align(W * 8)
         row = send.element_size() * math.prod(send.shape[1:])
         nbytes = head + send.shape[0] * row
-        g, buf = self._begin(head, "all_to_all")  # the header alone: every member sizes it alike
-        if nbytes > self.capacity:  # only this rank knows: its header tells the others (all refuse)
+        bufs, cap, dev = self._buffers(send)
+        g, buf = self._begin(head, "all_to_all", bufs, cap)  # the header alone: every member sizes it alike
+        if nbytes > cap:  # only this rank knows: its header tells the others (all refuse)
             buf[:W * 8].view(torch.int64).fill_(-nbytes)
         else:
             buf[:W * 8].view(torch.int64).copy_(torch.tensor(send_counts, dtype=torch.int64))
             if send.shape[0]:
                 buf[head:nbytes].copy_(send.contiguous().view(-1).view(torch.uint8))
-        self._publish_and_wait(g, "all_to_all")
-        headers = torch.stack([self._data[j, g % 2, :W * 8].view(torch.int64) for j in range(W)])
+        self._publish_and_wait(g, "all_to_all", dev)
+        headers = torch.stack([bufs[j][g % 2, :W * 8].view(torch.int64) for j in range(W)]).cpu()
         if (over := [j for j in range(W) if int(headers[j, 0]) < 0]):
             sizes = ", ".join(f"rank {j}'s {-int(headers[j, 0])} bytes" for j in over)
-            self._end(g)
+            self._end(g, dev)
             raise ShmError("overflow", f"shm all_to_all of {sizes} does not fit the group's buffer of "
-                           f"{self.capacity} bytes (sized for a smaller exchange)")
+                           f"{cap} bytes (sized for a smaller exchange)")
         counts = [int(c) for c in headers[:, me]]
         starts = [int(c) for c in headers[:, :me].sum(1)]
         out = recv_alloc(sum(counts)).view(-1).view(torch.uint8)
@@ -291,9 +345,9 @@ class ShmCollectives:
             n = counts[j] * row
             if n:
                 src = head + starts[j] * row
-                out[at:at + n].copy_(self._data[j, g % 2, src:src + n])
+                out[at:at + n].copy_(bufs[j][g % 2, src:src + n])
                 at += n
-        self._end(g)
+        self._end(g, dev)
         return counts
 
     # ---- teardown ------------------------------------------------------------------------------
@@ -312,5 +366,5 @@ class ShmCollectives:
         self.abort()
         left = np.zeros((self.size, LINE), dtype=np.int64)
         left[:, LEFT] = 1
-        self._ctrl, self._data = left, torch.empty(0, dtype=torch.uint8)
+        self._ctrl, self._host, self._device = left, [], None
         self._mm = None

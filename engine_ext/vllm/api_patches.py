@@ -46,6 +46,12 @@ def status() -> dict[str, str]:
         return dict(_status)
 
 
+def mark(name: str, why: str) -> None:
+    """Record what became of ``name`` ("active" or "unavailable: <why>") for the deployment info."""
+    with _lock:
+        _status[name] = why
+
+
 def guard_endpoints() -> str:
     """Make vLLM's API-key middleware cover ``UNGUARDED_PATHS``; "active" or why not."""
     with _lock:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_ext.vllm import cpu_fixes
+from engine_ext.vllm import cpu_fixes, cpu_ray
 
 log = logging.getLogger("vllm.engine_ext")
 
@@ -83,6 +83,12 @@ CATALOGUE: tuple[CpuPatch, ...] = (
     CpuPatch("cpu_runner_eplb", "vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model",
              ("self", "load_dummy_weights"), cpu_fixes.cpu_runner_eplb,
              source=(("Is not supported by the CPU Model Runner.", 1), ("eplb", 0))),
+    CpuPatch("ray_cpu_worker", "vllm.v1.executor.ray_executor", "RayWorkerWrapper", None, cpu_ray.ray_worker_class,
+             source=(("(RayWorkerWrapper).remote(rpc_rank=rank)", 2),
+                     ("resources={current_platform.ray_device_key: num_gpus}", 1))),
+    CpuPatch("ray_cpu_worker_proc", "vllm.v1.executor.ray_executor_v2", "RayWorkerProc", None,
+             cpu_ray.ray_worker_proc_class,
+             source=(("ray.remote(RayWorkerProc)", 1), ("get_accelerator_ids()[device_key]", 1))),
 )
 
 _status: dict[str, str] = {}

@@ -27,11 +27,18 @@ QUALNAME = "engine_ext.vllm.cpu_platform.EepCpuPlatform"
 CARRY_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 DEVICE_KEY_ENV = "EEPCTL_VLLM_RAY_DEVICE_KEY"  # the Ray resource a DP rank's worker takes one unit of
 DEFAULT_DEVICE_KEY = "vllm_cpu_rank"
+WORKERS_ENV = "EEPCTL_VLLM_CPU_WORKERS"  # "ray" (vLLM's choice for the Ray DP backend) or "mp"
 _cls: type | None = None
 
 
 def requested(env: dict[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get(ENABLE_ENV, "") == "1"
+
+
+def workers_backend(env: dict[str, str] | None = None) -> str:
+    """How a Ray-DP deployment on this platform starts its workers: "ray" (vLLM's Ray workers,
+    the GPU configuration; default) or "mp" (processes inside each engine actor)."""
+    return "mp" if (os.environ if env is None else env).get(WORKERS_ENV, "") == "mp" else "ray"
 
 
 def activate() -> str | None:
@@ -109,10 +116,10 @@ def _build() -> type:
                 carried = os.environ.get(CARRY_ENV, "")
                 if "EEPCTL_" not in carried.split(","):
                     os.environ[CARRY_ENV] = ",".join(p for p in (carried, "EEPCTL_") if p)
-            if parallel.distributed_executor_backend == "ray":
-                # vLLM picks Ray workers for the Ray DP backend; on CPU those refuse to start
-                # ("current platform cpu does not support ray", v1/executor/ray_utils.py:572-576).
-                # Each DP rank's engine actor starts its workers as processes instead.
+            if parallel.distributed_executor_backend == "ray" and workers_backend() == "mp":
+                # vLLM picks Ray workers for the Ray DP backend (as on GPUs, the default here too:
+                # engine_ext.vllm.cpu_ray makes them start on CPU); EEPCTL_VLLM_CPU_WORKERS=mp
+                # starts each DP rank's workers as processes inside its engine actor instead.
                 log.info("engine_ext: workers of each DP rank run as processes (mp), not Ray actors")
                 parallel.distributed_executor_backend = "mp"
             if parallel.enable_eplb and parallel.eplb_config.use_async:

@@ -28,6 +28,7 @@ TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 
 _ELASTIC = "vllm.distributed.elastic_ep.elastic_execute"
 _EXECUTOR = "ElasticEPScalingExecutor"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
 
 AVAILABLE = "active"
 
@@ -42,12 +43,16 @@ class PatchSpec:
     params: tuple[str, ...]  # expected parameter names, ``self`` first
     phase: str  # the Event phase its calls are recorded as
     state: str | None = None  # the rank state while it runs (None: unchanged)
-    role: str = "elastic"  # "elastic": a step of a transition; "capture": a warm-up/capture pass
+    # "elastic": a step of a transition; "warmup": the worker's warm-up (which captures on GPUs);
+    # "capture": one capture pass of the model runner; "capture_size": one size inside a pass
+    role: str = "elastic"
     ends_op: bool = False  # the outermost call closes the worker's current operation
+    sized: bool = False  # a capture pass counts only when it captured at least one size
+    name: str = ""  # the key, where two owners share a class name
 
     @property
     def key(self) -> str:
-        return f"{self.owner}.{self.attr}"
+        return self.name or f"{self.owner}.{self.attr}"
 
     @property
     def symbol(self) -> str:
@@ -69,10 +74,17 @@ CATALOGUE: tuple[PatchSpec, ...] = (
     PatchSpec(_ELASTIC, _EXECUTOR, "commit_scale_down", ("self", "new_dp_size", "removing"), "commit",
               state="committing", ends_op=True),
     PatchSpec(_ELASTIC, _EXECUTOR, "switch_and_remove", ("self",), "remove", state="removing", ends_op=True),
-    PatchSpec("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model", ("self",), "capture",
-              state="capturing", role="capture"),
-    PatchSpec("vllm.v1.worker.cpu_worker", "CPUWorker", "compile_or_warm_up_model", ("self",), "capture",
-              state="capturing", role="capture"),
+    PatchSpec("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model", ("self",), "warmup",
+              state="warming", role="warmup"),
+    PatchSpec("vllm.v1.worker.cpu_worker", "CPUWorker", "compile_or_warm_up_model", ("self",), "warmup",
+              state="warming", role="warmup"),
+    PatchSpec(_RUNNER, "GPUModelRunner", "capture_model", ("self",), "capture", state="capturing", role="capture",
+              sized=True),
+    PatchSpec(_RUNNER, "GPUModelRunner", "_warmup_and_capture", ("self", "desc", "cudagraph_runtime_mode",
+              "profile_seq_lens", "allow_microbatching", "num_warmups", "profiler"), "capture_size",
+              role="capture_size"),
+    PatchSpec("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "capture_model", ("self", "profile_only"),
+              "capture", state="capturing", role="capture", name="GPUModelRunnerV2.capture_model"),
 )
 
 # The patch state of this process: key -> "active" or "unavailable: <why>".

@@ -13,16 +13,18 @@ answers at ``EEPCTL_RAY_ADDRESS`` / ``RAY_ADDRESS``. Then, by process:
   ``--api-key`` check (even without a deployment), wraps ``build_and_serve`` to learn the
   listening URL, watches scales for the wedged state (engine_ext.vllm.api_patches), creates the
   deployment's registry if missing (kind "vllm") and keeps its info (URL, DP size and bounds,
-  wedged state) current.
-* engine core: reports its DP rank (identity, live DP rank/size, requests, KV use, and the
-  worker's workspace, capture and phase telemetry) about once a second, from a daemon thread.
-* worker: wraps the elastic-EP steps and ``compile_or_warm_up_model`` (engine_ext.vllm.patches)
-  and hands what they record to its engine core.
+  wedged state) current, and carries out the autoscaler's scales through the engine client
+  (engine_ext.vllm.scale_orders: no HTTP, no API key).
+* engine core: reports its DP rank (identity, live DP rank/size, requests, KV use) about once a
+  second, from a daemon thread.
+* worker (whatever executor started it: ``uni`` in the engine core's process, ``mp``, Ray
+  workers): wraps the elastic-EP steps, the warm-up and the model runner's capture
+  (engine_ext.vllm.patches) and reports its own record and events under its DP rank
+  (engine_ext.vllm.worker_reporter); the registry merges it with the engine core's.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
 import os
@@ -142,29 +144,26 @@ def _register() -> None:
         log.debug("engine_ext: plugin inert in pid %d: not an API server, engine core or worker", os.getpid())
         return
     from engine_ext.vllm import patches
-    from engine_ext.vllm.telemetry import ChannelReader, VllmTelemetry, WorkerChannel, runtime_dir
+    from engine_ext.vllm.telemetry import VllmTelemetry
+    from engine_ext.vllm.worker_reporter import WorkerReporter
 
     if role == "api":
         _patch_build_and_serve(settings)
         return
     _sink = VllmTelemetry()
-    directory = runtime_dir(settings.deployment)
-    if role == "worker":
-        # vLLM's multiprocessing executor starts workers as children of their engine core.
-        _sink.channel = WorkerChannel(directory, os.getppid())
+    if role == "worker":  # a process of its own (mp child or Ray actor): it reports itself
+        WorkerReporter.attach(settings, _sink)
         patches.apply(_sink)
-        log.info("engine_ext: worker pid %d reports through its engine core (pid %d)", os.getpid(), os.getppid())
+        log.info("engine_ext: worker pid %d reports to deployment %s itself", os.getpid(), settings.deployment)
         return
     from engine_ext.vllm.reporter import EngineCoreReporter
 
     core, vllm_config = ctx["core"], ctx["vllm_config"] or getattr(ctx["core"], "vllm_config", None)
     backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
-    if backend == "uni":  # the worker lives in this process
+    if backend == "uni":  # the worker lives in this process; it reports itself all the same
+        WorkerReporter.attach(settings, _sink)
         patches.apply(_sink)
-    reader = ChannelReader(directory, os.getpid())
-    reader.clear()  # a file left by an earlier process with this pid
-    atexit.register(reader.clear)
-    EngineCoreReporter(settings, weakref.ref(core), vllm_config, _sink, reader).start()
+    EngineCoreReporter(settings, weakref.ref(core), vllm_config, _sink.started).start()
     log.info("engine_ext: engine core pid %d will report to deployment %s", os.getpid(), settings.deployment)
 
 
@@ -210,7 +209,9 @@ def _patch_build_and_serve(settings: Any) -> None:
 
 
 def _api_serving(settings: Any, engine_client: Any, listen_address: str, args: Any) -> None:
-    from engine_ext.vllm.api_patches import ScaleWatch, arm_commit_fault
+    import asyncio
+
+    from engine_ext.vllm.api_patches import ScaleWatch, arm_commit_fault, mark
     from engine_ext.vllm.reporter import ApiServerReporter, public_url
 
     url = public_url(listen_address)
@@ -219,4 +220,10 @@ def _api_serving(settings: Any, engine_client: Any, listen_address: str, args: A
     watch.install()
     arm_commit_fault(engine_client)
     ApiServerReporter(settings, engine_client.vllm_config, url, key_required, watch=watch).start()
+    from engine_ext.vllm.scale_orders import OrderTaker, usable
+
+    why = usable(engine_client)  # the autoscaler's scales, carried out in this process
+    if why == "active":
+        OrderTaker(settings, engine_client, asyncio.get_running_loop()).start()
+    mark("scale_orders", why)
     log.info("engine_ext: API server %s registered for deployment %s", url, settings.deployment)

@@ -102,6 +102,10 @@ class RegistryLink:
         self._check_pending()
         self._pending = self._call("report_status", status)
 
+    def report_worker(self, record: dict[str, Any]) -> None:
+        self._check_pending()  # a dead registry is noticed here, as for report_status
+        self._pending = self._call("report_worker", record)
+
     def report_events(self, events: list[dict[str, Any]]) -> None:
         if events:
             self._recent.extend(events)
@@ -129,7 +133,7 @@ class RegistryLink:
             self._handle = None
 
 
-def _node() -> str:
+def node_name() -> str:
     host = socket.gethostname()
     try:
         ip = socket.gethostbyname(host)
@@ -150,20 +154,19 @@ def identity(vllm_config: Any) -> tuple[str, str]:
 
 
 class EngineCoreReporter(threading.Thread):
-    """One per engine-core process (one per DP rank): the rank's RankStatus and the worker's events."""
+    """One per engine-core process (one per DP rank): the rank's RankStatus as the engine core sees
+    it. Its worker reports its own part (engine_ext.vllm.worker_reporter); the registry merges them."""
 
-    def __init__(self, settings: Settings, core_ref: Any, vllm_config: Any, sink: Any, reader: Any,
+    def __init__(self, settings: Settings, core_ref: Any, vllm_config: Any, started: float,
                  interval_s: float = 1.0) -> None:
         super().__init__(name="eepctl-vllm-reporter", daemon=True)
         self.settings = settings
         self.core_ref = core_ref
         self.vllm_config = vllm_config
-        self.sink = sink
-        self.reader = reader
         self.interval_s = interval_s
         self.link = RegistryLink(settings)
-        self.started_at = time.time()
-        self.node = _node()
+        self.started_at = started
+        self.node = node_name()
 
     def _core(self) -> Any:
         return self.core_ref() if self.core_ref is not None else None
@@ -175,34 +178,13 @@ class EngineCoreReporter(threading.Thread):
             while (core := self._core()) is not None and getattr(core, "scheduler", None) is None:
                 time.sleep(0.2)
             del core
-            last_sent = 0.0
-            last_worker = 0.0
             while self._core() is not None and not self.link.disabled:
-                worker = self._worker_snapshot()
-                changed = bool(worker) and float(worker.get("updated", 0.0)) > last_worker
-                if changed or time.time() - last_sent >= self.interval_s:
-                    if worker:
-                        last_worker = float(worker.get("updated", 0.0))
-                    self.link.report_events(self._events())
-                    self.link.report_status(self.build_status(worker))
-                    last_sent = time.time()
-                time.sleep(0.25)
+                self.link.report_status(self.build_status())
+                time.sleep(self.interval_s)
         except Exception as e:  # noqa: BLE001 - never take the engine down
             log.warning("engine_ext: reporter stopped: %s: %s", type(e).__name__, e)
 
-    def _worker_snapshot(self) -> dict[str, Any]:
-        own = self.sink.snapshot() if self.sink.worker() is not None else None
-        other = self.reader.snapshot() if self.reader is not None else None
-        candidates = [s for s in (own, other) if s]
-        return max(candidates, key=lambda s: float(s.get("updated", 0.0))) if candidates else {}
-
-    def _events(self) -> list[dict[str, Any]]:
-        events = self.sink.drain_events()
-        if self.reader is not None:
-            events.extend(self.reader.new_events())
-        return events
-
-    def build_status(self, worker: dict[str, Any]) -> dict[str, Any]:
+    def build_status(self) -> dict[str, Any]:
         core = self._core()
         pc = self.vllm_config.parallel_config
         rank = int(getattr(pc, "data_parallel_rank", 0) or 0)  # read live (I6)
@@ -223,35 +205,17 @@ class EngineCoreReporter(threading.Thread):
             kv_cfg = getattr(scheduler, "kv_cache_config", None)
             blocks_total = int(getattr(kv_cfg, "num_blocks", 0) or 0)
         sched_cfg = getattr(self.vllm_config, "scheduler_config", None)
-        state = worker.get("worker_state") or (RankState.SERVING.value if scheduler is not None
-                                               else RankState.STARTING.value)
+        state = RankState.SERVING.value if scheduler is not None else RankState.STARTING.value
         return to_builtins(VllmRankStatus(
             deployment=self.settings.deployment, rank=rank, instance_id=instance_id, engine_id=engine_id,
-            kind=KIND, node=self.node, pid=os.getpid(),
-            device=worker.get("device") or _platform_device(), state=state, dp_size=dp_size,
+            kind=KIND, node=self.node, pid=os.getpid(), device=_platform_device(), state=state, dp_size=dp_size,
             requests_running=int(running), requests_waiting=int(waiting),
             slots_used=int(running), slots_total=int(getattr(sched_cfg, "max_num_seqs", 0) or 0),
             kv_blocks_used=int(round(usage * blocks_total)), kv_blocks_total=blocks_total,
-            workspace_bytes=int(worker.get("workspace_bytes", 0) or 0),
-            workspace_locked=bool(worker.get("workspace_locked", False)),
-            graphs_captured=int(worker.get("graphs_captured", 0) or 0),
-            capture_sizes=list(worker.get("capture_sizes", []) or []),
-            graph_kind=str(worker.get("graph_kind", "none") or "none"),
-            last_capture_s=worker.get("last_capture_s"),
-            captures_this_op=int(worker.get("captures_this_op", 0) or 0),
-            current_op=str(worker.get("current_op", "") or ""),
-            last_heartbeat=time.time(),
-            kv_usage=round(usage, 6),
-            workspace_available=bool(worker.get("workspace_available", False)),
-            workspace_note=str(worker.get("workspace_note", "no worker telemetry yet" if not worker else "")),
-            last_op=str(worker.get("last_op", "")),
-            op_phase_s=dict(worker.get("op_phase_s", {})),
-            captures_total=int(worker.get("captures_total", 0)),
-            hook_calls=dict(worker.get("hook_calls", {})),
-            hooks=dict(worker.get("hooks", {})),
-            worker_pid=int(worker.get("worker_pid", 0)),
+            graph_kind="none", last_heartbeat=time.time(), kv_usage=round(usage, 6),
+            workspace_note="no report from this rank's worker yet",
             dp_backend=str(getattr(pc, "data_parallel_backend", "") or ""),
-            elastic_ep=bool(getattr(pc, "enable_elastic_ep", False)),
+            elastic_ep=bool(getattr(pc, "enable_elastic_ep", False)), started=self.started_at,
         ))
 
 
@@ -285,7 +249,7 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watc
     """What eepctl needs about a vLLM deployment. Never the API key: only whether one is set."""
     pc = getattr(vllm_config, "parallel_config", None)
     mc = getattr(vllm_config, "model_config", None)
-    info: dict[str, Any] = {"kind": KIND, "api_url": api_url, "api_pid": os.getpid(), "api_node": _node(),
+    info: dict[str, Any] = {"kind": KIND, "api_url": api_url, "api_pid": os.getpid(), "api_node": node_name(),
                             "api_heartbeat": time.time(),
                             # vLLM's base identity; it gives DP rank r of a DP > 1 deployment "<base>_dp<r>"
                             "instance_id": str(getattr(vllm_config, "instance_id", "") or "")}

@@ -25,6 +25,7 @@ SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
 # Symbols the plugin uses besides the wrapped methods in patches.CATALOGUE: "module:Qualified.name".
 EXTRA_SYMBOLS = (
     "vllm.v1.engine.async_llm:AsyncLLM._scale_elastic_ep",
+    "vllm.v1.engine.async_llm:AsyncLLM.scale_elastic_ep",
     "vllm.entrypoints.launchers.api_server.entry:build_and_serve",
     "vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware.__call__",
     "vllm.entrypoints.serve.middleware.authenticate:GUARDED_PREFIX",

@@ -1,25 +1,24 @@
-"""What the wrapped vLLM methods record in one process: phase timings, capture passes per
-operation, the rank state while a step runs, and the worker's workspace and graph facts.
+"""What the wrapped vLLM methods record in the worker's process: phase timings, warm-up and capture
+passes (counted where they run, each capture pass with its per-size timings), the rank state
+while a step runs, and the worker's workspace and graph facts.
 
-``VllmTelemetry`` is the sink the wrappers of ``patches`` call. It never raises into vLLM
-and never talks to Ray: a worker process publishes its part through a ``WorkerChannel``
-(a small JSON file and an event log beside it, on the node's local disk) that the engine-core
-process of the same DP rank reads and reports; where the worker lives inside the engine-core
-process (vLLM's uni executor) the reporter reads the sink directly.
+``VllmTelemetry`` is the sink the wrappers of ``patches`` call. It never raises into vLLM and
+never talks to Ray: the worker's own reporter thread (engine_ext.vllm.worker_reporter) reads it
+and sends the worker's record (``record``) and events to the registry, under whatever executor
+started the worker (``uni``: the engine-core process; ``mp``: a child of it; ``ray``: a Ray
+actor); the registry merges that record into its rank's (engine_ext.control.worker_records).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from engine_ext.records import Event, to_builtins
@@ -27,13 +26,6 @@ from engine_ext.records import Event, to_builtins
 log = logging.getLogger("vllm.engine_ext")
 
 STARTUP_OP = "startup"
-
-
-def runtime_dir(deployment: str) -> Path:
-    """Where the worker and engine-core processes of one node meet (per user, per deployment)."""
-    base = os.environ.get("EEPCTL_VLLM_RUNTIME_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                      f"eepctl-vllm-{os.getuid()}")
-    return Path(base) / deployment
 
 
 def read_workspace() -> dict[str, Any]:
@@ -61,6 +53,7 @@ class _Op:
     started: float = field(default_factory=time.time)
     ended: bool = False
     captures: int = 0
+    warmups: int = 0
     phase_s: dict[str, float] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
 
@@ -78,10 +71,17 @@ class _Call:
     worker: Any
     counted: bool
     detail: dict[str, Any]
+    sized: bool = False  # a capture pass that counts only when the per-size wrapper saw a size
+    sizes: dict[str, float] = field(default_factory=dict)  # a capture pass: seconds per captured size
 
 
 class VllmTelemetry:
-    """The per-process sink of the wrappers. Thread-safe; ``enter``/``exit`` never raise."""
+    """The per-process sink of the wrappers. Thread-safe; ``enter``/``exit`` never raise.
+
+    Roles (``PatchSpec.role``): "elastic" (a step of a transition), "warmup" (the worker's
+    ``compile_or_warm_up_model``), "capture" (the model runner's ``capture_model``: one pass) and
+    "capture_size" (one size captured inside a pass; timed, no event of its own). A pass counts
+    only when it captured something: vLLM's ``capture_model`` returns at once without graphs."""
 
     def __init__(self, max_events: int = 2000) -> None:
         self._lock = threading.RLock()
@@ -93,11 +93,14 @@ class VllmTelemetry:
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._timings: dict[str, dict[str, float]] = {}
         self._captures_total = 0
-        self._last_capture_s: float | None = None
-        self._graphs_live = False
+        self._warmups_total = 0
+        self._last_pass: tuple[float, dict[str, float]] | None = None  # (seconds, per size)
+        self._last_warmup_s: float | None = None
+        self._captured: list[int] = []  # the sizes of the live capture pass ([] once released)
         self._worker_ref: Any = None
-        self.channel: WorkerChannel | None = None
-        self.updated = 0.0
+        self.started = time.time()
+        self.on_worker: Callable[[Any], None] | None = None  # called once, when the worker is first seen
+        self.on_change: Callable[[], None] | None = None  # at every phase boundary (wakes the reporter)
 
     # ---- the wrappers' side ---------------------------------------------------------------
     def enter(self, spec: Any, obj: Any, args: tuple, kwargs: dict) -> int | None:
@@ -118,34 +121,46 @@ class VllmTelemetry:
     def _depths(self) -> dict[str, int]:
         d = getattr(self._local, "depths", None)
         if d is None:
-            d = self._local.depths = {"elastic": 0, "capture": 0}
+            d = self._local.depths = {"elastic": 0, "warmup": 0, "capture": 0, "capture_size": 0}
         return d
 
     def _enter(self, spec: Any, obj: Any, args: tuple, kwargs: dict) -> int | None:
         depths = self._depths()
         worker = _worker_of(obj)
-        counted = not (spec.role == "capture" and depths["capture"] > 0)  # a nested super() call
+        counted = not (spec.role in ("warmup", "capture") and depths.get(spec.role, 0) > 0)  # nested super()
+        if spec.role == "capture" and kwargs.get("profile_only"):
+            counted = False  # the V2 runner's memory profile, not a capture
         depths[spec.role] = depths.get(spec.role, 0) + 1
         detail: dict[str, Any] = {"method": spec.key}
+        if spec.role == "capture_size":
+            detail["size"] = str(getattr(args[0] if args else kwargs.get("desc"), "num_tokens", "?"))
+        first = False
         with self._lock:
             if worker is not None:
-                self._remember_worker(worker)
+                first = self._remember_worker(worker)
             if spec.role == "elastic":
-                key = _op_key(spec, obj, args, kwargs, worker)
-                op = self._op
-                if op.op_id == STARTUP_OP or op.ended or (key is not None and key != op.op_id):
-                    if op.op_id != STARTUP_OP and not op.ended:
-                        log.warning("engine_ext: operation %s never committed; %s starts %s",
-                                    op.op_id, spec.key, key or "a new one")
-                    self._op = _Op(key or f"vllm-{os.getpid()}-{next(self._op_numbers)}")
-                if spec.attr == "transfer_weights":
-                    # I2: the EPLB communicator over the standby group exists before weights move.
-                    detail["eplb_communicator_first"] = "eplb_communicator" in self._op.order
+                self._start_op(spec, obj, args, kwargs, worker, detail)
             token = next(self._ids)
             self._calls[token] = _Call(spec.key, spec.phase, spec.state, spec.role, spec.ends_op, time.time(),
-                                       time.perf_counter(), self._op.op_id, worker, counted, detail)
-        self._publish(force=True)
+                                       time.perf_counter(), self._op.op_id, worker, counted, detail,
+                                       sized=bool(getattr(spec, "sized", False)))
+        if first and self.on_worker is not None:
+            self.on_worker(worker)
+        if spec.role != "capture_size":
+            self._changed()
         return token
+
+    def _start_op(self, spec: Any, obj: Any, args: tuple, kwargs: dict, worker: Any, detail: dict[str, Any]) -> None:
+        key = _op_key(spec, obj, args, kwargs, worker)
+        op = self._op
+        if op.op_id == STARTUP_OP or op.ended or (key is not None and key != op.op_id):
+            if op.op_id != STARTUP_OP and not op.ended:
+                log.warning("engine_ext: operation %s never committed; %s starts %s",
+                            op.op_id, spec.key, key or "a new one")
+            self._op = _Op(key or f"vllm-{os.getpid()}-{next(self._op_numbers)}")
+        if spec.attr == "transfer_weights":
+            # I2: the EPLB communicator over the standby group exists before weights move.
+            detail["eplb_communicator_first"] = "eplb_communicator" in self._op.order
 
     def _exit(self, token: int, error: BaseException | None) -> None:
         depths = self._depths()
@@ -155,7 +170,6 @@ class VllmTelemetry:
                 return
             depths[call.role] = max(0, depths.get(call.role, 1) - 1)
             duration = time.perf_counter() - call.t0
-            end = call.start + duration
             t = self._timings.setdefault(call.key, {"calls": 0, "errors": 0, "total_s": 0.0, "last_s": 0.0})
             t["calls"] += 1
             t["total_s"] = round(t["total_s"] + duration, 6)
@@ -164,38 +178,70 @@ class VllmTelemetry:
             if error is not None:
                 t["errors"] += 1
                 detail["error"] = f"{type(error).__name__}: {error}"[:300]
+            if call.role == "capture_size":
+                self._size_done(call, duration, error)
+                return
             op = self._op if self._op.op_id == call.op_id else None
             if op is not None:
                 op.phase_s[call.phase] = round(op.phase_s.get(call.phase, 0.0) + duration, 6)
                 if error is None and call.phase not in op.order:
                     op.order.append(call.phase)
-            if call.role == "capture" and call.counted and error is None:
-                self._captures_total += 1
-                self._last_capture_s = round(duration, 6)
-                self._graphs_live = True
-                if op is not None:
-                    op.captures += 1
-                detail["capture_pass"] = op.captures if op is not None else None
+            emit = call.counted and self._pass_done(call, op, duration, error, detail)
             if call.phase == "release_graphs" and error is None:
-                self._graphs_live = False
+                self._captured = []
             if call.ends_op and op is not None and depths.get("elastic", 0) == 0:
                 op.ended = True
-            if call.counted:
+            if emit:
                 ev = Event(op_id=call.op_id, rank=_dp_rank(call.worker), phase=call.phase, start=call.start,
-                           end=end, outcome="ok" if error is None else "error", detail=detail)
+                           end=call.start + duration, outcome="ok" if error is None else "error", detail=detail)
                 self._events.append(to_builtins(ev))
-        self._publish(force=True)
+        self._changed()
 
-    def _remember_worker(self, worker: Any) -> None:
+    def _size_done(self, call: _Call, duration: float, error: BaseException | None) -> None:
+        """One size captured: its seconds go to the capture pass running in this thread."""
+        outer = next((c for c in sorted(self._calls.values(), key=lambda c: -c.t0)
+                      if c.role == "capture" and c.counted), None)
+        if outer is not None and error is None:
+            size = call.detail.get("size", "?")
+            outer.sizes[size] = round(outer.sizes.get(size, 0.0) + duration, 6)
+
+    def _pass_done(self, call: _Call, op: _Op | None, duration: float, error: BaseException | None,
+                   detail: dict[str, Any]) -> bool:
+        """Count a finished warm-up or capture pass; False for a capture pass that captured nothing."""
+        if call.role == "warmup" and error is None:
+            self._warmups_total += 1
+            self._last_warmup_s = round(duration, 6)
+            if op is not None:
+                op.warmups += 1
+            detail["warmup_pass"] = op.warmups if op is not None else None
+        if call.role != "capture":
+            return True
+        if call.sized and not call.sizes and error is None:
+            return False  # vLLM's capture_model returned without capturing (cudagraph mode NONE)
+        if error is None:
+            self._captures_total += 1
+            self._last_pass = (round(duration, 6), dict(call.sizes))
+            self._captured = sorted(int(s) for s in call.sizes if s.isdigit())
+            if op is not None:
+                op.captures += 1
+            detail["capture_pass"] = op.captures if op is not None else None
+        detail["sizes_s"] = dict(call.sizes)
+        return True
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _remember_worker(self, worker: Any) -> bool:
         import weakref
 
-        if self._worker_ref is None or self._worker_ref() is None:
-            try:
-                self._worker_ref = weakref.ref(worker)
-            except TypeError:
-                self._worker_ref = lambda w=worker: w
-            if self.channel is not None:
-                self.channel.start(self)
+        if self._worker_ref is not None and self._worker_ref() is not None:
+            return False
+        try:
+            self._worker_ref = weakref.ref(worker)
+        except TypeError:
+            self._worker_ref = lambda w=worker: w
+        return True
 
     # ---- the reporter's side ---------------------------------------------------------------
     def worker(self) -> Any:
@@ -208,44 +254,46 @@ class VllmTelemetry:
             return out
 
     def snapshot(self) -> dict[str, Any]:
-        """The worker's part of a RankStatus (plus a few extra fields the registry keeps)."""
+        """The worker's part of its rank's record: every VllmWorkerStatus field but the
+        identity ones the reporter adds (engine_ext.vllm.worker_reporter)."""
         with self._lock:
             states = [c.state for c in sorted(self._calls.values(), key=lambda c: c.t0) if c.state]
             op = self._op
+            pass_s, sizes = self._last_pass or (None, {})
             snap: dict[str, Any] = {
-                "worker_pid": os.getpid(),
-                "worker_state": states[-1] if states else "",
+                "pid": os.getpid(),
+                "state": states[-1] if states else "",
                 "current_op": op.op_id if not op.ended and op.op_id != STARTUP_OP else "",
                 "last_op": op.op_id,
                 "captures_this_op": op.captures,
+                "warmups_this_op": op.warmups,
                 "op_phase_s": dict(op.phase_s),
                 "captures_total": self._captures_total,
-                "last_capture_s": self._last_capture_s,
+                "warmups_total": self._warmups_total,
+                "last_capture_pass_s": pass_s,
+                "capture_times_s": dict(sizes),
+                "last_warmup_s": self._last_warmup_s,
                 "hook_calls": {k: dict(v) for k, v in self._timings.items()},
-                "updated": time.time(),
+                "started": self.started,
+                "last_heartbeat": time.time(),
             }
-            live = self._graphs_live
+            captured = list(self._captured)
         worker = self.worker()
         snap.update(read_workspace())
-        snap.update(_graph_facts(worker, live))
+        snap.update(_graph_facts(worker, captured))
         if worker is not None:
             snap["device"] = str(getattr(worker, "device", "") or "")
             pc = _parallel_config(worker)
             if pc is not None:
-                snap["worker_dp_rank"] = int(getattr(pc, "data_parallel_rank", 0) or 0)
-                snap["worker_dp_size"] = int(getattr(pc, "data_parallel_size", 1) or 1)
+                snap["rank"] = int(getattr(pc, "data_parallel_rank", 0) or 0)
+                snap["dp_size"] = int(getattr(pc, "data_parallel_size", 1) or 1)
         try:
             from engine_ext.vllm import patches
 
             snap["hooks"] = patches.status()
         except Exception:  # noqa: BLE001
             pass
-        self.updated = snap["updated"]
         return snap
-
-    def _publish(self, force: bool = False) -> None:
-        if self.channel is not None:
-            self.channel.publish(self, force=force)
 
 
 def _worker_of(obj: Any) -> Any:
@@ -287,108 +335,16 @@ def _op_key(spec: Any, obj: Any, args: tuple, kwargs: dict, worker: Any) -> str 
     return f"vllm-dp{new}-{port}" if port else None
 
 
-def _graph_facts(worker: Any, live: bool) -> dict[str, Any]:
+def _graph_facts(worker: Any, captured: list[int]) -> dict[str, Any]:
+    """Graph kind, the sizes the config captures, and the sizes the live capture pass captured
+    (measured by the per-size wrapper; none on CPU or with --enforce-eager)."""
     if worker is None:
         return {}
     cfg = getattr(worker, "vllm_config", None)
     device = str(getattr(worker, "device", "") or "")
     eager = bool(getattr(getattr(cfg, "model_config", None), "enforce_eager", False))
-    if not device.startswith("cuda") or eager:
-        return {"graph_kind": "none", "graphs_captured": 0, "capture_sizes": []}
-    sizes = list(getattr(getattr(cfg, "compilation_config", None), "cudagraph_capture_sizes", None) or [])
-    return {"graph_kind": "cuda", "capture_sizes": sizes, "graphs_captured": len(sizes) if live else 0}
-
-
-class WorkerChannel:
-    """A worker process's telemetry for the engine core of its DP rank: ``<pid>.worker.json``
-    (rewritten atomically, at every phase boundary and about once a second) and
-    ``<pid>.events.jsonl`` (appended), where pid is the engine core's."""
-
-    def __init__(self, directory: Path, owner_pid: int, interval_s: float = 1.0) -> None:
-        self.directory = directory
-        self.owner_pid = owner_pid
-        self.interval_s = interval_s
-        self._last = 0.0
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._enabled = True
-
-    @property
-    def status_path(self) -> Path:
-        return self.directory / f"{self.owner_pid}.worker.json"
-
-    @property
-    def events_path(self) -> Path:
-        return self.directory / f"{self.owner_pid}.events.jsonl"
-
-    def start(self, sink: VllmTelemetry) -> None:
-        """Begin the about-once-a-second refresh (workspace size changes between phases)."""
-        worker = sink.worker()
-        if not getattr(worker, "is_driver_worker", True):  # one worker per DP rank speaks for it
-            self._enabled = False
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, args=(sink,), name="eepctl-worker-telemetry",
-                                            daemon=True)
-            self._thread.start()
-
-    def _loop(self, sink: VllmTelemetry) -> None:
-        while self._enabled:
-            time.sleep(self.interval_s)
-            self.publish(sink, force=False)
-
-    def publish(self, sink: VllmTelemetry, force: bool = False) -> None:
-        if not self._enabled or (not force and time.time() - self._last < self.interval_s * 0.5):
-            return
-        try:
-            with self._lock:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                events = sink.drain_events()
-                if events:
-                    with open(self.events_path, "a", encoding="utf-8") as f:
-                        f.write("".join(json.dumps(e, default=str) + "\n" for e in events))
-                snap = sink.snapshot()
-                tmp = self.status_path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(snap, default=str), encoding="utf-8")
-                os.replace(tmp, self.status_path)
-                self._last = time.time()
-        except Exception as e:  # noqa: BLE001 - a full disk must not stop serving
-            log.debug("engine_ext: worker telemetry not written: %s", e)
-
-
-class ChannelReader:
-    """The engine core's end of ``WorkerChannel``."""
-
-    def __init__(self, directory: Path, owner_pid: int) -> None:
-        self.channel = WorkerChannel(directory, owner_pid)
-        self._offset = 0
-
-    def clear(self) -> None:
-        for p in (self.channel.status_path, self.channel.events_path):
-            try:
-                p.unlink()
-            except OSError:
-                pass
-
-    def snapshot(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.channel.status_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-
-    def new_events(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.channel.events_path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except OSError:
-            return []
-        end = data.rfind(b"\n") + 1  # only whole lines
-        self._offset += end
-        out = []
-        for line in data[:end].splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
+    if not captured and (not device.startswith("cuda") or eager):
+        return {"graph_kind": "none", "graphs_captured": 0, "capture_sizes": [], "capture_sizes_expected": []}
+    expected = list(getattr(getattr(cfg, "compilation_config", None), "cudagraph_capture_sizes", None) or [])
+    return {"graph_kind": "cuda", "capture_sizes": captured, "graphs_captured": len(captured),
+            "capture_sizes_expected": expected}

@@ -1,0 +1,94 @@
+"""Fit the scale cost model (engine_ext/control/cost_model.py) to curves measured by
+``benchmarks/curves.py`` (its bytes and pause parts), and write it with the host they ran on; or
+report, for curves run with a model in place, each scale's predicted cost beside its measured one.
+
+  fit      move time = latency + bytes moved x s/B + bytes into spare buffers x s/B (the pre-copy,
+           slowest rank; all ranks' bytes), and per capture
+           policy serving pause = base + expert bytes a rank holds x slope, by least squares on the
+           relative errors; the commit's loads into slots priced at the host's copy rate (measured
+           by curves.py beside the scales)
+  report   per scale: predicted and measured pause and move time, and the error of each
+
+Usage:
+  PYTHONPATH=. python benchmarks/fit_cost.py docs/results/curves.json [...] --out engine_ext/control/cost_model.json
+  PYTHONPATH=. python benchmarks/fit_cost.py --report /tmp/check/curves.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from engine_ext.control.cost_model import MOVE_FEATURES, PAUSE_FEATURES, fit
+
+
+def points(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """One point per 2->4 of the bytes and pause parts that recorded its cost (the plan's features
+    and the measurement)."""
+    rows = list(res.get("bytes", [])) + ([res["pause"]] if res.get("pause") else [])
+    out = []
+    for r in rows:
+        cost = r.get("cost") or {}
+        pred, got = cost.get("predicted"), cost.get("measured")
+        if r.get("state") != "succeeded" or not pred or not got:
+            continue
+        out.append({**{f: pred[f] for f in MOVE_FEATURES + PAUSE_FEATURES},
+                    "move_s": got["move_s"], "pause_s": got["pause_s"], "capture_policy": r["capture_policy"],
+                    "capture_sizes": r["capture_sizes"], "pool": r["pool"]})
+    return out
+
+
+def fit_and_write(paths: list[str], out: str) -> dict[str, Any]:
+    """Fit the points of every curves JSON in ``paths`` (all from one host) and write the model."""
+    runs = [json.load(open(p)) for p in paths]
+    hosts = {json.dumps(r.get("host"), sort_keys=True) for r in runs}
+    if len(hosts) != 1 or not runs[0].get("host"):
+        raise SystemExit(f"curves from one host with its identity recorded, got: {sorted(hosts)}")
+    pts = [p for r in runs for p in points(r)]
+    rates = [r["copy_GBps"] for r in runs if r.get("copy_GBps")]
+    model = fit(pts, runs[0]["host"], paths, min(rates) if rates else None)
+    with open(out, "w") as f:
+        json.dump(model, f, indent=1)
+        f.write("\n")
+    mv = model["move"]
+    print(f"wrote {out}: {len(pts)} points from {runs[0]['host']}")
+    print(f"  move: {mv['intercept']:.4f} s + {mv['coef'].get('total_moved_bytes', 0.0) * 2**30:.3f} s/GiB moved + "
+          f"{mv['coef'].get('spare_total_bytes', 0.0) * 2**30:.3f} s/GiB into spare buffers (not fitted: {mv['not_fitted']}) "
+          f"(max error on its points {mv['max_rel_error']:.0%}); the commit's loads at "
+          f"{min(rates) if rates else 0:.1f} GB/s (the host's copy rate)")
+    for policy, pz in model["pause"].items():
+        print(f"  pause ({policy}): {pz['intercept']:.4f} s + {pz['coef'].get('rank_expert_bytes', 0.0) * 2**30:.4f} "
+              f"s/GiB held per rank + {pz['coef'].get('commit_load_bytes', 0.0) * 2**30:.4f} s/GiB loaded in the "
+              f"commit (max error on its points {pz['max_rel_error']:.0%}; not fitted: {pz['not_fitted']})")
+    return model
+
+
+def report(paths: list[str]) -> None:
+    print("| expert MiB | pause predicted s | measured s | error | move predicted s | measured s | error |")
+    print("|---|---|---|---|---|---|---|")
+    for p in paths:
+        res = json.load(open(p))
+        for r in list(res.get("bytes", [])) + ([res["pause"]] if res.get("pause") else []):
+            cost = r.get("cost") or {}
+            pred, got, err = cost.get("predicted") or {}, cost.get("measured") or {}, cost.get("error") or {}
+            if not got:
+                continue
+            mib = r.get("expert_MiB", 1.0)
+            f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            e = lambda k: f"{err[k]:+.0%}" if k in err else "-"  # noqa: E731
+            print(f"| {mib:.0f} | {f(pred.get('pause_s'))} | {f(got.get('pause_s'))} | {e('pause_s')} "
+                  f"| {f(pred.get('move_s'))} | {f(got.get('move_s'))} | {e('move_s')} |"
+                  + (f" {pred['no_model']}" if pred.get("no_model") else ""))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("curves", nargs="+", help="curves JSON files written by benchmarks/curves.py")
+    ap.add_argument("--out", default="engine_ext/control/cost_model.json")
+    ap.add_argument("--report", action="store_true", help="print predicted vs measured instead of fitting")
+    a = ap.parse_args()
+    if a.report:
+        report(a.curves)
+    else:
+        fit_and_write(a.curves, a.out)

@@ -1,0 +1,80 @@
+"""A scale's cost, predicted (the dry run) and beside what it measured (``eepctl events``). Pure:
+the plan's ``cost`` and the operation record's ``cost`` in, lines out (engine_ext.control.cost_model
+makes them; docs/status-schema.md lists the keys)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _b(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f} s"
+
+
+def _host(model: dict[str, Any]) -> str:
+    h = model.get("host") or {}
+    return f"{h.get('hostname')}, {h.get('cpus')} CPUs, {h.get('device')}, {model.get('fitted_at')}"
+
+
+def plan_cost_lines(plan: dict[str, Any]) -> list[str]:
+    """The dry run's expert pre-copy (what moves while serving, what in the commit) and its
+    predicted cost."""
+    if not plan.get("precopy"):
+        return []
+    from engine_ext.elastic.precopy import describe  # torch-free
+
+    return describe(plan["precopy"]) + predicted_lines(plan.get("cost"))
+
+
+def predicted_lines(cost: dict[str, Any] | None) -> list[str]:
+    """The dry run's prediction: serving pause, move time, bytes moved per rank, extra memory."""
+    if not cost:
+        return []
+    per_rank = cost.get("per_rank", {})
+    moved = ", ".join(f"{r}: {_b(v['moved_bytes'])}" for r, v in sorted(per_rank.items(), key=lambda kv: int(kv[0])))
+    sizes = (f"up to {_b(cost.get('moved_bytes'))} moved per rank ({moved}), {_b(cost.get('commit_bytes'))} of it "
+             f"in the commit; extra memory up to {_b(cost.get('extra_memory_bytes'))} per rank (spare buffers)")
+    if cost.get("no_model"):
+        return [f"predicted cost: {cost['no_model']}", f"  {sizes}"]
+    lines = [f"predicted cost (model fitted on {_host(cost.get('model') or {})}): serving pause "
+             f"{_s(cost.get('pause_s'))}, move time {_s(cost.get('move_s'))} (pre-copy, while serving)",
+             f"  {sizes}"]
+    if cost.get("pause_note"):
+        lines.append(f"  note: {cost['pause_note']}")
+    if cost.get("outside_fit"):
+        lines.append(f"  note: outside the fitted range (extrapolated): {', '.join(cost['outside_fit'])}")
+    return lines
+
+
+def _pair(pred: Any, got: Any, fmt: Any, err: float | None) -> str:
+    tail = f" ({err:+.0%})" if err is not None else ""
+    return f"{fmt(pred)} vs {fmt(got)}{tail}"
+
+
+def cost_lines(ops: list[dict[str, Any]]) -> list[str]:
+    """Per operation with a measured cost: each predicted figure beside the measured one, with the
+    relative error of the prediction."""
+    out = []
+    for op in ops:
+        cost = op.get("cost") or {}
+        pred, got, err = cost.get("predicted") or {}, cost.get("measured"), cost.get("error") or {}
+        if not got:
+            continue
+        pause = (_pair(pred.get("pause_s"), got.get("pause_s"), _s, err.get("pause_s"))
+                 if pred.get("pause_s") is not None else f"- vs {_s(got.get('pause_s'))}")
+        out.append(f"{op['op_id']} predicted vs measured: pause {pause}, move "
+                   f"{_pair(pred.get('move_s'), got.get('move_s'), _s, err.get('move_s'))}, moved per rank "
+                   f"{_pair(pred.get('moved_bytes'), got.get('moved_bytes'), _b, err.get('moved_bytes'))}, in the "
+                   f"commit {_pair(pred.get('commit_bytes'), got.get('commit_bytes'), _b, err.get('commit_bytes'))}, "
+                   f"extra memory {_pair(pred.get('extra_memory_bytes'), got.get('extra_memory_bytes'), _b, None)}"
+                   + (f" [{pred['no_model']}]" if pred.get("no_model") else ""))
+    return out

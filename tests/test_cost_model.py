@@ -1,0 +1,115 @@
+"""The scale cost model (engine_ext/control/cost_model.py): the least-squares fit recovers known
+coefficients, a model from another host predicts nothing and says so, and the dry run and
+``eepctl events`` render the prediction and the comparison. Pure: no deployment (the measured side
+runs in tests/test_kv_budget.py's split scenario)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eepctl import render
+from engine_ext.control import cost_model as cm
+
+MIB = 2**20
+
+
+SPARE_S_PER_B = 4e-9  # the synthetic move's price of a byte landing in a member's spare buffer
+
+
+def _points(move: tuple[float, float], pause: tuple[float, float]) -> list[dict[str, Any]]:
+    """Points exactly on move_s = a + b x total_moved_bytes + SPARE_S_PER_B x spare_total_bytes and
+    pause_s = c + d x rank_expert_bytes."""
+    out = []
+    for mib, spare_mib in ((1, 0), (32, 8), (256, 0), (1024, 64)):
+        moved, held, spare = mib * MIB, mib * MIB // 2, spare_mib * MIB
+        out.append({"total_moved_bytes": moved, "spare_total_bytes": spare, "rank_expert_bytes": held,
+                    "commit_load_bytes": 0,
+                    "move_s": move[0] + move[1] * moved + SPARE_S_PER_B * spare,
+                    "pause_s": pause[0] + pause[1] * held, "capture_policy": "reuse", "capture_sizes": [1, 2],
+                    "pool": True})
+    return out
+
+
+def test_fit_recovers_known_coefficients_exactly() -> None:
+    model = cm.fit(_points((0.004, 2.5e-9), (0.018, 3.0e-11)), cm.host_identity(), ["synthetic"])
+    mv, pz = model["move"], model["pause"]["reuse"]
+    assert mv["intercept"] == pytest.approx(0.004, rel=1e-9)
+    assert mv["coef"]["total_moved_bytes"] == pytest.approx(2.5e-9, rel=1e-9)
+    assert mv["coef"]["spare_total_bytes"] == pytest.approx(SPARE_S_PER_B, rel=1e-9)
+    assert pz["intercept"] == pytest.approx(0.018, rel=1e-9)
+    assert pz["coef"]["rank_expert_bytes"] == pytest.approx(3.0e-11, rel=1e-9)
+    assert mv["max_rel_error"] < 1e-9 and pz["max_rel_error"] < 1e-9
+    assert mv["range"]["total_moved_bytes"] == [MIB, 1024 * MIB]
+
+
+def test_fit_leaves_out_a_feature_that_does_not_vary_and_names_it() -> None:
+    pts = [p | {"rank_expert_bytes": 4096} for p in _points((0.01, 1e-9), (0.02, 0.0))]
+    pz = cm.fit(pts, cm.host_identity(), ["synthetic"])["pause"]["reuse"]
+    assert pz["not_fitted"] == ["rank_expert_bytes", "commit_load_bytes"] and pz["coef"] == {}
+    assert pz["intercept"] == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="cannot fit"):  # 2 points, 3 coefficients
+        cm.fit_linear(_points((0.01, 1e-9), (0.02, 0.0))[:2], cm.MOVE_FEATURES, "move_s")
+
+
+def _plan() -> dict[str, Any]:
+    """2 -> 4: joiners 2 and 3 each receive 2 experts of 1 MiB from ranks 0 and 1; nothing in the commit."""
+    pr = {"0": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
+          "1": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
+          "2": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
+          "3": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0}}
+    return {"op_id": "op-1", "from_size": 2, "to_size": 4, "joining": [{"rank": 2, "instance_id": "d_dp2"}, {"rank": 3, "instance_id": "d_dp3"}],
+            "precopy": {"per_rank": pr}}
+
+
+def _write(tmp_path: Path, model: dict[str, Any]) -> Path:
+    path = tmp_path / "cost_model.json"
+    path.write_text(json.dumps(model))
+    return path
+
+
+def test_model_from_another_host_predicts_no_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity() | {"cpus": 999}, ["x"])
+    monkeypatch.setenv(cm.ENV, str(_write(tmp_path, model)))
+    got, why = cm.load_model("cpu")
+    assert got is None and why.startswith("no cost model fitted on this host") and "999 CPUs" in why
+    cost = cm.predict(_plan(), MIB, 4, "reuse", True, got, why)
+    assert "pause_s" not in cost and "move_s" not in cost and cost["moved_bytes"] == 2 * MIB  # the plan's own
+    text = render.plan_text(_plan() | {"precopy": _plan()["precopy"] | {
+        "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}, "cost": cost})
+    assert "predicted cost: no cost model fitted on this host" in text and "moved per rank (0: 2.0 MiB" in text
+    monkeypatch.setenv(cm.ENV, str(tmp_path / "absent.json"))
+    assert "does not exist" in cm.load_model("cpu")[1]
+
+
+def test_prediction_and_comparison_rendered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cm.ENV, str(_write(tmp_path, cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)),
+                                                           cm.host_identity(), ["x"], copy_GBps=10.0))))
+    model, why = cm.load_model("cpu")
+    assert model is not None, why
+    cost = cm.predict(_plan(), MIB, 4, "reuse", True, model)
+    assert cost["move_s"] == pytest.approx(0.004 + 2.5e-9 * 4 * MIB)  # all ranks' moved bytes
+    assert cost["pause_s"] == pytest.approx(0.018 + 3e-11 * 4 * MIB) and "outside_fit" not in cost
+    # the commit's moves cost the move's rate on top; another capture policy has no pause fitted
+    commit = _plan()
+    commit["precopy"]["per_rank"]["2"]["commit_moved"] = MIB
+    assert cm.predict(commit, MIB, 4, "reuse", True, model)["pause_s"] == pytest.approx(
+        0.018 + 3e-11 * 4 * MIB + 2.5e-9 * MIB)
+    assert "pause_s" not in cm.predict(_plan(), MIB, 4, "recapture", False, model)
+    # the commit's loads into slots: no curve point had any, so they cost the host's copy rate (10 GB/s)
+    load = _plan()
+    load["precopy"]["per_rank"]["0"]["commit_copy"] = MIB
+    assert cm.predict(load, MIB, 4, "reuse", True, model)["pause_s"] == pytest.approx(
+        0.018 + 3e-11 * 4 * MIB + MIB / 10e9)
+    text = render.plan_text(_plan() | {"precopy": _plan()["precopy"] | {
+        "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}, "cost": cost})
+    assert "serving pause 0.018 s, move time 0.014 s (pre-copy, while serving)" in text
+    got = {"pause_s": 0.02, "move_s": 0.006, "moved_bytes": 2 * MIB, "commit_bytes": 0, "extra_memory_bytes": 0}
+    op = {"op_id": "op-1", "from_size": 2, "to_size": 4, "state": "succeeded",
+          "cost": {"predicted": cost, "measured": got, "error": cm.relative_errors(cost, got)}}
+    assert op["cost"]["error"]["move_s"] == pytest.approx((cost["move_s"] - 0.006) / 0.006)
+    line = next(ln for ln in render.events_text({"operations": [op]}).splitlines() if "predicted vs" in ln)
+    assert "pause 0.018 s vs 0.020 s (-9%)" in line and "move 0.014 s vs 0.006 s (+141%)" in line, line
