@@ -340,8 +340,8 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
         # the move's parts: the pre-copy's packing (local copies) and exchange, in prepare; loading
         # the spare buffers into the slots, in the commit (before the pre-copy: all in the commit)
         row["reshuffle_parts_by_rank"] = {
-            str(r): {k: round(d[k], 4) for k in ("clone_s", "pack_s", "exchange_s", "exchanges", "move_wait_s",
-                                                 "move_map_s", "move_copy_s") if k in d}
+            str(r): {k: round(d[k], 4) for k in ("clone_s", "pack_s", "exchange_s", "exchanges", "move_publish_s",
+                                                 "move_wait_s", "move_map_s", "move_copy_s") if k in d}
             | {"load_s": round(resh.get(r, {}).get("detail", {}).get("load_s", 0.0), 4),
                "commit_copy_bytes": resh.get(r, {}).get("detail", {}).get("commit_copy_bytes", 0),
                "spare_bytes": d.get("spare_bytes", 0), "sent": d.get("bytes_sent", 0),

@@ -87,7 +87,8 @@ class EngineConfig:
     transport: str = "auto"
     # The most expert bytes one exchange of a scale's pre-copy carries: consecutive moves go
     # together up to it (one handshake for many moves; the staging of a move through host or
-    # shared memory holds at most this much). 0: one move per exchange.
+    # shared memory holds at most this much). CUDA IPC stages nothing: its pre-copy is one
+    # exchange. 0: one move per exchange (every transport).
     move_batch_bytes: int = 1 << 30
     group_timeout_s: float = 120.0
     # A serving step's collectives wait this long for a peer (gloo's per-operation timeout on the

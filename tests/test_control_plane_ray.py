@@ -44,9 +44,10 @@ def _up(name: str, dp: int, max_dp: int, *, faults: list[str] | None = None, del
     return _serving(name, list(range(dp)))
 
 
-def _serving(name: str, ranks: list[int], timeout: float = 90.0) -> dict[str, Any]:
-    """Status once exactly ``ranks`` serve at DP len(ranks) and no operation runs; on timeout,
-    what the last status showed."""
+def _serving(name: str, ranks: list[int], timeout: float = 90.0, gone: int | None = None) -> dict[str, Any]:
+    """Status once exactly ``ranks`` serve at DP len(ranks) and no operation runs (with ``gone``,
+    a killed rank's pid: and none of them is that process; right after a kill status can still
+    show the world from before it); on timeout, what the last status showed."""
     seen: list[dict[str, Any]] = []
 
     def ok() -> dict[str, Any] | None:
@@ -56,6 +57,8 @@ def _serving(name: str, ranks: list[int], timeout: float = 90.0) -> dict[str, An
         s = json_lines(res.stdout)[-1]
         seen[:] = [s]
         live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed", "fenced", "dead")]
+        if gone is not None and any(int(r.get("pid") or 0) == gone for r in live):
+            return None
         if (sorted(r["rank"] for r in live) == ranks and all(r["state"] == "serving" and r["dp_size"] == len(ranks)
                                                             for r in live) and not s.get("operation")):
             return s
@@ -279,7 +282,7 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
                    "-o", "json")
     _held(d.name, 0, "step")  # it holds requests mid-decode
     os.kill(_pid_of(snap, 0), signal.SIGKILL)  # the only rank of this test's own deployment
-    _serving(d.name, [0], timeout=120)
+    _serving(d.name, [0], timeout=120, gone=_pid_of(snap, 0))
     res = finish_load(load, cfg_d, 16, stop=True)
     rebuilds = _ops(d.name, "rebuild")
     assert rebuilds and rebuilds[-1]["state"] == "succeeded" and rebuilds[-1]["dead_ranks"] == [0], rebuilds
@@ -300,7 +303,7 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
                    "-o", "json")
     os.kill(_pid_of(snap, 0), signal.SIGKILL)  # the only serving rank, while the scale is in launch
     scale.communicate(timeout=180)
-    _serving(d.name, [0], timeout=180)
+    _serving(d.name, [0], timeout=180, gone=_pid_of(snap, 0))
     finish_load(load, cfg_d, 16, stop=True)  # raises on any failed request or output unlike the oracle
     ops = events(d.name)["operations"]
     failed_scale = [o for o in ops if o.get("kind") == "scale" and o.get("to_size") == 3]

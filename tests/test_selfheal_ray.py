@@ -36,8 +36,10 @@ from tests.helpers import (
 pytestmark = pytest.mark.ray
 
 
-def _serving(name: str, n: int, timeout: float = 60.0) -> dict[str, Any]:
-    """Status once ``n`` ranks serve at DP ``n`` and no operation runs."""
+def _serving(name: str, n: int, timeout: float = 60.0, gone: int | None = None) -> dict[str, Any]:
+    """Status once ``n`` ranks serve at DP ``n`` and no operation runs; with ``gone`` (a killed
+    rank's pid), once no rank of that process is listed either: right after a kill, status can
+    still show the world from before it, whole and serving."""
     def ok() -> dict[str, Any] | None:
         res = eepctl("status", "--name", name, "-o", "json", timeout=60)
         if res.returncode == 3:  # the registry is being recreated (it was killed): ask again
@@ -45,6 +47,8 @@ def _serving(name: str, n: int, timeout: float = 60.0) -> dict[str, Any]:
         assert res.returncode == 0, res.stderr
         s = last_json(res.stdout)
         live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed")]
+        if gone is not None and any(int(r.get("pid") or 0) == gone for r in live):
+            return None
         if (len(live) == n and all(r["state"] == "serving" and r["dp_size"] == n for r in live)
                 and not s.get("operation")):
             return s
@@ -114,8 +118,8 @@ def test_store_host_killed_replace_restores_lost_experts_and_grows_back(deployme
     snap = _serving(d.name, 4)
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "10", "-o", "json")
-    _kill(wait_held(d.name, 0, "step"), 0)
-    after = _serving(d.name, 4, timeout=120)
+    victim = _kill(wait_held(d.name, 0, "step"), 0)
+    after = _serving(d.name, 4, timeout=120, gone=victim)
     moved_off(finish_load(load, cfg_d, stop=True)["records"], 0)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [1, 2, 3, 4]
     ops = _recover_ops(d.name)
@@ -174,8 +178,8 @@ def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, 
     held = wait_held(d.name, 2, "step")
     cluster.connect(ray_cluster["address"], NAMESPACE)
     ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
-    _kill(held, 2)
-    after = _serving(d.name, 3, timeout=120)  # policy replace: back at the desired DP 3
+    victim = _kill(held, 2)
+    after = _serving(d.name, 3, timeout=120, gone=victim)  # policy replace: back at the desired DP 3
     moved_off(finish_load(load, cfg_d, stop=True)["records"], 2)
     assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1, 2]  # the dead rank's number, free again
     assert wait_for(lambda: _recover_ops(d.name), timeout=20, what="the recover operation in the new registry")

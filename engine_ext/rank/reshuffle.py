@@ -160,8 +160,11 @@ class ExpertReshuffle:
         self._hold_spare(op, held, spare)
         t_pack = time.perf_counter()
         move_bytes = model.w1.shape[0] * (model.w1[0, 0].nbytes + model.w2[0, 0].nbytes)
-        batches = _batches(sends, recvs, per_move, max(1, res.cfg.move_batch_bytes // max(1, move_bytes)))
         peer = comm.moves  # same-host moves say where their time went
+        per_batch = max(1, res.cfg.move_batch_bytes // max(1, move_bytes))
+        if res.cfg.move_batch_bytes and peer is not None and not peer.stages:
+            per_batch = len(moves) or 1  # nothing staged (CUDA IPC): all in one exchange, one handshake a pair
+        batches = _batches(sends, recvs, per_move, per_batch)
         before = dict(peer.seconds) if peer is not None else {}
         for k, batch in enumerate(batches):
             comm.exchange(*batch)

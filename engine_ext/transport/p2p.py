@@ -157,9 +157,16 @@ class PeerMoves:
         self.flags, self.store, self.rank, self.device = flags, store, rank, device
         self.share, self.fetch = share, fetch  # device moves (CUDA IPC); None: staged in shared memory
         self._seq: dict[tuple[int, int], int] = {}
-        # where this group's moves spent their time so far (a scale's pre-copy reports it): waiting
-        # for a peer's descriptor or ack, mapping its pieces, copying them (to the synchronisation)
-        self.seconds = {"wait_s": 0.0, "map_s": 0.0, "copy_s": 0.0}
+        # where this group's moves spent their time so far (a scale's pre-copy reports it):
+        # publishing this rank's pieces, waiting for a peer's descriptor or ack, mapping its
+        # pieces, copying them (to the synchronisation)
+        self.seconds = {"publish_s": 0.0, "wait_s": 0.0, "map_s": 0.0, "copy_s": 0.0}
+
+    @property
+    def stages(self) -> bool:
+        """Whether a move may stage its bytes (CPU: pieces outside a shared allocation are copied
+        into a file first); CUDA IPC reads the sender's storage in place and holds nothing."""
+        return self.share is None
 
     def _key(self, src: int, dst: int) -> str:
         n = self._seq.get((src, dst), 0)
@@ -194,7 +201,12 @@ class PeerMoves:
         by_dst: dict[int, list[tuple[torch.Tensor, int]]] = {}
         for t, dst, tag in sends:
             by_dst.setdefault(dst, []).append((t, tag))
-        self._sync()  # what is sent is written before a peer reads it
+        t0 = time.perf_counter()
+        if self.share is None:
+            self._sync()  # what is sent is written before a peer reads it
+        # (CUDA IPC needs no host wait: torch records an event on this stream with each handle, and
+        # the receiver's stream waits on it before its copy; a host sync here waited for this
+        # rank's serving step queued on the stream, up to a step's time on a shared GPU)
         done = []
         for dst, items in sorted(by_dst.items()):
             if self.share is not None:
@@ -205,6 +217,7 @@ class PeerMoves:
             key = self._key(self.rank, dst)
             self.store.set(key, pickle.dumps(descriptor))
             done.append((dst, f"{key}/done"))
+        self.seconds["publish_s"] += time.perf_counter() - t0
         return done
 
     def _receive(self, recvs: list[Piece]) -> int:
