@@ -225,6 +225,7 @@ class PeerMoves:
         for t, src, tag in recvs:
             by_src.setdefault(src, []).append((t, tag))
         received, acks = 0, []
+        opened = []  # the senders' pieces, kept mapped until the copies out of them are complete
         for src, items in sorted(by_src.items()):
             key = self._key(src, self.rank)
             self._wait(key, src)
@@ -238,13 +239,16 @@ class PeerMoves:
                     raise ValueError(f"move {key}: rank {src} sent no piece tagged {tag}")
                 t.copy_(pieces[tag], non_blocking=True)
                 received += _nbytes(t)
+            if self.device.type == "cuda":  # queued copies (a CPU copy is done, its mapping may go now)
+                opened.append(pieces)
             del pieces
             acks.append(f"{key}/done")
             self.seconds["copy_s"] += time.perf_counter() - t_copy
         if acks:
             t_sync = time.perf_counter()
-            self._sync()  # the copies are complete before the sender goes on
+            self._sync()  # the copies are complete before the sender goes on (and before a mapping is dropped)
             self.seconds["copy_s"] += time.perf_counter() - t_sync
+        opened.clear()
         for k in acks:
             self.store.set(k, b"1")
         return received
