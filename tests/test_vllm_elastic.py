@@ -231,6 +231,11 @@ def _acts_2_3_2(server: Server, address: str, expected: list[list[int]], before:
         for c in clients:
             c.join(timeout=300)
     down = _ended(_autoscalers_op(before | {up["op_id"]}, 3, 2, timeout=120)["op_id"])
+    # Advisory again before anything else is sent: with the policy on, the prompts below queued
+    # enough for it to scale up once more (no cooldown), and the module's next test found that
+    # scale running (its own `eepctl scale` refused, exit 4: seen in CI).
+    off = _cli(address, "autoscale", "--mode", "advisory", timeout=120)
+    assert off.returncode == 0, off.stderr
     assert down["plan"]["retiring"] == [2], down["plan"]
     _check_answers(records, expected, [(o["started"], o["finished"]) for o in (up, down)], busy=1)
     assert run_prompts(server, PROMPTS) == expected  # served at DP 2 again
