@@ -200,9 +200,13 @@ def generate(
     t = _target(address, namespace, name)
     leaves = "requests already sent finish in the cluster, their answers unreported"
     if rate is not None:
-        with interrupt.doing(f"load on {name} ({rate:g} requests/s)", leaves):
+        from eepctl.loadgen import interrupt_ends_sending
+
+        # (the outer handler: a Ctrl-C that lands once the sending is over, as the report is printed,
+        # ends nothing, the way the first one during the sending only ends the sending)
+        with interrupt.doing(f"load on {name} ({rate:g} requests/s)", leaves), interrupt_ends_sending():
             res = core.load(t, prompts, max_tokens, rate, duration, timeout, api_key=api_key, note=_note)
-        _emit(render.to_json("load", res) + "\n" if output == Output.json else render.load_text(res))
+            _emit(render.to_json("load", res) + "\n" if output == Output.json else render.load_text(res))
         if res["failed"]:
             raise typer.Exit(5)
         return

@@ -285,7 +285,7 @@ def load(t: Target, prompts: list[list[int]], max_tokens: int, rate: float, dura
     if rate <= 0 or duration_s <= 0 or max_tokens < 1:
         raise UsageError("--rate and --duration must be > 0" if max_tokens >= 1 else "--max-tokens must be >= 1")
     with requests(t, max_tokens, timeout_s, api_key, note) as submit, loadgen.interrupt_ends_sending() as stop:
-        res = loadgen.open_loop(submit, prompts, rate, duration_s, timeout_s, seed, stop)
+        res = loadgen.open_loop(submit, prompts, rate, duration_s, timeout_s, seed, stop, note)
     return {"deployment": t.name, **res}
 
 

@@ -12,14 +12,14 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from engine_ext.drivers.base import Pending, Submit
 from engine_ext.protocol import EepError
 
-__all__ = ["DEFAULT_PROMPTS", "Pending", "Submit", "error_text", "interrupt_ends_sending", "open_loop", "percentiles"]
+__all__ = ["DEFAULT_PROMPTS", "SENDING", "Pending", "Submit", "error_text", "interrupt_ends_sending", "open_loop", "percentiles"]
 
 DEFAULT_PROMPTS: list[list[int]] = [
     [1, 2, 3, 4, 5],
@@ -36,6 +36,12 @@ def error_text(answer: dict[str, Any]) -> str | None:
     if e is None:
         return None
     return e if isinstance(e, str) else str(e)
+
+
+# The note `generate --rate` gives once connected and sending: before it, a SIGINT interrupts the
+# command (exit 130); from it on, the first SIGINT ends the sending and the report still comes.
+SENDING = ("sending {rate:g} requests/s for {duration:g} s (the first Ctrl-C ends the sending; what was "
+           "sent is still awaited and reported)")
 
 
 @contextmanager
@@ -63,16 +69,19 @@ def interrupt_ends_sending() -> Iterator[threading.Event]:
 
 
 def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s: float, timeout_s: float,
-              seed: int = 0, stop: threading.Event | None = None) -> dict[str, Any]:
+              seed: int = 0, stop: threading.Event | None = None,
+              note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """``rate`` requests per second for ``duration_s`` (open loop: a slow answer does not delay
     the next request), prompts drawn with ``seed``; every outcome and the latency percentiles.
     ``stop`` set: no more requests are sent (``stopped_early`` in the result); those sent are awaited.
-    Each request gets ``timeout_s`` from its own sending, so a long load does not eat the last ones'."""
+    Each request gets ``timeout_s`` from its own sending, so a long load does not eat the last ones'.
+    ``note`` gets `SENDING` as the sending begins (a caller's SIGINT handler is in place by then)."""
     rng = random.Random(seed)
     stop = stop or threading.Event()
     n = max(1, int(rate * duration_s))
     t0 = time.time()
     sent: list[tuple[int, float, Pending]] = []
+    note(SENDING.format(rate=rate, duration=duration_s))
     for i in range(n):
         delay = t0 + i / rate - time.time()
         if delay > 0:

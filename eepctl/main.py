@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import typer
@@ -20,6 +21,9 @@ def main(argv: list[str] | None = None) -> None:
         code = run(argv)
     except SystemExit as e:  # shell completion leaves through click's SystemExit
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    # Done: a signal now would only turn a finished command's status into 130 (or a silent death
+    # by SIGINT, past Python's own handling); the process ends in a moment anyway.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if "ray" in sys.modules:
         # A Ray driver's atexit shutdown costs about half a second and has nothing to clean
         # up for us (every actor eepctl creates is detached): leave at once.

@@ -15,14 +15,22 @@ import pytest
 from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 
 
-# Under pytest-xdist (`EEPCTL_TEST_WORKERS=2 bash scripts/test.sh`: the suite waits on detection bounds,
-# Ray and vLLM start-ups about a third of its time, and a second worker fills the idle core): a module is
-# one unit of work (its module-scoped deployment or server serves all its tests), and the modules
-# that start vLLM servers are one unit (their servers would race for vLLM's default ports, and
-# two of them share the session's oracle server). The longest units go first, so neither worker
-# is left with a long one at the end; the rest keep their order. (xdist's own ``loadgroup`` does
-# not group on pytest 9.2, which no longer reads the node id xdist rewrites: a scheduler of ours.)
+# Under pytest-xdist (`bash scripts/test.sh` runs two workers as two lanes): a module is one unit of
+# work (its module-scoped deployment or server serves all its tests), and the modules that start
+# vLLM servers are one unit (their servers would race for vLLM's default ports, and two of them
+# share the session's oracle server). (xdist's own ``loadgroup`` does not group on pytest 9.2,
+# which no longer reads the node id xdist rewrites: a scheduler of ours.)
+#
+# Lanes (the default, EEPCTL_TEST_LANES unset or 1): worker gw0 runs every unit that starts a Ray
+# head or a vLLM server, one after another, as one worker would; gw1 runs only the units that start
+# neither (``HEAVY_UNITS`` names the others), beside gw0's first ones, which load-test held under
+# two full workers (``LANE_FIRST``), and then stops. The suite waits on detection bounds, start-ups
+# and restarts about a third of its time, and the light lane fills that idle core without putting a
+# second Ray or vLLM stream on the box, which load-sensitive tests did not hold (docs/testing.md).
+# EEPCTL_TEST_LANES=0: free dealing, the longest units first (``LONGEST_FIRST``).
 VLLM_SERVER_MODULES = ("test_vllm_elastic", "test_vllm_cpu_ep", "test_vllm_plugin", "test_vllm_amx")
+HEAVY_UNITS = ("vllm", "test_fuzz", "test_completions")  # with every ``*_ray`` module
+LANE_FIRST = ("test_scaling_ray", "test_selfheal_ray")
 LONGEST_FIRST = ("vllm", "test_multinode_ray", "test_scaling_ray", "test_control_plane_ray", "test_selfheal_local",
                  "test_selfheal_ray", "test_autoscale_e2e_ray", "test_cli_ray", "test_selfheal_mechanisms")
 
@@ -32,9 +40,19 @@ def _work_unit(nodeid: str) -> str:
     return "vllm" if module in VLLM_SERVER_MODULES else module
 
 
+def _heavy(unit: str) -> bool:
+    """A unit that starts a Ray head or a vLLM server (tests/test_structure.py checks the split)."""
+    return unit in HEAVY_UNITS or unit.endswith("_ray")
+
+
+def _lanes() -> bool:
+    return os.environ.get("EEPCTL_TEST_LANES", "1") != "0"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the order a worker collects is the one xdist deals out
-        rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+        first = LANE_FIRST if _lanes() else LONGEST_FIRST
+        rank = {unit: i for i, unit in enumerate(first)}
         items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(rank)))  # stable: the rest keep their order
 
 
@@ -43,10 +61,31 @@ if importlib.util.find_spec("xdist") is not None:
         from xdist.scheduler import LoadScopeScheduling
 
         class WorkUnits(LoadScopeScheduling):
-            """Whole work units (``_work_unit``) to a worker, in collection order."""
+            """Whole work units (``_work_unit``) to a worker, in collection order; with lanes,
+            gw0 takes the heavy units first and gw1 only light ones."""
 
             def _split_scope(self, nodeid: str) -> str:
                 return _work_unit(nodeid)
+
+            def _assign_work_unit(self, node: Any) -> None:
+                if not _lanes():
+                    return super()._assign_work_unit(node)
+                light_lane = node.gateway.id != "gw0"
+                units = list(self.workqueue)
+                pick = next((u for u in units if not _heavy(u)), None) if light_lane else \
+                    next((u for u in units if _heavy(u)), units[0] if units else None)
+                if pick is None:  # nothing left for this lane: it ends once its tests ran
+                    node.shutdown()
+                    return None
+                self.workqueue.move_to_end(pick, last=False)
+                return super()._assign_work_unit(node)
+
+            def _reschedule(self, node: Any) -> None:
+                if _lanes() and not node.shutting_down and node.gateway.id != "gw0" \
+                        and all(_heavy(u) for u in self.workqueue):
+                    node.shutdown()  # the light units are all dealt: this lane ends once its tests ran
+                    return None
+                return super()._reschedule(node)
 
         config.option.loadscopereorder = False  # our order, not by number of tests
         return WorkUnits(config, log)

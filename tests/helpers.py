@@ -17,6 +17,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "eepctl"
 MAX_TOKENS = 8  # `eepctl generate`'s default
+SENDING_NOTE = "requests/s for"  # in the note `eepctl generate --rate` gives as it begins sending (eepctl.loadgen.SENDING)
 # Seconds a Ray head a test started gets between SIGTERM and SIGKILL: its deployments are down by
 # then, and a head whose raylet had detached actors outlived the CLI's 15 s default grace.
 STOP_GRACE_S = 3.0
@@ -190,9 +191,28 @@ def check_load(load: dict[str, Any], cfg_d: dict[str, Any], max_tokens: int = MA
         assert rec["output"] == want, f"record {i} prompt {rec['prompt_index']}: {rec['output']} != oracle {want}"
 
 
-def stop_sending(proc: Any) -> None:
+def stop_sending(proc: Any, timeout: float = 120.0) -> None:
     """End an `eepctl generate --rate` process's sending now (SIGINT, by its Popen handle): the
-    scenario it loaded is over; the requests it sent are still awaited and reported."""
+    scenario it loaded is over; the requests it sent are still awaited and reported. The signal
+    goes once the process said it is sending (its stderr note): before that, a SIGINT interrupts
+    the command (exit 130), as it would an operator's, which on a slow box starting the process
+    (imports, connecting) raced the test's own steps."""
+    import selectors
+
+    marker = SENDING_NOTE.encode()
+    head: bytes = getattr(proc, "stderr_head", b"")
+    fd = proc.stderr.fileno()
+    deadline = time.time() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while marker not in head and proc.poll() is None and time.time() < deadline:
+            if sel.select(timeout=0.2):
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                head += chunk
+    proc.stderr_head = head  # communicate() reads the rest; finish_load joins them
+    assert marker in head or proc.poll() is not None, f"the load never said it was sending: {head[-2000:]!r}"
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
 
@@ -204,6 +224,7 @@ def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS, 
     if stop:
         stop_sending(proc)
     out, err = proc.communicate(timeout=120)
+    err = getattr(proc, "stderr_head", b"").decode(errors="replace") + (err or "")
     assert proc.returncode == 0, f"load exited {proc.returncode}: {err[-2000:]}"
     res = json_lines(out)[-1]
     check_load(res, cfg_d, max_tokens)

@@ -173,3 +173,17 @@ def test_the_cli_core_never_asks_which_engine_it_drives():
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not [m for m in imported if "vllm" in m], sorted(imported)
     assert "vllm" not in source.lower(), [ln for ln in source.splitlines() if "vllm" in ln.lower()]
+
+
+def test_the_light_lane_runs_no_module_that_starts_ray_or_vllm():
+    """scripts/test.sh's second worker takes only the units conftest calls light: none of their
+    modules may start a Ray head or a vLLM server (the lanes keep one such stream on the box)."""
+    from tests.conftest import _heavy, _work_unit
+
+    starts = ("ray_cluster", "deployments", "pytest.mark.ray", "vllm_oracle", "vllm_checkpoint", "start_local",
+              "import ray", "vllm_servers")
+    light = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
+             if not _heavy(_work_unit(p.name)) and p.name != Path(__file__).name]  # this one names them
+    assert len(light) > 20, [p.name for p in light]
+    wrong = [f"{p.name}: {s}" for p in light for s in starts if s in p.read_text()]
+    assert not wrong, wrong
