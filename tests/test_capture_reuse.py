@@ -156,7 +156,7 @@ def test_reuse_check_refuses_a_capture_sized_for_the_launch_world():
 
     op, errors = run(go(), 180)
     assert op["state"] != "succeeded", op
-    assert any("reused capture refused" in m and "world of 2" in m for m in errors), (op, errors)
+    assert any("reused capture refused" in m and "world of 2" in m for m in errors), (op.get("state"), op.get("error"), errors)
 
 
 def test_capture_memory_matches_the_model_bound():
