@@ -15,18 +15,19 @@ import pytest
 from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 
 
-# Under pytest-xdist (`bash scripts/test.sh` runs two workers as two lanes): a module is one unit of
+# Under pytest-xdist (`EEPCTL_TEST_WORKERS=2 bash scripts/test.sh`): a module is one unit of
 # work (its module-scoped deployment or server serves all its tests), and the modules that start
 # vLLM servers are one unit (their servers would race for vLLM's default ports, and two of them
 # share the session's oracle server). (xdist's own ``loadgroup`` does not group on pytest 9.2,
 # which no longer reads the node id xdist rewrites: a scheduler of ours.)
 #
-# Lanes (the default, EEPCTL_TEST_LANES unset or 1): worker gw0 runs every unit that starts a Ray
+# Lanes (EEPCTL_TEST_LANES unset or 1): worker gw0 runs every unit that starts a Ray
 # head or a vLLM server, one after another, as one worker would; gw1 runs only the units that start
 # neither (``HEAVY_UNITS`` names the others), beside gw0's first ones, which load-test held under
 # two full workers (``LANE_FIRST``), and then stops. The suite waits on detection bounds, start-ups
 # and restarts about a third of its time, and the light lane fills that idle core without putting a
-# second Ray or vLLM stream on the box, which load-sensitive tests did not hold (docs/testing.md).
+# second Ray or vLLM stream on the box, which load-sensitive tests did not hold. The light lane's own
+# tests are not all load-proof either (docs/testing.md, "Two lanes"), so one worker stays the default.
 # EEPCTL_TEST_LANES=0: free dealing, the longest units first (``LONGEST_FIRST``).
 VLLM_SERVER_MODULES = ("test_vllm_elastic", "test_vllm_cpu_ep", "test_vllm_plugin", "test_vllm_amx")
 HEAVY_UNITS = ("vllm", "test_fuzz", "test_completions")  # with every ``*_ray`` module
