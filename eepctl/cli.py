@@ -202,10 +202,9 @@ def generate(
     if rate is not None:
         from eepctl.loadgen import interrupt_ends_sending
 
-        # (the outer handler: a Ctrl-C that lands once the sending is over, as the report is printed,
-        # ends nothing, the way the first one during the sending only ends the sending)
-        with interrupt.doing(f"load on {name} ({rate:g} requests/s)", leaves), interrupt_ends_sending():
+        with interrupt.doing(f"load on {name} ({rate:g} requests/s)", leaves):
             res = core.load(t, prompts, max_tokens, rate, duration, timeout, api_key=api_key, note=_note)
+        with interrupt_ends_sending():  # a first Ctrl-C while the report is printed ends nothing
             _emit(render.to_json("load", res) + "\n" if output == Output.json else render.load_text(res))
         if res["failed"]:
             raise typer.Exit(5)
