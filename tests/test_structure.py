@@ -176,8 +176,9 @@ def test_the_cli_core_never_asks_which_engine_it_drives():
 
 
 def test_the_light_lane_runs_no_module_that_starts_ray_or_vllm():
-    """scripts/test.sh's second worker takes only the units conftest calls light: none of their
-    modules may start a Ray head or a vLLM server (the lanes keep one such stream on the box)."""
+    """The second of two lanes (EEPCTL_TEST_WORKERS=2) takes only the units conftest calls light:
+    none of their modules may start a Ray head or a vLLM server (the lanes keep one such stream on
+    the box)."""
     from tests.conftest import _heavy, _work_unit
 
     starts = ("ray_cluster", "deployments", "pytest.mark.ray", "vllm_oracle", "vllm_checkpoint", "start_local",
