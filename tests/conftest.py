@@ -21,17 +21,16 @@ from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 # share the session's oracle server). (xdist's own ``loadgroup`` does not group on pytest 9.2,
 # which no longer reads the node id xdist rewrites: a scheduler of ours.)
 #
-# Lanes (EEPCTL_TEST_LANES unset or 1): worker gw0 runs every unit that starts a Ray
-# head or a vLLM server, one after another, as one worker would; gw1 runs only the units that start
-# neither (``HEAVY_UNITS`` names the others), beside gw0's first ones, which load-test held under
-# two full workers (``LANE_FIRST``), and then stops. The suite waits on detection bounds, start-ups
-# and restarts about a third of its time, and the light lane fills that idle core without putting a
-# second Ray or vLLM stream on the box, which load-sensitive tests did not hold. The light lane's own
-# tests are not all load-proof either (docs/testing.md, "Two lanes"), so one worker stays the default.
+# Lanes (EEPCTL_TEST_LANES unset or 1): worker gw0 runs every unit that starts a Ray head of its
+# own (``RAY_UNITS`` and every ``*_ray`` module), one after another; gw1 runs the vLLM unit first,
+# then every unit that starts neither Ray nor vLLM (``_lane`` says which; each worker's session
+# starts its own Ray head on a free port when a test asks for one). So the box never holds two Ray
+# deployments' test streams, nor two vLLM servers' start-ups, at once: about 1100 s of gw0's
+# Ray units beside about 850 s of gw1's, against 1500 s on one worker (docs/testing.md, "Two lanes").
 # EEPCTL_TEST_LANES=0: free dealing, the longest units first (``LONGEST_FIRST``).
 VLLM_SERVER_MODULES = ("test_vllm_elastic", "test_vllm_cpu_ep", "test_vllm_plugin", "test_vllm_amx")
-HEAVY_UNITS = ("vllm", "test_fuzz", "test_completions")  # with every ``*_ray`` module
-LANE_FIRST = ("test_scaling_ray", "test_selfheal_ray")
+RAY_UNITS = ("test_fuzz", "test_completions")  # with every ``*_ray`` module: they start the session's Ray head
+LANE_FIRST = ("vllm", "test_scaling_ray", "test_selfheal_ray")
 LONGEST_FIRST = ("vllm", "test_multinode_ray", "test_scaling_ray", "test_control_plane_ray", "test_selfheal_local",
                  "test_selfheal_ray", "test_autoscale_e2e_ray", "test_cli_ray", "test_selfheal_mechanisms")
 
@@ -41,9 +40,10 @@ def _work_unit(nodeid: str) -> str:
     return "vllm" if module in VLLM_SERVER_MODULES else module
 
 
-def _heavy(unit: str) -> bool:
-    """A unit that starts a Ray head or a vLLM server (tests/test_structure.py checks the split)."""
-    return unit in HEAVY_UNITS or unit.endswith("_ray")
+def _lane(unit: str) -> int:
+    """0: a unit that starts a Ray head (not a vLLM server); 1: the vLLM unit, and every unit that
+    starts neither (tests/test_structure.py checks the split)."""
+    return 0 if unit in RAY_UNITS or unit.endswith("_ray") else 1
 
 
 def _lanes() -> bool:
@@ -63,18 +63,19 @@ if importlib.util.find_spec("xdist") is not None:
 
         class WorkUnits(LoadScopeScheduling):
             """Whole work units (``_work_unit``) to a worker, in collection order; with lanes,
-            gw0 takes the heavy units first and gw1 only light ones."""
+            gw0 takes only lane 0's units and gw1 only lane 1's (``_lane``)."""
 
             def _split_scope(self, nodeid: str) -> str:
                 return _work_unit(nodeid)
 
+            @staticmethod
+            def _lane_of(node: Any) -> int:
+                return 0 if node.gateway.id == "gw0" else 1
+
             def _assign_work_unit(self, node: Any) -> None:
                 if not _lanes():
                     return super()._assign_work_unit(node)
-                light_lane = node.gateway.id != "gw0"
-                units = list(self.workqueue)
-                pick = next((u for u in units if not _heavy(u)), None) if light_lane else \
-                    next((u for u in units if _heavy(u)), units[0] if units else None)
+                pick = next((u for u in self.workqueue if _lane(u) == self._lane_of(node)), None)
                 if pick is None:  # nothing left for this lane: it ends once its tests ran
                     node.shutdown()
                     return None
@@ -82,9 +83,9 @@ if importlib.util.find_spec("xdist") is not None:
                 return super()._assign_work_unit(node)
 
             def _reschedule(self, node: Any) -> None:
-                if _lanes() and not node.shutting_down and node.gateway.id != "gw0" \
-                        and all(_heavy(u) for u in self.workqueue):
-                    node.shutdown()  # the light units are all dealt: this lane ends once its tests ran
+                if _lanes() and not node.shutting_down \
+                        and all(_lane(u) != self._lane_of(node) for u in self.workqueue):
+                    node.shutdown()  # this lane's units are all dealt: it ends once its tests ran
                     return None
                 return super()._reschedule(node)
 

@@ -217,6 +217,46 @@ def test_abort_wakes_the_waiter_and_tells_the_peer() -> None:
     assert got[1]["code"] == GroupFailure.PEER_GONE.value and got[1]["wall_s"] < 5.0, got
 
 
+def _part_then_leave(rank: int, size: int, port: int, prefix: str, q: Any) -> None:
+    """Rank 0 writes its part of an all-reduce and leaves the group (a committing rank leaves the
+    old group once it has read the agreeing header); rank 1 is already waiting; rank 2, starved,
+    arrives 0.6 s later. Each reports what its all-reduce and the next collective gave."""
+    import threading
+
+    g = StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport="auto", shm_bytes=4096)
+    g.barrier()
+    if rank == 0:
+        threading.Timer(0.2, g.abort).start()  # after its part is written, while rank 2 is missing
+    elif rank == 2:
+        time.sleep(0.6)
+    out: dict[str, Any] = {"rank": rank}
+    try:
+        out["max"] = g.all_reduce_max(torch.tensor([rank, 10 * (rank + 1)], dtype=torch.int64)).tolist()
+        g.all_reduce_sum(torch.ones(2))
+        out["next"] = "none"
+    except GroupError as ex:
+        out["next" if "max" in out else "max"] = f"{ex.code.value}: {ex}"
+    q.put(out)
+    g.destroy()
+
+
+def test_a_peer_that_left_after_writing_its_part_fails_only_the_next_collective() -> None:
+    """The race of a scale's commit under CPU starvation (docs/testing.md, "The commit race"):
+    the ranks agree to commit through one all-reduce of their headers; the first to read it
+    switches groups and leaves the old one while a slower rank still waits there for a third. That
+    rank must finish the agreeing all-reduce (rank 0's part is written), not fail it for a peer
+    that left (which degraded it, aborted the new group and failed the commit), and the next
+    collective on the old group fails with peer_gone, naming the leaver."""
+    procs, q, _store = _spawn(_part_then_leave, 3, lambda r: ("part-then-leave",))
+    got = {d["rank"]: d for d in (q.get(timeout=120) for _ in range(3))}
+    for p in procs:
+        p.join(10)
+    assert got[0]["max"].startswith("aborted"), got
+    for r in (1, 2):
+        assert got[r]["max"] == [2, 30], got  # every rank's part, rank 0's included
+        assert got[r]["next"].startswith("peer_gone") and "[0] left the group" in got[r]["next"], got
+
+
 def _oversized(rank: int, size: int, port: int, q: Any) -> None:
     g = StatelessGroup(Rendezvous("127.0.0.1", port, "big"), rank, size, transport="auto", shm_bytes=4096)
     try:

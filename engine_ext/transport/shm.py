@@ -17,7 +17,9 @@ then), write this rank's part into its buffer ``g % 2``, set ``seq = g``, wait u
 
 Waiting never spins for long: 0.1 ms of polling, then ``sched_yield`` to 2 ms, then sleeps
 that grow to a millisecond (an idle rank sleeps on the store, not here). A wait ends with ``ShmError``: ``timeout`` after ``timeout_s`` (the group's, or the
-step's while serving), ``peer_gone`` when a peer's process is gone or it left the group, and
+step's while serving), ``peer_gone`` when a peer's process is gone or it left the group short
+of this collective (one that wrote its part and then left, as a committing rank leaves the old
+group, blocks no one: the collective completes, the next one fails), and
 ``aborted`` when this rank aborted the group (``abort`` wakes its waiters within a sleep),
 ``overflow`` when a collective is larger than the segment was sized for (before any data is
 written: every member refuses the same collective, and the group stays usable; an all-to-all's
@@ -169,8 +171,12 @@ class ShmCollectives:
             elapsed = time.perf_counter() - t0
             if self._aborted:
                 raise self._fail("aborted", f"{what}: this rank aborted the group")
-            if ctrl[:, LEFT].max() > 0:
-                left = [int(j) for j in np.nonzero(ctrl[:, LEFT])[0]]
+            # a peer that left after its part of this collective was written (a committing rank
+            # leaves the old group as soon as it has read the agreeing header) blocks no one: only
+            # one that left short of it fails the wait (LEFT is read first, then its part: a rank
+            # writes its part before it leaves)
+            left = [int(j) for j in np.nonzero((ctrl[:, LEFT] > 0) & (column < target))[0]]
+            if left:
                 raise self._fail("peer_gone", f"{what}: rank(s) {left} left the group")
             if elapsed > self.timeout_s:
                 late = [int(j) for j in np.nonzero(column < target)[0]]
@@ -198,14 +204,14 @@ class ShmCollectives:
             elapsed = time.perf_counter() - t0
             if self._aborted:
                 raise self._fail("aborted", f"{what}: this rank aborted the group")
-            if self._ctrl[peer, LEFT] > 0:
+            if self._ctrl[peer, LEFT] > 0 and not ready():  # it may have answered, then left
                 raise self._fail("peer_gone", f"{what}: rank {peer} left the group")
             if elapsed > self.timeout_s:
                 raise self._fail("timeout", f"{what}: rank {peer} did not arrive within {self.timeout_s:g} s")
             if elapsed > probe:
                 probe = elapsed + PROBE_S
                 pid = int(self._ctrl[peer, PID])
-                if pid > 0 and not process_alive(pid):
+                if pid > 0 and not process_alive(pid) and not ready():
                     raise self._fail("peer_gone", f"{what}: the process of rank {peer} is gone")
             time.sleep(sleep)
             sleep = min(MAX_SLEEP_S, sleep * 2)
