@@ -21,16 +21,20 @@ from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 # share the session's oracle server). (xdist's own ``loadgroup`` does not group on pytest 9.2,
 # which no longer reads the node id xdist rewrites: a scheduler of ours.)
 #
-# Lanes (EEPCTL_TEST_LANES unset or 1): worker gw0 runs every unit that starts a Ray head of its
-# own (``RAY_UNITS`` and every ``*_ray`` module), one after another; gw1 runs the vLLM unit first,
-# then every unit that starts neither Ray nor vLLM (``_lane`` says which; each worker's session
-# starts its own Ray head on a free port when a test asks for one). So the box never holds two Ray
-# deployments' test streams, nor two vLLM servers' start-ups, at once: about 1100 s of gw0's
-# Ray units beside about 850 s of gw1's, against 1500 s on one worker (docs/testing.md, "Two lanes").
+# Lanes (EEPCTL_TEST_LANES unset or 1): worker gw0 runs the Ray modules that do the most (every
+# ``*_ray`` module, ``RAY_UNITS``), one after another, and the vLLM unit last; gw1 runs the Ray modules
+# that mostly wait (``WAITING_RAY``: a node's loss, a partition, a controller's restart, each a wait
+# of seconds) and then every unit that starts neither Ray nor vLLM. Each worker's session starts its
+# own Ray head on a free port when a test asks for one. The suite waits on detection bounds,
+# start-ups and restarts about a third of its time (on one worker); two CPU-heavy streams (the vLLM
+# unit beside the busiest Ray modules) made each take 2-3x longer and load-sensitive tests fail
+# (docs/testing.md, "Two lanes").
 # EEPCTL_TEST_LANES=0: free dealing, the longest units first (``LONGEST_FIRST``).
 VLLM_SERVER_MODULES = ("test_vllm_elastic", "test_vllm_cpu_ep", "test_vllm_plugin", "test_vllm_amx")
 RAY_UNITS = ("test_fuzz", "test_completions")  # with every ``*_ray`` module: they start the session's Ray head
-LANE_FIRST = ("vllm", "test_scaling_ray", "test_selfheal_ray")
+WAITING_RAY = ("test_multinode_ray", "test_control_plane_ray", "test_cli_ray")  # gw1's Ray modules
+LANE_FIRST = ("test_scaling_ray", "test_multinode_ray", "test_selfheal_ray", "test_control_plane_ray", "test_cli_ray")
+LANE_LAST = ("vllm",)  # gw0 ends with it, once gw1 has (about) finished
 LONGEST_FIRST = ("vllm", "test_multinode_ray", "test_scaling_ray", "test_control_plane_ray", "test_selfheal_local",
                  "test_selfheal_ray", "test_autoscale_e2e_ray", "test_cli_ray", "test_selfheal_mechanisms")
 
@@ -40,10 +44,17 @@ def _work_unit(nodeid: str) -> str:
     return "vllm" if module in VLLM_SERVER_MODULES else module
 
 
+def _starts_ray(unit: str) -> bool:
+    return unit in RAY_UNITS or unit.endswith("_ray")
+
+
 def _lane(unit: str) -> int:
-    """0: a unit that starts a Ray head (not a vLLM server); 1: the vLLM unit, and every unit that
-    starts neither (tests/test_structure.py checks the split)."""
-    return 0 if unit in RAY_UNITS or unit.endswith("_ray") else 1
+    """0: gw0's units (the vLLM unit, the Ray modules that do the most); 1: gw1's (the Ray modules
+    that mostly wait, and every unit that starts neither Ray nor vLLM). tests/test_structure.py
+    checks the split."""
+    if unit == "vllm" or (_starts_ray(unit) and unit not in WAITING_RAY):
+        return 0
+    return 1
 
 
 def _lanes() -> bool:
@@ -53,8 +64,9 @@ def _lanes() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the order a worker collects is the one xdist deals out
         first = LANE_FIRST if _lanes() else LONGEST_FIRST
-        rank = {unit: i for i, unit in enumerate(first)}
-        items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(rank)))  # stable: the rest keep their order
+        last = LANE_LAST if _lanes() else ()
+        rank = {unit: i for i, unit in enumerate(first)} | {unit: len(first) + 1 + i for i, unit in enumerate(last)}
+        items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(first)))  # stable: the rest keep their order
 
 
 if importlib.util.find_spec("xdist") is not None:

@@ -275,3 +275,49 @@ def test_up_refuses_a_world_whose_workspace_eats_the_kv_budget(runner: CliRunner
                        "--address", "127.0.0.1:1")
     assert isinstance(err, PreconditionError) and err.exit_code == ExitCode.PRECONDITION, err.message
     assert "cannot start DP 2: at DP 2 the MoE workspace takes" in err.message and "KV budget" in err.message
+
+
+# ---- output that a signal interrupts ----------------------------------------------------------------
+_WRITER = """
+import json, sys
+from eepctl.loadgen import interrupt_ends_sending
+from eepctl.options import emit
+text = json.dumps({"report": list(range(60000))}) + "\\n"  # about 400 KB: past a pipe's 64 KiB
+sys.stderr.write("ready\\n"); sys.stderr.flush()
+with interrupt_ends_sending():  # what generate --rate holds while its report is printed
+    if sys.argv[1] == "emit":
+        emit(text)
+    else:  # the way emit wrote before: the text stream's write and flush
+        sys.stdout.write(text); sys.stdout.flush()
+"""
+
+
+@pytest.mark.parametrize("how", ["emit", pytest.param("text-stream", id="text-stream-write")])
+def test_a_report_interrupted_while_the_reader_lags_comes_out_whole(how: str) -> None:
+    """A Ctrl-C (a script's SIGINT) that lands while the command's output is blocked on a full
+    pipe (its reader busy elsewhere: the test helper reading stderr first, a slow `jq`) ends
+    nothing, and every byte of the report still comes out. Written through the text stream (the
+    harm, `test_autoscale_e2e_ray` in a CI run) the output stopped at a multiple of 64 KiB with
+    exit 0 and no error; ``options.emit`` writes the bytes itself until all are out."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    cut = []
+    for _ in range(3):
+        p = subprocess.Popen([sys.executable, "-c", _WRITER, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=ROOT)
+        assert p.stderr is not None and p.stderr.readline() == b"ready\n"
+        time.sleep(0.5)  # the writer fills the pipe and blocks in its write
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0, err[-500:]
+        try:
+            assert json.loads(out)["report"][-1] == 59999
+        except ValueError:
+            cut.append(len(out))
+    if how == "emit":
+        assert cut == [], f"reports cut at {cut} bytes"
+    else:
+        assert cut and all(n % 65536 == 0 for n in cut), cut  # the harm: cut at the pipe's capacity

@@ -175,22 +175,21 @@ def test_the_cli_core_never_asks_which_engine_it_drives():
     assert "vllm" not in source.lower(), [ln for ln in source.splitlines() if "vllm" in ln.lower()]
 
 
-def test_each_lane_starts_one_kind_of_service():
-    """Two lanes (EEPCTL_TEST_WORKERS=2, tests/conftest.py): lane 0's modules start Ray heads and
-    never a vLLM server; lane 1's start no Ray head, except the vLLM unit (its modules start vLLM
-    servers, and vLLM's elastic deployment runs on the session's head). So the box never runs two
-    Ray test streams or two vLLM start-ups at once, and every module that starts a vLLM server is
-    in the vLLM unit (their servers share vLLM's default ports and the session's oracle)."""
-    from tests.conftest import VLLM_SERVER_MODULES, _lane, _work_unit
+def test_the_lanes_split_ray_and_vllm_as_conftest_says():
+    """Two lanes (EEPCTL_TEST_WORKERS=2, tests/conftest.py): every module that starts a vLLM server is
+    in the vLLM unit (their servers share vLLM's default ports and the session's oracle), which runs
+    on lane 0; lane 1 starts Ray only in the modules ``WAITING_RAY`` names; every other module that
+    starts Ray runs on lane 0."""
+    from tests.conftest import VLLM_SERVER_MODULES, WAITING_RAY, _lane, _work_unit
 
     ray_starts = ("ray_cluster", "deployments", "pytest.mark.ray", "start_local", "import ray")
     vllm_starts = ("vllm_oracle", "vllm_checkpoint", "vllm_servers")
-    modules = [p for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name != Path(__file__).name]  # this one names them
-    lanes = {p.name: _lane(_work_unit(p.name)) for p in modules}
+    modules = {p.stem: p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py"))
+               if p.name != Path(__file__).name}  # this one names them
+    lanes = {m: _lane(_work_unit(m)) for m in modules}
+    serves_vllm = sorted(m for m, text in modules.items() if any(s in text for s in vllm_starts))
+    assert serves_vllm and all(m in VLLM_SERVER_MODULES and lanes[m] == 0 for m in serves_vllm), serves_vllm
+    ray_in_lane_1 = sorted(m for m, text in modules.items()
+                           if lanes[m] == 1 and any(s in text for s in ray_starts))
+    assert ray_in_lane_1 == sorted(WAITING_RAY), ray_in_lane_1
     assert sum(1 for v in lanes.values() if v == 1) > 20 and sum(1 for v in lanes.values() if v == 0) > 10, lanes
-    text = {p.name: p.read_text() for p in modules}
-    serves_vllm = sorted(n for n in text if any(s in text[n] for s in vllm_starts))
-    assert serves_vllm and all(Path(n).stem in VLLM_SERVER_MODULES for n in serves_vllm), serves_vllm
-    ray_in_lane_1 = [f"{n}: {s}" for n in text for s in ray_starts
-                     if lanes[n] == 1 and Path(n).stem not in VLLM_SERVER_MODULES and s in text[n]]
-    assert not ray_in_lane_1, ray_in_lane_1

@@ -276,7 +276,7 @@ def _check_answers(records: list[dict[str, Any]], expected: list[list[int]], win
     """Every answer of the load equals the oracle's tokens. vLLM may end a request in flight at a
     switch with finish_reason "abort" and the tokens it had (HTTP 200; seen once in 2 -> 3): counted
     apart, it must be a prefix of the oracle's output and have run across a switch. Every failure
-    is vLLM's 503 during a switch (``windows``: the scales' start and end). Answered requests ran
+    is vLLM's 503 while a switch ran (``windows``: the scales' start and end). Answered requests ran
     while each of the first ``busy`` windows (default: all) was open."""
     ok = [r for r in records if r["code"] == 200]
     refused = [r for r in records if r["code"] != 200]
@@ -292,7 +292,10 @@ def _check_answers(records: list[dict[str, Any]], expected: list[list[int]], win
         assert got == expected[r["i"]][:len(got)], (r["i"], got, expected[r["i"]])
         assert any(r["start"] < t1 and t0 < r["end"] for t0, t1 in windows), (windows, r)
     assert all(r["code"] == 503 and r["body"] == SCALING_503 for r in refused), refused
-    assert all(any(t0 <= r["start"] <= t1 for t0, t1 in windows) for r in refused), (windows, refused)  # during a switch
+    # during a switch: the request was in flight while one was (sent just before a switch began, a
+    # request may wait on a busy box until vLLM refuses it inside the switch)
+    late = [r for r in refused if not any(r["start"] <= t1 and t0 <= r["end"] for t0, t1 in windows)]
+    assert not late, (windows, late)
     for t0, t1 in windows[:busy]:  # answered requests that ran while a scale was in flight
         assert any(t0 < r["end"] and r["start"] < t1 for r in ok), (t0, t1)
 

@@ -293,7 +293,12 @@ def server_process(ray_cluster: dict[str, Any], model_dir: Path,
                VLLM_API_KEY=API_KEY, VLLM_SERVER_DEV_MODE="1",
                EEPCTL_VLLM_DEBUG_FAIL_COMMIT=str(fail_commit),
                EEPCTL_VLLM_FLAG_STUCK_S=str(FLAG_BOUND_S),  # the vLLM controller's bound (the plugin creates it)
-               EEPCTL_VLLM_FLAG_SETTLE_S=str(FLAG_SETTLE_S))
+               EEPCTL_VLLM_FLAG_SETTLE_S=str(FLAG_SETTLE_S),
+               # the abandoned-operation test writes a running record no controller runs, which the
+               # orphan watch ends (rolled back at vLLM's size) once vLLM's flag was down this long:
+               # on a busy box that test's eepctl calls outlasted the default 6 s (test_vllm_elastic
+               # covers the orphan watch, with its own server)
+               EEPCTL_VLLM_ORPHAN_SETTLE_S="600")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--gpu-memory-utilization", "0.25",
            "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8",
