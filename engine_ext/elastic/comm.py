@@ -212,8 +212,10 @@ class StatelessGroup:
                                        *((None, None) if on_cpu else (cuda_ipc.share_pieces, cuda_ipc.fetch_pieces)))
 
     def _one_host(self) -> bool:
-        """Every member's ``host_key`` through the group's store: the same answer on every rank."""
-        self.store.set(f"xport/host/{self.rank}", host_key(_node.ip if _node is not None else ""))
+        """Every member's ``host_key`` through the group's store: the same answer on every rank. CUDA
+        ranks also share one device (a collective reads every peer's buffer on its own device)."""
+        dev = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else ""
+        self.store.set(f"xport/host/{self.rank}", host_key(_node.ip if _node is not None else "") + dev)
         keys = {self.store.get(f"xport/host/{r}").decode() for r in range(self.size)}
         return len(keys) == 1
 
