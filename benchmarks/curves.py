@@ -348,10 +348,6 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
                "received": d.get("bytes_received", 0)}
             for r, d in sorted((r, e["detail"]) for r, e in moved.items())}
         row["precopy_s"] = max((e["duration_s"] for e in pre.values()), default=None)
-        # CUDA IPC: the peers' expert weights mapped when the EPLB communicator formed (prepare,
-        # before the pre-copy's window; EEPCTL_IPC_PREMAP=0: mapped inside the moves instead)
-        row["premap_s_by_rank"] = {str(r): e["detail"]["premap_s"] for r, e in
-                                   sorted(_rank_events(dep, op_id, "prepare").items()) if "premap_s" in e["detail"]}
         # the move alone: expert bytes a joiner received over its pre-copy's exchanges' time
         rates = [e["detail"]["bytes_received"] / e["detail"]["exchange_s"] for r, e in pre.items()
                  if r in joiners and e["detail"].get("exchange_s") and e["detail"].get("bytes_received")]

@@ -121,62 +121,6 @@ def test_cuda_ipc_collectives_and_moves_equal_gloo_on_one_gpu(monkeypatch: pytes
     assert ipc[1]["a2a_counts"] == [1, 2, 0] and all(r["a2a_back"] for r in ipc)
 
 
-def _premapped_move(rank: int, size: int, port: int, prefix: str, wait_on_held: bool, q: Any) -> None:
-    """Two ranks on one GPU map each other's weights (``cuda_ipc.premap``); rank 0 then queues half
-    a second of GPU work and a write into its weights, and moves a piece of them to rank 1 at once."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, shared_cache
-
-    if not wait_on_held:  # the broken variant: a held mapping is read without the sender's event
-        cuda_ipc._open = lambda args: rebuild_cuda_tensor(*args)
-    dev = torch.device("cuda")
-    g = StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport="auto", shm_bytes=4096,
-                       device=dev)
-    weights = torch.arange(1 << 20, dtype=torch.float32, device=dev) + 1000 * rank
-    premap_s = cuda_ipc.premap(g, [weights])
-    torch.cuda.synchronize()
-    g.barrier()
-    mapped = len(shared_cache)
-    out: dict[str, Any] = {"rank": rank, "premap_s": premap_s}
-    if rank == 0:
-        torch.cuda._sleep(int(1e9))  # about half a second of this stream's time, then the write
-        weights.fill_(7.0)
-        g.exchange([(weights[10:20], 1, 7)], [])
-    else:
-        into = torch.zeros(10, device=dev)
-        g.exchange([], [(into, 0, 7)])
-        torch.cuda.synchronize()
-        out.update(got=into.tolist(), new_mappings=len(shared_cache) - mapped, map_s=g.moves.seconds["map_s"])
-    out["held"] = len(g.shm.premapped)
-    g.abort()
-    out["held_after_abort"] = len(g.shm.premapped)
-    q.put(out)
-    g.destroy()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU runs cover shm)")
-@pytest.mark.parametrize("wait_on_held", [True, pytest.param(False, id="no-event-wait")])
-def test_premapped_weights_serve_the_move_after_the_senders_writes(monkeypatch: pytest.MonkeyPatch,
-                                                                   wait_on_held: bool) -> None:
-    """Issue 34: a scale's members map their peers' expert weights in prepare, so the pre-copy maps
-    nothing. The move then finds the mapping held (no new mapping), and still reads what the sender
-    wrote before it published: torch waits on the sender's IPC event only when it maps, so
-    ``cuda_ipc._open`` waits on it for a held mapping. Without that wait (the broken variant) the
-    copy runs beside the sender's queued work and reads the weights as they were."""
-    monkeypatch.delenv(cuda_ipc.ENABLE_ENV, raising=False)
-    monkeypatch.delenv(cuda_ipc.PREMAP_ENV, raising=False)
-    procs, q, _store = _spawn(_premapped_move, 2, lambda r: (f"premap-{wait_on_held}", wait_on_held))
-    got = {d["rank"]: d for d in (q.get(timeout=120) for _ in range(2))}
-    for p in procs:
-        p.join(30)
-    assert all(got[r]["premap_s"] is not None and got[r]["held"] == 1 and got[r]["held_after_abort"] == 0
-               for r in (0, 1)), got
-    assert got[1]["new_mappings"] == 0, got  # the move used the mapping premap made
-    if wait_on_held:
-        assert got[1]["got"] == [7.0] * 10, got
-    else:
-        assert got[1]["got"] == [float(i) for i in range(10, 20)], got  # read before the write: stale
-
-
 def test_a_world_across_hosts_stays_on_gloo() -> None:
     """Two node addresses (two "hosts" to the placement) make a mixed world: gloo, same results."""
     mixed = _results(2, "mixed", "auto", ["127.0.0.1", "127.0.0.2"])

@@ -25,7 +25,6 @@ from engine_ext.rank.shared import RankResources, RankShared
 from engine_ext.rank.step_loop import StepLoop
 from engine_ext.rank.telemetry import RankTelemetry
 from engine_ext.rank.warmup import Warmup
-from engine_ext.transport import cuda_ipc
 
 
 DENSE_TAG = 100  # dense tensor j travels with tag DENSE_TAG + j, below the reshuffle's TAG_BASE
@@ -105,10 +104,6 @@ class RankTransition:
             op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), comm_world.index(me), len(comm_world),
                                           timeout_s=t, device=res.device,
                                           transport=res.cfg.transport)
-            # CUDA IPC: every member maps its peers' expert weights now, while serving, not in the moves
-            premapped = cuda_ipc.premap(op.eplb_comm, [res.model.w1, res.model.w2])
-            if premapped is not None:
-                d["premap_s"] = premapped
 
     def _transfer_phase(self, op: OpState) -> None:
         """A scale-up sends the non-expert weights to the joiners over the EPLB communicator."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 from typing import Any
 
 import torch
@@ -38,7 +37,6 @@ HOST_BYTES = 64 * 1024  # host buffers per rank: headers and barriers, not the d
 
 
 ENABLE_ENV = "EEPCTL_CUDA_IPC"  # "0": CUDA worlds stay on gloo (the operator's way out)
-PREMAP_ENV = "EEPCTL_IPC_PREMAP"  # "0": a move maps its sender's storage itself (the A/B of ``premap``)
 
 
 def supported(device: torch.device) -> bool:
@@ -58,16 +56,9 @@ def _share(t: torch.Tensor) -> tuple[Any, ...]:
 
 def _open(args: tuple[Any, ...]) -> torch.Tensor:
     """The peer's storage, mapped into this process (torch caches the mapping per allocation)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, storage_from_cache
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    # rebuild_cuda_tensor's arguments: 4 storage class, 7 handle, 9 offset, 13 event, 14 sync needed
-    held = storage_from_cache(args[4], (args[7], args[9])) is not None
-    t = rebuild_cuda_tensor(*args)
-    if held and args[14] and args[13] is not None:
-        # torch makes this stream wait on the sender's IPC event only when it maps the storage: a
-        # mapping already held (``premap``) must still order the copy after the sender's writes
-        torch.cuda.current_stream(t.device).wait_event(torch.cuda.Event.from_ipc_handle(t.device, args[13]))
-    return t
+    return rebuild_cuda_tensor(*args)
 
 
 def share_pieces(items: list[tuple[torch.Tensor, int]]) -> tuple[Any, ...]:
@@ -96,27 +87,7 @@ class CudaIpcCollectives(ShmCollectives):
     def __init__(self, store: Any, rank: int, size: int, capacity: int, timeout_s: float,
                  device: torch.device) -> None:
         self.device = device
-        self.premapped: list[torch.Tensor] = []  # peers' storages mapped ahead of the moves
         super().__init__(store, rank, size, capacity, timeout_s)
-
-    def premap(self, store: Any, tensors: list[torch.Tensor]) -> float:
-        """Map every peer's ``tensors`` (its expert weights) now, in prepare while the old world
-        serves, so a move out of them finds the mapping in torch's IPC cache instead of paying
-        ``cudaIpcOpenMemHandle`` inside the pre-copy (0.5-1.7 ms a sender on an H100). Held until
-        the group aborts or closes: a dead peer's memory stays allocated while it is mapped here.
-        Returns the seconds it took."""
-        t0 = time.perf_counter()
-        store.set(f"ipc/map/{self.rank}", pickle.dumps(share_pieces([(t, i) for i, t in enumerate(tensors)])))
-        for j in range(self.size):
-            if j != self.rank:
-                key = f"ipc/map/{j}"
-                self.wait_peer(lambda k=key: store.check([k]), j, "premap")  # type: ignore[misc]
-                self.premapped += fetch_pieces(pickle.loads(store.get(key))).values()
-        return time.perf_counter() - t0
-
-    def abort(self) -> None:
-        super().abort()
-        self.premapped = []  # the peers' memory is released once no copy reads it
 
     def _host_capacity(self) -> int:
         return HOST_BYTES
@@ -130,12 +101,3 @@ class CudaIpcCollectives(ShmCollectives):
 
     def _sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
-
-
-def premap(group: Any, tensors: list[torch.Tensor]) -> float | None:
-    """``CudaIpcCollectives.premap`` on ``group`` (a ``StatelessGroup``) when it moves over CUDA
-    IPC and ``EEPCTL_IPC_PREMAP`` is not "0"; its seconds, or None when nothing was mapped."""
-    shm = getattr(group, "shm", None)
-    if not isinstance(shm, CudaIpcCollectives) or os.environ.get(PREMAP_ENV, "1") == "0":
-        return None
-    return round(shm.premap(group.store, tensors), 6)
