@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 
 
-# Under pytest-xdist (`EEPCTL_TEST_WORKERS=2 bash scripts/test.sh`): a module is one unit of
+# Under pytest-xdist (`bash scripts/test.sh` runs two workers): a module is one unit of
 # work (its module-scoped deployment or server serves all its tests), and the modules that start
 # vLLM servers are one unit (their servers would race for vLLM's default ports, and two of them
 # share the session's oracle server). (xdist's own ``loadgroup`` does not group on pytest 9.2,

@@ -176,7 +176,7 @@ def test_the_cli_core_never_asks_which_engine_it_drives():
 
 
 def test_the_lanes_split_ray_and_vllm_as_conftest_says():
-    """Two lanes (EEPCTL_TEST_WORKERS=2, tests/conftest.py): every module that starts a vLLM server is
+    """Two lanes (scripts/test.sh's two workers, tests/conftest.py): every module that starts a vLLM server is
     in the vLLM unit (their servers share vLLM's default ports and the session's oracle), which runs
     on lane 0; lane 1 starts Ray only in the modules ``WAITING_RAY`` names; every other module that
     starts Ray runs on lane 0."""
