@@ -45,7 +45,10 @@ pytestmark = pytest.mark.ray
 
 RATE = 2.0  # base load, requests/s
 TOKENS = 64  # long enough that a quiet machine's base load still shows requests at the ranks
-UP_DELAY, DOWN_DELAY, COOLDOWN, WINDOW, TOLERANCE = 2.0, 10.0, 2.0, 4.0, 0.8
+# DOWN_DELAY: long enough that the scale-down cannot start before the test, polling through eepctl
+# processes on a loaded 2-core box, has seen the grown world serve (at 10 s a two-lane CI run saw
+# the down begin first, and waited out 120 s for a world that had already shrunk)
+UP_DELAY, DOWN_DELAY, COOLDOWN, WINDOW, TOLERANCE = 2.0, 25.0, 2.0, 4.0, 0.8
 HOLD_S = 6.0  # a recovery's survivors wait this long at its regroup (the "hold:regroup" test fault)
 
 
@@ -55,18 +58,26 @@ def _status(name: str) -> dict[str, Any] | None:
 
 
 def _serving(name: str, ranks: list[int], timeout: float = 120.0) -> dict[str, Any]:
-    """Status once exactly ``ranks`` serve at DP len(ranks) and no operation runs."""
+    """Status once exactly ``ranks`` serve at DP len(ranks) and no operation runs; failing, it
+    says what status showed last."""
+    seen: list[Any] = [None]
+
     def ok() -> dict[str, Any] | None:
         s = _status(name)
         if s is None:
             return None
+        seen[0] = ([(r["rank"], r["state"], r["dp_size"]) for r in s["ranks"]],
+                   (s.get("operation") or {}).get("op_id"))
         live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed", "fenced", "dead")]
         if (sorted(r["rank"] for r in live) == ranks and not s.get("operation")
                 and all(r["state"] == "serving" and r["dp_size"] == len(ranks) for r in live)):
             return s
         return None
 
-    return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks {ranks} serving")
+    try:
+        return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks {ranks} serving")
+    except AssertionError as ex:
+        raise AssertionError(f"{ex}; status showed last (rank, state, DP), operation: {seen[0]}") from None
 
 
 def _ops(name: str) -> list[dict[str, Any]]:
