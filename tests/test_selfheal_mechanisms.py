@@ -87,7 +87,9 @@ def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
 
             if variant == "no_reroute":
                 # the dead rank's requests stay owned by it: nobody answers them, nobody fails them
-                assert lost >= held > 0 and not failed and dep.orch.router.rerouted == 0, (lost, held, failed)
+                # (``held`` is counted just before the kill: on a busy box some of them finish in
+                # between; a two-lane CI run saw 2 of 4 lost)
+                assert lost > 0 and held > 0 and not failed and dep.orch.router.rerouted == 0, (lost, held, failed)
             elif variant == "no_store_rehost":
                 # the survivors regroup on the dead rank's store: the recovery hangs until its
                 # timeout, every request with it
