@@ -175,9 +175,10 @@ class ShmCollectives:
             # leaves the old group as soon as it has read the agreeing header) blocks no one: only
             # one that left short of it fails the wait (LEFT is read first, then its part: a rank
             # writes its part before it leaves)
-            left = [int(j) for j in np.nonzero((ctrl[:, LEFT] > 0) & (column < target))[0]]
-            if left:
-                raise self._fail("peer_gone", f"{what}: rank(s) {left} left the group")
+            if ctrl[:, LEFT].max() > 0:  # the cheap look first: this loop polls
+                left = [int(j) for j in np.nonzero((ctrl[:, LEFT] > 0) & (column < target))[0]]
+                if left:
+                    raise self._fail("peer_gone", f"{what}: rank(s) {left} left the group")
             if elapsed > self.timeout_s:
                 late = [int(j) for j in np.nonzero(column < target)[0]]
                 raise self._fail("timeout", f"{what}: rank(s) {late} did not arrive within {self.timeout_s:g} s")
