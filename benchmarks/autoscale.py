@@ -7,7 +7,8 @@ and (d) ours (docs/autoscaling.md defaults, queue and TTFT SLO, panic). Delays a
 with the trace (``--compress``: a 600 s delay at 10x is 60 s). The autoscaled cases run
 ``autoscale_round`` every ``--tick`` seconds, as the controller's loop does, and act through the
 orchestrator's scale. Reports per trace and case: SLO attainment (% of requests within the
-TTFT and TPOT SLOs, failures counting as misses), rank-seconds, operations and failed requests.
+TTFT and TPOT SLOs, failures counting as misses), rank-seconds, operations and failed requests,
+and per trace the least rank-seconds any policy could spend (``bounds``), as a share of static-max's.
 
 The process launcher has no autoscaler of its own (on Ray the controller's reconcile loop runs the
 same round, engine_ext/ray/controller.py), so this drives the round itself.
@@ -40,6 +41,18 @@ def traces(seconds: float) -> dict[str, Callable[[float], float]]:
         "ramp": lambda t: 1.0 + 3.0 * min(1.0, t / (0.7 * seconds)),
         "daily": lambda t: 2.5 - 1.5 * math.cos(2 * math.pi * t / seconds),
     }
+
+
+def bounds(shape: Callable[[float], float], seconds: float, max_dp: int, points: int = 10000) -> dict[str, float]:
+    """The least share of static-max's rank-seconds any policy could spend on ``shape`` if ranks serve
+    in proportion to their number and static-max is just enough for the peak (one rank per
+    ``peak / max_dp`` of load), scaling instantly with perfect foresight: ``fluid`` with fractional
+    ranks (the mean load over the peak), ``whole`` with whole ranks (ceil of the load in ranks). A
+    trace whose bound is above a goal's share cannot meet that goal, whatever the policy."""
+    loads = [shape((i + 0.5) * seconds / points) for i in range(points)]
+    per_rank = max(loads) / max_dp
+    return {"fluid": sum(loads) / len(loads) / max(loads),
+            "whole": sum(min(max_dp, math.ceil(x / per_rank - 1e-9)) for x in loads) / len(loads) / max_dp}
 
 
 def cases(min_dp: int, max_dp: int, compress: float, slo_ttft_ms: float) -> dict[str, dict[str, Any] | int]:
@@ -126,6 +139,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     shapes = traces(a.seconds)
     for name in a.traces.split(","):
+        b = bounds(shapes[name], a.seconds, a.max_dp)
+        print(f"| {name} | bound (instant, foresight) | - | fluid {100 * b['fluid']:.1f} % / whole ranks "
+              f"{100 * b['whole']:.1f} % of static-max | - | - | - |", flush=True)
         for label, case in cases(a.min_dp, a.max_dp, a.compress, a.slo_ttft_ms).items():
             r = asyncio.run(run_case(cfg, case, shapes[name], a))
             print(f"| {name} | {label} | {r['slo_pct']:.1f} % | {r['rank_s']:.0f} | {r['ops']} | {r['failed']} "

@@ -213,9 +213,9 @@ class RankTransition:
         self.res.faults.hold("commit")
         try:
             with telemetry.phase(plan.op_id, "commit", role=op.role) as d:
-                d["parts_s"] = self._commit_steps(op)
-                d["pause_s"] = time.time() - t0
-            op.result["pause_s"] = time.time() - t0
+                d["parts_s"] = parts = self._commit_steps(op)
+                d["pause_s"] = self._pause_s(op, parts, t0)
+            op.result["pause_s"] = d["pause_s"]
         except Exception as ex:  # noqa: BLE001 - whatever failed, on_error decides what it means
             op.error = f"commit failed on rank {shared.rank}: {type(ex).__name__}: {ex}"
             self.on_error(ex)  # a peer died: this rank is healthy and waits for recovery; else it failed
@@ -230,6 +230,17 @@ class RankTransition:
         telemetry.set_state(RankState.SERVING)
         op.done.set()
         return True
+
+    @staticmethod
+    def _pause_s(op: OpState, parts: dict[str, float], t0: float) -> float:
+        """This rank's part of the serving pause. A member stopped serving when its commit began. A
+        joiner served nothing before: its commit begins once prepared and waits in the first
+        collective (``mapping``) for the members to reach their step boundary, while they still
+        serve, so its pause counts from that rendezvous (the record's ``serving_pause_s``, the
+        largest over the new world, was a joiner's wait before: up to a decode step more, growing
+        with the experts' size; docs/benchmarks.md)."""
+        waited = parts.get("switch", 0.0) + parts.get("mapping", 0.0) if op.role == "joining" else 0.0
+        return max(0.0, time.time() - t0 - waited)
 
     def _commit_steps(self, op: OpState) -> dict[str, float]:
         """Switch groups, reshuffle experts and re-warm, in the order the rank's role needs; the

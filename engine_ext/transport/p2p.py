@@ -14,7 +14,8 @@ done; the sender returns only then (its slots may be overwritten after):
 
 The handshake goes through the group's store (a key per pair and exchange: both sides count the
 exchanges between them, so the n-th of a pair meets the n-th); waits end as a collective's do
-(``ShmCollectives.wait_peer``: the peer's process gone or departed, an abort, the timeout).
+(``ShmCollectives.wait_peer``: the peer's process gone or departed, an abort, the timeout). A
+receiver takes its senders in the order they publish.
 """
 
 from __future__ import annotations
@@ -177,10 +178,21 @@ class PeerMoves:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _wait(self, key: str, peer: int) -> None:
+    def _wait(self, keys: dict[int, str]) -> int:
+        """Wait until one of ``keys`` (peer -> store key) is set; return that peer."""
         t = time.perf_counter()
-        self.flags.wait_peer(lambda: self.store.check([key]), peer, "move")
+        found: list[int] = []
+
+        def ready() -> bool:
+            for p, k in keys.items():
+                if self.store.check([k]):
+                    found.append(p)
+                    return True
+            return False
+
+        self.flags.wait_peer(ready, sorted(keys), "move")
         self.seconds["wait_s"] += time.perf_counter() - t
+        return found[0]
 
     def exchange(self, sends: list[Piece], recvs: list[Piece]) -> int:
         """Every (tensor, dst, tag) of ``sends`` to its receiver, every (tensor, src, tag) of
@@ -191,7 +203,7 @@ class PeerMoves:
             done = self._publish(sends, staged)
             received = self._receive(recvs)
             for dst, key in done:
-                self._wait(key, dst)
+                self._wait({dst: key})
         finally:
             for s in staged:
                 s.unlink()  # normally the receiver did; a failed move leaves nothing in /dev/shm
@@ -226,9 +238,10 @@ class PeerMoves:
             by_src.setdefault(src, []).append((t, tag))
         received, acks = 0, []
         opened = []  # the senders' pieces, kept mapped until the copies out of them are complete
-        for src, items in sorted(by_src.items()):
-            key = self._key(src, self.rank)
-            self._wait(key, src)
+        pending = {src: self._key(src, self.rank) for src in sorted(by_src)}
+        while pending:  # the senders in the order they publish: a late one holds up no other's copy
+            src = self._wait(pending)
+            key, items = pending.pop(src), by_src[src]
             t_map = time.perf_counter()
             descriptor = pickle.loads(self.store.get(key))
             pieces = (self.fetch or fetch_staged)(descriptor)

@@ -196,26 +196,33 @@ class ShmCollectives:
                 time.sleep(sleep)
                 sleep = min(MAX_SLEEP_S, sleep * 2)
 
-    def wait_peer(self, ready: Callable[[], bool], peer: int, what: str) -> None:
+    def wait_peer(self, ready: Callable[[], bool], peers: int | list[int], what: str) -> None:
         """Wait until ``ready()`` (a condition outside the segment: a store key) as a collective
-        waits for a flag: an abort, ``peer`` leaving or dying, and the timeout end it."""
+        waits for a flag: an abort, one of ``peers`` leaving or dying, and the timeout end it.
+
+        A move's peer is usually a few milliseconds away (its step, its publish), so the wait looks
+        again at once at first, then sleeps a twentieth of the time waited so far (up to
+        ``MAX_SLEEP_S``): an answer is seen at most ~5 % late, where sleeps doubling to 1 ms made a
+        2-3 ms expert move wait up to a millisecond more per handshake (docs/benchmarks.md)."""
+        group = [peers] if isinstance(peers, int) else list(peers)
         t0 = time.perf_counter()
-        sleep, probe = 1e-4, PROBE_S
+        probe = PROBE_S
         while not ready():
             elapsed = time.perf_counter() - t0
             if self._aborted:
                 raise self._fail("aborted", f"{what}: this rank aborted the group")
-            if self._ctrl[peer, LEFT] > 0 and not ready():  # it may have answered, then left
-                raise self._fail("peer_gone", f"{what}: rank {peer} left the group")
+            left = [p for p in group if self._ctrl[p, LEFT] > 0]
+            if left and not ready():  # it may have answered, then left
+                raise self._fail("peer_gone", f"{what}: rank {left[0]} left the group")
             if elapsed > self.timeout_s:
-                raise self._fail("timeout", f"{what}: rank {peer} did not arrive within {self.timeout_s:g} s")
+                raise self._fail("timeout", f"{what}: rank {group[0] if len(group) == 1 else group} did not "
+                                 f"arrive within {self.timeout_s:g} s")
             if elapsed > probe:
                 probe = elapsed + PROBE_S
-                pid = int(self._ctrl[peer, PID])
-                if pid > 0 and not process_alive(pid) and not ready():
-                    raise self._fail("peer_gone", f"{what}: the process of rank {peer} is gone")
-            time.sleep(sleep)
-            sleep = min(MAX_SLEEP_S, sleep * 2)
+                dead = [p for p in group if int(self._ctrl[p, PID]) > 0 and not process_alive(int(self._ctrl[p, PID]))]
+                if dead and not ready():
+                    raise self._fail("peer_gone", f"{what}: the process of rank {dead[0]} is gone")
+            time.sleep(min(MAX_SLEEP_S, elapsed / 20))
 
     def check_usable(self, what: str) -> None:
         """Raise unless the group may run another exchange (not aborted, no failure before)."""

@@ -1,0 +1,50 @@
+"""What a scale's serving pause counts (the record's ``serving_pause_s``, the cost model's measured
+pause, the ``eep_serving_pause_seconds`` metric), on the process launcher.
+
+A joiner's commit begins as soon as it is prepared and waits in the commit's first collective for the
+members, which keep serving until their step boundary. Counting that wait made the recorded pause
+the joiner's idle time: up to a decode step more than the clients saw, growing with the experts'
+size on the H200 host (docs/benchmarks.md, "What the pause counts")."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine_ext.config import EngineConfig
+from engine_ext.launcher import LocalDeployment
+from tests.engine_helpers import run, wait_until
+
+HOLD_S = 3.0
+
+
+@pytest.mark.timeout(150)
+def test_a_joiners_wait_for_a_member_mid_step_is_not_a_pause() -> None:
+    """Rank 0 is held 3 s in a decode step (``hold:step``) when a 1 -> 2 scale adopts a standby: the
+    joiner's commit lasts about as long as the rest of the hold (the largest commit of the new world
+    was the record's pause before), while the pause is rank 0's commit and the joiner's part after
+    the rendezvous, both short; the request held in the step still completes."""
+    cfg = EngineConfig(faults=["hold:step@0"], fault_delay_s=HOLD_S)
+
+    async def scenario() -> None:
+        async with LocalDeployment(cfg, "pause-wait", max_dp=2, standby=1) as dep:
+            await dep.start(1)
+            await wait_until(lambda: len(dep.pool.ready) == 1, 90, "the standby in the pool")
+            request = asyncio.ensure_future(dep.generate([1, 2, 3], 4))
+            await wait_until(lambda: "held in step" in dep.registry.ranks[0].state_reason, 30,
+                             "rank 0 held in a decode step", interval_s=0.01)
+            op = await dep.scale(2, timeout_s=60)
+            assert op["state"] == "succeeded", op
+            commits = {e["rank"]: e for e in dep.registry.events_for(op["op_id"]) if e["phase"] == "commit" and e["rank"] >= 0}
+            assert set(commits) == {0, 1}, commits
+            joiner = commits[1]
+            waited = joiner["detail"]["parts_s"]["mapping"]
+            # the joiner waited for rank 0's step to end: what the old measure (its whole commit) reported
+            assert joiner["duration_s"] >= waited > 1.0, joiner
+            assert op["serving_pause_s"] < 0.5 < waited, (op["serving_pause_s"], joiner)
+            assert op["serving_pause_s"] == pytest.approx(max(e["detail"]["pause_s"] for e in commits.values()))
+            assert commits[0]["detail"]["pause_s"] == pytest.approx(commits[0]["duration_s"], abs=0.01)
+            assert not (await request).get("error")
+
+    run(scenario(), 140)
