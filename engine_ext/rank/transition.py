@@ -236,9 +236,7 @@ class RankTransition:
         """This rank's part of the serving pause. A member stopped serving when its commit began. A
         joiner served nothing before: its commit begins once prepared and waits in the first
         collective (``mapping``) for the members to reach their step boundary, while they still
-        serve, so its pause counts from that rendezvous (the record's ``serving_pause_s``, the
-        largest over the new world, was a joiner's wait before: up to a decode step more, growing
-        with the experts' size; docs/benchmarks.md)."""
+        serve, so its pause counts from that rendezvous (tests/test_serving_pause.py)."""
         waited = parts.get("switch", 0.0) + parts.get("mapping", 0.0) if op.role == "joining" else 0.0
         return max(0.0, time.time() - t0 - waited)
 
