@@ -105,6 +105,28 @@ if importlib.util.find_spec("xdist") is not None:
         return WorkUnits(config, log)
 
 
+_VLLM_RPC_DIR = ""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """vLLM opens its processes' IPC sockets in $VLLM_RPC_BASE_PATH (the temp dir by default) and
+    leaves them there when a test kills its server: the servers this session starts put theirs in
+    a short directory of its own (a socket path holds 107 bytes), removed at the session's end."""
+    global _VLLM_RPC_DIR
+    if not os.environ.get("VLLM_RPC_BASE_PATH"):
+        import tempfile
+
+        _VLLM_RPC_DIR = tempfile.mkdtemp(prefix="eep-vllm-rpc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = _VLLM_RPC_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _VLLM_RPC_DIR:
+        import shutil
+
+        shutil.rmtree(_VLLM_RPC_DIR, ignore_errors=True)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """One torch thread in this process: the oracles (engine_ext.model.dense_oracle) and the
     in-process engines run tiny tensors, where a second thread on a busy 2-core box makes each
