@@ -4,7 +4,8 @@ pause, the ``eep_serving_pause_seconds`` metric), on the process launcher.
 A joiner's commit begins as soon as it is prepared and waits in the commit's first collective for the
 members, which keep serving until their step boundary. Counting that wait made the recorded pause
 the joiner's idle time: up to a decode step more than the clients saw, growing with the experts'
-size on the H200 host (docs/benchmarks.md, "What the pause counts")."""
+size on the H200 host (docs/benchmarks.md, "The move's handshakes, and what the serving pause
+counts")."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_a_joiners_wait_for_a_member_mid_step_is_not_a_pause() -> None:
                              "rank 0 held in a decode step", interval_s=0.01)
             op = await dep.scale(2, timeout_s=60)
             assert op["state"] == "succeeded", op
-            commits = {e["rank"]: e for e in dep.registry.events_for(op["op_id"]) if e["phase"] == "commit" and e["rank"] >= 0}
+            commits = {e["rank"]: e for e in dep.registry.events_for(op["op_id"])
+                       if e["phase"] == "commit" and e["rank"] >= 0}
             assert set(commits) == {0, 1}, commits
             joiner = commits[1]
             waited = joiner["detail"]["parts_s"]["mapping"]

@@ -423,7 +423,8 @@ def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
     # The worker's reporter and the API server's (the deployment's info, every 2 s) reach the registry
     # on their own: right after start-up the rank may be listed before the info is (a CI run saw it).
     snap = wait_for(lambda: (s := _status(name))["ranks"] and s["ranks"][0]["state"] == "serving"
-                    and "api_url" in s["info"] and s, timeout=60, what="the vLLM rank serving and its info in eepctl status")
+                    and "api_url" in s["info"] and s,
+                    timeout=60, what="the vLLM rank serving and its info in eepctl status")
     assert snap["kind"] == "vllm" and snap["info"]["kind"] == "vllm"
     assert snap["info"]["api_url"] == server["url"] and snap["info"]["api_key_required"] is True
     assert snap["info"]["dp"] == 1 and snap["info"]["dp_backend"] == "mp" and snap["info"]["num_experts"] == 4
