@@ -196,7 +196,7 @@ class ShmCollectives:
                 time.sleep(sleep)
                 sleep = min(MAX_SLEEP_S, sleep * 2)
 
-    def wait_peer(self, ready: Callable[[], bool], peers: int | list[int], what: str) -> None:
+    def wait_peer(self, ready: Callable[[], bool], peers: list[int], what: str) -> None:
         """Wait until ``ready()`` (a condition outside the segment: a store key) as a collective
         waits for a flag: an abort, one of ``peers`` leaving or dying, and the timeout end it.
 
@@ -204,24 +204,23 @@ class ShmCollectives:
         again at once at first, then sleeps a twentieth of the time waited so far (up to
         ``MAX_SLEEP_S``): an answer is seen at most ~5 % late, where sleeps doubling to 1 ms made a
         2-3 ms expert move wait up to a millisecond more per handshake (docs/benchmarks.md)."""
-        group = [peers] if isinstance(peers, int) else list(peers)
         t0 = time.perf_counter()
         probe = PROBE_S
         while not ready():
             elapsed = time.perf_counter() - t0
             if self._aborted:
                 raise self._fail("aborted", f"{what}: this rank aborted the group")
-            left = [p for p in group if self._ctrl[p, LEFT] > 0]
+            left = [p for p in peers if self._ctrl[p, LEFT] > 0]
             if left and not ready():  # it may have answered, then left
-                raise self._fail("peer_gone", f"{what}: rank {left[0]} left the group")
+                raise self._fail("peer_gone", f"{what}: rank(s) {left} left the group")
             if elapsed > self.timeout_s:
-                raise self._fail("timeout", f"{what}: rank {group[0] if len(group) == 1 else group} did not "
-                                 f"arrive within {self.timeout_s:g} s")
+                raise self._fail("timeout", f"{what}: rank(s) {peers} did not arrive within {self.timeout_s:g} s")
             if elapsed > probe:
                 probe = elapsed + PROBE_S
-                dead = [p for p in group if int(self._ctrl[p, PID]) > 0 and not process_alive(int(self._ctrl[p, PID]))]
+                pids = {p: int(self._ctrl[p, PID]) for p in peers}
+                dead = [p for p, pid in pids.items() if pid > 0 and not process_alive(pid)]
                 if dead and not ready():
-                    raise self._fail("peer_gone", f"{what}: the process of rank {dead[0]} is gone")
+                    raise self._fail("peer_gone", f"{what}: the process of rank(s) {dead} is gone")
             time.sleep(min(MAX_SLEEP_S, elapsed / 20))
 
     def check_usable(self, what: str) -> None:
