@@ -420,11 +420,15 @@ def test_first_request_a_three_token_prompt(server: dict[str, Any]) -> None:
 @pytest.mark.ray
 def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
     name = server["name"]
-    # The worker's reporter and the API server's (the deployment's info, every 2 s) reach the registry
-    # on their own: right after start-up the rank may be listed before the info is (a CI run saw it).
+    # The engine core's reporter and the API server's (the deployment's info, every 2 s) reach the
+    # registry on their own: right after start-up the rank may be listed before the info is. And the
+    # engine core reports from the moment its scheduler exists, inside vLLM's start-up handshake: its
+    # first reports may carry the config it was handed (the API server's instance_id) until vLLM's
+    # __post_init__ at the handshake's end gives it its own (two CI runs saw each).
+    api_id = _vllm_config(server)["instance_id"]
     snap = wait_for(lambda: (s := _status(name))["ranks"] and s["ranks"][0]["state"] == "serving"
-                    and "api_url" in s["info"] and s,
-                    timeout=60, what="the vLLM rank serving and its info in eepctl status")
+                    and "api_url" in s["info"] and s["ranks"][0]["instance_id"] != api_id and s,
+                    timeout=60, what="the vLLM rank serving with its own identity, and its info, in eepctl status")
     assert snap["kind"] == "vllm" and snap["info"]["kind"] == "vllm"
     assert snap["info"]["api_url"] == server["url"] and snap["info"]["api_key_required"] is True
     assert snap["info"]["dp"] == 1 and snap["info"]["dp_backend"] == "mp" and snap["info"]["num_experts"] == 4
