@@ -424,7 +424,7 @@ def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
     # registry on their own: right after start-up the rank may be listed before the info is. And the
     # engine core reports from the moment its scheduler exists, inside vLLM's start-up handshake: its
     # first reports may carry the config it was handed (the API server's instance_id) until vLLM's
-    # __post_init__ at the handshake's end gives it its own (two CI runs saw each).
+    # __post_init__ at the handshake's end gives it its own (one CI run saw each).
     api_id = _vllm_config(server)["instance_id"]
     snap = wait_for(lambda: (s := _status(name))["ranks"] and s["ranks"][0]["state"] == "serving"
                     and "api_url" in s["info"] and s["ranks"][0]["instance_id"] != api_id and s,
