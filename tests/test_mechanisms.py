@@ -4,12 +4,15 @@ planning and the registry's invariant checks. Real torch tensors, no mocks."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine_ext.elastic.eplb import ExpertLayout, build_layout, plan_moves, transfer_pairs
+from engine_ext.elastic.eplb import EplbState, ExpertLayout, build_layout, plan_moves, transfer_pairs
 from engine_ext.elastic.graphs import GraphManager, GraphReleasedError, StaleGraphError
 from engine_ext.elastic.identity import apply_dp_identity_suffix, dp_suffixed, strip_dp_suffix
 from engine_ext.control.registry_state import RegistryState
@@ -488,6 +491,20 @@ def test_plan_moves_only_from_alive_sources():
     assert missing
     with pytest.raises(ValueError, match="no live source"):
         plan_moves(old, new, {0})
+
+
+@given(st.lists(st.lists(st.integers(0, 50), min_size=4, max_size=4), max_size=40), st.integers(1, 7))
+@settings(max_examples=60, deadline=None)
+def test_eplb_recent_load_is_the_sum_over_the_window(steps, window):
+    """The running sum every status reads equals the window's counts summed afresh, while the
+    window fills and after its oldest steps leave; statistics held back (warm-up) add nothing."""
+    eplb = EplbState(build_layout(4, 2, 2), async_started=True)
+    eplb.window = deque(maxlen=window)
+    for i, counts in enumerate(steps):
+        eplb.suppressed = 1 if i % 5 == 4 else 0
+        eplb.record(counts)
+        assert eplb.recent_load() == [float(sum(c[e] for c in eplb.window)) for e in range(4)]
+    assert len(eplb.window) == min(window, sum(1 for i in range(len(steps)) if i % 5 != 4))
 
 
 # ============================================================================================

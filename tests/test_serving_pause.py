@@ -15,6 +15,9 @@ import pytest
 
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
+from engine_ext.protocol import RankState
+from engine_ext.rank.shared import RankShared
+from engine_ext.rank.telemetry import RankTelemetry
 from tests.engine_helpers import run, wait_until
 
 HOLD_S = 3.0
@@ -50,3 +53,47 @@ def test_a_joiners_wait_for_a_member_mid_step_is_not_a_pause() -> None:
             assert not (await request).get("error")
 
     run(scenario(), 140)
+
+
+# ---- what the commit reports, and when ----------------------------------------------------------
+def _telemetry() -> tuple[RankTelemetry, list[tuple[str, str]]]:
+    """A rank's telemetry whose sink keeps what it was sent: (kind, the event's phase or the state)."""
+    shared = RankShared(0)
+    sent: list[tuple[str, str]] = []
+    tel = RankTelemetry(shared, lambda kind, p: sent.append((kind, p.get("phase") or p.get("state", ""))),
+                        lambda: {"state": shared.state.value})
+    return tel, sent
+
+
+def test_a_quiet_commit_sends_its_reports_in_order_with_one_status_when_it_ends() -> None:
+    """Inside ``quiet`` (the commit after COMMITTING went out) state changes and events are kept:
+    each one out costs the rank a status build and the controller a wake-up, both out of the pause's
+    CPU on shared cores (docs/benchmarks.md, "What the pause spends its CPU on"). When it ends they
+    go out in order, with one status of the state then; the heartbeat's publish is not held, so a
+    long commit (a recapture) still shows its state within an interval."""
+    tel, sent = _telemetry()
+    tel.set_state(RankState.COMMITTING)
+    assert sent == [("status", "committing")]
+    with tel.quiet():
+        with tel.phase("op", "reshuffle"):
+            tel.set_state(RankState.WARMING)
+        with tel.quiet():  # nested: the outer one sends
+            tel.event({"phase": "lock"})
+        tel.set_state(RankState.CAPTURING)
+        tel._publish_now()  # the heartbeat's
+        assert sent == [("status", "committing"), ("status", "capturing")]
+        tel.set_state(RankState.SERVING)
+    assert sent[2:] == [("event", "reshuffle"), ("event", "lock"), ("status", "serving")]
+    assert [e["phase"] for e in tel.recent_events()] == ["reshuffle", "lock"]
+    tel.event({"phase": "after"})  # no longer quiet: at once
+    assert sent[-1] == ("event", "after")
+
+
+def test_a_commit_that_fails_while_quiet_still_sends_what_it_held() -> None:
+    tel, sent = _telemetry()
+    with pytest.raises(RuntimeError), tel.quiet():
+        with tel.phase("op", "commit"):
+            raise RuntimeError("a peer died")
+    assert sent == [("event", "commit")]
+    tel.set_state(RankState.FAILED)
+    assert sent[-1] == ("status", "failed")

@@ -31,14 +31,55 @@ class RankTelemetry:
         self.status = status
         self.events: deque[dict[str, Any]] = deque(maxlen=512)
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._held: list[tuple[str, dict[str, Any]]] | None = None  # reports kept while quiet
+        self._status_held = False
 
     def send(self, kind: str, payload: dict[str, Any]) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.append((kind, payload))
+                return
+        self._send(kind, payload)
+
+    def _send(self, kind: str, payload: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):
             self.sink(kind, payload)
 
     def publish(self) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._status_held = True
+                return
+        self._publish_now()
+
+    def _publish_now(self) -> None:
         with contextlib.suppress(Exception):
             self.sink("status", self.status())
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Keep this rank's reports (events, state changes) while the deployment is paused, and
+        send them, in order, with one status, when it ends. Each report costs this rank a status
+        build and the controller a wake-up; on shared cores both came out of the serving pause
+        (docs/benchmarks.md, "What the pause spends its CPU on"). The heartbeat still publishes,
+        so a long quiet stretch (a commit that captures) shows its state within an interval."""
+        with self._lock:
+            if self._held is not None:  # already quiet: the outer one sends
+                nested = True
+            else:
+                nested, self._held, self._status_held = False, [], False
+        try:
+            yield
+        finally:
+            if not nested:
+                with self._lock:
+                    held, self._held = self._held or [], None
+                    status, self._status_held = self._status_held, False
+                for kind, payload in held:
+                    self._send(kind, payload)
+                if status:
+                    self._publish_now()
 
     def set_state(self, state: RankState, reason: str = "") -> None:
         self.shared.state = state
@@ -78,7 +119,7 @@ class RankTelemetry:
 
         def beat() -> None:
             while not shared.stopping and shared.state is not RankState.REMOVED:
-                self.publish()
+                self._publish_now()
                 time.sleep(interval_s)
 
         self._thread = threading.Thread(target=beat, name=f"heartbeat-{shared.rank}", daemon=True)
