@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from typing import Any
 
-from engine_ext.control.cost_model import MOVE_FEATURES, PAUSE_FEATURES, fit
+from engine_ext.control.cost_model import MOVE_FEATURES, PAUSE_FEATURES, fit, within_range
 
 
 def points(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -55,18 +56,24 @@ def fit_and_write(paths: list[str], out: str) -> dict[str, Any]:
     print(f"wrote {out}: {len(pts)} points from {runs[0]['host']}")
     print(f"  move: {mv['intercept']:.4f} s + {mv['coef'].get('total_moved_bytes', 0.0) * 2**30:.3f} s/GiB moved + "
           f"{mv['coef'].get('spare_total_bytes', 0.0) * 2**30:.3f} s/GiB into spare buffers (not fitted: {mv['not_fitted']}) "
-          f"(max error on its points {mv['max_rel_error']:.0%}); the commit's loads at "
+          f"(max error on its points {mv['max_rel_error']:.0%}, spread x{mv['spread'][0]:.2f}..x{mv['spread'][1]:.2f}); "
+          f"the commit's loads at "
           f"{min(rates) if rates else 0:.1f} GB/s (the host's copy rate)")
     for policy, pz in model["pause"].items():
         print(f"  pause ({policy}): {pz['intercept']:.4f} s + {pz['coef'].get('rank_expert_bytes', 0.0) * 2**30:.4f} "
               f"s/GiB held per rank + {pz['coef'].get('commit_load_bytes', 0.0) * 2**30:.4f} s/GiB loaded in the "
-              f"commit (max error on its points {pz['max_rel_error']:.0%}; not fitted: {pz['not_fitted']})")
+              f"commit (max error on its points {pz['max_rel_error']:.0%}, spread x{pz['spread'][0]:.2f}..x{pz['spread'][1]:.2f}; "
+              f"not fitted: {pz['not_fitted']})")
     return model
 
 
 def report(paths: list[str]) -> None:
-    print("| expert MiB | pause predicted s | measured s | error | move predicted s | measured s | error |")
+    """Per scale, then per part: how many within 25 %, how many inside the predicted range, and
+    the error of the median of the repeats of each size (one scale's pause strays; the median of
+    its repeats says whether the model is off)."""
+    print("| expert MiB | pause predicted s (range) | measured s | error | move predicted s (range) | measured s | error |")
     print("|---|---|---|---|---|---|---|")
+    by_plan: dict[tuple[Any, ...], list[tuple[dict[str, Any], dict[str, Any]]]] = {}  # repeats of one plan
     for p in paths:
         res = json.load(open(p))
         for r in list(res.get("bytes", [])) + ([res["pause"]] if res.get("pause") else []):
@@ -75,11 +82,31 @@ def report(paths: list[str]) -> None:
             if not got:
                 continue
             mib = r.get("expert_MiB", 1.0)
-            f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-            e = lambda k: f"{err[k]:+.0%}" if k in err else "-"  # noqa: E731
-            print(f"| {mib:.0f} | {f(pred.get('pause_s'))} | {f(got.get('pause_s'))} | {e('pause_s')} "
-                  f"| {f(pred.get('move_s'))} | {f(got.get('move_s'))} | {e('move_s')} |"
+            key = (mib, *(pred.get(f) for f in ("total_moved_bytes", "spare_total_bytes", "commit_load_bytes")))
+            by_plan.setdefault(key, []).append((pred, got))
+            inside = within_range(pred, got)
+            f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+            e = lambda k: (f"{err[k]:+.0%}" if k in err else "-") + ("" if k not in inside else  # noqa: E731
+                                                                      " in" if inside[k] else " **out**")
+            rg = lambda k: (f" ({pred[k][0]:.4f}-{pred[k][1]:.4f})" if pred.get(k) else "")  # noqa: E731
+            print(f"| {mib:.0f} | {f(pred.get('pause_s'))}{rg('pause_range_s')} | {f(got.get('pause_s'))} | {e('pause_s')} "
+                  f"| {f(pred.get('move_s'))}{rg('move_range_s')} | {f(got.get('move_s'))} | {e('move_s')} |"
                   + (f" {pred['no_model']}" if pred.get("no_model") else ""))
+    for k in ("pause_s", "move_s"):
+        pairs = [(pr, g) for rows in by_plan.values() for pr, g in rows if pr.get(k) is not None and g.get(k)]
+        if not pairs:
+            continue
+        errs = [(pr[k] - g[k]) / g[k] for pr, g in pairs]
+        inside = [within_range(pr, g).get(k) for pr, g in pairs]
+        med = []
+        for key, rows in sorted(by_plan.items(), key=lambda kv: (kv[0][0], str(kv[0][1:]))):
+            got = [g[k] for pr, g in rows if pr.get(k) is not None and g.get(k)]
+            if got:  # one size's repeats may differ in plan (the load-based layout): grouped by plan
+                gm = statistics.median(got)
+                med.append(f"{key[0]:.0f} MiB{' (spare)' if key[2] else ''} x{len(got)} {(rows[0][0][k] - gm) / gm:+.0%}")
+        print(f"{k}: within 25 % on {sum(abs(x) <= 0.25 for x in errs)} of {len(errs)} scales (median |error| "
+              f"{statistics.median(abs(x) for x in errs):.0%}); inside the range on {sum(bool(x) for x in inside)} of "
+              f"{sum(x is not None for x in inside)}; median of the repeats of each plan: {', '.join(med)}")
 
 
 if __name__ == "__main__":

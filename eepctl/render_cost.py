@@ -46,8 +46,11 @@ def predicted_lines(cost: dict[str, Any] | None) -> list[str]:
     if cost.get("no_model"):
         return [f"predicted cost: {cost['no_model']}", f"  {sizes}"]
     lines = [f"predicted cost (model fitted on {_host(cost.get('model') or {})}): serving pause "
-             f"{_s(cost.get('pause_s'))}, move time {_s(cost.get('move_s'))} (pre-copy, while serving)",
+             f"{_s(cost.get('pause_s'))}{_range(cost.get('pause_range_s'))}, move time {_s(cost.get('move_s'))}"
+             f"{_range(cost.get('move_range_s'))} (pre-copy, while serving)",
              f"  {sizes}"]
+    if cost.get("pause_range_s") or cost.get("move_range_s"):
+        lines.append("  (ranges: as far as one scale of the fit strayed from the model on that host)")
     if cost.get("pause_note"):
         lines.append(f"  note: {cost['pause_note']}")
     if cost.get("outside_fit"):
@@ -55,8 +58,14 @@ def predicted_lines(cost: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _pair(pred: Any, got: Any, fmt: Any, err: float | None) -> str:
+def _range(r: list[float] | None) -> str:
+    return f" ({r[0]:.3f}-{r[1]:.3f} s)" if r else ""
+
+
+def _pair(pred: Any, got: Any, fmt: Any, err: float | None, inside: bool | None = None) -> str:
     tail = f" ({err:+.0%})" if err is not None else ""
+    if inside is not None:
+        tail = f"{tail[:-1]}, {'inside' if inside else 'outside'} the range)" if tail else f" ({'inside' if inside else 'outside'} the range)"
     return f"{fmt(pred)} vs {fmt(got)}{tail}"
 
 
@@ -67,12 +76,13 @@ def cost_lines(ops: list[dict[str, Any]]) -> list[str]:
     for op in ops:
         cost = op.get("cost") or {}
         pred, got, err = cost.get("predicted") or {}, cost.get("measured"), cost.get("error") or {}
+        inside = cost.get("within_range") or {}
         if not got:
             continue
-        pause = (_pair(pred.get("pause_s"), got.get("pause_s"), _s, err.get("pause_s"))
+        pause = (_pair(pred.get("pause_s"), got.get("pause_s"), _s, err.get("pause_s"), inside.get("pause_s"))
                  if pred.get("pause_s") is not None else f"- vs {_s(got.get('pause_s'))}")
         out.append(f"{op['op_id']} predicted vs measured: pause {pause}, move "
-                   f"{_pair(pred.get('move_s'), got.get('move_s'), _s, err.get('move_s'))}, moved per rank "
+                   f"{_pair(pred.get('move_s'), got.get('move_s'), _s, err.get('move_s'), inside.get('move_s'))}, moved per rank "
                    f"{_pair(pred.get('moved_bytes'), got.get('moved_bytes'), _b, err.get('moved_bytes'))}, in the "
                    f"commit {_pair(pred.get('commit_bytes'), got.get('commit_bytes'), _b, err.get('commit_bytes'))}, "
                    f"extra memory {_pair(pred.get('extra_memory_bytes'), got.get('extra_memory_bytes'), _b, None)}"

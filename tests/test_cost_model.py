@@ -106,10 +106,40 @@ def test_prediction_and_comparison_rendered(tmp_path: Path, monkeypatch: pytest.
         0.018 + 3e-11 * 4 * MIB + MIB / 10e9)
     text = render.plan_text(_plan() | {"precopy": _plan()["precopy"] | {
         "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}, "cost": cost})
-    assert "serving pause 0.018 s, move time 0.014 s (pre-copy, while serving)" in text
+    assert ("serving pause 0.018 s (0.018-0.018 s), move time 0.014 s (0.014-0.014 s) (pre-copy, while serving)"
+            in text)  # an exact fit: no spread
     got = {"pause_s": 0.02, "move_s": 0.006, "moved_bytes": 2 * MIB, "commit_bytes": 0, "extra_memory_bytes": 0}
     op = {"op_id": "op-1", "from_size": 2, "to_size": 4, "state": "succeeded",
           "cost": {"predicted": cost, "measured": got, "error": cm.relative_errors(cost, got)}}
     assert op["cost"]["error"]["move_s"] == pytest.approx((cost["move_s"] - 0.006) / 0.006)
     line = next(ln for ln in render.events_text({"operations": [op]}).splitlines() if "predicted vs" in ln)
     assert "pause 0.018 s vs 0.020 s (-9%)" in line and "move 0.014 s vs 0.006 s (+141%)" in line, line
+    op["cost"]["within_range"] = cm.within_range(cost, got)
+    assert op["cost"]["within_range"] == {"pause_s": False, "move_s": False}
+    line = next(ln for ln in render.events_text({"operations": [op]}).splitlines() if "predicted vs" in ln)
+    assert "pause 0.018 s vs 0.020 s (-9%, outside the range)" in line, line
+
+
+def test_the_range_is_the_fits_own_scatter_and_events_say_whether_a_scale_fell_inside() -> None:
+    """Points off the line by x0.8 .. x1.5 (a pause of a few ms on shared cores strays like that):
+    the range of a prediction is the prediction times the least and the most measured/fitted ratio
+    of the fit's own points, and a measurement is judged against it."""
+    pts = _points((0.004, 2.5e-9), (0.004, 0.0))
+    for p, k in zip(pts, (0.8, 1.0, 1.5, 1.0)):
+        p["pause_s"] *= k
+    model = cm.fit(pts, cm.host_identity(), ["x"])
+    pz = model["pause"]["reuse"]
+    ratios = [p["pause_s"] / cm._linear(pz, p) for p in pts]
+    assert pz["spread"] == [pytest.approx(min(ratios)), pytest.approx(max(ratios))]
+    assert pz["spread"][0] < 0.9 and pz["spread"][1] > 1.3
+    assert model["move"]["spread"] == [pytest.approx(1.0), pytest.approx(1.0)]
+    cost = cm.predict(_plan(), MIB, 4, "reuse", True, model | {"path": "x"})
+    lo, hi = cost["pause_range_s"]
+    assert lo == pytest.approx(cost["pause_s"] * pz["spread"][0]) and hi == pytest.approx(cost["pause_s"] * pz["spread"][1])
+    assert cm.within_range(cost, {"pause_s": hi * 0.99, "move_s": cost["move_s"]}) == {"pause_s": True, "move_s": True}
+    assert cm.within_range(cost, {"pause_s": hi * 1.01, "move_s": cost["move_s"] * 2}) == {"pause_s": False,
+                                                                                        "move_s": False}
+    lines = render.plan_text(_plan() | {"precopy": _plan()["precopy"] | {
+        "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}, "cost": cost})
+    assert f"serving pause {cost['pause_s']:.3f} s ({lo:.3f}-{hi:.3f} s)" in lines, lines
+    assert "ranges: as far as one scale of the fit strayed from the model on that host" in lines

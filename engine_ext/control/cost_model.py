@@ -12,6 +12,10 @@ A small linear model, fitted by least squares to the bytes curve of ``benchmarks
                                           curves had none: / the host's copy rate)
                                           + bytes moved in the commit / the move's rate
 
+Each figure comes with a range: the prediction times the least and the most measured/fitted ratio
+of the fit's own points (``spread``). One scale's pause of a few milliseconds strays from the
+line by tens of per cent where ranks share cores; the range says by how much on this host.
+
 Bytes per rank and extra memory come from the plan itself (``engine_ext.elastic.precopy``); the
 model only prices them. It is read from ``$EEPCTL_COST_MODEL`` or the file shipped beside this
 module, and used only on the host it was fitted on (hostname, CPU count, device kind): elsewhere
@@ -97,9 +101,13 @@ def fit_linear(points: list[dict[str, float]], features: list[str], target: str)
     w = [1.0 / y if y > 0 else 1.0 for y in ys]
     coef = least_squares([[v * wi for v in r] for r, wi in zip(rows, w)], [y * wi for y, wi in zip(ys, w)])
     fitted = [sum(c * v for c, v in zip(coef, r)) for r in rows]
+    ratios = [y / f for f, y in zip(fitted, ys) if f > 0 and y > 0]
     return {"intercept": coef[0], "coef": dict(zip(used, coef[1:])), "not_fitted": fixed, "points": len(points),
             "range": {f: [min(p[f] for p in points), max(p[f] for p in points)] for f in features},
-            "max_rel_error": max((abs(f - y) / y for f, y in zip(fitted, ys) if y > 0), default=0.0)}
+            "max_rel_error": max((abs(f - y) / y for f, y in zip(fitted, ys) if y > 0), default=0.0),
+            # measured / fitted over the fit's own points, least and most: how far one scale strayed from
+            # the line on this host (on shared cores a pause of a few ms strays by tens of per cent)
+            "spread": [min(ratios, default=1.0), max(ratios, default=1.0)]}
 
 
 def fit(points: list[dict[str, Any]], host: dict[str, Any], source: list[str],
@@ -155,6 +163,8 @@ def predict(plan: dict[str, Any], per_expert: int, slots_per_rank: int, capture_
         return out | {"no_model": why_none}
     mv = model["move"]
     out["move_s"] = max(0.0, _linear(mv, x))
+    if "spread" in mv:  # (a model written before the spread was kept has none)
+        out["move_range_s"] = [out["move_s"] * mv["spread"][0], out["move_s"] * mv["spread"][1]]
     out["model"] = {"path": model.get("path"), "host": model["host"], "fitted_at": model.get("fitted_at")}
     outside = [f for f, (lo, hi) in mv["range"].items() if not lo <= x[f] <= hi]
     pz = model["pause"].get(capture_policy)
@@ -165,6 +175,8 @@ def predict(plan: dict[str, Any], per_expert: int, slots_per_rank: int, capture_
         # the commit's loads into slots: fitted where the curves had some, else at the host's copy rate
         load = 0.0 if "commit_load_bytes" in pz["coef"] else x["commit_load_bytes"] * model.get("load_s_per_byte", 0.0)
         out["pause_s"] = max(0.0, _linear(pz, x) + x["commit_bytes"] * rate + load)
+        if "spread" in pz:
+            out["pause_range_s"] = [out["pause_s"] * pz["spread"][0], out["pause_s"] * pz["spread"][1]]
         outside += [f for f, (lo, hi) in pz["range"].items() if not lo <= x[f] <= hi]
         if x["commit_bytes"]:
             out["pause_note"] = "the commit's moves priced at the pre-copy's rate (no curve point moves in the commit)"
@@ -197,3 +209,14 @@ def relative_errors(predicted: dict[str, Any], got: dict[str, Any]) -> dict[str,
     keys = ("pause_s", "move_s", "moved_bytes", "commit_bytes", "extra_memory_bytes")
     return {k: (float(predicted[k]) - float(got[k])) / float(got[k])
             for k in keys if predicted.get(k) is not None and got.get(k)}
+
+
+def within_range(predicted: dict[str, Any], got: dict[str, Any]) -> dict[str, bool]:
+    """For the pause and the move time: whether the measurement fell inside the predicted range
+    (the prediction scaled by the fit's own spread)."""
+    out = {}
+    for k in ("pause_s", "move_s"):
+        rng = predicted.get(k.removesuffix("_s") + "_range_s")
+        if rng and got.get(k) is not None:
+            out[k] = rng[0] <= float(got[k]) <= rng[1]
+    return out

@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from engine_ext.control.cost_model import measured, relative_errors
+from engine_ext.control.cost_model import measured, relative_errors, within_range
 from engine_ext.control.rank_client import RankClient
 from engine_ext.control.scale_plan import ScalePlan
 from engine_ext.control.spawner import Spawner
@@ -163,6 +163,7 @@ class ScaleRun:
         if self.plan.cost:  # predicted beside measured, for `eepctl events`
             op.cost = {"predicted": self.plan.cost, "measured": measured(to_builtins(op), self.prepared)}
             op.cost["error"] = relative_errors(op.cost["predicted"], op.cost["measured"])
+            op.cost["within_range"] = within_range(op.cost["predicted"], op.cost["measured"])
         leaving = {r: c for r, c in world.items() if r not in self.new_members}
         w.adopt({r: world[r] for r in self.new_members}, layout, epoch)
         if moved:
