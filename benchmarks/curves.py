@@ -377,15 +377,24 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
 
 def copy_rate(nbytes: int = 64 * MIB, reps: int = 5) -> float:
     """The host's memory copy rate (GB/s, median of ``reps``): a touched tensor into another, as the
-    commit loads a spare buffer into its slot (the cost model prices those loads with it)."""
+    commit loads a spare buffer into its slot, on the threads a rank has (``EEP_TORCH_THREADS``,
+    1: this process's default of one per core copied 17.7 GB/s on the 2-core box, a rank 8.4). The
+    cost model prices a commit's loads with it where no curve point had any."""
+    import os
+
     import torch
 
-    src, dst = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(os.environ.get("EEP_TORCH_THREADS", "1"))))
+    try:
+        src, dst = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return nbytes / statistics.median(times) / 1e9
 
 

@@ -12,8 +12,8 @@ A small linear model, fitted by least squares to the bytes curve of ``benchmarks
                                           curves had none: / the host's copy rate)
                                           + bytes moved in the commit / the move's rate
 
-Each figure comes with a range: the prediction times the least and the most measured/fitted ratio
-of the fit's own points (``spread``). One scale's pause of a few milliseconds strays from the
+Each figure comes with a range: the prediction times the least and the most measured/predicted
+ratio of the fit's points, each predicted by a fit of the others (``spread``, leave-one-out). One scale's pause of a few milliseconds strays from the
 line by tens of per cent where ranks share cores; the range says by how much on this host.
 
 Bytes per rank and extra memory come from the plan itself (``engine_ext.elastic.precopy``); the
@@ -87,27 +87,55 @@ def least_squares(xs: list[list[float]], ys: list[float]) -> list[float]:
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
-def fit_linear(points: list[dict[str, float]], features: list[str], target: str) -> dict[str, Any]:
+def fit_linear(points: list[dict[str, float]], features: list[str], target: str, loo: bool = True) -> dict[str, Any]:
     """``target`` = intercept + sum(coef x feature) over ``points``, minimising the squared
     relative errors (the target is "within x %": a 0.02 s pause weighs as much as a 2 s one). A
     feature that does not vary over the points cannot be told from the intercept: it is left out
-    (coefficient 0) and named."""
+    (coefficient 0) and named. Every feature is bytes that cost time, so a negative price is the
+    noise of a few points (two scales that landed experts in spare buffers fitted -0.1 s/GiB on the
+    16-core host and mispriced the next such scale by a third): that feature is left out too, the
+    rest refitted, and it is named in ``negative``."""
     fixed = [f for f in features if len({p[f] for p in points}) < 2]
     used = [f for f in features if f not in fixed]
-    rows = [[1.0, *(float(p[f]) for f in used)] for p in points]
     ys = [float(p[target]) for p in points]
-    if len(points) < len(used) + 1:
-        raise ValueError(f"{target}: {len(points)} point(s) cannot fit {len(used) + 1} coefficients")
     w = [1.0 / y if y > 0 else 1.0 for y in ys]
-    coef = least_squares([[v * wi for v in r] for r, wi in zip(rows, w)], [y * wi for y, wi in zip(ys, w)])
+    negative: list[str] = []
+    while True:
+        rows = [[1.0, *(float(p[f]) for f in used)] for p in points]
+        if len(points) < len(used) + 1:
+            raise ValueError(f"{target}: {len(points)} point(s) cannot fit {len(used) + 1} coefficients")
+        coef = least_squares([[v * wi for v in r] for r, wi in zip(rows, w)], [y * wi for y, wi in zip(ys, w)])
+        worst = min(range(len(used)), key=lambda i: coef[i + 1], default=None)
+        if worst is None or coef[worst + 1] >= 0:
+            break
+        negative.append(used.pop(worst))
+    fixed += negative
     fitted = [sum(c * v for c, v in zip(coef, r)) for r in rows]
-    ratios = [y / f for f, y in zip(fitted, ys) if f > 0 and y > 0]
-    return {"intercept": coef[0], "coef": dict(zip(used, coef[1:])), "not_fitted": fixed, "points": len(points),
+    ratios = [y / f for f, y in zip(_left_out(points, features, target, loo), ys) if f > 0 and y > 0]
+    return {"intercept": coef[0], "coef": dict(zip(used, coef[1:])), "not_fitted": fixed, "negative": negative,
+            "points": len(points),
             "range": {f: [min(p[f] for p in points), max(p[f] for p in points)] for f in features},
             "max_rel_error": max((abs(f - y) / y for f, y in zip(fitted, ys) if y > 0), default=0.0),
-            # measured / fitted over the fit's own points, least and most: how far one scale strayed from
-            # the line on this host (on shared cores a pause of a few ms strays by tens of per cent)
+            # measured / predicted over the fit's points, each predicted by the fit of the others, least
+            # and most: how far a scale the fit did not see strayed on this host (on shared cores a
+            # pause of a few ms strays by tens of per cent; a price only two points had, more)
             "spread": [min(ratios, default=1.0), max(ratios, default=1.0)]}
+
+
+def _left_out(points: list[dict[str, float]], features: list[str], target: str, loo: bool) -> list[float]:
+    """Each point's prediction by the fit of the other points (leave-one-out), or 0 where those
+    cannot be fitted; with ``loo`` False (the inner fits) nothing is computed."""
+    if not loo:
+        return [0.0] * len(points)
+    out = []
+    for i in range(len(points)):
+        try:
+            part = fit_linear(points[:i] + points[i + 1:], features, target, loo=False)
+        except ValueError:
+            out.append(0.0)
+            continue
+        out.append(_linear(part, points[i]))
+    return out
 
 
 def fit(points: list[dict[str, Any]], host: dict[str, Any], source: list[str],
