@@ -213,7 +213,15 @@ class ProcessSpawner:
         client = ProcessRankClient(rank, proc, parent, o)
         if standby < 0:
             o.processes[rank] = client
-        await client.status(timeout=300)  # launched = the engine is built and answering
+        try:
+            await client.status(timeout=300)  # launched = the engine is built and answering
+        except BaseException:
+            # A launch that fails or is cancelled leaves no process behind: a stop while the pool
+            # refilled left the standby being launched running, unowned (on a GPU, each held its
+            # memory until the launcher exited: 9 GiB apiece in a curves run, which ran out).
+            if proc.is_alive():
+                proc.kill()
+            raise
         return client
 
 

@@ -1,11 +1,12 @@
 """The standby pool on the process launcher: a scale-up adopts launched-ahead ranks (launch
 phase near zero, identities re-based from ``_standby<N>`` to ``_dp<rank>``, outputs equal the
-dense oracle), the pool refills after the operation, and a standby killed is replaced while
-the serving ranks keep serving."""
+dense oracle), the pool refills after the operation, a standby killed is replaced while
+the serving ranks keep serving, and a stop while a replacement launches leaves no process."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 
@@ -58,6 +59,12 @@ def test_scale_up_takes_joiners_from_the_pool_refills_and_replaces_a_killed_stan
             out["serving_pids_same"] = all(dep.processes[r].pid() == p for r, p in pids.items())
             out["after_kill"] = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
             out["states_after_kill"] = {r: s for r, (_, s) in _ids(dep).items() if r < 4}
+            # Stop while the pool launches a replacement: the launch is cancelled, and its process
+            # must go with the deployment (it belonged to nobody and lived as long as this process).
+            os.kill(dep.pool.ready[min(dep.pool.ready)].pid(), signal.SIGKILL)
+            await wait_until(lambda: dep.pool.summary()["launching"] > 0, 30, "a replacement launching",
+                             interval_s=0.01)
+        out["left_running"] = [p.name for p in multiprocessing.active_children() if p.name.startswith("pool_")]
         return out
 
     o = run(go(), 260)
@@ -82,3 +89,4 @@ def test_scale_up_takes_joiners_from_the_pool_refills_and_replaces_a_killed_stan
     assert o["serving_pids_same"]
     assert o["states_after_kill"] == {r: "serving" for r in range(4)}
     assert oracle_mismatch(list(enumerate(o["after_kill"])), reference) == ""
+    assert o["left_running"] == [], o["left_running"]
