@@ -8,10 +8,12 @@ report, for curves run with a model in place, each scale's predicted cost beside
            relative errors; the commit's loads into slots priced at the host's copy rate (measured
            by curves.py beside the scales)
   report   per scale: predicted and measured pause and move time, and the error of each
+  leave-one-size-out  per scale: predicted by a fit of the other sizes only, and measured
 
 Usage:
   PYTHONPATH=. python benchmarks/fit_cost.py docs/results/curves.json [...] --out engine_ext/control/cost_model.json
   PYTHONPATH=. python benchmarks/fit_cost.py --report /tmp/check/curves.json
+  PYTHONPATH=. python benchmarks/fit_cost.py --leave-one-size-out docs/results/h100_2026-12-06d/cuda_fit_curves.json
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import statistics
 from typing import Any
 
-from engine_ext.control.cost_model import MOVE_FEATURES, PAUSE_FEATURES, fit, within_range
+from engine_ext.control.cost_model import MOVE_FEATURES, PAUSE_FEATURES, _linear, fit, within_range
 
 
 def points(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -109,13 +111,43 @@ def report(paths: list[str]) -> None:
               f"{sum(x is not None for x in inside)}; median of the repeats of each plan: {', '.join(med)}")
 
 
+def leave_one_size_out(paths: list[str]) -> None:
+    """Each size's scales predicted by a model fitted on the other sizes' scales only: a held-out
+    check from one run (a second run on a lent machine may land on another one)."""
+    runs = [json.load(open(p)) for p in paths]
+    rows = [b for r in runs for b in r.get("bytes", []) if b.get("state") == "succeeded" and (b.get("cost") or {}).get("measured")]
+    pts = [pt for r in runs for pt in points(r)]
+    rates = [r["copy_GBps"] for r in runs if r.get("copy_GBps")]
+    counts = {"pause_s": 0, "move_s": 0}
+    for size in sorted({b["expert_MiB"] for b in rows}):
+        model = fit([p for p, b in zip(pts, rows) if b["expert_MiB"] != size], runs[0]["host"], paths,
+                    min(rates) if rates else None)
+        pz = model["pause"][pts[0]["capture_policy"]]
+        for p, b in zip(pts, rows):
+            if b["expert_MiB"] != size:
+                continue
+            load = 0.0 if "commit_load_bytes" in pz["coef"] else p["commit_load_bytes"] * model["load_s_per_byte"]
+            pred = {"pause_s": max(0.0, _linear(pz, p) + load), "move_s": max(0.0, _linear(model["move"], p))}
+            err = {k: (pred[k] - p[k]) / p[k] for k in pred}
+            counts = {k: counts[k] + (abs(err[k]) <= 0.25) for k in counts}
+            print(f"| {size:.0f} | {p['commit_load_bytes'] / 2**20:.0f} | {pred['pause_s']:.4f} | {p['pause_s']:.4f} | "
+                  f"{err['pause_s']:+.0%} | {pred['move_s']:.4f} | {p['move_s']:.4f} | {err['move_s']:+.0%} |")
+    print(f"within 25 %: pause on {counts['pause_s']} of {len(pts)} scales, move on {counts['move_s']} of {len(pts)}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("curves", nargs="+", help="curves JSON files written by benchmarks/curves.py")
     ap.add_argument("--out", default="engine_ext/control/cost_model.json")
     ap.add_argument("--report", action="store_true", help="print predicted vs measured instead of fitting")
+    ap.add_argument("--leave-one-size-out", action="store_true",
+                    help="predict each size from a fit of the other sizes (no model written)")
     a = ap.parse_args()
     if a.report:
         report(a.curves)
+    elif a.leave_one_size_out:
+        print("| expert MiB | loaded in commit MiB | pause predicted s | measured s | error | move predicted s | measured s | error |")
+        print("|---|---|---|---|---|---|---|---|")
+        leave_one_size_out(a.curves)
     else:
         fit_and_write(a.curves, a.out)

@@ -13,6 +13,7 @@ import pytest
 
 from eepctl import render
 from engine_ext.control import cost_model as cm
+from tests.helpers import ROOT
 
 MIB = 2**20
 
@@ -159,3 +160,16 @@ def test_a_price_that_fits_negative_is_left_out_and_the_rest_refitted() -> None:
     assert mv["negative"] == ["spare_total_bytes"] and "spare_total_bytes" in mv["not_fitted"]
     assert set(mv["coef"]) == {"total_moved_bytes"} and mv["coef"]["total_moved_bytes"] > 0
     assert cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity(), ["x"])["move"]["negative"] == []
+
+
+def test_fit_cost_reports_a_held_out_check_from_one_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """``fit_cost.py --leave-one-size-out`` predicts each size of a recorded run (run13 on an H100:
+    9 scales, 5 sizes) from a fit of the other sizes: its counts are those of the rows it prints."""
+    from benchmarks import fit_cost
+
+    fit_cost.leave_one_size_out([str(ROOT / "docs/results/h100_2026-12-06d/cuda_fit_curves.json")])
+    out = capsys.readouterr().out.splitlines()
+    rows = [ln.split(" | ") for ln in out if ln.startswith("| ")]
+    assert len(rows) == 9 and {r[0] for r in rows} == {"| 64", "| 256", "| 1024", "| 4096", "| 8192"}
+    within = lambda col: sum(abs(int(r[col].rstrip("%| "))) <= 25 for r in rows)  # noqa: E731
+    assert out[-1] == f"within 25 %: pause on {within(4)} of 9 scales, move on {within(7)} of 9"
