@@ -50,7 +50,7 @@ def predicted_lines(cost: dict[str, Any] | None) -> list[str]:
              f"{_range(cost.get('move_range_s'))} (pre-copy, while serving)",
              f"  {sizes}"]
     if cost.get("pause_range_s") or cost.get("move_range_s"):
-        lines.append("  (ranges: as far as one scale of the fit strayed from the model on that host)")
+        lines.append("  (ranges: how far the fit's scales strayed, each predicted from the others, on that host)")
     if cost.get("pause_note"):
         lines.append(f"  note: {cost['pause_note']}")
     if cost.get("outside_fit"):

@@ -147,7 +147,7 @@ def test_the_range_is_the_fits_held_out_scatter_and_events_say_whether_a_scale_f
     lines = render.plan_text(_plan() | {"precopy": _plan()["precopy"] | {
         "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}, "cost": cost})
     assert f"serving pause {cost['pause_s']:.3f} s ({lo:.3f}-{hi:.3f} s)" in lines, lines
-    assert "ranges: as far as one scale of the fit strayed from the model on that host" in lines
+    assert "ranges: how far the fit's scales strayed, each predicted from the others, on that host" in lines
 
 
 def test_a_price_that_fits_negative_is_left_out_and_the_rest_refitted() -> None:
