@@ -38,7 +38,7 @@ def points(res: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         out.append({**{f: pred[f] for f in MOVE_FEATURES + PAUSE_FEATURES},
                     "move_s": got["move_s"], "pause_s": got["pause_s"], "capture_policy": r["capture_policy"],
-                    "capture_sizes": r["capture_sizes"], "pool": r["pool"]})
+                    "capture_sizes": r["capture_sizes"], "pool": r["pool"], "expert_MiB": r.get("expert_MiB", 1.0)})
     return out
 
 
@@ -115,16 +115,14 @@ def leave_one_size_out(paths: list[str]) -> None:
     """Each size's scales predicted by a model fitted on the other sizes' scales only: a held-out
     check from one run (a second run on a lent machine may land on another one)."""
     runs = [json.load(open(p)) for p in paths]
-    rows = [b for r in runs for b in r.get("bytes", []) if b.get("state") == "succeeded" and (b.get("cost") or {}).get("measured")]
     pts = [pt for r in runs for pt in points(r)]
     rates = [r["copy_GBps"] for r in runs if r.get("copy_GBps")]
     counts = {"pause_s": 0, "move_s": 0}
-    for size in sorted({b["expert_MiB"] for b in rows}):
-        model = fit([p for p, b in zip(pts, rows) if b["expert_MiB"] != size], runs[0]["host"], paths,
-                    min(rates) if rates else None)
+    for size in sorted({p["expert_MiB"] for p in pts}):
+        model = fit([p for p in pts if p["expert_MiB"] != size], runs[0]["host"], paths, min(rates) if rates else None)
         pz = model["pause"][pts[0]["capture_policy"]]
-        for p, b in zip(pts, rows):
-            if b["expert_MiB"] != size:
+        for p in pts:
+            if p["expert_MiB"] != size:
                 continue
             load = 0.0 if "commit_load_bytes" in pz["coef"] else p["commit_load_bytes"] * model["load_s_per_byte"]
             pred = {"pause_s": max(0.0, _linear(pz, p) + load), "move_s": max(0.0, _linear(model["move"], p))}

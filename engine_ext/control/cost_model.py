@@ -13,8 +13,9 @@ A small linear model, fitted by least squares to the bytes curve of ``benchmarks
                                           + bytes moved in the commit / the move's rate
 
 Each figure comes with a range: the prediction times the least and the most measured/predicted
-ratio of the fit's points, each predicted by a fit of the others (``spread``, leave-one-out). One scale's pause of a few milliseconds strays from the
-line by tens of per cent where ranks share cores; the range says by how much on this host.
+ratio of the fit's points, each predicted by a fit of the others (``spread``, leave-one-out). One
+scale's pause of a few milliseconds strays by tens of per cent where ranks share cores; the range
+says by how much on this host.
 
 Bytes per rank and extra memory come from the plan itself (``engine_ext.elastic.precopy``); the
 model only prices them. It is read from ``$EEPCTL_COST_MODEL`` or the file shipped beside this
