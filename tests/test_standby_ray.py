@@ -124,9 +124,12 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
         after_restart = wait_for(lambda: [r for r in _standbys(d.name) if r["pid"] not in before], 200,
                                  what="the pool refilled after the restart")
     except AssertionError as ex:  # what the restarted controller says of its pool, and Ray's free CPUs
-        info = status(d.name)["info"]
+        snap = status(d.name)
+        info = snap["info"]
+        rows = [(r["rank"], r["instance_id"], r["state"], r["pid"], r.get("stale")) for r in snap["ranks"]]
         raise AssertionError(f"{ex}; pool: {info.get('standby_pool')}; control: {info.get('control')}; "
-                             f"free: {ray.available_resources().get('CPU')} CPU") from None
+                             f"free: {ray.available_resources().get('CPU')} CPU; registry ranks (rank, id, "
+                             f"state, pid, stale): {rows}; standbys before: {sorted(before)}") from None
     number = int(after_restart[0]["instance_id"].rsplit("_standby", 1)[1])
     assert number not in used, (number, used)
     wait_for(lambda: status(d.name)["info"]["standby_pool"]["last_error"] is None, 10, what="no launch error")
