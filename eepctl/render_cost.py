@@ -22,7 +22,8 @@ def _s(v: float | None) -> str:
 
 def _host(model: dict[str, Any]) -> str:
     h = model.get("host") or {}
-    return f"{h.get('hostname')}, {h.get('cpus')} CPUs, {h.get('device')}, {model.get('fitted_at')}"
+    gpu = f" ({h['gpu']})" if h.get("gpu") else ""
+    return f"{h.get('hostname')}, {h.get('cpus')} CPUs, {h.get('device')}{gpu}, {model.get('fitted_at')}"
 
 
 def plan_cost_lines(plan: dict[str, Any]) -> list[str]:

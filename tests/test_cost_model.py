@@ -86,6 +86,25 @@ def test_model_from_another_host_predicts_no_time(tmp_path: Path, monkeypatch: p
     assert "does not exist" in cm.load_model("cpu")[1]
 
 
+def test_a_fit_on_another_gpu_of_a_same_named_host_predicts_nothing(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lent machines share a hostname and a CPU count: an H100's fit must not price an H200's
+    scales. A CPU model written before the GPU's name was kept (no ``gpu``) still matches a CPU host."""
+    here = cm.host_identity("cpu")
+    assert here["gpu"] == ""
+    model = cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), here | {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"},
+                   ["x"])
+    assert cm.same_host(here | {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}, model["host"])
+    assert not cm.same_host(here | {"device": "cuda", "gpu": "NVIDIA H200"}, model["host"])
+    monkeypatch.setattr(cm, "gpu_name", lambda: "NVIDIA H200")  # this box has no GPU to ask
+    monkeypatch.setenv(cm.ENV, str(_write(tmp_path, model)))
+    got, why = cm.load_model("cuda")
+    assert got is None and "cuda (NVIDIA H200)): " in why and why.endswith("CPUs, cuda (NVIDIA H100 80GB HBM3)"), why
+    old = {k: v for k, v in here.items() if k != "gpu"}
+    assert cm.same_host(here, old) and not cm.same_host(here | {"device": "cuda", "gpu": "NVIDIA H200"},
+                                                        old | {"device": "cuda"})
+
+
 def test_prediction_and_comparison_rendered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cm.ENV, str(_write(tmp_path, cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)),
                                                            cm.host_identity(), ["x"], copy_GBps=10.0))))

@@ -19,12 +19,14 @@ says by how much on this host.
 
 Bytes per rank and extra memory come from the plan itself (``engine_ext.elastic.precopy``); the
 model only prices them. It is read from ``$EEPCTL_COST_MODEL`` or the file shipped beside this
-module, and used only on the host it was fitted on (hostname, CPU count, device kind): elsewhere
-the prediction says so and predicts nothing. Torch-free; plain Python (the controller imports it).
+module, and used only on the host it was fitted on (hostname, CPU count, device kind, GPU name):
+elsewhere the prediction says so and predicts nothing. Torch-free; plain Python (the controller
+imports it).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -40,12 +42,33 @@ PAUSE_FEATURES = ["rank_expert_bytes", "commit_load_bytes"]
 
 
 def host_identity(device: str = "cpu") -> dict[str, Any]:
-    """The host a curve ran on or a prediction is made on: a model is only good where it was fitted."""
-    return {"hostname": socket.gethostname(), "cpus": os.cpu_count() or 0, "device": device.split(":")[0]}
+    """The host a curve ran on or a prediction is made on: a model is only good where it was fitted.
+    On a GPU host the GPU's name too: lent machines share a hostname and a CPU count, and an H100's
+    fit priced an H200's scales (``nvidia-smi``: no CUDA context in this process)."""
+    kind = device.split(":")[0]
+    return {"hostname": socket.gethostname(), "cpus": os.cpu_count() or 0, "device": kind,
+            "gpu": gpu_name() if kind == "cuda" else ""}
+
+
+@functools.cache
+def gpu_name() -> str:
+    """The first GPU's name, or "" where ``nvidia-smi`` cannot say (then no GPU fit matches). Asked
+    once per process: every dry run of a GPU deployment checks the host."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.splitlines()[0].strip() if out.strip() else ""
 
 
 def same_host(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(a.get(k) == b.get(k) for k in ("hostname", "cpus", "device"))
+    """Hostname, CPU count, device kind and GPU name agree (a fit written before the GPU's name was
+    kept has none: it matches only a host without a GPU)."""
+    return (all(a.get(k) == b.get(k) for k in ("hostname", "cpus", "device"))
+            and a.get("gpu", "") == b.get("gpu", ""))
 
 
 def model_path() -> Path:
@@ -64,9 +87,13 @@ def load_model(device: str = "cpu") -> tuple[dict[str, Any] | None, str]:
     here, there = host_identity(device), model.get("host", {})
     if model.get("format") != FORMAT or not same_host(here, there):
         return None, (f"no cost model fitted on this host ({here['hostname']}, {here['cpus']} CPUs, "
-                      f"{here['device']}): {path} was fitted on {there.get('hostname')}, {there.get('cpus')} "
-                      f"CPUs, {there.get('device')}")
+                      f"{_device(here)}): {path} was fitted on {there.get('hostname')}, {there.get('cpus')} "
+                      f"CPUs, {_device(there)}")
     return model | {"path": str(path)}, ""
+
+
+def _device(h: dict[str, Any]) -> str:
+    return f"{h.get('device')} ({h['gpu']})" if h.get("gpu") else str(h.get("device"))
 
 
 # ---- the fit ------------------------------------------------------------------------------------

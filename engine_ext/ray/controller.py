@@ -49,6 +49,7 @@ class Controller:
                                  emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank,
                                  on_rank_failure=on_rank_failure)
         self.spawner.on_death = self._on_death
+        self.orch.admission.device = "cuda" if gpus_per_rank > 0 else "cpu"  # the cost model's host check
         self.orch.world.router = IngressLink(deployment, namespace, ingress, fenced=lambda: {  # type: ignore[assignment]
             r: int(f["epoch"]) for r, f in self.orch.world.fenced.items()},
             seen=lambda r, at: self.reconciler.health.heard(r, at))
