@@ -129,8 +129,9 @@ def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str 
     over the alive nodes, the head node first (placement.control_nodes): held to the head (its loss
     is the cluster's), soft elsewhere (a restart after that node died lands on a live one). Ray's
     soft affinity may start a zero-CPU actor elsewhere (seen on the two-node test cluster): one
-    that did is made again, up to four times half a second apart (on a busy head the other node's
-    state reaches the scheduler late), so the spread holds."""
+    that did is made again, up to four times, after 0.5, 1, 2 and 4 s (on a busy head the other
+    node's state reaches the scheduler late: four tries half a second apart still missed it once
+    in three runs of the suite), so the spread holds."""
     from engine_ext.ray.placement import control_nodes
 
     nodes = control_nodes()
@@ -143,7 +144,7 @@ def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str 
             if not soft or last or call(handle.ready.remote(), timeout=60)["node_id"] == want.node_id:
                 break
             _remove_named(handle, ingress_name(name, i), namespace)
-            time.sleep(0.5)
+            time.sleep(0.5 * 2**attempt)
         handles.append(handle)
     return handles
 
