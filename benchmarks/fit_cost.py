@@ -23,7 +23,7 @@ import json
 import statistics
 from typing import Any
 
-from engine_ext.control.cost_model import MOVE_FEATURES, PAUSE_FEATURES, _linear, fit, within_range
+from engine_ext.control.cost_model import MOVE_FEATURES, PAUSE_FEATURES, fit, move_s, pause_s, within_range
 
 
 def points(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -120,12 +120,10 @@ def leave_one_size_out(paths: list[str]) -> None:
     counts = {"pause_s": 0, "move_s": 0}
     for size in sorted({p["expert_MiB"] for p in pts}):
         model = fit([p for p in pts if p["expert_MiB"] != size], runs[0]["host"], paths, min(rates) if rates else None)
-        pz = model["pause"][pts[0]["capture_policy"]]
         for p in pts:
             if p["expert_MiB"] != size:
                 continue
-            load = 0.0 if "commit_load_bytes" in pz["coef"] else p["commit_load_bytes"] * model["load_s_per_byte"]
-            pred = {"pause_s": max(0.0, _linear(pz, p) + load), "move_s": max(0.0, _linear(model["move"], p))}
+            pred = {"pause_s": pause_s(model, p, p["capture_policy"]), "move_s": move_s(model, p)}
             err = {k: (pred[k] - p[k]) / p[k] for k in pred}
             counts = {k: counts[k] + (abs(err[k]) <= 0.25) for k in counts}
             print(f"| {size:.0f} | {p['commit_load_bytes'] / 2**20:.0f} | {pred['pause_s']:.4f} | {p['pause_s']:.4f} | "

@@ -64,10 +64,9 @@ def _range(r: list[float] | None) -> str:
 
 
 def _pair(pred: Any, got: Any, fmt: Any, err: float | None, inside: bool | None = None) -> str:
-    tail = f" ({err:+.0%})" if err is not None else ""
-    if inside is not None:
-        tail = f"{tail[:-1]}, {'inside' if inside else 'outside'} the range)" if tail else f" ({'inside' if inside else 'outside'} the range)"
-    return f"{fmt(pred)} vs {fmt(got)}{tail}"
+    notes = ([f"{err:+.0%}"] if err is not None else []) + \
+        ([f"{'inside' if inside else 'outside'} the range"] if inside is not None else [])
+    return f"{fmt(pred)} vs {fmt(got)}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def cost_lines(ops: list[dict[str, Any]]) -> list[str]:

@@ -205,6 +205,23 @@ def _linear(part: dict[str, Any], x: dict[str, Any]) -> float:
     return part["intercept"] + sum(c * float(x[f]) for f, c in part["coef"].items())
 
 
+def move_s(model: dict[str, Any], x: dict[str, Any]) -> float:
+    """The pre-copy's predicted time for features ``x``."""
+    return max(0.0, _linear(model["move"], x))
+
+
+def pause_s(model: dict[str, Any], x: dict[str, Any], capture_policy: str) -> float | None:
+    """The serving pause predicted for features ``x``, or None where no pause was fitted for the
+    capture policy. The commit's moves are priced at the move's rate; its loads into slots as
+    fitted where the curves had some, else at the host's copy rate."""
+    pz = model["pause"].get(capture_policy)
+    if pz is None:
+        return None
+    rate = model["move"]["coef"].get("total_moved_bytes", 0.0)  # s/B
+    load = 0.0 if "commit_load_bytes" in pz["coef"] else x["commit_load_bytes"] * model.get("load_s_per_byte", 0.0)
+    return max(0.0, _linear(pz, x) + x.get("commit_bytes", 0) * rate + load)
+
+
 def predict(plan: dict[str, Any], per_expert: int, slots_per_rank: int, capture_policy: str,
             pool: bool, model: dict[str, Any] | None, why_none: str = "") -> dict[str, Any]:
     """The plan's predicted cost: always bytes per rank and extra memory (the plan's own); move
@@ -218,7 +235,7 @@ def predict(plan: dict[str, Any], per_expert: int, slots_per_rank: int, capture_
     if model is None:
         return out | {"no_model": why_none}
     mv = model["move"]
-    out["move_s"] = max(0.0, _linear(mv, x))
+    out["move_s"] = move_s(model, x)
     if "spread" in mv:  # (a model written before the spread was kept has none)
         out["move_range_s"] = [out["move_s"] * mv["spread"][0], out["move_s"] * mv["spread"][1]]
     out["model"] = {"path": model.get("path"), "host": model["host"], "fitted_at": model.get("fitted_at")}
@@ -227,10 +244,7 @@ def predict(plan: dict[str, Any], per_expert: int, slots_per_rank: int, capture_
     if pz is None:
         out["pause_note"] = f"no pause fitted for capture policy {capture_policy} on this host"
     else:
-        rate = mv["coef"].get("total_moved_bytes", 0.0)  # s/B: the commit's moves priced at the move's rate
-        # the commit's loads into slots: fitted where the curves had some, else at the host's copy rate
-        load = 0.0 if "commit_load_bytes" in pz["coef"] else x["commit_load_bytes"] * model.get("load_s_per_byte", 0.0)
-        out["pause_s"] = max(0.0, _linear(pz, x) + x["commit_bytes"] * rate + load)
+        out["pause_s"] = pause_s(model, x, capture_policy)
         if "spread" in pz:
             out["pause_range_s"] = [out["pause_s"] * pz["spread"][0], out["pause_s"] * pz["spread"][1]]
         outside += [f for f, (lo, hi) in pz["range"].items() if not lo <= x[f] <= hi]
@@ -269,7 +283,7 @@ def relative_errors(predicted: dict[str, Any], got: dict[str, Any]) -> dict[str,
 
 def within_range(predicted: dict[str, Any], got: dict[str, Any]) -> dict[str, bool]:
     """For the pause and the move time: whether the measurement fell inside the predicted range
-    (the prediction scaled by the fit's own spread)."""
+    (the prediction scaled by the fit's ``spread``)."""
     out = {}
     for k in ("pause_s", "move_s"):
         rng = predicted.get(k.removesuffix("_s") + "_range_s")

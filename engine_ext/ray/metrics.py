@@ -138,7 +138,8 @@ class DeploymentMetrics:
         self.deployment = deployment
         self._seen: set[str] = set()
         self._pause = Histogram("eep_serving_pause_seconds", description="Forward-pass pause of a transition "
-                                "(a joiner's wait for the members to stop is not counted).", boundaries=PAUSE_BOUNDS, tag_keys=("deployment",))
+                                "(a joiner's wait for the members to stop is not counted).", boundaries=PAUSE_BOUNDS,
+                                tag_keys=("deployment",))
         self._ops = Counter("eep_transitions_total", description="Finished scale operations by outcome.",
                             tag_keys=("deployment", "state"))
         self._dp = Gauge("eep_deployment_dp_size", description="DP size after the last operation.",
