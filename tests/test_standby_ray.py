@@ -113,11 +113,14 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     used = {int(r["instance_id"].rsplit("_standby", 1)[1]) for r in _standbys(d.name)}
     used |= set(range(max(used) + 1))  # every number taken so far (0 is the adopted rank 3's name)
     # ... and after a controller restart the numbers go on: the adopted rank still holds <base>_standby0.
+    # The standbys before the controller dies: the take-over ends them (they are no member). Read
+    # after the restart instead, on a loaded box, they already were the refill (a CI run waited 200 s
+    # for standbys other than the ready 4 and 5, which were those).
+    before = {r["pid"] for r in _standbys(d.name)}
     ctl = ray.get_actor(controller_name(d.name), namespace="eepctl")
     os.kill(int(ray.get(ctl.pid.remote(), timeout=30)), signal.SIGKILL)  # this test's own controller
     wait_for(lambda: (status(d.name)["info"].get("control") or {}).get("controller_restarts") == 1, 90,
              interval=0.5, what="the controller restarted")
-    before = {r["pid"] for r in _standbys(d.name)}  # ended by the take-over (not a member)
     try:
         # the product bounds a standby's launch at 60 s for its reservation and 120 s for its process:
         # a slow launch on a busy box (both test workers loaded) is not a failure to refill
