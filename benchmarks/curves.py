@@ -344,6 +344,7 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
                                                  "move_wait_s", "move_map_s", "move_copy_s") if k in d}
             | {"load_s": round(resh.get(r, {}).get("detail", {}).get("load_s", 0.0), 4),
                "commit_copy_bytes": resh.get(r, {}).get("detail", {}).get("commit_copy_bytes", 0),
+               "load_threads": resh.get(r, {}).get("detail", {}).get("load_threads", 1),
                "spare_bytes": d.get("spare_bytes", 0), "sent": d.get("bytes_sent", 0),
                "received": d.get("bytes_received", 0)}
             for r, d in sorted((r, e["detail"]) for r, e in moved.items())}
@@ -541,7 +542,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             # No captures on this curve: a capture's decode runs every local slot densely, which at
             # GiBs of experts makes each CPU step take seconds; eager decode runs top-k experts only.
             row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": [], "capture_policy": a.bytes_policy,
-                                    "transport": a.transport},
+                                    "transport": a.transport, "commit_load_threads": a.commit_load_threads},
                                    f"cb{eh}", 2, 4, device=dev, standby=a.bytes_standby, kv_experts=a.kv_experts)
             row.update(expert_hidden=eh, expert_MiB=expert_bytes(eh) / MIB)
             if row.get("state") == "refused":  # kept apart: the tables and the fit take scales that ran
@@ -631,6 +632,8 @@ if __name__ == "__main__":
     ap.add_argument("--transport", default="auto", help="the bytes curve's: auto (same-host memory) or gloo")
     ap.add_argument("--kv-experts", type=int, default=0,
                     help="the bytes curve's KV pool also holds this many experts: room for a member's pre-copy")
+    ap.add_argument("--commit-load-threads", type=int, default=0,
+                    help="the bytes curve's engine config: threads loading landed experts in the commit (0: sized to the host)")
     ap.add_argument("--fit", action="store_true",
                     help="fit the cost model to this run's bytes and pause points: <out>/cost_model.json")
     asyncio.run(main(ap.parse_args()))

@@ -88,7 +88,9 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
     pool); the plan and the operation record say which, and every output before, during and after
     equals the oracle's. With a cost model fitted on this host (synthetic coefficients) the plan
     predicts the pause and move time, and the record sets what the scale measured beside them: the
-    bytes per rank as planned, the pause and the slowest pre-copy as measured."""
+    bytes per rank as planned, the pause and the slowest pre-copy as measured. Rank 2 loads its
+    8 slots on 3 threads (``commit_load_threads``; sized to the host, the 2-core box would load on
+    one): the oracle's tokens say no slot was torn."""
     from eepctl.render import events_text, plan_text
     from engine_ext.control import cost_model
     from tests.test_cost_model import _points, _write
@@ -96,7 +98,7 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
     from engine_ext.model.dense_oracle import reference_generate
     from tests.engine_helpers import oracle_mismatch
 
-    cfg = EngineConfig(num_experts=16, slots_per_rank=8)
+    cfg = EngineConfig(num_experts=16, slots_per_rank=8, commit_load_threads=3)
     prompts = [[1 + i, 2 + 2 * i, 3 + i] for i in range(6)]
     ref = reference_generate(cfg, prompts, 6)
     per_expert = expert_nbytes(cfg)
@@ -120,6 +122,9 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
             op = await dep.scale(2, retire=[1])
             assert op["state"] == "succeeded" and dep.orch.members == [0, 2], op
             assert op["plan"]["precopy"]["per_rank"]["2"] == r2, op["plan"]["precopy"]
+            loads = [e for e in dep.registry.events_for(op["op_id"]) if e["phase"] == "reshuffle" and e["rank"] == 2
+                     and "load_threads" in e["detail"]]
+            assert [(e["detail"]["load_threads"], e["detail"]["commit_copy_bytes"]) for e in loads] == [(3, 8 * per_expert)], loads
             mm = op["move_memory"]["2"]
             assert (mm["spare_bytes"], mm["commit_moved_bytes"], mm["freed_by"]) == (r2["spare"], r2["commit_moved"], "commit"), mm
             pred, got = op["cost"]["predicted"], op["cost"]["measured"]
