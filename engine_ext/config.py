@@ -93,7 +93,8 @@ class EngineConfig:
     # Threads a CPU rank copies its landed experts into their slots with, in the commit (the part
     # of a move that cannot happen before the switch): 0 sizes it to the host, its usable cores
     # divided by the ranks of a one-host world (1 where the world spans hosts: their count is
-    # unknown), at most 8. The copy is memory-bound: one thread moved 4.4-6 GB/s.
+    # unknown), no more than ``OMP_NUM_THREADS`` where set (Ray sets it to a rank's CPU grant), at
+    # most 8 and one per 8 MiB loaded. The copy is memory-bound: one thread moved 4.4-6 GB/s.
     commit_load_threads: int = 0
     group_timeout_s: float = 120.0
     # A serving step's collectives wait this long for a peer (gloo's per-operation timeout on the

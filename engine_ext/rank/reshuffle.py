@@ -224,7 +224,8 @@ class ExpertReshuffle:
     def _load_threads(self, comm: Any, loaded: list[tuple[Any, torch.Tensor]]) -> int:
         """How many threads load the commit's buffers on a CPU rank: ``commit_load_threads``, or
         (0) the usable cores over the ranks of a one-host world (its same-host transport says the
-        world is on one host; across hosts their ranks per host are unknown: 1), at most 8 and one
+        world is on one host; across hosts their ranks per host are unknown: 1), no more than
+        ``OMP_NUM_THREADS`` where it is set (Ray sets it to a rank's CPU grant), at most 8 and one
         per 8 MiB loaded (starting a thread costs ~0.5 ms; 8 MiB copy in ~1.5 ms)."""
         slots = len({m.dst_slot for m, _ in loaded})
         if self.res.device.type != "cpu" or slots < 2:
@@ -232,7 +233,9 @@ class ExpertReshuffle:
         k = self.res.cfg.commit_load_threads
         if k == 0:
             k = len(os.sched_getaffinity(0)) // comm.size if getattr(comm, "transport_kind", "") == "shm" else 1
-            k = min(k, 8, sum(buf.numel() * buf.element_size() for _, buf in loaded) // (8 << 20))
+            granted = os.environ.get("OMP_NUM_THREADS", "")
+            k = min(k, int(granted) if granted.isdigit() else k, 8,
+                    sum(buf.numel() * buf.element_size() for _, buf in loaded) // (8 << 20))
         return max(1, min(k, slots))
 
     def apply(self, op: OpState) -> dict[str, Any]:
