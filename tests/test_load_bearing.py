@@ -7,6 +7,7 @@ process deployment (LocalDeployment) where the world must change size."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -239,18 +240,24 @@ def test_workspace_bound_shrinks_with_the_world():
 
 
 # ---- communicator prep (I2): the EPLB communicator before the weight transfer -------------------
-async def _scale_up_and_serve(cfg: EngineConfig) -> tuple[dict, list[dict], list[dict]]:
+async def _scale_up_and_serve(cfg: EngineConfig) -> tuple[dict, list[dict], list[dict], set[int]]:
+    """The scale 2 -> 3, requests after it, the registry's violations, and the ranks whose last
+    event of the scale arrived (its lock; a scale that failed in prepare ends at the transfer).
+    A failed prepare rolls back at the first rank's failure (``World.call_all``) and stops the
+    joiner, which may not have reached its transfer by then (1 run in 8 on the 2-core box): the
+    members always report theirs; the joiner's is waited for a moment."""
     async with LocalDeployment(cfg, "comm", max_dp=4) as dep:
         await dep.start(2)
         op = await dep.scale(3, timeout_s=120)
         results = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS * 2))
-        # The I2 check reads the ranks' events of the scale: wait until every rank's last event of
-        # it arrived (its lock; a scale that failed in prepare ends at the transfer).
+        # The I2 check reads the ranks' events of the scale: wait until their last event arrived.
         last = "lock" if op["state"] == "succeeded" else "transfer"
-        await wait_until(lambda: {e.rank for _, e in dep.registry.events
-                                  if e.op_id == op["op_id"] and e.phase == last} >= {0, 1, 2}, 10,
-                         "every rank's events of the scale")
-        return op, list(results), dep.registry.violations()
+        reported = lambda: {e.rank for _, e in dep.registry.events if e.op_id == op["op_id"] and e.phase == last}  # noqa: E731
+        need = {0, 1, 2} if op["state"] == "succeeded" else {0, 1}
+        await wait_until(lambda: reported() >= need, 10, "the ranks' events of the scale")
+        with contextlib.suppress(AssertionError):
+            await wait_until(lambda: 2 in reported(), 2, "the joiner's transfer")
+        return op, list(results), dep.registry.violations(), reported()
 
 
 @pytest.mark.timeout(200)
@@ -259,18 +266,19 @@ def test_late_eplb_communicator_fails_the_scale_and_is_flagged(reference):
     """Harm: the transfer runs before the communicator exists, so it has no channel and the
     scale fails (rolled back; the old world serves on). The registry sees each rank's transfer
     reported before its communicator, in the order it received them (I2)."""
-    op, results, violations = run(_scale_up_and_serve(_cfg("late_eplb_comm")), 180)
+    op, results, violations, reported = run(_scale_up_and_serve(_cfg("late_eplb_comm")), 180)
     assert op["state"] == "rolled_back", op
     assert "eplb_comm" in op["error"] or "NoneType" in op["error"], op["error"]
     assert {r["rank"] for r in results} <= {0, 1}
     assert oracle_mismatch([(i % len(PROMPTS), r) for i, r in enumerate(results)], reference) == ""
     i2 = [v for v in violations if v["invariant"] == "I2"]
-    assert {v["rank"] for v in i2} == {"0", "1", "2"}, violations  # the check fires on every rank
+    # the check fires on every rank whose transfer arrived: both members, the joiner if it got there
+    assert {v["rank"] for v in i2} == {str(r) for r in reported} >= {"0", "1"}, (violations, reported)
 
 
 @pytest.mark.timeout(200)
 def test_prepared_eplb_communicator_serves_right_on_the_joiner(reference):
-    op, results, violations = run(_scale_up_and_serve(_cfg()), 180)
+    op, results, violations, _ = run(_scale_up_and_serve(_cfg()), 180)
     assert op["state"] == "succeeded", op
     assert 2 in {r["rank"] for r in results}
     assert oracle_mismatch(list((i % len(PROMPTS), r) for i, r in enumerate(results)), reference) == ""
