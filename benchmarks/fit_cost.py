@@ -5,7 +5,7 @@ report, for curves run with a model in place, each scale's predicted cost beside
   fit      move time = latency + bytes moved x s/B + bytes into spare buffers x s/B (the pre-copy,
            slowest rank; all ranks' bytes), and per capture
            policy serving pause = base + expert bytes a rank holds x slope, by least squares on the
-           relative errors; the commit's loads into slots priced at the host's copy rate (measured
+           relative errors; the commit's loads into slots priced at the copy rate (host or device, measured
            by curves.py beside the scales)
   report   per scale: predicted and measured pause and move time, and the error of each
   leave-one-size-out  per scale: predicted by a fit of the other sizes only, and measured
@@ -60,7 +60,7 @@ def fit_and_write(paths: list[str], out: str) -> dict[str, Any]:
           f"{mv['coef'].get('spare_total_bytes', 0.0) * 2**30:.3f} s/GiB into spare buffers (not fitted: {mv['not_fitted']}) "
           f"(max error on its points {mv['max_rel_error']:.0%}, spread x{mv['spread'][0]:.2f}..x{mv['spread'][1]:.2f}); "
           f"the commit's loads at "
-          f"{min(rates) if rates else 0:.1f} GB/s (the host's copy rate)")
+          f"{min(rates) if rates else 0:.1f} GB/s (the copy rate measured beside the curves)")
     for policy, pz in model["pause"].items():
         print(f"  pause ({policy}): {pz['intercept']:.4f} s + {pz['coef'].get('rank_expert_bytes', 0.0) * 2**30:.4f} "
               f"s/GiB held per rank + {pz['coef'].get('commit_load_bytes', 0.0) * 2**30:.4f} s/GiB loaded in the "

@@ -9,7 +9,8 @@ A small linear model, fitted by least squares to the bytes curve of ``benchmarks
                                           memory while it serves; the plan's ``precopy.per_rank``)
   serving pause (per capture policy)    = base + expert bytes a rank holds x slope
                                           + bytes the commit loads into slots x slope (where the
-                                          curves had none: / the host's copy rate)
+                                          curves had none: / the copy rate, the
+                                          host's or on a GPU the device's)
                                           + bytes moved in the commit / the move's rate
 
 Each figure comes with a range: the prediction times the least and the most measured/predicted
@@ -169,7 +170,8 @@ def _left_out(points: list[dict[str, float]], features: list[str], target: str, 
 def fit(points: list[dict[str, Any]], host: dict[str, Any], source: list[str],
         copy_GBps: float | None = None) -> dict[str, Any]:
     """The model from curve points (``point``'s keys), with the host they were measured on.
-    ``copy_GBps``: the host's memory copy rate measured beside them (the commit's loads into slots)."""
+    ``copy_GBps``: the copy rate measured beside them (the commit's loads into slots: host memory, or
+    on a GPU the device's)."""
     model: dict[str, Any] = {"format": FORMAT, "host": host, "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                         time.gmtime()),
                              "source": source, "move": fit_linear(points, MOVE_FEATURES, "move_s"), "pause": {},
@@ -213,7 +215,7 @@ def move_s(model: dict[str, Any], x: dict[str, Any]) -> float:
 def pause_s(model: dict[str, Any], x: dict[str, Any], capture_policy: str) -> float | None:
     """The serving pause predicted for features ``x``, or None where no pause was fitted for the
     capture policy. The commit's moves are priced at the move's rate; its loads into slots as
-    fitted where the curves had some, else at the host's copy rate."""
+    fitted where the curves had some, else at the copy rate measured beside the curves."""
     pz = model["pause"].get(capture_policy)
     if pz is None:
         return None
