@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
+from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments, remove_orphan_segments
 
 
 # Under pytest-xdist (`bash scripts/test.sh` runs two workers): a module is one unit of
@@ -197,3 +197,15 @@ def vllm_oracle(vllm_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
         return run_prompts(oracle, PROMPTS)
     finally:
         oracle.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_orphan_shared_memory() -> Iterator[None]:
+    """At the session's end (after its Ray head and servers are gone: set up first, torn down
+    last), the shared-memory segments made during it that no live process maps (vLLM's queues, left
+    by the Ray DP engines the elastic tests stop) are removed from /dev/shm."""
+    import time
+
+    start = time.time()
+    yield
+    remove_orphan_segments(start)
