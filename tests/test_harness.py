@@ -36,14 +36,15 @@ def test_a_killed_processs_segment_is_removed_and_a_mapped_one_kept():
         os.ftruncate(fd, 1 << 20)
         ours = mmap.mmap(fd, 1 << 20)  # mapped by this live process: never an orphan
         assert child.stdout is not None and child.stdout.readline().strip() == "mapped"
-        assert dead.name not in {p.name for p in orphan_segments(since)}  # its maker lives and maps it
+        assert dead.name not in {p.name for p in orphan_segments(since, min_age_s=0)}  # its maker lives and maps it
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
         assert dead.exists()  # a SIGKILLed process unlinks nothing
-        assert {p.name for p in orphan_segments(since)} >= {dead.name}
-        assert live.name not in {p.name for p in orphan_segments(since)}
-        assert dead.name not in {p.name for p in orphan_segments(time.time() + 60)}  # made before the session: kept
-        assert dead.name in remove_orphan_segments(since)
+        assert dead.name not in {p.name for p in orphan_segments(since, min_age_s=3600)}  # too young: maybe being mapped
+        assert {p.name for p in orphan_segments(since, min_age_s=0)} >= {dead.name}
+        assert live.name not in {p.name for p in orphan_segments(since, min_age_s=0)}
+        assert dead.name not in {p.name for p in orphan_segments(time.time() + 60, min_age_s=0)}  # made before: kept
+        assert dead.name in remove_orphan_segments(since, min_age_s=0)
         assert not dead.exists() and live.exists()
         ours.close()
     finally:
