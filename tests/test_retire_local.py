@@ -61,3 +61,41 @@ def test_default_picks_the_emptiest_and_retire_moves_exactly_the_named() -> None
     assert members == [0, 2, 3]
     assert {r["rank"] for r in results} <= {0, 2, 3}
     assert oracle_mismatch(list(enumerate(results)), reference_generate(cfg, PROMPTS, MAX_TOKENS)) == ""
+
+
+def test_a_request_racing_a_removal_is_handed_back_or_refused_never_kept() -> None:
+    """A request that reaches a removing rank while its commit hands its requests back: the commit
+    turns the rank REMOVING and exports its scheduler under the rank's lock (here this test holds
+    the lock and does both, as ``RankTransition.request_commit`` and the removing commit do). The
+    request must then be refused (the router sends it elsewhere). Read outside that lock, the state
+    said DRAINING, the request was queued after the hand-back and never answered: a soak's request
+    waited 297 s for it (docs/testing.md, session 20)."""
+    import threading
+
+    from engine_ext.elastic.eplb import build_layout
+    from engine_ext.errors import RankRefused
+    from engine_ext.rank.engine import RankEngine
+    from engine_ext.records import RankState
+
+    rank = RankEngine(EngineConfig(), "race", 0, build_layout(8, 8, 1))
+    shared = rank.shared
+    shared.state = RankState.DRAINING  # still takes requests: what it holds moves at its commit
+    out: list[BaseException | None] = []
+
+    def submit() -> None:
+        try:
+            rank.add_request({"request_id": "late", "prompt": [1, 2], "max_tokens": 3})
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - the refusal is the expected outcome
+            out.append(e)
+
+    with shared.lock:  # the removing commit's critical section
+        t = threading.Thread(target=submit)
+        t.start()
+        t.join(0.3)  # the request arrives meanwhile and waits for the lock
+        shared.state = RankState.REMOVING
+        handed_back = rank.res.sched.export_all()
+    t.join(10)
+    assert handed_back == []
+    assert len(out) == 1 and isinstance(out[0], RankRefused), out
+    assert not rank.res.sched.has_work, "a request was queued after the hand-back: nobody would answer it"

@@ -253,15 +253,19 @@ class RankEngine:
         self.loop.start()
 
     def add_request(self, wire: dict[str, Any]) -> None:
-        """Queue a request, or raise RankRefused with the code the router decides on."""
+        """Queue a request, or raise RankRefused with the code the router decides on. The state is
+        read under the lock the request is queued under: a removing rank turns REMOVING and hands
+        its requests back under it, so a request either is handed back or is refused (read before
+        it, a request that came in meanwhile was queued after the hand-back and never answered)."""
         shared = self.shared
-        code = _REFUSING.get(shared.state) or (Refusal.STOPPED if shared.stopping else None)
+        req = Request.from_wire(wire)
+        with shared.lock:
+            code = _REFUSING.get(shared.state) or (Refusal.STOPPED if shared.stopping else None)
+            if code is None:
+                self.res.sched.add(req)
         if code is not None:
             raise RankRefused(f"rank {shared.rank} is {code.value} and takes no requests"
                               + (f": {shared.state_reason}" if shared.state_reason else ""), code)
-        req = Request.from_wire(wire)
-        with shared.lock:
-            self.res.sched.add(req)
         self.loop.poke()
 
     # ---- RankControl: transitions -------------------------------------------------------------------
