@@ -49,7 +49,9 @@ class RankShared:
     halted. ``halting`` is an Event, set from any thread (a peer died) and cleared only by
     recovery once the step loop stopped. ``state`` changes only through
     ``RankTelemetry.set_state``, which publishes it with its reason (a refused replay and a
-    fault's hold also note themselves in the reason). One writer each, no lock:
+    fault's hold also note themselves in the reason); a removing rank turns REMOVING under
+    ``lock``, and a request is admitted only if the state read under ``lock`` allows it, so none
+    is queued after the commit hands the rank's requests back. One writer each, no lock:
     ``capture_passes`` and ``required_workspace`` (the thread running the warm-up, which the
     operation serializes), ``steps`` and ``stale_replays_refused`` (the step thread).
     """
