@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -204,8 +205,6 @@ def no_orphan_shared_memory() -> Iterator[None]:
     """At the session's end (after its Ray head and servers are gone: set up first, torn down
     last), the shared-memory segments made during it that no live process maps (vLLM's queues, left
     by the Ray DP engines the elastic tests stop) are removed from /dev/shm."""
-    import time
-
     start = time.time()
     yield
     remove_orphan_segments(start)

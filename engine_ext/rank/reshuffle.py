@@ -291,20 +291,18 @@ def _load(model: Any, loaded: list[tuple[Any, torch.Tensor]], threads: int) -> N
     """Copy each landed expert into its slot; with ``threads`` > 1 the slots are dealt round-robin
     to that many threads (a torch copy releases the GIL; one slot's loads stay on one thread, in
     order)."""
-    if threads <= 1:
-        for m, buf in loaded:
+    def load_part(part: list[tuple[Any, torch.Tensor]]) -> None:
+        for m, buf in part:
             model.load_expert_vector(m.dst_slot, buf)
+
+    if threads <= 1:
+        load_part(loaded)
         return
     slots = sorted({m.dst_slot for m, _ in loaded})
     worker = {slot: i % threads for i, slot in enumerate(slots)}
     parts: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in range(threads)]
     for item in loaded:
         parts[worker[item[0].dst_slot]].append(item)
-
-    def load_part(part: list[tuple[Any, torch.Tensor]]) -> None:
-        for m, buf in part:
-            model.load_expert_vector(m.dst_slot, buf)
-
     with ThreadPoolExecutor(threads, thread_name_prefix="commit-load") as pool:
         list(pool.map(load_part, parts))  # (list: a worker's exception is raised here)
 
