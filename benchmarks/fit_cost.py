@@ -13,7 +13,7 @@ report, for curves run with a model in place, each scale's predicted cost beside
 Usage:
   PYTHONPATH=. python benchmarks/fit_cost.py docs/results/curves.json [...] --out engine_ext/control/cost_model.json
   PYTHONPATH=. python benchmarks/fit_cost.py --report /tmp/check/curves.json
-  PYTHONPATH=. python benchmarks/fit_cost.py --leave-one-size-out docs/results/h100_2026-12-06d/cuda_fit_curves.json
+  PYTHONPATH=. python benchmarks/fit_cost.py --leave-one-size-out tests/data/h100_cuda_fit_curves.json
 """
 
 from __future__ import annotations

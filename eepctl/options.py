@@ -44,7 +44,7 @@ def emit(text: str) -> None:
     """The command's output, whole. To a file descriptor it goes through ``os.write`` until every
     byte is out: a signal that interrupts a blocked write (a Ctrl-C while a reader lags behind a
     full pipe) made Python's text stream drop the rest without an error (a 200-request load's
-    report ended at 64 KiB, exit 0: docs/testing.md, "A report cut at 64 KiB")."""
+    report ended at 64 KiB, exit 0)."""
     out = streams.output()
     try:
         fd = out.fileno()

@@ -182,11 +182,11 @@ def test_a_price_that_fits_negative_is_left_out_and_the_rest_refitted() -> None:
 
 
 def test_fit_cost_reports_a_held_out_check_from_one_run(capsys: pytest.CaptureFixture[str]) -> None:
-    """``fit_cost.py --leave-one-size-out`` predicts each size of a recorded run (run13 on an H100:
-    9 scales, 5 sizes) from a fit of the other sizes: its counts are those of the rows it prints."""
+    """``fit_cost.py --leave-one-size-out`` predicts each size of a recorded run (a CUDA bytes curve on
+    an H100: 9 scales, 5 sizes) from a fit of the other sizes: its counts are those of the rows it prints."""
     from benchmarks import fit_cost
 
-    fit_cost.leave_one_size_out([str(ROOT / "docs/results/h100_2026-12-06d/cuda_fit_curves.json")])
+    fit_cost.leave_one_size_out([str(ROOT / "tests/data/h100_cuda_fit_curves.json")])
     out = capsys.readouterr().out.splitlines()
     rows = [ln.split(" | ") for ln in out if ln.startswith("| ")]
     assert len(rows) == 9 and {r[0] for r in rows} == {"| 64", "| 256", "| 1024", "| 4096", "| 8192"}

@@ -68,8 +68,7 @@ def test_a_request_racing_a_removal_is_handed_back_or_refused_never_kept() -> No
     turns the rank REMOVING and exports its scheduler under the rank's lock (here this test holds
     the lock and does both, as ``RankTransition.request_commit`` and the removing commit do). The
     request must then be refused (the router sends it elsewhere). Read outside that lock, the state
-    said DRAINING, the request was queued after the hand-back and never answered: a soak's request
-    waited 297 s for it (docs/testing.md, session 20)."""
+    said DRAINING, the request was queued after the hand-back and never answered."""
     import threading
 
     from engine_ext.elastic.eplb import build_layout

@@ -4,8 +4,7 @@ pause, the ``eep_serving_pause_seconds`` metric), on the process launcher.
 A joiner's commit begins as soon as it is prepared and waits in the commit's first collective for the
 members, which keep serving until their step boundary. Counting that wait made the recorded pause
 the joiner's idle time: up to a decode step more than the clients saw, growing with the experts'
-size on the H200 host (docs/benchmarks.md, "The move's handshakes, and what the serving pause
-counts")."""
+size on the H200 host (docs/benchmarks.md, "Hosts and conventions")."""
 
 from __future__ import annotations
 
@@ -68,7 +67,7 @@ def _telemetry() -> tuple[RankTelemetry, list[tuple[str, str]]]:
 def test_a_quiet_commit_sends_its_reports_in_order_with_one_status_when_it_ends() -> None:
     """Inside ``quiet`` (the commit after COMMITTING went out) state changes and events are kept:
     each one out costs the rank a status build and the controller a wake-up, both out of the pause's
-    CPU on shared cores (docs/benchmarks.md, "What the pause spends its CPU on"). When it ends they
+    CPU on shared cores. When it ends they
     go out in order, with one status of the state then; the heartbeat's publish is not held, so a
     long commit (a recapture) still shows its state within an interval."""
     tel, sent = _telemetry()

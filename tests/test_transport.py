@@ -241,7 +241,7 @@ def _part_then_leave(rank: int, size: int, port: int, prefix: str, q: Any) -> No
 
 
 def test_a_peer_that_left_after_writing_its_part_fails_only_the_next_collective() -> None:
-    """The race of a scale's commit under CPU starvation (docs/testing.md, "The commit race"):
+    """The race of a scale's commit under CPU starvation:
     the ranks agree to commit through one all-reduce of their headers; the first to read it
     switches groups and leaves the old one while a slower rank still waits there for a third. That
     rank must finish the agreeing all-reduce (rank 0's part is written), not fail it for a peer

@@ -1,8 +1,8 @@
 """Stateless process groups over a TCPStore (invariant I2).
 
-No ``torch.distributed.init_process_group``: a group is a ProcessGroupGloo (or NCCL) built
-over a PrefixStore, so a new world can be formed for every operation while the process
-lives, and dropped again on rollback.
+No ``torch.distributed.init_process_group``: a group is a ProcessGroupGloo (``backend="nccl"``: a
+ProcessGroupNCCL, which no caller selects and which has never run) built over a PrefixStore, so a new
+world can be formed for every operation while the process lives, and dropped again on rollback.
 """
 
 from __future__ import annotations
@@ -147,12 +147,12 @@ class StatelessGroup:
     """A process group that can be created and dropped at any time. Its collectives raise
     ``GroupError`` (with a ``GroupFailure`` code) when a peer or the store fails.
 
-    ``transport="auto"``: when every member runs on this host, the all-reduces, all-gathers,
-    reduce-scatters and all-to-alls go through buffers the members share (``shm_bytes`` per rank
-    and buffer: a larger one fails with GroupFailure.OVERFLOW, naming the sizes): a shared-memory
-    segment on CPU, CUDA IPC on a GPU (opt-in, engine_ext/transport/cuda_ipc.py); ``exchange``
-    reads the sender's memory (engine_ext/transport/p2p.py); broadcasts stay on gloo.
-    ``transport_kind`` says which was chosen."""
+    ``transport="auto"``: when every member runs on this host (CUDA ranks: on one GPU), the all-reduces,
+    all-gathers, reduce-scatters and all-to-alls go through buffers the members share (``shm_bytes`` per rank
+    and buffer: a larger one fails with GroupFailure.OVERFLOW, naming the sizes): a shared-memory segment on
+    CPU, CUDA IPC on a shared GPU unless ``EEPCTL_CUDA_IPC=0`` (engine_ext/transport/cuda_ipc.py); ``exchange``
+    reads the sender's memory (engine_ext/transport/p2p.py); broadcasts stay on gloo. Otherwise gloo carries
+    it all, CUDA tensors staged through host memory. ``transport_kind`` says which was chosen."""
 
     def __init__(
         self,

@@ -61,8 +61,8 @@ class RankTelemetry:
     def quiet(self) -> Iterator[None]:
         """Keep this rank's reports (events, state changes) while the deployment is paused, and
         send them, in order, with one status, when it ends. Each report costs this rank a status
-        build and the controller a wake-up; on shared cores both came out of the serving pause
-        (docs/benchmarks.md, "What the pause spends its CPU on"). The heartbeat still publishes,
+        build and the controller a wake-up; on shared cores both came out of the serving pause.
+        The heartbeat still publishes,
         so a long quiet stretch (a commit that captures) shows its state within an interval."""
         with self._lock:
             if self._held is not None:  # already quiet: the outer one sends

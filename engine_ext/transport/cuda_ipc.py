@@ -19,7 +19,7 @@ gloo, staged through host memory (``StatelessGroup._one_host`` compares the devi
 NCCL for such worlds needs a machine of several GPUs to be built on, not lent here). A CUDA world
 of one device takes it unless ``EEPCTL_CUDA_IPC=0`` is in the ranks' environment. The
 GPU tests: ``tests/test_transport.py::test_cuda_ipc_collectives_and_moves_equal_gloo_on_one_gpu``
-and ``tests/test_cuda_graphs.py`` (docs/benchmarks.md, "CUDA IPC on an H100").
+and ``tests/test_cuda_graphs.py`` (docs/testing.md, "The GPU path").
 """
 
 from __future__ import annotations
