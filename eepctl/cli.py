@@ -9,11 +9,13 @@ import typer
 
 from eepctl import interrupt, streams
 from eepctl.cli_autoscale import autoscale
+from eepctl.cli_events import events
 from eepctl.options import Address, ApiKey, Name, Namespace, Output, OutputOpt
 from eepctl.options import emit as _emit
 from eepctl.options import plain as _plain
 from eepctl.options import say as _say
 from eepctl.options import target as _target
+from eepctl.options import target_flags as _target_flags
 from eepctl.options import width as _width
 from engine_ext.protocol import DEFAULT_DEPLOYMENT, DEFAULT_NAMESPACE, UsageError
 
@@ -28,9 +30,22 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            _emit(f"eepctl {version('eepctl')}\n")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            _emit("eepctl (version unknown: not installed)\n")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", "--traceback", help="Re-raise errors with their traceback.")] = False,
+    version: Annotated[bool, typer.Option("--version", help="Print eepctl's version and exit.", is_eager=True,
+                                          callback=_print_version)] = False,
 ) -> None:
     """Global options."""
 
@@ -68,23 +83,10 @@ def up(
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
     from eepctl import core, render
-    from engine_ext.config import CapturePolicy
 
-    if dtype not in ("float32", "float64", "bfloat16", "float16"):
-        raise UsageError(f"--dtype must be float32, float64, bfloat16 or float16, not {dtype!r}")
-    engine = {"num_experts": experts, "slots_per_rank": slots_per_rank, "top_k": top_k, "num_layers": layers,
-              "hidden_size": hidden, "max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens,
-              "dtype": dtype, "seed": seed,
-              "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= max_num_seqs]}
-    try:  # the config validates it too; here the message names the option
-        CapturePolicy.parse(capture_policy, "--capture-policy")
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    engine["capture_policy"] = capture_policy
-    if transport not in ("gloo", "auto"):
-        raise UsageError(f"--transport must be gloo or auto, not {transport!r}")
-    engine["transport"] = transport
-    engine["step_timeout_s"] = health_deadline
+    sizes = {"num_experts": experts, "slots_per_rank": slots_per_rank, "top_k": top_k, "num_layers": layers,
+             "hidden_size": hidden, "max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens}
+    engine = _engine_options(sizes, dtype, seed, capture_policy, transport, health_deadline)
     from eepctl.progress import busy
 
     with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json), \
@@ -96,6 +98,25 @@ def up(
                       on_rank_failure=on_rank_failure, standby=standby, health_deadline_s=health_deadline,
                       ingress=ingress, api_key=api_key)
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
+
+
+def _engine_options(sizes: dict[str, int], dtype: str, seed: int, capture_policy: str, transport: str,
+                    health_deadline: float) -> dict[str, Any]:
+    """The engine config `up`'s options describe; a bad value is named by its option (the config
+    validates it too)."""
+    from engine_ext.config import CapturePolicy
+
+    if dtype not in ("float32", "float64", "bfloat16", "float16"):
+        raise UsageError(f"--dtype must be float32, float64, bfloat16 or float16, not {dtype!r}")
+    try:
+        CapturePolicy.parse(capture_policy, "--capture-policy")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if transport not in ("gloo", "auto"):
+        raise UsageError(f"--transport must be gloo or auto, not {transport!r}")
+    return {**sizes, "dtype": dtype, "seed": seed,
+            "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= sizes["max_num_seqs"]],
+            "capture_policy": capture_policy, "transport": transport, "step_timeout_s": health_deadline}
 
 
 @app.command()
@@ -246,7 +267,8 @@ def scale(
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the operation id and return.")] = False,
     request_id: Annotated[str | None, typer.Option("--request-id", help="Idempotency key: a retry with the same id returns the same operation instead of starting another.", show_default=False)] = None,
     retire: Annotated[str | None, typer.Option("--retire", help="A scale-down removes these ranks (comma-separated; as many as it removes). Default: the ranks with the fewest requests and least KV in use.")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Live display: add one row per rank.")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Live display: add one row per rank; off a terminal: each rank's events too.")] = False,
     api_key: ApiKey = None,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
@@ -265,19 +287,21 @@ def scale(
         return
     progress = ScaleProgress(json_lines=output == Output.json, plain=_plain(), verbose=verbose)
 
+    flags = _target_flags(name, namespace, address)
+
     def on_op(op: dict[str, Any]) -> None:
         if op.get("op_id"):
             interrupt.now_doing(f"following scale {op['op_id']} of {name} to DP {dp}",
-                                f"the scale continues in the cluster: `eepctl events --name {name} "
+                                f"the scale continues in the cluster: `eepctl events{flags} "
                                 f"--op {op['op_id']} --follow`")
         progress.on_operation(op)
 
     with progress, interrupt.doing(f"asking {name} to scale to DP {dp}",
-                                   f"the scale may have been admitted: `eepctl status --name {name}`"):
+                                   f"the scale may have been admitted: `eepctl status{flags}`"):
         res = core.scale(t, dp, drain_timeout_s=drain_timeout, timeout_s=timeout, wait=not no_wait,
                          on_event=progress.on_event, api_key=api_key, on_op=on_op,
                          request_id=request_id, retire=leaving)
-    _emit(render.to_json("scale", res) + "\n" if output == Output.json else render.scale_text(res))
+    _emit(render.to_json("scale", res) + "\n" if output == Output.json else render.scale_text(res, flags))
 
 
 def _parse_ranks(text: str | None, option: str) -> list[int] | None:
@@ -289,68 +313,7 @@ def _parse_ranks(text: str | None, option: str) -> list[int] | None:
         raise UsageError(f"{option} takes comma-separated rank numbers, got {text!r}") from None
 
 
-@app.command()
-def events(
-    op: Annotated[str | None, typer.Option("--op", help="Only this operation.")] = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events (until the operation ends, with --op).")] = False,
-    timeline: Annotated[bool, typer.Option("--timeline", help="With --op: a per-rank Gantt of its phases (-o json: the spans).")] = False,
-    autoscaler: Annotated[bool, typer.Option("--autoscaler", help="The autoscaler's decisions instead: signals, rule fired, recommendation, action.")] = False,
-    name: Name = DEFAULT_DEPLOYMENT,
-    address: Address = None,
-    namespace: Namespace = DEFAULT_NAMESPACE,
-    output: OutputOpt = Output.table,
-) -> None:
-    """Operations with per-phase durations, serving pause, captures and workspace; and their events."""
-    from eepctl import core, render
-
-    t = _target(address, namespace, name)
-    if autoscaler:
-        _autoscaler_events(t, follow, output)
-        return
-    if timeline and not op:
-        raise UsageError("--timeline needs --op ID")
-    data = core.events(t, op)
-    if timeline:
-        from eepctl.timeline import timeline as build, timeline_text
-
-        tl = build(data, op)
-        _emit(render.to_json("timeline", tl) + "\n" if output == Output.json else timeline_text(tl, width=_width()))
-        return
-    if not follow:
-        _emit(render.to_json("events", data) + "\n" if output == Output.json else render.events_text(data))
-        return
-    seq = 0
-    while True:
-        for ev in data["events"]:
-            seq = max(seq, ev["seq"])
-            _emit(render.to_json("event", ev) + "\n" if output == Output.json else render.event_line(ev) + "\n")
-        ops = data.get("operations", [])
-        if op and ops and ops[-1].get("state") != "running":
-            _emit(render.to_json("operation", ops[-1]) + "\n" if output == Output.json else render.scale_text(ops[-1]))
-            return
-        time.sleep(0.5)
-        data = core.events(t, op, seq)
-
-
-def _autoscaler_events(t: Any, follow: bool, output: Output) -> None:
-    """`events --autoscaler`: the decisions, then (``--follow``) each new one as it is taken."""
-    from eepctl import core, render, render_autoscale
-
-    data = core.autoscale_decisions(t)
-    if not follow:
-        _emit(render.to_json("autoscale_decisions", data) + "\n" if output == Output.json
-              else render_autoscale.decisions_text(data))
-        return
-    since = 0.0
-    while True:
-        for d in data["decisions"]:
-            since = max(since, d["at"])
-            _emit(render.to_json("autoscale_decision", d) + "\n" if output == Output.json
-                  else render_autoscale.decision_line(d) + "\n")
-        time.sleep(1.0)
-        data = core.autoscale_decisions(t, since)
-
-
+app.command(name="events")(events)
 app.command(name="autoscale")(autoscale)
 
 

@@ -40,6 +40,15 @@ def target(address: str | None, namespace: str, name: str) -> Any:
     return Target(address, namespace, name).validated()
 
 
+def target_flags(name: str, namespace: str, address: str | None) -> str:
+    """The options that reach this deployment again, for a command printed to be pasted:
+    ``--name`` always, ``--namespace`` and ``--address`` where they are not the defaults."""
+    from engine_ext.protocol import DEFAULT_NAMESPACE
+
+    return (f" --name {name}" + (f" --namespace {namespace}" if namespace != DEFAULT_NAMESPACE else "")
+            + (f" --address {address}" if address else ""))
+
+
 def emit(text: str) -> None:
     """The command's output, whole. To a file descriptor it goes through ``os.write`` until every
     byte is out: a signal that interrupts a blocked write (a Ctrl-C while a reader lags behind a

@@ -4,8 +4,9 @@ On a terminal: a rich display whose size does not grow with the rank count — t
 phases in the order they happen (taken from its events and its record, not from a fixed list, so
 a recovery's phases show as well as a scale's), a spinner and the elapsed time on the current one,
 ranks done/total and the slowest rank per phase, and the serving-pause clock once commit starts.
-``--verbose`` adds one row per rank. Without a terminal (or with NO_COLOR): plain lines on stderr;
-with -o json: JSON lines on stdout. ``ProgressModel`` and ``progress_view`` are pure, for tests.
+``--verbose`` adds one row per rank. Without a terminal (or with NO_COLOR): plain lines on stderr,
+the operation's own events (``--verbose``: each rank's too); with -o json: JSON lines on stdout.
+``ProgressModel`` and ``progress_view`` are pure, for tests.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eepctl import streams
-from eepctl.render import event_line, to_json
+from eepctl.render import to_json
+from eepctl.render_events import event_line, operation_level
 
 _PAUSE_STARTS = "commit"  # the serving pause begins with commit and ends inside it (rank detail pause_s)
 
@@ -235,7 +237,8 @@ class ScaleProgress:
             out.flush()
             return
         if self.plain:
-            sys.stderr.write(event_line(ev) + "\n")
+            if self.verbose or operation_level(ev):
+                sys.stderr.write(event_line(ev) + "\n")
             return
         self.model.on_event(ev)
 

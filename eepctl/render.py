@@ -9,7 +9,7 @@ from typing import Any
 # rich is imported inside the text renderers: `-o json` output never pays for it.
 from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
 from eepctl.render_control import control_lines, ingress_lines
-from eepctl.render_cost import cost_lines, plan_cost_lines
+from eepctl.render_cost import plan_cost_lines
 from eepctl.render_requests import generate_head, generate_tail, generate_text, load_text  # noqa: F401 - render's API
 
 
@@ -34,6 +34,15 @@ def rich_text(renderables: list[Any], width: int = 160) -> str:
     for r in renderables:
         console.print(r)
     return buf.getvalue()
+
+
+def natural_width(renderable: Any) -> int:
+    """The columns ``renderable`` takes when nothing limits it (a table: every cell on one line)."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(file=io.StringIO(), width=100_000, color_system=None)
+    return Measurement.get(console, console.options, renderable).maximum
 
 
 def human_bytes(n: int | None) -> str:
@@ -98,38 +107,41 @@ def eplb_share(snap: dict[str, Any], rank: int) -> str:
 
 
 def status_text(snap: dict[str, Any], width: int = 160, max_rows: int | None = None) -> str:
-    """The per-rank table, ranks needing attention first; under 120 columns a compact set.
+    """The per-rank table, ranks needing attention first and one line each: every column where
+    they fit in ``width``, else a compact set (the states' reasons are listed under the table).
     ``max_rows`` (watch mode: the screen's height) cuts the table and says how many are left out."""
-    from rich.table import Table
-    from rich.text import Text
-
-    compact = width < 120
-    table = Table(title=f"deployment {snap['deployment']} ({snap.get('kind', 'reference')})", title_justify="left")
-    cols = (("rank", "identity", "state", "run/wait", "kv", "workspace", "graphs", "hb") if compact else
-            ("rank", "identity", "node", "state", "run/wait", "slots", "kv blocks", "workspace", "graphs",
-             "replays", "eplb share", "hb age"))
-    for col in cols:
-        table.add_column(col, no_wrap=col in ("rank", "state", "identity", "graphs", "replays", "node"))
     ranks = attention_order(snap["ranks"])
     shown = ranks if max_rows is None else ranks[:max(1, max_rows)]
-    for r in shown:
+    table = _status_table(snap, shown, compact=False)
+    if natural_width(table) > width:
+        table = _status_table(snap, shown, compact=True)
+    return rich_text([table, *status_summary_lines(snap, left_out=len(ranks) - len(shown))], width)
+
+
+def _status_table(snap: dict[str, Any], ranks: list[dict[str, Any]], compact: bool) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"deployment {snap['deployment']} ({snap.get('kind', 'reference')})", title_justify="left")
+    cols = (("rank", "identity", "state", "run/wait", "kv", "workspace", "graphs", "hb") if compact else
+            ("rank", "identity", "node", "state", "run/wait", "slots", "kv", "workspace", "graphs",
+             "replays", "eplb", "hb"))
+    for col in cols:
+        table.add_column(col, no_wrap=True, overflow="ellipsis")
+    for r in ranks:
         lock = "L" if compact else ("locked" if r.get("workspace_locked") else "unlocked")
         ws = f"{human_bytes(r.get('workspace_bytes'))} {lock if r.get('workspace_locked') or not compact else 'U'}"
-        reason = r.get("state_reason") or ""
-        state = r["state"] + (f" ({reason[:32]}{'…' if len(reason) > 32 else ''})"
-                              if reason and r["state"] != "serving" and not compact else "")
         run_wait = f"{r['requests_running']}/{r['requests_waiting']}"
         kv = f"{r['kv_blocks_used']}/{r['kv_blocks_total']}"
         age = f"{r.get('heartbeat_age_s', 0.0):.1f}s"
         if compact:
             kind = {"cuda": "cuda", "none": "n/a"}.get(r.get("graph_kind") or "", "cpu")
             graphs = f"{r.get('graphs_captured', 0)} {kind}"
-            table.add_row(str(r["rank"]), r["instance_id"], Text(state), run_wait, kv, ws, graphs, age)
+            table.add_row(str(r["rank"]), r["instance_id"], r["state"], run_wait, kv, ws, graphs, age)
         else:
-            table.add_row(str(r["rank"]), r["instance_id"], node_label(r), Text(state), run_wait,
+            table.add_row(str(r["rank"]), r["instance_id"], node_label(r), r["state"], run_wait,
                           f"{r['slots_used']}/{r['slots_total']}", kv, ws, capture_cell(r),
                           replays_cell(r), eplb_share(snap, r["rank"]), age)
-    return rich_text([table, *status_summary_lines(snap, left_out=len(ranks) - len(shown))], width)
+    return table
 
 
 def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
@@ -164,8 +176,8 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
                      f"{s['ranks']} of {snap.get('expected_ranks')} rank(s) the controller runs have reported")
     imb = (snap.get("eplb") or {}).get("imbalance")
     lines.append("eplb imbalance (max/mean rank load, recent window): " + ("– (no load)" if imb is None else f"{imb:.2f}"))
-    for r in attention_order(snap["ranks"]):
-        if r.get("state_reason") and r["state"] != "serving":
+    for r in attention_order(snap["ranks"]):  # a standby's reason is the standby pool line above
+        if r.get("state_reason") and r["state"] not in ("serving", "standby"):
             lines.append(f"rank {r['rank']} {r['state']}: {r['state_reason']}")
     op = snap.get("operation")
     if op:
@@ -242,47 +254,6 @@ def _vllm_lines(snap: dict[str, Any]) -> list[str]:
     return out
 
 
-def events_text(data: dict[str, Any], width: int = 160) -> str:
-    ops = data.get("operations", [])
-    out: list[Any] = []
-    if ops:
-        from rich.table import Table
-        from rich.text import Text
-
-        table = Table(title="operations", title_justify="left")
-        for col in ("op", "dp", "state", *REPORTED_PHASES, "pause", "captures/rank", "workspace before -> after", "error"):
-            table.add_column(col, overflow="fold")
-        for op in ops:
-            pd = op.get("phase_durations", {})
-            caps = ",".join(f"{r}:{n}" for r, n in sorted(op.get("captures_per_rank", {}).items())) or "-"
-            wb, wa = _span(op.get("workspace_before", {})), _span(op.get("workspace_after", {}))
-            table.add_row(op["op_id"], f"{op['from_size']}->{op['to_size']}", op["state"],
-                          *[f"{pd[p]:.2f}s" if p in pd else "-" for p in REPORTED_PHASES],
-                          f"{op.get('serving_pause_s', 0.0):.3f}s", caps, f"{wb} -> {wa}", Text(op.get("error", "") or ""))
-        out += [table, *cost_lines(ops)]
-    evs = data.get("events", [])
-    if evs:
-        out.append("\n".join(event_line(e) for e in evs))
-    if not out:
-        out.append("no operations or events yet")
-    return rich_text(out, width)
-
-
-def _span(per_rank: dict[str, int]) -> str:
-    if not per_rank:
-        return "-"
-    lo, hi = min(per_rank.values()), max(per_rank.values())
-    return human_bytes(hi) if lo == hi else f"{human_bytes(lo)}..{human_bytes(hi)}"
-
-
-def event_line(ev: dict[str, Any]) -> str:
-    who = "controller" if ev["rank"] == -1 else f"rank {ev['rank']}"
-    ts = time.strftime("%H:%M:%S", time.localtime(ev["start"]))
-    detail = ev.get("detail") or {}
-    extra = f" error={detail['error']}" if "error" in detail else ""
-    return f"{ts} {ev['op_id']} {who:<10} {ev['phase']:<22} {ev['outcome']:<5} {ev.get('duration_s', 0.0):8.3f}s{extra}"
-
-
 def _leave_reason(j: dict[str, Any]) -> str:
     """Why a rank leaves: named by --retire, or chosen for its little work (requests, KV blocks)."""
     if j.get("chosen_by") == "--retire":
@@ -349,9 +320,11 @@ def vllm_plan_text(plan: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def scale_text(op: dict[str, Any]) -> str:
+def scale_text(op: dict[str, Any], target_flags: str = "") -> str:
+    """A scale's outcome; one still running (``--no-wait``) says how to follow it, with the
+    ``target_flags`` (``--name ...``) that reach its deployment."""
     if op.get("state") == "running":
-        return f"{op['op_id']} accepted; follow it with: eepctl events --op {op['op_id']} --follow\n"
+        return f"{op['op_id']} accepted; follow it with: eepctl events{target_flags} --op {op['op_id']} --follow\n"
     if op.get("from_size") == op.get("to_size"):
         return f"already at DP {op['to_size']}: nothing to do\n"
     pd = op.get("phase_durations", {})

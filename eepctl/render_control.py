@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-FENCED_SHOWN_S = 600.0  # a fence is shown this long after it happened
+FENCED_SHOWN_S = 60.0  # a fence is shown this long, then while its rank number does not serve (fence_matters)
 
 
 def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
@@ -29,7 +29,7 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
         if h.get("unhealthy"):
             lines.append(f"rank {rank} unhealthy: {h['unhealthy']}")
     for rank, f in sorted((control.get("fenced") or {}).items(), key=lambda kv: int(kv[0])):
-        if now - float(f.get("at", 0.0)) <= FENCED_SHOWN_S:
+        if fence_matters(int(rank), f, snap, now):
             lines.append(f"rank {rank} fenced at epoch {f.get('epoch')} {_ago(now, f.get('at'))}: {f.get('reason')}")
     if control.get("parked_requests"):
         lines.append(f"{control['parked_requests']} request(s) waiting for a healthy world")
@@ -44,6 +44,15 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
         lines += [f"  tried {t}" for t in esc.get("tried") or []]
         lines.append(f"  operator: {esc.get('operator')}")
     return lines
+
+
+def fence_matters(rank: int, fence: dict[str, Any], snap: dict[str, Any], now: float) -> bool:
+    """Whether status still shows a fence: for FENCED_SHOWN_S after it, then while a rank of its
+    number is listed and not serving (neither it nor a replacement serves yet). `eepctl events`
+    lists every fence."""
+    if now - float(fence.get("at", 0.0)) <= FENCED_SHOWN_S:
+        return True
+    return any(r.get("rank") == rank and r.get("state") not in ("serving", "standby") for r in snap.get("ranks", []))
 
 
 def ingress_lines(snap: dict[str, Any]) -> list[str]:

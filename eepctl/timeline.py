@@ -13,17 +13,29 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-# Letters and colours of the phases we know; any other phase (a recovery's) gets its first letter.
-_GLYPH = {"launch": "L", "prepare": "p", "prepare_warm_groups": "g", "transfer": "t", "drain": "d", "commit": "c",
-          "reshuffle": "r", "warm": "w", "capture": "C", "cleanup": "x", "rollback": "R", "failure": "!"}
+# Letters and colours of the phases we know, one letter each; any other phase (a vLLM hook's)
+# gets a letter of its name that no other phase of the picture has (``glyphs``).
+_GLYPH = {"launch": "L", "plan": "n", "prepare": "p", "prepare_warm_groups": "g", "transfer": "t", "precopy": "y",
+          "drain": "d", "commit": "c", "reshuffle": "r", "warm": "w", "capture": "C", "lock": "k", "cleanup": "x",
+          "rollback": "R", "failure": "!", "detect": "D", "abort": "a", "regroup": "G", "restore_experts": "e",
+          "resume": "u", "rebuild": "b", "fence": "F"}
 _COLOUR = {"launch": "blue", "prepare": "cyan", "transfer": "magenta", "drain": "yellow", "commit": "white",
            "reshuffle": "bright_magenta", "warm": "green", "capture": "bright_green", "cleanup": "bright_black",
            "rollback": "red", "failure": "bold red"}
 PAUSE_PHASE = "commit"  # a rank stops serving for its commit (its detail carries pause_s)
 
 
-def _glyph(phase: str) -> str:
-    return _GLYPH.get(phase, phase[:1] or "?")
+def glyphs(phases: list[str]) -> dict[str, str]:
+    """A distinct letter per phase: the known ones', then for each other phase the first letter of
+    its name not taken (lower case, then upper case), else any free letter or digit."""
+    out = {p: _GLYPH[p] for p in phases if p in _GLYPH}
+    spare = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    for p in phases:
+        if p not in out:
+            name = [c for c in p if c.isalnum()]
+            taken = set(out.values())
+            out[p] = next((c for c in [*name, *(c.upper() for c in name), *spare] if c not in taken), "?")
+    return out
 
 
 def timeline(data: dict[str, Any], op_id: str | None = None, tolerance_s: float | None = None) -> dict[str, Any]:
@@ -88,7 +100,7 @@ def rank_ranges(ranks: list[int]) -> str:
     return ",".join(out)
 
 
-def _bar(spans: list[dict[str, Any]], total: float, width: int) -> Text:
+def _bar(spans: list[dict[str, Any]], total: float, width: int, glyph: dict[str, str]) -> Text:
     """One row: longer spans first, so phases nested in others (commit holds warm) stay visible."""
     cells = [" "] * width
     styles: list[str | None] = [None] * width
@@ -97,7 +109,7 @@ def _bar(spans: list[dict[str, Any]], total: float, width: int) -> Text:
         a = int(round(s["start_s"] * scale))
         b = max(a, int(round(s["end_s"] * scale)))
         for i in range(a, min(b, width - 1) + 1):
-            cells[i] = "!" if s["outcome"] != "ok" else _glyph(s["phase"])
+            cells[i] = "!" if s["outcome"] != "ok" else glyph[s["phase"]]
             styles[i] = "bold red" if s["outcome"] != "ok" else _COLOUR.get(s["phase"])
     text = Text()
     for c, st in zip(cells, styles):
@@ -116,19 +128,23 @@ def timeline_renderables(tl: dict[str, Any], width: int = 120) -> list[Any]:
     end_label = f"{total:.2f}s"
     table.add_column(f"0s{' ' * (bar_w - 2 - len(end_label))}{end_label}", no_wrap=True)
     table.add_column("end", no_wrap=True, justify="right")
+    first = {}  # phase -> when it first began
+    for s in tl["spans"]:
+        first[s["phase"]] = min(first.get(s["phase"], s["start_s"]), s["start_s"])
+    seen = sorted(first, key=lambda p: first[p])
+    glyph = glyphs(seen)
     for g in tl["groups"]:
         label = "controller" if g["ranks"] == [-1] else f"{rank_ranges(g['ranks'])}" + (
             f" (x{len(g['ranks'])})" if len(g["ranks"]) > 1 else "")
         end = max(s["end_s"] for s in g["spans"])
         slow = tl["slowest_rank"] in g["ranks"] and g["ranks"] != [-1]
         table.add_row(Text(label + (" <- slowest" if slow else ""), style="bold red" if slow else ""),
-                      _bar(g["spans"], total, bar_w), f"{end:.2f}s")
+                      _bar(g["spans"], total, bar_w, glyph), f"{end:.2f}s")
     pause = tl.get("pause")
     if pause:
         table.add_row(Text("serving pause", style="bold yellow"), _pause_bar(pause, total, bar_w),
                       f"{pause['duration_s'] * 1000:.0f} ms")
-    seen = sorted({s["phase"] for s in tl["spans"]}, key=lambda p: min(s["start_s"] for s in tl["spans"] if s["phase"] == p))
-    legend = "  ".join(f"{_glyph(p)}={p}" for p in seen) + ("  ==serving pause" if pause else "")
+    legend = "  ".join(f"{glyph[p]}={p}" for p in seen) + ("  ==serving pause" if pause else "")
     return [table, legend]
 
 

@@ -280,6 +280,9 @@ class Operation(msgspec.Struct, forbid_unknown_fields=True):
     rank_ops: list[str] | msgspec.UnsetType = msgspec.UNSET  # the op ids vLLM's ranks used
     warmups_per_rank: dict[str, int] | msgspec.UnsetType = msgspec.UNSET  # vLLM: worker warm-up passes
     kind: str = "scale"  # "scale" | "recover" (a death turned into a transition) | "rebuild" (nothing left)
+    # scale: why the controller started it ("" when an operator asked): "replace" (growing back
+    # to the desired size after a death) or "autoscale"
+    cause: str = ""
     dead_ranks: list[int] = []  # recover: the global ranks that died
     rerouted_requests: int = 0  # recover: requests of dead ranks re-submitted to survivors
     # scale: by rank, the spare bytes its expert pre-copy held, for how long, when and why they were freed

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine_ext.control.registry_state import RegistryState
-from engine_ext.records import Event, RankStatus, to_builtins
+from engine_ext.records import Event, Operation, RankStatus, to_builtins
 
 T0 = 1_760_000_000.0  # a fixed wall clock: the snapshots must not depend on today
 
@@ -76,3 +76,33 @@ def scale_events(ranks: int = 64, op_id: str = "op-1700000000-abcd") -> dict[str
     op = {"op_id": op_id, "deployment": "big", "from_size": ranks - 8, "to_size": ranks, "state": "succeeded",
           "phase": "cleanup", "started": T0, "finished": T0 + 3.96, "serving_pause_s": 1.0}
     return {"events": events, "operations": [op]}
+
+
+def history(ops: int = 6) -> dict[str, Any]:
+    """`eepctl events` data of a deployment's history, oldest first, through the registry's own
+    state: scales up and down, a rank fenced and the recovery around it, the grow back (policy
+    replace), a rebuild, and a scale rolled back with a long error; each scale with rank events."""
+    state = RegistryState("big")
+    kinds = [("scale", "", 2, 4), ("scale", "", 4, 3), ("recover", "", 3, 2), ("scale", "replace", 2, 3),
+             ("rebuild", "", 3, 3), ("scale", "", 3, 4)]
+    for i in range(ops):
+        kind, cause, a, b = kinds[i % len(kinds)]
+        op_id = f"op-20261206-2340{i:02d}-{0xa000 + i:04x}"
+        start = T0 + 60 * i
+        failed = i == ops - 1 and kind == "scale"
+        state.record_operation(to_builtins(Operation(
+            op_id, "big", a, b, state="rolled_back" if failed else "succeeded", phase="cleanup", started=start,
+            finished=start + 2.5, kind=kind, cause=cause, serving_pause_s=0.125,
+            error="rank 3 failed in prepare: RuntimeError: gloo connection reset by peer while "
+                  "receiving expert 5 of layer 1 from rank 0" if failed else "",
+            phase_durations={"prepare": 0.4, "commit": 1.25} if kind == "scale" else {"detect": 0.2, "regroup": 0.1},
+            captures_per_rank={str(r): 1 for r in range(b)})))
+        if kind == "recover":
+            state.report_event(to_builtins(Event("", 2, "fence", start - 1, start - 1, "ok",
+                                                 {"epoch": 4, "reason": "silent for 7.0s (deadline 5s)"})))
+        state.report_event(to_builtins(Event(op_id, -1, "prepare", start, start + 0.4)))
+        for r in range(b):
+            state.report_event(to_builtins(Event(op_id, r, "prepare", start, start + 0.3)))
+            state.report_event(to_builtins(Event(op_id, r, "commit", start + 0.5, start + 1.7, "ok", {"pause_s": 0.1})))
+        state.report_event(to_builtins(Event(op_id, -1, "commit", start + 0.4, start + 1.8)))
+    return {"events": state.events_for(), "operations": state.operations()}

@@ -53,6 +53,19 @@ def test_api_key_option_names_its_variable_and_no_value(runner: CliRunner, comma
     assert "secret-never-shown" not in result.output
 
 
+def test_version_comes_from_the_package_metadata_without_heavy_imports(runner: CliRunner) -> None:
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output == f"eepctl {version('eepctl')}\n", result.output
+    code = ("import sys; from eepctl.main import run; assert run(['--version']) == 0; "
+            "print(sorted(m for m in ('ray', 'torch', 'vllm', 'numpy') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0 and res.stdout == f"eepctl {version('eepctl')}\n[]\n", (res.stdout, res.stderr)
+
+
 # ---- usage errors the command framework finds ------------------------------------------------------
 @pytest.mark.parametrize("args", [
     ["scale", "--dp", "x"],
@@ -69,7 +82,7 @@ def test_malformed_arguments_exit_2(runner: CliRunner, args: list[str]) -> None:
 @pytest.mark.parametrize("command, options", [
     ("status", ("--state", "--node", "--watch")),
     ("scale", ("--verbose",)),
-    ("events", ("--timeline",)),
+    ("events", ("--timeline", "--last", "--verbose")),
 ])
 def test_operator_view_options_are_documented(runner: CliRunner, command: str, options: tuple[str, ...]) -> None:
     result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
@@ -93,7 +106,7 @@ def test_operator_view_options_are_documented(runner: CliRunner, command: str, o
     (["generate", "-p", "1,two,3"], "comma-separated integers"),
     (["generate", "--rate", "0"], "--rate"),
     (["completion", "tcsh"], "bash, zsh or fish"),
-    (["events", "--timeline"], "--timeline needs --op"),
+    (["events", "--last", "-1"], "--last must be >= 0"),
 ])
 def test_bad_values_are_usage_errors(runner: CliRunner, args: list[str], says: str) -> None:
     err = _typed_error(runner, *args)

@@ -49,6 +49,21 @@ def test_a_fenced_rank_is_never_heard_again_but_a_new_rank_with_its_number_is() 
     assert w.accepts(1, 4)  # a joiner that took number 1 in a newer world
 
 
+def test_a_fence_is_an_event_the_registry_keeps() -> None:
+    """`eepctl events` lists every fence: the event the orchestrator emits passes the registry's
+    intake (a typed Event). No spawner: a fence launches nothing."""
+    from engine_ext.config import EngineConfig
+    from engine_ext.control.orchestrator import Orchestrator
+
+    reg = RegistryState("t")
+    o = Orchestrator("t", EngineConfig(), None, max_dp=2, emit=reg.report_event)  # type: ignore[arg-type]
+    o.world.adopt({0: _Answers(0, {}), 1: _Answers(1, {})}, build_layout(8, 8, 2), epoch=3)
+    asyncio.run(o.fence(1, "silent for 6.0s"))
+    [ev] = reg.events_for()
+    assert (ev["rank"], ev["phase"], ev["op_id"], ev["detail"]) == (1, "fence", "", {"epoch": 3,
+                                                                                "reason": "silent for 6.0s"})
+
+
 def test_health_fences_on_silence_and_on_a_reported_failure_not_on_an_answer() -> None:
     """Silence is no probe answer and no token or result an ingress took; a fenced world's answer is none."""
     w = World("t")

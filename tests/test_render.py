@@ -15,7 +15,7 @@ from eepctl import render
 from eepctl.progress import ProgressModel, progress_text
 from eepctl.timeline import rank_ranges, timeline, timeline_text
 from engine_ext.control.registry_state import RegistryState
-from tests.render_records import T0, big_status, rank_status, scale_events
+from tests.render_records import T0, big_status, history, rank_status, scale_events
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 OP = "op-1700000000-abcd"
@@ -182,3 +182,157 @@ def test_timeline_tolerance_splits_ranks_that_differ() -> None:
     assert [g["ranks"] for g in tl["groups"]] == [[-1], [0, 1, 2, 3, 4, 5, 6, 7]]
     assert rank_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert timeline({"events": []}, "op-x")["spans"] == []
+
+
+# ---- eepctl events -----------------------------------------------------------------------------------
+@pytest.fixture
+def utc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Times print in UTC: the snapshots must not depend on the machine's time zone."""
+    import time
+
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def _table_rows(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("│")]
+
+
+@pytest.mark.parametrize("width", [80, 120, 160, 250])
+def test_events_rows_are_one_line_with_a_short_id_and_a_kind(utc: None, width: int) -> None:
+    """One line per operation at any width, the id's short form, a column saying which row was a
+    scale, a recovery, the grow back or a rebuild; the error in full under the table."""
+    from eepctl.events_query import select
+    from eepctl.render_events import events_text
+
+    data = select(history(6), 20)
+    text = events_text(data, width=width)
+    rows = _table_rows(text)
+    assert [r.split("│")[1].strip() for r in rows] == ["a000", "a001", "a002", "a003", "a004", "a005"], text
+    assert [r.split("│")[2].strip() for r in rows] == ["scale", "scale", "recovery", "grow", "rebuild", "scale"]
+    assert all(len(ln) <= width for ln in text.splitlines() if ln.startswith(("┃", "│", "┏", "└"))), text
+    assert ("a005 rolled_back: rank 3 failed in prepare: RuntimeError: gloo connection reset by peer while receiving "
+            "expert 5 of layer 1 from rank 0") in " ".join(text.split())
+    if width in (80, 250):  # each phase a column where they fit
+        assert ("prepare" in text.splitlines()[2]) == (width == 250), text
+    if width == 160:
+        check_snapshot("events_history.txt", text)
+
+
+def test_events_shows_the_last_n_operations_and_rank_events_only_when_asked(utc: None) -> None:
+    from eepctl.events_query import select
+    from eepctl.render_events import events_text
+
+    data = select(history(6), 2)
+    assert [o["op_id"][-4:] for o in data["operations"]] == ["a004", "a005"] and data["operations_total"] == 6
+    assert {e["op_id"] for e in data["events"]} == {o["op_id"] for o in data["operations"]}
+    text = events_text(data, width=160)
+    assert "the last 2 of 6 operations (--last N shows more)" in text
+    assert "rank 0     prepare" not in text and "18 phase event(s)" in text, text
+    verbose = events_text(data, width=160, verbose=True)
+    assert "a005 rank 3     commit                 ok       1.200s" in verbose
+    every = events_text(select(history(6), None), width=160)
+    assert "08:55:19 rank 2 fenced at epoch 4: silent for 7.0s (deadline 5s)" in every  # a fence, always
+    assert "rank 0     prepare" not in every
+
+
+def test_short_ids_are_unique_tails_and_op_takes_either_form() -> None:
+    from eepctl.events_query import match_op, short_ids
+    from engine_ext.protocol import UsageError
+
+    ids = ["op-20261206-234027-f00c", "op-20261207-101010-f00c", "op-20261207-101011-ab12", "rec-1"]
+    assert short_ids(ids) == {ids[0]: "234027-f00c", ids[1]: "101010-f00c", ids[2]: "ab12", "rec-1": "rec-1"}
+    assert match_op(ids, "ab12") == ids[2] and match_op(ids, ids[0]) == ids[0]
+    assert match_op(ids, "101010-f00c") == ids[1] and match_op(ids, "nope") == "nope"
+    with pytest.raises(UsageError, match="--op f00c matches 2 operations"):
+        match_op(ids, "f00c")
+
+
+def test_timeline_gives_each_phase_its_own_letter() -> None:
+    """prepare and precopy (and every phase a recovery or a vLLM hook reports) are told apart."""
+    from eepctl.timeline import glyphs
+    from engine_ext.protocol import REPORTED_PHASES, Phase
+
+    known = [*REPORTED_PHASES, *(p.value for p in Phase), "prepare_warm_groups", "lock", "failure", "fence", "rebuild"]
+    vllm = ["eplb_communicator", "switch", "release_graphs", "remove", "warmup", "capture_size", "warm+capture"]
+    letters = glyphs([*dict.fromkeys(known), *vllm])
+    assert len(set(letters.values())) == len(letters), letters
+    data = scale_events(8, OP)
+    data["events"].append({**data["events"][-1], "phase": "precopy", "rank": 0, "seq": 999})
+    legend = timeline_text(timeline(data, OP), width=120).splitlines()[-1]
+    assert "p=prepare" in legend and "y=precopy" in legend, legend
+
+
+# ---- eepctl status -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_status_rows_stay_one_line_wide_with_standby_ranks(width: int) -> None:
+    """Off a terminal (160 columns) and on narrow ones: one line per rank, the state a word, its
+    reason under the table (a standby's is the standby pool line)."""
+    state = RegistryState("h4")
+    where = {"node_id": "b2741e82" + "0" * 48, "node_ip": "192.0.2.2"}
+    for r in (0, 3, 4):
+        state.report_status(rank_status(r, 3, instance_id=f"h4_dp{r}", engine_id=f"h4_dp{r}", **where))
+    for n in (4, 5):
+        state.report_status(rank_status(100000 + n, 0, instance_id=f"h4_standby{n}", engine_id=f"h4_standby{n}",
+                                        state="standby", state_reason=f"standby {n}: launched ahead, in no DP group",
+                                        **where))
+    state.report_status(rank_status(6, 3, state="starting", state_reason="loading the model from the weight source",
+                                     instance_id="h4_dp6", engine_id="h4_dp6", **where))
+    snap = state.snapshot()
+    text = render.status_text(snap, width=width)
+    rows = _table_rows(text)
+    assert len(rows) == 6 and all(len(r) <= width for r in rows), text
+    assert {r.split("│")[3 if width < 160 else 4].strip() for r in rows} == {"serving", "standby", "starting"}, text
+    assert "rank 6 starting: loading the model from the weight source" in text
+    pool = "standby pool: 2 rank(s) launched ahead, in no DP group"
+    assert pool in text and "launched ahead, in no DP group" not in text.replace(pool, "")
+
+
+def test_a_fence_shows_in_status_while_it_matters() -> None:
+    """A fence is news for a minute, then only while its rank number is listed and not serving;
+    `eepctl events` keeps every fence."""
+    from eepctl.render_control import control_lines
+
+    now = 10_000.0
+
+    def lines(age: float, *ranks: dict[str, Any]) -> list[str]:
+        fence = {"2": {"rank": 2, "epoch": 7, "reason": "silent for 7.0s (deadline 5s)", "at": now - age}}
+        snap = {"ranks": list(ranks), "info": {"control": {"fenced": fence}}}
+        return [ln for ln in control_lines(snap, now) if "fenced" in ln]
+
+    assert lines(30) == ["rank 2 fenced at epoch 7 30s ago: silent for 7.0s (deadline 5s)"]
+    assert lines(483) == []  # its rank number left the world
+    assert lines(483, {"rank": 2, "state": "serving", "epoch": 8}) == []  # a replacement serves
+    assert lines(483, {"rank": 2, "state": "starting", "epoch": 8}) != []  # ... not yet
+
+
+# ---- scale progress off a terminal --------------------------------------------------------------------
+@pytest.mark.parametrize("verbose", [False, True])
+def test_scale_off_a_terminal_prints_rank_events_only_with_verbose(capsys: pytest.CaptureFixture[str],
+                                                                   verbose: bool) -> None:
+    from eepctl.progress import ScaleProgress
+
+    progress = ScaleProgress(json_lines=False, plain=True, verbose=verbose)
+    evs = scale_events(64, OP)["events"]
+    failed = {**evs[-1], "rank": 3, "phase": "failure", "outcome": "error", "detail": {"error": "oom"}}
+    with progress:
+        for ev in [*evs, failed]:
+            progress.on_event(ev)
+    lines = capsys.readouterr().err.splitlines()
+    controller = [e for e in evs if e["rank"] == -1]
+    assert len(lines) == (len(evs) + 1 if verbose else len(controller) + 1), lines[:8]
+    assert lines[-1].endswith("error=oom")  # a rank's failure is always shown
+
+
+def test_a_scale_left_running_says_how_to_follow_it_with_its_target() -> None:
+    from eepctl.options import target_flags
+
+    flags = target_flags("prod", "team-a", "10.0.0.1:6379")
+    assert flags == " --name prod --namespace team-a --address 10.0.0.1:6379"
+    assert target_flags("moe", "eepctl", None) == " --name moe"
+    text = render.scale_text({"op_id": "op-1", "state": "running"}, flags)
+    assert text == ("op-1 accepted; follow it with: eepctl events --name prod --namespace team-a "
+                    "--address 10.0.0.1:6379 --op op-1 --follow\n")

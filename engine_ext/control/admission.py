@@ -51,7 +51,7 @@ class Admission:
         self.device = "cpu"  # the ranks' device kind: a cost model is only good for the one it was fitted on
 
     async def admit(self, target: int, *, op_id: str | None = None, settle: bool = False,
-                    probe_ranks: bool = False, retire: list[int] | None = None) -> Admitted:
+                    probe_ranks: bool = False, retire: list[int] | None = None, cause: str = "") -> Admitted:
         """Admit a scale to ``target`` ranks, or raise. ``settle``: first wait for a recovery under
         way and heal a degraded world. ``probe_ranks``: refuse when a current rank does not answer
         (a transition needs every rank of the old world). ``retire``: the ranks a scale-down removes."""
@@ -62,7 +62,7 @@ class Admission:
         await self.world.op_lock.acquire()  # free: nothing awaited since the last check
         try:
             plan = await self.compose(target, op_id, retire)
-            op = Operation(plan.op_id, self.world.name, plan.from_size, plan.to_size, plan=plan.to_dict())
+            op = Operation(plan.op_id, self.world.name, plan.from_size, plan.to_size, plan=plan.to_dict(), cause=cause)
             if not plan.noop:
                 reason = self.spawner.check_capacity(max(0, target - self.world.size),
                                                      [int(j["rank"]) for j in plan.joining])

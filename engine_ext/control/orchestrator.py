@@ -26,7 +26,7 @@ from engine_ext.control.spawner import Spawner
 from engine_ext.control.world import EventSink, World, quiet, short_error
 from engine_ext.elastic.eplb import ExpertLayout, build_layout, min_world_size
 from engine_ext.elastic.transition_plan import new_op_id
-from engine_ext.protocol import Operation, OpState, PreconditionError, to_builtins
+from engine_ext.protocol import Event, Operation, OpState, PreconditionError, to_builtins
 
 __all__ = ["Orchestrator", "Spawner"]  # Spawner: engine_ext.control.spawner
 
@@ -135,10 +135,10 @@ class Orchestrator:
         return await self.admission.compose(target, op_id, retire)
 
     async def admit(self, target: int, *, op_id: str | None = None, settle: bool = False,
-                    probe_ranks: bool = False, retire: list[int] | None = None) -> Admitted:
+                    probe_ranks: bool = False, retire: list[int] | None = None, cause: str = "") -> Admitted:
         """Admit a scale (engine_ext.control.admission); ``run`` it next, which releases the lock."""
         return await self.admission.admit(target, op_id=op_id, settle=settle, probe_ranks=probe_ranks,
-                                          retire=retire)
+                                          retire=retire, cause=cause)
 
     async def run(self, admitted: Admitted, *, drain_timeout_s: float = 30.0,
                   timeout_s: float = 300.0) -> dict[str, Any]:
@@ -168,9 +168,10 @@ class Orchestrator:
             w.op_lock.release()
 
     async def scale(self, target: int, *, drain_timeout_s: float = 30.0, timeout_s: float = 300.0,
-                    op_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
-        """Admit and run a scale to ``target`` ranks; raises when it is not admitted."""
-        admitted = await self.admit(target, op_id=op_id, retire=retire)
+                    op_id: str | None = None, retire: list[int] | None = None, cause: str = "") -> dict[str, Any]:
+        """Admit and run a scale to ``target`` ranks (``cause``: why the controller starts it, the
+        operation record's); raises when it is not admitted."""
+        admitted = await self.admit(target, op_id=op_id, retire=retire, cause=cause)
         return await self.run(admitted, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)
 
     def growth_target(self) -> int:
@@ -194,7 +195,7 @@ class Orchestrator:
         if reason:
             return Growth(target, no_capacity=reason)
         try:
-            return Growth(target, op=await self.scale(target))
+            return Growth(target, op=await self.scale(target, cause="replace"))
         except PreconditionError as e:
             return Growth(target, refused=e.message)
 
@@ -208,9 +209,9 @@ class Orchestrator:
             return
         epoch = w.fence(rank, reason)
         self.fenced_clients[rank] = client
-        w.emit({"op_id": w.op.op_id if w.op is not None else "", "rank": rank, "phase": "fence",
-                "start": time.time(), "end": time.time(), "status": "ok",
-                "detail": {"epoch": epoch, "reason": reason}})
+        now = time.time()
+        w.emit(to_builtins(Event(w.op.op_id if w.op is not None else "", rank, "fence", now, now, "ok",
+                                 {"epoch": epoch, "reason": reason})))
         asyncio.ensure_future(quiet(client.fence(epoch, reason, timeout=2)))  # a hung rank never answers
         # Not awaited: a rank cut off by a partition dies only when its node is reachable again,
         # and the recovery without it must not wait for that.

@@ -229,7 +229,7 @@ class Controller:
             return []
 
         async def act(decision: Any) -> dict[str, Any]:
-            return await self.orch.scale(int(decision.recommendation))
+            return await self.orch.scale(int(decision.recommendation), cause="autoscale")
 
         d = await autoscale_round(host, self.orch, act,  # the probe's answers: one status call per rank a tick
                                   statuses=self.reconciler.health.statuses(list(self.orch.members)))
