@@ -75,13 +75,15 @@ VARIANTS: dict[str, str] = {
 # request id was taken: a window for a retry with the same id).
 # ``precopy`` holds a rank after its first exchange of a scale's pre-copy when it has more (mid pre-copy;
 # ``move_batch_bytes=0`` makes every move an exchange).
+# ``shm_setup`` holds a rank inside the set-up of a prepare's new DP group on shared memory, once it has
+# mapped the segment and before it counts as attached: a window to kill a peer in group set-up.
 # ``warm`` and ``capture`` hold in a transition or a recovery, not in the deployment's start-up.
 # "step" holds once per process, at the first step where a request it serves already has output
 # tokens: a window to kill a rank that certainly holds requests with tokens to continue with. Only a
 # rank started with the deployment holds there: its replacement (a joiner) would otherwise stall its
 # peers' steps past the step timeout and turn one kill into a cascade the test did not ask for.
-HOLD_PHASES = ("admit", "launch", "adopt", "prepare", "transfer", "precopy", "drain", "commit", "reshuffle", "warm", "capture",
-               "regroup", "step")
+HOLD_PHASES = ("admit", "launch", "adopt", "prepare", "shm_setup", "transfer", "precopy", "drain", "commit", "reshuffle",
+               "warm", "capture", "regroup", "step")
 ONCE_PHASES = frozenset({"step"})
 # Phases of a transition's commit, where forward passes are paused. A hold in one of them on a member
 # that serves on in the new world (role "existing" or "remaining") makes that rank agree to commit

@@ -58,3 +58,44 @@ def test_the_queue_signal_counts_requests_shorter_than_a_tick() -> None:
     sampled.add(t, [{"rank": 0, "requests_running": 0}])
     sampled.add(t + 1, [{"rank": 0, "requests_running": 2}])
     assert sampled.observed(t + 1, [0]).ranks[0].requests == 1.0
+
+
+def test_the_rank_counts_tokens_served_saturated_steps_and_the_work_it_holds() -> None:
+    """One slot and two requests: the first runs while the second waits (saturated steps), then the
+    second runs alone (not saturated); every fed position is a token served, and the work held
+    counts the waiting request's prompt and output and the running one's output still to come."""
+    o = OneRank(EngineConfig(max_num_seqs=1, capture_sizes=[1]))
+    o.add([[1, 2, 3], [4, 5]], max_tokens=4)
+    st = o.engine.status()
+    assert st["tokens_queued"] == (3 + 4) + (2 + 4) and st["tokens_served"] == 0
+    o.steps(1)  # the first request's prefill while the second waits
+    st = o.engine.status()
+    assert st["tokens_queued"] == 3 + (2 + 4), "3 output tokens still to come, the waiting request whole"
+    assert st["saturated_tokens"] == 3 + 1 and st["saturated_s"] > 0, "3 prompt positions and the token produced"
+    o.steps()
+    st = msgspec.convert(o.engine.status(), RankStatus)
+    # a request's prompt and its 4 output tokens each
+    assert st.tokens_served == (3 + 4) + (2 + 4) and st.saturated_tokens == 3 + 4, "saturated while the second waited"
+    assert st.tokens_queued == 0
+
+
+def test_the_router_counts_what_it_admits_and_the_ingress_link_sums_the_ingresses() -> None:
+    import asyncio
+
+    from engine_ext.control.router import Router
+    from engine_ext.ray.ingress_link import IngressLink
+
+    async def admit() -> tuple[dict, list[dict]]:
+        r = Router()  # no rank yet: the requests wait in the router, counted as admitted
+        pending = [asyncio.ensure_future(r.submit([1, 2, 3], 16)), asyncio.ensure_future(r.submit([4], 8))]
+        await asyncio.sleep(0)
+        counts = r.admissions()
+        r.fail_parked("the test ends")
+        return counts, await asyncio.gather(*pending)
+
+    counts, answers = asyncio.run(admit())
+    assert counts == {"requests": 2, "prompt_tokens": 4, "output_tokens": 24} and all(a["error"] for a in answers)
+    link = IngressLink("moe", "ns", 2, fenced=dict)
+    link.stats = {0: {"admitted": counts}, 1: {"admitted": {"requests": 1, "prompt_tokens": 5, "output_tokens": 8}},
+                  2: {}}
+    assert link.admissions() == {"requests": 3, "prompt_tokens": 9, "output_tokens": 32}

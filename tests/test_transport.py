@@ -20,6 +20,7 @@ from engine_ext.elastic.comm import GroupError, GroupFailure, StatelessGroup, ho
 from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.transport import cuda_ipc
 from engine_ext.transport import shm as shm_transport
+from engine_ext.transport import shm_files
 
 pytestmark = pytest.mark.skipif(not shm_transport.supported(), reason="the shm transport needs x86-64 store order")
 
@@ -27,7 +28,7 @@ CTX = mp.get_context("spawn")
 
 
 def _segments() -> set[str]:
-    return {n for n in os.listdir(shm_transport.shm_dir()) if n.startswith("eepctl-")}
+    return {n for n in os.listdir(shm_files.shm_dir()) if n.startswith("eepctl-")}
 
 
 def _collectives(rank: int, size: int, port: int, prefix: str, transport: str, node_ip: str, device: str,
@@ -449,3 +450,118 @@ def test_without_the_transport_check_the_world_runs_on_a_segment_its_worst_excha
         p.join(30)
     assert [m.split()[:2] for m in msgs] == [["0", "overflow"], ["1", "overflow"], ["2", "overflow"]], msgs
     assert all("of rank 0's " in m and "does not fit the group's buffer" in m for m in msgs), msgs
+
+
+# ---- nothing of a group outlives a failed set-up ----------------------------------------------------
+def _held_in_setup(rank: int, size: int, port: int, prefix: str, held: Any, q: Any) -> None:
+    """Rank 0 is held in shm set-up (the ``hold:shm_setup`` fault) once it has mapped the segment
+    it made; the test SIGKILLs it there. Rank 1 reports how its set-up ended."""
+    from engine_ext.faults import Faults
+
+    faults = Faults(["hold:shm_setup@0"], 60.0, rank, on_hold=lambda phase: held.set())
+    try:
+        StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport="auto", shm_bytes=4096,
+                       timeout_s=30.0, on_setup=lambda: faults.hold("shm_setup"))
+        q.put({"rank": rank, "code": "none"})
+    except GroupError as ex:
+        q.put({"rank": rank, "code": ex.code.value, "error": str(ex)})
+
+
+def test_a_peer_killed_in_group_setup_leaves_nothing_in_dev_shm() -> None:
+    """Rank 0 made the group's segment and is held in set-up; rank 1 has mapped it and waits for
+    every rank to attach. SIGKILL rank 0 (by pid): rank 1 sees its process gone (peer_gone, not a
+    30 s timeout) and removes the segment's name, which rank 0 would have removed once all attached."""
+    held = CTX.Event()
+    procs, q, _store = _spawn(_held_in_setup, 2, lambda r: ("held-setup", held))
+    try:
+        assert held.wait(120), "rank 0 never reached the hold in set-up"
+        maker = procs[0].pid
+        assert [n for n in _segments() if n.startswith(f"eepctl-{maker}-")], "no segment while rank 0 is held"
+        os.kill(maker, signal.SIGKILL)  # this test's own rank process
+        res = q.get(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    assert res["rank"] == 1 and res["code"] == GroupFailure.PEER_GONE.value, res
+    assert [n for n in _segments() if n.startswith(f"eepctl-{maker}-")] == []
+
+
+def _sockets() -> dict[str, int]:
+    """This process's TCP sockets: inode -> remote port (0: listening)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    out = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[9] in inodes:
+                    out[cols[9]] = int(cols[2].rsplit(":", 1)[1], 16)
+    return out
+
+
+def _mis_sized(rank: int, size: int, port: int, q: Any) -> None:
+    """Rank 1 sizes the segment unlike rank 0: its set-up fails with a ValueError (not a ShmError)
+    after its gloo group connected. It keeps the error (as an operation records its failure) and
+    reports the sockets it still holds besides the store's."""
+    from engine_ext.elastic.comm import store_client
+
+    store_client("127.0.0.1", port, purpose="wait")  # the process-wide wake-up connections, made up front
+    store_client("127.0.0.1", port, purpose="wake")
+    before = set(_sockets())
+    try:
+        StatelessGroup(Rendezvous("127.0.0.1", port, "mis-sized"), rank, size, transport="auto",
+                       shm_bytes=4096 * (rank + 1), timeout_s=3.0)
+        q.put({"rank": rank, "error": "none"})
+    except (GroupError, ValueError) as ex:
+        kept = ex  # noqa: F841 - held, as a failed operation holds it: its frames reference the group
+        left = {i: p for i, p in _sockets().items() if i not in before and p != port}
+        q.put({"rank": rank, "error": f"{type(ex).__name__}: {ex}", "left": left, "pid": os.getpid()})
+
+
+def test_a_setup_failing_with_any_error_destroys_the_group() -> None:
+    """A set-up that fails on an error other than ShmError (a mis-sized segment: ValueError) still
+    destroys the group: the failed rank holds no gloo connection afterwards, and the other rank,
+    timed out waiting for it, removes the segment it made."""
+    procs, q, _store = _spawn(_mis_sized, 2, lambda r: ())
+    got = {d["rank"]: d for d in (q.get(timeout=120) for _ in range(2))}
+    for p in procs:
+        p.join(10)
+    assert got[1]["error"].startswith("ValueError: shared-memory segment") and got[1]["left"] == {}, got[1]
+    assert got[0]["error"].startswith("GroupError: timeout"), got[0]
+    assert [n for n in _segments() if n.startswith(f"eepctl-{got[0]['pid']}-")] == []
+
+
+def test_shared_allocations_are_released_with_their_tensors() -> None:
+    """Expert memory a peer may map (``p2p.shared_empty``) is a memory file this process holds
+    open while a tensor over it lives, and closes once the last one is freed."""
+    import gc
+
+    from engine_ext.transport.p2p import shared_empty
+
+    def memfds() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:eepctl-experts")
+            except OSError:
+                pass
+        return n
+
+    before = memfds()
+    w = shared_empty((4, 1024), torch.float32)
+    view = w[1:3].view(-1)  # a view keeps the allocation
+    del w
+    gc.collect()
+    assert memfds() > before  # (the mapping holds a descriptor of its own)
+    del view
+    gc.collect()
+    assert memfds() == before

@@ -53,6 +53,7 @@ class Router:
 
     def exclude(self, rank: int) -> None:
         """No new request goes to ``rank`` (it is leaving or dead); what it holds stays its own."""
+        self.admitted = [0, 0, 0]  # requests submitted, their prompt tokens and output tokens asked for
         self.excluded.add(rank)
 
     def include(self, rank: int) -> None:
@@ -83,6 +84,7 @@ class Router:
         dead) is skipped for this request. When every rank refused, the request waits here for a
         world that can serve it (a recovery, a rebuild, the reconcile loop's retry), up to the
         bound after which it fails with why; it fails at once only while the deployment stops."""
+        self.admitted = [self.admitted[0] + 1, self.admitted[1] + len(prompt), self.admitted[2] + int(max_tokens)]
         self._wires[wire["request_id"]] = wire
         if self.paused:
             self._park(wire)
@@ -210,6 +212,11 @@ class Router:
         n = 0
         for rid, rank in list(self._owner.items()):
             if rank in dead:
+    def admissions(self) -> dict[str, int]:
+        """Counters of what was submitted here (the autoscaler's arrival signal): requests, their
+        prompt tokens and the output tokens they asked for."""
+        return dict(zip(("requests", "prompt_tokens", "output_tokens"), self.admitted))
+
                 self._owner.pop(rid)
                 self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
                 wire = self._wires.get(rid)

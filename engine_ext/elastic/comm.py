@@ -8,7 +8,6 @@ world can be formed for every operation while the process lives, and dropped aga
 from __future__ import annotations
 
 import datetime
-import enum
 import functools
 import os
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from engine_ext.elastic.group_errors import GroupError, GroupFailure, failure_code
 from engine_ext.elastic.netaddr import interface_ip
 from engine_ext.elastic.rendezvous import Rendezvous
 from engine_ext.transport import TransportNotPrepared, host_key
@@ -87,33 +87,6 @@ def store_client(host: str, port: int, timeout_s: float = 60.0, purpose: str = "
     return _clients[key]
 
 
-class GroupFailure(str, enum.Enum):
-    """Why a group's collective or store operation failed, as the transport tells it."""
-
-    PEER_GONE = "peer_gone"  # the other side closed, reset or never answered the connection
-    TIMEOUT = "timeout"  # the backend's or the store's timeout ran out
-    ABORTED = "aborted"  # this process aborted or destroyed the group (recovery stops the step loop so)
-    # larger than the world's shared memory was sized for: every member refuses it; the world is rebuilt
-    OVERFLOW = "overflow"
-
-
-class GroupError(RuntimeError):
-    """A collective or store operation of a ``StatelessGroup`` failed: a peer (or the store) is
-    gone, not this rank. ``code`` says how; the backend's error is the ``__cause__``."""
-
-    def __init__(self, code: GroupFailure, message: str) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = code
-
-
-def _failure_code(ex: BaseException) -> GroupFailure:
-    """The transport's reading of its backend's error (gloo, NCCL and TCPStore say it in words)."""
-    text = str(ex).lower()
-    if isinstance(ex, TimeoutError) or "timeout" in text or "timed out" in text:
-        return GroupFailure.TIMEOUT
-    return GroupFailure.PEER_GONE
-
-
 _Op = TypeVar("_Op", bound=Callable[..., Any])
 
 
@@ -130,7 +103,7 @@ def _collective(fn: _Op) -> _Op:
         except shm_transport.ShmError as ex:
             raise GroupError(GroupFailure(ex.code), f"{fn.__name__} on {self.rdzv.prefix}: {ex}") from ex
         except (RuntimeError, OSError) as ex:  # torch.distributed.DistError is a RuntimeError
-            code = GroupFailure.ABORTED if self.pg is None else _failure_code(ex)
+            code = GroupFailure.ABORTED if self.pg is None else failure_code(ex)
             raise GroupError(code, f"{fn.__name__} on {self.rdzv.prefix}: {type(ex).__name__}: {ex}") from ex
 
     return run  # type: ignore[return-value]
@@ -165,6 +138,7 @@ class StatelessGroup:
         device: torch.device | None = None,
         transport: str = "gloo",
         shm_bytes: int = 0,
+        on_setup: Callable[[], None] | None = None,
     ) -> None:
         self.rdzv = rdzv
         self.rank = rank
@@ -172,44 +146,54 @@ class StatelessGroup:
         self.backend = backend
         self.device = device or torch.device("cpu")
         self.timeout_s = timeout_s  # what ``restore_waits`` goes back to
+        self.pg: dist.ProcessGroup | None = None
+        self.shm: shm_transport.ShmCollectives | None = None
+        self.moves: p2p.PeerMoves | None = None  # point-to-point through shared memory / CUDA IPC
+        self.transport_kind = backend
+        # gloo cannot send/recv device tensors when ranks share one GPU: stage on the host.
+        self.stage_p2p_on_host = backend == "gloo" and self.device.type == "cuda"
         # A connection of its own per group: a rendezvous stuck on a dead peer (a prepare that
         # waits out its timeout) must not block the next operation's rendezvous (a recovery).
         store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
-        self.store = dist.PrefixStore(rdzv.prefix, store)
+        self.store: dist.PrefixStore | None = dist.PrefixStore(rdzv.prefix, store)
         # Wake-ups get connections of their own: the "groups" connection can sit for minutes in
         # a standby group's rendezvous (a joiner that died), and serving must not wait behind it.
         self.wait_store = dist.PrefixStore(rdzv.prefix, store_client(rdzv.host, rdzv.port, purpose="wait"))
         self.wake_store = dist.PrefixStore(rdzv.prefix, store_client(rdzv.host, rdzv.port, purpose="wake"))
+        try:  # whatever fails in set-up (a peer gone, a timeout, a bad size), nothing of the group stays
+            self.pg = self._backend_group(self.store, backend, timeout_s)
+            if (transport == "auto" and size > 1 and backend == "gloo" and shm_transport.supported()
+                    and (self.device.type == "cpu" or cuda_ipc.supported(self.device)) and self._one_host()):
+                self._map_transport(self.store, shm_bytes or SHM_MIN_BYTES, on_setup)
+        except shm_transport.ShmError as ex:
+            self.destroy()
+            raise GroupError(GroupFailure(ex.code), f"shared memory of {rdzv.prefix}: {ex}") from ex
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _backend_group(self, store: dist.PrefixStore, backend: str, timeout_s: float) -> dist.ProcessGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "gloo":
             opts = gloo_options(timeout)
-            self.pg: dist.ProcessGroup | None = (dist.ProcessGroupGloo(self.store, rank, size, timeout) if opts is None
-                                                 else dist.ProcessGroupGloo(self.store, rank, size, opts))
-        elif backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, size, opts)
-        else:
-            raise ValueError(f"unknown backend {backend!r}")
-        # gloo cannot send/recv device tensors when ranks share one GPU: stage on the host.
-        self.stage_p2p_on_host = backend == "gloo" and self.device.type == "cuda"
-        self.shm: shm_transport.ShmCollectives | None = None
-        self.moves: p2p.PeerMoves | None = None  # point-to-point through shared memory / CUDA IPC
-        self.transport_kind = backend
+            return (dist.ProcessGroupGloo(store, self.rank, self.size, timeout) if opts is None
+                    else dist.ProcessGroupGloo(store, self.rank, self.size, opts))
+        if backend == "nccl":
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = timeout
+            return dist.ProcessGroupNCCL(store, self.rank, self.size, nccl)
+        raise ValueError(f"unknown backend {backend!r}")
+
+    def _map_transport(self, store: dist.PrefixStore, nbytes: int, on_setup: Callable[[], None] | None) -> None:
+        """The members' shared memory (a segment on CPU, CUDA IPC buffers on a GPU) and the moves over it."""
         on_cpu = self.device.type == "cpu"
-        if (transport == "auto" and size > 1 and backend == "gloo" and shm_transport.supported()
-                and (on_cpu or cuda_ipc.supported(self.device)) and self._one_host()):
-            try:
-                self.shm = (shm_transport.ShmCollectives(self.store, rank, size, shm_bytes or SHM_MIN_BYTES, timeout_s)
-                            if on_cpu else cuda_ipc.CudaIpcCollectives(self.store, rank, size, shm_bytes or SHM_MIN_BYTES,
-                                                                       timeout_s, self.device))
-            except shm_transport.ShmError as ex:
-                self.destroy()
-                raise GroupError(GroupFailure(ex.code), f"shared memory of {rdzv.prefix}: {ex}") from ex
-            self.transport_kind = "shm" if on_cpu else "cuda_ipc"
-            self.moves = p2p.PeerMoves(self.shm, self.store, rank, self.device,
-                                       *((None, None) if on_cpu else (cuda_ipc.share_pieces, cuda_ipc.fetch_pieces)))
+        self.shm = (shm_transport.ShmCollectives(store, self.rank, self.size, nbytes, self.timeout_s, on_setup)
+                    if on_cpu else cuda_ipc.CudaIpcCollectives(store, self.rank, self.size, nbytes, self.timeout_s,
+                                                               self.device, on_setup))
+        self.transport_kind = "shm" if on_cpu else "cuda_ipc"
+        self.moves = p2p.PeerMoves(self.shm, store, self.rank, self.device,
+                                   *((None, None) if on_cpu else (cuda_ipc.share_pieces, cuda_ipc.fetch_pieces)))
 
     def _one_host(self) -> bool:
         """Every member's ``host_key`` through the group's store: the same answer on every rank. CUDA
@@ -258,7 +242,7 @@ class StatelessGroup:
             self.wait_store.wait([key], timeout)
             return True
         except (RuntimeError, OSError) as ex:
-            code = _failure_code(ex)
+            code = failure_code(ex)
             if code is GroupFailure.TIMEOUT:
                 return False
             raise GroupError(code, f"wake-up wait on {self.rdzv.prefix}: {type(ex).__name__}: {ex}") from ex
@@ -387,12 +371,14 @@ class StatelessGroup:
                         continue
 
     def destroy(self) -> None:
-        shm = getattr(self, "shm", None)
-        if shm is not None:
-            shm.close()
+        """Leave the group: its shared memory, its backend group and its own store connection."""
+        self.moves = None  # it holds the store
+        if self.shm is not None:
+            self.shm.close()
         pg, self.pg = self.pg, None
         if pg is not None and hasattr(pg, "shutdown"):
             try:
                 pg.shutdown()
             except Exception:  # a dead peer must not keep us from dropping the group
                 pass
+        self.store = None  # the group's connection closes with its last reference

@@ -221,6 +221,7 @@ class RankEngine:
             eplb_slots=eplb.layout.local_logical(res.model.rank),  # the layout slice at the model's position
             move_bytes_held=shared.move_bytes_held,
             **s.latency.summary(),  # windowed TTFT/TPOT p50/p95 (engine_ext/rank/latency.py)
+            **s.served.summary(), tokens_queued=s.tokens_queued(),  # the autoscaler's load and capacity signals
         )
         return to_builtins(st)
 

@@ -81,3 +81,29 @@ def request_latency(arrival: float, first_token_at: float | None, finished_at: f
     ttft = (first_token_at - arrival) * 1000.0
     tpot = (finished_at - first_token_at) * 1000.0 / (tokens - 1) if tokens > 1 else None
     return round(ttft, 3), None if tpot is None else round(tpot, 3)
+
+
+class ServedTokens:
+    """Tokens this rank served (a request's prompt positions and each output token it produced:
+    ``len(prompt) + max_tokens`` over its life, what the router counts it asking for), and the seconds
+    and tokens of the steps it took while requests waited for room (saturated: its batch was as
+    full as its slots, KV blocks and token budget allow). Counters that only grow: two readings'
+    saturated tokens over saturated seconds are the rank's capacity at saturation, in tokens per
+    second, which the autoscaler learns from the ranks' status records."""
+
+    def __init__(self) -> None:
+        self.tokens, self.saturated_tokens, self.saturated_s = 0, 0, 0.0
+        self._lock = threading.Lock()
+
+    def add(self, tokens: int, seconds: float, saturated: bool) -> None:
+        with self._lock:
+            self.tokens += tokens
+            if saturated:
+                self.saturated_tokens += tokens
+                self.saturated_s += max(0.0, seconds)
+
+    def summary(self) -> dict[str, float | int]:
+        """``tokens_served``, ``saturated_tokens``, ``saturated_s``: one consistent reading."""
+        with self._lock:
+            return {"tokens_served": self.tokens, "saturated_tokens": self.saturated_tokens,
+                    "saturated_s": round(self.saturated_s, 6)}

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_ext.config import EngineConfig
-from engine_ext.rank.latency import LatencyWindow, RequestSeconds
+from engine_ext.rank.latency import LatencyWindow, RequestSeconds, ServedTokens
 
 NULL_BLOCK = 0
 
@@ -153,6 +153,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.latency = LatencyWindow()  # TTFT/TPOT of the requests finished here
         self.held = RequestSeconds()  # the autoscaler's queue signal, time-weighted
+        self.served = ServedTokens()  # the autoscaler's capacity signal: tokens served, saturated steps
+        self.saturated = False  # the last schedule left requests waiting
 
     def validate(self, req: Request) -> None:
         cfg = self.cfg
@@ -171,6 +173,16 @@ class Scheduler:
         self.validate(req)
         self.waiting.append(req)
         self.held.change(+1)
+
+    def tokens_queued(self) -> int:
+        """The work this rank holds, in tokens as ``ServedTokens`` counts them (a request's prompt
+        and its output: ``len(prompt) + max_tokens``): a waiting request's whole, a running one's
+        output still to come (whole until its prefill ran). Read from copies of the queues (taken
+        whole under the GIL), so the status thread needs no lock the step thread holds."""
+        waiting, running = list(self.waiting), list(self.running)
+        return (sum(len(r.prompt) + r.max_tokens for r in waiting)
+                + sum(r.max_tokens - len(r.output) if r.num_computed else len(r.prompt) + r.max_tokens
+                      for r in running))
 
     @property
     def has_work(self) -> bool:
@@ -199,6 +211,7 @@ class Scheduler:
             self.running.append(req)
             items.append(ScheduledItem(req, req.tokens, 0))
             budget -= need_tokens
+        self.saturated = bool(self.waiting)  # requests left waiting: this batch is as full as it can be
         return items
 
     def finish(self, req: Request) -> None:

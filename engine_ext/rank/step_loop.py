@@ -108,6 +108,7 @@ class StepLoop:
                 if shared.group is not limited:  # a new group (start, commit, recovery) serves now
                     limited = shared.group
                     limited.limit_waits(self.res.cfg.step_timeout_s)  # type: ignore[union-attr]
+                began = time.monotonic()
                 with shared.lock:
                     items = self.res.sched.schedule()
                 hdr = shared.group.all_reduce_max(self.header(items))  # type: ignore[union-attr]
@@ -121,7 +122,7 @@ class StepLoop:
                 if hdr[H_WORK] == 0:
                     self.idle()
                     continue
-                self.step(items, hdr)
+                self.step(items, hdr, began)
         except Exception as ex:  # noqa: BLE001 - whatever failed, on_error decides what it means
             if not shared.stopping and threading.current_thread() is self.thread:
                 self.on_error(ex)  # (an abandoned thread's world is gone: nothing to decide)
@@ -178,8 +179,12 @@ class StepLoop:
         return Batch(torch.tensor(tok, device=dev), torch.tensor(pos, device=dev),
                      torch.tensor(req_slots, dtype=torch.int64, device=dev), torch.tensor(valid, device=dev))
 
-    def step(self, items: list[ScheduledItem], hdr: torch.Tensor) -> None:
+    def step(self, items: list[ScheduledItem], hdr: torch.Tensor, began: float | None = None) -> None:
+        """One step of ``items``; ``began``: when its scheduling started (monotonic), so the
+        served-tokens counters time the whole step, its header's all-reduce included."""
         res, shared = self.res, self.shared
+        began = time.monotonic() if began is None else began
+        saturated = res.sched.saturated  # its schedule left requests waiting: the batch is as full as it can be
         if res.faults.fail_now("step"):
             raise RuntimeError("injected by a test fault: out of memory in this rank's step")
         if res.faults.holds("step") and any(it.request.output for it in items):
@@ -197,6 +202,8 @@ class StepLoop:
         res.eplb.record(res.model.take_expert_load())  # what this step's forward pass recorded
         shared.steps += 1
         finished = self.apply_logits(items, logits)
+        # tokens served: a prefill's positions and the token it produced, a decode's one token
+        res.sched.served.add(sum(len(it.feed) + (it.start == 0) for it in items), time.monotonic() - began, saturated)
         # Stream this step's tokens (fire-and-forget): the router re-submits a request with them
         # if this rank dies, so it continues where it was (the fault no_token_stream switches it off).
         streamed = {it.request.request_id: [it.request.output[-1], it.request.logits[-1],

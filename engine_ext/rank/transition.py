@@ -92,7 +92,8 @@ class RankTransition:
                 sized_for = plan.old_size if res.faults.active("transport_sized_for_old_world") else plan.new_size
                 op.standby = StatelessGroup(plan.rdzv.child("dp"), plan.new_pos(me), plan.new_size, timeout_s=t,
                                             backend=res.cfg.backend, device=res.device, transport=res.cfg.transport,
-                                            shm_bytes=res.model.exchange_bound(sized_for))
+                                            shm_bytes=res.model.exchange_bound(sized_for),
+                                            on_setup=lambda: res.faults.hold("shm_setup"))
                 # The new world's transport, prepared (every member mapped its shared memory, sized
                 # for the new world's exchanges) here, before any weight moves or warm-up
                 # collective: I2's evidence for the transport, checked before the transfer.

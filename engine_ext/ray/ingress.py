@@ -172,7 +172,8 @@ class Ingress:
                 "paused": r.paused, "completed": r.completed, "failed": r.failed, "rerouted": r.rerouted,
                 "stale_dropped": r.stale_dropped, "fenced_dropped": self.fenced_dropped,
                 "inflight": sum(r.inflight.values()), "members": sorted(r.clients), "restarted": self.restarted,
-                "heard": {str(k): t for k, t in self.heard.items()}}
+                "heard": {str(k): t for k, t in self.heard.items()},
+                "admitted": r.admissions()}  # the autoscaler's arrival signal
 
     def pid(self) -> int:
         import os

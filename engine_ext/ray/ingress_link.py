@@ -203,3 +203,12 @@ class IngressLink:
         """Each ingress as `eepctl status` shows it."""
         return [{k: s.get(k) for k in ("index", "url", "parked", "completed", "failed", "inflight", "restarted")}
                 for _, s in sorted(self.stats.items())]
+    def admissions(self) -> dict[str, int]:
+        """What the ingresses admitted, summed from their answers to this tick (the autoscaler's
+        arrival signal; an ingress restarted by Ray counts from 0 again)."""
+        out = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0}
+        for s in self.stats.values():
+            for k, v in (s.get("admitted") or {}).items():
+                out[k] = out.get(k, 0) + int(v)
+        return out
+

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,9 +86,9 @@ class CudaIpcCollectives(ShmCollectives):
     """``ShmCollectives`` whose device tensors go through IPC-mapped device buffers."""
 
     def __init__(self, store: Any, rank: int, size: int, capacity: int, timeout_s: float,
-                 device: torch.device) -> None:
+                 device: torch.device, on_setup: Callable[[], None] | None = None) -> None:
         self.device = device
-        super().__init__(store, rank, size, capacity, timeout_s)
+        super().__init__(store, rank, size, capacity, timeout_s, on_setup)
 
     def _host_capacity(self) -> int:
         return HOST_BYTES

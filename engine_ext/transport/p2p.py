@@ -25,35 +25,50 @@ import mmap
 import os
 import pickle
 import time
-import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from engine_ext.transport.shm import ShmCollectives, ShmError, shm_dir
+from engine_ext.transport.shm import ShmCollectives
+from engine_ext.transport.shm_files import ShmError, create_file, remove_file
 
 Piece = tuple[torch.Tensor, int, int]  # (tensor, peer, tag)
 ALIGN = 64
-_regions: list[tuple[int, int, int, mmap.mmap]] = []  # this process's shared allocations: (base, size, fd, map)
+# This process's live shared allocations: base address -> (size, fd). An entry goes, and its fd is
+# closed, when the last tensor over the allocation is freed (a finalizer on its mapping).
+_regions: dict[int, tuple[int, int]] = {}
 
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor in memory a peer process of this host can map (an anonymous memory file: freed
-    with the process, never left in /dev/shm): a move reads it in place, one copy."""
+    with the last tensor over it, never left in /dev/shm): a move reads it in place, one copy."""
     n = max(1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
     fd = os.memfd_create("eepctl-experts")
-    os.ftruncate(fd, n)
-    mm = mmap.mmap(fd, n)
-    t = torch.frombuffer(mm, dtype=torch.uint8)
-    _regions.append((t.data_ptr(), n, fd, mm))
+    try:
+        os.ftruncate(fd, n)
+        mm = mmap.mmap(fd, n)
+    except OSError:
+        os.close(fd)
+        raise
+    t = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor (and every view of it) holds ``mm``
+    base = t.data_ptr()
+    _regions[base] = (n, fd)
+    weakref.finalize(mm, _release, base, fd)
     return t[: n - n % torch.empty((), dtype=dtype).element_size()].view(dtype)[: math.prod(shape)].view(shape)
+
+
+def _release(base: int, fd: int) -> None:
+    """The allocation at ``base`` is unmapped: forget it and close its memory file."""
+    _regions.pop(base, None)
+    os.close(fd)
 
 
 def _region_of(t: torch.Tensor) -> tuple[int, int, int] | None:
     """(base, size, fd) of the shared allocation ``t`` lies in, or None."""
     p = t.data_ptr()
-    for base, size, fd, _ in _regions:
+    for base, (size, fd) in list(_regions.items()):
         if base <= p < base + size:
             return base, size, fd
     return None
@@ -82,17 +97,7 @@ class StagedSender:
         for t, _ in items:
             offsets.append(end)
             end += -(-_nbytes(t) // ALIGN) * ALIGN
-        self.path = os.path.join(shm_dir(), f"eepctl-mv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, max(end, 1))  # all of it now: a full tmpfs is an error, not SIGBUS
-            except OSError as ex:
-                self.unlink()
-                raise ShmError("overflow", f"shm move of {end} bytes: {self.path}: {ex}") from ex
-            mm = mmap.mmap(fd, max(end, 1))
-        finally:
-            os.close(fd)
+        self.path, mm = create_file("eepctl-mv", max(end, 1))  # reserved whole: a full tmpfs is an error
         for (t, _), off in zip(items, offsets):
             n = _nbytes(t)
             if n:
@@ -102,12 +107,8 @@ class StagedSender:
                            [(tag, off, t.dtype, tuple(t.shape)) for (t, tag), off in zip(items, offsets)], [])
 
     def unlink(self) -> None:
-        if not self.path:
-            return
-        try:
-            os.unlink(self.path)
-        except OSError:  # the receiver removed it once mapped
-            pass
+        if self.path:  # normally the receiver removed it once mapped
+            remove_file(self.path)
 
 
 def _peer_bytes(pid: int, fd: int, ino: int, size: int) -> torch.Tensor:
@@ -139,10 +140,7 @@ def fetch_staged(descriptor: tuple[Any, ...]) -> dict[int, torch.Tensor]:
         mm = mmap.mmap(fd, size)
     finally:
         os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        remove_file(path)
     buf = torch.frombuffer(mm, dtype=torch.uint8)
     out.update({tag: buf[off:off + torch.empty((), dtype=dtype).element_size() * math.prod(shape)].view(dtype)
                 .view(shape) for tag, off, dtype, shape in pieces})

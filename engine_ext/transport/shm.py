@@ -33,12 +33,13 @@ import mmap
 import os
 import platform
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+
+from engine_ext.transport.shm_files import ShmError, create_file, process_alive, remove_file
 
 SEQ, DONE, PID, LEFT, ATTACHED = range(5)
 LINE = 8  # int64 words per rank's control line (64 bytes)
@@ -54,46 +55,41 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-
-
-class ShmError(RuntimeError):
-    """A shared-memory collective failed: ``code`` is "timeout", "peer_gone", "aborted" or "overflow"."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie — killed, not yet reaped — counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return True
-
-
 def _align(n: int, to: int = 64) -> int:
     return -(-n // to) * to
+
+
+def _flag_pause() -> Callable[[float], None]:
+    """A collective's pacing: polls for ``SPIN_S``, then ``sched_yield`` to ``YIELD_S`` (gives the
+    core to whoever else is runnable), then sleeps doubling to ``MAX_SLEEP_S``."""
+    sleep = 1e-5
+
+    def pause(elapsed: float) -> None:
+        nonlocal sleep
+        if elapsed < SPIN_S:
+            return
+        if elapsed < YIELD_S:
+            os.sched_yield()
+        else:
+            time.sleep(sleep)
+            sleep = min(MAX_SLEEP_S, sleep * 2)
+
+    return pause
 
 
 class ShmCollectives:
     """All-reduce, all-gather and reduce-scatter of CPU tensors among ``size`` local processes.
 
     ``store`` (a torch.distributed store, prefixed for this group) carries only the segment's
-    path, once. Rank 0 creates the segment and removes its name once every rank has mapped it, so
-    a killed deployment leaves nothing in /dev/shm; construction returns when every rank has
-    attached (``attached`` says how many ranks this rank saw: the preparation's evidence)."""
+    path, once. Rank 0 creates the segment; its name is removed once every rank has mapped it, or
+    by whichever rank's set-up fails (a peer that died in set-up, a timeout, any error), so a
+    killed deployment leaves nothing in /dev/shm. Construction returns when every rank has
+    attached (``attached`` says how many ranks this rank saw: the preparation's evidence).
+    ``on_setup`` runs once this rank has mapped the segment, before it counts as attached (the
+    fault seam's hold in group set-up)."""
 
-    def __init__(self, store: Any, rank: int, size: int, capacity: int, timeout_s: float) -> None:
+    def __init__(self, store: Any, rank: int, size: int, capacity: int, timeout_s: float,
+                 on_setup: Callable[[], None] | None = None) -> None:
         self.rank, self.size = rank, size
         self.capacity = _align(max(64, capacity))
         self.timeout_s = timeout_s
@@ -103,41 +99,44 @@ class ShmCollectives:
         ctrl_bytes = _align(size * LINE * 8, 4096)
         self.host_capacity = self._host_capacity()
         total = ctrl_bytes + size * 2 * self.host_capacity
-        if rank == 0:
-            self.path = os.path.join(shm_dir(), f"eepctl-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, total)
-                self._mm = mmap.mmap(fd, total)
-            finally:
-                os.close(fd)
-            store.set("shm/path", f"{self.path}|{total}")
-        else:
-            path, n = store.get("shm/path").decode().rsplit("|", 1)
-            if int(n) != total:  # every rank must size the segment alike
-                raise ValueError(f"shared-memory segment {path} is {n} bytes, this rank expects {total}")
-            self.path = path
-            fd = os.open(path, os.O_RDWR)
-            try:
-                self._mm = mmap.mmap(fd, total)
-            finally:
-                os.close(fd)
-        self._ctrl = np.frombuffer(self._mm, dtype=np.int64, count=size * LINE).reshape(size, LINE)
-        host = torch.frombuffer(self._mm, dtype=torch.uint8, offset=ctrl_bytes,
-                                count=size * 2 * self.host_capacity).view(size, 2, self.host_capacity)
-        self._host: list[torch.Tensor] = [host[j] for j in range(size)]  # each rank's two buffers
-        self._device: list[torch.Tensor] | None = self._map_device(store)
-        self._ctrl[rank, PID] = os.getpid()
-        self._ctrl[rank, ATTACHED] = 1
+        self.path = ""
+        attached = False
         try:
+            self._mm = self._map_segment(store, total)
+            self._ctrl = np.frombuffer(self._mm, dtype=np.int64, count=size * LINE).reshape(size, LINE)
+            host = torch.frombuffer(self._mm, dtype=torch.uint8, offset=ctrl_bytes,
+                                    count=size * 2 * self.host_capacity).view(size, 2, self.host_capacity)
+            self._host: list[torch.Tensor] = [host[j] for j in range(size)]  # each rank's two buffers
+            self._device: list[torch.Tensor] | None = self._map_device(store)
+            self._ctrl[rank, PID] = os.getpid()
+            if on_setup is not None:
+                on_setup()
+            self._ctrl[rank, ATTACHED] = 1
             self._wait(ATTACHED, 1, "attach")
+            attached = True
         finally:
-            if rank == 0:
-                try:
-                    os.unlink(self.path)
-                except OSError:
-                    pass
+            if self.path and (rank == 0 or not attached):
+                remove_file(self.path)
         self.attached = int((self._ctrl[:, ATTACHED] > 0).sum())
+
+    def _map_segment(self, store: Any, total: int) -> mmap.mmap:
+        """Rank 0 creates the segment and publishes its path; the others map it by that path."""
+        if self.rank == 0:
+            self.path, mm = create_file("eepctl", total)
+            store.set("shm/path", f"{self.path}|{total}")
+            return mm
+        path, n = store.get("shm/path").decode().rsplit("|", 1)
+        self.path = path
+        if int(n) != total:  # every rank must size the segment alike
+            raise ValueError(f"shared-memory segment {path} is {n} bytes, this rank expects {total}")
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:  # a peer's set-up failed and removed it
+            raise self._fail("peer_gone", f"attach: segment {path} was removed (a peer's set-up failed)") from None
+        try:
+            return mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
 
     # ---- where a collective's parts go (engine_ext.transport.cuda_ipc adds device buffers) -------
     def _host_capacity(self) -> int:
@@ -157,44 +156,14 @@ class ShmCollectives:
 
     # ---- waiting -------------------------------------------------------------------------------
     def _wait(self, col: int, target: int, what: str) -> None:
-        ctrl = self._ctrl
-        column = ctrl[:, col]
-        if column.min() >= target:
-            return
+        """Until every rank's ``col`` reaches ``target`` (a collective's flags): a few polls at
+        once, then ``_until``'s loop with the spin, yield, sleep pacing."""
+        column = self._ctrl[:, col]
         for _ in range(SPIN):
             if column.min() >= target:
                 return
-        t0 = time.perf_counter()
-        sleep = 1e-5
-        probe = PROBE_S
-        while column.min() < target:
-            elapsed = time.perf_counter() - t0
-            if self._aborted:
-                raise self._fail("aborted", f"{what}: this rank aborted the group")
-            # a peer that left after its part of this collective was written (a committing rank
-            # leaves the old group as soon as it has read the agreeing header) blocks no one: only
-            # one that left short of it fails the wait (LEFT is read first, then its part: a rank
-            # writes its part before it leaves)
-            if ctrl[:, LEFT].max() > 0:  # the cheap look first: this loop polls
-                left = [int(j) for j in np.nonzero((ctrl[:, LEFT] > 0) & (column < target))[0]]
-                if left:
-                    raise self._fail("peer_gone", f"{what}: rank(s) {left} left the group")
-            if elapsed > self.timeout_s:
-                late = [int(j) for j in np.nonzero(column < target)[0]]
-                raise self._fail("timeout", f"{what}: rank(s) {late} did not arrive within {self.timeout_s:g} s")
-            if elapsed > probe:
-                probe = elapsed + PROBE_S
-                dead = [int(j) for j in np.nonzero(column < target)[0]
-                        if ctrl[j, PID] > 0 and not process_alive(int(ctrl[j, PID]))]
-                if dead:
-                    raise self._fail("peer_gone", f"{what}: the process of rank(s) {dead} is gone")
-            if elapsed < SPIN_S:
-                continue
-            if elapsed < YIELD_S:
-                os.sched_yield()
-            else:
-                time.sleep(sleep)
-                sleep = min(MAX_SLEEP_S, sleep * 2)
+        self._until(lambda: column.min() >= target, lambda: [int(j) for j in np.nonzero(column < target)[0]],
+                    what, _flag_pause())
 
     def wait_peer(self, ready: Callable[[], bool], peers: list[int], what: str) -> None:
         """Wait until ``ready()`` (a condition outside the segment: a store key) as a collective
@@ -204,24 +173,37 @@ class ShmCollectives:
         again at once at first, then sleeps a twentieth of the time waited so far (up to
         ``MAX_SLEEP_S``): an answer is seen at most ~5 % late, where sleeps doubling to 1 ms made a
         2-3 ms expert move wait up to a millisecond more per handshake (docs/benchmarks.md)."""
+        self._until(ready, lambda: list(peers), what, lambda elapsed: time.sleep(min(MAX_SLEEP_S, elapsed / 20)))
+
+    def _until(self, ready: Callable[[], bool], missing: Callable[[], list[int]], what: str,
+               pause: Callable[[float], None]) -> None:
+        """The one wait: until ``ready()``, failing on an abort, on a rank of ``missing()`` (those
+        not there yet) that left the group or whose process is gone (looked for every ``PROBE_S``),
+        and after ``timeout_s``; ``pause(elapsed)`` between looks."""
+        ctrl = self._ctrl
         t0 = time.perf_counter()
         probe = PROBE_S
         while not ready():
             elapsed = time.perf_counter() - t0
             if self._aborted:
                 raise self._fail("aborted", f"{what}: this rank aborted the group")
-            left = [p for p in peers if self._ctrl[p, LEFT] > 0]
-            if left and not ready():  # it may have answered, then left
-                raise self._fail("peer_gone", f"{what}: rank(s) {left} left the group")
+            # A rank that left after writing its part of this collective (a committing rank leaves
+            # the old group once it has read the agreeing header) blocks no one: only one that left
+            # short of it fails the wait. LEFT is read before the flags: a rank writes its part
+            # before it leaves. The cheap look first: this loop polls.
+            if ctrl[:, LEFT].max() > 0:
+                gone = ctrl[:, LEFT] > 0
+                left = [j for j in missing() if gone[j]]
+                if left and not ready():  # it may have answered, then left
+                    raise self._fail("peer_gone", f"{what}: rank(s) {left} left the group")
             if elapsed > self.timeout_s:
-                raise self._fail("timeout", f"{what}: rank(s) {peers} did not arrive within {self.timeout_s:g} s")
+                raise self._fail("timeout", f"{what}: rank(s) {missing()} did not arrive within {self.timeout_s:g} s")
             if elapsed > probe:
                 probe = elapsed + PROBE_S
-                pids = {p: int(self._ctrl[p, PID]) for p in peers}
-                dead = [p for p, pid in pids.items() if pid > 0 and not process_alive(pid)]
+                dead = [j for j in missing() if ctrl[j, PID] > 0 and not process_alive(int(ctrl[j, PID]))]
                 if dead and not ready():
                     raise self._fail("peer_gone", f"{what}: the process of rank(s) {dead} is gone")
-            time.sleep(min(MAX_SLEEP_S, elapsed / 20))
+            pause(elapsed)
 
     def check_usable(self, what: str) -> None:
         """Raise unless the group may run another exchange (not aborted, no failure before)."""
@@ -235,9 +217,6 @@ class ShmCollectives:
         return ShmError(code, f"shm {message}")
 
     # ---- one collective ------------------------------------------------------------------------
-    def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.capacity
-
     def _begin(self, nbytes: int, what: str, bufs: list[torch.Tensor], cap: int) -> tuple[int, torch.Tensor]:
         self.check_usable(what)
         if nbytes > cap:  # every member sizes alike, so all refuse the same collective
