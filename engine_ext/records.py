@@ -171,6 +171,13 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tpot_ms_p95: FiniteFloat | None = None
     latency_samples: int = 0
     latency_window_s: FiniteFloat = 0.0
+    # The autoscaler's load signals (engine_ext/rank/latency.py ``ServedTokens``): tokens served
+    # (prompt and output), the tokens and seconds of the steps taken while requests waited (their
+    # ratio: the rank's capacity at saturation), and the work held, in tokens (None: not known).
+    tokens_served: int = 0
+    saturated_tokens: int = 0
+    saturated_s: FiniteFloat = 0.0
+    tokens_queued: int | None = None
 
 
     # The autoscaler's load signals (engine_ext/rank/latency.py ``ServedTokens``): tokens served

@@ -135,8 +135,8 @@ def test_replace_policy_grows_back_to_desired_size(reference: list[dict]) -> Non
             await dep.orch.recovery.wait()
             # the replacement takes the dead rank's number (free again), in a new process
             assert dep.orch.members == [0, 1, 2, 3] and dep.processes[3].pid() != victim_pid
-            kinds = [op.get("kind") for op in dep.orch.history]
-            assert kinds[-2:] == ["recover", "scale"], kinds
+            kinds = [(op.get("kind"), op.get("cause")) for op in dep.orch.history]
+            assert kinds[-2:] == [("recover", ""), ("scale", "replace")], kinds  # events names it a grow
             # [0, 1, 2, 3]: rank 1 dies idle; rank 2 fails on its connection; rank 3, whose ring
             # neighbours are ranks 2 and 0, waits on rank 2 (at DP 3 every rank neighbours the victim)
             results = await kill_between_steps(dep, 1, PROMPTS, MAX_TOKENS, 120)
