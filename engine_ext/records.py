@@ -180,13 +180,6 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokens_queued: int | None = None
 
 
-    # The autoscaler's load signals (engine_ext/rank/latency.py ``ServedTokens``): tokens served
-    # (prompt and output), the tokens and seconds of the steps taken while requests waited (their
-    # ratio: the rank's capacity at saturation), and the work held, in tokens (None: not known).
-    tokens_served: int = 0
-    saturated_tokens: int = 0
-    saturated_s: FiniteFloat = 0.0
-    tokens_queued: int | None = None
 class VllmRankStatus(RankStatus, kw_only=True, forbid_unknown_fields=True):
     """A vLLM rank (kind "vllm"): every RankStatus field and what the engine_ext plugin reads besides."""
 
