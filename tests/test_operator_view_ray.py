@@ -1,7 +1,8 @@
 """The operator's view on a live deployment: `eepctl scale` in a real terminal (a pty) draws the
 live display and leaves its final picture; status carries capture timings and the EPLB balance;
-`events --timeline` draws the operation; status reads through the light path and agrees with the
-Ray driver path; a recreated registry says it is rebuilding rather than showing a short list."""
+`events --timeline` draws the operation, `events` lists it under its short id; status reads through
+the light path and agrees with the Ray driver path; a recreated registry says it is rebuilding
+rather than showing a short list."""
 
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ def test_scale_on_a_terminal_then_status_timeline_and_registry_restart(deploymen
     # the plan's predicted cost beside what the scale measured (engine_ext/control/cost_model.py)
     listed = eepctl("events", "--op", op_id, "--name", d.name).stdout
     assert f"{op_id} predicted vs measured: pause" in listed and "moved per rank" in listed, listed
+    _events_by_short_id_and_a_scale_left_running(d.name, op_id)
 
     light = eepctl_json("status", "--name", d.name)
     res = eepctl("status", "--name", d.name, "-o", "json", env={"EEPCTL_READ_PATH": "ray"})
@@ -138,3 +140,27 @@ def test_scale_on_a_terminal_then_status_timeline_and_registry_restart(deploymen
         time.sleep(0.05)
     assert len(s["ranks"]) == 3
     print(f"\n[opview] rebuilding snapshots seen before the ranks re-sent: {seen_short}")
+
+
+def _events_by_short_id_and_a_scale_left_running(name: str, op_id: str) -> None:
+    """`events`: one line per operation under its short id, no rank events without -v; `--op`
+    takes the short id; `--timeline` without `--op` draws the last operation; `scale --no-wait`
+    prints a follow-up command that works as pasted."""
+    import shlex
+
+    short = op_id.rsplit("-", 1)[1]
+    table = eepctl("events", "--name", name).stdout
+    row = next(ln for ln in table.splitlines() if ln.startswith("│ " + short))
+    assert "│ scale " in row and "│ 2->3 " in row and "│ succeeded " in row, table
+    assert "rank 0     prepare" not in table and "rank 0     prepare" in eepctl("events", "-v", "--name", name).stdout
+    assert eepctl_json("events", "--op", short, "--name", name)["operations"][0]["op_id"] == op_id
+    assert eepctl_json("events", "--timeline", "--name", name)["op_id"] == op_id
+    left = eepctl("scale", "--dp", "2", "--no-wait", "--name", name)
+    assert left.returncode == 0, left.stderr
+    follow = left.stdout.split("follow it with: ", 1)[1].strip()
+    assert f"--name {name}" in follow, follow
+    args = shlex.split(follow)
+    assert args[0] == "eepctl"
+    done = eepctl(*args[1:], timeout=240)
+    assert done.returncode == 0 and "DP 3 -> 2 succeeded" in done.stdout, (done.stdout, done.stderr)
+    assert eepctl("scale", "--dp", "3", "--name", name).returncode == 0  # back to the size the test goes on with
