@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from eepctl import render
+from eepctl.render_events import events_text
 from engine_ext.control import cost_model as cm
 from tests.helpers import ROOT
 
@@ -132,11 +133,11 @@ def test_prediction_and_comparison_rendered(tmp_path: Path, monkeypatch: pytest.
     op = {"op_id": "op-1", "from_size": 2, "to_size": 4, "state": "succeeded",
           "cost": {"predicted": cost, "measured": got, "error": cm.relative_errors(cost, got)}}
     assert op["cost"]["error"]["move_s"] == pytest.approx((cost["move_s"] - 0.006) / 0.006)
-    line = next(ln for ln in render.events_text({"operations": [op]}).splitlines() if "predicted vs" in ln)
+    line = next(ln for ln in events_text({"operations": [op]}).splitlines() if "predicted vs" in ln)
     assert "pause 0.018 s vs 0.020 s (-9%)" in line and "move 0.014 s vs 0.006 s (+141%)" in line, line
     op["cost"]["within_range"] = cm.within_range(cost, got)
     assert op["cost"]["within_range"] == {"pause_s": False, "move_s": False}
-    line = next(ln for ln in render.events_text({"operations": [op]}).splitlines() if "predicted vs" in ln)
+    line = next(ln for ln in events_text({"operations": [op]}).splitlines() if "predicted vs" in ln)
     assert "pause 0.018 s vs 0.020 s (-9%, outside the range)" in line, line
 
 

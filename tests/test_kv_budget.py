@@ -91,7 +91,8 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
     bytes per rank as planned, the pause and the slowest pre-copy as measured. Rank 2 loads its
     8 slots on 3 threads (``commit_load_threads``; sized to the host, the 2-core box would load on
     one): the oracle's tokens say no slot was torn."""
-    from eepctl.render import events_text, plan_text
+    from eepctl.render import plan_text
+    from eepctl.render_events import events_text
     from engine_ext.control import cost_model
     from tests.test_cost_model import _points, _write
     from engine_ext.elastic.precopy import expert_nbytes, spare_room
