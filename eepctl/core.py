@@ -355,7 +355,8 @@ def check_autoscale_changes(changes: dict[str, Any]) -> dict[str, Any]:
 
     lo = changes.get("min_dp", 1)
     probe: dict[str, Any] = {"min_dp": lo, "max_dp": max(lo, changes.get("max_dp", lo)) if isinstance(lo, int) else 1}
-    untouched = [k for k in ("target_queue", "target_kv", "slo_ttft_ms", "slo_tpot_ms") if k not in changes]
+    untouched = [k for k in ("target_queue", "target_kv", "slo_ttft_ms", "slo_tpot_ms", "target_utilization")
+                 if k not in changes]
     if untouched:  # a target the deployment may keep: "at least one target" is the controller's check
         probe[untouched[0]] = 0.5
     try:

@@ -9,7 +9,12 @@ from typing import Any
 
 MARKS = {"scaled": "S", "scale": "S", "failed": "F", "advisory": "A", "blocked": "B"}
 TARGET_TEXT = (("target_queue", "queue {:g} requests/rank"), ("target_kv", "KV use {:.0%}"),
-               ("slo_ttft_ms", "TTFT p95 {:g} ms"), ("slo_tpot_ms", "TPOT p95 {:g} ms"))
+               ("slo_ttft_ms", "TTFT p95 {:g} ms"), ("slo_tpot_ms", "TPOT p95 {:g} ms"),
+               ("target_utilization", "load at {:.0%} of capacity"))
+
+
+def _delay(v: Any) -> str:
+    return f"{v:g}s" if isinstance(v, (int, float)) else str(v)
 
 
 def policy_line(p: dict[str, Any] | None) -> str:
@@ -17,9 +22,9 @@ def policy_line(p: dict[str, Any] | None) -> str:
     if not p:
         return "no autoscaling policy (`eepctl autoscale --min-dp N --max-dp M --target-queue Q` sets one)"
     targets = ", ".join(fmt.format(p[k]) for k, fmt in TARGET_TEXT if p.get(k)) or "none"
-    return (f"mode {p['mode']}, DP {p['min_dp']}..{p['max_dp']}, targets: {targets}; up after {p['up_delay_s']:g}s, "
-            f"down after {p['down_delay_s']:g}s, tolerance {p['tolerance']:.0%}, max step {p['max_step']}, "
-            f"cooldown {p['cooldown_s']:g}s, window {p['window_s']:g}s")
+    return (f"mode {p['mode']}, DP {p['min_dp']}..{p['max_dp']}, targets: {targets}; up after "
+            f"{_delay(p['up_delay_s'])}, down after {_delay(p['down_delay_s'])}, tolerance {p['tolerance']:.0%}, "
+            f"max step {p['max_step']}, cooldown {_delay(p['cooldown_s'])}, window {p['window_s']:g}s")
 
 
 def _clock(at: float) -> str:

@@ -33,8 +33,11 @@ def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
     (["autoscale", "--max-step", "0"], "--max-step"),
     (["autoscale", "--show", "--mode", "on"], "change nothing"),
     (["autoscale"], "nothing to set"),
-    (["autoscale", "--target-queue", "0", "--target-kv", "0", "--slo-ttft-ms", "0", "--slo-tpot-ms", "0"],
-     "give at least one target"),
+    (["autoscale", "--target-queue", "0", "--target-kv", "0", "--slo-ttft-ms", "0", "--slo-tpot-ms", "0",
+      "--target-utilization", "0"], "give at least one target"),
+    (["autoscale", "--down-delay", "soon"], "--down-delay must be a number >= 0 or auto, not 'soon'"),
+    (["autoscale", "--target-utilization", "1.5"], "--target-utilization is a fraction"),
+    (["autoscale", "--capacity", "/nonexistent/capacity.json"], "--capacity takes tokens/s or benchmarks/capacity.py"),
     (["scale", "--dp", "2", "--retire", "three"], "--retire takes comma-separated rank numbers"),
     (["scale", "--dp", "2", "--retire", "1,1"], "--retire takes distinct rank numbers"),
     (["scale", "--dp", "2", "--dry-run", "--retire", "-1"], "--retire takes distinct rank numbers"),
@@ -56,7 +59,8 @@ def test_dropping_one_target_is_checked_by_the_controller_not_refused_here() -> 
 def test_help_documents_the_options(runner: CliRunner) -> None:
     out = runner.invoke(app, ["autoscale", "--help"], env={"COLUMNS": "200"}).output
     for opt in ("--min-dp", "--max-dp", "--mode", "--target-queue", "--target-kv", "--slo-ttft-ms", "--slo-tpot-ms",
-                "--up-delay", "--down-delay", "--tolerance", "--max-step", "--show", "--plot"):
+                "--up-delay", "--down-delay", "--tolerance", "--max-step", "--show", "--plot", "--target-utilization",
+                "--drain", "--capacity"):
         assert opt in out
     assert "--autoscaler" in runner.invoke(app, ["events", "--help"], env={"COLUMNS": "200"}).output
     assert "--retire" in runner.invoke(app, ["scale", "--help"], env={"COLUMNS": "200"}).output
@@ -121,3 +125,21 @@ def test_status_shows_the_policy_and_the_recommendation() -> None:
     assert "autoscale recommends DP 5 (now 6), scaled: ttft held down for 30s (>= 30s): DP 5" in lines, lines
     snap["info"] = {}
     assert not any(ln.startswith("autoscale") for ln in render.status_summary_lines(snap))
+
+
+def test_auto_delays_and_the_capacity_file_reach_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--up-delay auto`` and friends pass as "auto"; ``--capacity FILE`` as the tokens/s per rank
+    benchmarks/capacity.py's JSON says; the policy line renders them."""
+    from eepctl import core
+    from tests.helpers import ROOT
+
+    seen: list[dict] = []
+    monkeypatch.setattr(core, "autoscale", lambda t, changes, api_key=None: seen.append(changes) or
+                        {"deployment": "moe", "policy": AutoscalePolicy(**changes).validated().to_dict(), "previous": None})
+    path = ROOT / "docs/results/h100_2026-12-05b/capacity_cpu_16cores_64clients.json"
+    result = CliRunner().invoke(app, ["autoscale", "--target-utilization", "0.8", "--up-delay", "auto", "--down-delay",
+                                      "auto", "--cooldown", "5", "--capacity", str(path)])
+    assert result.exit_code == 0, result.output
+    assert seen[0]["up_delay_s"] == "auto" and seen[0]["cooldown_s"] == 5.0
+    assert seen[0]["capacity_tokens_s"] == pytest.approx(1746.6, abs=0.1)
+    assert "targets: load at 80% of capacity; up after auto, down after auto" in result.output, result.output

@@ -84,3 +84,40 @@ def test_an_idle_tick_changes_neither_the_durable_state_nor_what_status_shows() 
     assert host.state()["decisions"][-1]["action"] == "advisory: not acted"
     assert host.shown(now=111.0)["last"]["recommendation"] == 3
 
+
+
+def test_the_loop_ticks_fast_under_load_and_as_before_when_idle() -> None:
+    """With a policy on, a tick that saw requests admitted (or work held) asks for the next in
+    0.5 s; an idle one, and any tick without a policy, waits the loop's own period as before."""
+    host = AutoscaleHost("moe", max_dp=8, persist=lambda s: None)
+    host.tick([status(0, 0, 0)], [0], now=0.0, admissions={"requests": 5})
+    assert host.period(1.0) == 1.0, "no policy: the loop's period"
+    host.set_autoscale({"target_utilization": 0.8, "mode": "on"})
+    host.tick([status(0, 0, 0)], [0], now=1.0, admissions={"requests": 5})
+    assert host.period(1.0) == 1.0, "idle: nothing admitted, nothing held"
+    host.tick([status(0, 0, 0)], [0], now=2.0, admissions={"requests": 9})
+    assert host.period(1.0) == 0.5
+    host.tick([status(0, 0, 1)], [0], now=3.0, admissions={"requests": 9})
+    assert host.period(1.0) == 0.5, "work still held"
+    host.set_autoscale({"mode": "off"})
+    assert host.period(1.0) == 1.0
+
+
+def test_the_learned_capacity_and_scale_cost_are_kept_with_the_policy() -> None:
+    saved: list[dict] = []
+    host = AutoscaleHost("moe", max_dp=8, persist=saved.append)
+    host.set_autoscale({"target_utilization": 0.5, "up_delay_s": "auto", "down_delay_s": "auto",
+                        "cooldown_s": "auto"})
+    op = {"op_id": "op-a", "kind": "scale", "state": "succeeded", "from_size": 1, "to_size": 2, "started": 0.0,
+          "finished": 2.3, "phase_durations": {"launch": 2.0}}  # 0.3 s besides its launch
+    sat = {"saturated_tokens": 0, "saturated_s": 0.0, "instance_id": "x"}
+    host.tick([status(0, 3, 4) | sat], [0], now=0.0, admissions={"requests": 0, "prompt_tokens": 0})
+    d = host.tick([status(0, 3, 4) | sat | {"saturated_tokens": 900, "saturated_s": 1.0}], [0], now=1.0,
+                  admissions={"requests": 30, "prompt_tokens": 90, "output_tokens": 450}, ops=[op])
+    assert d is not None
+    load = next(s for s in d.signals if s.name == "load")
+    assert load.terms["capacity_tps"] == 900.0 and load.terms["arrival_rps"] == 30.0 and load.recommendation == 2
+    assert d.timing["scale_up_s"] == 0.5 + 4.5 and "learned from 1 scale(s)" in d.timing["why"], d.timing
+    host.tick([status(0, 0, 0)], [0], now=12.0)  # a quiet tick persists within PERSIST_QUIET_S
+    restarted = AutoscaleHost("moe", max_dp=8, persist=saved.append, saved=saved[-1])
+    assert restarted.window.capacity.learned["tokens_s"] == 900.0 and restarted.cost.measured == 1

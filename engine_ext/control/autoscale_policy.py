@@ -11,12 +11,15 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from engine_ext.config import AutoscaleMode
+from engine_ext.control.autoscale_cost import AUTO
 
 # Option names as ``eepctl autoscale`` spells them, for the errors.
 OPTION = {"min_dp": "--min-dp", "max_dp": "--max-dp", "mode": "--mode", "target_queue": "--target-queue",
           "target_kv": "--target-kv", "slo_ttft_ms": "--slo-ttft-ms", "slo_tpot_ms": "--slo-tpot-ms",
           "up_delay_s": "--up-delay", "down_delay_s": "--down-delay", "tolerance": "--tolerance",
-          "max_step": "--max-step", "cooldown_s": "--cooldown", "window_s": "--window"}
+          "max_step": "--max-step", "cooldown_s": "--cooldown", "window_s": "--window",
+          "target_utilization": "--target-utilization", "drain_s": "--drain", "capacity_tokens_s": "--capacity"}
+DELAYS = ("up_delay_s", "down_delay_s", "cooldown_s")  # a number of seconds, or "auto" (from the scale's cost)
 
 
 @dataclass
@@ -30,12 +33,18 @@ class AutoscalePolicy:
     target_kv: float = 0.0  # KV-cache use per rank, 0..1
     slo_ttft_ms: float = 0.0  # time to first token, p95 over the window
     slo_tpot_ms: float = 0.0  # time per output token, p95 over the window
-    up_delay_s: float = 20.0  # a larger size must be recommended this long before it is acted on
-    down_delay_s: float = 300.0  # a smaller size this long
+    up_delay_s: float | str = 20.0  # a larger size must be recommended this long before it is acted on
+    down_delay_s: float | str = 300.0  # a smaller size this long
     tolerance: float = 0.10  # |signal/target - 1| within this: no change
-    max_step: int = 2  # ranks added or removed per decision
-    cooldown_s: float = 30.0  # after each action
+    max_step: int = 2  # ranks removed per decision, and added by the other signals than the load rule
+    cooldown_s: float | str = 30.0  # after each action
     window_s: float = 60.0  # the signals' window
+    # The load rule (engine_ext/control/autoscale_load.py): the width the arrivals and the backlog
+    # need at this share of each rank's capacity (0 leaves it out), the backlog drained within
+    # ``drain_s``, and a rank's capacity in tokens/s until the deployment has measured its own (0: the default).
+    target_utilization: float = 0.0
+    drain_s: float = 2.0
+    capacity_tokens_s: float = 0.0
 
     def validated(self) -> AutoscalePolicy:
         """This policy, typed and checked; ValueError naming the option otherwise."""
@@ -47,20 +56,26 @@ class AutoscalePolicy:
         if self.min_dp > self.max_dp:
             raise ValueError(f"--min-dp {self.min_dp} is over --max-dp {self.max_dp}")
         for name in ("target_queue", "target_kv", "slo_ttft_ms", "slo_tpot_ms", "up_delay_s", "down_delay_s",
-                     "tolerance", "cooldown_s", "window_s"):
+                     "tolerance", "cooldown_s", "window_s", "target_utilization", "drain_s", "capacity_tokens_s"):
             v = getattr(self, name)
+            if name in DELAYS and isinstance(v, str) and v.strip().lower() == AUTO:
+                setattr(self, name, AUTO)
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
-                raise ValueError(f"{OPTION[name]} must be a number >= 0, not {v!r}")
+                raise ValueError(f"{OPTION[name]} must be a number >= 0{' or auto' if name in DELAYS else ''}, "
+                                 f"not {v!r}")
             setattr(self, name, float(v))
-        if self.target_kv > 1.0:
-            raise ValueError(f"--target-kv is a fraction of the KV cache (0..1], not {self.target_kv!r}")
+        for name in ("target_kv", "target_utilization"):
+            if getattr(self, name) > 1.0:
+                raise ValueError(f"{OPTION[name]} is a fraction (0..1], not {getattr(self, name)!r}")
         if self.tolerance >= 1.0:
             raise ValueError(f"--tolerance must be below 1 (0.10 is 10 %), not {self.tolerance!r}")
         if self.window_s <= 0:
             raise ValueError("--window must be > 0 seconds")
         if self.mode != AutoscaleMode.OFF and not (self.target_queue or self.target_kv or self.slo_ttft_ms
-                                                   or self.slo_tpot_ms):
-            raise ValueError("give at least one target: --target-queue, --target-kv, --slo-ttft-ms or --slo-tpot-ms")
+                                                   or self.slo_tpot_ms or self.target_utilization):
+            raise ValueError("give at least one target: --target-queue, --target-kv, --slo-ttft-ms, --slo-tpot-ms "
+                             "or --target-utilization")
         return self
 
     def to_dict(self) -> dict[str, Any]:

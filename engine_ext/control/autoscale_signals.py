@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine_ext.control.autoscale_cost import ScaleCost
+from engine_ext.control.autoscale_load import ArrivalWindow, CapacityLearner, LoadSignals
 from engine_ext.control.autoscaler import Observed, RankSignals
 
 
@@ -28,6 +30,7 @@ class RankReading:
     held_s: float | None = None  # the rank's request-seconds counter (a reference rank's), at ``rank_at``
     rank_at: float = 0.0
     instance: str = ""
+    tokens_queued: float | None = None  # the work the rank holds, in tokens (None: not reported)
 
 
 def kv_use(st: dict[str, Any]) -> float:
@@ -39,11 +42,11 @@ def kv_use(st: dict[str, Any]) -> float:
 
 
 def reading(now: float, st: dict[str, Any]) -> RankReading:
-    held = st.get("request_seconds")
+    held, queued = st.get("request_seconds"), st.get("tokens_queued")
     return RankReading(now, int(st["rank"]), float((st.get("requests_waiting") or 0) + (st.get("requests_running") or 0)),
                        kv_use(st), st.get("ttft_ms_p95"), st.get("tpot_ms_p95"),
                        None if held is None else float(held), float(st.get("last_heartbeat") or 0.0),
-                       str(st.get("instance_id") or ""))
+                       str(st.get("instance_id") or ""), None if queued is None else float(queued))
 
 
 def mean_held(rows: list[RankReading], min_span_s: float = 0.5) -> float:
@@ -62,23 +65,44 @@ def mean_held(rows: list[RankReading], min_span_s: float = 0.5) -> float:
 
 
 class SignalWindow:
-    """The last ``window_s`` seconds of rank readings."""
+    """The last ``window_s`` seconds of rank readings, the router's admission counters and the
+    ranks' saturated-step counters (the load rule's arrivals and capacity: kept across worlds)."""
 
-    def __init__(self, window_s: float = 60.0, keep: int = 20000) -> None:
+    def __init__(self, window_s: float = 60.0, keep: int = 20000, learned: dict[str, Any] | None = None) -> None:
         self.window_s = window_s
         self.readings: deque[RankReading] = deque(maxlen=keep)
+        self.arrivals = ArrivalWindow(window_s)
+        self.capacity = CapacityLearner(learned)
 
-    def add(self, now: float, statuses: list[dict[str, Any]]) -> None:
-        """One tick's rank status records (any rank; ``observed`` keeps the members')."""
+    def add(self, now: float, statuses: list[dict[str, Any]], admissions: dict[str, int] | None = None) -> None:
+        """One tick's rank status records (any rank; ``observed`` keeps the members') and the
+        router's admission counters (None: it counts none)."""
         for st in statuses:
             if isinstance(st, dict) and "rank" in st:
                 self.readings.append(reading(now, st))
         while self.readings and self.readings[0].at < now - self.window_s:
             self.readings.popleft()
+        self.arrivals.keep_s = self.window_s
+        self.arrivals.add(now, admissions)
+        self.capacity.add(now, statuses)
+
+    def load(self, now: float, members: list[int], capacity_seed: float = 0.0) -> LoadSignals | None:
+        """The load rule's signals now; None before the router's counters were read twice."""
+        rps, prompt_tps, per_request = self.arrivals.signals(now, self.window_s)
+        if rps is None:
+            return None
+        latest: dict[int, RankReading] = {}
+        for x in self.readings:
+            if x.rank in members:
+                latest[x.rank] = x
+        queued = [x.tokens_queued for x in latest.values() if x.tokens_queued is not None]
+        tps, source = self.capacity.capacity(capacity_seed)
+        return LoadSignals(rps, prompt_tps, per_request, sum(queued) if queued else None, tps, source)
 
     def observed(self, now: float, members: list[int], *, busy: str | None = None, num_experts: int = 1,
                  slots_per_rank: int = 1, standby_ready: int = 0, capacity: Callable[[int], str | None] | None = None,
-                 eplb_imbalance: float | None = None) -> Observed:
+                 eplb_imbalance: float | None = None, capacity_seed: float = 0.0,
+                 cost: ScaleCost | None = None) -> Observed:
         """The tick's ``Observed``: per member, its mean load and KV use over the window and its
         TTFT/TPOT p95 readings."""
         ranks = []
@@ -90,4 +114,4 @@ class SignalWindow:
                                      [x.tpot_ms for x in rows if x.tpot_ms is not None]))
         return Observed(dp=len(members), ranks=ranks, window_s=self.window_s, busy=busy, num_experts=num_experts,
                         slots_per_rank=slots_per_rank, standby_ready=standby_ready, capacity=capacity,
-                        eplb_imbalance=eplb_imbalance)
+                        eplb_imbalance=eplb_imbalance, load=self.load(now, members, capacity_seed), cost=cost)

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine_ext.config import AutoscaleMode
+from engine_ext.control.autoscale_cost import ScaleCost, timing
+from engine_ext.control.autoscale_load import LoadSignals, drains_before_scale, load_terms
 from engine_ext.control.autoscale_policy import AutoscalePolicy
 
 __all__ = ["AutoscaleMode", "AutoscalePolicy", "Autoscaler", "Decision", "Observed", "RankSignals",
@@ -63,6 +65,8 @@ class Observed:
     standby_ready: int = 0
     capacity: CapacityCheck | None = None  # not recorded; its verdict is
     eplb_imbalance: float | None = None  # shown, not a scaling target
+    load: LoadSignals | None = None  # the load rule's signals (engine_ext.control.autoscale_load)
+    cost: ScaleCost | None = None  # what a scale costs here (engine_ext.control.autoscale_cost)
 
 
 @dataclass
@@ -75,6 +79,7 @@ class SignalReading:
     ratio: float
     recommendation: int
     samples: int = 0
+    terms: dict[str, Any] | None = None  # the load rule's arithmetic, each term
 
 
 @dataclass
@@ -95,6 +100,7 @@ class Decision:
     panic: bool = False
     eplb_imbalance: float | None = None
     outcome: str = ""
+    timing: dict[str, Any] | None = None  # the delays used, and why (engine_ext.control.autoscale_cost)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +120,11 @@ def _hpa(current: int, value: float, target: float, tolerance: float) -> tuple[f
     return ratio, max(1, math.ceil(current * ratio - 1e-9))
 
 
+def _secs(x: float) -> str:
+    """Seconds as a rule shows them: whole from 10 s (and when whole), else to a tenth."""
+    return f"{x:.0f}" if x >= 10 or x == int(x) else f"{x:.1f}"
+
+
 def readings(policy: AutoscalePolicy, obs: Observed) -> list[SignalReading]:
     """Each configured signal's reading; a latency signal with no samples in the window is left out."""
     n, out = max(1, obs.dp), []
@@ -129,7 +140,21 @@ def readings(policy: AutoscalePolicy, obs: Observed) -> list[SignalReading]:
             continue
         ratio, rec = _hpa(obs.dp, value, target, policy.tolerance)
         out.append(SignalReading(name, round(value, 6), target, round(ratio, 6), rec, count))
-    return out
+    load = load_reading(policy, obs)
+    return out + ([load] if load is not None else [])
+
+
+def load_reading(policy: AutoscalePolicy, obs: Observed) -> SignalReading | None:
+    """The load rule's reading (absolute: the ranks the load needs), or None when it is left out
+    or the router reports no admissions. Inside the tolerance band of the current width: no change."""
+    if policy.target_utilization <= 0 or obs.load is None or obs.load.arrival_rps is None:
+        return None
+    t = load_terms(obs.load, policy.drain_s, policy.target_utilization)
+    per_rank = t.capacity_tps * t.target_utilization
+    value = t.need * per_rank
+    ratio = t.need / max(1, obs.dp)
+    rec = obs.dp if abs(ratio - 1.0) <= policy.tolerance else t.recommendation
+    return SignalReading("load", round(value, 3), round(per_rank, 3), round(ratio, 6), rec, 1, t.terms)
 
 
 class Autoscaler:
@@ -142,6 +167,7 @@ class Autoscaler:
         self.history: deque[tuple[float, int]] = deque(maxlen=4096)  # (at, raw recommendation)
         self.last_action_at = max((d.at for d in self.decisions if d.act), default=-math.inf)
         self.failures = 0
+        self.timing = timing(policy.up_delay_s, policy.down_delay_s, policy.cooldown_s, ScaleCost(), False)
 
     # ---- the tick --------------------------------------------------------------------------------
     def decide(self, now: float, observed: Observed) -> Decision:
@@ -149,14 +175,16 @@ class Autoscaler:
         p, obs = self.policy, observed
         sig = readings(p, obs)
         raw = max((s.recommendation for s in sig), default=obs.dp)  # the largest recommendation wins
+        self.timing = timing(p.up_delay_s, p.down_delay_s, p.cooldown_s, obs.cost or ScaleCost(),
+                             0 < obs.standby_ready >= raw - obs.dp)
         self.history.append((now, raw))
         self._prune(now)
         panic = [s for s in sig if s.name in ("ttft", "tpot") and s.ratio >= 2.0]
         d = Decision(id=f"as-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:4]}",
                      at=now, mode=str(p.mode), current_dp=obs.dp, window_s=obs.window_s, signals=sig,
                      raw_recommendation=raw, recommendation=obs.dp, rule="", action="", panic=bool(panic),
-                     eplb_imbalance=obs.eplb_imbalance)
-        target, d.rule = self._stabilised(now, obs.dp, raw, sig, panic)
+                     eplb_imbalance=obs.eplb_imbalance, timing=self.timing.to_dict())
+        target, d.rule = self._stabilised(now, obs, raw, sig, panic)
         target = self._bounded(obs, target, d)
         d.recommendation = target
         d.action = self._action(now, obs, d)
@@ -167,7 +195,7 @@ class Autoscaler:
         return d
 
     def _prune(self, now: float) -> None:
-        horizon = max(self.policy.up_delay_s, self.policy.down_delay_s) + 1.0
+        horizon = max(self.timing.up_delay_s, self.timing.down_delay_s) + 1.0
         while self.history and self.history[0][0] < now - horizon:
             self.history.popleft()
 
@@ -183,31 +211,39 @@ class Autoscaler:
             start = at
         return self.history[-1][0] - start, recs
 
-    def _stabilised(self, now: float, current: int, raw: int, sig: list[SignalReading],
+    def _stabilised(self, now: float, obs: Observed, raw: int, sig: list[SignalReading],
                     panic: list[SignalReading]) -> tuple[int, str]:
-        """HPA's stabilisation: up to the smallest recommendation held for ``up_delay_s``, down to
-        the largest held for ``down_delay_s``; in panic (an SLO breached 2x) up at once."""
-        p = self.policy
-        winner = max(sig, key=lambda s: s.recommendation).name if sig else "none"
+        """HPA's stabilisation: up to the smallest recommendation held for the up-delay (the
+        newest when the load rule asks: it is a rate, not a level), down to the largest held for
+        the down-delay; in panic (an SLO breached 2x) up at once. A load-rule ask is not chased
+        while what is queued drains at the current width before the scale could serve."""
+        p, t, current = self.policy, self.timing, obs.dp
+        winner = max(sig, key=lambda s: (s.recommendation, s.name == "load")).name if sig else "none"
+        formula = next((f"; load: {s.terms['formula']}" for s in sig if s.name == "load" and s.terms), "")
         if panic:
             worst = max(panic, key=lambda s: s.ratio)
             return max(raw, current + 1), f"panic: {worst.name} p95 {worst.value:g} ms is {worst.ratio:.1f}x its SLO"
         if not sig:
             return current, "no signal: no target configured or no samples in the window"
         if raw == current:
-            return current, f"within tolerance ({p.tolerance:.0%} band)"
+            return current, f"within tolerance ({p.tolerance:.0%} band){formula}"
         held, recs = self._streak(current, above=raw > current)
-        delay = p.up_delay_s if raw > current else p.down_delay_s
+        delay = t.up_delay_s if raw > current else t.down_delay_s
         way = "up" if raw > current else "down"
         if held < delay:
-            return current, f"{winner} asks {way} to DP {raw}; stabilising {held:.0f}s of {delay:.0f}s"
-        target = min(recs) if raw > current else max(recs)
-        return target, f"{winner} held {way} for {held:.0f}s (>= {delay:.0f}s): DP {target}"
+            return current, f"{winner} asks {way} to DP {raw}; stabilising {_secs(held)}s of {_secs(delay)}s{formula}"
+        up_by_load = winner == "load" and raw > current and obs.load is not None
+        late = drains_before_scale(obs.load, current, t.scale_up_s) if up_by_load and obs.load else None
+        if late:
+            return current, f"load asks up to DP {raw}; not chased: {late}{formula}"
+        target = raw if up_by_load else min(recs) if raw > current else max(recs)
+        return target, f"{winner} held {way} for {_secs(held)}s (>= {_secs(delay)}s): DP {target}{formula}"
 
     def _bounded(self, obs: Observed, target: int, d: Decision) -> int:
         """Max step, min/max bounds, every expert held, the pool preferred, the cluster's room."""
         p, current = self.policy, obs.dp
-        step = max(-p.max_step, min(p.max_step, target - current))
+        load = next((s.recommendation for s in d.signals if s.name == "load"), current)
+        step = max(-p.max_step, min(max(p.max_step, load - current), target - current))  # up: what the load needs
         target = current + step
         need = -(-obs.num_experts // max(1, obs.slots_per_rank))
         lo, hi = max(p.min_dp, need), p.max_dp
@@ -238,16 +274,20 @@ class Autoscaler:
             return f"blocked: cooldown, {wait:.0f}s left"
         if target > obs.dp and obs.capacity is not None:
             why = obs.capacity(target - obs.dp)
-            if why:
+            fit = next((n for n in range(target - obs.dp - 1, 0, -1) if not obs.capacity(n)), 0) if why else 0
+            if why and not fit:
                 return f"blocked: capacity: {why}"
+            if why:
+                d.recommendation = obs.dp + fit
+                d.rule += f"; DP {target} does not fit ({why}): DP {d.recommendation}, the most that fits"
         if p.mode == AutoscaleMode.ADVISORY:
             return "advisory: not acted"
         return "scale"
 
     def cooldown_s(self) -> float:
         """The cooldown after an action; doubled per failed scale in a row (capped at the down-delay)."""
-        base = self.policy.cooldown_s
-        return min(max(base, self.policy.down_delay_s), base * 2 ** self.failures) if self.failures else base
+        base = self.timing.cooldown_s
+        return min(max(base, self.timing.down_delay_s), base * 2 ** self.failures) if self.failures else base
 
     # ---- what the loop reports back --------------------------------------------------------------
     def record_outcome(self, decision_id: str, ok: bool, detail: str = "") -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from engine_ext.control.autoscale_cost import ScaleCost
 from engine_ext.control.autoscale_policy import AutoscalePolicy
 from engine_ext.control.autoscale_signals import SignalWindow
 from engine_ext.control.autoscaler import Autoscaler, Decision
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from engine_ext.control.orchestrator import Orchestrator
 
 PERSIST_QUIET_S = 10.0  # ticks that change nothing are persisted at most this often
+FAST_TICK_S = 0.5  # the loop's period while a policy is on and the deployment has load
 
 Persist = Callable[[dict[str, Any]], None]
 """Stores the host's durable state (``AutoscaleHost.state``): the policy and the last decisions."""
@@ -41,12 +43,14 @@ class AutoscaleHost:
         self.persist = persist
         self.metrics = metrics  # engine_ext.ray.metrics.AutoscalerMetrics, or None
         self.autoscaler: Autoscaler | None = None
-        self.window = SignalWindow()
+        saved = saved or {}
+        self.window = SignalWindow(learned=saved.get("capacity"))
+        self.cost = ScaleCost.from_dict(saved.get("cost"))  # what a scale costs here, learned from its scales
+        self.loaded = False  # the last tick saw requests admitted or work held
         self._members: list[int] = []
         self._persisted_at = -PERSIST_QUIET_S
         self._durable: dict[str, Any] | None = None  # what was persisted last (``state``)
         self._shown: tuple[tuple[Any, ...], float, dict[str, Any]] | None = None  # (key, at, view)
-        saved = saved or {}
         if saved.get("policy"):
             self.autoscaler = Autoscaler(AutoscalePolicy.from_dict(saved["policy"]), saved.get("decisions"))
             self.window.window_s = self.autoscaler.policy.window_s
@@ -66,7 +70,16 @@ class AutoscaleHost:
 
     def _live_state(self) -> dict[str, Any]:
         a = self.autoscaler
-        return {"policy": a.policy.to_dict() if a else None, "decisions": a.recent(200) if a else []}
+        return {"policy": a.policy.to_dict() if a else None, "decisions": a.recent(200) if a else [],
+                "capacity": self.window.capacity.learned, "cost": self.cost.to_dict()}
+
+    def period(self, idle_s: float) -> float:
+        """How long the controller's loop waits for its next tick: ``FAST_TICK_S`` while a policy
+        is set (not off) and the last tick saw load (requests admitted since the one before, or
+        work held at a rank), else ``idle_s``: an idle deployment ticks as often as without one."""
+        a = self.autoscaler
+        on = a is not None and str(a.policy.mode) != "off"
+        return min(idle_s, FAST_TICK_S) if on and self.loaded else idle_s
 
     def shown(self, now: float | None = None) -> dict[str, Any]:
         """``autoscale_show()`` for `eepctl status`, refreshed when what it says changes (policy,
@@ -115,20 +128,31 @@ class AutoscaleHost:
     # ---- what the reconcile loop calls -------------------------------------------------------
     def tick(self, statuses: list[dict[str, Any]], members: list[int], *, now: float | None = None,
              busy: str | None = None, num_experts: int = 1, slots_per_rank: int = 1, standby_ready: int = 0,
-             capacity: Callable[[int], str | None] | None = None) -> Decision | None:
-        """One round: record the ranks' signals and decide (None: no policy set). The loop scales
-        to ``decision.recommendation`` when ``decision.act``, then calls ``record_outcome``."""
+             capacity: Callable[[int], str | None] | None = None, admissions: dict[str, int] | None = None,
+             ops: list[dict[str, Any]] | None = None) -> Decision | None:
+        """One round: record the ranks' signals, the router's ``admissions`` counters and what the
+        finished scales in ``ops`` cost, and decide (None: no policy set). The loop scales to
+        ``decision.recommendation`` when ``decision.act``, then calls ``record_outcome``."""
         now = time.time() if now is None else now
         if list(members) != self._members:  # readings of another world say nothing about this one
             self.window.readings.clear()
             self._members = list(members)
-        self.window.add(now, statuses)
+        before = self.window.arrivals.rows[-1][1] if self.window.arrivals.rows else None
+        self.window.add(now, statuses, admissions)
+        after = self.window.arrivals.rows[-1][1] if self.window.arrivals.rows else None
+        self.loaded = (before is not None and after is not None and after > before) or any(
+            isinstance(s, dict) and ((s.get("requests_waiting") or 0) + (s.get("requests_running") or 0)) > 0
+            for s in statuses)
+        for op in ops or []:
+            self.cost.observe(op)
+        self.cost.seed(next((str(s.get("kind")) for s in statuses if isinstance(s, dict) and s.get("kind")), ""))
         if self.autoscaler is None:
             return None
         imbalance = max((float(s.get("eplb_imbalance") or 0.0) for s in statuses if isinstance(s, dict)), default=None)
         obs = self.window.observed(now, list(members), busy=busy, num_experts=num_experts,
                                    slots_per_rank=slots_per_rank, standby_ready=standby_ready, capacity=capacity,
-                                   eplb_imbalance=imbalance)
+                                   eplb_imbalance=imbalance, capacity_seed=self.autoscaler.policy.capacity_tokens_s,
+                                   cost=self.cost)
         decision = self.autoscaler.decide(now, obs)
         if self.metrics is not None:
             self.metrics.on_decision(decision)
@@ -196,7 +220,8 @@ async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | No
     decision = host.tick(statuses, list(orch.members), now=now, busy=busy_reason(orch),
                          num_experts=orch.cfg.num_experts, slots_per_rank=orch.cfg.slots_per_rank,
                          standby_ready=len(pool.ready) if pool is not None else 0,
-                         capacity=orch.spawner.check_capacity)
+                         capacity=orch.spawner.check_capacity, admissions=orch.world.router.admissions(),
+                         ops=orch.history[-5:])
     if decision is None or not decision.act or act is None:
         return decision
     try:

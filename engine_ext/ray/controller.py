@@ -19,7 +19,7 @@ import ray
 
 from engine_ext.config import EngineConfig
 from engine_ext.control.orchestrator import Orchestrator
-from engine_ext.control.reconciler import Reconciler
+from engine_ext.control.reconciler import TICK_S, Reconciler
 from engine_ext.control.request_ids import RequestIds
 from engine_ext.faults import controller_holds
 from engine_ext.protocol import EepError, PreconditionError, UnreachableError, error_record
@@ -225,6 +225,7 @@ class Controller:
         """One autoscaling round (a policy is set and not off): the decision moves the desired
         size through a normal scale; advisory decisions are only recorded."""
         host = self.autoscale_host
+        self.reconciler.tick_s = host.period(TICK_S)  # faster while a policy is on and there is load
         if host.policy is None or str(host.policy.mode) == "off":
             return []
 
@@ -234,6 +235,7 @@ class Controller:
         d = await autoscale_round(host, self.orch, act,  # the probe's answers: one status call per rank a tick
                                   statuses=self.reconciler.health.statuses(list(self.orch.members)))
         self._info["autoscale"] = host.shown()  # changes when what status says does
+        self.reconciler.tick_s = host.period(TICK_S)
         return [f"autoscale {d.id}: {d.action}"] if d is not None and d.act else []
 
     async def _sweep_orphans(self) -> list[str]:
