@@ -46,13 +46,17 @@ def predicted_lines(cost: dict[str, Any] | None) -> list[str]:
              f"in the commit; extra memory up to {_b(cost.get('extra_memory_bytes'))} per rank (spare buffers)")
     if cost.get("no_model"):
         return [f"predicted cost: {cost['no_model']}", f"  {sizes}"]
-    lines = [f"predicted cost (model fitted on {_host(cost.get('model') or {})}): serving pause "
-             f"{_s(cost.get('pause_s'))}{_range(cost.get('pause_range_s'))}, move time {_s(cost.get('move_s'))}"
-             f"{_range(cost.get('move_range_s'))} (pre-copy, while serving)",
-             f"  {sizes}"]
+    move = f"move time {_s(cost.get('move_s'))}{_range(cost.get('move_range_s'))} (pre-copy, while serving)"
+    head = f"predicted cost (model fitted on {_host(cost.get('model') or {})}): "
+    if cost.get("pause_s") is None:  # the move is predicted, the pause is not: say so, and why
+        lines = [head + move, f"  serving pause NOT PREDICTED: {cost.get('pause_note') or 'no pause fit applies'}",
+                 f"  {sizes}"]
+    else:
+        lines = [head + f"serving pause {_s(cost.get('pause_s'))}{_range(cost.get('pause_range_s'))}, " + move,
+                 f"  {sizes}"]
     if cost.get("pause_range_s") or cost.get("move_range_s"):
         lines.append("  (ranges: how far the fit's scales strayed, each predicted from the others, on that host)")
-    if cost.get("pause_note"):
+    if cost.get("pause_note") and cost.get("pause_s") is not None:
         lines.append(f"  note: {cost['pause_note']}")
     if cost.get("outside_fit"):
         lines.append(f"  note: outside the fitted range (extrapolated): {', '.join(cost['outside_fit'])}")
@@ -80,7 +84,7 @@ def cost_lines(ops: list[dict[str, Any]]) -> list[str]:
         if not got:
             continue
         pause = (_pair(pred.get("pause_s"), got.get("pause_s"), _s, err.get("pause_s"), inside.get("pause_s"))
-                 if pred.get("pause_s") is not None else f"- vs {_s(got.get('pause_s'))}")
+                 if pred.get("pause_s") is not None else f"not predicted vs {_s(got.get('pause_s'))}")
         out.append(f"{op['op_id']} predicted vs measured: pause {pause}, move "
                    f"{_pair(pred.get('move_s'), got.get('move_s'), _s, err.get('move_s'), inside.get('move_s'))}, moved per rank "
                    f"{_pair(pred.get('moved_bytes'), got.get('moved_bytes'), _b, err.get('moved_bytes'))}, in the "

@@ -141,6 +141,21 @@ def test_prediction_and_comparison_rendered(tmp_path: Path, monkeypatch: pytest.
     assert "pause 0.018 s vs 0.020 s (-9%, outside the range)" in line, line
 
 
+def test_a_dry_run_says_plainly_when_no_pause_fit_applies_to_the_capture_policy() -> None:
+    """A model fitted under reuse only: a recapture deployment's dry run predicts the move and
+    says the pause is not predicted, for which policy, what the model has, and how to fit one."""
+    model = cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity(), ["x"])
+    cost = cm.predict(_plan(), MIB, 4, "recapture", False, model)
+    text = render.plan_text(_plan() | {"cost": cost, "precopy": _plan()["precopy"] | {
+        "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}})
+    assert "serving pause -" not in text and "move time 0.014 s" in text, text
+    assert ("serving pause NOT PREDICTED: no fit applies to capture policy recapture: the model has a pause fit "
+            "for reuse only (benchmarks/fit_cost.py fits one from curves run under recapture)") in text, text
+    op = {"op_id": "op-1", "from_size": 2, "to_size": 4, "state": "succeeded",
+          "cost": {"predicted": cost, "measured": {"pause_s": 0.02, "move_s": 0.006}}}
+    assert "pause not predicted vs 0.020 s" in events_text({"operations": [op]})
+
+
 def test_the_range_is_the_fits_held_out_scatter_and_events_say_whether_a_scale_fell_inside() -> None:
     """Points off the line by x0.8 .. x1.5 (a pause of a few ms on shared cores strays like that):
     the range of a prediction is the prediction times the least and the most measured/predicted

@@ -244,7 +244,9 @@ def predict(plan: dict[str, Any], per_expert: int, slots_per_rank: int, capture_
     outside = [f for f, (lo, hi) in mv["range"].items() if not lo <= x[f] <= hi]
     pz = model["pause"].get(capture_policy)
     if pz is None:
-        out["pause_note"] = f"no pause fitted for capture policy {capture_policy} on this host"
+        fitted = ", ".join(sorted(model["pause"])) or "none"
+        out["pause_note"] = (f"no fit applies to capture policy {capture_policy}: the model has a pause fit for "
+                             f"{fitted} only (benchmarks/fit_cost.py fits one from curves run under {capture_policy})")
     else:
         out["pause_s"] = pause_s(model, x, capture_policy)
         if "spread" in pz:
