@@ -43,6 +43,7 @@ class Router:
         self.unhealthy: str | None = None  # why no rank can serve (a recovery failed), until one succeeds
         self._last_pick = -1  # ties go to the next rank after it
         self.watchers: dict[str, Callable[[int], None]] = {}  # request id -> told each new token (a stream)
+        self.admitted = [0, 0, 0]  # requests submitted, their prompt tokens and output tokens asked for
 
     def set_ranks(self, clients: dict[int, RankClient]) -> None:
         # A rank number now held by a new process (a rebuild, a joiner) is not excluded any more.
@@ -53,7 +54,6 @@ class Router:
 
     def exclude(self, rank: int) -> None:
         """No new request goes to ``rank`` (it is leaving or dead); what it holds stays its own."""
-        self.admitted = [0, 0, 0]  # requests submitted, their prompt tokens and output tokens asked for
         self.excluded.add(rank)
 
     def include(self, rank: int) -> None:
@@ -74,6 +74,7 @@ class Router:
 
     async def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> dict[str, Any]:
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+        self.admitted = [self.admitted[0] + 1, self.admitted[1] + len(prompt), self.admitted[2] + int(max_tokens)]
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
         await self._send({"request_id": rid, "prompt": list(prompt), "max_tokens": int(max_tokens)})
@@ -84,7 +85,6 @@ class Router:
         dead) is skipped for this request. When every rank refused, the request waits here for a
         world that can serve it (a recovery, a rebuild, the reconcile loop's retry), up to the
         bound after which it fails with why; it fails at once only while the deployment stops."""
-        self.admitted = [self.admitted[0] + 1, self.admitted[1] + len(prompt), self.admitted[2] + int(max_tokens)]
         self._wires[wire["request_id"]] = wire
         if self.paused:
             self._park(wire)
@@ -192,6 +192,11 @@ class Router:
     def parked(self) -> int:
         return len(self._parked)
 
+    def admissions(self) -> dict[str, int]:
+        """Counters of what was submitted here (the autoscaler's arrival signal): requests, their
+        prompt tokens and the output tokens they asked for."""
+        return dict(zip(("requests", "prompt_tokens", "output_tokens"), self.admitted))
+
     def mid_decode(self, rank: int) -> int:
         """Unanswered requests ``rank`` owns that streamed tokens already: what its death would
         move with their tokens so far."""
@@ -212,11 +217,6 @@ class Router:
         n = 0
         for rid, rank in list(self._owner.items()):
             if rank in dead:
-    def admissions(self) -> dict[str, int]:
-        """Counters of what was submitted here (the autoscaler's arrival signal): requests, their
-        prompt tokens and the output tokens they asked for."""
-        return dict(zip(("requests", "prompt_tokens", "output_tokens"), self.admitted))
-
                 self._owner.pop(rid)
                 self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
                 wire = self._wires.get(rid)

@@ -199,10 +199,6 @@ class IngressLink:
     def fenced_dropped(self) -> int:
         return sum(int(s.get("fenced_dropped", 0)) for s in self.stats.values())
 
-    def shown(self) -> list[dict[str, Any]]:
-        """Each ingress as `eepctl status` shows it."""
-        return [{k: s.get(k) for k in ("index", "url", "parked", "completed", "failed", "inflight", "restarted")}
-                for _, s in sorted(self.stats.items())]
     def admissions(self) -> dict[str, int]:
         """What the ingresses admitted, summed from their answers to this tick (the autoscaler's
         arrival signal; an ingress restarted by Ray counts from 0 again)."""
@@ -212,3 +208,7 @@ class IngressLink:
                 out[k] = out.get(k, 0) + int(v)
         return out
 
+    def shown(self) -> list[dict[str, Any]]:
+        """Each ingress as `eepctl status` shows it."""
+        return [{k: s.get(k) for k in ("index", "url", "parked", "completed", "failed", "inflight", "restarted")}
+                for _, s in sorted(self.stats.items())]
