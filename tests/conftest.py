@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments, remove_orphan_segments
+from engine_ext.shm_orphans import remove_orphan_segments
+from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 
 
 # Under pytest-xdist (`bash scripts/test.sh` runs two workers): a module is one unit of

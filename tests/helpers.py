@@ -292,37 +292,3 @@ def parse_source(source: str, filename: str = "<unknown>") -> Any:
                 raise
             time.sleep(0.05)
     raise AssertionError("unreachable")
-
-
-SHM_DIR = Path("/dev/shm")
-
-
-def orphan_segments(since: float, prefix: str = "psm_", min_age_s: float = 2.0) -> list[Path]:
-    """Python shared-memory segments (``multiprocessing.shared_memory``: ``psm_*``) made since
-    ``since`` that no live process maps. vLLM's message queues are such segments, and its Ray DP
-    engine processes the elastic tests stop leave theirs behind (13 a run of test_vllm_elastic,
-    160-240 MiB apiece, sparse). A segment is mapped within microseconds of being made (its
-    constructor maps it), so one at least ``min_age_s`` old that no process maps belongs to nobody."""
-    fresh = []
-    for p in SHM_DIR.glob(prefix + "*") if SHM_DIR.is_dir() else []:
-        with contextlib.suppress(OSError):
-            if since <= p.stat().st_ctime <= time.time() - min_age_s:
-                fresh.append(p)
-    if not fresh:
-        return []
-    mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            mapped.update(line.split(str(SHM_DIR) + "/", 1)[1].split(" ")[0]
-                          for line in maps.read_text().splitlines() if str(SHM_DIR) + "/" + prefix in line)
-    return [p for p in fresh if p.name not in mapped]
-
-
-def remove_orphan_segments(since: float, min_age_s: float = 2.0) -> list[str]:
-    """Unlink ``orphan_segments(since, min_age_s=min_age_s)``; their names."""
-    gone = []
-    for p in orphan_segments(since, min_age_s=min_age_s):
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
-            gone.append(p.name)
-    return gone

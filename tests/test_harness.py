@@ -1,18 +1,23 @@
-"""The test harness's own clean-up: what the tests' stopped processes leave in /dev/shm is removed
-at the session's end (``conftest.no_orphan_shared_memory``), and nothing a live process maps."""
+"""The removal of orphaned shared-memory segments (engine_ext.shm_orphans): what killed processes
+leave in /dev/shm (vLLM's queues) is removed by the test session at its end
+(``conftest.no_orphan_shared_memory``) and by ``eepctl repair`` on a vLLM deployment, and nothing a
+live process maps or holds open, nothing too young, nothing another user could share."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import SHM_DIR, orphan_segments, remove_orphan_segments
+from engine_ext.shm_orphans import SHM_DIR, orphan_segments, remove_orphan_segments
 
 # A child that makes a segment as multiprocessing.shared_memory does (open, size, map) and waits.
 CHILD = """
@@ -26,31 +31,41 @@ time.sleep(600)
 """
 
 
+def _names(since: float, min_age_s: float, directory: Path) -> set[str]:
+    return {o.path.name for o in orphan_segments(since, min_age_s, directory=directory)}
+
+
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
-def test_a_killed_processs_segment_is_removed_and_a_mapped_one_kept():
+def test_a_killed_processs_segment_is_removed_and_one_in_use_kept():
     since = time.time() - 1
-    dead, live = (SHM_DIR / f"psm_eeptest{os.getpid()}{tag}" for tag in ("dead", "live"))
+    # A directory of its own under /dev/shm: what other sessions make or leave meanwhile is not looked at.
+    here = Path(tempfile.mkdtemp(prefix="eeptest-", dir=SHM_DIR))
+    dead, live, held, shared = (here / f"psm_{tag}" for tag in ("dead", "live", "held", "shared"))
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(dead)], stdout=subprocess.PIPE, text=True)
-    fd = os.open(live, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fds = [os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode) for p, mode in
+           ((live, 0o600), (held, 0o600), (shared, 0o644))]
     try:
-        os.ftruncate(fd, 1 << 20)
-        ours = mmap.mmap(fd, 1 << 20)  # mapped by this live process: never an orphan
+        for fd in fds:
+            os.ftruncate(fd, 1 << 20)
+        os.fchmod(fds[2], 0o644)  # whatever the umask: readable by others
+        ours = mmap.mmap(fds[0], 1 << 20)  # mapped by this live process: never an orphan
+        os.close(fds.pop(2))  # ``shared``: nobody maps it, but another user's process could
         assert child.stdout is not None and child.stdout.readline().strip() == "mapped"
-        assert dead.name not in {p.name for p in orphan_segments(since, min_age_s=0)}  # its maker lives and maps it
+        assert dead.name not in _names(since, 0, here)  # its maker lives and maps it
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
         assert dead.exists()  # a SIGKILLed process unlinks nothing
-        assert dead.name not in {p.name for p in orphan_segments(since, min_age_s=3600)}  # too young: maybe being mapped
-        assert {p.name for p in orphan_segments(since, min_age_s=0)} >= {dead.name}
-        assert live.name not in {p.name for p in orphan_segments(since, min_age_s=0)}
-        assert dead.name not in {p.name for p in orphan_segments(time.time() + 60, min_age_s=0)}  # made before: kept
-        assert dead.name in remove_orphan_segments(since, min_age_s=0)
-        assert not dead.exists() and live.exists()
+        assert dead.name not in _names(since, 3600, here)  # too young: maybe being mapped
+        assert _names(since, 0, here) & {dead.name, live.name, held.name, shared.name} == {dead.name}
+        assert dead.name not in _names(time.time() + 60, 0, here)  # made before ``since``: kept
+        removed = remove_orphan_segments(since, 0, directory=here)
+        assert [(o.path.name, o.bytes) for o in removed] == [(dead.name, 1 << 20)]
+        assert not dead.exists() and live.exists() and held.exists() and shared.exists()
         ours.close()
     finally:
         if child.poll() is None:
             child.kill()
             child.wait(timeout=30)
-        os.close(fd)
-        for p in (dead, live):
-            p.unlink(missing_ok=True)
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(here, ignore_errors=True)

@@ -5,6 +5,7 @@ and `eepctl down` removes everything with no controller at all; a second `down` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -110,3 +111,57 @@ def test_take_over_launch_and_down_remove_what_no_member_holds(deployments, ray_
     again = eepctl("down", "--name", d.name, timeout=120)
     assert again.returncode == 3 and "not found" in again.stderr, (again.returncode, again.stderr)
     assert _owned(d.name) == []
+
+
+# A child that makes a segment as vLLM's message queues do (multiprocessing.shared_memory) and waits.
+SHM_CHILD = """
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+seg = shared_memory.SharedMemory(create=True, size=1 << 20)
+resource_tracker.unregister(seg._name, "shared_memory")  # as a killed process's tracker would never unlink it
+print(seg.name, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_repair_of_a_vllm_deployment_removes_orphaned_shared_memory(ray_cluster):
+    """`eepctl repair` on a vLLM deployment first removes, on every node, the shared-memory
+    segments killed processes left (vLLM's queues: engine_ext.shm_orphans says which count), then
+    asks vLLM for its recovery. No vLLM server runs here (vLLM servers are the vLLM lane's): the
+    deployment's API server does not answer, so the repair fails as unreachable (exit 3) after the
+    sweep, and what it removed rides in the error's detail. A live process's segment stays."""
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    from eepctl import cluster
+    from engine_ext.drivers.vllm import VllmDriver
+    from engine_ext.protocol import UnreachableError
+
+    if not ray.is_initialized():
+        cluster.connect(ray_cluster["address"], NAMESPACE)
+    dead, live = (subprocess.Popen([sys.executable, "-c", SHM_CHILD], stdout=subprocess.PIPE, text=True)
+                  for _ in range(2))
+    names: list[str] = []
+    try:
+        names += [p.stdout.readline().strip() for p in (dead, live)]  # type: ignore[union-attr]
+        dead.kill()  # SIGKILL: nothing unlinks its segment
+        dead.wait(30)
+        time.sleep(6.0)  # older than engine_ext.shm_orphans.MIN_AGE_S
+        snap = {"deployment": "vllm-gone", "info": {"api_url": "http://127.0.0.1:9"}, "ranks": []}
+        with pytest.raises(UnreachableError) as err:
+            VllmDriver(None, snap).repair(timeout_s=10)
+        removed = err.value.detail["shm_removed"]
+        assert any(f"removed orphaned shared memory {names[0].lstrip('/')} (1 MiB)" in r for r in removed), removed
+        assert not os.path.exists(f"/dev/shm/{names[0].lstrip('/')}")
+        assert os.path.exists(f"/dev/shm/{names[1].lstrip('/')}")  # its maker lives and maps it
+    finally:
+        for p in (dead, live):
+            p.kill()
+            p.wait(30)
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{n.lstrip('/')}")

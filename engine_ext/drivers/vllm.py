@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from engine_ext.drivers.base import EventSink
-from engine_ext.protocol import DeploymentKind, PreconditionError, UsageError
+from engine_ext.protocol import DeploymentKind, EepError, PreconditionError, UsageError
 
 KIND = DeploymentKind.VLLM.value
 
@@ -65,11 +65,23 @@ class VllmDriver:
                                 on_op=on_op)
 
     def repair(self, *, timeout_s: float) -> dict[str, Any]:
+        """First the shared-memory segments killed vLLM processes left on the cluster's nodes
+        (engine_ext.ray.shm_sweep), then vLLM's own recovery; what was removed is among the
+        record's ``actions`` (or in the error's detail, ``shm_removed``)."""
         try:
             from engine_ext.drivers import vllm_fault_tolerance as fault_tolerance
         except ImportError:
             raise UsageError("repair of vLLM deployments is not available") from None
-        return fault_tolerance.repair(self.snap, api_key=self._api_key, timeout_s=timeout_s)
+        from engine_ext.ray.shm_sweep import remove_orphan_segments_on_nodes
+
+        removed = remove_orphan_segments_on_nodes()
+        try:
+            res = fault_tolerance.repair(self.snap, api_key=self._api_key, timeout_s=timeout_s)
+        except EepError as e:
+            e.detail["shm_removed"] = removed
+            raise
+        res["actions"] = removed + list(res.get("actions") or [])
+        return res
 
     def set_autoscale(self, policy: dict[str, Any]) -> dict[str, Any]:
         """Kept by the deployment's vLLM controller, whose loop runs the shared decision core on
