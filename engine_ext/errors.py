@@ -86,14 +86,23 @@ class RankRefused(RuntimeError):
         return type(self), (str(self), self.code.value)
 
 
-def refusal_of(error: BaseException) -> Refusal | None:
-    """The refusal code an error carries, on itself, its Ray ``cause`` or what it was raised from."""
+def rank_refusal(error: BaseException) -> RankRefused | None:
+    """The rank's refusal an error carries, on itself, its Ray ``cause`` or what it was raised from:
+    the innermost one (Ray's RayTaskError is also an instance of the remote error's class, its
+    message the whole remote traceback; its ``cause`` is the rank's own)."""
     seen: set[int] = set()
+    found: RankRefused | None = None
     cur: BaseException | None = error
     while cur is not None and id(cur) not in seen:
         if isinstance(cur, RankRefused):
-            return cur.code
+            found = cur
         seen.add(id(cur))
         cause = getattr(cur, "cause", None)
         cur = cause if isinstance(cause, BaseException) else cur.__cause__
-    return None
+    return found
+
+
+def refusal_of(error: BaseException) -> Refusal | None:
+    """The refusal code an error carries (``rank_refusal``), None when the call itself failed."""
+    refused = rank_refusal(error)
+    return refused.code if refused is not None else None

@@ -41,7 +41,8 @@ class RankState(str, enum.Enum):
 
 
 class Refusal(str, enum.Enum):
-    """Why a rank refuses a request (``RankRefused.code``); the router parks or fails on it."""
+    """Why a rank refuses a request (``RankRefused.code``); the router parks or fails on it (at
+    once for ``INVALID``: the client's input, not the world, is what cannot serve)."""
 
     DEGRADED = "degraded"  # a peer died: a recovery follows and resumes the rank
     RECOVERING = "recovering"  # the rank is rebuilding the world without the dead ranks
@@ -50,6 +51,7 @@ class Refusal(str, enum.Enum):
     FAILED = "failed"  # broken: it takes nothing until replaced
     STOPPED = "stopped"  # shutting down
     FENCED = "fenced"  # excluded from the world by epoch: it never serves again
+    INVALID = "invalid"  # the request exceeds the model's limits: no rank ever takes it (final)
 
     @property
     def recovery_coming(self) -> bool:

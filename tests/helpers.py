@@ -292,3 +292,19 @@ def parse_source(source: str, filename: str = "<unknown>") -> Any:
                 raise
             time.sleep(0.05)
     raise AssertionError("unreachable")
+
+
+def as_ray_task_error(refused: BaseException) -> BaseException:
+    """``refused`` as a Ray actor call raises it: Ray's RayTaskError made an instance of the remote
+    error's class too, its message the remote traceback (with class paths), the rank's own error as
+    its ``cause``. Built here because a rank cannot be made to refuse on cue without a cluster."""
+
+    class RayTaskErrorLike(type(refused)):  # type: ignore[misc]
+        def __init__(self) -> None:
+            Exception.__init__(self, f"ray::RankActor.call() (pid=1, repr=<engine_ext.ray.rank_actor.RankActor>)\n"
+                               f"  File \"engine_ext/rank/engine.py\", in add_request\n"
+                               f"{type(refused).__module__}.{type(refused).__name__}: {refused}")
+            self.__dict__.update(refused.__dict__)
+            self.cause = refused
+
+    return RayTaskErrorLike()

@@ -137,6 +137,55 @@ def test_a_request_no_rank_takes_waits_and_fails_with_why_after_the_bound() -> N
     asyncio.run(scenario())
 
 
+def test_a_request_beyond_the_models_limits_is_answered_at_once_never_parked() -> None:
+    """A rank's refusal of the input (``Refusal.INVALID``, carried as a Ray error's cause) is final:
+    answered now, ``rejected``, without asking another rank or waiting for a world; the message is
+    the rank's, with no class path. A moved request refused so (its prompt and output no longer fit
+    one prefill) fails at once too, but was the client's valid input: not ``rejected``."""
+    from engine_ext.errors import RankRefused
+    from engine_ext.records import Refusal
+
+    from tests.helpers import as_ray_task_error
+
+    why = "prompt + max_tokens exceeds max_model_len 128"
+    ray_like = as_ray_task_error(RankRefused(why, Refusal.INVALID))
+
+    async def scenario() -> None:
+        r = Router()
+        asked: list[int] = []
+
+        class _Refusing(_Answers):
+            async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
+                asked.append(self.rank)
+                return await super()._invoke(method, *args, timeout=timeout)
+
+        r.set_ranks({0: _Refusing(0, ray_like), 1: _Refusing(1, ray_like)})
+        res = await asyncio.wait_for(r.submit([1, 2], 200), 5)
+        assert res["error"] == why and res["rejected"] is True and r.parked == 0 and len(asked) == 1, res
+        taker = _Refusing(2, {})  # takes the request, streams 60 tokens, then hands it back
+        r.set_ranks({2: taker})
+        task = asyncio.ensure_future(r.submit([1] * 10, 100, request_id="m"))
+        await asyncio.sleep(0)
+        for i in range(60):
+            r.on_tokens({"m": [3, 0.5, i]}, 2)
+        taker.answer = ray_like
+        await r.resubmit([{"request_id": "m", "prompt": [1] * 10, "max_tokens": 100, "output": [3] * 60}])
+        moved = await asyncio.wait_for(task, 5)
+        assert "cannot continue the request on another rank" in moved["error"] and not moved.get("rejected")
+        assert r.parked == 0 and r.failed == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_rank_call_is_one_line_without_a_class_path() -> None:
+    from engine_ext.control.router import refusal_line
+
+    assert refusal_line(RuntimeError("ray::x()\n  File y\nray.exceptions.ActorDiedError: The actor died")) == \
+        "ActorDiedError: The actor died"
+    assert refusal_line(ConnectionError("actor died")) == "actor died"
+    assert refusal_line(TimeoutError()) == "TimeoutError"
+
+
 def test_equally_loaded_ranks_take_requests_in_turn() -> None:
     """Least in-flight first; a tie goes to the next rank in turn, so a light load reaches every
     rank (lowest-numbered first sent it all to rank 0)."""

@@ -9,11 +9,13 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
+from engine_ext.drivers import completions
 from engine_ext.drivers.completions import CompletionsClient
 from engine_ext.protocol import UnreachableError, UsageError
 
@@ -22,7 +24,9 @@ TOKENS = [7, 8, 9]
 
 class _Endpoint(BaseHTTPRequestHandler):
     """``/ok``: the whole stream; ``/cut``: one token, then the connection closes; ``/busy``:
-    503; ``/key``: 401; ``/bad``: 400; ``/broken``: 500 (each an endpoint's URL prefix)."""
+    503; ``/key``: 401; ``/bad``: 400; ``/broken``: 500; ``/invalid``: a stream whose one event is
+    an ``invalid_request_error`` (a rank refused the input after the stream began) (each an
+    endpoint's URL prefix)."""
 
     hits: list[str] = []
 
@@ -44,6 +48,11 @@ class _Endpoint(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        if kind == "invalid":
+            err = {"message": "prompt + max_tokens exceeds max_model_len 128", "type": "invalid_request_error",
+                   "param": None, "code": 400}
+            self.wfile.write(f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode())
+            return
         for i, tok in enumerate(TOKENS):
             last = i == len(TOKENS) - 1
             choice: dict[str, Any] = {"index": 0, "token_ids": [tok], "finish_reason": "length" if last else None}
@@ -98,6 +107,44 @@ def test_a_503_is_resent_and_what_a_retry_cannot_change_ends_the_request_or_the_
         _send([f"{server}/key"])
     with pytest.raises(UsageError, match=r"refused the request \(HTTP 400\): bad says no"):  # exit 2
         _send([f"{server}/bad"])
+
+
+def test_input_refused_in_the_stream_ends_the_command_and_is_not_resent(server: str) -> None:
+    """An ingress's rank refused the input after the stream's 200: exit 2 with the ingress's line,
+    as a 400 is, and the request is not sent to the next endpoint."""
+    _Endpoint.hits.clear()
+    with pytest.raises(UsageError, match=r"refused the request \(HTTP 400\): prompt \+ max_tokens exceeds"):
+        _send([f"{server}/invalid", f"{server}/ok"])
+    assert _Endpoint.hits == ["invalid"]
+
+
+@contextmanager
+def _unanswering() -> Iterator[str]:
+    """A URL whose connections are never made: a listening socket with a full accept queue, so the
+    kernel drops each new connection's SYN and the client's connect times out."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        fill = [socket.socket() for _ in range(4)]
+        for c in fill:
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            for c in fill:
+                c.close()
+
+
+def test_a_connect_timeout_is_resent_as_a_refused_connection_is(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection not made in time is an endpoint not reachable (sent again to the next one), not a
+    request that got no answer."""
+    monkeypatch.setattr(completions, "CONNECT_TIMEOUT_S", 0.3)
+    with _unanswering() as url:
+        res, notes, streamed = _send([url, f"{server}/ok"])
+    assert res["output"] == TOKENS and res["error"] is None and res["resent"] == 1, res
+    assert len(notes) == 1 and f"{url} not reachable (ConnectTimeout)" in notes[0], notes
 
 
 def test_nothing_listening_is_unreachable_after_the_retry_window() -> None:

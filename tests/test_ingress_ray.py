@@ -136,6 +136,7 @@ def test_http_api_with_curl_and_the_openai_client(deployments, ray_cluster):
     body, code = _body_and_code(_curl(*auth, "-H", "Content-Type: application/json",
                                       "-d", json.dumps(dict(req, prompt="a string")), f"{url}/v1/completions"))
     assert code == 400 and "token ids" in json.loads(body)["error"]["message"], body
+    _input_the_model_cannot_serve_is_refused_at_once(d.name, url, auth, ray_cluster["address"])
     body, code = _body_and_code(_curl(*auth, f"{url}/metrics"))
     assert code == 200 and f'eep_ingress_requests_total{{deployment="{d.name}",ingress="0",outcome="completed"}} ' \
         in body, body
@@ -150,16 +151,23 @@ def test_http_api_with_curl_and_the_openai_client(deployments, ray_cluster):
     assert got == want, got
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as unknown:  # a model it does not serve, as vLLM answers
+        client.completions.create(model="no-such-model", prompt=prompt, max_tokens=8)
+    assert unknown.value.code == "model_not_found" and "`no-such-model` does not exist" in str(unknown.value)
 
     # `eepctl generate` through the same endpoint: the key as every command takes it, the line
     # streamed; no key is exit 3 and bad input the ingress refuses exit 2, one line each
     gen = eepctl("generate", "--name", d.name, "-p", "3,1,4,1,5", timeout=60, env={"VLLM_API_KEY": API_KEY})
     assert gen.returncode == 0 and gen.stdout.startswith(f"[3 1 4 1 5] -> {' '.join(map(str, want))}  ("), gen
     for args, code, says in ((["-p", "1,2"], 3, "refused the API key (HTTP 401)"),
-                             (["--prompt-ids=-1,2", "--api-key", API_KEY], 2, "refused the request (HTTP 400)")):
+                             (["--prompt-ids=-1,2", "--api-key", API_KEY], 2, "refused the request (HTTP 400)"),
+                             (["-p", "1,2", "--max-tokens", "200", "--api-key", API_KEY], 2,
+                              "maximum context length is 128 tokens")):
+        t0 = time.time()
         res = eepctl("generate", "--name", d.name, *args, timeout=60)
         assert res.returncode == code and res.stdout == "" and says in res.stderr, res
         assert len(res.stderr.strip().splitlines()) == 1 and API_KEY not in res.stderr, res.stderr
+        assert "re-sent" not in res.stderr and time.time() - t0 < 30, (time.time() - t0, res.stderr)
     # no registry snapshot to read it from (the registry gone): the ingress actors say their URLs
     from engine_ext.drivers.reference import ReferenceDriver
 
@@ -170,6 +178,34 @@ def test_http_api_with_curl_and_the_openai_client(deployments, ray_cluster):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env=dict(os.environ, VLLM_API_KEY=API_KEY))
     assert res.returncode == 0 and json.loads(res.stdout)["results"][0]["output"] == oracle(cfg_d, [1, 2], 8), res
+
+
+def _input_the_model_cannot_serve_is_refused_at_once(name: str, url: str, auth: tuple[str, str],
+                                                     address: str) -> None:
+    """Beyond the model's limits (SMALL_ENGINE: vocabulary 256, max_model_len 128): the ingress
+    answers 400 from the limits the controller told it, in OpenAI's error shape; a request that
+    reaches a rank anyway (an actor call: no HTTP check) is refused there and answered at once,
+    never parked for a world."""
+    import ray
+
+    from eepctl import cluster
+    from engine_ext.ray.names import ingress_name
+
+    refused = (({"prompt": [1, 2], "max_tokens": 200}, "max_tokens", "maximum context length is 128"),
+               ({"prompt": [1, 300], "max_tokens": 4}, "prompt", "token id 300 is not in the vocabulary"))
+    for req, param, says in refused:
+        for stream in (False, True):
+            t0 = time.time()
+            body, code = _body_and_code(_curl(*auth, "-H", "Content-Type: application/json",
+                                              "-d", json.dumps(dict(req, stream=stream)), f"{url}/v1/completions"))
+            err = json.loads(body)["error"]
+            assert code == 400 and time.time() - t0 < 10 and says in err["message"], body
+            assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, 400), err
+    cluster.connect(address, NAMESPACE)
+    ingress = ray.get_actor(ingress_name(name, 0), namespace=NAMESPACE)
+    res = ray.get(ingress.generate.remote([1, 2], 200), timeout=30)
+    assert res["rejected"] and "exceeds max_model_len 128" in res["error"] and "engine_ext." not in res["error"], res
+    assert _ingress_stats(name)["parked"] == 0
 
 
 @pytest.mark.timeout(300)

@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from engine_ext.control.rank_client import RankClient
-from engine_ext.errors import refusal_of
+from engine_ext.errors import rank_refusal
 from engine_ext.records import Refusal
+
+
+def refusal_line(e: BaseException) -> str:
+    """One line of why a rank call failed: a remote traceback's last line, without the module
+    path of its exception class (``ray.exceptions.ActorDiedError: ...`` -> ``ActorDiedError: ...``)."""
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*:)", "", lines[-1].strip())[:200]
 
 
 class Router:
@@ -84,13 +94,13 @@ class Router:
         """Hand the request to the least-loaded rank; a rank that refuses (failed, leaving,
         dead) is skipped for this request. When every rank refused, the request waits here for a
         world that can serve it (a recovery, a rebuild, the reconcile loop's retry), up to the
-        bound after which it fails with why; it fails at once only while the deployment stops."""
+        bound after which it fails with why; it fails at once while the deployment stops, and
+        when a rank refuses it as beyond the model's limits (every rank would: ``rejected``)."""
         self._wires[wire["request_id"]] = wire
         if self.paused:
             self._park(wire)
             return
         refused: dict[int, str] = {}
-        codes: set[Refusal] = set()
         while True:
             rank = self._pick(set(refused))
             if rank is None:
@@ -112,10 +122,20 @@ class Router:
             except Exception as e:  # noqa: BLE001 - any refusal: try the next rank
                 self.inflight[rank] = max(0, self.inflight.get(rank, 0) - 1)
                 self._owner.pop(wire["request_id"], None)
-                refused[rank] = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
-                code = refusal_of(e)  # None: the call itself failed (a dead rank, a timeout)
-                if code is not None:
-                    codes.add(code)
+                refusal = rank_refusal(e)  # None: the call itself failed (a dead rank, a timeout)
+                if refusal is not None and refusal.code is Refusal.INVALID:
+                    self._reject(wire, str(refusal))
+                    return
+                refused[rank] = str(refusal) if refusal is not None else refusal_line(e)
+
+    def _reject(self, wire: dict[str, Any], why: str) -> None:
+        """A request beyond the model's limits is answered now. A client's request is ``rejected``
+        (its input: HTTP 400); one that moved here with tokens already streamed was valid, and
+        fails because its prompt and output no longer fit one prefill."""
+        if wire.get("output"):
+            self._resolve(dict(wire, rank=-1, error=f"cannot continue the request on another rank: {why}"))
+        else:
+            self._resolve(dict(wire, rank=-1, error=why, rejected=True))
 
     def _resolve(self, res: dict[str, Any]) -> None:
         rid = res["request_id"]

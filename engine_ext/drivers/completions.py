@@ -3,16 +3,16 @@
 A reference deployment's ingresses (engine_ext.ray.ingress_http) and a vLLM API server both
 take ``POST /v1/completions`` with a token-id prompt and stream server-sent events with the
 token ids (``return_token_ids``); `eepctl generate` sends every prompt that way, streamed, on
-client threads. A request whose endpoint dropped it (connection refused or reset, a stream cut
-before ``[DONE]``, HTTP 503) is sent again from its prompt, to the next endpoint, within the
-retry window and its own deadline; ``note`` gets one line saying so, and its answer counts the
-re-sends (``resent``). Greedy decoding makes the retry's first tokens the ones already passed
-to ``on_token``: they are not passed again.
+client threads. A request whose endpoint dropped it (connection refused, timed out or reset, a
+stream cut before ``[DONE]``, HTTP 503) is sent again from its prompt, to the next endpoint,
+within the retry window and its own deadline; ``note`` gets one line saying so, and its answer
+counts the re-sends (``resent``). Greedy decoding makes the retry's first tokens the ones already
+passed to ``on_token``: they are not passed again.
 
 What ends the command instead of one request (the exit-code table): a refused key (401/403,
-exit 3), a request the endpoint calls malformed (other 4xx, exit 2), and a request that never
-reached any endpoint (exit 3). ``httpx`` is imported inside the calls; the key goes into one
-header only.
+exit 3), a request the endpoint refuses as input (other 4xx, or an ``invalid_request_error`` in
+the stream: exit 2, never sent again), and a request that never reached any endpoint (exit 3).
+``httpx`` is imported inside the calls; the key goes into one header only.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from engine_ext.drivers.base import Submit
 from engine_ext.protocol import TransitionTimeout, UnreachableError, UsageError
 
 RETRY_WINDOW_S = 20.0  # how long after its first drop a request is still sent again
+CONNECT_TIMEOUT_S = 5.0  # a connection not made within it is an endpoint not reachable: sent again
 REFRESH_EVERY_S = 1.0  # the endpoints are looked up again at most this often (an ingress moved)
 CLIENT_THREADS = 64
 
@@ -137,19 +138,19 @@ class CompletionsClient:
         left = max(0.1, deadline - time.time())
         try:
             with self.http.stream("POST", url + "/v1/completions", json=body, headers=self._headers,
-                                  timeout=httpx.Timeout(left, connect=min(left, 5.0))) as resp:
+                                  timeout=httpx.Timeout(left, connect=min(left, CONNECT_TIMEOUT_S))) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     raise _refusal(url, resp.status_code, _decoded(resp.text))
-                return self._read(resp.iter_lines(), seq, delivered)
+                return self._read(url, resp.iter_lines(), seq, delivered)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # before TimeoutException: a ConnectTimeout is one
+            raise Dropped(f"not reachable ({type(e).__name__})") from None
         except httpx.TimeoutException:
             raise Failed(f"no answer within {self.timeout_s:.0f}s") from None
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            raise Dropped(f"not reachable ({type(e).__name__})") from None
         except httpx.HTTPError as e:  # reset, or the stream cut mid-way (the ingress died)
             raise Dropped(f"dropped the stream ({type(e).__name__})") from None
 
-    def _read(self, lines: Iterator[str], seq: int, delivered: list[int]) -> dict[str, Any]:
+    def _read(self, url: str, lines: Iterator[str], seq: int, delivered: list[int]) -> dict[str, Any]:
         tokens: list[int] = []
         where: dict[str, Any] = {}
         for line in lines:
@@ -162,9 +163,10 @@ class CompletionsClient:
                         "ingress": where.get("ingress")}
             chunk = _decoded(data)
             if isinstance(chunk, dict) and chunk.get("error"):
-                err = chunk["error"]
-                code = err.get("code") if isinstance(err, dict) else None
-                raise (Dropped if code in (503, None, "503") else Failed)(f"answered: {_message(chunk)}")
+                err = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                if err.get("type") == "invalid_request_error":  # the input, refused after the stream began
+                    raise _refusal(url, 400, chunk)
+                raise (Dropped if err.get("code") in (503, None, "503") else Failed)(f"answered: {_message(chunk)}")
             for choice in (chunk.get("choices") or []) if isinstance(chunk, dict) else []:
                 for tok in choice.get("token_ids") or []:
                     tokens.append(int(tok))

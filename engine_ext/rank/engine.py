@@ -40,7 +40,7 @@ from engine_ext.rank.capture_reuse import CaptureReuse, max_world_handle
 from engine_ext.faults import Faults
 from engine_ext.rank.recovery import RankRecovery
 from engine_ext.rank.reshuffle import ExpertReshuffle
-from engine_ext.rank.scheduler import Request, Scheduler
+from engine_ext.rank.scheduler import Request, RequestRejected, Scheduler
 from engine_ext.rank.shared import RankResources, RankShared
 from engine_ext.rank.standby import StandbyIdentity
 from engine_ext.rank.step_loop import StepLoop
@@ -263,7 +263,10 @@ class RankEngine:
         with shared.lock:
             code = _REFUSING.get(shared.state) or (Refusal.STOPPED if shared.stopping else None)
             if code is None:
-                self.res.sched.add(req)
+                try:
+                    self.res.sched.add(req)
+                except RequestRejected as e:  # beyond the model's limits: final, on every rank
+                    raise RankRefused(str(e), Refusal.INVALID) from None
         if code is not None:
             raise RankRefused(f"rank {shared.rank} is {code.value} and takes no requests"
                               + (f": {shared.state_reason}" if shared.state_reason else ""), code)

@@ -27,6 +27,7 @@ from engine_ext.ray import placement
 from engine_ext.ray.autoscale_host import AutoscaleHost, autoscale_round, autoscaler_metrics
 from engine_ext.ray.controller_memory import forget_unheld_ranks, snapshot, sweep_orphans, take_over
 from engine_ext.ray.durable import DurableState
+from engine_ext.ray.completion_request import model_limits
 from engine_ext.ray.ingress_link import IngressLink
 from engine_ext.ray.registry_keeper import RegistryKeeper
 from engine_ext.ray.spawner import RaySpawner
@@ -52,7 +53,8 @@ class Controller:
         self.orch.admission.device = "cuda" if gpus_per_rank > 0 else "cpu"  # the cost model's host check
         self.orch.world.router = IngressLink(deployment, namespace, ingress, fenced=lambda: {  # type: ignore[assignment]
             r: int(f["epoch"]) for r, f in self.orch.world.fenced.items()},
-            seen=lambda r, at: self.reconciler.health.heard(r, at))
+            seen=lambda r, at: self.reconciler.health.heard(r, at),
+            limits=model_limits(self.cfg))
         self._tasks: dict[str, asyncio.Task] = {}
         self.spawner.pool = make_pool(self.spawner, self.orch.world, self._forget_rank, standby) if standby > 0 else None
         self._pool_watch: asyncio.Task | None = None

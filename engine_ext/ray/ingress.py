@@ -7,8 +7,9 @@ the ingress that owns them (the request id says which: ``names.request_prefix``)
 stay here, so a request whose rank died continues on a survivor from where it was.
 
 The controller tells every ingress the world (``set_world``: members, epoch fences, excluded
-ranks, pause, resume, unhealthy, closed) and what to do with requests (``reroute``, ``resubmit``,
-``expire_parked``, ``fail_parked``); between its messages the ingress keeps the world it has. So
+ranks, pause, resume, unhealthy, closed, the model's limits that HTTP requests are checked
+against) and what to do with requests (``reroute``, ``resubmit``, ``expire_parked``,
+``fail_parked``); between its messages the ingress keeps the world it has. So
 the controller can die under load and nothing is lost: new requests go to the members it last
 named; a request whose rank died waits here (its owner is not re-routed without a controller)
 and is served once the restarted controller recovered the world. A restarted ingress starts
@@ -40,6 +41,7 @@ class Ingress:
         self.deployment, self.namespace, self.index = deployment, namespace, index
         self.api_key_sha256 = api_key_sha256  # the deployment's API key, hashed (HTTP wants the key)
         self.router = Router()
+        self.limits: dict[str, int] | None = None  # the model's, from the world (HTTP checks requests)
         self.version: list[Any] | None = None  # the controller's world version last applied
         self.fenced: dict[int, int] = {}  # rank -> the newest epoch it is fenced at
         self.fenced_dropped = 0
@@ -81,6 +83,7 @@ class Ingress:
             r.paused = False  # resume: the parked requests go out now, with their tokens so far
             asyncio.ensure_future(r.retry_parked())
         r.unhealthy = world.get("unhealthy")
+        self.limits = world.get("limits") or self.limits
         self.version = world.get("version")
 
     def _set_members(self, members: dict[int, list[str]]) -> None:

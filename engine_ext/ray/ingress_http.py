@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from fastapi import Request  # module level: FastAPI reads the handlers' annotations from here
 
 from engine_ext.control.router import Router
+from engine_ext.ray.completion_request import BadRequest, check_limits, parse_completion, served_model
 
 
 class Ingress(Protocol):
@@ -36,43 +37,13 @@ class Ingress(Protocol):
     api_key_sha256: str
     started_at: float
     router: Router
+    limits: dict[str, int] | None  # the model's (completion_request.model_limits), as the controller said
 
     def stats(self) -> dict[str, Any]: ...
 
     async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]: ...
 
     def new_request_id(self) -> str: ...
-
-MAX_TOKENS_DEFAULT = 16
-
-
-class BadRequest(ValueError):
-    """The request body is not what the API takes (HTTP 400, OpenAI's error shape)."""
-
-
-def parse_completion(body: Any) -> tuple[list[list[int]], int, bool]:
-    """The prompts (token ids), max_tokens and stream flag of a completions body."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
-                                                     for p in prompt):
-        prompts = prompt
-    else:
-        raise BadRequest("prompt must be a non-empty list of token ids (or a list of them): "
-                         "the reference model has no tokenizer")
-    if any(t < 0 for p in prompts for t in p):
-        raise BadRequest("token ids must not be negative")
-    max_tokens = body.get("max_tokens", MAX_TOKENS_DEFAULT)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise BadRequest("max_tokens must be a positive integer")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be true or false")
-    return prompts, max_tokens, stream
-
 
 def _choice(index: int, tokens: list[int], finish: str | None, res: dict[str, Any] | None = None) -> dict[str, Any]:
     """One choice; the last one of a request adds ``eep``: the rank that answered, the ranks it
@@ -86,9 +57,13 @@ def _choice(index: int, tokens: list[int], finish: str | None, res: dict[str, An
 
 
 def _error(status: int, message: str, kind: str) -> Any:
+    return _refused(BadRequest(message, status=status, kind=kind))
+
+
+def _refused(e: BadRequest) -> Any:
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return JSONResponse(e.body(), status_code=e.status)
 
 
 class IngressHttp:
@@ -170,9 +145,10 @@ class IngressHttp:
                 return _error(400, "the body is not JSON", "invalid_request_error")
             try:
                 prompts, max_tokens, stream = parse_completion(body)
+                model = served_model(body, ing.deployment)
+                check_limits(prompts, max_tokens, ing.limits)
             except BadRequest as e:
-                return _error(400, str(e), "invalid_request_error")
-            model = str(body.get("model") or ing.deployment)
+                return _refused(e)
             if stream:
                 return StreamingResponse(self._stream(prompts, max_tokens, model), media_type="text/event-stream")
             return await self._complete(prompts, max_tokens, model)
@@ -181,7 +157,9 @@ class IngressHttp:
 
     async def _complete(self, prompts: list[list[int]], max_tokens: int, model: str) -> Any:
         results = await asyncio.gather(*(self.ingress.generate(p, max_tokens) for p in prompts))
-        failed = [r for r in results if r.get("error")]
+        failed = sorted((r for r in results if r.get("error")), key=lambda r: not r.get("rejected"))
+        if failed and failed[0].get("rejected"):  # a rank refused the input: the client's to change
+            return _refused(BadRequest(str(failed[0]["error"])))
         if failed:  # retriable: the deployment could not serve it now (no rank, stopping)
             return _error(503, str(failed[0]["error"]), "service_unavailable")
         out = [r["output"] for r in results]
@@ -217,7 +195,9 @@ class IngressHttp:
                     continue
                 open_ -= 1
                 if res.get("error"):
-                    yield f"data: {json.dumps({'error': {'message': res['error'], 'type': 'service_unavailable', 'code': 503}})}\n\n"
+                    refused = BadRequest(str(res["error"])) if res.get("rejected") else BadRequest(
+                        str(res["error"]), status=503, kind="service_unavailable")
+                    yield f"data: {json.dumps(refused.body())}\n\n"
                     continue
                 rest = res["output"][sent[i]:]  # tokens not streamed (a rank that streams none)
                 yield _sse(cid, model, [_choice(i, rest, "length", dict(res, ingress=self.ingress.index))])

@@ -31,8 +31,9 @@ class IngressLink:
 
     def __init__(self, deployment: str, namespace: str, count: int,
                  fenced: Callable[[], dict[int, int]], seen: Callable[[int, float], None] = lambda r, at: None,
-                 ) -> None:
+                 limits: dict[str, int] | None = None) -> None:
         self.deployment, self.namespace, self.count = deployment, namespace, count
+        self.limits = limits  # the model's (vocabulary, max_model_len, prompt): each ingress checks requests
         self._fenced = fenced  # rank -> the epoch it is fenced at (the world's)
         self._seen = seen  # told when an ingress last heard a token or a result of a rank (health)
         self.clients: dict[int, RankClient] = {}
@@ -99,7 +100,7 @@ class IngressLink:
             members[str(r)] = [getattr(c, "actor_name", ""), handle._actor_id.hex() if handle is not None else ""]
         return {"members": members, "excluded": sorted(self.excluded),
                 "paused": self._paused, "unhealthy": self._unhealthy, "closed": self._closed,
-                "fenced": {str(r): e for r, e in self._fenced().items()}}
+                "fenced": {str(r): e for r, e in self._fenced().items()}, "limits": self.limits}
 
     def _push(self, only: int | None = None) -> None:
         """Send the world to every ingress when it changed (or to one, as it is). Never an empty
