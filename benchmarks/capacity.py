@@ -6,7 +6,8 @@
            engine_ext/model/routed.py), and the compute between them. Medians over ``--steps`` steps; then
            500 header all-reduces back to back (the transport's own latency, no compute between).
   closed   ``--clients`` closed-loop clients (``--tokens`` output tokens each) against a
-           ``LocalDeployment`` for ``--seconds``: tok/s, request p50/p99
+           ``LocalDeployment`` for ``--seconds``: tok/s (the tokens the answers carried; a request
+           answered with an error is a failure, counted, and adds none), request p50/p99
   open     open-loop arrivals (Poisson, ``--rate`` requests/s) for ``--seconds``: the same figures
   step     one decode step of the idle deployment: (time of 1 + k tokens - time of 1 token) / k
   ingress  a Ray deployment (`eepctl up --ingress N`) for each of ``--ingress`` at the largest
@@ -135,53 +136,59 @@ def profile(dps: list[int], tokens: int, steps: int, device: str, transport: str
 
 
 # ---- load against a deployment --------------------------------------------------------------------
+class Served:
+    """What a run served: the tokens its answers carried and their latency; an answer with an
+    error (the router's ``error``: no rank took it, the input was refused) or a raised call is a
+    failure and adds no tokens."""
+
+    def __init__(self) -> None:
+        self.lat: list[float] = []
+        self.tokens = 0
+        self.failed = 0
+
+    async def send(self, dep: Any, tokens: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            res = await dep.generate(PROMPT, tokens)
+        except Exception:  # noqa: BLE001 - a failed request is a figure
+            self.failed += 1
+            return
+        if res.get("error"):
+            self.failed += 1
+            return
+        self.lat.append(time.perf_counter() - t0)
+        self.tokens += len(res.get("output") or [])
+
+    def figures(self, wall: float) -> dict[str, Any]:
+        return {"requests": len(self.lat), "failed": self.failed, "tokens": self.tokens, "tok_s": self.tokens / wall,
+                "p50_ms": (_pct(self.lat, 0.5) or 0) * 1e3, "p99_ms": (_pct(self.lat, 0.99) or 0) * 1e3}
+
+
 async def _closed(dep: Any, clients: int, tokens: int, seconds: float) -> dict[str, Any]:
-    lat: list[float] = []
-    failed = 0
+    served = Served()
     stop = time.perf_counter() + seconds
 
     async def client() -> None:
-        nonlocal failed
         while time.perf_counter() < stop:
-            t0 = time.perf_counter()
-            try:
-                await dep.generate(PROMPT, tokens)
-                lat.append(time.perf_counter() - t0)
-            except Exception:  # noqa: BLE001 - a failed request is a figure
-                failed += 1
+            await served.send(dep, tokens)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
-    wall = time.perf_counter() - t0
-    return {"clients": clients, "requests": len(lat), "failed": failed, "tok_s": len(lat) * tokens / wall,
-            "p50_ms": (_pct(lat, 0.5) or 0) * 1e3, "p99_ms": (_pct(lat, 0.99) or 0) * 1e3}
+    return {"clients": clients, **served.figures(time.perf_counter() - t0)}
 
 
 async def _open(dep: Any, rate: float, tokens: int, seconds: float, seed: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
-    lat: list[float] = []
-    failed = 0
-
-    async def one() -> None:
-        nonlocal failed
-        t0 = time.perf_counter()
-        try:
-            await dep.generate(PROMPT, tokens)
-            lat.append(time.perf_counter() - t0)
-        except Exception:  # noqa: BLE001
-            failed += 1
-
+    served = Served()
     tasks = []
     t0 = time.perf_counter()
     nxt = t0
     while nxt < t0 + seconds:
         await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
-        tasks.append(asyncio.ensure_future(one()))
+        tasks.append(asyncio.ensure_future(served.send(dep, tokens)))
         nxt += rng.expovariate(rate)
     await asyncio.gather(*tasks)
-    wall = time.perf_counter() - t0
-    return {"rate": rate, "requests": len(lat), "failed": failed, "tok_s": len(lat) * tokens / wall,
-            "p50_ms": (_pct(lat, 0.5) or 0) * 1e3, "p99_ms": (_pct(lat, 0.99) or 0) * 1e3}
+    return {"rate": rate, **served.figures(time.perf_counter() - t0)}
 
 
 async def load_point(dp: int, a: argparse.Namespace, transport: str) -> dict[str, Any]:
@@ -242,6 +249,10 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             print(f"| {r['transport']} | {r['dp']} | {_f(c.get('tok_s'), 0)} | {_f(c.get('p50_ms'))} | "
                   f"{_f(c.get('p99_ms'))} | {_f(lt.get('p50_ms'))} | {_f(o.get('tok_s'), 0)} | {_f(o.get('p50_ms'))} | "
                   f"{_f(o.get('p99_ms'))} | {_f(r.get('step_ms'), 2)} |", flush=True)
+        for r in res["load"]:
+            failed = {k: r[k]["failed"] for k in ("light", "closed", "open") if r.get(k, {}).get("failed")}
+            if failed:
+                print(f"({r['transport']} DP {r['dp']}: failed requests {failed}; tok/s counts served tokens only)")
     if "ingress" in a.parts:
         from benchmarks.capacity_ingress import ingress_point, print_table
 

@@ -41,10 +41,12 @@ def _cpu_s(pids: list[int]) -> float | None:
     return total
 
 
-def _closed(send: Any, clients: int, seconds: float) -> tuple[list[float], int]:
-    """``clients`` threads, each sending ``send(i)`` back to back for ``seconds``."""
+def _closed(send: Any, clients: int, seconds: float) -> tuple[list[float], int, int]:
+    """``clients`` threads, each sending ``send(i)`` back to back for ``seconds``: the served
+    requests' latencies, the failed ones and the tokens served. ``send`` returns the answer's
+    output tokens, or None for a request answered with an error."""
     lat: list[float] = []
-    failed = [0]
+    failed, served = [0], [0]
     stop = time.perf_counter() + seconds
 
     def client(i: int) -> None:
@@ -52,11 +54,12 @@ def _closed(send: Any, clients: int, seconds: float) -> tuple[list[float], int]:
         while time.perf_counter() < stop:
             t0 = time.perf_counter()
             try:
-                ok = send(n)
+                got = send(n)
             except Exception:  # noqa: BLE001 - a failed request is a figure
-                ok = False
-            if ok:
+                got = None
+            if got is not None:
                 lat.append(time.perf_counter() - t0)
+                served[0] += len(got)
             else:
                 failed[0] += 1
             n += clients
@@ -66,7 +69,11 @@ def _closed(send: Any, clients: int, seconds: float) -> tuple[list[float], int]:
         th.start()
     for th in threads:
         th.join()
-    return lat, failed[0]
+    return lat, failed[0], served[0]
+
+
+def _output(res: dict[str, Any]) -> list[int] | None:
+    return None if res.get("error") else list(res.get("output") or [])
 
 
 def ingress_point(dp: int, ingresses: int, a: Any, transport: str) -> dict[str, Any]:
@@ -83,18 +90,17 @@ def ingress_point(dp: int, ingresses: int, a: Any, transport: str) -> dict[str, 
         handles = [ray.get_actor(ingress_name(t.name, i), namespace=NAMESPACE) for i in range(ingresses)]
         pids = ray.get([h.pid.remote() for h in handles], timeout=60)
         with core.requests(t, a.tokens, 120.0) as submit:  # as `eepctl generate` sends
-            paths = {"http": lambda n: submit(PROMPT).wait(120)["error"] is None,
-                     "ray": lambda n: ray.get(handles[n % ingresses].generate.remote(PROMPT, a.tokens),
-                                              timeout=120).get("error") is None}
+            paths = {"http": lambda n: _output(submit(PROMPT).wait(120)),
+                     "ray": lambda n: _output(ray.get(handles[n % ingresses].generate.remote(PROMPT, a.tokens),
+                                                      timeout=120))}
             for path, send in paths.items():
                 _closed(send, 2, 1.0)  # warm: first requests, first replays
                 before = [ray.get(h.stats.remote(), timeout=30)["completed"] for h in handles]
                 cpu0, t0 = _cpu_s(pids), time.perf_counter()
-                lat, failed = _closed(send, a.clients, a.seconds)
+                lat, failed, tokens = _closed(send, a.clients, a.seconds)
                 wall, cpu1 = time.perf_counter() - t0, _cpu_s(pids)
                 after = [ray.get(h.stats.remote(), timeout=30)["completed"] for h in handles]
-                tokens = len(lat) * a.tokens
-                row[path] = {"requests": len(lat), "failed": failed, "tok_s": tokens / wall,
+                row[path] = {"requests": len(lat), "failed": failed, "tokens": tokens, "tok_s": tokens / wall,
                              "p50_ms": (_pct(lat, 0.5) or 0) * 1e3, "p99_ms": (_pct(lat, 0.99) or 0) * 1e3,
                              "per_ingress": [x - y for x, y in zip(after, before)],
                              "cpu_ms_per_token": (cpu1 - cpu0) * 1e3 / tokens if tokens and cpu0 is not None
