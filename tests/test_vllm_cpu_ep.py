@@ -143,6 +143,18 @@ def test_communicator_collectives_on_real_gloo_groups() -> None:
         assert p.returncode == 0 and f"ok {r}" in out, err[-3000:]
 
 
+def test_a_request_to_a_server_that_is_gone_is_a_failed_request(tmp_path: Path) -> None:
+    """The helper every load loop here calls: nothing listening (the server exited before the
+    request connected) answers ``FAILED`` with why, as a refused request answers its status."""
+    from tests.vllm_servers import FAILED, free_port
+
+    gone = Server(subprocess.Popen([sys.executable, "-c", "pass"]), f"http://127.0.0.1:{free_port()}", "m",
+                  tmp_path / "log")
+    gone.proc.wait(timeout=60)
+    code, body = gone.complete([1, 2], timeout=5)
+    assert code == FAILED and body.startswith("ConnectError: "), (code, body)
+
+
 @pytest.mark.timeout(120)
 def test_nothing_activates_unless_asked_nor_on_an_unverified_vllm(monkeypatch: pytest.MonkeyPatch,
                                                                   tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from tests.helpers import ROOT
 
+FAILED = -1  # ``Server.complete``'s status for a request no server answered
 PLATFORM_GROUP = "vllm.platform_plugins"
 PLATFORM_ENTRY = ("engine_ext_cpu_ep", "engine_ext.vllm.cpu_platform:activate")
 
@@ -66,10 +67,15 @@ class Server:
             time.sleep(1)
 
     def complete(self, prompt: list[int], max_tokens: int = 12, timeout: float = 120) -> tuple[int, Any]:
+        """(HTTP status, body); a request the server never answered (it could not connect, or the
+        connection broke: the server is gone) is a failed request, ``(FAILED, "ConnectError: ...")``."""
         import httpx
 
-        r = httpx.post(self.url + "/v1/completions", json={"model": self.model, "prompt": prompt,
-                       "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}, timeout=timeout)
+        try:
+            r = httpx.post(self.url + "/v1/completions", json={"model": self.model, "prompt": prompt,
+                           "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}, timeout=timeout)
+        except httpx.TransportError as e:
+            return FAILED, f"{type(e).__name__}: {e}"
         try:
             body = r.json()
         except ValueError:
