@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from eepctl.options import Address, Name, Namespace, Output, OutputOpt, emit, target, width
-from engine_ext.protocol import DEFAULT_DEPLOYMENT, DEFAULT_NAMESPACE
+from engine_ext.protocol import DEFAULT_DEPLOYMENT, DEFAULT_NAMESPACE, UsageError
 
 
 def events(
@@ -40,6 +40,8 @@ def events(
     from eepctl.render_events import events_text
 
     t = target(address, namespace, name)
+    if last is not None and last < 0:
+        raise UsageError(f"--last must be >= 0, got {last}")
     if autoscaler:
         _autoscaler_events(t, follow, output)
         return

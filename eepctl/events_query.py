@@ -94,8 +94,6 @@ def query(t: Any, op: str | None, last: int | None) -> dict[str, Any]:
     """What `events` shows: one operation and all its events (``op``), or the last ``last``."""
     from eepctl import core
 
-    if last is not None and last < 0:
-        raise UsageError(f"--last must be >= 0, got {last}")
     if op:
         data = core.events(t, op)
         return {**data, "short_ids": short_ids([o["op_id"] for o in data["operations"]])}
