@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 FENCED_SHOWN_S = 60.0  # a fence is shown this long, then while its rank number does not serve (fence_matters)
+SUSPICION_SHOWN_S = 300.0  # how the last suspicion of the observer ended is shown this long (JSON: always)
 
 
 def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
@@ -25,6 +26,7 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
                      f"took over: {'; '.join(control.get('took_over') or []) or 'nothing to do'}")
     if control.get("working_on"):
         lines.append(f"reconciling: {control['working_on']}")
+    lines += suspicion_lines(control, now)
     for rank, h in sorted((control.get("health") or {}).items(), key=lambda kv: int(kv[0])):
         if h.get("unhealthy"):
             lines.append(f"rank {rank} unhealthy: {h['unhealthy']}")
@@ -44,6 +46,28 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
         lines += [f"  tried {t}" for t in esc.get("tried") or []]
         lines.append(f"  operator: {esc.get('operator')}")
     return lines
+
+
+def suspicion_lines(control: dict[str, Any], now: float) -> list[str]:
+    """The health check suspecting itself (most ranks silent together): now, or how the last
+    suspicion ended, for SUSPICION_SHOWN_S after it did."""
+    cur, last = control.get("suspicion"), control.get("last_suspicion")
+    if cur:
+        return [f"health: suspecting the observer: {len(cur['silent'])} of {cur['members']} ranks silent "
+                f"{cur['silent_s']:.1f}s while alive; controller tick lag {cur['lag_s']:.1f}s{_load(cur)}; "
+                f"deadline extended to {cur['extended_s']:g}s"]
+    if last and now - float(last.get("ended") or 0.0) <= SUSPICION_SHOWN_S:
+        fenced = (f"fenced rank(s) {', '.join(map(str, last['fenced']))} (no answer to a second probe)"
+                  if last.get("fenced") else "fenced none")
+        return [f"health: suspected the observer {_ago(now, last.get('ended'))} for "
+                f"{float(last['ended']) - float(last['since']):.0f}s ({len(last['silent'])} of {last['members']} "
+                f"ranks silent up to {last['longest_s']:.1f}s while alive; deadline extended to "
+                f"{last['extended_s']:g}s); {fenced}"]
+    return []
+
+
+def _load(s: dict[str, Any]) -> str:
+    return f"; host load {s['load']:.1f} on {s['cores']} cores" if s.get("load") is not None else ""
 
 
 def fence_matters(rank: int, fence: dict[str, Any], snap: dict[str, Any], now: float) -> bool:

@@ -1,5 +1,7 @@
 """The reconciling control plane on a real local Ray cluster (issue 22): a rank that hangs
 (SIGSTOP) or fails but stays alive is fenced by epoch and recovered around without an operator;
+every rank stopped together for seconds is not fenced (the controller suspects itself), every
+rank stopped for good is, within the documented bound, and the world rebuilt;
 the controller actor SIGKILLed (by pid) while serving (no request fails: the ingress owns them)
 and while a scale is held in a phase comes back, takes the live ranks over and rolls the scale
 back or recovers; a deployment that lost
@@ -104,13 +106,14 @@ def _ops(name: str, kind: str) -> list[dict[str, Any]]:
     return [o for o in events(name)["operations"] if o.get("kind") == kind]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operator(deployments):
     """Rank 1 SIGSTOPped under open-loop load (a hang: its process lives, it answers nothing),
     then rank 2's step raises (a local error; its process lives and answers `failed`): each is
     fenced and the world recovered without it, no request fails, every output equals the
     oracle, requests the hung rank held continue on a survivor; after SIGCONT the old process
-    serves and reports nothing; a later scale works."""
+    serves and reports nothing; a later scale works. Then every rank at once: stopped for
+    seconds, none is fenced; stopped for good, all are, within the bound (``_all_stopped``)."""
     d = deployments("cp-hang")
     # Rank 2 fails at its first step 45 s after it started: after the hang is handled, also on a box
     # busy with a second test worker (the second load below keeps it stepping past then).
@@ -152,6 +155,93 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
     assert all(r["pid"] != hung for r in ranks if r["state"] not in ("stale", "dead")), ranks
     up = eepctl_json("scale", "--dp", "2", "--name", d.name, timeout=300)
     assert up["state"] == "succeeded", up
+    gen = eepctl_json("generate", "--name", d.name, timeout=90)
+    for r in gen["results"]:
+        assert r["error"] is None and r["output"] == oracle(cfg_d, r["prompt"]), r
+    _all_stopped(d, cfg_d, deadline_s=4.0)
+
+
+def _stop_all(pids: list[int]) -> float:
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)  # the rank actors' processes of this test's own deployment
+    return time.time()
+
+
+def _resume(pids: list[int]) -> None:
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGCONT)
+
+
+def _suspected(name: str, since: float) -> bool:
+    """Whether the controller says it suspects itself with ranks 0 and 1 silent (the registry's
+    info, read through Ray: the CLI takes seconds on a busy box); fails at once when a rank was
+    fenced since ``since``."""
+    import ray
+
+    from engine_ext.ray.names import registry_name
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+    snap = ray.get(ray.get_actor(registry_name(name), namespace=NAMESPACE).snapshot.remote(), timeout=30)
+    control = (snap.get("info") or {}).get("control") or {}
+    fenced = {r: f["reason"] for r, f in (control.get("fenced") or {}).items() if float(f["at"]) > since}
+    assert not fenced, f"fenced while every rank was stopped together: {fenced}"
+    return (control.get("suspicion") or {}).get("silent") == [0, 1]
+
+
+def _all_stopped(d: Any, cfg_d: dict[str, Any], deadline_s: float) -> None:
+    """Every rank of the idle DP 2 world SIGSTOPped together (a host starved to the extreme: no
+    CPU at all), requests sent meanwhile, resumed 7 s later, once the controller said it suspects
+    itself (past the deadline): no rank is fenced, the same processes serve every request with the
+    oracle's outputs, and status says how the suspicion ended. Then every rank SIGSTOPped for good:
+    each is fenced once the second probe confirms it, within ``fence_bound_s`` of the stop, and
+    the world is rebuilt from the weight source."""
+    from engine_ext.control.health import probe_wait_s
+    from engine_ext.control.reconciler import TICK_S
+    from engine_ext.control.suspicion import extended_deadline_s, fence_bound_s
+
+    snap = _serving(d.name, [0, 1])
+    pids = [_pid_of(snap, r) for r in (0, 1)]
+    t_stop = _stop_all(pids)
+    try:
+        load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "4", "--max-tokens", "16",
+                       "-o", "json")
+        wait_for(lambda: _suspected(d.name, t_stop), timeout=30, interval=0.2,
+                 what="status suspecting the observer while every rank is stopped")
+        time.sleep(max(0.0, t_stop + 7.0 - time.time()))  # a 7 s stall, under the extended deadline
+    finally:
+        _resume(pids)
+    stalled_s = time.time() - t_stop
+    finish_load(load, cfg_d, 16)  # raises on a failed request or an output unlike the oracle's
+    control = wait_for(lambda: (c := status(d.name)["info"]["control"]).get("last_suspicion") and c,
+                       timeout=30, interval=0.5, what="the suspicion ending")
+    last = control["last_suspicion"]
+    assert last["fenced"] == [] and last["silent"] == [0, 1] and last["extended_s"] == extended_deadline_s(deadline_s)
+    assert all(f["at"] < t_stop for f in control["fenced"].values()), control["fenced"]
+    assert [_pid_of(_serving(d.name, [0, 1]), r) for r in (0, 1)] == pids  # the same processes serve on
+    assert not [o for o in events(d.name)["operations"] if float(o.get("started") or 0) > t_stop]
+    text = eepctl("status", "--name", d.name, timeout=60).stdout
+    line = next((ln for ln in text.splitlines() if ln.startswith("health: ")), text)
+    assert line.startswith("health: suspected the observer") and line.endswith("fenced none"), line
+    print(f"all stopped {stalled_s:.1f}s: none fenced (deadline {deadline_s:g}s); {line}")
+
+    t_stop = _stop_all(pids)  # for good
+    try:
+        fenced = wait_for(lambda: (f := status(d.name)["info"]["control"]["fenced"]) and all(
+            float(f.get(str(r), {}).get("at", 0)) > t_stop for r in (0, 1)) and f, timeout=90, interval=0.5,
+            what="every stopped rank fenced")
+    finally:
+        _resume(pids)
+    bound = fence_bound_s(deadline_s, TICK_S, probe_wait_s(deadline_s))
+    took = max(float(fenced[str(r)]["at"]) for r in (0, 1)) - t_stop
+    print(f"all stopped for good: fenced after {took:.1f}s (bound {bound:g}s)")
+    assert all("second probe: timed out" in fenced[str(r)]["reason"] for r in (0, 1)), fenced
+    # The bound holds on the controller's clock; a loaded 2-core box runs its tick late by seconds.
+    assert took <= bound + 5, (took, bound)
+    _serving(d.name, [0, 1], timeout=180, gone=pids[0])
+    rebuilds = [o for o in _ops(d.name, "rebuild") if o["started"] > t_stop]
+    assert rebuilds and rebuilds[-1]["state"] == "succeeded", rebuilds
     gen = eepctl_json("generate", "--name", d.name, timeout=90)
     for r in gen["results"]:
         assert r["error"] is None and r["output"] == oracle(cfg_d, r["prompt"]), r

@@ -4,7 +4,9 @@ A member is unhealthy when its process is dead (the transport said so), when it 
 ``failed`` (a local error: it stays alive but serves nothing), or when it has not answered a
 probe, nor sent a token or a result, for longer than the deadline (a hang, a wedged device, a
 paused VM, a node cut off). The reconcile loop (engine_ext.control.reconciler) fences an
-unhealthy member and recovers around it. Torch-free.
+unhealthy member and recovers around it, unless most members fall silent together: then it
+suspects itself first (engine_ext.control.suspicion) and fences only what a second probe
+(``confirm``) confirms. Torch-free.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Health:
         now = time.time()
         for r, _ in clients:
             self.last_seen.setdefault(r, now)  # a new member's clock starts when it is first probed
-        wait = max(1.0, self.deadline_s / 2)  # several probes fit in one deadline
+        wait = probe_wait_s(self.deadline_s)
         answers = await asyncio.gather(*(quiet(c.status(timeout=wait)) for _, c in clients))
         for (r, _), st in zip(clients, answers):
             if isinstance(st, dict) and self.world.accepts(r, int(st.get("epoch", 0))):
@@ -63,18 +65,35 @@ class Health:
         """The last probe's status records of ``ranks`` (a rank that did not answer is left out)."""
         return [self.answers[r] for r in ranks if r in self.answers]
 
-    def unhealthy(self, ranks: list[int]) -> dict[int, str]:
-        """Why each of ``ranks`` is unhealthy (absent: healthy)."""
+    def failed(self, ranks: list[int]) -> dict[int, str]:
+        """Members of ``ranks`` whose last answer reported ``failed``, with why."""
+        return {r: f"reported failed: {self.reported[r].get('reason', '')}"[:300]
+                for r in ranks if self.reported.get(r, {}).get("state") == "failed"}
+
+    def silent(self, ranks: list[int]) -> dict[int, tuple[float, str]]:
+        """Members of ``ranks`` silent past the deadline: how long, and what the last probe got."""
         now = time.time()
+        ages = {r: now - self.last_seen.get(r, now) for r in ranks}
+        return {r: (age, self.probe_error.get(r, "no answer")) for r, age in ages.items() if age > self.deadline_s}
+
+    async def confirm(self, suspects: dict[int, str], timeout_s: float) -> dict[int, str]:
+        """Ask each of ``suspects`` (rank -> why it would be fenced) the second probe at once
+        (``RankClient.ping``, not the status probe); those that do not answer, with why. An
+        answer is a sign of life."""
+        ranks = [r for r in suspects if r in self.world.clients]
+        answers = await asyncio.gather(*(quiet(self.world.clients[r].ping(timeout=timeout_s)) for r in ranks))
         out: dict[int, str] = {}
-        for r in ranks:
-            rep = self.reported.get(r, {})
-            age = now - self.last_seen.get(r, now)
-            if rep.get("state") == "failed":
-                out[r] = f"reported failed: {rep.get('reason', '')}"[:300]
-            elif age > self.deadline_s:
-                why = self.probe_error.get(r, "no answer")
-                out[r] = f"silent for {age:.1f}s (deadline {self.deadline_s:g}s; probe: {why})"[:300]
+        for r, ans in zip(ranks, answers):
+            if isinstance(ans, BaseException):
+                out[r] = f"{suspects[r][:240]}; second probe: {_why(ans)[:50]}"
+            else:
+                self.seen(r)
+        return out
+
+    def unhealthy(self, ranks: list[int]) -> dict[int, str]:
+        """Why each of ``ranks`` is unhealthy (absent: healthy) by the configured deadline."""
+        out = {r: silent_for(age, self.deadline_s, why) for r, (age, why) in self.silent(ranks).items()}
+        out.update(self.failed(ranks))
         return out
 
     def forget(self, rank: int) -> None:
@@ -90,6 +109,16 @@ class Health:
         bad = self.unhealthy(ranks)
         return {str(r): {"age_s": round(now - self.last_seen.get(r, now), 2), "unhealthy": bad.get(r, "")}
                 for r in ranks}
+
+
+def probe_wait_s(deadline_s: float) -> float:
+    """How long a status probe waits for an answer: several probes fit in one deadline."""
+    return max(1.0, deadline_s / 2)
+
+
+def silent_for(age_s: float, deadline_s: float, why: str, extended: str = "") -> str:
+    """The reason a silent member is fenced (``extended``: the suspicion that extended its deadline)."""
+    return f"silent for {age_s:.1f}s (deadline {deadline_s:g}s{extended}; probe: {why})"[:300]
 
 
 def _why(answer: Any) -> str:

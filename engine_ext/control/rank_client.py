@@ -141,6 +141,12 @@ class RankClient(ABC):
     async def recent_events(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         return await self._invoke("recent_events", timeout=timeout)
 
+    async def ping(self, *, timeout: float | None = None) -> None:
+        """A second probe of the rank's liveness, made only to confirm a silence before a fence
+        (engine_ext.control.suspicion): here one more status call with its own timeout; a
+        transport with a path that bypasses the engine (the Ray actor's own method) uses it."""
+        await self._invoke("status", timeout=timeout)
+
 
 class GoneRankClient(RankClient):
     """A member a restarted controller could not find: every call fails (the recovery then runs

@@ -3,12 +3,14 @@
 Every tick it compares what is desired (the DP size, the failure policy) with what is observed
 (each member's answer to a probe, its reported state, the running operation, requests waiting)
 and takes the next action, one at a time: fence an unhealthy member (the recovery runs without
-it), heal a world whose members all degraded with no one dead, rebuild from the weight source
-when no healthy rank is left, grow back to the desired size, fail requests that waited past the
-bound. Events (a death, a fence) only wake it early. An action that raises is recorded with its
-time (``eepctl status`` shows it) and retried with backoff; the loop itself never dies. An action
-that fails the same way ``ESCALATE_AFTER`` times in a row is escalated: status names it, the
-cause, the attempts and what the operator can do, and the loop retries it at the longest backoff.
+it; when most members fall silent together it suspects itself first and fences only what a
+second probe confirms, within a bound: engine_ext.control.suspicion), heal a world whose
+members all degraded with no one dead, rebuild from the weight source when no healthy rank is
+left, grow back to the desired size, fail requests that waited past the bound. Events (a death,
+a fence) only wake it early. An action that raises is recorded with its time (``eepctl status``
+shows it) and retried with backoff; the loop itself never dies. An action that fails the same
+way ``ESCALATE_AFTER`` times in a row is escalated: status names it, the cause, the attempts and
+what the operator can do, and the loop retries it at the longest backoff.
 Torch-free and transport-free: the Ray controller and the process launcher both run it.
 """
 
@@ -18,11 +20,13 @@ import asyncio
 import os
 import re
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from engine_ext.config import RankFailurePolicy
 from engine_ext.control.health import DEFAULT_DEADLINE_S, Health
+from engine_ext.control.suspicion import Suspicion, TickLag, confirm_timeout_s, extended_deadline_s, host_load, judge
 from engine_ext.control.world import short_error
 
 if TYPE_CHECKING:
@@ -51,6 +55,8 @@ class Reconciler:
         self.sweep = sweep  # ends rank processes no world knows (a joiner launched by a dead controller)
         self.autoscale = autoscale  # moves the desired size from the load (engine_ext.ray.autoscale_host)
         self.health = Health(orch.world, deadline_s)
+        self.lag = TickLag(window_s=extended_deadline_s(deadline_s))  # the observer's own lag
+        self.suspicion = Suspicion()
         self.tick_s = tick_s
         self.park_bound_s = park_bound_s
         self.working_on = ""  # the difference the loop is acting on, for `eepctl status`
@@ -60,6 +66,7 @@ class Reconciler:
         self._streak: tuple[str, str] = ("", "")  # (action, cause) of the failures in a row
         self._attempts: list[str] = []  # those failures, oldest first
         self.ticks = 0
+        self.tick_seconds: deque[float] = deque(maxlen=600)  # each tick's own time, newest last
         self._backoff_until = 0.0
         self._backoff_s = 0.0
         self.backoff_max_s = float(os.environ.get(BACKOFF_MAX_ENV) or BACKOFF_MAX_S)
@@ -81,21 +88,24 @@ class Reconciler:
 
     async def run(self) -> None:
         while not self.orch.world.stopping:
+            t0 = time.monotonic()
             try:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - recorded, retried with backoff; the loop lives
                 self.failed(self.working_on or "reconcile", e)
+            self.tick_seconds.append(time.monotonic() - t0)
             try:
                 self.on_tick()
             except Exception as e:  # noqa: BLE001 - the loop lives
                 self.failed("persist", e)
             self._wake.clear()
+            began = time.monotonic()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.tick_s)
-            except asyncio.TimeoutError:
-                pass
+            except asyncio.TimeoutError:  # how late the timer fired: this process's own lag
+                self.lag.observe(time.monotonic() - began - self.tick_s)
 
     def failed(self, action: str, error: BaseException | str) -> None:
         """An action failed: say so (with its time) and wait longer before the next try."""
@@ -139,11 +149,7 @@ class Reconciler:
         done: list[str] = []
         live = [r for r in w.members if r not in o.recovery.dead]
         await self.health.probe(live)
-        for rank, reason in self.health.unhealthy(live).items():
-            self.working_on = f"fence rank {rank}: {reason}"
-            await o.fence(rank, reason)
-            self.health.forget(rank)
-            done.append(f"fenced rank {rank} ({reason})")
+        done += await self._fence_unhealthy(live)
         await w.router.retry_parked()  # requests no rank took a moment ago, when nothing holds them
         expired = w.router.expire_parked(self.park_bound_s, w.router.unhealthy or "no rank could take it")
         if expired:
@@ -154,6 +160,22 @@ class Reconciler:
         if time.time() < self._backoff_until:
             return done
         done += await self._converge()
+        return done
+
+    async def _fence_unhealthy(self, live: list[int]) -> list[str]:
+        """Fence the members that reported failed and the silent ones, but when most members
+        are silent together (or this loop lagged), only those a second probe confirms past the
+        extended deadline (engine_ext.control.suspicion)."""
+        h = self.health
+        verdict = judge(h.failed(live), h.silent(live), len(live), h.deadline_s, self.lag.recent(), host_load())
+        confirmed = await h.confirm(verdict.confirm, confirm_timeout_s(h.deadline_s)) if verdict.confirm else {}
+        self.suspicion.update(verdict.suspicion, sorted(confirmed))
+        done: list[str] = []
+        for rank, reason in {**verdict.fence, **confirmed}.items():
+            self.working_on = f"fence rank {rank}: {reason}"
+            await self.orch.fence(rank, reason)
+            h.forget(rank)
+            done.append(f"fenced rank {rank} ({reason})")
         return done
 
     async def _converge(self) -> list[str]:
@@ -228,6 +250,7 @@ class Reconciler:
                 "deadline_s": self.health.deadline_s, "health": self.health.view(list(w.members)),
                 "fenced": {str(r): f for r, f in w.fenced.items()}, "parked_requests": w.router.parked, "router_paused": w.router.paused,
                 "escalated": self.escalated,
+                "suspicion": self.suspicion.now, "last_suspicion": self.suspicion.last,
                 # absolute, not "seconds left" nor the tick count: an idle tick changes nothing
                 # here, so the controller writes and publishes nothing (engine_ext.ray.durable)
                 "retry_at": round(self._backoff_until, 1) if self._backoff_until > time.time() else None}

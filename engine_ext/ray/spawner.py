@@ -60,6 +60,11 @@ class RayRankClient(RankClient):
     async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
         return await asyncio.wait_for(self.handle.call.remote(method, *args), timeout)
 
+    async def ping(self, *, timeout: float | None = None) -> None:
+        """The actor's own ``pid`` method: an answer shows its process and actor runtime alive,
+        with no engine code in the way (the status probe goes through the engine)."""
+        await asyncio.wait_for(self.handle.pid.remote(), timeout)
+
     async def kill(self) -> None:
         """End the rank: SIGKILL by pid when it runs on this node (a stopped process too, at
         once), and through Ray in every case; then wait briefly until Ray says it is gone, so
