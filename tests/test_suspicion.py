@@ -15,7 +15,7 @@ from typing import Any
 from eepctl.render_control import control_lines
 from engine_ext.control.rank_client import RankClient
 from engine_ext.control.reconciler import Reconciler
-from engine_ext.control.suspicion import SUSPECT_FACTOR, fence_bound_s
+from engine_ext.control.suspicion import HUNG_FACTOR, SUSPECT_FACTOR, fence_bound_s, hung_bound_s
 from engine_ext.control.world import World
 from engine_ext.elastic.eplb import build_layout
 
@@ -145,3 +145,21 @@ def test_the_loop_measures_its_own_lag_and_a_lagging_observer_fences_no_one_on_i
     time.sleep(deadline_s + 0.05)
     asyncio.run(rec.tick())
     assert fenced == {} and rec.view()["suspicion"]["lag_s"] >= 0.5, (fenced, rec.view()["suspicion"])
+
+
+def test_engines_hung_in_live_processes_are_fenced_within_the_hung_bound() -> None:
+    """Every engine silent while its process still answers the second probe (a deadlock inside a
+    step): the suspicion holds the fence past the extended deadline, not past ``HUNG_FACTOR``
+    deadlines; then they are fenced, the reason naming why the live process no longer counts."""
+    rec, clients, fenced = _loop(3)
+    asyncio.run(rec.tick())
+    _silence(clients, [0, 1, 2], ping=True)
+    hung = time.time()
+    time.sleep(EXTENDED_S + 0.05)
+    asyncio.run(rec.tick())
+    assert fenced == {} and rec.view()["suspicion"]["silent"] == [0, 1, 2], fenced
+    time.sleep(max(0.0, hung + HUNG_FACTOR * DEADLINE_S + 0.05 - time.time()))
+    asyncio.run(rec.tick())
+    assert sorted(fenced) == [0, 1, 2], fenced
+    assert all("a live process is no proof of a live engine" in why for why in fenced.values()), fenced
+    assert time.time() - hung <= hung_bound_s(DEADLINE_S, rec.tick_s) + 1.0

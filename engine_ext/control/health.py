@@ -79,15 +79,14 @@ class Health:
     async def confirm(self, suspects: dict[int, str], timeout_s: float) -> dict[int, str]:
         """Ask each of ``suspects`` (rank -> why it would be fenced) the second probe at once
         (``RankClient.ping``, not the status probe); those that do not answer, with why. An
-        answer is a sign of life."""
+        answer shows the process lives, not its engine: the member's silence clock runs on, so an
+        engine hung in a live process is fenced at the hung bound (engine_ext.control.suspicion)."""
         ranks = [r for r in suspects if r in self.world.clients]
         answers = await asyncio.gather(*(quiet(self.world.clients[r].ping(timeout=timeout_s)) for r in ranks))
         out: dict[int, str] = {}
         for r, ans in zip(ranks, answers):
             if isinstance(ans, BaseException):
                 out[r] = f"{suspects[r][:240]}; second probe: {_why(ans)[:50]}"
-            else:
-                self.seen(r)
         return out
 
     def unhealthy(self, ranks: list[int]) -> dict[int, str]:

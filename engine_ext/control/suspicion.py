@@ -13,10 +13,13 @@ over the members whose processes live (a death is the transport's signal, never 
 * otherwise the observer is suspected: the deadline is extended to ``SUSPECT_FACTOR`` times the
   configured one, and a member silent past that is fenced only when a second probe, independent
   of the status probe (``RankClient.ping``, with the deadline as its timeout), gets no answer
-  either. An answer to it is a sign of life.
+  either. An answer to it is a sign of life, for a while: a member whose process answers the second
+  probe but whose engine stays silent past ``HUNG_FACTOR`` configured deadlines is fenced all the
+  same (a hung engine in a live process: a deadlock in a step, a lock never released).
 
 A member that answers neither probe is so fenced at most ``fence_bound_s`` after its last sign of
-life, suspicion or not. Torch-free and transport-free.
+life, suspicion or not; one whose process still answers, at most ``hung_bound_s``. Torch-free and
+transport-free.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from engine_ext.control.health import silent_for
 MAX_FENCE_FRACTION = 0.5  # more of the members silent together than this: suspect the observer
 SUSPECT_FACTOR = 3.0  # the deadline while suspecting, in configured deadlines (the bound)
 LAG_FRACTION = 0.5  # the controller's tick lag from this share of the deadline on: suspect the observer
+HUNG_FACTOR = 6.0  # silent this many deadlines: fenced even while its process answers the second probe
 
 
 def extended_deadline_s(deadline_s: float) -> float:
@@ -48,6 +52,12 @@ def fence_bound_s(deadline_s: float, tick_s: float, probe_wait_s: float) -> floa
     """The longest a member that answers no probe stays unfenced after its last sign of life: the
     extended deadline, one more tick (its wait and the status probe's timeout), the second probe."""
     return extended_deadline_s(deadline_s) + tick_s + probe_wait_s + confirm_timeout_s(deadline_s)
+
+
+def hung_bound_s(deadline_s: float, tick_s: float) -> float:
+    """The longest a member whose process answers the second probe while its engine stays silent
+    stays unfenced: ``HUNG_FACTOR`` deadlines and one more tick (its wait and the status probe's)."""
+    return HUNG_FACTOR * deadline_s + tick_s + deadline_s
 
 
 def host_load() -> tuple[float, int] | None:
@@ -97,7 +107,11 @@ def judge(failed: dict[int, str], silent: dict[int, tuple[float, str]], members:
         return verdict
     ext = extended_deadline_s(deadline_s)
     extended = f" extended to {ext:g}s: {len(quiet)} of {members} silent together, tick lag {lag_s:.1f}s"
-    verdict.confirm = {r: silent_for(age, deadline_s, why, extended) for r, (age, why) in quiet.items() if age > ext}
+    hung = HUNG_FACTOR * deadline_s
+    hung_note = f"{extended}; past {hung:g}s a live process is no proof of a live engine"
+    verdict.fence.update({r: silent_for(age, deadline_s, why, hung_note) for r, (age, why) in quiet.items() if age > hung})
+    verdict.confirm = {r: silent_for(age, deadline_s, why, extended) for r, (age, why) in quiet.items()
+                       if ext < age <= hung}
     verdict.suspicion = {"silent": sorted(quiet), "members": members,
                          "silent_s": round(min(age for age, _ in quiet.values()), 1), "lag_s": round(lag_s, 1),
                          "load": round(load[0], 1) if load else None, "cores": load[1] if load else None,
