@@ -334,6 +334,8 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
     assert recovers and recovers[-1]["state"] == "succeeded", recovers
     control = status(d.name)["info"]["control"]
     assert control["controller_restarts"] == 4, control
+    restarted = [e for e in events(d.name)["events"] if e["phase"] == "controller_restarted"]
+    assert [e["detail"]["restarts"] for e in restarted] == [1, 2, 3, 4], restarted  # each take-over is in events
     import ray
     from ray.util import list_named_actors
 

@@ -255,7 +255,7 @@ class Controller:
             self.reconciler.failed("take over", e)
         self.took_over += await forget_unheld_ranks(self.keeper.handle, set(self.orch.members))
         self._emit({"op_id": "", "rank": -1, "phase": "controller_restarted", "start": time.time(),
-                    "end": time.time(), "status": "ok",
+                    "end": time.time(), "outcome": "ok",
                     "detail": {"restarts": self.restarts, "actions": self.took_over}})
         self._ready.set()
         self._persist()
