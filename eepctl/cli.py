@@ -10,7 +10,8 @@ import typer
 from eepctl import interrupt, streams
 from eepctl.cli_autoscale import autoscale
 from eepctl.cli_events import events
-from eepctl.options import Address, ApiKey, Name, Namespace, Output, OutputOpt
+from eepctl.options import Address, ApiKey, Name, Namespace, Output, OutputOpt, RequestKey, UpApiKey
+from eepctl.options import note_unused_vllm_key as _note_unused_vllm_key
 from eepctl.options import emit as _emit
 from eepctl.options import plain as _plain
 from eepctl.options import say as _say
@@ -78,7 +79,13 @@ def up(
     transport: Annotated[str, typer.Option("--transport", help="The per-step collectives: auto (shared memory when every rank of a world shares one host, gloo otherwise; chosen again at every transition), or gloo (TCP always).")] = "auto",
     health_deadline: Annotated[float, typer.Option("--health-deadline", help="Seconds a rank may stay silent (no probe answer, token or result) before it is fenced and recovered around; also how long a serving step waits for a peer.")] = 5.0,
     ingress: Annotated[int, typer.Option("--ingress", help="Ingress actors (requests enter there, HTTP and Ray calls; spread over nodes, the head first).")] = 1,
-    api_key: ApiKey = None,
+    host: Annotated[str, typer.Option("--host", help=(
+        "IPv4 address the ingresses' HTTP API listens on: 0.0.0.0 (every interface of its node), 127.0.0.1 "
+        "(the node itself only) or one of the node's addresses."))] = "0.0.0.0",
+    port: Annotated[int, typer.Option("--port", help=(
+        "The first ingress's HTTP port; ingress i listens on PORT+i, also after a restart (a port that is taken "
+        "fails `up`, exit 4). 0: any free port, kept across restarts while free."))] = 0,
+    api_key: UpApiKey = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
@@ -89,6 +96,7 @@ def up(
     engine = _engine_options(sizes, dtype, seed, capture_policy, transport, health_deadline)
     from eepctl.progress import busy
 
+    _note_unused_vllm_key(api_key)
     with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json), \
             interrupt.doing(f"starting {name} at DP {dp}",
                             f"what was started keeps running: `eepctl down --name {name}` removes it"):
@@ -96,7 +104,7 @@ def up(
                       cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
                       placement={"policy": placement, "ifname": ifname},
                       on_rank_failure=on_rank_failure, standby=standby, health_deadline_s=health_deadline,
-                      ingress=ingress, api_key=api_key)
+                      ingress=ingress, api_key=api_key, host=host, port=port)
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 
 
@@ -204,7 +212,7 @@ def generate(
     rate: Annotated[float | None, typer.Option(help="Turn into a load generator: requests per second.")] = None,
     duration: Annotated[float, typer.Option(help="Seconds of load with --rate.")] = 10.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer, counted from its sending.")] = 300.0,
-    api_key: ApiKey = None,
+    api_key: RequestKey = None,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,

@@ -15,10 +15,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from eepctl import streams
-from engine_ext.protocol import UnreachableError
+from engine_ext.protocol import UnreachableError, UsageError
 
 
 def state_dir() -> Path:
@@ -44,10 +45,12 @@ def started_cluster() -> dict[str, Any] | None:
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    addr = address.removeprefix("ray://")
+    """HOST and PORT of a Ray address (``ray://`` allowed; an IPv6 host keeps its brackets);
+    anything else is bad input (exit 2), found before any connection."""
+    addr = address.strip().removeprefix("ray://")
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise UnreachableError(f"cannot parse Ray address {address!r}: expected HOST:PORT")
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise UsageError(f"cannot parse Ray address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:6379")
     return host, int(port)
 
 
@@ -71,15 +74,18 @@ def resolve_address(address: str | None) -> str | None:
 
 
 def connect(address: str | None, namespace: str) -> str:
-    """Connect this process to the cluster as a Ray driver. Exit 3 when there is none."""
-    import ray
-
+    """Connect this process to the cluster as a Ray driver. Exit 3 when there is none (found in
+    seconds: eepctl.probe), exit 2 for an address that is no HOST:PORT."""
     addr = resolve_address(address)
     if addr is None:
         raise UnreachableError("no Ray cluster: pass --address or set RAY_ADDRESS (or run `eepctl up` to start one)")
     hostport = None if addr == "auto" else parse_address(addr)
-    if hostport is not None and not reachable(*hostport):
-        raise UnreachableError(f"no Ray cluster answers at {addr}")
+    if hostport is not None:  # seconds, not ray.init's many minutes, when no Ray cluster is there
+        from eepctl.probe import require_ray
+
+        require_ray(*hostport)
+    import ray
+
     streams.divert_library_output()
     if ray.is_initialized():
         return addr
@@ -100,6 +106,22 @@ def connect(address: str | None, namespace: str) -> str:
 
         interrupt.install()  # ray.init put in Ray's SIGTERM handler (a stack dump): ours wins
     return addr
+
+
+def connect_or_start(address: str | None, namespace: str,
+                     say: Callable[[str], None]) -> tuple[str, dict[str, Any] | None]:
+    """Connect to the cluster named (``address``, RAY_ADDRESS or the one eepctl started); with
+    none named anywhere, start a local head and say so. Returns the address and what was
+    started (None: nothing)."""
+    try:
+        return connect(address, namespace), None
+    except UnreachableError:
+        if resolve_address(address) is not None:
+            raise
+    say("No Ray cluster is running: starting a local Ray head (eepctl started it; "
+        "`eepctl down --stop-cluster` stops it).")
+    started = start_local()
+    return connect(started["address"], namespace), started
 
 
 def _check_auth(addr: str, host: str, port: int, timeout_s: float = 3.0) -> None:
@@ -123,6 +145,9 @@ def _check_auth(addr: str, host: str, port: int, timeout_s: float = 3.0) -> None
             gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
                 gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED and not addr.startswith("ray://"):
+            raise UnreachableError(f"no Ray cluster answers at {host}:{port}: a gRPC server that is not Ray's "
+                                   "GCS answers there (a raylet's or a worker's port?)") from None
         if e.code() == grpc.StatusCode.UNAUTHENTICATED:
             if not metadata and _adopt_saved_token():
                 return _check_auth(addr, host, port, timeout_s)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from eepctl import cluster, loadgen
+from eepctl.api_access import check_listen, key_digest
 from eepctl.loadgen import DEFAULT_PROMPTS, percentiles
-from engine_ext.drivers import Driver, endpoints, open_deployment, served_model, status_view
+from engine_ext.drivers import Driver, endpoints, open_deployment, request_key, served_model, status_view
 from engine_ext.drivers.base import Submit
 from engine_ext.drivers.completions import CompletionsClient, TokenSink
 from engine_ext.drivers.reference import check_outcome
@@ -87,7 +88,7 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
        timeout_s: float, say: Callable[[str], None] = lambda s: None,
        placement: dict[str, Any] | None = None, on_rank_failure: str = "replace",
        standby: int = 0, health_deadline_s: float = 5.0, ingress: int = 1,
-       api_key: str | None = None) -> dict[str, Any]:
+       api_key: str | None = None, host: str = "0.0.0.0", port: int = 0) -> dict[str, Any]:
     from engine_ext.config import EngineConfig, RankFailurePolicy
     from engine_ext.ray.deployment import actor, create_deployment
     from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
@@ -108,6 +109,7 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
             raise UsageError(f"{opt} must be >= {least}, got {value}")
     if not health_deadline_s > 0:
         raise UsageError(f"--health-deadline must be > 0, got {health_deadline_s}")
+    check_listen(host, port, ingress)
     try:
         cfg = EngineConfig(**engine, instance_id=t.name)
         cfg.size_captures_for(max_dp)
@@ -119,37 +121,22 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     why = kv_budget_error(cfg, dp)  # refused before a cluster is touched (the controller checks it too)
     if why:
         raise PreconditionError(f"cannot start DP {dp}: {why}")
-    started = None
     t0 = time.time()
-    try:
-        address = _connect(t)
-    except UnreachableError:
-        if cluster.resolve_address(t.address) is not None:
-            raise
-        say("No Ray cluster is running: starting a local Ray head (eepctl started it; "
-            "`eepctl down --stop-cluster` stops it).")
-        started = cluster.start_local()
-        address = cluster.connect(started["address"], t.namespace)
+    address, started = cluster.connect_or_start(t.address, t.namespace, say)
     if actor(registry_name(t.name), t.namespace) is not None:
         raise PreconditionError(f"deployment {t.name!r} already exists in namespace {t.namespace!r}")
     handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
                                         gpus_per_rank, timeout_s, placement=spec.to_dict(),
                                         on_rank_failure=on_rank_failure, standby=standby,
                                         health_deadline_s=health_deadline_s, ingress=ingress,
-                                        api_key_sha256=key_digest(api_key) if api_key else "")
+                                        api_key_sha256=key_digest(api_key) if api_key else "", host=host, port=port)
     # Heartbeats lag the start by up to a second: never less than a few seconds for them.
     deadline = max(t0 + timeout_s, time.time() + 5.0)
     snap = wait_serving(lambda: _get(handles.registry.snapshot.remote()), t.name, dp, deadline)
     return {"deployment": t.name, "namespace": t.namespace, "address": address, "dp": result["dp"],
             "max_dp": max_dp, "cluster_started": started is not None, "elapsed_s": round(time.time() - t0, 2),
-            "ranks": snap.get("ranks", []), "ingress": (snap.get("info") or {}).get("ingress", [])}
-
-
-def key_digest(api_key: str) -> str:
-    """What the ingress keeps of an API key: its SHA-256 (the key itself never reaches Ray)."""
-    import hashlib
-
-    return hashlib.sha256(api_key.encode()).hexdigest()
+            "ranks": snap.get("ranks", []),
+            "ingress": result.get("ingress") or (snap.get("info") or {}).get("ingress", [])}
 
 
 def wait_serving(snapshot: Callable[[], dict[str, Any]], name: str, dp: int, deadline: float,
@@ -309,8 +296,9 @@ def requests(t: Target, max_tokens: int, timeout_s: float, api_key: str | None =
         return (endpoints(snap) if snap else []) or _driver(t, api_key).endpoints()
 
     urls = lookup()
-    model = served_model(snap, t.name, urls[0], api_key)
-    return CompletionsClient(lookup, api_key, model, max_tokens, timeout_s, note, on_token).requests()
+    key = request_key(snap, api_key)
+    model = served_model(snap, t.name, urls[0], key)
+    return CompletionsClient(lookup, key, model, max_tokens, timeout_s, note, on_token).requests()
 
 
 # ---- scale / repair ------------------------------------------------------------------------------------

@@ -31,6 +31,14 @@ Name = Annotated[str, typer.Option("--name", "-n", envvar="EEPCTL_NAME", help="D
                                    autocompletion=complete_name)]
 ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="VLLM_API_KEY", show_envvar=True, show_default=False,
                                             help="Bearer key of a vLLM deployment's API server (never printed or stored).")]
+UpApiKey = Annotated[str | None, typer.Option(
+    "--api-key", envvar="EEPCTL_API_KEY", show_envvar=True, show_default=False,
+    help="Bearer key the deployment's HTTP API (its ingresses) will want; without one, anyone who reaches the port "
+         "can send requests. Never printed or stored (only its SHA-256 reaches Ray); VLLM_API_KEY is not read.")]
+RequestKey = Annotated[str | None, typer.Option(
+    "--api-key", show_default=False,
+    help="Bearer key of the deployment's HTTP API (never printed or stored). Default: $EEPCTL_API_KEY for a "
+         "reference deployment, $VLLM_API_KEY for a vLLM one.")]
 OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="Output format.", case_sensitive=False)]
 
 
@@ -69,6 +77,14 @@ def emit(text: str) -> None:
 
 def say(msg: str) -> None:
     sys.stderr.write(msg + "\n")
+
+
+def note_unused_vllm_key(api_key: str | None) -> None:
+    """`up` takes its key from --api-key or EEPCTL_API_KEY: a VLLM_API_KEY in the environment is
+    vLLM's, never silently made a reference deployment's key, and said to be left unused."""
+    if not api_key and os.environ.get("VLLM_API_KEY"):
+        say("note: VLLM_API_KEY is set and not used: a reference deployment's API key comes from --api-key or "
+            "EEPCTL_API_KEY")
 
 
 def width() -> int:

@@ -80,13 +80,32 @@ def fence_matters(rank: int, fence: dict[str, Any], snap: dict[str, Any], now: f
 
 
 def ingress_lines(snap: dict[str, Any]) -> list[str]:
-    """Where requests enter (each ingress's HTTP URL), with what it holds when it holds some."""
+    """Where requests enter (each ingress's HTTP URL), with what it holds when it holds some, why
+    its port changed or why it does not listen, and whether anyone can send requests."""
     lines = []
     for ing in (snap.get("info") or {}).get("ingress") or []:
         held = [f"{ing[k]} {k}" for k in ("inflight", "parked") if ing.get(k)]
-        lines.append(f"ingress {ing.get('index')}: {ing.get('url') or 'starting'}"
-                     + (f" ({', '.join(held)})" if held else "") + (" (restarted by Ray)" if ing.get("restarted") else ""))
+        where = ing.get("url") or (f"not listening: {ing['listen_error']} (trying again every second)"
+                                   if ing.get("listen_error") else "starting")
+        lines.append(f"ingress {ing.get('index')}: {where}" + (f" ({', '.join(held)})" if held else "")
+                     + (" (restarted by Ray)" if ing.get("restarted") else "")
+                     + (f" ({ing['note']})" if ing.get("note") else "") + exposure(ing))
     return lines
+
+
+def api_lines(ingresses: list[dict[str, Any]]) -> list[str]:
+    """`up`'s lines for the HTTP API: each ingress's URL, where it listens, and its key."""
+    return [f"  API: {ing.get('url')} (ingress {ing.get('index')}, listening on {ing.get('listen')})"
+            + (exposure(ing) or "; a key is required (Authorization: Bearer KEY)") for ing in ingresses]
+
+
+def exposure(ing: dict[str, Any]) -> str:
+    """", no key: ..." for an ingress whose API takes requests without a key ("" otherwise, and
+    for an ingress that does not say)."""
+    if ing.get("key_required") is not False:
+        return ""
+    local = str(ing.get("listen") or "").startswith("127.")
+    return f", no key: {'anyone on its node' if local else 'anyone who reaches the port'} can send requests"
 
 
 def _retry_in(control: dict[str, Any], now: float) -> str:

@@ -97,7 +97,13 @@ def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -
     name = "cli-a"
     downed = False
     try:
-        up = _up(name, "--dtype", "float64")
+        # VLLM_API_KEY is vLLM's: `up` leaves it unused and says so; the API has no key and says that
+        res = eepctl("up", "--dp", "2", "--name", name, "--dtype", "float64", "-o", "json", timeout=240,
+                     env={"VLLM_API_KEY": "vllm-key-of-another-server"})
+        assert res.returncode == 0 and "note: VLLM_API_KEY is set and not used" in res.stderr, res.stderr
+        up = last_json(res.stdout)
+        assert [i["key_required"] for i in up["ingress"]] == [False] and up["ingress"][0]["listen"].startswith(
+            "0.0.0.0:"), up["ingress"]
         assert up["dp"] == 2 and up["deployment"] == name
         assert sorted(r["rank"] for r in up["ranks"]) == [0, 1], up["ranks"]
 
@@ -146,6 +152,8 @@ def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -
 
         table = eepctl("status", "--name", name, timeout=60)
         assert table.returncode == 0, table.stderr
+        assert f"ingress 0: {up['ingress'][0]['url']}, no key: anyone who reaches the port can send requests" \
+            in table.stdout, table.stdout
         for r in ranks:
             assert r["instance_id"] in table.stdout, table.stdout
         assert re.search(r"cpu-static 4 sizes \d+ ms", table.stdout), table.stdout  # capture timings, not "n/a"
@@ -203,6 +211,9 @@ def test_bad_input_exit_codes(ray_cluster: dict[str, Any]) -> None:
         _assert_clean_error(res, ExitCode.UNREACHABLE, contains="nosuch")
         _assert_clean_error(eepctl("generate", "--name", "nosuch"), ExitCode.UNREACHABLE, contains="nosuch")
         _assert_clean_error(eepctl("status", "--address", "127.0.0.1:1", "--name", name), ExitCode.UNREACHABLE)
+        # the real head's address passes the check of what answers there (eepctl.probe): connected, no such name
+        _assert_clean_error(eepctl("status", "--address", ray_cluster["address"], "--name", "nosuch"),
+                            ExitCode.UNREACHABLE, contains="deployment 'nosuch' not found")
         _assert_clean_error(eepctl("scale", "--dp", "0", "--name", name), ExitCode.USAGE)  # the project's error
         _assert_clean_error(eepctl("scale", "--dp", "x", "--name", name), ExitCode.USAGE)  # typer's error
         _assert_clean_error(eepctl("frobnicate"), ExitCode.USAGE)

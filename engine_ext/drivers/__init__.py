@@ -13,7 +13,7 @@ from typing import Any
 from engine_ext.drivers.base import Driver
 from engine_ext.protocol import DeploymentKind
 
-__all__ = ["Driver", "endpoints", "open_deployment", "served_model", "status_view"]
+__all__ = ["Driver", "endpoints", "open_deployment", "request_key", "served_model", "status_view"]
 
 
 def open_deployment(name: str, registry: Any, controller: Any, *, api_key: str | None = None) -> Driver:
@@ -53,6 +53,18 @@ def endpoints(snap: dict[str, Any]) -> list[str]:
         return [str(info["api_url"]).rstrip("/")] if info.get("api_url") else []
     shown = sorted(info.get("ingress") or [], key=lambda i: int(i.get("index") or 0))
     return [str(i["url"]).rstrip("/") for i in shown if i.get("url")]
+
+
+def request_key(snap: dict[str, Any] | None, api_key: str | None) -> str | None:
+    """The key requests carry: ``--api-key``, else the kind's own variable: VLLM_API_KEY for a
+    vLLM server, EEPCTL_API_KEY for a reference deployment's ingresses (a vLLM key is never sent
+    to them)."""
+    import os
+
+    if api_key:
+        return api_key
+    vllm = bool(snap) and snap.get("kind") == DeploymentKind.VLLM.value  # type: ignore[union-attr]
+    return os.environ.get("VLLM_API_KEY" if vllm else "EEPCTL_API_KEY") or None
 
 
 def served_model(snap: dict[str, Any] | None, name: str, url: str, api_key: str | None) -> str:

@@ -170,13 +170,13 @@ class ReferenceDriver:
     def endpoints(self) -> list[str]:
         """Each ingress's HTTP URL, asked of the ingress actors themselves (when the registry that
         shows them is gone); an ingress Ray is restarting is waited for up to 30 s."""
-        from engine_ext.ray.deployment import call
+        from engine_ext.ray.deployment import ready
 
         urls = []
         for ing in self.ingresses():
             try:
-                urls.append(str(call(ing.ready.remote(), timeout=30)["url"]))
-            except EepError:
+                urls.append(str(ready(ing, timeout_s=30)["url"]))
+            except EepError:  # gone, restarting past the wait, or not listening (its pinned port taken)
                 continue
         if not urls:
             raise UnreachableError(f"no ingress of {self.name!r} answers (`eepctl status --name {self.name}`)")

@@ -72,20 +72,21 @@ def list_deployments(namespace: str) -> list[str]:
 def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, max_dp: int, cpus: float,
                       gpus: float, timeout_s: float, placement: dict[str, Any] | None = None,
                       on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0,
-                      ingress: int = 1, api_key_sha256: str = "") -> tuple[DeploymentHandles, dict[str, Any]]:
-    """Create the registry, ``ingress`` ingresses and the controller (detached, named) and start
-    ``dp`` ranks.
+                      ingress: int = 1, api_key_sha256: str = "", host: str = "0.0.0.0",
+                      port: int = 0) -> tuple[DeploymentHandles, dict[str, Any]]:
+    """Create the registry, ``ingress`` ingresses (listening on ``host``; ingress i at ``port`` + i,
+    or any free port with ``port`` 0) and the controller (detached, named) and start ``dp`` ranks.
 
-    Returns the handles and the controller's start result. When the start fails, both actors
-    are killed again, so a failed ``up`` leaves nothing behind."""
+    Returns the handles and the controller's start result. When anything of it fails (an
+    ingress that cannot listen included), everything it created is removed again and gone
+    before the error is raised, so a failed ``up`` leaves nothing behind and the next one starts
+    clean."""
     import ray
 
     from engine_ext.config import EngineConfig
-    from engine_ext.ray.controller import Controller
+    from engine_ext.ray.durable import DurableState
     from engine_ext.ray.placement import control_nodes, on_node
     from engine_ext.ray.registry import Registry
-
-    from engine_ext.ray.durable import DurableState
 
     DurableState(namespace, name).delete()  # a new deployment takes nothing over from an old one
     engine_cfg = EngineConfig.from_dict(cfg)
@@ -95,37 +96,69 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     # caller's. Hard: Ray's soft affinity put a zero-CPU actor on another node (1 of 3 tries on the
     # two-node test cluster), and the head's loss is the cluster's anyway.
     control = on_node(control_nodes()[0], soft=False)
-    registry = ray.remote(Registry).options(name=registry_name(name), namespace=namespace, lifetime="detached",
-                                            num_cpus=0, scheduling_strategy=control).remote(name)
-    info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
-            "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}, "desired_dp": dp,
-            "on_rank_failure": on_rank_failure}
-    ingresses = create_ingresses(name, namespace, ingress, api_key_sha256)
-    info["ingress"] = [call(h.ready.remote(), timeout=60) for h in ingresses]
-    call(registry.set_info.remote(info))
-    # Restarted by Ray whenever it dies (its state is durable: engine_ext.ray.durable); calls in
-    # flight at its death fail, and are not retried, so a scale is never sent twice.
-    controller = ray.remote(Controller).options(
+    handles = DeploymentHandles(None, None)
+    try:
+        handles.registry = ray.remote(Registry).options(
+            name=registry_name(name), namespace=namespace, lifetime="detached", num_cpus=0,
+            scheduling_strategy=control).remote(name)
+        info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
+                "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}, "desired_dp": dp,
+                "on_rank_failure": on_rank_failure}
+        ingresses = create_ingresses(name, namespace, ingress, api_key_sha256, host=host, port=port)
+        info["ingress"] = [ready(h) for h in ingresses]
+        call(handles.registry.set_info.remote(info))
+        handles.controller = _controller(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure,
+                                         standby, health_deadline_s, ingress, control)
+        result = call(handles.controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)
+        if isinstance(result, dict) and isinstance(result.get("error"), dict):
+            raise error_from_record(result["error"])
+    except Exception:
+        try:
+            destroy_deployment(name, namespace, handles)  # what the deployment owns, found by name
+        except Exception:  # noqa: BLE001 - the start's error is the one to report; `eepctl down` removes the rest
+            pass
+        raise
+    except BaseException:  # an interrupt: the quick part only (`eepctl down` removes the rest)
+        for h in (handles.controller, handles.registry, *(actor(n, namespace) for n in ingress_names(name, namespace))):
+            if h is not None:
+                ray.kill(h, no_restart=True)
+        raise
+    return handles, {**result, "ingress": info["ingress"]}  # where each ingress listens, as it answered
+
+
+def _controller(name: str, namespace: str, cfg: dict[str, Any], max_dp: int, cpus: float, gpus: float,
+                placement: dict[str, Any] | None, on_rank_failure: str, standby: int, health_deadline_s: float,
+                ingress: int, control: Any) -> Any:
+    """The controller actor. Restarted by Ray whenever it dies (its state is durable:
+    engine_ext.ray.durable); calls in flight at its death fail, and are not retried, so a scale
+    is never sent twice."""
+    import ray
+
+    from engine_ext.ray.controller import Controller
+
+    return ray.remote(Controller).options(
         name=controller_name(name), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
         scheduling_strategy=control, max_restarts=-1, max_task_retries=0,
     ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby, health_deadline_s,
              ingress)
-    try:
-        result = call(controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)
-        if isinstance(result, dict) and isinstance(result.get("error"), dict):
-            raise error_from_record(result["error"])
-    except BaseException:
-        for h in (controller, registry, *ingresses):
-            ray.kill(h, no_restart=True)
-        raise
-    return DeploymentHandles(registry, controller), result
+
+
+def ready(ingress: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Where an ingress listens, once it does; the error its start ended with otherwise (a port
+    that is taken: PreconditionError)."""
+    answer = call(ingress.ready.remote(), timeout=timeout_s)
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        raise error_from_record(answer["error"])
+    return answer
 
 
 INGRESS_PLACE_TRIES = 5  # an ingress Ray started on another node than asked is made again, this often
 
 
-def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str = "") -> list[Any]:
-    """``count`` ingress actors (engine_ext.ray.ingress), restarted by Ray when they die; spread
+def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str = "", *, host: str = "0.0.0.0",
+                     port: int = 0) -> list[Any]:
+    """``count`` ingress actors (engine_ext.ray.ingress), restarted by Ray when they die, listening
+    on ``host`` (ingress i at ``port`` + i; any free port with ``port`` 0); spread
     over the alive nodes, the head node first (placement.control_nodes): held to the head (its loss
     is the cluster's), soft elsewhere (a restart after that node died lands on a live one). Ray's
     soft affinity may start a zero-CPU actor elsewhere (seen on the two-node test cluster): one
@@ -139,9 +172,9 @@ def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str 
     for i in range(count):
         want, soft = nodes[i % len(nodes)], i % len(nodes) > 0
         for attempt in range(INGRESS_PLACE_TRIES):
-            handle = _ingress(name, namespace, i, api_key_sha256, want, soft)
+            handle = _ingress(name, namespace, i, api_key_sha256, want, soft, host, port + i if port else 0)
             last = attempt == INGRESS_PLACE_TRIES - 1
-            if not soft or last or call(handle.ready.remote(), timeout=60)["node_id"] == want.node_id:
+            if not soft or last or ready(handle)["node_id"] == want.node_id:
                 break
             _remove_named(handle, ingress_name(name, i), namespace)
             time.sleep(0.5 * 2**attempt)
@@ -149,7 +182,8 @@ def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str 
     return handles
 
 
-def _ingress(name: str, namespace: str, index: int, api_key_sha256: str, node: Any, soft: bool) -> Any:
+def _ingress(name: str, namespace: str, index: int, api_key_sha256: str, node: Any, soft: bool, host: str,
+             port: int) -> Any:
     import ray
 
     from engine_ext.ray.ingress import Ingress
@@ -158,7 +192,7 @@ def _ingress(name: str, namespace: str, index: int, api_key_sha256: str, node: A
     return ray.remote(Ingress).options(
         name=ingress_name(name, index), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
         max_restarts=-1, max_task_retries=0, scheduling_strategy=on_node(node, soft=soft),
-    ).remote(name, namespace, index, api_key_sha256)
+    ).remote(name, namespace, index, api_key_sha256, port, host)
 
 
 def _remove_named(handle: Any, actor_name: str, namespace: str, wait_s: float = 10.0) -> None:
@@ -234,12 +268,12 @@ def _forget_stores(name: str, namespace: str) -> None:
     from ray.experimental import internal_kv
 
     from engine_ext.ray.durable import DurableState
+    from engine_ext.ray.ingress_listen import port_key_prefix
     from engine_ext.ray.registry import KV_NAMESPACE, endpoint_key
 
     DurableState(namespace, name).delete()
     internal_kv._internal_kv_del(endpoint_key(namespace, name), namespace=KV_NAMESPACE)
-    internal_kv._internal_kv_del(f"ingress-port/{namespace}/{name}/".encode(), del_by_prefix=True,
-                                 namespace=KV_NAMESPACE)
+    internal_kv._internal_kv_del(port_key_prefix(namespace, name), del_by_prefix=True, namespace=KV_NAMESPACE)
 
 
 def has_leftovers(name: str, namespace: str) -> bool:

@@ -31,6 +31,7 @@ from engine_ext.ray.spawner import RayRankClient
 
 RETRY_PARKED_S = 0.5  # how often the ingress itself re-sends requests no rank took
 REFENCE_EVERY_S = 3.0  # a fenced rank still sending is reported to the controller at most this often
+LISTEN_RETRY_S = 1.0  # a restarted ingress whose pinned port is taken tries it again this often
 
 
 class Ingress:
@@ -52,20 +53,53 @@ class Ingress:
         self._from_durable()
         loop = asyncio.get_event_loop()
         self._retry = loop.create_task(self._retry_loop())
+        self.incarnation = uuid.uuid4().hex[:6]  # in its request ids: a restarted ingress knows its own
+        self.handed_back = {"resubmitted": 0, "dropped": 0}  # requests removing ranks handed back
         self.url = ""
+        self.listen_error = ""  # why the HTTP server does not listen (a pinned port taken), while it does not
         self.http: Any = None
         self._http = loop.create_task(self._serve_http(host, port))  # a restarted ingress serves again too
 
     async def _serve_http(self, host: str, port: int) -> None:
+        """Serve HTTP. A pinned port that is taken fails the first start (`up` says so); a
+        restarted ingress tries it again every LISTEN_RETRY_S until it is free (status says why)."""
         from engine_ext.ray.ingress_http import IngressHttp
+        from engine_ext.ray.ingress_listen import ListenError
 
         self.http = IngressHttp(self)
-        self.url = await self.http.start(host, port)
+        while True:
+            try:
+                self.url = await self.http.start(host, port)
+                self.listen_error = ""
+                return
+            except ListenError as e:
+                self.listen_error = str(e)
+                if not self.restarted:
+                    raise
+            await asyncio.sleep(LISTEN_RETRY_S)
 
     async def ready(self) -> dict[str, Any]:
-        """Once the HTTP server listens: where."""
-        await asyncio.shield(self._http)
-        return {"index": self.index, "url": self.url, "node_id": ray.get_runtime_context().get_node_id()}
+        """Once the HTTP server listens: where (as status shows it); else why it does not, as an
+        error record (a port that is taken: exit 4; any other failure of the server: exit 5)."""
+        from engine_ext.errors import PreconditionError, TransitionFailed, error_record
+        from engine_ext.ray.ingress_listen import ListenError
+
+        try:
+            await asyncio.shield(self._http)
+        except ListenError as e:
+            return error_record(PreconditionError(f"ingress {self.index} of {self.deployment!r}: {e}"))
+        except Exception as e:  # noqa: BLE001 - the HTTP server's own failure, reported whole
+            return error_record(TransitionFailed(f"ingress {self.index} of {self.deployment!r} could not start "
+                                                 f"its HTTP server: {type(e).__name__}: {e}"))
+        return {**self.where(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def where(self) -> dict[str, Any]:
+        """How clients reach it: the URL, the address it listens on, whether requests need a key,
+        why its port changed or why it does not listen."""
+        http = self.http
+        return {"index": self.index, "url": self.url, "listen": getattr(http, "listen", ""),
+                "key_required": bool(self.api_key_sha256), "note": getattr(http, "note", ""),
+                "listen_error": self.listen_error}
 
     # ---- the world, as the controller says ---------------------------------------------------
     def set_world(self, world: dict[str, Any]) -> None:
@@ -155,8 +189,16 @@ class Ingress:
     def reroute(self, dead: list[int]) -> int:
         return self.router.reroute(set(dead))
 
-    async def resubmit(self, wires: list[dict[str, Any]]) -> None:
-        await self.router.resubmit(wires)
+    async def resubmit(self, wires: list[dict[str, Any]]) -> dict[str, int]:
+        """Requests a removing rank handed back continue on a remaining rank. Only this
+        incarnation's: a request of the ingress before a restart lost its client with it (the
+        client sends it again), so running it would serve no one. Answers both counts."""
+        mine = f"{request_prefix(self.index)}{self.incarnation}-"
+        own = [w for w in wires if str(w.get("request_id", "")).startswith(mine)]
+        self.handed_back["resubmitted"] += len(own)
+        self.handed_back["dropped"] += len(wires) - len(own)
+        await self.router.resubmit(own)
+        return {"resubmitted": len(own), "dropped": len(wires) - len(own)}
 
     def expire_parked(self, max_wait_s: float, reason: str) -> int:
         return self.router.expire_parked(max_wait_s, reason)
@@ -176,7 +218,8 @@ class Ingress:
                 "stale_dropped": r.stale_dropped, "fenced_dropped": self.fenced_dropped,
                 "inflight": sum(r.inflight.values()), "members": sorted(r.clients), "restarted": self.restarted,
                 "heard": {str(k): t for k, t in self.heard.items()},
-                "admitted": r.admissions()}  # the autoscaler's arrival signal
+                "admitted": r.admissions(),  # the autoscaler's arrival signal
+                "handed_back": dict(self.handed_back), **self.where()}
 
     def pid(self) -> int:
         import os
@@ -193,7 +236,7 @@ class Ingress:
         return res
 
     def new_request_id(self) -> str:
-        return f"{request_prefix(self.index)}{uuid.uuid4().hex[:12]}"
+        return f"{request_prefix(self.index)}{self.incarnation}-{uuid.uuid4().hex[:12]}"
 
     async def _retry_loop(self) -> None:
         """Requests no rank took wait here; with no controller to retry them, the ingress does."""

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -72,21 +71,21 @@ class IngressHttp:
     def __init__(self, ingress: Ingress) -> None:
         self.ingress = ingress
         self.server: Any = None
+        self.serving: asyncio.Task | None = None  # the server's task, held (an unreferenced task may be collected)
+        self.listen = ""  # HOST:PORT the server listens on
+        self.note = ""  # why the port is not the one it had before a restart
 
     async def start(self, host: str, port: int) -> str:
-        """Listen on ``port`` (0: the one this ingress used before a restart, else any free one)."""
+        """Listen on ``host`` at ``port`` (0: the port this ingress had before a restart, else any
+        free one: engine_ext.ray.ingress_listen); the URL, once the server listens."""
         import ray
         import uvicorn
 
-        port = port or _saved_port(self.ingress) or 0
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            sock.bind((host, 0))  # the old port is taken: the URL in status changes
-        port = sock.getsockname()[1]
-        _save_port(self.ingress, port)
+        from engine_ext.ray import ingress_listen
+
+        ing = self.ingress
+        where = ingress_listen.bind(host, port, ingress_listen.saved_port(ing.namespace, ing.deployment, ing.index))
+        ingress_listen.save_port(ing.namespace, ing.deployment, ing.index, where.port)
 
         class _Server(uvicorn.Server):
             def capture_signals(self) -> Any:  # the actor's process keeps Ray's signal handlers
@@ -94,10 +93,9 @@ class IngressHttp:
 
         config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False)
         self.server = _Server(config)
-        asyncio.ensure_future(self.server.serve(sockets=[sock]))
-        while not self.server.started:
-            await asyncio.sleep(0.02)
-        return f"http://{ray.util.get_node_ip_address()}:{port}"
+        self.serving = await ingress_listen.serve_started(self.server, where)
+        self.listen, self.note = f"{host}:{where.port}", where.note
+        return ingress_listen.url_for(host, where.port, ray.util.get_node_ip_address())
 
     def _authorized(self, request: Any) -> bool:
         import hashlib
@@ -237,20 +235,3 @@ def prometheus_text(ing: Ingress) -> str:
         out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
         out += [f"{name}{{{lab}}} {val}" for lab, val in samples]
     return "\n".join(out) + "\n"
-
-
-def _port_key(ing: Ingress) -> bytes:
-    return f"ingress-port/{ing.namespace}/{ing.deployment}/{ing.index}".encode()
-
-
-def _saved_port(ing: Ingress) -> int:
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(_port_key(ing), namespace="eepctl")
-    return int(raw) if raw else 0
-
-
-def _save_port(ing: Ingress, port: int) -> None:
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(_port_key(ing), str(port).encode(), overwrite=True, namespace="eepctl")

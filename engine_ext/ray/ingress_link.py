@@ -14,6 +14,7 @@ ingresses' answers.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ from engine_ext.control.rank_client import RankClient
 from engine_ext.ray.names import ingress_name, owner_of
 
 TICK_TIMEOUT_S = 2.0
+HAND_BACK_S = 60.0  # how long requests handed back are offered to an ingress that does not answer
+HAND_BACK_RETRY_S = 0.5
 
 
 class IngressLink:
@@ -47,6 +50,9 @@ class IngressLink:
         self.stats: dict[int, dict[str, Any]] = {}  # ingress index -> its last answer
         self._handles: dict[int, Any] = {}
         self.pushes = 0
+        self._handing: set[asyncio.Task] = set()  # hand-backs under way (held: a bare task may be collected)
+        self.handed_back = 0  # requests an ingress took back from a removing rank
+        self.handed_back_lost = 0  # requests whose ingress never answered the hand-back
         self._last: dict[str, Any] | None = None  # the world last pushed (without its version)
 
     # ---- the world ---------------------------------------------------------------------------
@@ -139,15 +145,38 @@ class IngressLink:
         return 0
 
     async def resubmit(self, moved: list[dict[str, Any]]) -> None:
-        """Requests a removing rank handed back go to the ingress that owns them."""
+        """Requests a removing rank handed back go to the ingress that owns them, in the
+        background (a scale does not wait on an ingress)."""
         by_owner: dict[int, list[dict[str, Any]]] = {}
         for wire in moved:
             owner = owner_of(wire["request_id"])
             if owner is not None:
                 by_owner.setdefault(owner, []).append(wire)
         for i, wires in by_owner.items():
-            if (h := self._handle(i)) is not None:
-                h.resubmit.remote(wires)
+            task = asyncio.ensure_future(self.hand_back(i, wires))
+            self._handing.add(task)
+            task.add_done_callback(self._handing.discard)
+
+    async def hand_back(self, index: int, wires: list[dict[str, Any]], within_s: float = HAND_BACK_S) -> bool:
+        """Give ``wires`` to ingress ``index`` until it answers: a call to an ingress Ray is
+        restarting fails at once, and a request sent nowhere would wait in its ingress forever.
+        The ingress that answers runs those it owns and drops those of its predecessor (their
+        client left with it). False, counted in ``handed_back_lost``, when none answered within
+        ``within_s`` (the ingress is gone for good)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            h = self._handle(index)
+            if h is not None:
+                try:
+                    answer = await h.resubmit.remote(wires)
+                    self.handed_back += int(answer.get("resubmitted", 0)) if isinstance(answer, dict) else len(wires)
+                    return True
+                except Exception:  # noqa: BLE001 - being restarted, or just died: asked again
+                    self._handles.pop(index, None)
+            if time.monotonic() > deadline:
+                self.handed_back_lost += len(wires)
+                return False
+            await asyncio.sleep(HAND_BACK_RETRY_S)
 
     async def retry_parked(self) -> None:
         """The reconcile tick: each ingress re-sends what it parked and answers its counts; one
@@ -211,5 +240,6 @@ class IngressLink:
 
     def shown(self) -> list[dict[str, Any]]:
         """Each ingress as `eepctl status` shows it."""
-        return [{k: s.get(k) for k in ("index", "url", "parked", "completed", "failed", "inflight", "restarted")}
-                for _, s in sorted(self.stats.items())]
+        keys = ("index", "url", "parked", "completed", "failed", "inflight", "restarted", "listen", "key_required",
+                "note", "listen_error")
+        return [{k: s.get(k) for k in keys} for _, s in sorted(self.stats.items())]
