@@ -108,9 +108,10 @@ part_curve() {
 import json, sys, pathlib
 w = pathlib.Path(sys.argv[1])
 for case in ("default", "reuse"):
-    f = w / case / "curves.json"
-    rows = json.loads(f.read_text())["bytes"] if f.exists() else []
-    print(f"{case}: " + (", ".join(f"{r['pause_s'] * 1e3:.1f} ms pause" for r in rows) or "no result"), end="; ")
+    found = sorted((w / case).glob("curves*.json"))
+    rows = json.loads(found[0].read_text())["bytes"] if found else []
+    print(f"{case}: " + (", ".join(f"{r['pause_s'] * 1e3:.1f} ms pause ({r.get('capture_policy')})" for r in rows)
+                         or "no result"), end="; ")
 PY
 )
   if [ $rc1 -eq 0 ] && [ $rc2 -eq 0 ]; then summary pause-2GiB PASS "$text"
