@@ -9,6 +9,7 @@ from typing import Any
 # rich is imported inside the text renderers: `-o json` output never pays for it.
 from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
 from eepctl.render_control import api_lines, control_lines, ingress_lines
+from eepctl.render_gpu import shared_gpu_lines
 from eepctl.render_cost import plan_cost_lines
 from eepctl.render_requests import generate_head, generate_tail, generate_text, load_text  # noqa: F401 - render's API
 
@@ -184,6 +185,7 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
         lines.append(f"operation in progress: {op['op_id']} DP {op['from_size']} -> {op['to_size']}, phase {op['phase']}")
     for v in snap.get("violations", []):
         lines.append(f"INVARIANT {v['invariant']} rank {v['rank']}: {v['message']}")
+    lines.extend(shared_gpu_lines(snap["ranks"]))
     lines.extend(_vllm_lines(snap))
     return lines
 

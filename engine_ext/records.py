@@ -112,6 +112,8 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node_ip: str = ""  # the address this rank's store and gloo device use
     pid: int = 0
     device: str = "cpu"
+    device_uuid: str = ""  # the physical GPU (ranks sharing one report the same); "" on CPU
+    mps: bool | None = None  # an MPS control daemon is up for this rank's GPU; None on CPU
     state: str = RankState.STARTING.value
     state_reason: str = ""
     dp_size: int = 0

@@ -336,3 +336,30 @@ def test_a_scale_left_running_says_how_to_follow_it_with_its_target() -> None:
     text = render.scale_text({"op_id": "op-1", "state": "running"}, flags)
     assert text == ("op-1 accepted; follow it with: eepctl events --name prod --namespace team-a "
                     "--address 10.0.0.1:6379 --op op-1 --follow\n")
+
+
+def test_ranks_sharing_a_gpu_without_mps_are_named_in_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks that report one physical GPU and no MPS daemon get a line saying they serve less than
+    one rank; with MPS up (the rank finds its control pipe), or on GPUs of their own, nothing."""
+    import torch
+
+    from engine_ext.rank.device_info import mps_active
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert mps_active(torch.device("cuda:0")) is False and mps_active(torch.device("cpu")) is None
+    (tmp_path / "control").touch()  # where the daemon's pipe lives while it runs
+    assert mps_active(torch.device("cuda:0")) is True
+
+    def snap(uuids: list[str], mps: bool) -> dict[str, Any]:
+        state = RegistryState("gpu")
+        for r, uuid in enumerate(uuids):
+            state.report_status(rank_status(r, len(uuids), device="cuda:0", device_uuid=uuid, mps=mps,
+                                            node_ip="10.0.0.1"))
+        return state.snapshot()
+
+    shared = [ln for ln in render.status_summary_lines(snap(["GPU-a"] * 3 + ["GPU-b"], False)) if "MPS" in ln]
+    assert shared == ["ranks 0,1,2 share one GPU (cuda:0 on 10.0.0.1) without MPS: their kernels take turns, so "
+                      "together they serve less than one rank; start `nvidia-cuda-mps-control -d` on that node "
+                      "before the ranks"], shared
+    assert not [ln for ln in render.status_summary_lines(snap(["GPU-a"] * 4, True)) if "MPS" in ln]
+    assert not [ln for ln in render.status_summary_lines(snap(["GPU-a", "GPU-b"], False)) if "MPS" in ln]

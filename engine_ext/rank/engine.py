@@ -37,6 +37,7 @@ from engine_ext.model.model import PLACEHOLDER_SEED_OFFSET, MoEModel
 from engine_ext.model.seeded_source import SeededWeightSource
 from engine_ext.protocol import RankState, RankStatus, to_builtins
 from engine_ext.rank.capture_reuse import CaptureReuse, max_world_handle
+from engine_ext.rank.device_info import device_uuid, mps_active
 from engine_ext.faults import Faults
 from engine_ext.rank.recovery import RankRecovery
 from engine_ext.rank.reshuffle import ExpertReshuffle
@@ -98,6 +99,7 @@ class RankEngine:
         self.cfg = cfg = rank_identity(cfg, deployment, rank, faults)
         self.deployment, self.kind = deployment, kind
         self.device = torch.device(device)
+        self.device_uuid, self.mps = device_uuid(self.device), mps_active(self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("EEP_TORCH_THREADS", "1"))))
         self.node = socket.gethostname()
@@ -193,7 +195,7 @@ class RankEngine:
         st = RankStatus(
             deployment=self.deployment, rank=shared.rank, instance_id=self.instance_id, engine_id=self.engine_id,
             kind=self.kind, node=f"{self.node}/{self.ip}", node_id=self.node_id, node_ip=self.ip,
-            pid=os.getpid(), device=str(self.device),
+            pid=os.getpid(), device=str(self.device), device_uuid=self.device_uuid, mps=self.mps,
             state=shared.state.value, state_reason=shared.state_reason, dp_size=shared.world_size,
             requests_running=len(s.running), requests_waiting=len(s.waiting),
             request_seconds=round(s.held.total(now), 6), slots_used=s.slots.used, slots_total=s.slots.total,
