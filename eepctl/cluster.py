@@ -130,15 +130,14 @@ def _check_auth(addr: str, host: str, port: int, timeout_s: float = 3.0) -> None
     after ray.init's ~20 s of retries. Anything else is left for ray.init to report."""
     try:
         import grpc
-        from ray._private.authentication.grpc_authentication_client_interceptor import (
-            _get_authentication_metadata_tuple,
-        )
         from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+        from engine_ext.ray import ray_private
     except Exception:  # noqa: BLE001 - a Ray without token auth: nothing to check
         return
     try:
-        metadata = _get_authentication_metadata_tuple()
-    except Exception:  # noqa: BLE001 - e.g. RAY_AUTH_MODE=token with no token anywhere
+        metadata = ray_private.auth_metadata()
+    except Exception:  # noqa: BLE001 - e.g. RAY_AUTH_MODE=token with no token anywhere, or a Ray without token auth
         metadata = ()
     try:
         with grpc.insecure_channel(f"{host}:{port}") as channel:
@@ -168,11 +167,9 @@ def _adopt_saved_token() -> bool:
     if os.environ.get("RAY_AUTH_MODE") is not None:
         return False
     try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
+        from engine_ext.ray import ray_private
 
-        return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+        return ray_private.adopt_saved_token()
     except Exception:  # noqa: BLE001 - a Ray without token auth: nothing to adopt
         return False
 

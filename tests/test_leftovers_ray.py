@@ -42,6 +42,74 @@ def _owned(name: str) -> list[str]:
     return sorted(owned(NAMESPACE, name).names())
 
 
+NOISE = 1000
+
+
+def _noise() -> tuple[list, list]:
+    """1,000 placement groups of no one's (0.001 CPU each) in the deployment's namespace and 1,000
+    named actors in ten other namespaces (detached, asking for a resource no node has: they stay
+    pending, so they cost Ray a record each and no process)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pgs = [placement_group([{"CPU": 0.001}], name=f"noise{i}-pg") for i in range(NOISE)]
+    ray.get([pg.ready() for pg in pgs], timeout=300)
+
+    @ray.remote(num_cpus=0, resources={"nowhere": 1})
+    class Pending:
+        pass
+
+    actors = [Pending.options(name=f"noise{i}", namespace=f"noise-{i % 10}", lifetime="detached").remote()
+              for i in range(NOISE)]
+    return pgs, actors
+
+
+def _a_crowded_cluster_costs_the_loop_nothing(name: str) -> None:
+    """The controller's sweep for orphans looks at the deployment's names only (its namespace's
+    named actors, their placement groups by name), never Ray's whole placement group table or
+    every namespace's actors, and runs in a thread: with 1,000 unrelated placement groups and
+    1,000 unrelated actors in the cluster, an orphaned DP rank is still found, and every tick the
+    controller records (sweeps included) stays within the loop's period."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from engine_ext.ray import leftovers
+    from engine_ext.ray.names import controller_name
+
+    pgs, actors = _noise()
+    try:
+        controller = ray.get_actor(controller_name(name), namespace=NAMESPACE)
+        since = ray.get(controller.tick_record.remote(), timeout=30)["ticks"]
+        # The sweep's lookups, in this process, with the whole-cluster reads made to fail.
+        util, table, listed = ray.util, ray.util.placement_group_table, ray.util.list_named_actors
+
+        def scoped_list(all_namespaces: bool = False) -> list:
+            assert not all_namespaces, "the sweep listed every namespace's actors"
+            return listed(all_namespaces)
+
+        def no_table(*_: object) -> dict:
+            raise AssertionError("the sweep read the whole placement group table")
+
+        util.placement_group_table, util.list_named_actors = no_table, scoped_list
+        try:
+            found = leftovers.owned(NAMESPACE, name, everything=False)
+        finally:
+            util.placement_group_table, util.list_named_actors = table, listed
+        assert found.names() == {f"{name}_dp0", f"{name}_dp0-pg"}, found
+        record = wait_for(lambda: (r := ray.get(controller.tick_record.remote(), timeout=30))["ticks"] >= since + 12
+                          and r, timeout=120, what="12 ticks (two sweeps) of the controller in the crowded cluster")
+        ticks = record["tick_s"][-(record["ticks"] - since):]
+        print(f"\n[leftovers] {NOISE} placement groups + {NOISE} actors of no one's: {len(ticks)} ticks, "
+              f"max {max(ticks) * 1000:.0f} ms, median {sorted(ticks)[len(ticks) // 2] * 1000:.0f} ms "
+              f"(period {record['period_s']:.1f} s)")
+        assert max(ticks) < record["period_s"], ticks
+    finally:
+        for pg in pgs:
+            remove_placement_group(pg)
+        for a in actors:
+            ray.kill(a, no_restart=True)
+
+
 def _kill_controller(name: str) -> int:
     import ray
 
@@ -76,6 +144,7 @@ def test_take_over_launch_and_down_remove_what_no_member_holds(deployments, ray_
     assert up["state"] == "succeeded", up
     assert _owned(d.name) == sorted(member + [f"{d.name}_dp1", f"{d.name}_dp1-pg"])
     assert eepctl_json("scale", "--dp", "1", "--name", d.name, "--retire", "1", timeout=300)["state"] == "succeeded"
+    _a_crowded_cluster_costs_the_loop_nothing(d.name)
 
     # A restarted controller removes what no member holds, standbys' names included (the loop's
     # sweep leaves those alone: the pool may be launching one), found by name from Ray's state.
@@ -96,12 +165,12 @@ def test_take_over_launch_and_down_remove_what_no_member_holds(deployments, ray_
 
     # No controller at all (and no registry): `down` still removes every resource of the
     # deployment, leftovers included; a second `down` finds nothing and changes nothing.
-    _stale(d.name, actor_name=f"{d.name}_dp7", pg_name=f"{d.name}_dp5-pg")
     for n in (controller_name(d.name), registry_name(d.name)):
         ray.kill(ray.get_actor(n, namespace=NAMESPACE), no_restart=True)
     wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
                           if a["name"] in (controller_name(d.name), registry_name(d.name))], timeout=30,
              what="the control actors gone")
+    _stale(d.name, actor_name=f"{d.name}_dp7", pg_name=f"{d.name}_dp5-pg")  # made now: no sweep ends them
     res = eepctl("down", "--name", d.name, "-o", "json", timeout=120)
     assert res.returncode == 0, res.stderr
     removed = json.loads(res.stdout.splitlines()[-1])["removed_by_name"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from engine_ext.ray.ray_private import actor_id
 from tests.helpers import NAMESPACE, ROOT, eepctl, eepctl_json, up_cli, wait_for
 
 pytestmark = pytest.mark.ray
@@ -116,7 +117,7 @@ def test_scale_on_a_terminal_then_status_timeline_and_registry_restart(deploymen
     assert [o["op_id"] for o in light_ev["operations"]] == [o["op_id"] for o in via_ray_ev["operations"]] == [op_id]
     cluster.connect(ray_cluster["address"], NAMESPACE)
     old = ray.get_actor(registry_name(d.name), namespace=NAMESPACE)
-    old_id = old._actor_id.hex()
+    old_id = actor_id(old)
     ray.kill(old, no_restart=True)
 
     def new_registry() -> Any:
@@ -124,7 +125,7 @@ def test_scale_on_a_terminal_then_status_timeline_and_registry_restart(deploymen
             h = ray.get_actor(registry_name(d.name), namespace=NAMESPACE)
         except ValueError:
             return None
-        return h if h._actor_id.hex() != old_id else None
+        return h if actor_id(h) != old_id else None
 
     reg = wait_for(new_registry, timeout=30, interval=0.05, what="the registry recreated")
     seen_short = 0

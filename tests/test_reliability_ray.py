@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from engine_ext.protocol import RankState, RankStatus, to_builtins
+from engine_ext.ray.ray_private import actor_id
 from tests.helpers import (
     NAMESPACE,
     ROOT,
@@ -115,7 +116,7 @@ def test_registry_killed_and_recreated_while_serving(deployments, ray_cluster):
     wait_serving_load(d.name)
     _driver(ray_cluster)
     old = ray.get_actor(registry_name(d.name), namespace=NAMESPACE)
-    old_id = old._actor_id.hex()
+    old_id = actor_id(old)
     ray.kill(old, no_restart=True)
     t_kill = time.time()
 
@@ -124,7 +125,7 @@ def test_registry_killed_and_recreated_while_serving(deployments, ray_cluster):
             h = ray.get_actor(registry_name(d.name), namespace=NAMESPACE)
         except ValueError:
             return None
-        if h._actor_id.hex() == old_id:
+        if actor_id(h) == old_id:
             return None
         res = eepctl("status", "--name", d.name, "-o", "json", timeout=60)
         if res.returncode != 0:

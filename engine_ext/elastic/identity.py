@@ -53,3 +53,18 @@ STANDBY_RANK_BASE = 100_000  # a standby's provisional rank number: outside ever
 def standby_identity(base: str, n: int) -> str:
     """A standby's identity: ``<base>_standby<n>``, never a ``_dp<r>`` another rank may hold (I1)."""
     return f"{strip_dp_suffix(base)}_standby{n}"
+
+
+def standby_number(base: str, name: str) -> int | None:
+    """``n`` when ``name`` is the standby identity ``<base>_standby<n>`` (an adopted standby's Ray
+    actor keeps that name), else None: the one reading of a standby's name."""
+    head = f"{strip_dp_suffix(base)}_standby"
+    rest = name[len(head):]
+    return int(rest) if name.startswith(head) and rest.isdigit() else None
+
+
+def dp_rank_of(base: str, name: str) -> int | None:
+    """``r`` when ``name`` is the DP identity ``<base>_dp<r>``, else None."""
+    head = f"{strip_dp_suffix(base)}_dp"
+    rest = name[len(head):]
+    return int(rest) if name.startswith(head) and rest.isdigit() else None

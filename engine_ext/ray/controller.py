@@ -144,6 +144,11 @@ class Controller:
 
         return os.getpid()
 
+    def tick_record(self) -> dict[str, Any]:
+        """The reconcile loop's own record: how long each recent tick took, against its period."""
+        r = self.reconciler
+        return {"ticks": r.ticks, "tick_s": list(r.tick_seconds), "period_s": r.tick_s}
+
     async def info(self) -> dict[str, Any]:
         self._info_dead()
         return {"deployment": self.deployment, "dp": self.orch.size, "max_dp": self.orch.max_dp,

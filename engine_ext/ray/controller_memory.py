@@ -13,6 +13,7 @@ recovery that restores every expert from the weight source.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from engine_ext.control.rank_client import GoneRankClient, RankClient
 from engine_ext.control.world import quiet
 from engine_ext.elastic.eplb import ExpertLayout
-from engine_ext.elastic.identity import STANDBY_RANK_BASE
+from engine_ext.elastic.identity import STANDBY_RANK_BASE, standby_number
 from engine_ext.protocol import Operation, OpState, Phase
 from engine_ext.ray import leftovers
 from engine_ext.records import from_builtins
@@ -57,7 +58,7 @@ async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, An
     w.fenced = {int(r): f for r, f in (state.get("fenced") or {}).items()}
     w.history = list(state.get("history") or [])
     # Not restored: ``rerouted_base`` is a baseline of this process's router count, which starts
-    # at 0 again here (restoring the old one recorded a negative count: issue 31 point 3).
+    # at 0 again here (the old process's baseline would make the count negative).
     if state.get("store"):
         w.move_store((state["store"][0], int(state["store"][1])), int(state.get("store_host", 0)))
     actors = state.get("actors") or {}
@@ -76,15 +77,15 @@ async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, An
     done.append(f"re-attached to rank(s) {sorted(set(clients) - set(gone))}"
                 + (f"; rank(s) {gone} gone" if gone else ""))
     # Not what the dead controller remembered: a joiner's group reserved before its actor
-    # existed, a dead member's group, a standby (the pool refills) are all found by name.
+    # existed, a dead member's group, a standby (the pool refills) are all found by name, in a
+    # thread (the whole placement group table is read once: a reservation may have no actor).
     kept = [n for c in clients.values() if (n := getattr(c, "actor_name", ""))]
-    removed = leftovers.remove_unheld(spawner.namespace, spawner.deployment, kept)
-    left = await leftovers.wait_gone_async(spawner.namespace, spawner.deployment, removed)
+    removed = await asyncio.to_thread(leftovers.remove_unheld, spawner.namespace, spawner.deployment, kept)
+    left = await leftovers.wait_gone(spawner.namespace, spawner.deployment, removed)
     for item in removed:  # status must not list an ended standby as ready
-        name = item.removeprefix("actor ")
-        standby = name.rpartition("_standby")[2]
-        if item.startswith("actor ") and "_standby" in name and standby.isdigit():
-            w.forget_rank(STANDBY_RANK_BASE + int(standby))
+        kind, _, name = item.rpartition(" ")
+        if kind == "actor" and (n := standby_number(spawner.deployment, name)) is not None:
+            w.forget_rank(STANDBY_RANK_BASE + n)
     if removed:
         done.append(f"removed what no member holds: {', '.join(removed)}"
                     + (f" (still held: {', '.join(left)})" if left else ""))
@@ -133,15 +134,16 @@ async def sweep_orphans(orch: Orchestrator, spawner: RaySpawner, namespace: str,
     if orch.world.op_lock.locked():
         return []
     kept = [n for c in orch.clients.values() if (n := getattr(c, "actor_name", ""))]
-    removed = leftovers.remove_unheld(namespace, deployment, kept, standbys=False)
+    # Looked up by the deployment's names only (its namespace's named actors, their placement
+    # groups by name), in a thread: the controller's loop never waits on Ray's state.
+    removed = await asyncio.to_thread(leftovers.remove_unheld, namespace, deployment, kept, standbys=False,
+                                      everything=False)
     return [f"removed orphaned {r}" for r in removed]
 
 
 async def forget_unheld_ranks(registry: Callable[[], Any], members: set[int]) -> list[str]:
     """The registry's records of ranks that are not members (the interrupted scale's joiners,
     standbys): a restarted controller removes them with their actors."""
-    import asyncio
-
     try:
         handle = registry()
         ranks = (await asyncio.wait_for(handle.snapshot.remote(), 10)).get("ranks") or []

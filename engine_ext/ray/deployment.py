@@ -265,23 +265,20 @@ def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wa
 def _forget_stores(name: str, namespace: str) -> None:
     """The deployment's entries in the GCS key-value store: the controller's durable state and
     the registry's read-path endpoint."""
-    from ray.experimental import internal_kv
-
+    from engine_ext.ray import ray_private
     from engine_ext.ray.durable import DurableState
     from engine_ext.ray.ingress_listen import port_key_prefix
     from engine_ext.ray.registry import KV_NAMESPACE, endpoint_key
 
     DurableState(namespace, name).delete()
-    internal_kv._internal_kv_del(endpoint_key(namespace, name), namespace=KV_NAMESPACE)
-    internal_kv._internal_kv_del(port_key_prefix(namespace, name), del_by_prefix=True, namespace=KV_NAMESPACE)
+    ray_private.kv_del(endpoint_key(namespace, name), KV_NAMESPACE)
+    ray_private.kv_del(port_key_prefix(namespace, name), KV_NAMESPACE, by_prefix=True)
 
 
 def has_leftovers(name: str, namespace: str) -> bool:
     """Whether anything of deployment ``name`` is left with its registry and controller gone (so
     that `down` still removes it)."""
-    from ray.experimental import internal_kv
-
-    from engine_ext.ray import leftovers
+    from engine_ext.ray import leftovers, ray_private
     from engine_ext.ray.durable import DurableState
     from engine_ext.ray.registry import KV_NAMESPACE, endpoint_key
 
@@ -289,4 +286,4 @@ def has_leftovers(name: str, namespace: str) -> bool:
             or ingress_names(name, namespace)):
         return True
     return DurableState(namespace, name).load() is not None or bool(
-        internal_kv._internal_kv_get(endpoint_key(namespace, name), namespace=KV_NAMESPACE))
+        ray_private.kv_get(endpoint_key(namespace, name), KV_NAMESPACE))

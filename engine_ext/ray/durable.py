@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine_ext.ray import ray_private
+
 _KV_NAMESPACE = "eepctl"
 
 
@@ -29,9 +31,7 @@ class DurableState:
         self.writes = 0  # puts to the GCS KV by this process (an idle deployment makes none)
 
     def load(self) -> dict[str, Any] | None:
-        from ray.experimental import internal_kv
-
-        raw = internal_kv._internal_kv_get(self.key, namespace=_KV_NAMESPACE)
+        raw = ray_private.kv_get(self.key, _KV_NAMESPACE)
         if not raw:
             return None
         self._last = raw
@@ -39,18 +39,14 @@ class DurableState:
 
     def save(self, state: dict[str, Any]) -> bool:
         """Write ``state`` when it differs from what was written last; whether it wrote."""
-        from ray.experimental import internal_kv
-
         raw = json.dumps(state, sort_keys=True, default=str).encode()
         if raw == self._last:
             return False
-        internal_kv._internal_kv_put(self.key, raw, overwrite=True, namespace=_KV_NAMESPACE)
+        ray_private.kv_put(self.key, raw, _KV_NAMESPACE)
         self._last = raw
         self.writes += 1
         return True
 
     def delete(self) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(self.key, namespace=_KV_NAMESPACE)
+        ray_private.kv_del(self.key, _KV_NAMESPACE)
         self._last = None

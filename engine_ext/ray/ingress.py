@@ -26,6 +26,7 @@ from typing import Any
 import ray
 
 from engine_ext.control.router import Router
+from engine_ext.ray import ray_private
 from engine_ext.ray.names import controller_name, request_prefix
 from engine_ext.ray.spawner import RayRankClient
 
@@ -135,7 +136,7 @@ class Ingress:
             except ValueError:
                 continue  # gone: the controller's next world says what replaced it
             client = RayRankClient(rank, handle, 0, actor_name=name)
-            client.actor_id = handle._actor_id.hex()  # type: ignore[attr-defined]
+            client.actor_id = ray_private.actor_id(handle)
             clients[rank] = client
         self.router.set_ranks(clients)
 
@@ -154,7 +155,7 @@ class Ingress:
                 h = ray.get_actor(actors.get(str(r), ""), namespace=self.namespace)
             except ValueError:
                 continue
-            members[int(r)] = [actors[str(r)], h._actor_id.hex()]
+            members[int(r)] = [actors[str(r)], ray_private.actor_id(h)]
         self._set_members(members)
         self.fenced = {int(k): int(f.get("epoch", 0)) for k, f in (saved.get("fenced") or {}).items()}
 

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from engine_ext.control.rank_client import RankClient
+from engine_ext.ray import ray_private
 from engine_ext.ray.names import ingress_name, owner_of
 
 TICK_TIMEOUT_S = 2.0
@@ -103,7 +104,7 @@ class IngressLink:
         members = {}
         for r, c in self.clients.items():
             handle = getattr(c, "handle", None)
-            members[str(r)] = [getattr(c, "actor_name", ""), handle._actor_id.hex() if handle is not None else ""]
+            members[str(r)] = [getattr(c, "actor_name", ""), ray_private.actor_id(handle) if handle is not None else ""]
         return {"members": members, "excluded": sorted(self.excluded),
                 "paused": self._paused, "unhealthy": self._unhealthy, "closed": self._closed,
                 "fenced": {str(r): e for r, e in self._fenced().items()}, "limits": self.limits}

@@ -93,14 +93,13 @@ def port_key(namespace: str, deployment: str, index: int) -> bytes:
 
 
 def saved_port(namespace: str, deployment: str, index: int) -> int:
-    from ray.experimental import internal_kv
+    from engine_ext.ray import ray_private
 
-    raw = internal_kv._internal_kv_get(port_key(namespace, deployment, index), namespace=KV_NAMESPACE)
+    raw = ray_private.kv_get(port_key(namespace, deployment, index), KV_NAMESPACE)
     return int(raw) if raw else 0
 
 
 def save_port(namespace: str, deployment: str, index: int, port: int) -> None:
-    from ray.experimental import internal_kv
+    from engine_ext.ray import ray_private
 
-    internal_kv._internal_kv_put(port_key(namespace, deployment, index), str(port).encode(), overwrite=True,
-                                 namespace=KV_NAMESPACE)
+    ray_private.kv_put(port_key(namespace, deployment, index), str(port).encode(), KV_NAMESPACE)

@@ -16,6 +16,8 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from engine_ext.elastic.identity import standby_number
+from engine_ext.ray import ray_private
 from engine_ext.ray.names import is_rank_actor
 
 PG_SUFFIX = "-pg"
@@ -37,23 +39,47 @@ class Owned:
         return set(self.actors) | set(self.placement_groups)
 
 
-def owned(namespace: str, deployment: str) -> Owned:
-    """Every rank actor and rank placement group of ``deployment`` in ``namespace``."""
-    from ray._private.state import state
-    from ray.util import list_named_actors, placement_group_table
+def _actor_names(namespace: str, deployment: str) -> list[str]:
+    """The deployment's live rank actors: the named actors Ray lists in ``namespace`` (asked of the
+    GCS for that namespace alone where this process runs in it), filtered by name."""
+    import ray
+    from ray.util import list_named_actors
 
-    actors = sorted(a["name"] for a in list_named_actors(all_namespaces=True)
-                    if a.get("namespace") == namespace and is_rank_actor(deployment, a["name"]))
-    pgs: dict[str, str] = {}
-    for info in placement_group_table().values():
-        name = info.get("name") or ""
-        if (info.get("state") == "REMOVED" or not name.endswith(PG_SUFFIX)
-                or not is_rank_actor(deployment, name[:-len(PG_SUFFIX)])):
-            continue
-        found = state.get_placement_group_by_name(name, namespace)  # the one of this namespace, if any
-        if found is not None and found.get("state") != "REMOVED":
-            pgs[name] = found["placement_group_id"]
-    return Owned(actors, dict(sorted(pgs.items())))
+    if ray.get_runtime_context().namespace == namespace:
+        names = list_named_actors()
+    else:
+        names = [a["name"] for a in list_named_actors(all_namespaces=True) if a.get("namespace") == namespace]
+    return sorted(n for n in names if is_rank_actor(deployment, n))
+
+
+def _pg_id(name: str) -> str | None:
+    """The id (hex) of the placement group named ``name`` in this process's namespace (the one
+    its creator, the deployment's controller, ran in), or None."""
+    from ray.util import get_placement_group
+
+    try:
+        return get_placement_group(name).id.hex()
+    except ValueError:
+        return None
+
+
+def _rank_pg_names(deployment: str) -> set[str]:
+    """The names of the deployment's rank placement groups in Ray's whole table (one read)."""
+    from ray.util import placement_group_table
+
+    names = {str(info.get("name") or "") for info in placement_group_table().values() if info.get("state") != "REMOVED"}
+    return {n for n in names if n.endswith(PG_SUFFIX) and is_rank_actor(deployment, n[:-len(PG_SUFFIX)])}
+
+
+def owned(namespace: str, deployment: str, *, everything: bool = True) -> Owned:
+    """Every rank actor of ``deployment`` in ``namespace`` and their placement groups, looked up by
+    name. ``everything``: also a placement group whose actor never existed or is gone (a dead
+    controller's reservation), found in Ray's placement group table (one read of the whole table:
+    ``eepctl down`` and a controller's take-over, not its periodic sweep)."""
+    actors = _actor_names(namespace, deployment)
+    names = {pg_name(a) for a in actors} | (_rank_pg_names(deployment) if everything else set())
+    pgs = {n: pg_id for n in sorted(names) if (pg_id := _pg_id(n)) is not None}
+    return Owned(actors, pgs)
 
 
 def kill_local(pid: int, node_id: str) -> None:
@@ -85,10 +111,7 @@ def _kill_actor(namespace: str, name: str) -> None:
     except ValueError:
         return
     try:
-        from ray._private.state import state
-
-        info = state.actor_table(handle._actor_id.hex())
-        kill_local(int(info.get("Pid") or 0), str((info.get("Address") or {}).get("NodeID") or ""))
+        kill_local(*ray_private.actor_process(ray_private.actor_id(handle)))
     except Exception:  # noqa: BLE001 - Ray's kill below still ends it
         pass
     try:
@@ -98,54 +121,59 @@ def _kill_actor(namespace: str, name: str) -> None:
 
 
 def _remove_pg(pg_id: str) -> None:
-    from ray._raylet import PlacementGroupID
+    import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     try:
-        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
     except Exception:  # noqa: BLE001 - already removed
         pass
 
 
-def remove_unheld(namespace: str, deployment: str, keep: Collection[str], *, standbys: bool = True) -> list[str]:
+def remove_unheld(namespace: str, deployment: str, keep: Collection[str], *, standbys: bool = True,
+                  everything: bool = True) -> list[str]:
     """End every rank actor and remove every rank placement group of ``deployment`` that the
     actors named in ``keep`` do not hold (``standbys`` False: leave the standby pool's, which may
-    be launching one). Returns what it removed ("actor X", "placement group X-pg"); removal is
-    asked of Ray here, :func:`wait_gone` waits until the names are free."""
+    be launching one; ``everything`` as :func:`owned`). Returns what it removed ("actor X",
+    "placement group X-pg"); removal is asked of Ray here, :func:`wait_gone` waits until the names
+    are free. Blocking: the controller runs it in a thread, off its event loop."""
     held = set(keep) | {pg_name(n) for n in keep}
-    found = owned(namespace, deployment)
+    found = owned(namespace, deployment, everything=everything)
     removed = []
     for name in found.actors:
-        if name not in held and (standbys or "_standby" not in name[len(deployment):]):
+        if name not in held and (standbys or standby_number(deployment, name) is None):
             _kill_actor(namespace, name)
             removed.append(f"actor {name}")
     for name, pg_id in found.placement_groups.items():
-        if name not in held and (standbys or "_standby" not in name[len(deployment):]):
+        if name not in held and (standbys or standby_number(deployment, name[:-len(PG_SUFFIX)]) is None):
             _remove_pg(pg_id)
             removed.append(f"placement group {name}")
     return removed
 
 
 def still_held(namespace: str, deployment: str, removed: list[str]) -> list[str]:
-    """Which of the names in ``removed`` (as :func:`remove_unheld` returns them) Ray still lists."""
-    if not removed:
-        return []
-    now = owned(namespace, deployment).names()
-    return [r for r in removed if r.split(" ")[-1] in now]
+    """Which of ``removed`` (as :func:`remove_unheld` returns them: names of ``deployment``) Ray
+    still lists, each looked up by its name."""
+    import ray
+
+    def held(item: str) -> bool:
+        kind, _, name = item.rpartition(" ")
+        if kind == "actor":
+            try:
+                ray.get_actor(name, namespace=namespace)
+                return True
+            except ValueError:
+                return False
+        return _pg_id(name) is not None
+
+    return [r for r in removed if held(r)]
 
 
-def wait_gone(namespace: str, deployment: str, removed: list[str], wait_s: float = 15.0) -> list[str]:
-    """Block until the names are free (``eepctl down``); those still held after ``wait_s``."""
+async def wait_gone(namespace: str, deployment: str, removed: list[str], wait_s: float = 15.0) -> list[str]:
+    """Wait (off the event loop: each look is a thread's) until the names are free; those still
+    held after ``wait_s``."""
     deadline = time.time() + wait_s
-    while (left := still_held(namespace, deployment, removed)) and time.time() < deadline:
-        time.sleep(0.2)
-    return left
-
-
-async def wait_gone_async(namespace: str, deployment: str, removed: list[str], wait_s: float = 15.0) -> list[str]:
-    """:func:`wait_gone` for the controller's event loop."""
-    deadline = time.time() + wait_s
-    while (left := still_held(namespace, deployment, removed)) and time.time() < deadline:
+    while (left := await asyncio.to_thread(still_held, namespace, deployment, removed)) and time.time() < deadline:
         await asyncio.sleep(0.2)
     return left
 
@@ -157,15 +185,18 @@ async def free_identity(namespace: str, deployment: str, identity: str, wait_s: 
     Returns what was removed; raises when a name is still taken after ``wait_s``."""
     from engine_ext.protocol import EepError
 
-    found = owned(namespace, deployment)
-    removed = []
-    if identity in found.actors:
-        _kill_actor(namespace, identity)
-        removed.append(f"actor {identity}")
-    if pg_name(identity) in found.placement_groups:
-        _remove_pg(found.placement_groups[pg_name(identity)])
-        removed.append(f"placement group {pg_name(identity)}")
-    left = await wait_gone_async(namespace, deployment, removed, wait_s)
+    def remove() -> list[str]:
+        gone = []
+        if still_held(namespace, deployment, [f"actor {identity}"]):
+            _kill_actor(namespace, identity)
+            gone.append(f"actor {identity}")
+        if (pg_id := _pg_id(pg_name(identity))) is not None:
+            _remove_pg(pg_id)
+            gone.append(f"placement group {pg_name(identity)}")
+        return gone
+
+    removed = await asyncio.to_thread(remove)
+    left = await wait_gone(namespace, deployment, removed, wait_s)
     if left:
         raise EepError(f"the name(s) {', '.join(left)} of a stale resource of this deployment are still taken "
                        f"{wait_s:.0f}s after it was removed")

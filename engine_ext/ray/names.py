@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from engine_ext.elastic.identity import dp_rank_of, standby_number
+
 
 def registry_name(deployment: str) -> str:
     return f"eep-registry.{deployment}"
@@ -18,11 +20,7 @@ def is_rank_actor(deployment: str, actor_name: str) -> bool:
     """Whether ``actor_name`` is one of the deployment's rank actors: a DP rank
     (``<name>_dp<r>``) or a standby (``<name>_standby<n>``, which keeps that actor name when a
     scale-up adopts it)."""
-    for kind in ("_dp", "_standby"):
-        rest = actor_name[len(deployment) + len(kind):]
-        if actor_name.startswith(deployment + kind) and rest.isdigit():
-            return True
-    return False
+    return dp_rank_of(deployment, actor_name) is not None or standby_number(deployment, actor_name) is not None
 
 
 def vllm_controller_name(deployment: str) -> str:

@@ -129,9 +129,10 @@ def pending_bundles() -> list[dict[str, float]]:
 def cluster_nodes() -> list[Node]:
     """Alive nodes with what is free on them once the pending placement groups are placed."""
     import ray
-    from ray._private.state import available_resources_per_node
 
-    avail = available_resources_per_node()
+    from engine_ext.ray import ray_private
+
+    avail = ray_private.available_resources_per_node()
     out = []
     for n in ray.nodes():
         if not n.get("Alive"):

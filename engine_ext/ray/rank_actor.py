@@ -12,6 +12,7 @@ from typing import Any
 
 import ray
 
+from engine_ext.ray import ray_private
 from engine_ext.ray.names import ingress_name, owner_of, registry_name
 from engine_ext.records import RankState
 
@@ -110,7 +111,7 @@ class RankActor:
             if kind == "status":
                 ref = registry.report_status.remote(payload)
                 # A new registry (different actor id) gets the events this rank still holds.
-                rid = registry._actor_id.hex()
+                rid = ray_private.actor_id(registry)
                 if rid != self._registry_id:
                     self._registry_id = rid
                     registry.report_events.remote(self.engine.recent_events())

@@ -18,6 +18,7 @@ from urllib.parse import parse_qs, urlsplit
 import msgspec
 
 from engine_ext.control.registry_state import RegistryState
+from engine_ext.ray import ray_private
 
 KV_NAMESPACE = "eepctl"  # eepctl.readpath reads the same key; engine_ext must not import eepctl
 SECRET_HEADER = "X-Eep-Secret"
@@ -45,7 +46,6 @@ class Registry:
         the secret; its URL and secret go into the GCS internal KV, which only a caller that
         may talk to the GCS (with the Ray token, when token auth is on) can read."""
         import ray
-        from ray.experimental import internal_kv
 
         if not ray.is_initialized():
             return
@@ -87,8 +87,7 @@ class Registry:
         threading.Thread(target=self._server.serve_forever, name="registry-http", daemon=True).start()
         self.endpoint = {"url": f"http://{ip}:{self._server.server_address[1]}/snapshot", "secret": secret}
         namespace = ray.get_runtime_context().namespace
-        internal_kv._internal_kv_put(endpoint_key(namespace, self.state.deployment), json.dumps(self.endpoint),
-                                     overwrite=True, namespace=KV_NAMESPACE)
+        ray_private.kv_put(endpoint_key(namespace, self.state.deployment), json.dumps(self.endpoint), KV_NAMESPACE)
 
     def set_info(self, info: dict[str, Any]) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from engine_ext.control.rank_client import RankClient
 from engine_ext.control.standby_pool import StandbyPool
 from engine_ext.control.world import World
-from engine_ext.elastic.identity import strip_dp_suffix
+from engine_ext.elastic.identity import standby_number, strip_dp_suffix
 
 if TYPE_CHECKING:
     from engine_ext.ray.spawner import RaySpawner
@@ -39,9 +39,8 @@ def make_pool(spawner: RaySpawner, world: World, forget: Callable[[int], None], 
     base = strip_dp_suffix(spawner.cfg.instance_id or spawner.deployment)
 
     def in_use() -> set[int]:  # adopted standbys keep their actor names: <base>_standby<N>
-        prefix = f"{base}_standby"
-        names = [getattr(c, "actor_name", "") for c in world.clients.values()]
-        return {int(n[len(prefix):]) for n in names if n.startswith(prefix) and n[len(prefix):].isdigit()}
+        numbers = (standby_number(base, getattr(c, "actor_name", "")) for c in world.clients.values())
+        return {n for n in numbers if n is not None}
 
     pool = StandbyPool(size, launch, _alive, _kill, forget, lambda: world.running_op() is not None, in_use)
     pool.identity_base = base

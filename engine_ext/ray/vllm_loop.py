@@ -273,12 +273,13 @@ def actor_ends(pids: set[int]) -> dict[int, dict[str, Any]]:
     """How the dead actors with these pids ended, from Ray's actor table: pid -> reason (Ray's
     ``ActorDiedErrorContext.Reason``: RAY_KILL when vLLM killed it, WORKER_DIED for a SIGKILL),
     message and end time."""
-    from ray._private.state import state
     from ray.core.generated import common_pb2
+
+    from engine_ext.ray import ray_private
 
     reasons = common_pb2.ActorDiedErrorContext.Reason
     out: dict[int, dict[str, Any]] = {}
-    for a in (state.actor_table(None, actor_state_name="DEAD") or {}).values():
+    for a in ray_private.dead_actors():
         ctx = a["DeathCause"].actor_died_error_context
         pid = int(a.get("Pid") or ctx.pid or 0)
         if pid in pids:
