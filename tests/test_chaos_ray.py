@@ -1,12 +1,12 @@
-"""Mixed faults on a real local Ray cluster (issue 36): a schedule of scales, each with one fault a
-moment in (a rank SIGKILLed, a rank SIGSTOPped and resumed, the controller SIGKILLed, a rank and
-the controller together), under open-loop load. After every round the deployment serves its
-desired size within a bound with the oracle's outputs; at the end no request failed.
+"""Mixed faults on a real local Ray cluster: a schedule of scales, each with one fault a moment in
+(a rank SIGKILLed, a rank SIGSTOPped and resumed, the controller SIGKILLed, a rank and the
+controller together), under open-loop load. After every round the deployment serves its desired
+size within a bound with the oracle's outputs; at the end no request failed.
 
-The schedule is issue 36's (which wedged the deployment for good: a take-over left the old
-attempt's placement groups behind and every rebuild failed on their names) followed by two seeded
+The schedule is engine_ext.fault_schedule.TAKEOVERS (each restarted controller must remove what
+the interrupted attempt reserved, or every later launch fails on its names) followed by two seeded
 random rounds; the seed is printed, and ``EEP_CHAOS_SEED`` replays one. benchmarks/chaos.py runs
-longer schedules.
+longer schedules with the same runner (tests/chaos.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import asdict
 
 import pytest
 
-from benchmarks.chaos import DEADLINE_S, ENGINE, ISSUE_36, MAX_DP, START_DP, Chaos, schedule
+from engine_ext.fault_schedule import TAKEOVERS, schedule
+from tests.chaos import DEADLINE_S, ENGINE, MAX_DP, START_DP, Chaos
 from tests.helpers import NAMESPACE, events, finish_load, oracle, wait_serving_load
 
 pytestmark = pytest.mark.ray
@@ -30,7 +31,7 @@ def test_mixed_faults_during_scales_never_wedge(deployments, ray_cluster):
     from eepctl import core
 
     seed = int(os.environ.get("EEP_CHAOS_SEED") or random.randrange(10**6))
-    rounds = ISSUE_36 + schedule(seed, 2, ISSUE_36[-1].target)
+    rounds = TAKEOVERS + schedule(seed, 2, TAKEOVERS[-1].target, MAX_DP)
     print(f"\n[chaos] seed {seed} (EEP_CHAOS_SEED={seed} replays it): {[asdict(r) for r in rounds]}")
     d = deployments("chaos")
     t = core.Target(name=d.name, namespace=NAMESPACE)
@@ -52,3 +53,4 @@ def test_mixed_faults_during_scales_never_wedge(deployments, ray_cluster):
     print(f"[chaos] {len(records)} rounds, serving again after {[r['serving_s'] for r in records]} s; "
           f"{res['sent']} requests, 0 failed; operations {[(o.get('kind'), o.get('state')) for o in ops]}")
     assert snap["dp"] == START_DP
+
