@@ -277,6 +277,60 @@ def wait_held(name: str, rank: int, phase: str, timeout: float = 90.0) -> dict[s
     return wait_for(ok, timeout=timeout, interval=0.3, what=f"rank {rank} held in {phase}")
 
 
+def serving_ranks(name: str, ranks: list[int], timeout: float = 90.0, gone: int | None = None) -> dict[str, Any]:
+    """Status once exactly ``ranks`` serve at DP len(ranks) and no operation runs (with ``gone``,
+    a killed rank's pid: and none of them is that process; right after a kill status can still
+    show the world from before it); on timeout, what the last status showed."""
+    seen: list[dict[str, Any]] = []
+
+    def ok() -> dict[str, Any] | None:
+        res = eepctl("status", "--name", name, "-o", "json", timeout=60)
+        if res.returncode != 0:  # the controller or registry is being restarted: ask again
+            return None
+        s = json_lines(res.stdout)[-1]
+        seen[:] = [s]
+        live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed", "fenced", "dead")]
+        if gone is not None and any(int(r.get("pid") or 0) == gone for r in live):
+            return None
+        if (sorted(r["rank"] for r in live) == ranks and all(r["state"] == "serving" and r["dp_size"] == len(ranks)
+                                                            for r in live) and not s.get("operation")):
+            return s
+        return None
+
+    try:
+        return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks {ranks} serving")
+    except AssertionError as e:
+        s = seen[0] if seen else {}
+        shown = [(r["rank"], r["state"], r.get("dp_size"), (r.get("state_reason") or "")[:160]) for r in s.get("ranks", [])]
+        raise AssertionError(f"{e}; ranks {shown}; operation {s.get('operation')}; "
+                             f"control {s.get('info', {}).get('control')}") from e
+
+
+def pid_of(snap: dict[str, Any], rank: int) -> int:
+    return int(next(r for r in snap["ranks"] if r["rank"] == rank)["pid"])
+
+
+def operations(name: str, kind: str) -> list[dict[str, Any]]:
+    return [o for o in events(name)["operations"] if o.get("kind") == kind]
+
+
+def controller_pid(name: str) -> int:
+    """The controller actor's pid, once it answers (requests do not pass through the controller, so
+    serving again after its SIGKILL does not mean Ray finished restarting it)."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    from engine_ext.ray.names import controller_name
+
+    def ask() -> int | None:
+        try:
+            return int(ray.get(ray.get_actor(controller_name(name), namespace=NAMESPACE).pid.remote(), timeout=30))
+        except ActorUnavailableError:  # being restarted by Ray
+            return None
+
+    return wait_for(ask, timeout=90, interval=0.5, what=f"{name}'s controller answering")
+
+
 def parse_source(source: str, filename: str = "<unknown>") -> Any:
     """``ast.parse``, tried again when CPython 3.11's AST converter trips on another thread of
     this process using it at the same time ("AST constructor recursion depth mismatch", gh-106905,

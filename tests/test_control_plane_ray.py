@@ -21,15 +21,20 @@ import pytest
 from tests.helpers import (
     NAMESPACE,
     SMALL_ENGINE,
+    controller_pid,
     eepctl,
     eepctl_json,
     events,
     finish_load,
     json_lines,
+    operations,
     oracle,
+    pid_of,
+    serving_ranks,
     status,
     stop_sending,
     wait_for,
+    wait_held,
     wait_serving_load,
 )
 
@@ -43,40 +48,7 @@ def _up(name: str, dp: int, max_dp: int, *, faults: list[str] | None = None, del
     engine = dict(SMALL_ENGINE, faults=faults or [], fault_delay_s=delay_s, step_timeout_s=deadline_s)
     core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=engine, cpus_per_rank=1.0,
             gpus_per_rank=0.0, timeout_s=300, on_rank_failure=policy, health_deadline_s=deadline_s)
-    return _serving(name, list(range(dp)))
-
-
-def _serving(name: str, ranks: list[int], timeout: float = 90.0, gone: int | None = None) -> dict[str, Any]:
-    """Status once exactly ``ranks`` serve at DP len(ranks) and no operation runs (with ``gone``,
-    a killed rank's pid: and none of them is that process; right after a kill status can still
-    show the world from before it); on timeout, what the last status showed."""
-    seen: list[dict[str, Any]] = []
-
-    def ok() -> dict[str, Any] | None:
-        res = eepctl("status", "--name", name, "-o", "json", timeout=60)
-        if res.returncode != 0:  # the controller or registry is being restarted: ask again
-            return None
-        s = json_lines(res.stdout)[-1]
-        seen[:] = [s]
-        live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed", "fenced", "dead")]
-        if gone is not None and any(int(r.get("pid") or 0) == gone for r in live):
-            return None
-        if (sorted(r["rank"] for r in live) == ranks and all(r["state"] == "serving" and r["dp_size"] == len(ranks)
-                                                            for r in live) and not s.get("operation")):
-            return s
-        return None
-
-    try:
-        return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks {ranks} serving")
-    except AssertionError as e:
-        s = seen[0] if seen else {}
-        shown = [(r["rank"], r["state"], r.get("dp_size"), (r.get("state_reason") or "")[:160]) for r in s.get("ranks", [])]
-        raise AssertionError(f"{e}; ranks {shown}; operation {s.get('operation')}; "
-                             f"control {s.get('info', {}).get('control')}") from e
-
-
-def _pid_of(snap: dict[str, Any], rank: int) -> int:
-    return int(next(r for r in snap["ranks"] if r["rank"] == rank)["pid"])
+    return serving_ranks(name, list(range(dp)))
 
 
 def _stop_while_busy(snap: dict[str, Any], rank: int, timeout: float = 30.0) -> int:
@@ -102,10 +74,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _ops(name: str, kind: str) -> list[dict[str, Any]]:
-    return [o for o in events(name)["operations"] if o.get("kind") == kind]
-
-
 @pytest.mark.timeout(480)
 def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operator(deployments):
     """Rank 1 SIGSTOPped under open-loop load (a hang: its process lives, it answers nothing),
@@ -125,10 +93,10 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
     hung = _stop_while_busy(snap, 1)
     t_stop = time.time()
     try:
-        healed = wait_for(lambda: [o for o in _ops(d.name, "recover") if o["dead_ranks"] == [1] and o.get("finished")],
+        healed = wait_for(lambda: [o for o in operations(d.name, "recover") if o["dead_ranks"] == [1] and o.get("finished")],
                           timeout=120, interval=0.5, what="the recovery without the hung rank")
     except AssertionError as ex:  # which recoveries there were instead, and what status says of the ranks
-        recovers = [(o["dead_ranks"], o["state"], o.get("error")) for o in _ops(d.name, "recover")]
+        recovers = [(o["dead_ranks"], o["state"], o.get("error")) for o in operations(d.name, "recover")]
         ranks = [(r["rank"], r["state"], r.get("state_reason")) for r in status(d.name)["ranks"]]
         raise AssertionError(f"{ex}; recoveries: {recovers}; ranks: {ranks}") from None
     served_again_s = healed[0]["finished"] - t_stop
@@ -138,11 +106,11 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
     # 20 s load ending first, and rank 2 never stepped again (ended once rank 0 serves alone).
     load2 = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "60", "--max-tokens", "24",
                     "-o", "json")
-    _serving(d.name, [0], timeout=120)  # rank 2 failed (its step raised) and was fenced
+    serving_ranks(d.name, [0], timeout=120)  # rank 2 failed (its step raised) and was fenced
     res = finish_load(load, cfg_d, 24, stop=True)
     finish_load(load2, cfg_d, 24, stop=True)
 
-    recovers = _ops(d.name, "recover")
+    recovers = operations(d.name, "recover")
     assert [o["dead_ranks"] for o in recovers] == [[1], [2]], recovers
     assert all(o["state"] == "succeeded" for o in recovers), recovers
     info = status(d.name)["info"]
@@ -201,8 +169,8 @@ def _all_stopped(d: Any, cfg_d: dict[str, Any], deadline_s: float) -> None:
     from engine_ext.control.reconciler import TICK_S
     from engine_ext.control.suspicion import extended_deadline_s, fence_bound_s
 
-    snap = _serving(d.name, [0, 1])
-    pids = [_pid_of(snap, r) for r in (0, 1)]
+    snap = serving_ranks(d.name, [0, 1])
+    pids = [pid_of(snap, r) for r in (0, 1)]
     t_stop = _stop_all(pids)
     try:
         load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "4", "--max-tokens", "16",
@@ -219,7 +187,7 @@ def _all_stopped(d: Any, cfg_d: dict[str, Any], deadline_s: float) -> None:
     last = control["last_suspicion"]
     assert last["fenced"] == [] and last["silent"] == [0, 1] and last["extended_s"] == extended_deadline_s(deadline_s)
     assert all(f["at"] < t_stop for f in control["fenced"].values()), control["fenced"]
-    assert [_pid_of(_serving(d.name, [0, 1]), r) for r in (0, 1)] == pids  # the same processes serve on
+    assert [pid_of(serving_ranks(d.name, [0, 1]), r) for r in (0, 1)] == pids  # the same processes serve on
     assert not [o for o in events(d.name)["operations"] if float(o.get("started") or 0) > t_stop]
     text = eepctl("status", "--name", d.name, timeout=60).stdout
     line = next((ln for ln in text.splitlines() if ln.startswith("health: ")), text)
@@ -239,39 +207,16 @@ def _all_stopped(d: Any, cfg_d: dict[str, Any], deadline_s: float) -> None:
     assert all("second probe: timed out" in fenced[str(r)]["reason"] for r in (0, 1)), fenced
     # The bound holds on the controller's clock; a loaded 2-core box runs its tick late by seconds.
     assert took <= bound + 5, (took, bound)
-    _serving(d.name, [0, 1], timeout=180, gone=pids[0])
-    rebuilds = [o for o in _ops(d.name, "rebuild") if o["started"] > t_stop]
+    serving_ranks(d.name, [0, 1], timeout=180, gone=pids[0])
+    rebuilds = [o for o in operations(d.name, "rebuild") if o["started"] > t_stop]
     assert rebuilds and rebuilds[-1]["state"] == "succeeded", rebuilds
     gen = eepctl_json("generate", "--name", d.name, timeout=90)
     for r in gen["results"]:
         assert r["error"] is None and r["output"] == oracle(cfg_d, r["prompt"]), r
 
 
-def _controller_pid(name: str) -> int:
-    """The controller actor's pid, once it answers: requests no longer pass through it (issue 33),
-    so serving again after its SIGKILL does not mean Ray finished restarting it."""
-    import ray
-    from ray.exceptions import ActorUnavailableError
-
-    from engine_ext.ray.names import controller_name
-
-    def ask() -> int | None:
-        try:
-            return int(ray.get(ray.get_actor(controller_name(name), namespace=NAMESPACE).pid.remote(), timeout=30))
-        except ActorUnavailableError:  # being restarted by Ray
-            return None
-
-    return wait_for(ask, timeout=90, interval=0.5, what=f"{name}'s controller answering")
-
-
-def _held(name: str, rank: int, phase: str) -> None:
-    wait_for(lambda: any(r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "")
-                         for r in status(name)["ranks"]), timeout=120, interval=0.3,
-             what=f"rank {rank} held in {phase}")
-
-
 def _kill_controller(name: str) -> int:
-    pid = _controller_pid(name)
+    pid = controller_pid(name)
     os.kill(pid, signal.SIGKILL)  # this test's own deployment's controller actor
     return pid
 
@@ -298,7 +243,7 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
     wait_for(lambda: eepctl("generate", "--name", d.name, "-o", "json", timeout=60).returncode == 0,
              timeout=60, interval=0.5, what="serving again after the controller's death")
     print(f"controller death: serving again {time.time() - t_kill:.1f}s after SIGKILL")
-    assert _controller_pid(d.name) != old_pid
+    assert controller_pid(d.name) != old_pid
     time.sleep(4.0)  # the load goes on through the take-over
     stop_sending(load)
     out, err = load.communicate(timeout=120)
@@ -314,14 +259,14 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
 
     for phase in ("launch", "prepare", "commit"):
         scale = d.popen("scale", "--dp", "3", "--name", d.name, "--request-id", f"cp-{phase}", "-o", "json")
-        _held(d.name, 2, phase)
+        wait_held(d.name, 2, phase, timeout=120)
         if phase == "launch":  # a retry with the same request id is the same operation
             again = eepctl_json("scale", "--dp", "3", "--name", d.name, "--request-id", "cp-launch", "--no-wait")
             other = eepctl("scale", "--dp", "2", "--name", d.name, "--request-id", "cp-launch", timeout=60)
             assert other.returncode == 4 and "cp-launch" in other.stderr, other.stderr
         _kill_controller(d.name)
         scale.communicate(timeout=120)
-        _serving(d.name, [0, 1], timeout=180)
+        serving_ranks(d.name, [0, 1], timeout=180)
         op = [o for o in events(d.name)["operations"] if o.get("kind") == "scale"][-1]
         assert "controller restarted" in op["error"], op
         assert op["state"] == ("failed" if phase == "commit" else "rolled_back"), op
@@ -330,7 +275,7 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
             # ... and after the controller's restart too: the key is durable, the op is not re-run
             retry = eepctl_json("scale", "--dp", "3", "--name", d.name, "--request-id", "cp-launch", "--no-wait")
             assert retry["op_id"] == op["op_id"] and retry["state"] == "rolled_back", retry
-    recovers = _ops(d.name, "recover")
+    recovers = operations(d.name, "recover")
     assert recovers and recovers[-1]["state"] == "succeeded", recovers
     control = status(d.name)["info"]["control"]
     assert control["controller_restarts"] == 4, control
@@ -368,15 +313,15 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     before = [o["op_id"] for o in events(d.name)["operations"]]
     ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
     _kill_controller(d.name)
-    snap = _serving(d.name, [0], timeout=120)
+    snap = serving_ranks(d.name, [0], timeout=120)
     assert [o["op_id"] for o in events(d.name)["operations"]][:len(before)] == before  # history intact
     load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "16", "--max-tokens", "16",
                    "-o", "json")
-    _held(d.name, 0, "step")  # it holds requests mid-decode
-    os.kill(_pid_of(snap, 0), signal.SIGKILL)  # the only rank of this test's own deployment
-    _serving(d.name, [0], timeout=120, gone=_pid_of(snap, 0))
+    wait_held(d.name, 0, "step", timeout=120)  # it holds requests mid-decode
+    os.kill(pid_of(snap, 0), signal.SIGKILL)  # the only rank of this test's own deployment
+    serving_ranks(d.name, [0], timeout=120, gone=pid_of(snap, 0))
     res = finish_load(load, cfg_d, 16, stop=True)
-    rebuilds = _ops(d.name, "rebuild")
+    rebuilds = operations(d.name, "rebuild")
     assert rebuilds and rebuilds[-1]["state"] == "succeeded" and rebuilds[-1]["dead_ranks"] == [0], rebuilds
     moved = [r for r in res["records"] if 0 in r["moved_from"]]
     # what the dead rank held continued on the rebuilt world with the tokens it had streamed
@@ -390,12 +335,12 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     # sent meanwhile wait and are served, and a later scale to 3 works.
     snap = status(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
-    _held(d.name, 1, "launch")
+    wait_held(d.name, 1, "launch", timeout=120)
     load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "8", "--max-tokens", "16",
                    "-o", "json")
-    os.kill(_pid_of(snap, 0), signal.SIGKILL)  # the only serving rank, while the scale is in launch
+    os.kill(pid_of(snap, 0), signal.SIGKILL)  # the only serving rank, while the scale is in launch
     scale.communicate(timeout=180)
-    _serving(d.name, [0], timeout=180, gone=_pid_of(snap, 0))
+    serving_ranks(d.name, [0], timeout=180, gone=pid_of(snap, 0))
     finish_load(load, cfg_d, 16, stop=True)  # raises on any failed request or output unlike the oracle
     ops = events(d.name)["operations"]
     failed_scale = [o for o in ops if o.get("kind") == "scale" and o.get("to_size") == 3]

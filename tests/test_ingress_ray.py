@@ -18,8 +18,21 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import NAMESPACE, ROOT, SMALL_ENGINE, finish_load, moved_off, oracle, status, wait_for
-from tests.test_control_plane_ray import _controller_pid, _held, _ops, _pid_of, _serving
+from tests.helpers import (
+    NAMESPACE,
+    ROOT,
+    SMALL_ENGINE,
+    controller_pid,
+    finish_load,
+    moved_off,
+    operations,
+    oracle,
+    pid_of,
+    serving_ranks,
+    status,
+    wait_for,
+    wait_held,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -34,7 +47,7 @@ def _up(name: str, dp: int, *, faults: list[str] | None = None, delay_s: float =
     core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=dp, engine=engine, cpus_per_rank=1.0,
             gpus_per_rank=0.0, timeout_s=300, on_rank_failure="shrink", health_deadline_s=4.0, api_key=api_key,
             ingress=ingress, host=host, port=port)
-    return _serving(name, list(range(dp)))
+    return serving_ranks(name, list(range(dp)))
 
 
 def _ingress_stats(name: str, index: int = 0) -> dict[str, Any]:
@@ -61,23 +74,23 @@ def test_a_rank_that_dies_while_no_controller_is_up_is_served_after_the_restart(
     cfg_d = snap["info"]["config"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "14", "--max-tokens", "16",
                    "-o", "json")
-    _held(d.name, 1, "step")
-    ctl = _controller_pid(d.name)
+    wait_held(d.name, 1, "step", timeout=120)
+    ctl = controller_pid(d.name)
     os.kill(ctl, signal.SIGSTOP)  # this test's own deployment's controller actor: no controller from here
     try:
-        os.kill(_pid_of(snap, 1), signal.SIGKILL)  # the rank actor of this test's own deployment
+        os.kill(pid_of(snap, 1), signal.SIGKILL)  # the rank actor of this test's own deployment
         t_kill = time.time()
         held = wait_for(lambda: (s := _ingress_stats(d.name))["inflight"] + s["parked"] > 0 and s,
                         timeout=30, interval=0.3, what="the ingress holding requests")
         time.sleep(3.0)  # a while with no controller: nothing may recover, nothing may fail
-        assert not [o for o in _ops(d.name, "recover") if o["started"] > t_kill - 1]
+        assert not [o for o in operations(d.name, "recover") if o["started"] > t_kill - 1]
         assert _ingress_stats(d.name)["failed"] == 0, held
     finally:
         os.kill(ctl, signal.SIGKILL)  # stopped, it dies at once; Ray restarts it
-    _serving(d.name, [0], timeout=120)
+    serving_ranks(d.name, [0], timeout=120)
     res = finish_load(load, cfg_d, 16, stop=True)  # every request answered, equal to the oracle
     moved_off(res["records"], 1)  # continued with the tokens rank 1 had streamed
-    recovers = _ops(d.name, "recover")
+    recovers = operations(d.name, "recover")
     assert recovers[-1]["dead_ranks"] == [1] and recovers[-1]["state"] == "succeeded", recovers
     assert status(d.name)["info"]["control"]["controller_restarts"] == 1
     print(f"\n[ingress] held {held['inflight']} in flight + {held['parked']} parked with no controller; "
@@ -334,7 +347,7 @@ def test_an_ingress_killed_under_load_is_restarted_and_its_requests_are_resent(d
     url = snap["info"]["ingress"][0]["url"]
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "8", "--max-tokens", "16",
                    "-o", "json")
-    _held(d.name, 0, "step")  # requests mid-decode, half of them ingress 0's
+    wait_held(d.name, 0, "step", timeout=120)  # requests mid-decode, half of them ingress 0's
     handle = ray.get_actor(ingress_name(d.name, 0), namespace=NAMESPACE)
     old = ray.get(handle.pid.remote(), timeout=30)
     live = ray.get(ray.get_actor(ingress_name(d.name, 1), namespace=NAMESPACE).new_request_id.remote(), timeout=30)
