@@ -360,6 +360,7 @@ def _check_operations(address: str, killed_op: str) -> None:
     assert res.returncode == 0 and status.returncode == 0, (res.stderr, status.stderr)
     history = json.loads(res.stdout)
     up, down = [o for o in history["operations"] if o["state"] == "succeeded"][-2:]
+    _phases_timed(address, history["events"], up, down)
     assert [(o["from_size"], o["to_size"]) for o in (up, down)] == [(2, 3), (3, 2)], history["operations"]
     print(json.dumps({o["op_id"]: o["phase_durations"] for o in (up, down)}))
     assert {"prepare", "eplb_communicator", "transfer", "switch", "reshuffle", "warm", "commit"} <= set(up["phase_durations"])
@@ -387,6 +388,53 @@ def _check_operations(address: str, killed_op: str) -> None:
     _workers_shown(ranks[:2], down["rank_ops"])  # `eepctl status -o json`, after the scale-down
     for r in ranks[:2]:  # and the table's lines under it
         assert f"rank {r['rank']} worker: ray pid {r['worker_pid']}" in table.stdout, table.stdout
+
+
+def _rank_phases(events: list[dict[str, Any]], op: dict[str, Any]) -> tuple[str, dict[int, set[tuple[str, str]]]]:
+    """The ranks' operation id of ``op`` (the one its existing ranks' ``prepare`` carries) and, per
+    rank (-1: the API server), the (phase, process) pairs timed under it that ended ok."""
+    (op_id,) = {e["op_id"] for e in events if e["op_id"] in op["rank_ops"] and e["phase"] == "prepare"
+                and e["op_id"].startswith(f"vllm-dp{op['to_size']}-")}
+    ranks: dict[int, set[tuple[str, str]]] = {}
+    for e in events:
+        if e["op_id"] == op_id and e["outcome"] == "ok":
+            ranks.setdefault(e["rank"], set()).add((e["phase"], e["detail"].get("process", "worker")))
+    return op_id, ranks
+
+
+def _phases_timed(address: str, events: list[dict[str, Any]], up: dict[str, Any], down: dict[str, Any]) -> None:
+    """Issue 46 item 1: where a scale's time goes, per rank, under the one operation id every rank
+    derives (engine_ext.vllm.phase_hooks): the API server's prepare and commit, the joiner's
+    placement and launch, its engine core's and worker's process start to plugin (``imports``), its
+    workers' start, groups, model load, KV cache and its join (weights received), and the existing
+    ranks' new DP group (engine core) and standby groups (worker); `eepctl events --op ID --timeline`
+    draws each rank's row with one letter per phase."""
+    api = {("api_prepare", "API server"), ("api_commit", "API server")}
+    up_id, ranks = _rank_phases(events, up)
+    assert api <= ranks[-1], ranks.get(-1)
+    assert {("placement", "API server"), ("launch", "API server"), ("imports", "engine core"), ("imports", "worker"),
+            ("workers", "engine core"), ("groups", "worker"), ("load_model", "worker"), ("kv_cache", "worker"),
+            ("join", "engine core"), ("transfer", "worker"), ("commit", "worker")} <= ranks[2], ranks[2]
+    for rank in (0, 1):
+        assert {("groups", "engine core"), ("groups", "worker"), ("prepare", "worker"),
+                ("prepare_warm_groups", "worker"), ("commit", "worker")} <= ranks[rank], (rank, ranks[rank])
+    down_id, ranks = _rank_phases(events, down)
+    assert api <= ranks[-1], ranks.get(-1)
+    assert all({("groups", "engine core"), ("groups", "worker")} <= ranks[r] for r in (0, 1)), ranks
+    import re
+
+    res = _cli(address, "events", "--op", up_id, "--timeline", timeout=120)
+    assert res.returncode == 0, res.stderr
+    shown: set[int] = set()
+    for row in (ln.split()[0] for ln in res.stdout.splitlines() if ln.strip()[:1].isdigit()):  # "0-1 (x2)", "2"
+        for part in row.split(","):
+            lo, _, hi = part.partition("-")
+            shown.update(range(int(lo), int(hi or lo) + 1))
+    assert {0, 1, 2} <= shown, res.stdout
+    legend = {phase: letter for letter, phase in re.findall(r"(?:^|\s)(\S)=([a-z_]+)", res.stdout)}
+    assert {"api_prepare", "launch", "imports", "workers", "groups", "load_model", "join"} <= set(legend), legend
+    assert len(set(legend.values())) == len(legend), legend  # one letter per phase
+    print(f"phases of {up_id}: {legend}")
 
 
 def _operations(address: str) -> list[dict[str, Any]]:

@@ -37,8 +37,8 @@ API_SIDE = {
 def test_every_hook_matches_each_supported_release(version: str) -> None:
     rec = records.record(version)
     assert set(rec) == set(records.plugin_symbols()), "record out of date: regenerate it (module docstring)"
-    for spec in patches.CATALOGUE:
-        got = rec[f"{spec.module}:{spec.owner}.{spec.attr}"]
+    for spec in records.wrapped_hooks():  # the catalogue and the phase hooks (engine_ext.vllm.phase_hooks)
+        got = rec[f"{spec.module}:{spec.qualname}"]
         assert got is not None and got["params"] == list(spec.params), (version, spec.symbol, got)
     for symbol, (params, is_async) in API_SIDE.items():
         assert rec[symbol]["params"][: len(params)] == params and rec[symbol]["async"] is is_async, (version, symbol)
@@ -49,7 +49,7 @@ def test_every_hook_matches_each_supported_release(version: str) -> None:
     assert rec["vllm.entrypoints.serve.elastic_ep.middleware:get_scaling_elastic_ep"]["params"] == []
     assert version in patches.TESTED_VLLM_VERSIONS
     ok = records.verified(version)
-    assert all(ok[s.key] for s in patches.CATALOGUE), ok  # every wrapped hook, in both releases
+    assert all(ok[s.key] for s in records.wrapped_hooks()), ok  # every wrapped hook, in both releases
     from engine_ext.vllm import cpu_patches
 
     if version in cpu_patches.VERIFIED_VERSIONS:
@@ -75,7 +75,7 @@ def test_installed_vllm_reproduces_its_record_and_ast_agrees_with_inspect() -> N
                   for p in inspect.signature(obj).parameters.values()]
         assert params == rec["params"] and inspect.iscoroutinefunction(obj) is rec["async"], symbol
         checked += 1
-    assert checked >= len(patches.CATALOGUE) + 3
+    assert checked >= len(records.wrapped_hooks()) + 3
 
 
 def _download(version: str) -> Path:

@@ -49,14 +49,22 @@ class PatchSpec:
     ends_op: bool = False  # the outermost call closes the worker's current operation
     sized: bool = False  # a capture pass counts only when it captured at least one size
     name: str = ""  # the key, where two owners share a class name
+    # "method"; "static" (a staticmethod: no self); "function" (a module function, ``owner`` "",
+    # replaced in the module ``seen_in`` whose global its callers read, defined in ``module``)
+    kind: str = "method"
+    seen_in: str = ""
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.owner}.{self.attr}" if self.owner else self.attr
 
     @property
     def key(self) -> str:
-        return self.name or f"{self.owner}.{self.attr}"
+        return self.name or self.qualname
 
     @property
     def symbol(self) -> str:
-        return f"{self.module}.{self.owner}.{self.attr}"
+        return f"{self.module}.{self.qualname}"
 
 
 CATALOGUE: tuple[PatchSpec, ...] = (
@@ -100,18 +108,26 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
 
 
 def resolve(spec: PatchSpec) -> tuple[Any, Callable[..., Any] | None, str]:
-    """(owner class, the original function, "" or why it is unavailable). Imports the module."""
+    """(the class or module that holds it, the original function, "" or why it is unavailable).
+    Imports the module (and ``seen_in``)."""
     try:
         module = importlib.import_module(spec.module)
+        holder = importlib.import_module(spec.seen_in) if spec.seen_in else module
     except Exception as e:  # noqa: BLE001 - any import failure means "unavailable"
-        return None, None, f"module {spec.module} cannot be imported ({type(e).__name__}: {e})"
-    owner = getattr(module, spec.owner, None)
-    if owner is None:
-        return None, None, f"{spec.module} has no {spec.owner}"
-    current = owner.__dict__.get(spec.attr)
-    if current is None:
-        return owner, None, f"{spec.owner} defines no {spec.attr}"
-    func = getattr(current, "__eepctl_original__", current)
+        return None, None, f"module {spec.seen_in or spec.module} cannot be imported ({type(e).__name__}: {e})"
+    if spec.kind == "function":
+        owner: Any = holder
+        if not _unwrap(vars(module).get(spec.attr)):
+            return None, None, f"{spec.module} has no {spec.attr}"
+    else:
+        owner = getattr(module, spec.owner, None)
+        if owner is None:
+            return None, None, f"{spec.module} has no {spec.owner}"
+    func = _unwrap(vars(owner).get(spec.attr))
+    if func is None:
+        return owner, None, f"{spec.owner or holder.__name__} defines no {spec.attr}"
+    if spec.kind == "function" and func is not _unwrap(vars(module).get(spec.attr)):
+        return owner, None, f"{holder.__name__}.{spec.attr} is not {spec.module}'s"
     if not callable(func):
         return owner, None, f"{spec.key} is not a function"
     try:
@@ -123,23 +139,57 @@ def resolve(spec: PatchSpec) -> tuple[Any, Callable[..., Any] | None, str]:
     return owner, func, ""
 
 
-def make_wrapper(spec: PatchSpec, original: Callable[..., Any], sink: Any) -> Callable[..., Any]:
-    """A function that records ``spec``'s calls in ``sink`` and otherwise is ``original``."""
+def _raw(current: Any) -> Any:
+    """A class or module attribute as called: a staticmethod's function."""
+    return current.__func__ if isinstance(current, staticmethod) else current
 
-    @functools.wraps(original)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        token = sink.enter(spec, self, args, kwargs)
-        try:
-            result = original(self, *args, **kwargs)
-        except BaseException as e:
-            sink.exit(token, e)
-            raise
-        sink.exit(token, None)
-        return result
+
+def _unwrap(current: Any) -> Any:
+    """vLLM's own function behind a class or module attribute (and behind our wrapper)."""
+    current = _raw(current)
+    return getattr(current, "__eepctl_original__", current)
+
+
+def make_wrapper(spec: PatchSpec, original: Callable[..., Any], sink: Any) -> Callable[..., Any]:
+    """A function that records ``spec``'s calls in ``sink`` and otherwise is ``original`` (a
+    coroutine function stays one). ``sink.enter`` gets the bound object (None for a static or
+    module function), the other arguments and the keywords."""
+    bound = spec.kind == "method"
+
+    def split(args: tuple) -> tuple[Any, tuple]:
+        return (args[0], args[1:]) if bound and args else (None, args)
+
+    if inspect.iscoroutinefunction(original):
+        @functools.wraps(original)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            token = sink.enter(spec, *split(args), kwargs)
+            try:
+                result = await original(*args, **kwargs)
+            except BaseException as e:
+                sink.exit(token, e)
+                raise
+            sink.exit(token, None)
+            return result
+    else:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            token = sink.enter(spec, *split(args), kwargs)
+            try:
+                result = original(*args, **kwargs)
+            except BaseException as e:
+                sink.exit(token, e)
+                raise
+            sink.exit(token, None)
+            return result
 
     wrapper.__eepctl_patch__ = spec.key  # type: ignore[attr-defined]
     wrapper.__eepctl_original__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+def _installed(spec: PatchSpec, function: Callable[..., Any]) -> Any:
+    """What goes into the class or module: a staticmethod stays one."""
+    return staticmethod(function) if spec.kind == "static" else function
 
 
 def vllm_version() -> str:
@@ -164,11 +214,10 @@ def apply(sink: Any, specs: tuple[PatchSpec, ...] = CATALOGUE) -> dict[str, str]
                 _status[spec.key] = f"unavailable: {why}"
                 _warn_once(spec.key, "engine_ext: hook %s unavailable (%s); not reported", spec.key, why)
                 continue
-            current = owner.__dict__[spec.attr]
-            if getattr(current, "__eepctl_patch__", None) == spec.key:
+            if getattr(_raw(vars(owner)[spec.attr]), "__eepctl_patch__", None) == spec.key:
                 _status[spec.key] = AVAILABLE
                 continue
-            setattr(owner, spec.attr, make_wrapper(spec, original, sink))
+            setattr(owner, spec.attr, _installed(spec, make_wrapper(spec, original, sink)))
             _status[spec.key] = AVAILABLE
         return dict(_status)
 
@@ -179,9 +228,8 @@ def remove(specs: tuple[PatchSpec, ...] = CATALOGUE) -> None:
         for spec in specs:
             owner, original, _ = resolve(spec)
             if owner is not None and original is not None:
-                current = owner.__dict__.get(spec.attr)
-                if getattr(current, "__eepctl_patch__", None) == spec.key:
-                    setattr(owner, spec.attr, original)
+                if getattr(_raw(vars(owner).get(spec.attr)), "__eepctl_patch__", None) == spec.key:
+                    setattr(owner, spec.attr, _installed(spec, original))
             _status.pop(spec.key, None)
 
 

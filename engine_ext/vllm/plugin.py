@@ -143,28 +143,44 @@ def _register() -> None:
     if role == "other":
         log.debug("engine_ext: plugin inert in pid %d: not an API server, engine core or worker", os.getpid())
         return
-    from engine_ext.vllm import patches
+    from engine_ext.vllm import patches, phase_hooks
     from engine_ext.vllm.telemetry import VllmTelemetry
     from engine_ext.vllm.worker_reporter import WorkerReporter
 
     if role == "api":
         _patch_build_and_serve(settings)
         return
-    _sink = VllmTelemetry()
     if role == "worker":  # a process of its own (mp child or Ray actor): it reports itself
+        _sink = _worker_sink(ctx["vllm_config"], "worker")
         WorkerReporter.attach(settings, _sink)
         patches.apply(_sink)
+        patches.apply(_sink, phase_hooks.WORKER_HOOKS)
         log.info("engine_ext: worker pid %d reports to deployment %s itself", os.getpid(), settings.deployment)
         return
     from engine_ext.vllm.reporter import EngineCoreReporter
 
     core, vllm_config = ctx["core"], ctx["vllm_config"] or getattr(ctx["core"], "vllm_config", None)
+    phases = phase_hooks.PhaseSink(phase_hooks.engine_where, "engine core")
+    phases.note(phase_hooks.imports_event(vllm_config, "engine core"))
+    patches.apply(phases, phase_hooks.ENGINE_HOOKS)
     backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
+    _sink = VllmTelemetry(startup_op=phase_hooks.launch_op(vllm_config))
     if backend == "uni":  # the worker lives in this process; it reports itself all the same
         WorkerReporter.attach(settings, _sink)
         patches.apply(_sink)
-    EngineCoreReporter(settings, weakref.ref(core), vllm_config, _sink.started).start()
+        patches.apply(_sink, phase_hooks.WORKER_HOOKS)
+    EngineCoreReporter(settings, weakref.ref(core), vllm_config, _sink.started, phases=phases).start()
     log.info("engine_ext: engine core pid %d will report to deployment %s", os.getpid(), settings.deployment)
+
+
+def _worker_sink(vllm_config: Any, process: str) -> Any:
+    """A worker's sink, in the operation that launched its process, holding that process's ``imports``."""
+    from engine_ext.vllm import phase_hooks
+    from engine_ext.vllm.telemetry import VllmTelemetry
+
+    sink = VllmTelemetry(startup_op=phase_hooks.launch_op(vllm_config))
+    sink.note(phase_hooks.imports_event(vllm_config, process))
+    return sink
 
 
 def _apply_cpu_ep_patches() -> None:
@@ -211,6 +227,7 @@ def _patch_build_and_serve(settings: Any) -> None:
 def _api_serving(settings: Any, engine_client: Any, listen_address: str, args: Any) -> None:
     import asyncio
 
+    from engine_ext.vllm import patches, phase_hooks
     from engine_ext.vllm.api_patches import ScaleWatch, arm_commit_fault, mark
     from engine_ext.vllm.reporter import ApiServerReporter, public_url
 
@@ -219,7 +236,9 @@ def _api_serving(settings: Any, engine_client: Any, listen_address: str, args: A
     watch = ScaleWatch(float(os.environ.get("EEPCTL_VLLM_WEDGED_AFTER_S", "5") or 5))
     watch.install()
     arm_commit_fault(engine_client)
-    ApiServerReporter(settings, engine_client.vllm_config, url, key_required, watch=watch).start()
+    phases = phase_hooks.PhaseSink(phase_hooks.api_where, "API server")  # placement, launch, prepare, drain, commit
+    patches.apply(phases, phase_hooks.API_HOOKS)
+    ApiServerReporter(settings, engine_client.vllm_config, url, key_required, watch=watch, phases=phases).start()
     from engine_ext.vllm.scale_orders import OrderTaker, usable
 
     why = usable(engine_client)  # the autoscaler's scales, carried out in this process

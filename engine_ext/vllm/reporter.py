@@ -158,8 +158,9 @@ class EngineCoreReporter(threading.Thread):
     it. Its worker reports its own part (engine_ext.vllm.worker_reporter); the registry merges them."""
 
     def __init__(self, settings: Settings, core_ref: Any, vllm_config: Any, started: float,
-                 interval_s: float = 1.0) -> None:
+                 interval_s: float = 1.0, phases: Any = None) -> None:
         super().__init__(name="eepctl-vllm-reporter", daemon=True)
+        self.phases = phases  # the engine core's timed phases (engine_ext.vllm.phase_hooks.PhaseSink)
         self.settings = settings
         self.core_ref = core_ref
         self.vllm_config = vllm_config
@@ -180,6 +181,8 @@ class EngineCoreReporter(threading.Thread):
             del core
             while self._core() is not None and not self.link.disabled:
                 self.link.report_status(self.build_status())
+                if self.phases is not None:
+                    self.link.report_events(self.phases.drain_events())
                 time.sleep(self.interval_s)
         except Exception as e:  # noqa: BLE001 - never take the engine down
             log.warning("engine_ext: reporter stopped: %s: %s", type(e).__name__, e)
@@ -322,8 +325,9 @@ class ApiServerReporter(threading.Thread):
     """The API-server process: keeps the deployment's info (kind, URL, DP bounds) in the registry."""
 
     def __init__(self, settings: Settings, vllm_config: Any, api_url: str, api_key_required: bool,
-                 interval_s: float = 2.0, watch: Any = None) -> None:
+                 interval_s: float = 2.0, watch: Any = None, phases: Any = None) -> None:
         super().__init__(name="eepctl-vllm-api-reporter", daemon=True)
+        self.phases = phases  # the API server's timed phases of a scale (engine_ext.vllm.phase_hooks.PhaseSink)
         self.link = RegistryLink(settings)
         self.vllm_config = vllm_config
         self.api_url = api_url
@@ -337,6 +341,8 @@ class ApiServerReporter(threading.Thread):
             while not self.link.disabled:
                 # Rebuilt each time: the DP size lives in the config vLLM updates after a scale.
                 self.link.set_info(deployment_info(self.vllm_config, self.api_url, self.api_key_required, self.watch))
+                if self.phases is not None:
+                    self.link.report_events(self.phases.drain_events())
                 if not controller and self.link.connect():
                     controller = self._start_controller()
                 time.sleep(self.interval_s)

@@ -1,6 +1,7 @@
 """The vLLM symbols the plugin touches, and their committed records for each supported release.
 
-``plugin_symbols`` lists every symbol (the wrapped hooks of engine_ext.vllm.patches, the API-side
+``plugin_symbols`` lists every symbol (the wrapped hooks of engine_ext.vllm.patches and
+engine_ext.vllm.phase_hooks, the API-side
 symbols, the CPU patches of engine_ext.vllm.cpu_patches); the record of a release holds, per symbol,
 what engine_ext.vllm.signatures reads from its source, plus each CPU patch's source-snippet counts.
 Records are committed beside this module (``signatures/vllm-<version>.json``), written by
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine_ext.vllm import cpu_patches, patches, signatures
+from engine_ext.vllm import cpu_patches, patches, phase_hooks, signatures
 
 RECORDS_DIR = Path(__file__).with_name("signatures")
 SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
@@ -33,9 +34,14 @@ EXTRA_SYMBOLS = (
 )
 
 
+def wrapped_hooks() -> tuple[patches.PatchSpec, ...]:
+    """Every hook the plugin wraps: the elastic steps, warm-ups and captures, then the phase hooks."""
+    return patches.CATALOGUE + phase_hooks.ALL_HOOKS
+
+
 def plugin_symbols() -> tuple[str, ...]:
     """Every symbol the plugin checks, as "module:qualname" (catalogue first)."""
-    wrapped = tuple(f"{s.module}:{s.owner}.{s.attr}" for s in patches.CATALOGUE)
+    wrapped = tuple(f"{s.module}:{s.qualname}" for s in wrapped_hooks())
     cpu = tuple(f"{p.module}:{p.qualname}" for p in cpu_patches.CATALOGUE if p.params is not None)
     return wrapped + cpu + EXTRA_SYMBOLS
 
@@ -53,8 +59,8 @@ def verified(version: str) -> dict[str, bool]:
     """Per hook or CPU patch (CATALOGUE key / patch name): does its check hold on ``version``'s record?"""
     data = json.loads((RECORDS_DIR / f"vllm-{version}.json").read_text())
     symbols, snippets = data["symbols"], data.get("snippets", {})
-    out = {s.key: (symbols.get(f"{s.module}:{s.owner}.{s.attr}") or {}).get("params") == list(s.params)
-           for s in patches.CATALOGUE}
+    out = {s.key: (symbols.get(f"{s.module}:{s.qualname}") or {}).get("params") == list(s.params)
+           for s in wrapped_hooks()}
     for p in cpu_patches.CATALOGUE:
         ok = p.params is None or (symbols.get(f"{p.module}:{p.qualname}") or {}).get("params") == list(p.params)
         out[p.name] = ok and all(snippets.get(p.name, {}).get(sn) == n for sn, n in p.source)

@@ -80,16 +80,18 @@ class VllmTelemetry:
 
     Roles (``PatchSpec.role``): "elastic" (a step of a transition), "warmup" (the worker's
     ``compile_or_warm_up_model``), "capture" (the model runner's ``capture_model``: one pass) and
-    "capture_size" (one size captured inside a pass; timed, no event of its own). A pass counts
-    only when it captured something: vLLM's ``capture_model`` returns at once without graphs."""
+    "capture_size" (one size captured inside a pass; timed, no event of its own) and "phase" (a step
+    of the worker's start or of a transition, engine_ext.vllm.phase_hooks: timed under the current
+    operation). A pass counts only when it captured something: vLLM's ``capture_model`` returns at
+    once without graphs."""
 
-    def __init__(self, max_events: int = 2000) -> None:
+    def __init__(self, max_events: int = 2000, startup_op: str = STARTUP_OP) -> None:
         self._lock = threading.RLock()
         self._local = threading.local()
         self._ids = itertools.count(1)
         self._op_numbers = itertools.count(1)
         self._calls: dict[int, _Call] = {}
-        self._op = _Op(STARTUP_OP)
+        self._op = _Op(startup_op)  # a worker a scale-up launched starts in that scale's operation
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._timings: dict[str, dict[str, float]] = {}
         self._captures_total = 0
@@ -136,7 +138,7 @@ class VllmTelemetry:
             detail["size"] = str(getattr(args[0] if args else kwargs.get("desc"), "num_tokens", "?"))
         first = False
         with self._lock:
-            if worker is not None:
+            if worker is not None and spec.role != "phase":  # the reporter starts with the warm-up, not before
                 first = self._remember_worker(worker)
             if spec.role == "elastic":
                 self._start_op(spec, obj, args, kwargs, worker, detail)
@@ -192,8 +194,9 @@ class VllmTelemetry:
             if call.ends_op and op is not None and depths.get("elastic", 0) == 0:
                 op.ended = True
             if emit:
-                ev = Event(op_id=call.op_id, rank=_dp_rank(call.worker), phase=call.phase, start=call.start,
-                           end=call.start + duration, outcome="ok" if error is None else "error", detail=detail)
+                rank = _dp_rank(call.worker or self.worker())  # a module function's call: the worker seen before
+                ev = Event(op_id=call.op_id, rank=rank, phase=call.phase, start=call.start, end=call.start + duration,
+                           outcome="ok" if error is None else "error", detail=detail)
                 self._events.append(to_builtins(ev))
         self._changed()
 
@@ -242,6 +245,12 @@ class VllmTelemetry:
         except TypeError:
             self._worker_ref = lambda w=worker: w
         return True
+
+    def note(self, event: dict[str, Any] | None) -> None:
+        """An event timed outside a hook (the worker process's ``imports``)."""
+        if event is not None:
+            with self._lock:
+                self._events.append(event)
 
     # ---- the reporter's side ---------------------------------------------------------------
     def worker(self) -> Any:
