@@ -331,6 +331,30 @@ def controller_pid(name: str) -> int:
     return wait_for(ask, timeout=90, interval=0.5, what=f"{name}'s controller answering")
 
 
+SPARE_S_PER_B = 4e-9  # the synthetic move's price of a byte landing in a member's spare buffer
+
+
+def cost_points(move: tuple[float, float], pause: tuple[float, float]) -> list[dict[str, Any]]:
+    """Scale records (a cost model's input) exactly on move_s = a + b x total_moved_bytes +
+    SPARE_S_PER_B x spare_total_bytes and pause_s = c + d x rank_expert_bytes."""
+    out = []
+    for mib, spare_mib in ((1, 0), (32, 8), (256, 0), (1024, 64)):
+        moved, held, spare = mib * 2**20, mib * 2**20 // 2, spare_mib * 2**20
+        out.append({"total_moved_bytes": moved, "spare_total_bytes": spare, "rank_expert_bytes": held,
+                    "commit_load_bytes": 0,
+                    "move_s": move[0] + move[1] * moved + SPARE_S_PER_B * spare,
+                    "pause_s": pause[0] + pause[1] * held, "capture_policy": "reuse", "capture_sizes": [1, 2],
+                    "pool": True})
+    return out
+
+
+def write_cost_model(tmp_path: Path, model: dict[str, Any]) -> Path:
+    """``model`` as the cost model file a deployment reads (EEPCTL_COST_MODEL names it)."""
+    path = tmp_path / "cost_model.json"
+    path.write_text(json.dumps(model))
+    return path
+
+
 def parse_source(source: str, filename: str = "<unknown>") -> Any:
     """``ast.parse``, tried again when CPython 3.11's AST converter trips on another thread of
     this process using it at the same time ("AST constructor recursion depth mismatch", gh-106905,

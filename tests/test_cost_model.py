@@ -5,7 +5,6 @@ runs in tests/test_kv_budget.py's split scenario)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,30 +13,13 @@ import pytest
 from eepctl import render
 from eepctl.render_events import events_text
 from engine_ext.control import cost_model as cm
-from tests.helpers import ROOT
+from tests.helpers import ROOT, SPARE_S_PER_B, cost_points, write_cost_model
 
 MIB = 2**20
 
 
-SPARE_S_PER_B = 4e-9  # the synthetic move's price of a byte landing in a member's spare buffer
-
-
-def _points(move: tuple[float, float], pause: tuple[float, float]) -> list[dict[str, Any]]:
-    """Points exactly on move_s = a + b x total_moved_bytes + SPARE_S_PER_B x spare_total_bytes and
-    pause_s = c + d x rank_expert_bytes."""
-    out = []
-    for mib, spare_mib in ((1, 0), (32, 8), (256, 0), (1024, 64)):
-        moved, held, spare = mib * MIB, mib * MIB // 2, spare_mib * MIB
-        out.append({"total_moved_bytes": moved, "spare_total_bytes": spare, "rank_expert_bytes": held,
-                    "commit_load_bytes": 0,
-                    "move_s": move[0] + move[1] * moved + SPARE_S_PER_B * spare,
-                    "pause_s": pause[0] + pause[1] * held, "capture_policy": "reuse", "capture_sizes": [1, 2],
-                    "pool": True})
-    return out
-
-
 def test_fit_recovers_known_coefficients_exactly() -> None:
-    model = cm.fit(_points((0.004, 2.5e-9), (0.018, 3.0e-11)), cm.host_identity(), ["synthetic"])
+    model = cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3.0e-11)), cm.host_identity(), ["synthetic"])
     mv, pz = model["move"], model["pause"]["reuse"]
     assert mv["intercept"] == pytest.approx(0.004, rel=1e-9)
     assert mv["coef"]["total_moved_bytes"] == pytest.approx(2.5e-9, rel=1e-9)
@@ -49,12 +31,12 @@ def test_fit_recovers_known_coefficients_exactly() -> None:
 
 
 def test_fit_leaves_out_a_feature_that_does_not_vary_and_names_it() -> None:
-    pts = [p | {"rank_expert_bytes": 4096} for p in _points((0.01, 1e-9), (0.02, 0.0))]
+    pts = [p | {"rank_expert_bytes": 4096} for p in cost_points((0.01, 1e-9), (0.02, 0.0))]
     pz = cm.fit(pts, cm.host_identity(), ["synthetic"])["pause"]["reuse"]
     assert pz["not_fitted"] == ["rank_expert_bytes", "commit_load_bytes"] and pz["coef"] == {}
     assert pz["intercept"] == pytest.approx(0.02)
     with pytest.raises(ValueError, match="cannot fit"):  # 2 points, 3 coefficients
-        cm.fit_linear(_points((0.01, 1e-9), (0.02, 0.0))[:2], cm.MOVE_FEATURES, "move_s")
+        cm.fit_linear(cost_points((0.01, 1e-9), (0.02, 0.0))[:2], cm.MOVE_FEATURES, "move_s")
 
 
 def _plan() -> dict[str, Any]:
@@ -67,15 +49,9 @@ def _plan() -> dict[str, Any]:
             "precopy": {"per_rank": pr}}
 
 
-def _write(tmp_path: Path, model: dict[str, Any]) -> Path:
-    path = tmp_path / "cost_model.json"
-    path.write_text(json.dumps(model))
-    return path
-
-
 def test_model_from_another_host_predicts_no_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity() | {"cpus": 999}, ["x"])
-    monkeypatch.setenv(cm.ENV, str(_write(tmp_path, model)))
+    model = cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity() | {"cpus": 999}, ["x"])
+    monkeypatch.setenv(cm.ENV, str(write_cost_model(tmp_path, model)))
     got, why = cm.load_model("cpu")
     assert got is None and why.startswith("no cost model fitted on this host") and "999 CPUs" in why
     cost = cm.predict(_plan(), MIB, 4, "reuse", True, got, why)
@@ -93,12 +69,12 @@ def test_a_fit_on_another_gpu_of_a_same_named_host_predicts_nothing(tmp_path: Pa
     scales. A CPU model written before the GPU's name was kept (no ``gpu``) still matches a CPU host."""
     here = cm.host_identity("cpu")
     assert here["gpu"] == ""
-    model = cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), here | {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"},
+    model = cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)), here | {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"},
                    ["x"])
     assert cm.same_host(here | {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}, model["host"])
     assert not cm.same_host(here | {"device": "cuda", "gpu": "NVIDIA H200"}, model["host"])
     monkeypatch.setattr(cm, "gpu_name", lambda: "NVIDIA H200")  # this box has no GPU to ask
-    monkeypatch.setenv(cm.ENV, str(_write(tmp_path, model)))
+    monkeypatch.setenv(cm.ENV, str(write_cost_model(tmp_path, model)))
     got, why = cm.load_model("cuda")
     assert got is None and "cuda (NVIDIA H200)): " in why and why.endswith("CPUs, cuda (NVIDIA H100 80GB HBM3)"), why
     old = {k: v for k, v in here.items() if k != "gpu"}
@@ -107,7 +83,7 @@ def test_a_fit_on_another_gpu_of_a_same_named_host_predicts_nothing(tmp_path: Pa
 
 
 def test_prediction_and_comparison_rendered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cm.ENV, str(_write(tmp_path, cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)),
+    monkeypatch.setenv(cm.ENV, str(write_cost_model(tmp_path, cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)),
                                                            cm.host_identity(), ["x"], copy_GBps=10.0))))
     model, why = cm.load_model("cpu")
     assert model is not None, why
@@ -144,7 +120,7 @@ def test_prediction_and_comparison_rendered(tmp_path: Path, monkeypatch: pytest.
 def test_a_dry_run_says_plainly_when_no_pause_fit_applies_to_the_capture_policy() -> None:
     """A model fitted under reuse only: a recapture deployment's dry run predicts the move and
     says the pause is not predicted, for which policy, what the model has, and how to fit one."""
-    model = cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity(), ["x"])
+    model = cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity(), ["x"])
     cost = cm.predict(_plan(), MIB, 4, "recapture", False, model)
     text = render.plan_text(_plan() | {"cost": cost, "precopy": _plan()["precopy"] | {
         "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}})
@@ -161,7 +137,7 @@ def test_the_range_is_the_fits_held_out_scatter_and_events_say_whether_a_scale_f
     the range of a prediction is the prediction times the least and the most measured/predicted
     ratio of the fit's points, each predicted by the fit of the others (wider than their scatter
     about the fit that saw them), and a measurement is judged against it."""
-    pts = _points((0.004, 2.5e-9), (0.004, 0.0))
+    pts = cost_points((0.004, 2.5e-9), (0.004, 0.0))
     for p, k in zip(pts, (0.8, 1.0, 1.5, 1.0)):
         p["pause_s"] *= k
     model = cm.fit(pts, cm.host_identity(), ["x"])
@@ -188,13 +164,13 @@ def test_the_range_is_the_fits_held_out_scatter_and_events_say_whether_a_scale_f
 def test_a_price_that_fits_negative_is_left_out_and_the_rest_refitted() -> None:
     """Bytes cost time: where two points' noise makes landing in spare buffers look cheaper than
     landing in slots, the fit leaves that feature out (named in ``negative``) and refits the rest."""
-    pts = _points((0.004, 2.5e-9), (0.018, 3e-11))
+    pts = cost_points((0.004, 2.5e-9), (0.018, 3e-11))
     for p in pts:
         p["move_s"] -= SPARE_S_PER_B * p["spare_total_bytes"] * 1.5  # spare bytes now "save" time
     mv = cm.fit(pts, cm.host_identity(), ["x"])["move"]
     assert mv["negative"] == ["spare_total_bytes"] and "spare_total_bytes" in mv["not_fitted"]
     assert set(mv["coef"]) == {"total_moved_bytes"} and mv["coef"]["total_moved_bytes"] > 0
-    assert cm.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity(), ["x"])["move"]["negative"] == []
+    assert cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity(), ["x"])["move"]["negative"] == []
 
 
 def test_fit_cost_reports_a_held_out_check_from_one_run(capsys: pytest.CaptureFixture[str]) -> None:

@@ -94,7 +94,7 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
     from eepctl.render import plan_text
     from eepctl.render_events import events_text
     from engine_ext.control import cost_model
-    from tests.test_cost_model import _points, _write
+    from tests.helpers import cost_points, write_cost_model
     from engine_ext.elastic.precopy import expert_nbytes, spare_room
     from engine_ext.model.dense_oracle import reference_generate
     from tests.engine_helpers import oracle_mismatch
@@ -103,8 +103,9 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
     prompts = [[1 + i, 2 + 2 * i, 3 + i] for i in range(6)]
     ref = reference_generate(cfg, prompts, 6)
     per_expert = expert_nbytes(cfg)
-    model = cost_model.fit(_points((0.004, 2.5e-9), (0.018, 3e-11)), cost_model.host_identity(), ["synthetic"])
-    monkeypatch.setenv(cost_model.ENV, str(_write(tmp_path, model | {"pause": {"recapture": model["pause"]["reuse"]}})))
+    model = cost_model.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)), cost_model.host_identity(), ["synthetic"])
+    recapture = model | {"pause": {"recapture": model["pause"]["reuse"]}}
+    monkeypatch.setenv(cost_model.ENV, str(write_cost_model(tmp_path, recapture)))
 
     async def scenario() -> None:
         async with LocalDeployment(cfg, "kvb-split", max_dp=3) as dep:
