@@ -27,8 +27,8 @@ from engine_ext.control.router import Router
 from engine_ext.ray.completion_request import BadRequest, check_limits, parse_completion, served_model
 
 
-class Ingress(Protocol):
-    """What the HTTP side uses of its ingress (engine_ext.ray.ingress.Ingress)."""
+class IngressHost(Protocol):
+    """What the HTTP side uses of the ingress actor that hosts it (engine_ext.ray.ingress.Ingress)."""
 
     deployment: str
     namespace: str
@@ -68,7 +68,7 @@ def _refused(e: BadRequest) -> Any:
 class IngressHttp:
     """The FastAPI app of one ingress and its uvicorn server."""
 
-    def __init__(self, ingress: Ingress) -> None:
+    def __init__(self, ingress: IngressHost) -> None:
         self.ingress = ingress
         self.server: Any = None
         self.serving: asyncio.Task | None = None  # the server's task, held (an unreferenced task may be collected)
@@ -218,7 +218,7 @@ def _ok_or(body: dict[str, Any], status: int) -> Any:
     return JSONResponse(body, status_code=status)
 
 
-def prometheus_text(ing: Ingress) -> str:
+def prometheus_text(ing: IngressHost) -> str:
     """The ingress's counters in Prometheus' text format (names in docs/operations.md)."""
     st = ing.stats()
     labels = f'deployment="{ing.deployment}",ingress="{ing.index}"'

@@ -138,12 +138,12 @@ class IngressLink:
         return h
 
     # ---- requests ----------------------------------------------------------------------------
-    def reroute(self, dead: set[int]) -> int:
-        """Each ingress parks what the dead ranks held; the count arrives with the answers."""
+    def reroute(self, dead: set[int]) -> None:
+        """Each ingress parks what the dead ranks held, in the background: how many arrives with
+        their answers (the ``rerouted`` count), not here."""
         for i in range(self.count):
             if (h := self._handle(i)) is not None:
                 asyncio.ensure_future(self._add(h.reroute.remote(sorted(dead)), "rerouted"))
-        return 0
 
     async def resubmit(self, moved: list[dict[str, Any]]) -> None:
         """Requests a removing rank handed back go to the ingress that owns them, in the
