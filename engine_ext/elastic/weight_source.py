@@ -1,7 +1,7 @@
 """Where expert weights come from when no live rank holds a copy (recovery after a death).
 
-A ``WeightSource`` is what a checkpoint loader implements: the weights of one logical expert
-of one layer, and the non-expert weights. The reference model's ``SeededWeightSource``
+A ``WeightSource`` is what a checkpoint loader implements: the weights of one logical expert of
+one layer, what a recovery restores. The reference model's ``SeededWeightSource``
 (engine_ext.model.seeded_source) re-creates them from its seed; a rank is handed one
 (``RankEngine(weight_source=...)``), so a real loader can be injected.
 """
@@ -19,6 +19,3 @@ class WeightSource(Protocol):
 
     def expert(self, layer: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1, w2) of logical expert ``logical`` in layer ``layer``."""
-
-    def dense(self) -> dict[str, torch.Tensor]:
-        """The non-expert weights, by name."""

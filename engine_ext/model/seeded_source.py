@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine_ext.config import EngineConfig
-from engine_ext.elastic.eplb import build_layout
-from engine_ext.model.model import MoEModel, expert_weights, torch_dtype
+from engine_ext.model.model import expert_weights, torch_dtype
 
 
 class SeededWeightSource:
@@ -18,8 +17,3 @@ class SeededWeightSource:
 
     def expert(self, layer: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
         return expert_weights(self.cfg, self.seed, layer, logical, torch_dtype(self.cfg.dtype))
-
-    def dense(self) -> dict[str, torch.Tensor]:
-        layout = build_layout(self.cfg.num_experts, self.cfg.slots_per_rank,
-                              -(-self.cfg.num_experts // self.cfg.slots_per_rank))
-        return dict(MoEModel(self.cfg, layout, 0, torch.device("cpu"), self.seed).dense)
