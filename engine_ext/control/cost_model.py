@@ -1,4 +1,4 @@
-"""What a scale will cost, predicted from the curves measured on this host (issue 34, item 5).
+"""What a scale will cost, predicted from the curves measured on this host.
 
 A small linear model, fitted by least squares to the bytes curve of ``benchmarks/curves.py``
 (``benchmarks/fit_cost.py`` writes it, with the host it was fitted on):

@@ -1,5 +1,5 @@
 """An ingress of a reference deployment: a named, detached async actor that owns the requests it
-admits (issue 33). The controller is never on a request's path.
+admits. The controller is never on a request's path.
 
 It holds the router (engine_ext.control.router): requests enter here (``generate``, or HTTP:
 engine_ext.ray.ingress_http), go to a rank, and the rank streams their tokens and results back to

@@ -171,8 +171,8 @@ class ShmCollectives:
 
         A move's peer is usually a few milliseconds away (its step, its publish), so the wait looks
         again at once at first, then sleeps a twentieth of the time waited so far (up to
-        ``MAX_SLEEP_S``): an answer is seen at most ~5 % late, where sleeps doubling to 1 ms made a
-        2-3 ms expert move wait up to a millisecond more per handshake (docs/benchmarks.md)."""
+        ``MAX_SLEEP_S``): an answer is seen at most ~5 % late (a collective's doubling sleeps would
+        add up to a millisecond to each handshake of a 2-3 ms expert move)."""
         self._until(ready, lambda: list(peers), what, lambda elapsed: time.sleep(min(MAX_SLEEP_S, elapsed / 20)))
 
     def _until(self, ready: Callable[[], bool], missing: Callable[[], list[int]], what: str,
