@@ -554,7 +554,9 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                 continue
             res["bytes"].append(row)
             save(a, res)  # a point that stalls (memory, time limit) keeps the ones before it
-        print(f"\n(bytes curve: capture policy {a.bytes_policy}, standby pool {a.bytes_standby}, transport {a.transport})")
+        chosen = sorted({str(r.get("capture_policy")) for r in res["bytes"]})  # what auto resolved to
+        print(f"\n(bytes curve: capture policy {a.bytes_policy} ({', '.join(chosen)}), standby pool {a.bytes_standby}, "
+              f"transport {a.transport})")
         print("| expert MiB | per expert MiB | wall s | launch s | prepare s | pre-copy s | pause s | commit s "
               "| transfer s (joiner) | GB/s per joiner | move GB/s | copied in commit B | failed/requests |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -628,7 +630,8 @@ if __name__ == "__main__":
     ap.add_argument("--expert-hidden", default="256,4096,32768,262144",
                     help="the bytes curve's points (8 KiB of experts per unit: 2 MiB .. 2 GiB)")
     ap.add_argument("--worlds", default="2:4,4:8,8:16")
-    ap.add_argument("--bytes-policy", default="recapture", help="the bytes curve's capture policy (reuse: with a pool)")
+    ap.add_argument("--bytes-policy", default="auto",
+                    help="the bytes curve's capture policy: auto (the engine's default), reuse or recapture")
     ap.add_argument("--bytes-standby", type=int, default=0, help="the bytes curve's standby pool (2: the joiners' launch is off the scale)")
     ap.add_argument("--world-expert-hidden", type=int, default=1024)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the one GPU)")

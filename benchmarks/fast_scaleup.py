@@ -69,7 +69,7 @@ async def _case(name: str, cfg: EngineConfig, standby: int, rate: float, referen
 
 
 async def main(rate: float) -> None:
-    base = EngineConfig(dtype="float64")
+    base = EngineConfig(dtype="float64", capture_policy="recapture")
     reference = reference_generate(base, PROMPTS, MAX_TOKENS)
     rows = [await _case("cold", base, 0, rate, reference),
             await _case("elastic", base, 0, rate, reference),

@@ -108,7 +108,7 @@ async def main(device: str, out: str, cases: list[str]) -> None:
     reference = reference_generate(EngineConfig(**base), PROMPTS, MAX_TOKENS)
     rows = []
     for name in cases:
-        cfg = EngineConfig(**base, capture_policy="reuse") if name == "standby+reuse" else EngineConfig(**base)
+        cfg = EngineConfig(**base, capture_policy="reuse" if name == "standby+reuse" else "recapture")
         rows.append(await _case(name, cfg, device, reference))
         print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(out, f"gpu_elastic_{device.replace(':', '')}.json"), "w") as f:

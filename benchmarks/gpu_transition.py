@@ -75,7 +75,8 @@ def summarize_op(dep: LocalDeployment, op: dict[str, Any]) -> dict[str, Any]:
 
 async def run_variant(name: str, faults: list[str], dtype: str, ref: dict[int, list[int]],
                       device: str) -> dict[str, Any]:
-    cfg = EngineConfig(dtype=dtype, slots_per_rank=8, capture_sizes=[1, 2, 4, 8], faults=faults)
+    cfg = EngineConfig(dtype=dtype, slots_per_rank=8, capture_sizes=[1, 2, 4, 8], faults=faults,
+                       capture_policy="recapture")
     out: dict[str, Any] = {"variant": name, "faults": faults, "dtype": dtype}
     async with LocalDeployment(cfg, f"gpu-{name.replace('_', '-')}", device=device, max_dp=4) as dep:
         t0 = time.time()

@@ -75,7 +75,11 @@ def up(
     placement: Annotated[str, typer.Option(help="Ranks over Ray nodes: pack, spread or strict-spread (one per node).")] = "pack",
     ifname: Annotated[str, typer.Option(help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME.")] = "",
     standby: Annotated[int, typer.Option("--standby", help="Ranks to keep launched ahead (model and KV loaded, in no DP group): a scale-up adopts them and skips its launch phase.")] = 0,
-    capture_policy: Annotated[str, typer.Option("--capture-policy", help="recapture: capture once per transition, workspace right-sized; reuse: size captures for --max-dp at start; survivors capture nothing in transitions, a joiner once (more memory).")] = "recapture",
+    capture_policy: Annotated[str, typer.Option("--capture-policy", help=(
+        "reuse: size workspace and captures for --max-dp at start; survivors re-warm and capture nothing in "
+        "a scale, a joiner once (more workspace, fewer KV blocks); recapture: re-warm and capture on every "
+        "rank in each scale, workspace right-sized; auto: reuse where the KV pool left beside its workspace "
+        "still holds --max-num-seqs requests of max_model_len, else recapture (up says which)."))] = "auto",
     transport: Annotated[str, typer.Option("--transport", help="The per-step collectives: auto (shared memory when every rank of a world shares one host, gloo otherwise; chosen again at every transition), or gloo (TCP always).")] = "auto",
     health_deadline: Annotated[float, typer.Option("--health-deadline", help="Seconds a rank may stay silent (no probe answer, token or result) before it is fenced and recovered around; also how long a serving step waits for a peer.")] = 5.0,
     ingress: Annotated[int, typer.Option("--ingress", help="Ingress actors (requests enter there, HTTP and Ray calls; spread over nodes, the head first).")] = 1,

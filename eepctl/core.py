@@ -110,13 +110,14 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     if not health_deadline_s > 0:
         raise UsageError(f"--health-deadline must be > 0, got {health_deadline_s}")
     check_listen(host, port, ingress)
+    from engine_ext.capture_memory import kv_budget_error, size_captures, up_summary  # torch-free
+
     try:
         cfg = EngineConfig(**engine, instance_id=t.name)
-        cfg.size_captures_for(max_dp)
+        choice = size_captures(cfg, max_dp)  # capture policy auto: reuse where the KV budget allows it
         cfg.validate()
     except ValueError as e:
         raise UsageError(f"invalid engine option: {e}") from None
-    from engine_ext.capture_memory import kv_budget_error  # torch-free
 
     why = kv_budget_error(cfg, dp)  # refused before a cluster is touched (the controller checks it too)
     if why:
@@ -136,7 +137,8 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     return {"deployment": t.name, "namespace": t.namespace, "address": address, "dp": result["dp"],
             "max_dp": max_dp, "cluster_started": started is not None, "elapsed_s": round(time.time() - t0, 2),
             "ranks": snap.get("ranks", []),
-            "ingress": result.get("ingress") or (snap.get("info") or {}).get("ingress", [])}
+            "ingress": result.get("ingress") or (snap.get("info") or {}).get("ingress", []),
+            "capture": up_summary(cfg, dp, max_dp, choice)}
 
 
 def wait_serving(snapshot: Callable[[], dict[str, Any]], name: str, dp: int, deadline: float,

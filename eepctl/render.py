@@ -10,7 +10,7 @@ from typing import Any
 from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
 from eepctl.render_control import api_lines, control_lines, ingress_lines
 from eepctl.render_gpu import shared_gpu_lines
-from eepctl.render_cost import plan_cost_lines
+from eepctl.render_cost import capture_lines, plan_cost_lines
 from eepctl.render_requests import generate_head, generate_tail, generate_text, load_text  # noqa: F401 - render's API
 
 
@@ -343,7 +343,7 @@ def up_text(res: dict[str, Any]) -> str:
              f"{res['address']} in {res['elapsed_s']:.1f}s"]
     for r in res.get("ranks", []):
         lines.append(f"  rank {r['rank']}: {r['instance_id']} pid {r['pid']} {r['state']}")
-    return "\n".join(lines + api_lines(res.get("ingress", []))) + "\n"
+    return "\n".join(lines + capture_lines(res.get("capture")) + api_lines(res.get("ingress", []))) + "\n"
 
 
 def down_text(res: dict[str, Any]) -> str:

@@ -92,3 +92,22 @@ def cost_lines(ops: list[dict[str, Any]]) -> list[str]:
                    f"extra memory {_pair(pred.get('extra_memory_bytes'), got.get('extra_memory_bytes'), _b, None)}"
                    + (f" [{pred['no_model']}]" if pred.get("no_model") else ""))
     return out
+
+
+def capture_lines(cap: dict[str, Any] | None) -> list[str]:
+    """`up`'s line on the capture policy: which one (and whether ``auto`` chose it), the workspace
+    and KV blocks it holds per rank, what a scale then costs, and the option that takes the other."""
+    if not cap:
+        return []
+    by = "auto" if cap.get("chosen_by") == "auto" else "--capture-policy"
+    need = f"{cap['max_num_seqs']} requests of max_model_len {cap['max_model_len']} need {cap['need_kv_blocks']}"
+    if cap["capture_policy"] == "reuse":
+        return [f"  capture policy reuse ({by}): workspace {_b(cap['reuse_bytes'])}/rank sized for max DP "
+                f"{cap['capture_world']} (recapture: {_b(cap['recapture_bytes'])} now), {cap['kv_blocks']} KV "
+                f"blocks/rank left ({need}); the ranks that stay re-warm and capture nothing in a scale; "
+                f"`{cap['other']}` opts out"]
+    auto = cap.get("auto")
+    why = (f": reuse's workspace for max DP {auto['capture_world']} ({_b(auto['reuse_workspace_bytes'])}/rank) "
+           f"would leave {auto['reuse_kv_blocks']} KV blocks/rank where {need}" if auto else "")
+    return [f"  capture policy recapture ({by}){why}{';' if auto else ':'} every rank re-warms and captures in "
+            f"each scale (`{cap['other']}` keeps the workspace for max DP instead)"]

@@ -1,13 +1,14 @@
 """What each capture policy holds in MoE workspace per rank, computed without torch (eepctl's
 ``status`` and ``--dry-run`` read it): ``recapture`` right-sizes for the current world,
-``reuse`` holds the bound at max DP from the start. Mirrors ``MoEModel.moe_workspace_bound``
-(tests/test_capture_reuse.py checks they agree)."""
+``reuse`` holds the bound at max DP from the start; ``auto`` (the default) is resolved here into
+one of them for a deployment. Mirrors ``MoEModel.moe_workspace_bound`` (tests/test_capture_reuse.py
+checks they agree)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine_ext.config import EngineConfig
+from engine_ext.config import CapturePolicy, EngineConfig
 
 _ALIGN = 64
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -56,6 +57,46 @@ def kv_budget(cfg: EngineConfig, world: int) -> dict[str, int]:
                            else world)
     return {"budget_bytes": budget, "workspace_bytes": held, "block_bytes": block,
             "kv_blocks": max(0, (budget - held) // block - 1), "need_blocks": cfg.max_blocks_per_seq}
+
+
+def auto_policy(cfg: EngineConfig, max_dp: int) -> dict[str, Any]:
+    """What capture policy ``auto`` takes for a deployment that may reach ``max_dp``: ``reuse``
+    where the KV pool left beside reuse's workspace (sized for ``capture_world``, else max DP)
+    still holds ``max_num_seqs`` requests of ``max_model_len`` on a rank, so it costs no request
+    a rank would admit, only KV blocks beyond those; else ``recapture``, which re-warms and
+    captures on every rank in each scale but holds the workspace of the current world only."""
+    world = cfg.capture_world or max_dp
+    block = kv_block_bytes(cfg)
+    budget = cfg.num_blocks * block + workspace_bytes(cfg, 1)
+    held = workspace_bytes(cfg, world)
+    kv_blocks = max(0, (budget - held) // block - 1)
+    need = cfg.max_num_seqs * cfg.max_blocks_per_seq
+    return {"capture_policy": "reuse" if kv_blocks >= need else "recapture", "capture_world": world,
+            "reuse_workspace_bytes": held, "reuse_kv_blocks": kv_blocks, "need_kv_blocks": need,
+            "max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len}
+
+
+def size_captures(cfg: EngineConfig, max_dp: int) -> dict[str, Any] | None:
+    """Resolve ``auto`` in ``cfg`` (every deployment does, before any rank starts) and size reuse's
+    captures for ``max_dp`` (``EngineConfig.size_captures_for``). Returns what ``auto`` weighed
+    (``auto_policy``), None where the policy was given by name."""
+    choice = None
+    if cfg.capture_policy == "auto":
+        choice = auto_policy(cfg, max_dp)
+        cfg.capture_policy = CapturePolicy(choice["capture_policy"])
+    cfg.size_captures_for(max_dp)
+    return choice
+
+
+def up_summary(cfg: EngineConfig, dp: int, max_dp: int, choice: dict[str, Any] | None) -> dict[str, Any]:
+    """What a new deployment's (resolved) capture policy holds per rank at DP ``dp``, for ``up``:
+    the workspace beside recapture's, the KV blocks left, how it was chosen and how to opt out."""
+    mem, kv = policy_memory(cfg, dp, max_dp), kv_budget(cfg, dp)
+    other = "recapture" if cfg.capture_policy == "reuse" else "reuse"
+    return {**mem, "capture_world": cfg.capture_world, "kv_blocks": kv["kv_blocks"],
+            "need_kv_blocks": cfg.max_num_seqs * cfg.max_blocks_per_seq, "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": cfg.max_model_len, "chosen_by": "auto" if choice else "option", "auto": choice,
+            "other": f"--capture-policy {other}"}
 
 
 def kv_budget_error(cfg: EngineConfig, world: int) -> str | None:

@@ -26,6 +26,10 @@ class CapturePolicy(Policy):
 
     RECAPTURE = "recapture"  # re-size the workspace and capture once per transition
     REUSE = "reuse"  # size workspace and captures for capture_world at start and keep them
+    # reuse where the rank's KV budget holds reuse's workspace and still every request slot at
+    # max_model_len, else recapture; a deployment resolves it before any rank starts
+    # (engine_ext/capture_memory.py ``size_captures``)
+    AUTO = "auto"
 
 
 class RankFailurePolicy(Policy):
@@ -71,9 +75,11 @@ class EngineConfig:
     max_num_tokens: int = 64
     max_model_len: int = 128
     capture_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    # CapturePolicy: "recapture" or "reuse" (then captures are sized for capture_world, the
-    # deployment's max DP by default: size_captures_for).
-    capture_policy: CapturePolicy | str = CapturePolicy.RECAPTURE
+    # CapturePolicy: "recapture", "reuse" (then captures are sized for capture_world, the
+    # deployment's max DP by default) or "auto" (one of them, chosen by the deployment:
+    # capture_memory.size_captures; a rank started without a deployment, which knows no max DP,
+    # recaptures).
+    capture_policy: CapturePolicy | str = CapturePolicy.AUTO
     capture_world: int = 0
     # identity (suffixed with _dp<rank> per rank)
     instance_id: str = "moe"
@@ -118,7 +124,8 @@ class EngineConfig:
 
     def size_captures_for(self, max_dp: int) -> None:
         """Under ``reuse``, captures are sized for the largest world a scale may reach: max DP
-        unless ``capture_world`` was given."""
+        unless ``capture_world`` was given. A deployment calls it through
+        ``capture_memory.size_captures``, which resolves ``auto`` first."""
         if self.capture_policy == CapturePolicy.REUSE and not self.capture_world:
             self.capture_world = max_dp
 

@@ -22,6 +22,7 @@ from engine_ext.elastic.identity import strip_dp_suffix
 from engine_ext.control.registry_state import RegistryState
 from engine_ext.control.standby_pool import StandbyPool
 from engine_ext.elastic.identity import STANDBY_RANK_BASE
+from engine_ext.capture_memory import size_captures
 from engine_ext.config import EngineConfig
 from engine_ext.errors import RankRefused
 from engine_ext.control.orchestrator import Orchestrator
@@ -235,7 +236,7 @@ class LocalDeployment:
     def __init__(self, cfg: EngineConfig, name: str = "local", *, max_dp: int = 8, device: str = "cpu",
                  env: dict[str, str] | None = None, on_rank_failure: str = "replace", standby: int = 0,
                  health_deadline_s: float = 5.0, death_report_delay_s: float = 0.0) -> None:
-        cfg.size_captures_for(max_dp)
+        size_captures(cfg, max_dp)  # resolves capture policy auto before any rank starts
         # Seconds from a rank's pipe closing to its death report. The pipe tells at once; Ray
         # tells seconds late, so calls can fail on a death nobody reported yet (tests set it).
         self.death_report_delay_s = death_report_delay_s

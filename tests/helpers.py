@@ -23,7 +23,7 @@ SENDING_NOTE = "requests/s for"  # in the note `eepctl generate --rate` gives as
 STOP_GRACE_S = 3.0
 SMALL_ENGINE = {"num_experts": 8, "slots_per_rank": 8, "top_k": 2, "num_layers": 2, "hidden_size": 64,
                 "max_num_seqs": 8, "max_num_tokens": 64, "dtype": "float64", "seed": 0,
-                "capture_sizes": [1, 2, 4, 8]}
+                "capture_sizes": [1, 2, 4, 8], "capture_policy": "recapture"}
 
 
 def eepctl(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -111,8 +111,9 @@ def owned_deployments() -> Iterator[Callable[[str], Deployment]]:
 
 
 def up_cli(d: Deployment, dp: int, max_dp: int, *extra: str) -> dict[str, Any]:
+    # recapture, as SMALL_ENGINE: the tests see every rank re-warm and capture in each scale (I4, I5)
     res = eepctl("up", "--dp", str(dp), "--max-dp", str(max_dp), "--dtype", "float64", "--name", d.name,
-                 *extra, "-o", "json", timeout=300)
+                 "--capture-policy", "recapture", *extra, "-o", "json", timeout=300)
     assert res.returncode == 0, f"up {d.name} exited {res.returncode}: {res.stderr}"
     return last_json(res.stdout)
 

@@ -53,7 +53,7 @@ async def _scenario(cfg: EngineConfig) -> tuple[list[dict], list[dict], list[dic
 
 @pytest.mark.timeout(240)
 def test_advisory_records_mode_on_scales_up_then_down_after_the_delay() -> None:
-    cfg = EngineConfig(dtype="float64", max_num_seqs=4, capture_sizes=[1, 2, 4])
+    cfg = EngineConfig(dtype="float64", max_num_seqs=4, capture_sizes=[1, 2, 4], capture_policy="recapture")
     served, results, trail, members, ops_in_advisory = run(_scenario(cfg), 200)
     assert all(not r.get("error") and len(r["output"]) == LOAD_TOKENS for r in served), "0 failed requests"
     assert ops_in_advisory == 0, "advisory mode acts on nothing"

@@ -4,7 +4,8 @@
 retires rank 1 from the middle, so two survivors replay at a new position), the survivors replay their pre-transition captures after each switch (counted per batch size since
 the switch, none served eagerly), the registry reports no I4 violation for those zero passes,
 survivors that drop their captures are flagged, and a capture sized for the launch world instead
-of max DP is refused on the scale-up."""
+of max DP is refused on the scale-up. The default policy, ``auto``, takes reuse where the KV budget
+holds its workspace beside every request slot's KV, and then no rank that stays re-warms in a scale."""
 
 from __future__ import annotations
 
@@ -176,3 +177,64 @@ def test_capture_memory_matches_the_model_bound():
                 assert workspace_bytes(cfg, w) == model.moe_workspace_bound(w), (dtype, hidden, top_k, w)
     mem = policy_memory(EngineConfig(capture_policy="reuse"), 2, 4)
     assert mem["held_bytes"] == mem["reuse_bytes"] > mem["recapture_bytes"] and mem["reuse_extra_bytes"] > 0
+
+
+# ---- capture policy auto: the default ---------------------------------------------------------------
+def test_auto_takes_reuse_only_where_its_workspace_leaves_every_request_slot_its_kv():
+    """``auto`` (the default) resolves per deployment: reuse where the KV blocks left beside the
+    workspace at max DP hold max_num_seqs requests of max_model_len, recapture one block short of
+    that; the figure is the KV pool a reuse rank really holds. A policy given by name is kept, and
+    `up` says which it runs, what it holds and the option that takes the other."""
+    from engine_ext.capture_memory import auto_policy, size_captures, up_summary
+    from eepctl.render_cost import capture_lines
+    from tests.engine_helpers import OneRank
+
+    need = 8 * 16  # max_num_seqs x the blocks of one max_model_len request (128 / block_size 8)
+    blocks = next(n for n in range(100, 400) if auto_policy(EngineConfig(num_blocks=n), 4)["reuse_kv_blocks"] == need)
+    for n, policy in ((blocks, "reuse"), (blocks - 1, "recapture")):
+        cfg = EngineConfig(num_blocks=n)
+        assert cfg.capture_policy == "auto"
+        choice = size_captures(cfg, 4)
+        assert choice is not None and choice["capture_policy"] == cfg.capture_policy == policy, (n, choice)
+        assert cfg.capture_world == (4 if policy == "reuse" else 0)
+        line = capture_lines(up_summary(cfg, 2, 4, choice))[0]
+        assert line.startswith(f"  capture policy {policy} (auto)"), line
+        assert ("`--capture-policy recapture` opts out" in line if policy == "reuse"
+                else f"would leave {need - 1} KV blocks/rank where 8 requests of max_model_len 128 need {need}" in line)
+    rank = OneRank(EngineConfig(num_blocks=blocks, capture_policy="reuse", capture_world=4))
+    assert rank.engine.res.sched.blocks.total == need  # what auto counted is what the rank holds
+    # `eepctl up`'s default model holds too few blocks for it: auto recaptures there.
+    default = EngineConfig()
+    assert size_captures(default, 8)["capture_policy"] == default.capture_policy == "recapture"
+    named = EngineConfig(num_blocks=blocks, capture_policy="recapture")
+    assert size_captures(named, 4) is None and named.capture_policy == "recapture"
+    assert "(--capture-policy): every rank re-warms" in capture_lines(up_summary(named, 2, 4, None))[0]
+
+
+@pytest.mark.timeout(150)
+def test_under_the_default_policy_the_ranks_that_stay_neither_rewarm_nor_capture_in_a_scale():
+    """A deployment with the engine's default policy (``auto``) and KV room for reuse's workspace:
+    the 2 -> 3 scale's records show no warm-up and no capture pass on ranks 0 and 1 (the re-warm
+    recapture ran inside the pause is gone), the joiner's one pass, and the oracle's tokens."""
+    cfg = EngineConfig(dtype="float64", num_blocks=256)
+    reference = reference_generate(EngineConfig(dtype="float64"), PROMPTS, MAX_TOKENS)
+
+    async def go() -> tuple[dict, list[dict], list[dict]]:
+        async with LocalDeployment(cfg, "autodefault", max_dp=3) as dep:
+            await dep.start(2)
+            op = await dep.scale(3, timeout_s=60)
+            results = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
+            events = await wait_until(lambda: (lambda evs: evs if {e["rank"] for e in evs if e["phase"] == "lock"}
+                                               == {0, 1, 2} else None)(dep.registry.events_for(op["op_id"])),
+                                      15, "the lock events of every rank")
+            return op, results, events
+
+    op, results, events = run(go(), 140)
+    assert op["state"] == "succeeded", op
+    by_phase = {ph: {e["rank"] for e in events if e["phase"] == ph and e["rank"] >= 0} for ph in ("warm", "capture")}
+    assert by_phase == {"warm": {2}, "capture": {2}}, by_phase  # the joiner only
+    assert op["captures_per_rank"] == {"0": 0, "1": 0, "2": 1}, op["captures_per_rank"]
+    locks = {e["rank"]: e["detail"] for e in events if e["phase"] == "lock"}
+    assert all(locks[r]["capture_policy"] == "reuse" and locks[r]["capture_passes"] == 0 for r in (0, 1)), locks
+    assert cfg.capture_policy == "reuse"  # what auto resolved to
+    assert oracle_mismatch(list(enumerate(results)), reference) == ""

@@ -25,7 +25,7 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9] * 10, [3, 1, 4, 1, 5]]
 
 @pytest.mark.timeout(300)
 def test_cuda_graphs_release_and_single_recapture() -> None:
-    cfg = EngineConfig(dtype="float64", slots_per_rank=8, capture_sizes=[1, 2, 4])
+    cfg = EngineConfig(dtype="float64", slots_per_rank=8, capture_sizes=[1, 2, 4], capture_policy="recapture")
     ref = [r["output"] for r in reference_generate(cfg, PROMPTS, 8)]
 
     async def scenario() -> None:
@@ -90,7 +90,7 @@ def test_cuda_rank_sigkill_recovers_with_one_capture_and_oracle_outputs() -> Non
     import os
     import signal
 
-    cfg = EngineConfig(dtype="float64", slots_per_rank=8, capture_sizes=[1, 2, 4])
+    cfg = EngineConfig(dtype="float64", slots_per_rank=8, capture_sizes=[1, 2, 4], capture_policy="recapture")
     tokens = 16  # long enough that the victim's requests are still decoding at the kill
     ref = {tuple(p): r["output"] for p, r in zip(PROMPTS, reference_generate(cfg, PROMPTS, tokens))}
 

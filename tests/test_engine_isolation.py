@@ -22,7 +22,7 @@ ISOLATION_KEYS = ("slots_restored", "live_kv_unchanged", "eplb_unchanged")
 
 
 def _cfg() -> EngineConfig:
-    return EngineConfig(dtype="float64", slots_per_rank=8)
+    return EngineConfig(dtype="float64", slots_per_rank=8, capture_policy="recapture")
 
 
 async def _views(dep: LocalDeployment, n: int, ready, timeout_s: float = 5.0) -> list[dict]:
@@ -220,7 +220,8 @@ async def _scale_down_scenario(cfg: EngineConfig) -> dict:
 
 @pytest.fixture(scope="module")
 def scale_down() -> dict:
-    cfg = EngineConfig(dtype="float64", slots_per_rank=8, faults=["hold:drain@2"], fault_delay_s=DRAIN_HOLD_S)
+    cfg = EngineConfig(dtype="float64", slots_per_rank=8, faults=["hold:drain@2"], fault_delay_s=DRAIN_HOLD_S,
+                       capture_policy="recapture")
     return run(_scale_down_scenario(cfg), 240)
 
 

@@ -61,7 +61,7 @@ def test_start_refused_naming_the_bytes():
 
 def test_scale_refused_where_the_start_fits():
     """DP 2 fits, DP 4 does not: the admission (start, scale and --dry-run) refuses the 4."""
-    cfg = EngineConfig(**BIG, num_blocks=1024)
+    cfg = EngineConfig(**BIG, num_blocks=1024, capture_policy="recapture")
     assert kv_budget_error(cfg, 2) is None
     dep = LocalDeployment(cfg, "kvb", max_dp=4)
     dep.orch.check_target(2)
@@ -99,7 +99,7 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
     from engine_ext.model.dense_oracle import reference_generate
     from tests.engine_helpers import oracle_mismatch
 
-    cfg = EngineConfig(num_experts=16, slots_per_rank=8, commit_load_threads=3)
+    cfg = EngineConfig(num_experts=16, slots_per_rank=8, commit_load_threads=3, capture_policy="recapture")
     prompts = [[1 + i, 2 + 2 * i, 3 + i] for i in range(6)]
     ref = reference_generate(cfg, prompts, 6)
     per_expert = expert_nbytes(cfg)
@@ -178,7 +178,8 @@ def test_a_scale_up_whose_balanced_layout_does_not_fit_keeps_the_members_experts
     from tests.engine_helpers import oracle_mismatch
 
     cfg = EngineConfig(num_layers=2, num_experts=8, hidden_size=64, slots_per_rank=4, expert_hidden=4096,
-                       num_blocks=768)  # the KV the MoE workspace leaves at DP 4 (as curves.py sizes it)
+                       num_blocks=768,  # the KV the MoE workspace leaves at DP 4 (as curves.py sizes it)
+                       capture_policy="recapture")
     prompt = [5, 6, 7, 8]
     ref = reference_generate(cfg, [prompt], 6)
 

@@ -25,7 +25,7 @@ MAX_TOKENS = 10
 
 
 def _cfg(*faults: str) -> EngineConfig:
-    return EngineConfig(dtype="float64", slots_per_rank=8, faults=list(faults))
+    return EngineConfig(dtype="float64", slots_per_rank=8, faults=list(faults), capture_policy="recapture")
 
 
 @pytest.fixture(scope="module")

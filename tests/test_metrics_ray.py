@@ -26,7 +26,7 @@ from tests.helpers import ROOT, STOP_GRACE_S, wait_for
 
 pytestmark = pytest.mark.ray
 
-ENGINE = ("--dtype", "float64", "--layers", "1", "--hidden", "32")
+ENGINE = ("--dtype", "float64", "--layers", "1", "--hidden", "32", "--capture-policy", "recapture")
 _SAMPLE = re.compile(r'^(\w+)\{([^}]*)\}\s+(\S+)$')
 
 

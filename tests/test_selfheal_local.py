@@ -23,7 +23,7 @@ PROMPTS = [[(13 * i + 7 * j + 1) % 256 for j in range(3 + i % 9)] for i in range
 
 
 def _cfg(**kw: object) -> EngineConfig:
-    return EngineConfig(dtype="float64", **kw)  # type: ignore[arg-type]
+    return EngineConfig(dtype="float64", **{"capture_policy": "recapture", **kw})  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,7 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     clean."""
     import ray
 
+    from engine_ext.capture_memory import size_captures
     from engine_ext.config import EngineConfig
     from engine_ext.ray.durable import DurableState
     from engine_ext.ray.placement import control_nodes, on_node
@@ -90,7 +91,7 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
 
     DurableState(namespace, name).delete()  # a new deployment takes nothing over from an old one
     engine_cfg = EngineConfig.from_dict(cfg)
-    engine_cfg.size_captures_for(max_dp)
+    size_captures(engine_cfg, max_dp)  # resolves capture policy auto before any rank starts
     cfg = engine_cfg.to_dict()
     # The control plane's place is the policy's (the head node, docs/operations.md), never the
     # caller's. Hard: Ray's soft affinity put a zero-CPU actor on another node (1 of 3 tries on the
