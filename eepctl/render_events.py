@@ -114,7 +114,7 @@ def ops_table(ops: list[dict[str, Any]], short: dict[str, str], level: str) -> A
 
 def events_text(data: dict[str, Any], width: int = 160, verbose: bool = False) -> str:
     """The table with the most columns that fit ``width``, then the lines under it (each error in
-    full, costs, fences); every event with ``verbose``."""
+    full, the requests a scale-up re-dispatched, costs, fences); every event with ``verbose``."""
     from eepctl.render import natural_width, rich_text
     from eepctl.render_cost import cost_lines
 
@@ -128,6 +128,8 @@ def events_text(data: dict[str, Any], width: int = 160, verbose: bool = False) -
     if total and total > len(ops):
         out.append(f"the last {len(ops)} of {total} operations (--last N shows more)")
     out += [f"{short.get(o['op_id'], o['op_id'])} {o['state']}: {o['error']}" for o in ops if o.get("error")]
+    out += [f"{short.get(o['op_id'], o['op_id'])}: {o['redispatched_requests']} request(s) waiting on the old ranks "
+            "re-dispatched over the new width" for o in ops if o.get("redispatched_requests")]
     out += cost_lines(ops)
     out += fence_lines(evs, short)
     if verbose:

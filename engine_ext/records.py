@@ -296,6 +296,9 @@ class Operation(msgspec.Struct, forbid_unknown_fields=True):
     cause: str = ""
     dead_ranks: list[int] = []  # recover: the global ranks that died
     rerouted_requests: int = 0  # recover: requests of dead ranks re-submitted to survivors
+    # scale-up: requests waiting on the old ranks given back after the commit and re-dispatched
+    # (engine_ext.control.redispatch), so the joiners take their share of the backlog
+    redispatched_requests: int = 0
     # scale: by rank, the spare bytes its expert pre-copy held, for how long, when and why they were freed
     move_memory: dict[str, dict[str, Any]] = {}
     # scale: the plan's predicted cost beside what the scale measured (engine_ext.control.cost_model)

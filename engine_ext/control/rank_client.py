@@ -33,6 +33,9 @@ class RankControl(Protocol):
     def add_request(self, wire: dict[str, Any]) -> None:
         """Queue a request; raises when the rank takes no requests."""
 
+    def give_back_waiting(self, keep: int) -> list[dict[str, Any]]:
+        """Hand back the requests waiting (not yet prefilled) beyond the first ``keep``."""
+
     def status(self) -> dict[str, Any]:
         """The rank's status record."""
 
@@ -107,6 +110,9 @@ class RankClient(ABC):
 
     async def add_request(self, wire: dict[str, Any], *, timeout: float | None = None) -> None:
         await self._invoke("add_request", wire, timeout=timeout)
+
+    async def give_back_waiting(self, keep: int, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        return await self._invoke("give_back_waiting", keep, timeout=timeout)
 
     async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         return await self._invoke("status", timeout=timeout)

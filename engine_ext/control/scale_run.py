@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_ext.control.cost_model import measured, relative_errors, within_range
 from engine_ext.control.rank_client import RankClient
+from engine_ext.control.redispatch import redispatch
 from engine_ext.control.scale_plan import ScalePlan
 from engine_ext.control.spawner import Spawner
 from engine_ext.control.world import RankCallFailed, World, quiet, short_error
@@ -170,10 +171,13 @@ class ScaleRun:
             await w.router.resubmit(moved)
         w.enter_phase(op, Phase.CLEANUP.value)
         t = time.time()
+        if self.growing:  # the joiners take their share of the requests queued on the old ranks
+            op.redispatched_requests = await redispatch(w, self.old_members, len(self.new_members))
         for r, c in leaving.items():
             await quiet(c.kill())
             w.forget_rank(r)
-        w.phase_done(op, Phase.CLEANUP.value, t, removed=sorted(leaving), moved_requests=len(moved))
+        w.phase_done(op, Phase.CLEANUP.value, t, removed=sorted(leaving), moved_requests=len(moved),
+                     redispatched_requests=op.redispatched_requests)
 
     async def recover(self) -> None:
         """Before commit: roll back (drop joiners and standby groups, keep serving).

@@ -274,6 +274,18 @@ class RankEngine:
                               + (f": {shared.state_reason}" if shared.state_reason else ""), code)
         self.loop.poke()
 
+    def give_back_waiting(self, keep: int) -> list[dict[str, Any]]:
+        """Hand back the requests still waiting beyond the first ``keep`` (admitted, not yet
+        prefilled), for the router to send on (a scale-up's joiners take them). Taken under the
+        lock the step loop schedules under: a request is either given back or prefilled here,
+        never both. A rank that is not serving keeps what it holds and gives back nothing."""
+        shared = self.shared
+        with shared.lock:
+            if shared.state is not RankState.SERVING or shared.stopping:
+                return []
+            given = self.res.sched.give_back(keep)
+        return [r.to_wire() for r in given]
+
     # ---- RankControl: transitions -------------------------------------------------------------------
     def prepare(self, plan: TransitionPlan) -> dict[str, Any]:
         return self.transition.prepare(plan)

@@ -232,5 +232,13 @@ class Scheduler:
             req.num_computed = 0
         return out
 
+    def give_back(self, keep: int) -> list[Request]:
+        """Take out the waiting requests beyond the first ``keep`` (the newest: the oldest keep
+        their turn here), in arrival order. None of them was prefilled: they hold no slot or block."""
+        n = max(0, len(self.waiting) - max(0, keep))
+        out = [self.waiting.pop() for _ in range(n)][::-1]
+        self.held.change(-n)
+        return out
+
     def live_blocks(self) -> list[int]:
         return sorted(b for r in self.running for b in r.blocks)

@@ -229,10 +229,19 @@ async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | No
     except Exception as e:  # noqa: BLE001 - a refused or failed scale backs the autoscaler off
         host.record_outcome(decision.id, False, f"{type(e).__name__}: {e}"[:300])
         return decision
-    ok = op.get("state") == "succeeded"
-    host.record_outcome(decision.id, ok, f"{op.get('op_id', '')} DP {op.get('from_size')} -> {op.get('to_size')}"
-                        if ok else f"{op.get('op_id', '')} {op.get('state')}: {op.get('error')}")
+    host.record_outcome(decision.id, op.get("state") == "succeeded", scale_outcome(op))
     return decision
+
+
+def scale_outcome(op: dict[str, Any]) -> str:
+    """What the decision record says of the scale it started: the operation and its sizes, and the
+    requests a scale-up re-dispatched over the new width (engine_ext.control.redispatch); or how it
+    failed."""
+    if op.get("state") != "succeeded":
+        return f"{op.get('op_id', '')} {op.get('state')}: {op.get('error')}"
+    moved = int(op.get("redispatched_requests") or 0)
+    return (f"{op.get('op_id', '')} DP {op.get('from_size')} -> {op.get('to_size')}"
+            + (f", {moved} waiting request(s) re-dispatched over the new width" if moved else ""))
 
 
 def autoscaler_metrics(deployment: str) -> Any:
