@@ -134,8 +134,12 @@ def test_auto_delays_and_the_capacity_file_reach_the_policy(monkeypatch: pytest.
     from tests.helpers import ROOT
 
     seen: list[dict] = []
-    monkeypatch.setattr(core, "autoscale", lambda t, changes, api_key=None: seen.append(changes) or
-                        {"deployment": "moe", "policy": AutoscalePolicy(**changes).validated().to_dict(), "previous": None})
+
+    def autoscale(t: object, changes: dict, api_key: str | None = None) -> dict:
+        seen.append(changes)
+        return {"deployment": "moe", "policy": AutoscalePolicy(**changes).validated().to_dict(), "previous": None}
+
+    monkeypatch.setattr(core, "autoscale", autoscale)
     path = ROOT / "docs/results/h100_2026-12-05b/capacity_cpu_16cores_64clients.json"
     result = CliRunner().invoke(app, ["autoscale", "--target-utilization", "0.8", "--up-delay", "auto", "--down-delay",
                                       "auto", "--cooldown", "5", "--capacity", str(path)])

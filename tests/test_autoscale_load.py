@@ -19,7 +19,12 @@ from engine_ext.control.autoscale_load import (
     LoadSignals,
     capacity_from_benchmark,
 )
-from engine_ext.control.autoscaler import AutoscalePolicy, Autoscaler, Observed, RankSignals
+from engine_ext.control.autoscaler import (
+    AutoscalePolicy,
+    Autoscaler,
+    Observed,
+    RankSignals,
+)
 from tests.helpers import ROOT
 
 BASE_RPS, TOKENS, CAPACITY = 40.0, 24.0, 1250.0  # at 80 %: 1000 tokens/s a rank, the base load 0.96 of one
@@ -33,8 +38,8 @@ def load_obs(dp: int, rps: float, backlog: float = 48.0, cost: ScaleCost = FAST,
 
 
 def policy(**kw) -> AutoscalePolicy:
-    base = dict(mode="on", max_dp=8, target_utilization=0.8, up_delay_s="auto", down_delay_s="auto",
-                cooldown_s="auto", max_step=1)
+    base = {"mode": "on", "max_dp": 8, "target_utilization": 0.8, "up_delay_s": "auto", "down_delay_s": "auto",
+            "cooldown_s": "auto", "max_step": 1}
     return AutoscalePolicy(**(base | kw))
 
 

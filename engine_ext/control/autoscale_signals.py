@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_ext.control.autoscale_cost import ScaleCost
-from engine_ext.control.autoscale_load import ArrivalWindow, CapacityLearner, LoadSignals
+from engine_ext.control.autoscale_load import (
+    ArrivalWindow,
+    CapacityLearner,
+    LoadSignals,
+)
 from engine_ext.control.autoscaler import Observed, RankSignals
 
 
