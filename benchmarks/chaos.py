@@ -45,7 +45,8 @@ from tests.chaos import DEADLINE_S, ENGINE, MAX_DP, PROMPTS, START_DP, Chaos  # 
 def figures(records: list[dict[str, Any]], ops: list[dict[str, Any]], load: dict[str, Any]) -> dict[str, Any]:
     times = sorted(r["serving_s"] for r in records)
     return {"rounds": len(records),
-            "recoveries": sum(1 for o in ops if o.get("kind") in ("recover", "rebuild") and o.get("state") == "succeeded"),
+            "recoveries": sum(1 for o in ops
+                              if o.get("kind") in ("recover", "rebuild") and o.get("state") == "succeeded"),
             "failed_operations": sum(1 for o in ops if o.get("state") not in ("succeeded", "running")),
             "time_to_serving_s": {"p50": round(statistics.median(times), 2) if times else None,
                                   "max": round(times[-1], 2) if times else None},
@@ -70,8 +71,8 @@ def main() -> int:
     ap.add_argument("--address", default=None)
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(10**6)
-    rounds = (TAKEOVERS if args.takeovers else []) + schedule(seed, args.rounds,
-                                                              TAKEOVERS[-1].target if args.takeovers else START_DP, MAX_DP)
+    first = TAKEOVERS[-1].target if args.takeovers else START_DP
+    rounds = (TAKEOVERS if args.takeovers else []) + schedule(seed, args.rounds, first, MAX_DP)
     print(f"chaos: seed {seed}, {len(rounds)} rounds: {[asdict(r) for r in rounds]}", flush=True)
     from eepctl import cluster, core
     from engine_ext.config import EngineConfig
@@ -111,7 +112,8 @@ def main() -> int:
             finally:
                 stop.set()
                 loader.join(600)
-        wrong = [r for r in load.get("records", []) if not r["error"] and r["output"] != oracle(PROMPTS[r["prompt_index"]])]
+        wrong = [r for r in load.get("records", [])
+                 if not r["error"] and r["output"] != oracle(PROMPTS[r["prompt_index"]])]
         out = {"seed": seed, **figures(records, core.events(t)["operations"], load), "wrong_outputs": len(wrong),
                "per_round": records}
         print(json.dumps(out), flush=True)

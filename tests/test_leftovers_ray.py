@@ -153,11 +153,14 @@ def test_take_over_launch_and_down_remove_what_no_member_holds(deployments, ray_
 
     def took_over() -> list[str] | None:
         res = eepctl("status", "--name", d.name, "-o", "json", timeout=60)
-        control = (json.loads(res.stdout.splitlines()[-1])["info"].get("control") if res.returncode == 0 else None) or {}
+        if res.returncode != 0:
+            return None
+        control = json.loads(res.stdout.splitlines()[-1])["info"].get("control") or {}
         return control.get("took_over") if control.get("controller_restarts") else None
 
     actions = wait_for(took_over, timeout=90, interval=0.5, what="the take-over")
-    assert any(f"actor {d.name}_standby9" in a and f"placement group {d.name}_standby9-pg" in a for a in actions), actions
+    standby9 = (f"actor {d.name}_standby9", f"placement group {d.name}_standby9-pg")
+    assert any(all(s in a for s in standby9) for a in actions), actions
     wait_for(lambda: _owned(d.name) == member, timeout=30, what="only the member's resources left")
     gen = eepctl_json("generate", "--name", d.name, timeout=90)
     cfg_d = dict(SMALL_ENGINE, instance_id=d.name)

@@ -101,7 +101,8 @@ class StagedSender:
         for (t, _), off in zip(items, offsets):
             n = _nbytes(t)
             if n:
-                torch.frombuffer(mm, dtype=torch.uint8, offset=off, count=n).copy_(t.contiguous().view(-1).view(torch.uint8))
+                part = torch.frombuffer(mm, dtype=torch.uint8, offset=off, count=n)
+                part.copy_(t.contiguous().view(-1).view(torch.uint8))
         del mm  # the receiver maps the file by name
         self.descriptor = ("shm", self.path, max(end, 1),
                            [(tag, off, t.dtype, tuple(t.shape)) for (t, tag), off in zip(items, offsets)], [])

@@ -16,14 +16,15 @@ then), write this rank's part into its buffer ``g % 2``, set ``seq = g``, wait u
 (x86's total store order; ``supported()`` says no elsewhere, and the group then stays on gloo).
 
 Waiting never spins for long: 0.1 ms of polling, then ``sched_yield`` to 2 ms, then sleeps
-that grow to a millisecond (an idle rank sleeps on the store, not here). A wait ends with ``ShmError``: ``timeout`` after ``timeout_s`` (the group's, or the
-step's while serving), ``peer_gone`` when a peer's process is gone or it left the group short
-of this collective (one that wrote its part and then left, as a committing rank leaves the old
-group, blocks no one: the collective completes, the next one fails), and
-``aborted`` when this rank aborted the group (``abort`` wakes its waiters within a sleep),
-``overflow`` when a collective is larger than the segment was sized for (before any data is
-written: every member refuses the same collective, and the group stays usable; an all-to-all's
-parts differ per rank, so its refusal travels in the headers of one exchange).
+that grow to a millisecond (an idle rank sleeps on the store, not here). A wait ends with
+``ShmError``: ``timeout`` after ``timeout_s`` (the group's, or the step's while serving);
+``peer_gone`` when a peer's process is gone or it left the group short of this collective (one
+that wrote its part and then left, as a committing rank leaves the old group, blocks no one: the
+collective completes, the next one fails); ``aborted`` when this rank aborted the group
+(``abort`` wakes its waiters within a sleep); ``overflow`` when a collective is larger than the
+segment was sized for (before any data is written: every member refuses the same collective, and
+the group stays usable; an all-to-all's parts differ per rank, so its refusal travels in the
+headers of one exchange).
 """
 
 from __future__ import annotations
