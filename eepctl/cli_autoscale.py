@@ -37,6 +37,8 @@ def autoscale(
     window: Annotated[float | None, typer.Option("--window", help="Seconds of signals each decision reads (default 60).")] = None,
     target_utilization: Annotated[float | None, typer.Option("--target-utilization", help="The load rule: as many ranks as the arrivals and the backlog need at this share of a rank's capacity, 0..1 (0 leaves it out).")] = None,
     drain: Annotated[float | None, typer.Option("--drain", help="Seconds the load rule gives the queued work to drain (default 2).")] = None,
+    standby: Annotated[str | None, typer.Option("--standby", help="auto: the autoscaler keeps as many ranks launched ahead as a --burst times the base load needs beyond the current width; off: the pool is `eepctl standby`'s.")] = None,
+    burst: Annotated[float | None, typer.Option("--burst", help="The burst --standby auto absorbs, as a multiple of the base load (default 4).")] = None,
     capacity: Annotated[str | None, typer.Option("--capacity", help="A rank's tokens/s at saturation until the deployment has measured its own: a number, or benchmarks/capacity.py's JSON.")] = None,
     show: Annotated[bool, typer.Option("--show", help="Print the policy and the current recommendation; change nothing.")] = False,
     plot: Annotated[bool, typer.Option("--plot", help="Draw DP, load and the SLO signal over the decisions' window.")] = False,
@@ -54,7 +56,7 @@ def autoscale(
                              "up_delay_s": _delay(up_delay), "down_delay_s": _delay(down_delay), "tolerance": tolerance,
                              "max_step": max_step, "cooldown_s": _delay(cooldown), "window_s": window,
                              "target_utilization": target_utilization, "drain_s": drain,
-                             "capacity_tokens_s": _capacity(capacity)}
+                             "capacity_tokens_s": _capacity(capacity), "standby": standby, "burst": burst}
     changes = {k: v for k, v in given.items() if v is not None}
     if (show or plot) and changes:
         raise UsageError("--show and --plot change nothing: give them without policy options")

@@ -24,7 +24,8 @@ def policy_line(p: dict[str, Any] | None) -> str:
     targets = ", ".join(fmt.format(p[k]) for k, fmt in TARGET_TEXT if p.get(k)) or "none"
     return (f"mode {p['mode']}, DP {p['min_dp']}..{p['max_dp']}, targets: {targets}; up after "
             f"{_delay(p['up_delay_s'])}, down after {_delay(p['down_delay_s'])}, tolerance {p['tolerance']:.0%}, "
-            f"max step {p['max_step']}, cooldown {_delay(p['cooldown_s'])}, window {p['window_s']:g}s")
+            f"max step {p['max_step']}, cooldown {_delay(p['cooldown_s'])}, window {p['window_s']:g}s"
+            + (f", standby auto for a {p.get('burst', 4.0):g}x burst" if p.get("standby") == "auto" else ""))
 
 
 def _clock(at: float) -> str:

@@ -255,13 +255,15 @@ class LocalDeployment:
         # The same reconcile loop as the Ray controller: fences a silent or failed rank (SIGKILL),
         # rebuilds from the weight source when no healthy rank is left, grows back.
         self.reconciler = Reconciler(self.orch, deadline_s=health_deadline_s)
-        self.pool: StandbyPool | None = None
-        if standby > 0:
-            self.pool = StandbyPool(standby, spawner.launch_standby, _process_alive,
-                                    lambda c: c.kill(), self.registry.forget_rank,  # type: ignore[attr-defined]
-                                    lambda: self.orch.running_op() is not None)
-            self.pool.identity_base = strip_dp_suffix(cfg.instance_id or name)
+        self.pool: StandbyPool | None = self._make_pool(spawner, standby) if standby > 0 else None
         self._pool_watch: asyncio.Task[None] | None = None
+
+    def _make_pool(self, spawner: ProcessSpawner, size: int) -> StandbyPool:
+        pool = StandbyPool(size, spawner.launch_standby, _process_alive,
+                           lambda c: c.kill(), self.registry.forget_rank,  # type: ignore[attr-defined]
+                           lambda: self.orch.running_op() is not None)
+        pool.identity_base = strip_dp_suffix(self.cfg.instance_id or self.name)
+        return pool
 
     def device_for(self, rank: int) -> str:
         if self.device == "cuda-per-rank":
@@ -294,6 +296,15 @@ class LocalDeployment:
         if self.pool is not None:
             await self.pool.fill()
             self._pool_watch = asyncio.get_running_loop().create_task(self.pool.watch())
+
+    async def set_standby(self, count: int) -> dict[str, Any]:
+        """Keep ``count`` ranks launched ahead (0 stops them), as the Ray controller's ``set_standby``."""
+        if self.pool is None:
+            self.pool = self._make_pool(self.orch.spawner, count)  # type: ignore[arg-type]
+        await self.pool.resize(count)
+        if self._pool_watch is None:
+            self._pool_watch = asyncio.get_running_loop().create_task(self.pool.watch())
+        return self.pool.summary()
 
     async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         return await self.orch.router.submit(prompt, max_tokens)

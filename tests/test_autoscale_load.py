@@ -32,7 +32,7 @@ FAST = ScaleCost(up_s=0.2, launch_s=0.0, down_s=0.2, measured=3)  # a scale as t
 
 
 def load_obs(dp: int, rps: float, backlog: float = 48.0, cost: ScaleCost = FAST, **kw) -> Observed:
-    load = LoadSignals(rps, rps * 8, TOKENS, backlog, kw.pop("capacity", CAPACITY), "learned")
+    load = LoadSignals(rps, rps * 8, kw.pop("base_rps", rps), TOKENS, backlog, kw.pop("capacity", CAPACITY), "learned")
     return Observed(dp=dp, ranks=[RankSignals(r) for r in range(dp)], num_experts=8, slots_per_rank=8,
                     load=load, cost=cost, **kw)
 
@@ -103,6 +103,8 @@ def test_a_burst_shorter_than_the_scale_it_needs_is_not_chased() -> None:
     slow = Autoscaler(policy(up_delay_s=0)).decide(0.0, load_obs(2, 60.0, backlog=2000.0, cost=launched))
     assert not slow.act and "not chased: the backlog (2000 tok) drains at DP 2 in 1.89s, before a 7.70s scale" \
         in slow.rule, slow.rule
+    over = Autoscaler(policy(up_delay_s=0)).decide(0.0, load_obs(1, 50.0, backlog=100.0, cost=launched))
+    assert over.act and over.recommendation == 2, "arrivals over the width's target share: not a passing backlog"
     pooled = Autoscaler(policy(up_delay_s=0)).decide(0.0, load_obs(2, 60.0, backlog=2000.0, cost=launched,
                                                                     standby_ready=2))
     assert pooled.act and pooled.recommendation == 3, pooled.rule  # from the pool (0.7 s) it is worth it
@@ -124,12 +126,12 @@ def test_the_cost_is_learned_from_the_scales_the_deployment_ran() -> None:
 
 def test_arrivals_are_rates_of_the_routers_counters_and_a_reset_starts_over() -> None:
     w = ArrivalWindow(keep_s=60.0)
-    assert w.signals(0.0, 60.0) == (None, None, 0.0)
+    assert w.signals(0.0, 60.0) == (None, None, 0.0, None)
     for i in range(5):  # 40 requests/s of 8 prompt and 16 output tokens
         w.add(i * 0.5, {"requests": 20 * i, "prompt_tokens": 160 * i, "output_tokens": 320 * i})
-    assert w.signals(2.0, 60.0) == (40.0, 320.0, 24.0)
+    assert w.signals(2.0, 60.0) == (40.0, 320.0, 24.0, 40.0)
     w.add(2.5, {"requests": 3, "prompt_tokens": 24, "output_tokens": 48})  # a restarted ingress
-    assert w.signals(2.5, 60.0) == (None, None, 0.0)
+    assert w.signals(2.5, 60.0) == (None, None, 0.0, None)
 
 
 def test_capacity_is_learned_from_saturated_steps_else_seeded() -> None:
@@ -156,3 +158,19 @@ def test_the_seed_reads_benchmarks_capacity_output() -> None:
     assert capacity_from_benchmark(result) == pytest.approx(DEFAULT_CAPACITY_TPS, abs=0.5)
     with pytest.raises(ValueError, match="no closed-loop"):
         capacity_from_benchmark({"load": [{"dp": 1, "open": {"tok_s": 5}}]})
+
+
+def test_standby_auto_keeps_the_ranks_a_burst_would_need_beyond_the_width() -> None:
+    """A 4x burst of the base load (40 req/s, at DP 1) needs DP 4: three ranks launched ahead; a lull
+    does not stop them within the window; the policy refuses --standby auto without the load rule."""
+    a = Autoscaler(policy(standby="auto", burst=4, max_dp=8, window_s=10.0))
+    d = a.decide(0.0, load_obs(1, BASE_RPS))
+    assert d.standby == 3 and "standby 3 (a 4x burst of 40 req/s needs DP 4)" in d.rule, d.rule
+    assert a.decide(5.0, load_obs(1, 1.0, base_rps=10.0)).standby == 3, "the most asked over the window"
+    assert a.decide(16.0, load_obs(1, 1.0, base_rps=10.0)).standby == 0
+    assert Autoscaler(policy(standby="auto", max_dp=2)).decide(0.0, load_obs(1, BASE_RPS)).standby == 1, "max DP"
+    assert Autoscaler(policy()).decide(0.0, load_obs(1, BASE_RPS)).standby is None, "the operator's pool"
+    with pytest.raises(ValueError, match="--standby auto sizes the pool by the load rule"):
+        AutoscalePolicy(target_queue=2.0, standby="auto").validated()
+    with pytest.raises(ValueError, match="--burst"):
+        AutoscalePolicy(target_utilization=0.5, burst=0.5).validated()

@@ -39,6 +39,7 @@ class LoadSignals:
 
     arrival_rps: float | None = None
     prompt_tps: float | None = None  # prompt tokens admitted per second, same window
+    base_rps: float | None = None  # requests admitted per second over the policy's window
     work_per_request: float = 0.0  # tokens (prompt + output asked for) per admitted request
     backlog_tokens: float | None = None
     capacity_tps: float = DEFAULT_CAPACITY_TPS  # per rank
@@ -87,13 +88,14 @@ def load_terms(load: LoadSignals, drain_s: float, target_utilization: float) -> 
     return t
 
 
-def drains_before_scale(load: LoadSignals, current: int, scale_s: float) -> str | None:
-    """Why a scale-up would come too late: the arrivals fit the current width and what is queued
-    drains at its spare capacity before the scale could serve (the burst is shorter than the
-    scale it would need). None: the scale is worth it."""
+def drains_before_scale(load: LoadSignals, current: int, scale_s: float, target_utilization: float) -> str | None:
+    """Why a scale-up would come too late: the arrivals fit the current width (at the target
+    utilisation: only the backlog asks for more) and what is queued drains at its spare capacity
+    before the scale could serve (the burst is shorter than the scale it would need). None: the
+    scale is worth it."""
     spare = current * load.capacity_tps - load.demand_tps
     backlog = load.backlog_tokens or 0.0
-    if spare <= 0 or backlog <= 0:
+    if load.demand_tps > current * load.capacity_tps * target_utilization or backlog <= 0:
         return None
     drain = backlog / spare
     if drain <= scale_s:
@@ -127,17 +129,17 @@ class ArrivalWindow:
         old = next((r for r in reversed(self.rows) if r[0] <= last[0] - span_s), self.rows[0])
         return old if last[0] - old[0] > 0 else None
 
-    def signals(self, now: float, window_s: float) -> tuple[float | None, float | None, float]:
-        """(requests/s and prompt tokens/s over the last ARRIVAL_WINDOW_S, tokens per request
-        over ``window_s``); None before two readings."""
+    def signals(self, now: float, window_s: float) -> tuple[float | None, float | None, float, float | None]:
+        """(requests/s and prompt tokens/s over the last ARRIVAL_WINDOW_S, tokens per request and
+        requests/s over ``window_s``); None before two readings."""
         short, long_ = self._since(now, ARRIVAL_WINDOW_S), self._since(now, window_s)
         if short is None or long_ is None:
-            return None, None, 0.0
+            return None, None, 0.0, None
         last = self.rows[-1]
         span = last[0] - short[0]
         asked = last[1] - long_[1]
         per_request = ((last[2] - long_[2]) + (last[3] - long_[3])) / asked if asked > 0 else 0.0
-        return (last[1] - short[1]) / span, (last[2] - short[2]) / span, per_request
+        return (last[1] - short[1]) / span, (last[2] - short[2]) / span, per_request, asked / (last[0] - long_[0])
 
 
 class CapacityLearner:

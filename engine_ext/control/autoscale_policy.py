@@ -18,7 +18,8 @@ OPTION = {"min_dp": "--min-dp", "max_dp": "--max-dp", "mode": "--mode", "target_
           "target_kv": "--target-kv", "slo_ttft_ms": "--slo-ttft-ms", "slo_tpot_ms": "--slo-tpot-ms",
           "up_delay_s": "--up-delay", "down_delay_s": "--down-delay", "tolerance": "--tolerance",
           "max_step": "--max-step", "cooldown_s": "--cooldown", "window_s": "--window",
-          "target_utilization": "--target-utilization", "drain_s": "--drain", "capacity_tokens_s": "--capacity"}
+          "target_utilization": "--target-utilization", "drain_s": "--drain", "capacity_tokens_s": "--capacity",
+          "standby": "--standby", "burst": "--burst"}
 DELAYS = ("up_delay_s", "down_delay_s", "cooldown_s")  # a number of seconds, or "auto" (from the scale's cost)
 
 
@@ -45,6 +46,10 @@ class AutoscalePolicy:
     target_utilization: float = 0.0
     drain_s: float = 2.0
     capacity_tokens_s: float = 0.0
+    # "auto": the autoscaler sizes the standby pool for a ``burst`` times the base arrivals (the
+    # ranks it would need beyond the current width); "off": the pool is the operator's (`eepctl standby`).
+    standby: str = "off"
+    burst: float = 4.0
 
     def validated(self) -> AutoscalePolicy:
         """This policy, typed and checked; ValueError naming the option otherwise."""
@@ -68,6 +73,14 @@ class AutoscalePolicy:
         for name in ("target_kv", "target_utilization"):
             if getattr(self, name) > 1.0:
                 raise ValueError(f"{OPTION[name]} is a fraction (0..1], not {getattr(self, name)!r}")
+        self.standby = str(self.standby).strip().lower()
+        if self.standby not in ("off", AUTO):
+            raise ValueError(f"--standby must be auto or off, not {self.standby!r}")
+        if isinstance(self.burst, bool) or not isinstance(self.burst, (int, float)) or not self.burst >= 1.0:
+            raise ValueError(f"--burst is how many times the base load a burst brings (>= 1), not {self.burst!r}")
+        self.burst = float(self.burst)
+        if self.standby == AUTO and not self.target_utilization:
+            raise ValueError("--standby auto sizes the pool by the load rule: give --target-utilization too")
         if self.tolerance >= 1.0:
             raise ValueError(f"--tolerance must be below 1 (0.10 is 10 %), not {self.tolerance!r}")
         if self.window_s <= 0:

@@ -92,7 +92,7 @@ class SignalWindow:
 
     def load(self, now: float, members: list[int], capacity_seed: float = 0.0) -> LoadSignals | None:
         """The load rule's signals now; None before the router's counters were read twice."""
-        rps, prompt_tps, per_request = self.arrivals.signals(now, self.window_s)
+        rps, prompt_tps, per_request, base_rps = self.arrivals.signals(now, self.window_s)
         if rps is None:
             return None
         latest: dict[int, RankReading] = {}
@@ -101,7 +101,7 @@ class SignalWindow:
                 latest[x.rank] = x
         queued = [x.tokens_queued for x in latest.values() if x.tokens_queued is not None]
         tps, source = self.capacity.capacity(capacity_seed)
-        return LoadSignals(rps, prompt_tps, per_request, sum(queued) if queued else None, tps, source)
+        return LoadSignals(rps, prompt_tps, base_rps, per_request, sum(queued) if queued else None, tps, source)
 
     def observed(self, now: float, members: list[int], *, busy: str | None = None, num_experts: int = 1,
                  slots_per_rank: int = 1, standby_ready: int = 0, capacity: Callable[[int], str | None] | None = None,

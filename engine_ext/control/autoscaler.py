@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_ext.config import AutoscaleMode
-from engine_ext.control.autoscale_cost import ScaleCost, timing
+from engine_ext.control.autoscale_cost import AUTO, ScaleCost, timing
 from engine_ext.control.autoscale_load import (
     LoadSignals,
     drains_before_scale,
@@ -105,6 +105,7 @@ class Decision:
     eplb_imbalance: float | None = None
     outcome: str = ""
     timing: dict[str, Any] | None = None  # the delays used, and why (engine_ext.control.autoscale_cost)
+    standby: int | None = None  # the standby pool ``--standby auto`` keeps (None: the operator's)
 
     def to_dict(self) -> dict[str, Any]:
         """A copy as plain data (one level per container: ``asdict``'s deep copy made a
@@ -174,6 +175,7 @@ class Autoscaler:
         self.policy = policy.validated()
         self.decisions: deque[Decision] = deque((Decision.from_dict(d) for d in decisions or []), maxlen=keep)
         self.history: deque[tuple[float, int]] = deque(maxlen=4096)  # (at, raw recommendation)
+        self.standby_asks: deque[tuple[float, int]] = deque(maxlen=4096)  # (at, standby ranks a burst would want)
         self.last_action_at = max((d.at for d in self.decisions if d.act), default=-math.inf)
         self.failures = 0
         self.timing = timing(policy.up_delay_s, policy.down_delay_s, policy.cooldown_s, ScaleCost(), False)
@@ -196,6 +198,7 @@ class Autoscaler:
         target, d.rule = self._stabilised(now, obs, raw, sig, panic)
         target = self._bounded(obs, target, d)
         d.recommendation = target
+        d.standby = self._standby(now, obs, d)
         d.action = self._action(now, obs, d)
         d.act = d.action == "scale" and p.mode == AutoscaleMode.ON
         if d.act:
@@ -242,7 +245,8 @@ class Autoscaler:
         if held < delay:
             return current, f"{winner} asks {way} to DP {raw}; stabilising {_secs(held)}s of {_secs(delay)}s{formula}"
         up_by_load = winner == "load" and raw > current and obs.load is not None
-        late = drains_before_scale(obs.load, current, t.scale_up_s) if up_by_load and obs.load else None
+        late = (drains_before_scale(obs.load, current, t.scale_up_s, p.target_utilization)
+                if up_by_load and obs.load else None)
         if late:
             return current, f"load asks up to DP {raw}; not chased: {late}{formula}"
         target = raw if up_by_load else min(recs) if raw > current else max(recs)
@@ -266,6 +270,22 @@ class Autoscaler:
             d.rule += f"; DP {pooled} preferred (the standby pool serves it at once)"
             target = pooled
         return target
+
+    def _standby(self, now: float, obs: Observed, d: Decision) -> int | None:
+        """The standby pool ``--standby auto`` keeps: the ranks a ``burst`` times the base arrivals
+        (over the window) would need beyond the width decided, within max DP; the most asked over
+        the window, so a lull does not stop the standbys the next burst wants."""
+        p, load = self.policy, obs.load
+        if p.standby != AUTO or load is None or load.base_rps is None:
+            return None
+        per_rank = load.capacity_tps * p.target_utilization
+        need = min(p.max_dp, math.ceil(p.burst * load.base_rps * load.work_per_request / max(1e-9, per_rank) - 1e-9))
+        self.standby_asks.append((now, max(0, need - d.recommendation)))
+        while self.standby_asks[0][0] < now - p.window_s:
+            self.standby_asks.popleft()
+        n = max(w for _, w in self.standby_asks)
+        d.rule += f"; standby {n} (a {p.burst:g}x burst of {load.base_rps:.3g} req/s needs DP {need})"
+        return n
 
     def _action(self, now: float, obs: Observed, d: Decision) -> str:
         """What happens to the recommendation: nothing, blocked (and why), advisory, or scale."""

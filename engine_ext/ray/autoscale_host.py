@@ -47,6 +47,7 @@ class AutoscaleHost:
         self.window = SignalWindow(learned=saved.get("capacity"))
         self.cost = ScaleCost.from_dict(saved.get("cost"))  # what a scale costs here, learned from its scales
         self.loaded = False  # the last tick saw requests admitted or work held
+        self.resizing: asyncio.Future[Any] | None = None  # a --standby auto resize of the pool, in the background
         self._members: list[int] = []
         self._persisted_at = -PERSIST_QUIET_S
         self._durable: dict[str, Any] | None = None  # what was persisted last (``state``)
@@ -193,6 +194,8 @@ class AutoscaleHost:
 
 Act = Callable[[Decision], Awaitable[dict[str, Any]]]
 """Moves the desired size to ``decision.recommendation`` and returns the finished operation."""
+Standby = Callable[[int], Awaitable[Any]]
+"""Keeps that many ranks launched ahead (``eepctl standby --count``: the controller's ``set_standby``)."""
 
 
 def busy_reason(orch: Orchestrator) -> str | None:
@@ -206,12 +209,14 @@ def busy_reason(orch: Orchestrator) -> str | None:
 
 
 async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | None = None,
-                          now: float | None = None, statuses: list[dict[str, Any]] | None = None) -> Decision | None:
+                          now: float | None = None, statuses: list[dict[str, Any]] | None = None,
+                          standby: Standby | None = None) -> Decision | None:
     """One autoscaling round of a controller's loop over ``orch``'s world: decide from the
     members' status records, and when the decision acts, ``act`` on it and record the outcome.
     Without ``act`` the decision is only returned (the loop acts later and calls
     ``record_outcome``). ``statuses``: the records the loop's health probe already has this
-    tick (``Health.statuses``), so a tick asks each rank once; None asks every member here."""
+    tick (``Health.statuses``), so a tick asks each rank once; None asks every member here.
+    ``standby``: resizes the standby pool to what a ``--standby auto`` decision asks (no operation running)."""
     if statuses is None:
         answers = await asyncio.gather(*(c.status(timeout=3) for c in orch.clients.values()),
                                        return_exceptions=True)
@@ -222,6 +227,10 @@ async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | No
                          standby_ready=len(pool.ready) if pool is not None else 0,
                          capacity=orch.spawner.check_capacity, admissions=orch.world.router.admissions(),
                          ops=orch.history[-5:])
+    size = pool.size if pool is not None else 0
+    if decision is not None and decision.standby is not None and standby is not None and decision.standby != size \
+            and not busy_reason(orch) and (host.resizing is None or host.resizing.done()):
+        host.resizing = asyncio.ensure_future(standby(decision.standby))  # the pool the next burst wants
     if decision is None or not decision.act or act is None:
         return decision
     try:

@@ -240,7 +240,8 @@ class Controller:
             return await self.orch.scale(int(decision.recommendation), cause="autoscale")
 
         d = await autoscale_round(host, self.orch, act,  # the probe's answers: one status call per rank a tick
-                                  statuses=self.reconciler.health.statuses(list(self.orch.members)))
+                                  statuses=self.reconciler.health.statuses(list(self.orch.members)),
+                                  standby=self.set_standby)
         self._info["autoscale"] = host.shown()  # changes when what status says does
         self.reconciler.tick_s = host.period(TICK_S)
         return [f"autoscale {d.id}: {d.action}"] if d is not None and d.act else []
