@@ -542,10 +542,12 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
               "(the commit's loads into slots)", flush=True)
         for eh in ehs:
             print(f"bytes: expert_hidden {eh}: {rss_budget_note(eh, 4)}", flush=True)
-            # No captures on this curve: a capture's decode runs every local slot densely, which at
-            # GiBs of experts makes each CPU step take seconds; eager decode runs top-k experts only.
-            row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": [], "capture_policy": a.bytes_policy,
-                                    "transport": a.transport, "commit_load_threads": a.commit_load_threads},
+            # No captures unless asked (--bytes-capture-sizes): a CUDA capture's decode runs every local
+            # slot densely, which at GiBs of experts takes seconds a step; eager decode runs top-k only.
+            sizes = [int(x) for x in a.bytes_capture_sizes.split(",") if x]
+            row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": sizes,
+                                    "capture_policy": a.bytes_policy, "transport": a.transport,
+                                    "commit_load_threads": a.commit_load_threads},
                                    f"cb{eh}", 2, 4, device=dev, standby=a.bytes_standby, kv_experts=a.kv_experts)
             row.update(expert_hidden=eh, expert_MiB=expert_bytes(eh) / MIB)
             if row.get("state") == "refused":  # kept apart: the tables and the fit take scales that ran
@@ -556,7 +558,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             save(a, res)  # a point that stalls (memory, time limit) keeps the ones before it
         chosen = sorted({str(r.get("capture_policy")) for r in res["bytes"]})  # what auto resolved to
         print(f"\n(bytes curve: capture policy {a.bytes_policy} ({', '.join(chosen)}), standby pool {a.bytes_standby}, "
-              f"transport {a.transport})")
+              f"transport {a.transport}, capture sizes {a.bytes_capture_sizes or 'none'})")
         print("| expert MiB | per expert MiB | wall s | launch s | prepare s | pre-copy s | pause s | commit s "
               "| transfer s (joiner) | GB/s per joiner | move GB/s | copied in commit B | failed/requests |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -632,6 +634,8 @@ if __name__ == "__main__":
     ap.add_argument("--worlds", default="2:4,4:8,8:16")
     ap.add_argument("--bytes-policy", default="auto",
                     help="the bytes curve's capture policy: auto (the engine's default), reuse or recapture")
+    ap.add_argument("--bytes-capture-sizes", default="",
+                    help="the bytes curve's capture sizes, e.g. 1,2,4,8 (default none: the pause without captures)")
     ap.add_argument("--bytes-standby", type=int, default=0, help="the bytes curve's standby pool (2: the joiners' launch is off the scale)")
     ap.add_argument("--world-expert-hidden", type=int, default=1024)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the one GPU)")

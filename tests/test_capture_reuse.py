@@ -219,7 +219,7 @@ def test_under_the_default_policy_the_ranks_that_stay_neither_rewarm_nor_capture
     cfg = EngineConfig(dtype="float64", num_blocks=256)
     reference = reference_generate(EngineConfig(dtype="float64"), PROMPTS, MAX_TOKENS)
 
-    async def go() -> tuple[dict, list[dict], list[dict]]:
+    async def go() -> tuple[dict, list[dict], list[dict], list]:
         async with LocalDeployment(cfg, "autodefault", max_dp=3) as dep:
             await dep.start(2)
             op = await dep.scale(3, timeout_s=60)
@@ -227,10 +227,11 @@ def test_under_the_default_policy_the_ranks_that_stay_neither_rewarm_nor_capture
             events = await wait_until(lambda: (lambda evs: evs if {e["rank"] for e in evs if e["phase"] == "lock"}
                                                == {0, 1, 2} else None)(dep.registry.events_for(op["op_id"])),
                                       15, "the lock events of every rank")
-            return op, results, events
+            return op, results, events, dep.registry.violations()
 
-    op, results, events = run(go(), 140)
+    op, results, events, violations = run(go(), 140)
     assert op["state"] == "succeeded", op
+    assert violations == [], violations  # the registry expects the zero passes of the policy auto chose (I4)
     by_phase = {ph: {e["rank"] for e in events if e["phase"] == ph and e["rank"] >= 0} for ph in ("warm", "capture")}
     assert by_phase == {"warm": {2}, "capture": {2}}, by_phase  # the joiner only
     assert op["captures_per_rank"] == {"0": 0, "1": 0, "2": 1}, op["captures_per_rank"]
@@ -238,3 +239,22 @@ def test_under_the_default_policy_the_ranks_that_stay_neither_rewarm_nor_capture
     assert all(locks[r]["capture_policy"] == "reuse" and locks[r]["capture_passes"] == 0 for r in (0, 1)), locks
     assert cfg.capture_policy == "reuse"  # what auto resolved to
     assert oracle_mismatch(list(enumerate(results)), reference) == ""
+
+
+def test_without_capture_sizes_the_rank_that_stays_under_reuse_makes_no_capture_pass():
+    """With no capture sizes configured (benchmarks/curves.py's bytes curve) no rank holds a capture,
+    so holding none cannot tell a joiner: the rank that locked a world keeps it and makes no pass (what
+    the registry's I4 check expects of it), a joiner, whose workspace was never locked, sizes it and
+    makes its one pass."""
+    from engine_ext.elastic.eplb import build_layout
+    from engine_ext.rank.engine import RankEngine
+    from tests.engine_helpers import OneRank
+
+    cfg = EngineConfig(capture_policy="reuse", capture_world=2, capture_sizes=[])
+    stays = OneRank(cfg).engine
+    stays.res.graphs.begin_operation("op-1")
+    assert stays.warm_and_capture("op-1")["captures_this_op"] == 0
+    joiner = RankEngine(cfg, "joiner", 0, build_layout(8, cfg.slots_per_rank, 1), joining=True)
+    joiner.res.graphs.begin_operation("op-1")
+    assert not joiner.res.workspace.locked
+    assert joiner.warm_and_capture("op-1")["captures_this_op"] == 1 and joiner.res.workspace.locked

@@ -79,7 +79,9 @@ class Warmup:
         reuse = self.reuse
         if reuse is not None:  # capture_policy=reuse: survivors keep their captures, joiners capture locally
             if op_id != "startup":
-                if not graphs.captured_sizes:
+                # A joiner holds no captures; with no capture sizes configured, none does, and a
+                # joiner is the rank whose workspace was never locked.
+                if not graphs.captured_sizes and (res.cfg.capture_sizes or not workspace.locked):
                     return self._join_under_reuse(op_id, reuse)
                 if self.pool is not None:  # adopted from the pool, its captures already taken
                     return self._join_with_pool_capture(op_id, reuse)
