@@ -13,8 +13,26 @@ tables (``warmup_not_isolated``).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+
+# Test-only switches read from the environment: they live here, with the other deliberate faults,
+# so that no production module reads a test's variable itself.
+BACKOFF_MAX_ENV = "EEPCTL_TEST_BACKOFF_MAX_S"  # the controller's longest back-off (multi-node tests)
+DEBUG_FAIL_COMMIT_ENV = "EEPCTL_VLLM_DEBUG_FAIL_COMMIT"  # a file: while it exists, vLLM scale commits fail
+
+
+def backoff_max_s(default: float) -> float:
+    """The controller's longest back-off between failed reconcile actions: ``default``, or what a
+    test set in ``EEPCTL_TEST_BACKOFF_MAX_S`` (the multi-node tests bring capacity back seconds after
+    a loss and must not wait out the escalated default)."""
+    return float(os.environ.get(BACKOFF_MAX_ENV) or default)
+
+
+def debug_fail_commit_file() -> str:
+    """The file whose existence makes a vLLM server's scale commits fail (a test hook; "" when unset)."""
+    return os.environ.get(DEBUG_FAIL_COMMIT_ENV, "")
 
 # Broken variants: name -> what it breaks (and which invariant check must catch it).
 VARIANTS: dict[str, str] = {

@@ -323,7 +323,8 @@ def test_the_test_only_backoff_cap_shortens_the_escalated_retry(monkeypatch: pyt
     backoff; without it the product's BACKOFF_MAX_S holds (the test above)."""
     from types import SimpleNamespace
 
-    from engine_ext.control.reconciler import BACKOFF_MAX_ENV, ESCALATE_AFTER, Reconciler
+    from engine_ext.control.reconciler import ESCALATE_AFTER, Reconciler
+    from engine_ext.faults import BACKOFF_MAX_ENV
 
     monkeypatch.setenv(BACKOFF_MAX_ENV, "3")
     rec = Reconciler(SimpleNamespace(world=World("t"), name="t", recovery=SimpleNamespace(running=lambda: False)))

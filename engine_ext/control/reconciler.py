@@ -17,7 +17,6 @@ Torch-free and transport-free: the Ray controller and the process launcher both 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
 from collections import deque
@@ -28,6 +27,7 @@ from engine_ext.config import RankFailurePolicy
 from engine_ext.control.health import DEFAULT_DEADLINE_S, Health
 from engine_ext.control.suspicion import Suspicion, TickLag, confirm_timeout_s, extended_deadline_s, host_load, judge
 from engine_ext.control.world import short_error
+from engine_ext.faults import backoff_max_s
 
 if TYPE_CHECKING:
     from engine_ext.control.orchestrator import Orchestrator
@@ -35,9 +35,6 @@ if TYPE_CHECKING:
 TICK_S = 1.0
 PARK_BOUND_S = 120.0  # a request waits this long for a world to serve it, then fails with why
 BACKOFF_MAX_S = 30.0
-# A test-only override of BACKOFF_MAX_S, read from the controller's environment: the multi-node
-# tests bring capacity back seconds after a loss and must not wait out the escalated 30 s.
-BACKOFF_MAX_ENV = "EEPCTL_TEST_BACKOFF_MAX_S"
 SWEEP_EVERY = 5  # ticks between two looks for orphaned rank processes
 ESCALATE_AFTER = 3  # the same action failing the same way this many times in a row is escalated
 _VARYING = re.compile(r"op-[0-9a-z-]+|'[0-9a-f]{16,}'|\d+(\.\d+)?")  # ids and numbers: the same way either way
@@ -69,7 +66,7 @@ class Reconciler:
         self.tick_seconds: deque[float] = deque(maxlen=600)  # each tick's own time, newest last
         self._backoff_until = 0.0
         self._backoff_s = 0.0
-        self.backoff_max_s = float(os.environ.get(BACKOFF_MAX_ENV) or BACKOFF_MAX_S)
+        self.backoff_max_s = backoff_max_s(BACKOFF_MAX_S)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 

@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any
 
+from engine_ext.faults import DEBUG_FAIL_COMMIT_ENV, debug_fail_commit_file
+
 log = logging.getLogger("vllm.engine_ext")
 
 AUTH_MODULE = "vllm.entrypoints.serve.middleware.authenticate"
@@ -34,7 +36,6 @@ SCALING_MODULE = "vllm.entrypoints.serve.elastic_ep.middleware"
 UNGUARDED_PATHS = ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/collective_rpc", "/fault_tolerance/")
 REMEDY = ("restart the vLLM API server (stop it and start it again with the same arguments); vLLM keeps "
           "answering 503 until then (vLLM #50778, #53947). Then `eepctl status` shows the ranks again")
-DEBUG_FAIL_COMMIT_ENV = "EEPCTL_VLLM_DEBUG_FAIL_COMMIT"
 
 # name -> "active" or "unavailable: <why>", for the deployment info.
 _status: dict[str, str] = {}
@@ -187,7 +188,7 @@ def arm_commit_fault(engine_client: Any) -> bool:
     """Test hook (only with ``EEPCTL_VLLM_DEBUG_FAIL_COMMIT=<file>``): while the file exists, the
     engine client's ``prepare_elastic_ep`` does nothing and its ``commit_elastic_ep`` raises, on
     this one client object. Otherwise both are vLLM's. True when the hook was installed."""
-    trigger = os.environ.get(DEBUG_FAIL_COMMIT_ENV, "")
+    trigger = debug_fail_commit_file()
     core = getattr(engine_client, "engine_core", None)
     if not trigger or core is None or getattr(core, "__eepctl_fault__", False):
         return False
