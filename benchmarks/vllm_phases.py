@@ -81,6 +81,27 @@ def _registry_events(op: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in ray.get(reg.events.remote(None, 0), timeout=30)["events"] if e["op_id"] in ids]
 
 
+def _info() -> dict[str, Any]:
+    import ray
+
+    from engine_ext.ray.names import registry_name
+
+    reg = ray.get_actor(registry_name(NAME), namespace="eepctl")
+    return ray.get(reg.snapshot.remote(), timeout=30).get("info") or {}
+
+
+def wait_prepared(count: int, timeout_s: float = 900) -> dict[str, Any]:
+    """With ``--standby``: until the API server holds vLLM's prepare for DP + count (engine_ext.vllm.standby)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        info = _info()
+        held = info.get("standby") or {}
+        if held.get("state") == "prepared" and held.get("prepared") == info.get("dp", 0) + count:
+            return held
+        time.sleep(1.0)
+    raise SystemExit(f"no prepare held for DP + {count} within {timeout_s:.0f}s: {_info().get('standby')}")
+
+
 def scale(address: str, target: int, load: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     """One scale through eepctl, with its per-phase split once the ranks' last reports are in."""
     load_before = os.getloadavg()[0]
@@ -110,7 +131,7 @@ def _load(server: Any, prompts: list[list[int]], stop: threading.Event, out: lis
             stop.wait(0.2)
 
 
-def serve(tmp: Path, address: str) -> Any:
+def serve(tmp: Path, address: str, standby: int = 0) -> Any:
     from tests.vllm_checkpoint import write_random_mixtral
     from tests.vllm_servers import platform_entry_path, pythonpath, start
 
@@ -118,6 +139,8 @@ def serve(tmp: Path, address: str) -> Any:
     env = {"PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")), "EEPCTL_VLLM_CPU_EP": "1",
            "EEPCTL_DEPLOYMENT": NAME, "EEPCTL_RAY_ADDRESS": address, "RAY_ADDRESS": address,
            "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH"}
+    if standby:
+        env["EEPCTL_VLLM_STANDBY"] = str(standby)
     server = start(model, tmp / "elastic.log",
                    ["--dtype", "float32", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
                     "--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size",
@@ -133,7 +156,7 @@ def run(args: argparse.Namespace, tmp: Path, address: str) -> list[dict[str, Any
     from tests.vllm_servers import PROMPTS
 
     cluster.connect(address, "eepctl")
-    server = serve(tmp, address)
+    server = serve(tmp, address, args.standby)
     results: list[dict[str, Any]] = []
     try:
         for load in args.load.split(","):
@@ -146,8 +169,10 @@ def run(args: argparse.Namespace, tmp: Path, address: str) -> list[dict[str, Any
                     time.sleep(5.0)
                 try:
                     for target in (3, 2):
+                        held = wait_prepared(args.standby) if args.standby else None
                         r = scale(address, target, load, records)
-                        results.append(dict(r, run=n + 1))
+                        after = _info().get("standby") if args.standby else None  # its drop_s: a drop's time
+                        results.append(dict(r, run=n + 1, standby=args.standby, held=held, held_after=after))
                         print(f"\n### {r['from']} -> {r['to']}, load {load}, run {n + 1}: {r['wall_s']} s "
                               f"(load average {r['loadavg_1m'][0]} -> {r['loadavg_1m'][1]}; {r['requests']} "
                               f"requests, {r['refused_503']} refused with 503; op {r['op_id']}, ranks' "
@@ -183,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", default="none,test", help="comma-separated: none, test")
     ap.add_argument("--pause", type=float, default=5.0, help="seconds between scales")
     ap.add_argument("--json", type=Path, help="write every result (with its events) here")
+    ap.add_argument("--standby", type=int, default=0, help="EEPCTL_VLLM_STANDBY for the server: each scale waits "
+                    "until the plugin holds vLLM's prepare for DP + N")
     args = ap.parse_args(argv)
     from eepctl import cluster
 

@@ -42,7 +42,8 @@ def timeline(data: dict[str, Any], op_id: str | None = None, tolerance_s: float 
     """Spans relative to the operation's first event, the pause window, the slowest rank and
     the groups of ranks that did the same thing at the same times (within ``tolerance_s``:
     default 5% of the operation, at least 20 ms)."""
-    evs = [e for e in data.get("events", []) if op_id is None or e["op_id"] == op_id]
+    ranks = next((o.get("rank_ops") or [] for o in data.get("operations", []) if o["op_id"] == op_id), [])
+    evs = [e for e in data.get("events", []) if op_id is None or e["op_id"] == op_id or e["op_id"] in ranks]
     op_id = op_id or (evs[0]["op_id"] if evs else "")
     if not evs:
         return {"op_id": op_id, "t0": None, "duration_s": 0.0, "spans": [], "pause": None, "slowest_rank": None,

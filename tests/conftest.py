@@ -32,7 +32,8 @@ from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 # unit beside the busiest Ray modules) made each take 2-3x longer and load-sensitive tests fail
 # (docs/testing.md, "Two lanes").
 # EEPCTL_TEST_LANES=0: free dealing, the longest units first (``LONGEST_FIRST``).
-VLLM_SERVER_MODULES = ("test_vllm_elastic", "test_vllm_cpu_ep", "test_vllm_plugin", "test_vllm_amx")
+VLLM_SERVER_MODULES = ("test_vllm_elastic", "test_vllm_cpu_ep", "test_vllm_plugin", "test_vllm_amx",
+                       "test_vllm_standby")
 RAY_UNITS = ("test_fuzz", "test_completions")  # with every ``*_ray`` module: they start the session's Ray head
 WAITING_RAY = ("test_multinode_ray", "test_control_plane_ray", "test_cli_ray")  # gw1's Ray modules
 LANE_FIRST = ("test_scaling_ray", "test_multinode_ray", "test_selfheal_ray", "test_control_plane_ray", "test_cli_ray")

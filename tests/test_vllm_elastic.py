@@ -407,8 +407,8 @@ def _phases_timed(address: str, events: list[dict[str, Any]], up: dict[str, Any]
     derives (engine_ext.vllm.phase_hooks): the API server's prepare and commit, the joiner's
     placement and launch, its engine core's and worker's process start to plugin (``imports``), its
     workers' start, groups, model load, KV cache and its join (weights received), and the existing
-    ranks' new DP group (engine core) and standby groups (worker); `eepctl events --op ID --timeline`
-    draws each rank's row with one letter per phase."""
+    ranks' new DP group (engine core) and standby groups (worker); `eepctl events --op <eepctl's
+    operation id> --timeline` draws each rank's row of them with one letter per phase."""
     api = {("api_prepare", "API server"), ("api_commit", "API server")}
     up_id, ranks = _rank_phases(events, up)
     assert api <= ranks[-1], ranks.get(-1)
@@ -423,7 +423,7 @@ def _phases_timed(address: str, events: list[dict[str, Any]], up: dict[str, Any]
     assert all({("groups", "engine core"), ("groups", "worker")} <= ranks[r] for r in (0, 1)), ranks
     import re
 
-    res = _cli(address, "events", "--op", up_id, "--timeline", timeout=120)
+    res = _cli(address, "events", "--op", up["op_id"], "--timeline", timeout=120)  # eepctl's id: its ranks' events
     assert res.returncode == 0, res.stderr
     shown: set[int] = set()
     for row in (ln.split()[0] for ln in res.stdout.splitlines() if ln.strip()[:1].isdigit()):  # "0-1 (x2)", "2"
@@ -434,7 +434,7 @@ def _phases_timed(address: str, events: list[dict[str, Any]], up: dict[str, Any]
     legend = {phase: letter for letter, phase in re.findall(r"(?:^|\s)(\S)=([a-z_]+)", res.stdout)}
     assert {"api_prepare", "launch", "imports", "workers", "groups", "load_model", "join"} <= set(legend), legend
     assert len(set(legend.values())) == len(legend), legend  # one letter per phase
-    print(f"phases of {up_id}: {legend}")
+    print(f"phases of {up['op_id']} ({up_id}): {legend}")
 
 
 def _operations(address: str) -> list[dict[str, Any]]:

@@ -142,3 +142,31 @@ def test_executor_name_says_what_started_the_worker() -> None:
 
     for backend, name in (("uni", "uni"), ("mp", "mp"), ("ray", "ray"), (RayLike, "ray"), (None, "")):
         assert executor_name(SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend))) == name
+
+
+def test_a_vllm_operation_shows_its_ranks_events_while_it_ran() -> None:
+    """vLLM's ranks time a scale under the id they derive (``vllm-dp<size>-<port>``), the controller
+    records it as ``op-...`` with those ids as ``rank_ops``: `eepctl events --op op-... [--timeline]`
+    shows the ranks' phases of that operation, not an earlier one that used the same id."""
+    from eepctl.timeline import timeline
+
+    state = RegistryState("v", kind="vllm")
+    t0 = time.time()
+
+    def ev(rank: int, phase: str, start: float, end: float, op: str = "vllm-dp3-4242") -> dict[str, Any]:
+        return {"op_id": op, "rank": rank, "phase": phase, "start": start, "end": end}
+
+    for e in (ev(2, "launch", t0 - 100, t0 - 60),  # a prepare held before the operation started
+              ev(-1, "api_prepare", t0 + 0.1, t0 + 1), ev(0, "prepare", t0 + 0.2, t0 + 0.9),
+              ev(0, "commit", t0 + 1, t0 + 3), ev(2, "commit", t0 + 1, t0 + 3), ev(-1, "api_commit", t0 + 1, t0 + 3.1)):
+        state.report_event(e)
+    state.record_operation({"op_id": "op-20261207-000000-abcd", "deployment": "v", "from_size": 2, "to_size": 3,
+                            "state": "succeeded", "started": t0, "finished": t0 + 3.5,
+                            "rank_ops": ["vllm-dp3-4242"]})
+    data = {"events": state.events_for("op-20261207-000000-abcd"),
+            "operations": state.operations("op-20261207-000000-abcd")}
+    assert sorted((e["rank"], e["phase"]) for e in data["events"]) == [
+        (-1, "api_commit"), (-1, "api_prepare"), (0, "commit"), (0, "prepare"), (2, "commit")]
+    tl = timeline(data, "op-20261207-000000-abcd")
+    assert {s["rank"] for s in tl["spans"]} == {-1, 0, 2} and tl["duration_s"] == 3.0
+    assert len(state.events_for("vllm-dp3-4242")) == 6  # the ranks' own id: everything under it

@@ -170,8 +170,19 @@ class RegistryState:
         return out
 
     def events_for(self, op_id: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+        """The events of ``op_id`` (all without one); for a vLLM operation also its ranks' events,
+        which carry the ids vLLM's ranks derive (``rank_ops``), while it ran."""
+        ranks, (lo, hi) = self._rank_ops(op_id)
         return [{**to_builtins(e), "seq": seq} for seq, e in self.events
-                if seq > since_seq and (op_id is None or e.op_id == op_id)]
+                if seq > since_seq and (op_id is None or e.op_id == op_id
+                                        or (e.op_id in ranks and e.end >= lo and e.start <= hi))]
+
+    def _rank_ops(self, op_id: str | None) -> tuple[set[str], tuple[float, float]]:
+        op = self.ops.get(op_id) if op_id else None
+        rank_ops = getattr(op, "rank_ops", None)
+        if op is None or not isinstance(rank_ops, list):
+            return set(), (0.0, 0.0)
+        return set(rank_ops), (op.started, (op.finished or time.time()) + 5.0)
 
     def violations(self, ranks: list[RankStatus] | None = None) -> list[dict[str, str]]:
         """Invariants the registry can see broken from telemetry alone."""

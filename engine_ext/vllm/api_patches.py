@@ -92,6 +92,8 @@ class ScaleWatch:
         self.calls = 0
         self.last_failure: dict[str, Any] | None = None
         self._flag_since: float | None = None
+        # awaited inside vLLM's scale, before it (engine_ext.vllm.standby drops a prepare held for another size)
+        self.before: Any = None
 
     def install(self) -> str:
         """Wrap ``AsyncLLM._scale_elastic_ep`` (idempotent); "active" or why not."""
@@ -120,6 +122,8 @@ class ScaleWatch:
         async def _scale_elastic_ep(self: Any, new_data_parallel_size: int, drain_timeout: int) -> Any:
             watch._begin()
             try:
+                if watch.before is not None:
+                    await watch.before(new_data_parallel_size)
                 result = await current(self, new_data_parallel_size, drain_timeout)
             except BaseException as e:
                 watch._failed(new_data_parallel_size, e)

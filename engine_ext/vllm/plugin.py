@@ -152,6 +152,7 @@ def _register() -> None:
         return
     if role == "worker":  # a process of its own (mp child or Ray actor): it reports itself
         _sink = _worker_sink(ctx["vllm_config"], "worker")
+        _standby_side("worker")
         WorkerReporter.attach(settings, _sink)
         patches.apply(_sink)
         patches.apply(_sink, phase_hooks.WORKER_HOOKS)
@@ -163,6 +164,7 @@ def _register() -> None:
     phases = phase_hooks.PhaseSink(phase_hooks.engine_where, "engine core")
     phases.note(phase_hooks.imports_event(vllm_config, "engine core"))
     patches.apply(phases, phase_hooks.ENGINE_HOOKS)
+    _standby_side("engine")
     backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
     _sink = VllmTelemetry(startup_op=phase_hooks.launch_op(vllm_config))
     if backend == "uni":  # the worker lives in this process; it reports itself all the same
@@ -173,6 +175,14 @@ def _register() -> None:
     log.info("engine_ext: engine core pid %d will report to deployment %s", os.getpid(), settings.deployment)
 
 
+def _standby_side(process: str) -> None:
+    """With ``EEPCTL_VLLM_STANDBY=N``: what dropping a held prepare runs in this process."""
+    from engine_ext.vllm import standby
+
+    if standby.requested():
+        log.info("engine_ext: prepared-core drop in pid %d: %s", os.getpid(), standby.install_engine_side(process))
+
+
 def _worker_sink(vllm_config: Any, process: str) -> Any:
     """A worker's sink, in the operation that launched its process, holding that process's ``imports``."""
     from engine_ext.vllm import phase_hooks
@@ -181,6 +191,27 @@ def _worker_sink(vllm_config: Any, process: str) -> Any:
     sink = VllmTelemetry(startup_op=phase_hooks.launch_op(vllm_config))
     sink.note(phase_hooks.imports_event(vllm_config, process))
     return sink
+
+
+def _held_prepare(engine_client: Any, watch: Any) -> Any:
+    """With ``EEPCTL_VLLM_STANDBY=N``: vLLM's prepare for DP + N kept open (engine_ext.vllm.standby)."""
+    import asyncio
+
+    from engine_ext.vllm import standby
+    from engine_ext.vllm.api_patches import mark
+
+    count = standby.requested()
+    if not count:
+        return None
+    held = standby.HeldPrepare(engine_client, count, watch)
+    why = held.usable()
+    mark("standby", why)
+    if why != "active":
+        log.warning("engine_ext: %s=%d not applied: %s", standby.STANDBY_ENV, count, why)
+        return None
+    watch.before = held.before_scale
+    asyncio.get_running_loop().create_task(held.run())
+    return held
 
 
 def _apply_cpu_ep_patches() -> None:
@@ -238,7 +269,9 @@ def _api_serving(settings: Any, engine_client: Any, listen_address: str, args: A
     arm_commit_fault(engine_client)
     phases = phase_hooks.PhaseSink(phase_hooks.api_where, "API server")  # placement, launch, prepare, drain, commit
     patches.apply(phases, phase_hooks.API_HOOKS)
-    ApiServerReporter(settings, engine_client.vllm_config, url, key_required, watch=watch, phases=phases).start()
+    held = _held_prepare(engine_client, watch)
+    ApiServerReporter(settings, engine_client.vllm_config, url, key_required, watch=watch, phases=phases,
+                      standby=held).start()
     from engine_ext.vllm.scale_orders import OrderTaker, usable
 
     why = usable(engine_client)  # the autoscaler's scales, carried out in this process

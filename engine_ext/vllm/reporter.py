@@ -209,6 +209,8 @@ class EngineCoreReporter(threading.Thread):
             blocks_total = int(getattr(kv_cfg, "num_blocks", 0) or 0)
         sched_cfg = getattr(self.vllm_config, "scheduler_config", None)
         state = RankState.SERVING.value if scheduler is not None else RankState.STARTING.value
+        if scheduler is not None and _prepared_ahead(core):
+            state = RankState.STANDBY.value  # a new rank of a prepared scale: not serving until its commit
         return to_builtins(VllmRankStatus(
             deployment=self.settings.deployment, rank=rank, instance_id=instance_id, engine_id=engine_id,
             kind=KIND, node=self.node, pid=os.getpid(), device=_platform_device(), state=state, dp_size=dp_size,
@@ -220,6 +222,16 @@ class EngineCoreReporter(threading.Thread):
             dp_backend=str(getattr(pc, "data_parallel_backend", "") or ""),
             elastic_ep=bool(getattr(pc, "enable_elastic_ep", False)), started=self.started_at,
         ))
+
+
+def _prepared_ahead(core: Any) -> bool:
+    """A new rank of a prepare the plugin holds open (``EEPCTL_VLLM_STANDBY``), not yet committed."""
+    from engine_ext.vllm.standby import held_rank, requested
+
+    try:
+        return bool(requested()) and held_rank(core)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _platform_device() -> str:
@@ -325,8 +337,9 @@ class ApiServerReporter(threading.Thread):
     """The API-server process: keeps the deployment's info (kind, URL, DP bounds) in the registry."""
 
     def __init__(self, settings: Settings, vllm_config: Any, api_url: str, api_key_required: bool,
-                 interval_s: float = 2.0, watch: Any = None, phases: Any = None) -> None:
+                 interval_s: float = 2.0, watch: Any = None, phases: Any = None, standby: Any = None) -> None:
         super().__init__(name="eepctl-vllm-api-reporter", daemon=True)
+        self.standby = standby  # engine_ext.vllm.standby.HeldPrepare, with EEPCTL_VLLM_STANDBY=N
         self.phases = phases  # the API server's timed phases of a scale (engine_ext.vllm.phase_hooks.PhaseSink)
         self.link = RegistryLink(settings)
         self.vllm_config = vllm_config
@@ -340,7 +353,10 @@ class ApiServerReporter(threading.Thread):
         try:
             while not self.link.disabled:
                 # Rebuilt each time: the DP size lives in the config vLLM updates after a scale.
-                self.link.set_info(deployment_info(self.vllm_config, self.api_url, self.api_key_required, self.watch))
+                info = deployment_info(self.vllm_config, self.api_url, self.api_key_required, self.watch)
+                if self.standby is not None:
+                    info["standby"] = dict(self.standby.state, prepared=self.standby.prepared())
+                self.link.set_info(info)
                 if self.phases is not None:
                     self.link.report_events(self.phases.drain_events())
                 if not controller and self.link.connect():
