@@ -299,7 +299,7 @@ def test_scale_down_moves_inflight_requests(deployments):
     d = deployments("down-inflight")
     up_cli(d, 3, 3)
     cfg_d = status(d.name)["info"]["config"]
-    load_proc = d.popen("generate", "--name", d.name, "--rate", "6", "--duration", "15", "-o", "json")
+    load_proc = d.popen("generate", "--name", d.name, "--rate", "6", "--duration", "60", "-o", "json")
     wait_serving_load(d.name)
     op = scale_json(d.name, 2, "--drain-timeout", "0", "--retire", "2")
     assert op["state"] == "succeeded" and op["to_size"] == 2, op
