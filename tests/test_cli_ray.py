@@ -338,7 +338,7 @@ def _scale_op(name: str) -> dict[str, Any] | None:
 @pytest.mark.timeout(600)
 def test_scale_through_a_controller_death_signals_and_a_failed_repair(deployments: Any) -> None:
     """One deployment (DP 2, max 3, policy replace; the controller holds each scale's admission
-    4 s and joiner 2 is held 4 s in prepare) proves, in turn (issue 31 points 1, 5, 6, 7; issue 36
+    8 s and joiner 2 is held 8 s in prepare) proves, in turn (issue 31 points 1, 5, 6, 7; issue 36
     points 3, 5):
     a retry with the same --request-id sent while the first is being admitted is the same
     operation (exit 0), not "already running"; the controller SIGKILLed (by pid) while that scale
@@ -354,12 +354,12 @@ def test_scale_through_a_controller_death_signals_and_a_failed_repair(deployment
     from tests.helpers import Deployment, up_with_faults
 
     d: Deployment = deployments("cli-truth")
-    up_with_faults(d.name, 2, 3, ["hold:admit", "hold:prepare@2"], 4.0)
+    up_with_faults(d.name, 2, 3, ["hold:admit", "hold:prepare@2"], 8.0)
     ctl = _controller(d.name)
 
     # 5 + 6: a retry inside the admission window; the controller killed while the scale holds
     first = d.popen("scale", "--dp", "3", "--name", d.name, "--request-id", "truth-1", "-o", "json")
-    time.sleep(1.0)  # the first is inside its 4 s admission when the retry arrives
+    time.sleep(1.0)  # the first is inside its 8 s admission when the retry arrives
     retry = eepctl("scale", "--dp", "3", "--name", d.name, "--request-id", "truth-1", "--no-wait", "-o", "json",
                    timeout=120)
     assert retry.returncode == 0, f"the retry inside the admission got {retry.returncode}: {retry.stderr}"
@@ -383,7 +383,7 @@ def test_scale_through_a_controller_death_signals_and_a_failed_repair(deployment
 
     # 36.5: SIGTERM to a waiting scale (once it follows its operation) and to a load generator
     down = d.popen("scale", "--dp", "2", "--retire", "2", "--name", d.name, "-o", "json")
-    _held_in(d.name, 2, "prepare")  # the CLI follows the operation by now (it was admitted 4 s ago)
+    _held_in(d.name, 2, "prepare")  # the CLI follows the operation by now (it was admitted 8 s ago)
     running = _scale_op(d.name)
     assert running is not None and running["to_size"] == 2 and running["state"] == "running", running
     down.send_signal(signal.SIGTERM)

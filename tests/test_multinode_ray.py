@@ -156,7 +156,7 @@ def test_spread_over_two_nodes_and_scale_under_load(md):
     assert plan["placement"]["policy"] == "spread" and sorted(predicted) == [2, 3], plan["placement"]
     assert sorted(predicted.values()) == sorted([multinode.HEAD_IP, multinode.WORKER_IP]), predicted
 
-    duration = 50
+    duration = 90
     load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", str(duration), "-o", "json")
     wait_serving_load(d.name)
     for n in (4, 3, 2):
