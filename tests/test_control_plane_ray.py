@@ -87,7 +87,9 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
     # busy with a second test worker (the second load below keeps it stepping past then).
     snap = _up(d.name, 3, 3, faults=["fail:step@2"], delay_s=45.0)
     cfg_d = snap["info"]["config"]
-    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "12", "--max-tokens", "24",
+    # 64 tokens: a request seen running has many steps left, so the SIGSTOP a few ms later finds it
+    # there (with 24, one seen at its last token could finish first: CI saw none moved off rank 1).
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "12", "--max-tokens", "64",
                    "-o", "json")
     wait_serving_load(d.name)
     hung = _stop_while_busy(snap, 1)
@@ -107,7 +109,7 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
     load2 = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "60", "--max-tokens", "24",
                     "-o", "json")
     serving_ranks(d.name, [0], timeout=120)  # rank 2 failed (its step raised) and was fenced
-    res = finish_load(load, cfg_d, 24, stop=True)
+    res = finish_load(load, cfg_d, 64, stop=True)
     finish_load(load2, cfg_d, 24, stop=True)
 
     recovers = operations(d.name, "recover")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +24,8 @@ TOKENS = [7, 8, 9]
 
 
 class _Endpoint(BaseHTTPRequestHandler):
-    """``/ok``: the whole stream; ``/cut``: one token, then the connection closes; ``/busy``:
+    """``/ok``: the whole stream; ``/cut``: one token, then the connection closes; ``/slow``: one
+    token, then nothing for 3 s (the client ends first); ``/busy``:
     503; ``/key``: 401; ``/bad``: 400; ``/broken``: 500; ``/invalid``: a stream whose one event is
     an ``invalid_request_error`` (a rank refused the input after the stream began) (each an
     endpoint's URL prefix)."""
@@ -63,6 +65,8 @@ class _Endpoint(BaseHTTPRequestHandler):
             if kind == "cut":
                 self.close_connection = True
                 return  # no [DONE]: the stream ends as an ingress's does when it dies
+            if kind == "slow":
+                time.sleep(3.0)
         self.wfile.write(b"data: [DONE]\n\n")
 
 
@@ -95,6 +99,24 @@ def test_a_cut_stream_is_resent_from_the_prompt_to_the_next_endpoint_with_a_note
 def test_without_the_retry_window_a_cut_stream_fails_the_request(server: str) -> None:
     res, notes, _ = _send([f"{server}/cut", f"{server}/ok"], retry_window_s=0.0)
     assert res["output"] == [] and "dropped the stream" in res["error"] and not notes, res
+
+
+def test_a_client_ending_its_own_streams_neither_resends_nor_notes(server: str) -> None:
+    """`eepctl generate` told SIGTERM closes its client with streams open: what those streams then
+    raise is the client's own doing. Without the closed check each is noted as "re-sent" after the
+    command's one interruption line, and sent again to the next endpoint."""
+    _Endpoint.hits.clear()
+    notes: list[str] = []
+    client = CompletionsClient(lambda: [f"{server}/slow", f"{server}/ok"], None, "m", 3, 10.0, note=notes.append)
+    with client.requests() as submit:
+        pending = submit([1, 2])
+        deadline = time.time() + 5
+        while _Endpoint.hits != ["slow"] and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # its first token is on the way
+    res = pending.wait(10.0)
+    time.sleep(1.0)  # a re-send would have been noted within the first back-off (0.5 s)
+    assert res["error"] == "the client stopped reading" and not notes and _Endpoint.hits == ["slow"], (res, notes)
 
 
 def test_a_503_is_resent_and_what_a_retry_cannot_change_ends_the_request_or_the_command(server: str) -> None:

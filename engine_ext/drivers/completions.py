@@ -72,6 +72,7 @@ class CompletionsClient:
         self.model, self.max_tokens, self.timeout_s = model, max_tokens, timeout_s
         self.note, self.on_token, self.retry_window_s = note, on_token, retry_window_s
         self.http: Any = None
+        self._closed = threading.Event()  # the command is ending: drops are its own doing, never re-sent
 
     def __repr__(self) -> str:  # never shows the key
         return f"CompletionsClient({self.urls!r})"
@@ -80,12 +81,14 @@ class CompletionsClient:
     def requests(self) -> Iterator[Submit]:
         import httpx
 
+        self._closed.clear()
         self.http = httpx.Client(limits=httpx.Limits(max_connections=CLIENT_THREADS))
         pool = ThreadPoolExecutor(max_workers=CLIENT_THREADS, thread_name_prefix="eepctl-request")
         sent = iter(range(1 << 62))
         try:
             yield lambda prompt: HttpPending(pool.submit(self.complete, next(sent), list(prompt), time.time()))
-        finally:  # after a timeout, do not wait for answers nobody reads (their streams end here)
+        finally:  # after a timeout or a signal, do not wait for answers nobody reads (their streams end here)
+            self._closed.set()
             pool.shutdown(wait=False, cancel_futures=True)
             self.http.close()
 
@@ -115,6 +118,9 @@ class CompletionsClient:
             except Failed as e:
                 return {"output": [], "error": str(e), "latency_s": round(time.time() - submitted, 4), "resent": resent}
             except Dropped as e:
+                if self._closed.is_set():  # the client closed its own streams: nothing to re-send or note
+                    return {"output": [], "error": "the client stopped reading", "resent": resent,
+                            "latency_s": round(time.time() - submitted, 4)}
                 reached = reached or not str(e).startswith("not reachable")
                 first_drop = first_drop or time.time()
                 wait = min(2.0, 0.5 * 2 ** min(resent, 4))
@@ -123,7 +129,9 @@ class CompletionsClient:
                         raise UnreachableError(f"{url}: {e}") from None
                     return {"output": [], "error": f"{url}: {e} (sent {resent + 1} times)",
                             "latency_s": round(time.time() - submitted, 4), "resent": resent}
-                time.sleep(wait)
+                if self._closed.wait(wait):
+                    return {"output": [], "error": "the client stopped reading", "resent": resent,
+                            "latency_s": round(time.time() - submitted, 4)}
                 self._refresh()
                 at += 1
                 resent += 1
