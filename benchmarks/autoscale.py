@@ -77,7 +77,9 @@ def traces(seconds: float, seed: int = 0) -> dict[str, Callable[[float], float]]
     }
 
 
-def phase_of(shape: Callable[[float], float], seconds: float, after_s: float, step: float = 0.05) -> Callable[[float], str]:
+def phase_of(
+    shape: Callable[[float], float], seconds: float, after_s: float, step: float = 0.05
+) -> Callable[[float], str]:
     """Each moment's phase: ``during`` a burst (load >= BURST_LEVEL x), ``after`` one (within
     ``after_s`` of its end), else ``before``."""
     ends, inside = [], False
@@ -86,8 +88,9 @@ def phase_of(shape: Callable[[float], float], seconds: float, after_s: float, st
         if inside and not now:
             ends.append(i * step)
         inside = now
-    return lambda t: ("during" if shape(t) >= BURST_LEVEL
-                      else "after" if any(0 <= t - e < after_s for e in ends) else "before")
+    return lambda t: (
+        "during" if shape(t) >= BURST_LEVEL else "after" if any(0 <= t - e < after_s for e in ends) else "before"
+    )
 
 
 def bounds(shape: Callable[[float], float], seconds: float, max_dp: int, points: int = 10000) -> dict[str, float]:
@@ -98,28 +101,58 @@ def bounds(shape: Callable[[float], float], seconds: float, max_dp: int, points:
     trace whose bound is above a goal's share cannot meet that goal, whatever the policy."""
     loads = [shape((i + 0.5) * seconds / points) for i in range(points)]
     per_rank = max(loads) / max_dp
-    return {"fluid": sum(loads) / len(loads) / max(loads),
-            "whole": sum(min(max_dp, math.ceil(x / per_rank - 1e-9)) for x in loads) / len(loads) / max_dp}
+    return {
+        "fluid": sum(loads) / len(loads) / max(loads),
+        "whole": sum(min(max_dp, math.ceil(x / per_rank - 1e-9)) for x in loads) / len(loads) / max_dp,
+    }
 
 
 def cases(a: argparse.Namespace) -> dict[str, dict[str, Any] | int]:
     """Static sizes as ints; autoscaled cases as their policies (the fixed delays compressed)."""
     c, lo, hi = 1.0 / a.compress, a.min_dp, a.max_dp
-    load = {"min_dp": lo, "max_dp": hi, "mode": "on", "target_utilization": a.target_utilization,
-            "up_delay_s": "auto", "down_delay_s": "auto", "cooldown_s": "auto", "window_s": 30.0}
+    load = {
+        "min_dp": lo,
+        "max_dp": hi,
+        "mode": "on",
+        "target_utilization": a.target_utilization,
+        "up_delay_s": "auto",
+        "down_delay_s": "auto",
+        "cooldown_s": "auto",
+        "window_s": 30.0,
+    }
     return {
-        "static-min": lo, "static-max": hi,
-        "serve-like": {"min_dp": lo, "max_dp": hi, "mode": "on", "target_queue": 2.0, "tolerance": 0.0,
-                       "up_delay_s": 30 * c, "down_delay_s": 600 * c, "cooldown_s": 0.0, "max_step": hi},
-        "queue-slo": {"min_dp": lo, "max_dp": hi, "mode": "on", "target_queue": 2.0, "slo_ttft_ms": a.slo_ttft_ms,
-                      "up_delay_s": 20 * c, "down_delay_s": 300 * c, "cooldown_s": 30 * c, "window_s": max(5.0, 60 * c)},
+        "static-min": lo,
+        "static-max": hi,
+        "serve-like": {
+            "min_dp": lo,
+            "max_dp": hi,
+            "mode": "on",
+            "target_queue": 2.0,
+            "tolerance": 0.0,
+            "up_delay_s": 30 * c,
+            "down_delay_s": 600 * c,
+            "cooldown_s": 0.0,
+            "max_step": hi,
+        },
+        "queue-slo": {
+            "min_dp": lo,
+            "max_dp": hi,
+            "mode": "on",
+            "target_queue": 2.0,
+            "slo_ttft_ms": a.slo_ttft_ms,
+            "up_delay_s": 20 * c,
+            "down_delay_s": 300 * c,
+            "cooldown_s": 30 * c,
+            "window_s": max(5.0, 60 * c),
+        },
         "load": load,
         "load+standby": {**load, "standby": "auto", "burst": a.burst},
     }
 
 
-async def _requests(dep: LocalDeployment, shape: Callable[[float], float], a: argparse.Namespace, seed: int,
-                    out: list[dict[str, Any]]) -> None:
+async def _requests(
+    dep: LocalDeployment, shape: Callable[[float], float], a: argparse.Namespace, seed: int, out: list[dict[str, Any]]
+) -> None:
     """Open-loop Poisson arrivals at ``base_rate x shape(t)``; every answer lands in ``out`` with its
     arrival time in the trace (``at``)."""
     rng = random.Random(seed)
@@ -159,8 +192,14 @@ async def _rank_seconds(dep: LocalDeployment, stop: asyncio.Event, acc: list[flo
         last = now
 
 
-async def run_case(cfg: EngineConfig, case: dict[str, Any] | int, shape: Callable[[float], float],
-                   a: argparse.Namespace, seed: int, learned: dict[str, Any]) -> dict[str, Any]:
+async def run_case(
+    cfg: EngineConfig,
+    case: dict[str, Any] | int,
+    shape: Callable[[float], float],
+    a: argparse.Namespace,
+    seed: int,
+    learned: dict[str, Any],
+) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     start = case if isinstance(case, int) else case["min_dp"]
     host = None
@@ -169,28 +208,57 @@ async def run_case(cfg: EngineConfig, case: dict[str, Any] | int, shape: Callabl
         stop, acc, t0 = asyncio.Event(), [0.0], time.time()
         side = [asyncio.ensure_future(_rank_seconds(dep, stop, acc))]
         if not isinstance(case, int):
-            host = AutoscaleHost("bench-autoscale", a.max_dp, persist=lambda s: None,
-                                 saved=learned if "target_utilization" in case else None)
+            host = AutoscaleHost(
+                "bench-autoscale",
+                a.max_dp,
+                persist=lambda s: None,
+                saved=learned if "target_utilization" in case else None,
+            )
             host.set_autoscale(case)
             side.append(asyncio.ensure_future(_autoscale(dep, host, a.tick, stop)))
         await _requests(dep, shape, a, seed, results)
         stop.set()
         await asyncio.gather(*side)
-        ops = [op for op in dep.orch.history if op.get("kind") != "recover" and not (op.get("error") or "").startswith("already")]
-    acted = [{"t": round(d["at"] - t0, 2), "from": d["current_dp"], "to": d["recommendation"], "action": d["action"],
-              "rule": d["rule"]} for d in (host.autoscale_decisions(limit=500)["decisions"] if host else []) if d["act"]]
-    return {"rank_s": acc[0], "ops": len(ops), "acted": acted,
-            **attainment(results, phase_of(shape, a.seconds, a.after), a)}
+        ops = [
+            op
+            for op in dep.orch.history
+            if op.get("kind") != "recover" and not (op.get("error") or "").startswith("already")
+        ]
+    acted = [
+        {
+            "t": round(d["at"] - t0, 2),
+            "from": d["current_dp"],
+            "to": d["recommendation"],
+            "action": d["action"],
+            "rule": d["rule"],
+        }
+        for d in (host.autoscale_decisions(limit=500)["decisions"] if host else [])
+        if d["act"]
+    ]
+    return {
+        "rank_s": acc[0],
+        "ops": len(ops),
+        "acted": acted,
+        **attainment(results, phase_of(shape, a.seconds, a.after), a),
+    }
 
 
 def attainment(results: list[dict[str, Any]], phase: Callable[[float], str], a: argparse.Namespace) -> dict[str, Any]:
     """% of requests within both SLOs (a failure is a miss), overall and per phase."""
-    def ok(r: dict[str, Any]) -> bool:
-        return (not r.get("error") and r.get("ttft_ms") is not None and r["ttft_ms"] <= a.slo_ttft_ms
-                and (r.get("tpot_ms") or 0.0) <= a.slo_tpot_ms)
 
-    out: dict[str, Any] = {"requests": len(results), "failed": sum(1 for r in results if r.get("error")),
-                           "slo_pct": 100.0 * sum(map(ok, results)) / max(1, len(results))}
+    def ok(r: dict[str, Any]) -> bool:
+        return (
+            not r.get("error")
+            and r.get("ttft_ms") is not None
+            and r["ttft_ms"] <= a.slo_ttft_ms
+            and (r.get("tpot_ms") or 0.0) <= a.slo_tpot_ms
+        )
+
+    out: dict[str, Any] = {
+        "requests": len(results),
+        "failed": sum(1 for r in results if r.get("error")),
+        "slo_pct": 100.0 * sum(map(ok, results)) / max(1, len(results)),
+    }
     for name in PHASES:
         rows = [r for r in results if phase(r["at"]) == name]
         out[f"{name}_pct"] = 100.0 * sum(map(ok, rows)) / len(rows) if rows else None
@@ -229,9 +297,11 @@ def _spread(xs: list[float | None], fmt: str = "{:.1f}") -> str:
 
 def row(trace: str, label: str, runs: list[dict[str, Any]]) -> str:
     cells = [_spread([r["slo_pct"] for r in runs])] + [_spread([r[f"{p}_pct"] for r in runs]) for p in PHASES]
-    return (f"| {trace} | {label} | " + " | ".join(cells) + f" | {_spread([r['rank_s'] for r in runs], '{:.0f}')} "
-            f"| {_spread([r['ops'] for r in runs], '{:.0f}')} | {sum(r['failed'] for r in runs)} "
-            f"| {_spread([r['requests'] for r in runs], '{:.0f}')} |")
+    return (
+        f"| {trace} | {label} | " + " | ".join(cells) + f" | {_spread([r['rank_s'] for r in runs], '{:.0f}')} "
+        f"| {_spread([r['ops'] for r in runs], '{:.0f}')} | {sum(r['failed'] for r in runs)} "
+        f"| {_spread([r['requests'] for r in runs], '{:.0f}')} |"
+    )
 
 
 def parse() -> argparse.Namespace:
@@ -262,20 +332,29 @@ def main() -> None:
     a = parse()
     cfg = EngineConfig(max_num_seqs=4, capture_sizes=[1, 2, 4])
     learned = {} if a.no_calibrate else asyncio.run(calibrate(cfg, a))
-    print(f"traces of {a.seconds:g}s at {a.base_rate:g} req/s x load; DP {a.min_dp}..{a.max_dp}; SLO TTFT "
-          f"{a.slo_ttft_ms:g} ms, TPOT {a.slo_tpot_ms:g} ms; fixed delays compressed {a.compress:g}x; {a.runs} run(s) "
-          f"each, median [min-max]; calibrated: {json.dumps(learned) if learned else 'no (seeds)'}\n")
-    print("| trace | case | SLO attainment % | before | during | after | rank-seconds | operations | failed | requests |")
+    print(
+        f"traces of {a.seconds:g}s at {a.base_rate:g} req/s x load; DP {a.min_dp}..{a.max_dp}; SLO TTFT "
+        f"{a.slo_ttft_ms:g} ms, TPOT {a.slo_tpot_ms:g} ms; fixed delays compressed {a.compress:g}x; {a.runs} run(s) "
+        f"each, median [min-max]; calibrated: {json.dumps(learned) if learned else 'no (seeds)'}\n"
+    )
+    print(
+        "| trace | case | SLO attainment % | before | during | after | rank-seconds | operations | failed | requests |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     shapes, every = traces(a.seconds, a.seed), cases(a)
     record: dict[str, Any] = {"args": vars(a), "calibrated": learned, "bursts": bursts(a.seconds, a.seed), "runs": {}}
     for name in a.traces.split(","):
         b = bounds(shapes[name], a.seconds, a.max_dp)
-        print(f"| {name} | bound (instant, foresight) | - | - | - | - | fluid {100 * b['fluid']:.1f} % / whole ranks "
-              f"{100 * b['whole']:.1f} % of static-max | - | - | - |", flush=True)
+        print(
+            f"| {name} | bound (instant, foresight) | - | - | - | - | fluid {100 * b['fluid']:.1f} % / whole ranks "
+            f"{100 * b['whole']:.1f} % of static-max | - | - | - |",
+            flush=True,
+        )
         for label in a.cases.split(","):
-            runs = [asyncio.run(run_case(cfg, every[label], shapes[name], a, a.seed * 1000 + i, learned))
-                    for i in range(a.runs)]
+            runs = [
+                asyncio.run(run_case(cfg, every[label], shapes[name], a, a.seed * 1000 + i, learned))
+                for i in range(a.runs)
+            ]
             record["runs"][f"{name}/{label}"] = runs
             print(row(name, label, runs), flush=True)
             for i, r in enumerate(runs if a.verbose else []):

@@ -49,8 +49,9 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 # ---- profile: the forward plan, step by step ----------------------------------------------------
-def _profile_rank(rank: int, world: int, port: int, tokens: int, steps: int, device: str, transport: str,
-                  q: Any) -> None:
+def _profile_rank(
+    rank: int, world: int, port: int, tokens: int, steps: int, device: str, transport: str, q: Any
+) -> None:
     import torch
 
     torch.set_num_threads(1)  # as a rank runs (EEP_TORCH_THREADS)
@@ -65,13 +66,26 @@ def _profile_rank(rank: int, world: int, port: int, tokens: int, steps: int, dev
     dev = torch.device(device if device == "cpu" else f"{device}:0")
     layout = build_layout(cfg.num_experts, cfg.slots_per_rank, world)
     model = MoEModel(cfg, layout, rank, dev, cfg.seed)
-    group = (StatelessGroup(Rendezvous("127.0.0.1", port, "prof"), rank, world, device=dev, transport=transport,
-                            shm_bytes=model.exchange_bound(world)) if world > 1 else None)
+    group = (
+        StatelessGroup(
+            Rendezvous("127.0.0.1", port, "prof"),
+            rank,
+            world,
+            device=dev,
+            transport=transport,
+            shm_bytes=model.exchange_bound(world),
+        )
+        if world > 1
+        else None
+    )
     ws = WorkspaceManager(dev)
     T = tokens
-    batch = Batch(torch.randint(0, cfg.vocab_size, (T,), device=dev), torch.arange(T, device=dev) % 8,
-                  torch.full((T,), model.null_slot, dtype=torch.int64, device=dev),
-                  torch.ones(T, dtype=torch.bool, device=dev))
+    batch = Batch(
+        torch.randint(0, cfg.vocab_size, (T,), device=dev),
+        torch.arange(T, device=dev) % 8,
+        torch.full((T,), model.null_slot, dtype=torch.int64, device=dev),
+        torch.ones(T, dtype=torch.bool, device=dev),
+    )
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {"header": [], "dispatch": [], "combine": [], "compute": [], "step": []}
     for i in range(steps + 5):
@@ -109,9 +123,15 @@ def _profile_rank(rank: int, world: int, port: int, tokens: int, steps: int, dev
     else:
         kind = "-"
     if rank == 0:
-        q.put({"dp": world, "tokens_per_rank": T, "transport": kind,
-               "allreduce_us": statistics.median(lat) * 1e6 if lat else 0.0,
-               **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}})
+        q.put(
+            {
+                "dp": world,
+                "tokens_per_rank": T,
+                "transport": kind,
+                "allreduce_us": statistics.median(lat) * 1e6 if lat else 0.0,
+                **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()},
+            }
+        )
 
 
 def profile(dps: list[int], tokens: int, steps: int, device: str, transport: str) -> list[dict[str, Any]]:
@@ -124,8 +144,10 @@ def profile(dps: list[int], tokens: int, steps: int, device: str, transport: str
     for w in dps:
         store = host_store("127.0.0.1")
         q = ctx.Queue()
-        procs = [ctx.Process(target=_profile_rank, args=(r, w, store.port, tokens, steps, device, transport, q))
-                 for r in range(w)]
+        procs = [
+            ctx.Process(target=_profile_rank, args=(r, w, store.port, tokens, steps, device, transport, q))
+            for r in range(w)
+        ]
         for p in procs:
             p.start()
         rows.append(q.get(timeout=300))
@@ -160,8 +182,14 @@ class Served:
         self.tokens += len(res.get("output") or [])
 
     def figures(self, wall: float) -> dict[str, Any]:
-        return {"requests": len(self.lat), "failed": self.failed, "tokens": self.tokens, "tok_s": self.tokens / wall,
-                "p50_ms": (_pct(self.lat, 0.5) or 0) * 1e3, "p99_ms": (_pct(self.lat, 0.99) or 0) * 1e3}
+        return {
+            "requests": len(self.lat),
+            "failed": self.failed,
+            "tokens": self.tokens,
+            "tok_s": self.tokens / wall,
+            "p50_ms": (_pct(self.lat, 0.5) or 0) * 1e3,
+            "p99_ms": (_pct(self.lat, 0.99) or 0) * 1e3,
+        }
 
 
 async def _closed(dep: Any, clients: int, tokens: int, seconds: float) -> dict[str, Any]:
@@ -221,34 +249,49 @@ def _f(v: Any, nd: int = 1) -> str:
 async def main(a: argparse.Namespace) -> dict[str, Any]:
     dps = [int(x) for x in a.dp.split(",")]
     transports = a.transport.split(",")
-    res: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
-                           "loadavg_start": os.getloadavg(), "device": a.device, "args": vars(a)}
+    res: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "device": a.device,
+        "args": vars(a),
+    }
     if "profile" in a.parts:
         res["profile"] = []
-        print("| transport | DP | tokens/rank | step ms | header ms | dispatch ms | combine ms | compute ms "
-              "| all-reduce us |")
+        print(
+            "| transport | DP | tokens/rank | step ms | header ms | dispatch ms | combine ms | compute ms "
+            "| all-reduce us |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for tr in transports:
             for r in profile(dps, a.profile_tokens, a.steps, a.device, tr):
                 r["requested"] = tr
                 res["profile"].append(r)
-                print(f"| {r['transport']} ({tr}) | {r['dp']} | {r['tokens_per_rank']} | {r['step_ms']:.2f} | "
-                      f"{r['header_ms']:.2f} | {r['dispatch_ms']:.2f} | {r['combine_ms']:.2f} | "
-                      f"{r['compute_ms']:.2f} | {r['allreduce_us']:.0f} |", flush=True)
+                print(
+                    f"| {r['transport']} ({tr}) | {r['dp']} | {r['tokens_per_rank']} | {r['step_ms']:.2f} | "
+                    f"{r['header_ms']:.2f} | {r['dispatch_ms']:.2f} | {r['combine_ms']:.2f} | "
+                    f"{r['compute_ms']:.2f} | {r['allreduce_us']:.0f} |",
+                    flush=True,
+                )
     if {"closed", "open", "step"} & set(a.parts):
         res["load"] = []
         for tr in transports:
             for dp in dps:
                 res["load"].append(await load_point(dp, a, tr))
                 print(json.dumps(res["load"][-1]), flush=True)
-        print(f"\n| transport | DP | closed {a.clients} clients tok/s | p50 ms | p99 ms | light (1 client) p50 ms "
-              f"| open {a.rate}/s tok/s | p50 ms | p99 ms | decode step ms |")
+        print(
+            f"\n| transport | DP | closed {a.clients} clients tok/s | p50 ms | p99 ms | light (1 client) p50 ms "
+            f"| open {a.rate}/s tok/s | p50 ms | p99 ms | decode step ms |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in res["load"]:
             c, lt, o = r.get("closed", {}), r.get("light", {}), r.get("open", {})
-            print(f"| {r['transport']} | {r['dp']} | {_f(c.get('tok_s'), 0)} | {_f(c.get('p50_ms'))} | "
-                  f"{_f(c.get('p99_ms'))} | {_f(lt.get('p50_ms'))} | {_f(o.get('tok_s'), 0)} | {_f(o.get('p50_ms'))} | "
-                  f"{_f(o.get('p99_ms'))} | {_f(r.get('step_ms'), 2)} |", flush=True)
+            print(
+                f"| {r['transport']} | {r['dp']} | {_f(c.get('tok_s'), 0)} | {_f(c.get('p50_ms'))} | "
+                f"{_f(c.get('p99_ms'))} | {_f(lt.get('p50_ms'))} | {_f(o.get('tok_s'), 0)} | {_f(o.get('p50_ms'))} | "
+                f"{_f(o.get('p99_ms'))} | {_f(r.get('step_ms'), 2)} |",
+                flush=True,
+            )
         for r in res["load"]:
             failed = {k: r[k]["failed"] for k in ("light", "closed", "open") if r.get(k, {}).get("failed")}
             if failed:

@@ -36,7 +36,7 @@ def _cpu_s(pids: list[int]) -> float | None:
             stat = open(f"/proc/{pid}/stat").read()
         except OSError:
             return None
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 
@@ -78,21 +78,31 @@ def _output(res: dict[str, Any]) -> list[int] | None:
 
 def ingress_point(dp: int, ingresses: int, a: Any, transport: str) -> dict[str, Any]:
     import ray
-
     from eepctl import core
     from engine_ext.ray.names import ingress_name
 
     t = core.Target(address=a.address or None, namespace=NAMESPACE, name=f"cap-d{dp}-i{ingresses}")
-    core.up(t, dp=dp, max_dp=dp, engine={"transport": transport}, cpus_per_rank=1.0,
-            gpus_per_rank=1.0 if a.device == "cuda" else 0.0, timeout_s=600, ingress=ingresses)
+    core.up(
+        t,
+        dp=dp,
+        max_dp=dp,
+        engine={"transport": transport},
+        cpus_per_rank=1.0,
+        gpus_per_rank=1.0 if a.device == "cuda" else 0.0,
+        timeout_s=600,
+        ingress=ingresses,
+    )
     row: dict[str, Any] = {"dp": dp, "ingresses": ingresses, "transport": transport, "clients": a.clients}
     try:
         handles = [ray.get_actor(ingress_name(t.name, i), namespace=NAMESPACE) for i in range(ingresses)]
         pids = ray.get([h.pid.remote() for h in handles], timeout=60)
         with core.requests(t, a.tokens, 120.0) as submit:  # as `eepctl generate` sends
-            paths = {"http": lambda n: _output(submit(PROMPT).wait(120)),
-                     "ray": lambda n: _output(ray.get(handles[n % ingresses].generate.remote(PROMPT, a.tokens),
-                                                      timeout=120))}
+            paths = {
+                "http": lambda n: _output(submit(PROMPT).wait(120)),
+                "ray": lambda n: _output(
+                    ray.get(handles[n % ingresses].generate.remote(PROMPT, a.tokens), timeout=120)
+                ),
+            }
             for path, send in paths.items():
                 _closed(send, 2, 1.0)  # warm: first requests, first replays
                 before = [ray.get(h.stats.remote(), timeout=30)["completed"] for h in handles]
@@ -100,24 +110,36 @@ def ingress_point(dp: int, ingresses: int, a: Any, transport: str) -> dict[str, 
                 lat, failed, tokens = _closed(send, a.clients, a.seconds)
                 wall, cpu1 = time.perf_counter() - t0, _cpu_s(pids)
                 after = [ray.get(h.stats.remote(), timeout=30)["completed"] for h in handles]
-                row[path] = {"requests": len(lat), "failed": failed, "tokens": tokens, "tok_s": tokens / wall,
-                             "p50_ms": (_pct(lat, 0.5) or 0) * 1e3, "p99_ms": (_pct(lat, 0.99) or 0) * 1e3,
-                             "per_ingress": [x - y for x, y in zip(after, before)],
-                             "cpu_ms_per_token": (cpu1 - cpu0) * 1e3 / tokens if tokens and cpu0 is not None
-                             and cpu1 is not None else None}
+                row[path] = {
+                    "requests": len(lat),
+                    "failed": failed,
+                    "tokens": tokens,
+                    "tok_s": tokens / wall,
+                    "p50_ms": (_pct(lat, 0.5) or 0) * 1e3,
+                    "p99_ms": (_pct(lat, 0.99) or 0) * 1e3,
+                    "per_ingress": [x - y for x, y in zip(after, before)],
+                    "cpu_ms_per_token": (cpu1 - cpu0) * 1e3 / tokens
+                    if tokens and cpu0 is not None and cpu1 is not None
+                    else None,
+                }
     finally:
         core.down(t, stop_cluster=False)
     return row
 
 
 def print_table(rows: list[dict[str, Any]], clients: int) -> None:
-    print(f"\n| DP | ingresses | path | {clients} clients tok/s | p50 ms | p99 ms | requests per ingress "
-          "| ingress CPU ms/token | one ingress's ceiling tok/s |")
+    print(
+        f"\n| DP | ingresses | path | {clients} clients tok/s | p50 ms | p99 ms | requests per ingress "
+        "| ingress CPU ms/token | one ingress's ceiling tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         for path in ("http", "ray"):
             m = r[path]
             cpu = m["cpu_ms_per_token"]
-            print(f"| {r['dp']} | {r['ingresses']} | {path} | {m['tok_s']:.0f} | {m['p50_ms']:.1f} | {m['p99_ms']:.1f} | "
-                  f"{'/'.join(map(str, m['per_ingress']))} | {'-' if cpu is None else f'{cpu:.3f}'} | "
-                  f"{'-' if not cpu else f'{1000 / cpu:.0f}'} |", flush=True)
+            print(
+                f"| {r['dp']} | {r['ingresses']} | {path} | {m['tok_s']:.0f} | {m['p50_ms']:.1f} | {m['p99_ms']:.1f} | "
+                f"{'/'.join(map(str, m['per_ingress']))} | {'-' if cpu is None else f'{cpu:.3f}'} | "
+                f"{'-' if not cpu else f'{1000 / cpu:.0f}'} |",
+                flush=True,
+            )

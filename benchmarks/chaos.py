@@ -42,15 +42,20 @@ if str(ROOT) not in sys.path:
 from engine_ext.fault_schedule import TAKEOVERS, schedule  # noqa: E402
 from tests.chaos import DEADLINE_S, ENGINE, MAX_DP, PROMPTS, START_DP, Chaos  # noqa: E402
 
+
 def figures(records: list[dict[str, Any]], ops: list[dict[str, Any]], load: dict[str, Any]) -> dict[str, Any]:
     times = sorted(r["serving_s"] for r in records)
-    return {"rounds": len(records),
-            "recoveries": sum(1 for o in ops
-                              if o.get("kind") in ("recover", "rebuild") and o.get("state") == "succeeded"),
-            "failed_operations": sum(1 for o in ops if o.get("state") not in ("succeeded", "running")),
-            "time_to_serving_s": {"p50": round(statistics.median(times), 2) if times else None,
-                                  "max": round(times[-1], 2) if times else None},
-            "requests": load.get("sent"), "failed_requests": load.get("failed")}
+    return {
+        "rounds": len(records),
+        "recoveries": sum(1 for o in ops if o.get("kind") in ("recover", "rebuild") and o.get("state") == "succeeded"),
+        "failed_operations": sum(1 for o in ops if o.get("state") not in ("succeeded", "running")),
+        "time_to_serving_s": {
+            "p50": round(statistics.median(times), 2) if times else None,
+            "max": round(times[-1], 2) if times else None,
+        },
+        "requests": load.get("sent"),
+        "failed_requests": load.get("failed"),
+    }
 
 
 def verdict(out: dict[str, Any]) -> tuple[int, str]:
@@ -97,14 +102,23 @@ def main() -> int:
     load: dict[str, Any] = {}
     stop = threading.Event()
     try:
-        core.up(t, dp=START_DP, max_dp=MAX_DP, engine=ENGINE, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
-                health_deadline_s=DEADLINE_S)
+        core.up(
+            t,
+            dp=START_DP,
+            max_dp=MAX_DP,
+            engine=ENGINE,
+            cpus_per_rank=1.0,
+            gpus_per_rank=0.0,
+            timeout_s=300,
+            health_deadline_s=DEADLINE_S,
+        )
         submit_ctx = core.requests(t, 8, 3600, note=lambda s: print(s, flush=True))
         from eepctl import loadgen
 
         with submit_ctx as submit:
-            loader = threading.Thread(target=lambda: load.update(
-                loadgen.open_loop(submit, PROMPTS, args.rate, 24 * 3600, 3600, seed, stop)))
+            loader = threading.Thread(
+                target=lambda: load.update(loadgen.open_loop(submit, PROMPTS, args.rate, 24 * 3600, 3600, seed, stop))
+            )
             loader.start()
             try:
                 for i, rnd in enumerate(rounds):
@@ -112,10 +126,15 @@ def main() -> int:
             finally:
                 stop.set()
                 loader.join(600)
-        wrong = [r for r in load.get("records", [])
-                 if not r["error"] and r["output"] != oracle(PROMPTS[r["prompt_index"]])]
-        out = {"seed": seed, **figures(records, core.events(t)["operations"], load), "wrong_outputs": len(wrong),
-               "per_round": records}
+        wrong = [
+            r for r in load.get("records", []) if not r["error"] and r["output"] != oracle(PROMPTS[r["prompt_index"]])
+        ]
+        out = {
+            "seed": seed,
+            **figures(records, core.events(t)["operations"], load),
+            "wrong_outputs": len(wrong),
+            "per_round": records,
+        }
         print(json.dumps(out), flush=True)
         code, why = verdict(out)
         if why:

@@ -23,14 +23,27 @@ def timed(cmd: list[str], runs: int) -> list[float]:
 
 def main() -> None:
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 15
-    heavy = subprocess.run(
-        [sys.executable, "-c", "import sys; from eepctl.main import run; run(['--help']); "
-         "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'torch', 'vllm'}))"],
-        capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    heavy = (
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from eepctl.main import run; run(['--help']); "
+                "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'torch', 'vllm'}))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     print(f"heavy modules imported by --help: {heavy}")
-    for label, cmd in (("eepctl --help", [sys.executable, "-m", "eepctl", "--help"]),
-                       ("eepctl scale --help", [sys.executable, "-m", "eepctl", "scale", "--help"]),
-                       ("python -c pass (floor)", [sys.executable, "-c", "pass"])):
+    for label, cmd in (
+        ("eepctl --help", [sys.executable, "-m", "eepctl", "--help"]),
+        ("eepctl scale --help", [sys.executable, "-m", "eepctl", "scale", "--help"]),
+        ("python -c pass (floor)", [sys.executable, "-c", "pass"]),
+    ):
         t = timed(cmd, runs)
         print(f"{label:<24} runs={runs} min={min(t):.3f}s median={statistics.median(t):.3f}s max={max(t):.3f}s")
 

@@ -39,8 +39,15 @@ from typing import Any
 from engine_ext.control.cost_model import host_identity
 
 MIB = 2**20
-BASE: dict[str, Any] = {"dtype": "float32", "num_layers": 2, "num_experts": 8, "hidden_size": 64, "slots_per_rank": 4,
-                        "max_num_tokens": 16, "capture_sizes": [1, 2, 4, 8]}
+BASE: dict[str, Any] = {
+    "dtype": "float32",
+    "num_layers": 2,
+    "num_experts": 8,
+    "hidden_size": 64,
+    "slots_per_rank": 4,
+    "max_num_tokens": 16,
+    "capture_sizes": [1, 2, 4, 8],
+}
 PROMPT = [3, 1, 4, 1, 5]
 
 
@@ -61,8 +68,16 @@ def kv_blocks(cfg: Any, max_dp: int) -> int:
 
 
 # ---- link: raw socket vs the transfer path, between the same two processes ---------------------
-def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, device: str,
-               host: str = "127.0.0.1", node_ip: str = "") -> None:
+def _link_peer(
+    role: int,
+    store_port: int,
+    sizes: list[int],
+    reps: int,
+    q: Any,
+    device: str,
+    host: str = "127.0.0.1",
+    node_ip: str = "",
+) -> None:
     """Role 0 receives, role 1 sends; both sides' buffers are allocated and touched up front.
     On a GPU the transfer path stages through host memory (gloo cannot move device tensors
     between processes sharing one GPU): ``gloo_device`` is that path, device to device.
@@ -76,15 +91,22 @@ def _link_peer(role: int, store_port: int, sizes: list[int], reps: int, q: Any, 
     if node_ip:
         configure_node(node_ip)
     g = StatelessGroup(Rendezvous(host, store_port, "link"), role, 2)
-    gd = (StatelessGroup(Rendezvous(host, store_port, "linkdev"), role, 2, device=torch.device(device))
-          if device != "cpu" else None)
+    gd = (
+        StatelessGroup(Rendezvous(host, store_port, "linkdev"), role, 2, device=torch.device(device))
+        if device != "cpu"
+        else None
+    )
     for nbytes in sizes:
         n = nbytes // 4
         store = torch.empty(n).fill_(float(role))  # the "weight storage", every page touched
         dstore = store.to(device) if gd is not None else None
         half = n // 2  # the old path's expert vector was w1 and w2 concatenated
-        rows: dict[str, list[float]] = {"raw": [], "gloo_direct": [], "gloo_staged": [],
-                                        **({"gloo_device": []} if gd is not None else {})}
+        rows: dict[str, list[float]] = {
+            "raw": [],
+            "gloo_direct": [],
+            "gloo_staged": [],
+            **({"gloo_device": []} if gd is not None else {}),
+        }
         for _ in range(reps):
             # raw: one TCP stream over loopback, recv_into the touched storage
             if role == 0:
@@ -158,8 +180,12 @@ def _staging_legs(store: Any, dstore: Any) -> dict[str, float]:
 
     pinned = torch.empty(store.numel(), dtype=store.dtype, pin_memory=True)
     pinned.fill_(0.0)  # touched, as a reused staging buffer would be
-    legs = {"d2h_pageable": lambda: dstore.cpu(), "d2h_pinned": lambda: pinned.copy_(dstore),
-            "h2d_pageable": lambda: dstore.copy_(store), "h2d_pinned": lambda: dstore.copy_(pinned)}
+    legs = {
+        "d2h_pageable": lambda: dstore.cpu(),
+        "d2h_pinned": lambda: pinned.copy_(dstore),
+        "h2d_pageable": lambda: dstore.copy_(store),
+        "h2d_pinned": lambda: dstore.copy_(pinned),
+    }
     out: dict[str, float] = {}
     for name, fn in legs.items():
         torch.cuda.synchronize()
@@ -170,8 +196,14 @@ def _staging_legs(store: Any, dstore: Any) -> dict[str, float]:
     return out
 
 
-def link_curve(sizes_mib: list[int], reps: int, device: str = "cpu", *, host: str = "127.0.0.1",
-               sender: Callable[[int, list[int]], Any] | None = None) -> list[dict[str, Any]]:
+def link_curve(
+    sizes_mib: list[int],
+    reps: int,
+    device: str = "cpu",
+    *,
+    host: str = "127.0.0.1",
+    sender: Callable[[int, list[int]], Any] | None = None,
+) -> list[dict[str, Any]]:
     """The link table between two processes: both on this host (loopback), or with ``host`` the
     receiver's address and ``sender(store_port, sizes)`` starting the sending peer elsewhere (two
     nodes: in the worker's network namespace) and returning something with ``wait``."""
@@ -184,8 +216,10 @@ def link_curve(sizes_mib: list[int], reps: int, device: str = "cpu", *, host: st
     q = ctx.Queue()
     sizes = [s * MIB for s in sizes_mib]
     kw = {"host": host, "node_ip": host} if sender is not None else {}
-    procs = [ctx.Process(target=_link_peer, args=(r, st.port, sizes, reps, q, device), kwargs=kw)
-             for r in ((0,) if sender is not None else (0, 1))]
+    procs = [
+        ctx.Process(target=_link_peer, args=(r, st.port, sizes, reps, q, device), kwargs=kw)
+        for r in ((0,) if sender is not None else (0, 1))
+    ]
     for p in procs:
         p.start()
     remote = sender(st.port, sizes) if sender is not None else None
@@ -195,8 +229,16 @@ def link_curve(sizes_mib: list[int], reps: int, device: str = "cpu", *, host: st
     if remote is not None:
         remote.wait(60)
     for r in rows:
-        for k in ("raw", "gloo_direct", "gloo_staged", "gloo_device",
-                  "d2h_pageable", "d2h_pinned", "h2d_pageable", "h2d_pinned"):
+        for k in (
+            "raw",
+            "gloo_direct",
+            "gloo_staged",
+            "gloo_device",
+            "d2h_pageable",
+            "d2h_pinned",
+            "h2d_pageable",
+            "h2d_pinned",
+        ):
             if k in r:
                 r[f"{k}_GBps"] = r["bytes"] / r[k] / 1e9
                 if not k.startswith(("d2h", "h2d")):  # the copies alone are no transfer to compare
@@ -248,16 +290,26 @@ def device_copy_GBps() -> float:
     import subprocess
     import sys
 
-    return float(subprocess.run([sys.executable, "-c", DEVICE_COPY], check=True, capture_output=True,
-                                text=True).stdout.strip())
+    return float(
+        subprocess.run([sys.executable, "-c", DEVICE_COPY], check=True, capture_output=True, text=True).stdout.strip()
+    )
 
 
 def _rank_events(dep: Any, op_id: str, phase: str) -> dict[int, dict[str, Any]]:
     return {e["rank"]: e for e in dep.registry.events_for(op_id) if e["phase"] == phase and e["rank"] >= 0}
 
 
-async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, *, standby: int = 0,
-                     step: bool = False, device: str = "cpu", kv_experts: int = 0) -> dict[str, Any]:
+async def transition(
+    cfg_d: dict[str, Any],
+    name: str,
+    start: int,
+    target: int,
+    *,
+    standby: int = 0,
+    step: bool = False,
+    device: str = "cpu",
+    kv_experts: int = 0,
+) -> dict[str, Any]:
     """One scale ``start`` -> ``target`` under one closed-loop client, on a fresh deployment.
     ``kv_experts``: KV blocks for that many experts beside the pool, room for a member's pre-copy.
     A scale the admission refuses is a row with ``state`` "refused" and the reason."""
@@ -299,10 +351,16 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
                 await asyncio.sleep(0.2)
             row["step_after_s"] = await decode_step_s(dep)
         pd = dep.registry.operations(op["op_id"])[-1]["phase_durations"]  # ranks' phases folded in (slowest)
-        row.update(state=op.get("state"), pause_s=op.get("serving_pause_s"), launch_s=pd.get("launch", 0.0),
-                   phases=pd, captures=op.get("captures_per_rank", {}),
-                   requests=len(reqs), failed=sum(1 for r in reqs if not r["ok"]),
-                   request_max_s=max((r["t"] for r in reqs), default=None))
+        row.update(
+            state=op.get("state"),
+            pause_s=op.get("serving_pause_s"),
+            launch_s=pd.get("launch", 0.0),
+            phases=pd,
+            captures=op.get("captures_per_rank", {}),
+            requests=len(reqs),
+            failed=sum(1 for r in reqs if not r["ok"]),
+            request_max_s=max((r["t"] for r in reqs), default=None),
+        )
         op_id = op["op_id"]
         # Experts move in the pre-copy (prepare, while serving); the commit's reshuffle only loads a
         # member's spare buffers. A run from before the pre-copy reported them in the reshuffle.
@@ -318,16 +376,28 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
             d = e["detail"]
             got = d.get("bytes_received", d.get("received", 0) * per_expert)  # the latter: before bytes were reported
             dd = dense.get(r, {"duration_s": 0.0, "detail": {}})
-            tx.append({"rank": r, "reshuffle_s": e["duration_s"], "expert_bytes": got,
-                       "bytes_reported": "bytes_received" in d,
-                       "dense_s": dd["duration_s"], "dense_bytes": dd["detail"].get("bytes", 0)})
+            tx.append(
+                {
+                    "rank": r,
+                    "reshuffle_s": e["duration_s"],
+                    "expert_bytes": got,
+                    "bytes_reported": "bytes_received" in d,
+                    "dense_s": dd["duration_s"],
+                    "dense_bytes": dd["detail"].get("bytes", 0),
+                }
+            )
         row["joiners"] = tx
         row["transfer_s"] = max((j["reshuffle_s"] + j["dense_s"] for j in tx), default=None)
         got_total = sum(j["expert_bytes"] + j["dense_bytes"] for j in tx)
         row["transfer_bytes_per_joiner"] = got_total // max(1, len(tx))
-        row["transfer_GBps_per_joiner"] = (statistics.median([(j["expert_bytes"] + j["dense_bytes"]) /
-                                                              max(1e-9, j["reshuffle_s"] + j["dense_s"]) for j in tx])
-                                           / 1e9 if tx else None)
+        row["transfer_GBps_per_joiner"] = (
+            statistics.median(
+                [(j["expert_bytes"] + j["dense_bytes"]) / max(1e-9, j["reshuffle_s"] + j["dense_s"]) for j in tx]
+            )
+            / 1e9
+            if tx
+            else None
+        )
         commits = _rank_events(dep, op_id, "commit")
         row["commit_by_rank"] = {str(r): e["duration_s"] for r, e in commits.items()}
         row["commit_parts_by_rank"] = {str(r): e["detail"].get("parts_s", {}) for r, e in sorted(commits.items())}
@@ -340,18 +410,37 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
         # the move's parts: the pre-copy's packing (local copies) and exchange, in prepare; loading
         # the spare buffers into the slots, in the commit (before the pre-copy: all in the commit)
         row["reshuffle_parts_by_rank"] = {
-            str(r): {k: round(d[k], 4) for k in ("clone_s", "pack_s", "exchange_s", "exchanges", "move_publish_s",
-                                                 "move_wait_s", "move_map_s", "move_copy_s") if k in d}
-            | {"load_s": round(resh.get(r, {}).get("detail", {}).get("load_s", 0.0), 4),
-               "commit_copy_bytes": resh.get(r, {}).get("detail", {}).get("commit_copy_bytes", 0),
-               "load_threads": resh.get(r, {}).get("detail", {}).get("load_threads", 1),
-               "spare_bytes": d.get("spare_bytes", 0), "sent": d.get("bytes_sent", 0),
-               "received": d.get("bytes_received", 0)}
-            for r, d in sorted((r, e["detail"]) for r, e in moved.items())}
+            str(r): {
+                k: round(d[k], 4)
+                for k in (
+                    "clone_s",
+                    "pack_s",
+                    "exchange_s",
+                    "exchanges",
+                    "move_publish_s",
+                    "move_wait_s",
+                    "move_map_s",
+                    "move_copy_s",
+                )
+                if k in d
+            }
+            | {
+                "load_s": round(resh.get(r, {}).get("detail", {}).get("load_s", 0.0), 4),
+                "commit_copy_bytes": resh.get(r, {}).get("detail", {}).get("commit_copy_bytes", 0),
+                "load_threads": resh.get(r, {}).get("detail", {}).get("load_threads", 1),
+                "spare_bytes": d.get("spare_bytes", 0),
+                "sent": d.get("bytes_sent", 0),
+                "received": d.get("bytes_received", 0),
+            }
+            for r, d in sorted((r, e["detail"]) for r, e in moved.items())
+        }
         row["precopy_s"] = max((e["duration_s"] for e in pre.values()), default=None)
         # the move alone: expert bytes a joiner received over its pre-copy's exchanges' time
-        rates = [e["detail"]["bytes_received"] / e["detail"]["exchange_s"] for r, e in pre.items()
-                 if r in joiners and e["detail"].get("exchange_s") and e["detail"].get("bytes_received")]
+        rates = [
+            e["detail"]["bytes_received"] / e["detail"]["exchange_s"]
+            for r, e in pre.items()
+            if r in joiners and e["detail"].get("exchange_s") and e["detail"].get("bytes_received")
+        ]
         row["move_GBps_per_joiner"] = statistics.median(rates) / 1e9 if rates else None
         # the device's view: every byte the pre-copy moved over its window (the slowest rank's
         # exchanges, a sender's included: it returns once its receivers copied). Ranks sharing one
@@ -368,9 +457,11 @@ async def transition(cfg_d: dict[str, Any], name: str, start: int, target: int, 
             row[f"{ph}_by_rank"] = {str(r): e["duration_s"] for r, e in _rank_events(dep, op_id, ph).items()}
         # reuse + a standby pool: the joiners' warm-up and capture pass taken in the pool, before
         # adoption (off the pause); their commit only checks those captures (capture event in_pool)
-        row["in_pool_by_rank"] = {str(r): {"warm_s": e["detail"].get("pool_warm_s"),
-                                           "capture_s": e["detail"].get("pool_capture_s")}
-                                  for r, e in _rank_events(dep, op_id, "capture").items() if e["detail"].get("in_pool")}
+        row["in_pool_by_rank"] = {
+            str(r): {"warm_s": e["detail"].get("pool_warm_s"), "capture_s": e["detail"].get("pool_capture_s")}
+            for r, e in _rank_events(dep, op_id, "capture").items()
+            if e["detail"].get("in_pool")
+        }
     finally:
         await dep.stop()
     return row
@@ -417,8 +508,9 @@ def rss_budget_note(eh: int, dp: int) -> str:
 
 
 # ---- the plot: a hand-written SVG (matplotlib is not in the project's environment) --------------
-def _panel(x0: int, title: str, xs: list[float], series: dict[str, list[float | None]], xlabel: str,
-           ylabel: str, logx: bool) -> str:
+def _panel(
+    x0: int, title: str, xs: list[float], series: dict[str, list[float | None]], xlabel: str, ylabel: str, logx: bool
+) -> str:
     import math
 
     w, h, pad = 360, 240, 44
@@ -436,35 +528,70 @@ def _panel(x0: int, title: str, xs: list[float], series: dict[str, list[float | 
     def py(v: float) -> float:
         return 30 + (1 - v / ymax) * (h - 60)
 
-    out = [f'<text x="{x0 + w / 2}" y="18" text-anchor="middle" font-size="13">{title}</text>',
-           f'<line x1="{x0 + pad}" y1="{h - 30}" x2="{x0 + w - pad}" y2="{h - 30}" stroke="black"/>',
-           f'<line x1="{x0 + pad}" y1="30" x2="{x0 + pad}" y2="{h - 30}" stroke="black"/>',
-           f'<text x="{x0 + w / 2}" y="{h - 4}" text-anchor="middle" font-size="11">{xlabel}</text>',
-           f'<text x="{x0 + 4}" y="26" font-size="11">{ylabel} (max {ymax / 1.1:.3g})</text>']
+    out = [
+        f'<text x="{x0 + w / 2}" y="18" text-anchor="middle" font-size="13">{title}</text>',
+        f'<line x1="{x0 + pad}" y1="{h - 30}" x2="{x0 + w - pad}" y2="{h - 30}" stroke="black"/>',
+        f'<line x1="{x0 + pad}" y1="30" x2="{x0 + pad}" y2="{h - 30}" stroke="black"/>',
+        f'<text x="{x0 + w / 2}" y="{h - 4}" text-anchor="middle" font-size="11">{xlabel}</text>',
+        f'<text x="{x0 + 4}" y="26" font-size="11">{ylabel} (max {ymax / 1.1:.3g})</text>',
+    ]
     for v in xs:
         out.append(f'<text x="{px(v):.1f}" y="{h - 17}" text-anchor="middle" font-size="9">{v:g}</text>')
     for i, (name, ys) in enumerate(series.items()):
         c = colors[i % len(colors)]
         p = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys) if y is not None)
         out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{p}"/>')
-        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>' for x, y in zip(xs, ys) if y is not None]
-        out.append(f'<text x="{x0 + w - pad - 4}" y="{44 + 13 * i}" text-anchor="end" font-size="10" fill="{c}">{name}</text>')
+        out += [
+            f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>' for x, y in zip(xs, ys) if y is not None
+        ]
+        out.append(
+            f'<text x="{x0 + w - pad - 4}" y="{44 + 13 * i}" text-anchor="end" font-size="10" fill="{c}">{name}</text>'
+        )
     return "\n".join(out)
 
 
 def write_svg(path: str, res: dict[str, Any]) -> None:
     b, wd, lk = res["bytes"], res["world"], res["link"]
     panels = [
-        _panel(0, "2->4 against total expert bytes", [r["expert_MiB"] for r in b],
-               {"wall s": [r["wall_s"] for r in b], "pause s": [r["pause_s"] for r in b],
-                "transfer s": [r["transfer_s"] for r in b]}, "expert MiB (log)", "seconds", True),
-        _panel(380, "against world size (ranks on 2 cores)", [r["to"] for r in wd],
-               {"wall s": [r["wall_s"] for r in wd], "pause s": [r["pause_s"] for r in wd],
-                "launch s": [r["launch_s"] for r in wd], "transfer s": [r["transfer_s"] for r in wd]},
-               "world after (from half of it)", "seconds", False),
-        _panel(760, "transfer / raw socket, same endpoints", [r["bytes"] / MIB for r in lk],
-               {"gloo direct": [r["ratio_direct"] for r in lk], "packed + fresh buffer (reshuffle before 12-04)": [r["ratio_staged"] for r in lk]},
-               "MiB per transfer (log)", "ratio", True),
+        _panel(
+            0,
+            "2->4 against total expert bytes",
+            [r["expert_MiB"] for r in b],
+            {
+                "wall s": [r["wall_s"] for r in b],
+                "pause s": [r["pause_s"] for r in b],
+                "transfer s": [r["transfer_s"] for r in b],
+            },
+            "expert MiB (log)",
+            "seconds",
+            True,
+        ),
+        _panel(
+            380,
+            "against world size (ranks on 2 cores)",
+            [r["to"] for r in wd],
+            {
+                "wall s": [r["wall_s"] for r in wd],
+                "pause s": [r["pause_s"] for r in wd],
+                "launch s": [r["launch_s"] for r in wd],
+                "transfer s": [r["transfer_s"] for r in wd],
+            },
+            "world after (from half of it)",
+            "seconds",
+            False,
+        ),
+        _panel(
+            760,
+            "transfer / raw socket, same endpoints",
+            [r["bytes"] / MIB for r in lk],
+            {
+                "gloo direct": [r["ratio_direct"] for r in lk],
+                "packed + fresh buffer (reshuffle before 12-04)": [r["ratio_staged"] for r in lk],
+            },
+            "MiB per transfer (log)",
+            "ratio",
+            True,
+        ),
     ]
     with open(path, "w") as f:
         f.write('<svg xmlns="http://www.w3.org/2000/svg" width="1140" height="250" font-family="sans-serif">\n')
@@ -476,13 +603,35 @@ def write_csv(path: str, res: dict[str, Any]) -> None:
         w = csv.writer(f)
         w.writerow(["curve", "x", "wall_s", "pause_s", "transfer_s", "launch_s", "transfer_GBps", "ratio"])
         for r in res["bytes"]:
-            w.writerow(["bytes", r["expert_MiB"], r["wall_s"], r["pause_s"], r["transfer_s"], r["launch_s"],
-                        r["transfer_GBps_per_joiner"], ""])
+            w.writerow(
+                [
+                    "bytes",
+                    r["expert_MiB"],
+                    r["wall_s"],
+                    r["pause_s"],
+                    r["transfer_s"],
+                    r["launch_s"],
+                    r["transfer_GBps_per_joiner"],
+                    "",
+                ]
+            )
         for r in res["world"]:
-            w.writerow(["world", f"{r['from']}->{r['to']}", r["wall_s"], r["pause_s"], r["transfer_s"], r["launch_s"],
-                        r["transfer_GBps_per_joiner"], ""])
+            w.writerow(
+                [
+                    "world",
+                    f"{r['from']}->{r['to']}",
+                    r["wall_s"],
+                    r["pause_s"],
+                    r["transfer_s"],
+                    r["launch_s"],
+                    r["transfer_GBps_per_joiner"],
+                    "",
+                ]
+            )
         for r in res["link"]:
-            w.writerow(["link", r["bytes"] / MIB, "", "", r["gloo_direct"], "", r["gloo_direct_GBps"], r["ratio_direct"]])
+            w.writerow(
+                ["link", r["bytes"] / MIB, "", "", r["gloo_direct"], "", r["gloo_direct_GBps"], r["ratio_direct"]]
+            )
 
 
 def _f(v: Any, nd: int = 3) -> str:
@@ -503,14 +652,22 @@ def save(a: argparse.Namespace, res: dict[str, Any]) -> None:
         json.dump(res, f, indent=1, default=str)
     write_svg(os.path.join(a.out, f"curves{tag}.svg"), res)
     write_csv(os.path.join(a.out, f"curves{tag}.csv"), res)
-    print(f"(wrote {a.out}/curves{tag}.json, .svg, .csv; load average {res['loadavg_start']} -> {res['loadavg_end']})",
-          flush=True)
+    print(
+        f"(wrote {a.out}/curves{tag}.json, .svg, .csv; load average {res['loadavg_start']} -> {res['loadavg_end']})",
+        flush=True,
+    )
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(a.out, exist_ok=True)
-    res: dict[str, Any] = {"quick": a.quick, "base_config": BASE, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                           "loadavg_start": os.getloadavg(), "cpus": os.cpu_count(), "host": host_identity(a.device)}
+    res: dict[str, Any] = {
+        "quick": a.quick,
+        "base_config": BASE,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "loadavg_start": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "host": host_identity(a.device),
+    }
     link_sizes = [1, 8] if a.quick else [16, 256, 1024]
     dev = a.device
     ehs = [128] if a.quick else [int(x) for x in a.expert_hidden.split(",")]
@@ -518,16 +675,30 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
 
     if "link" in a.parts:
         res["link"] = link_curve(link_sizes, 1 if a.quick else 3, dev)
-        print("| MiB per transfer | raw socket GB/s | gloo direct GB/s | ratio | packed + fresh buffer (reshuffle before 12-04) GB/s | ratio |")
+        print(
+            "| MiB per transfer | raw socket GB/s | gloo direct GB/s | ratio | packed + fresh buffer (reshuffle before 12-04) GB/s | ratio |"
+        )
         print("|---|---|---|---|---|---|")
         for r in res["link"]:
-            print(f"| {r['bytes'] / MIB:.0f} | {r['raw_GBps']:.2f} | {r['gloo_direct_GBps']:.2f} | {r['ratio_direct']:.2f} "
-                  f"| {r['gloo_staged_GBps']:.2f} | {r['ratio_staged']:.2f} |"
-                  + (f" device->device staged through host: {r['gloo_device_GBps']:.2f} GB/s, ratio {r['ratio_device']:.2f}"
-                     if "gloo_device" in r else "")
-                  + ("; copies alone GB/s: " + ", ".join(f"{k} {r[k + '_GBps']:.1f}" for k in
-                                                         ("d2h_pageable", "d2h_pinned", "h2d_pageable", "h2d_pinned"))
-                     if "d2h_pinned" in r else ""), flush=True)
+            print(
+                f"| {r['bytes'] / MIB:.0f} | {r['raw_GBps']:.2f} | {r['gloo_direct_GBps']:.2f} | {r['ratio_direct']:.2f} "
+                f"| {r['gloo_staged_GBps']:.2f} | {r['ratio_staged']:.2f} |"
+                + (
+                    f" device->device staged through host: {r['gloo_device_GBps']:.2f} GB/s, ratio {r['ratio_device']:.2f}"
+                    if "gloo_device" in r
+                    else ""
+                )
+                + (
+                    "; copies alone GB/s: "
+                    + ", ".join(
+                        f"{k} {r[k + '_GBps']:.1f}"
+                        for k in ("d2h_pageable", "d2h_pinned", "h2d_pageable", "h2d_pinned")
+                    )
+                    if "d2h_pinned" in r
+                    else ""
+                ),
+                flush=True,
+            )
     res.setdefault("link", [])
 
     res["bytes"] = []
@@ -538,17 +709,32 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         # the commit's loads into slots: device copies on a GPU (the host's rate priced a CUDA
         # commit's 128 MiB load at 13 ms where it took under 1 ms: run16, H100)
         res["copy_GBps"] = res["device_copy_GBps"] if dev.startswith("cuda") else copy_rate()
-        print(f"{'device' if dev.startswith('cuda') else 'host memory'} copy: {res['copy_GBps']:.2f} GB/s "
-              "(the commit's loads into slots)", flush=True)
+        print(
+            f"{'device' if dev.startswith('cuda') else 'host memory'} copy: {res['copy_GBps']:.2f} GB/s "
+            "(the commit's loads into slots)",
+            flush=True,
+        )
         for eh in ehs:
             print(f"bytes: expert_hidden {eh}: {rss_budget_note(eh, 4)}", flush=True)
             # No captures unless asked (--bytes-capture-sizes): a CUDA capture's decode runs every local
             # slot densely, which at GiBs of experts takes seconds a step; eager decode runs top-k only.
             sizes = [int(x) for x in a.bytes_capture_sizes.split(",") if x]
-            row = await transition({**BASE, "expert_hidden": eh, "capture_sizes": sizes,
-                                    "capture_policy": a.bytes_policy, "transport": a.transport,
-                                    "commit_load_threads": a.commit_load_threads},
-                                   f"cb{eh}", 2, 4, device=dev, standby=a.bytes_standby, kv_experts=a.kv_experts)
+            row = await transition(
+                {
+                    **BASE,
+                    "expert_hidden": eh,
+                    "capture_sizes": sizes,
+                    "capture_policy": a.bytes_policy,
+                    "transport": a.transport,
+                    "commit_load_threads": a.commit_load_threads,
+                },
+                f"cb{eh}",
+                2,
+                4,
+                device=dev,
+                standby=a.bytes_standby,
+                kv_experts=a.kv_experts,
+            )
             row.update(expert_hidden=eh, expert_MiB=expert_bytes(eh) / MIB)
             if row.get("state") == "refused":  # kept apart: the tables and the fit take scales that ran
                 print(f"  refused: {row['error']}", flush=True)
@@ -557,46 +743,65 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             res["bytes"].append(row)
             save(a, res)  # a point that stalls (memory, time limit) keeps the ones before it
         chosen = sorted({str(r.get("capture_policy")) for r in res["bytes"]})  # what auto resolved to
-        print(f"\n(bytes curve: capture policy {a.bytes_policy} ({', '.join(chosen)}), standby pool {a.bytes_standby}, "
-              f"transport {a.transport}, capture sizes {a.bytes_capture_sizes or 'none'})")
-        print("| expert MiB | per expert MiB | wall s | launch s | prepare s | pre-copy s | pause s | commit s "
-              "| transfer s (joiner) | GB/s per joiner | move GB/s | copied in commit B | failed/requests |")
+        print(
+            f"\n(bytes curve: capture policy {a.bytes_policy} ({', '.join(chosen)}), standby pool {a.bytes_standby}, "
+            f"transport {a.transport}, capture sizes {a.bytes_capture_sizes or 'none'})"
+        )
+        print(
+            "| expert MiB | per expert MiB | wall s | launch s | prepare s | pre-copy s | pause s | commit s "
+            "| transfer s (joiner) | GB/s per joiner | move GB/s | copied in commit B | failed/requests |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["bytes"]:
             copied = max((p.get("commit_copy_bytes", 0) for p in r["reshuffle_parts_by_rank"].values()), default=0)
-            print(f"| {r['expert_MiB']:.0f} | {r['expert_MiB'] / 8:.2f} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | "
-                  f"{_f(r['phases'].get('prepare'), 2)} | {_f(r.get('precopy_s'), 2)} | "
-                  f"{_f(r['pause_s'])} | {_f(r['phases'].get('commit'))} | {_f(r['transfer_s'])} | "
-                  f"{_f(r['transfer_GBps_per_joiner'], 2)} | {_f(r.get('move_GBps_per_joiner'), 2)} | {copied:,} | "
-                  f"{r['failed']}/{r['requests']} |", flush=True)
+            print(
+                f"| {r['expert_MiB']:.0f} | {r['expert_MiB'] / 8:.2f} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | "
+                f"{_f(r['phases'].get('prepare'), 2)} | {_f(r.get('precopy_s'), 2)} | "
+                f"{_f(r['pause_s'])} | {_f(r['phases'].get('commit'))} | {_f(r['transfer_s'])} | "
+                f"{_f(r['transfer_GBps_per_joiner'], 2)} | {_f(r.get('move_GBps_per_joiner'), 2)} | {copied:,} | "
+                f"{r['failed']}/{r['requests']} |",
+                flush=True,
+            )
         if res.get("device_copy_GBps"):
             for r in res["bytes"]:
                 if r.get("move_GBps_per_joiner"):
                     c = res["device_copy_GBps"]
-                    print(f"{r['expert_MiB']:.0f} MiB: move {r['move_GBps_per_joiner']:.1f} GB/s per joiner = "
-                          f"{r['move_GBps_per_joiner'] / c:.3f}x the device's copy; all ranks' "
-                          f"{_f(r.get('move_GBps_all'), 1)} GB/s = {(r.get('move_GBps_all') or 0) / c:.3f}x", flush=True)
+                    print(
+                        f"{r['expert_MiB']:.0f} MiB: move {r['move_GBps_per_joiner']:.1f} GB/s per joiner = "
+                        f"{r['move_GBps_per_joiner'] / c:.3f}x the device's copy; all ranks' "
+                        f"{_f(r.get('move_GBps_all'), 1)} GB/s = {(r.get('move_GBps_all') or 0) / c:.3f}x",
+                        flush=True,
+                    )
         res["bytes_slope"] = slopes(res["bytes"])
-        print(f"slopes against expert GiB (least squares): pause {res['bytes_slope']['pause_s_per_GiB']:.4f} s/GiB, "
-              f"wall {res['bytes_slope']['wall_s_per_GiB']:.3f} s/GiB", flush=True)
+        print(
+            f"slopes against expert GiB (least squares): pause {res['bytes_slope']['pause_s_per_GiB']:.4f} s/GiB, "
+            f"wall {res['bytes_slope']['wall_s_per_GiB']:.3f} s/GiB",
+            flush=True,
+        )
 
     save(a, res)
     if "pause" in a.parts:
-        row = await transition({**BASE, "expert_hidden": 128, "capture_policy": "reuse"}, "cpause", 2, 4,
-                               standby=2, step=True, device=dev)
+        row = await transition(
+            {**BASE, "expert_hidden": 128, "capture_policy": "reuse"}, "cpause", 2, 4, standby=2, step=True, device=dev
+        )
         row["pause_in_steps"] = row["pause_s"] / max(1e-9, row["step_after_s"])
         row["pause_in_steps_dp2"] = row["pause_s"] / max(1e-9, row["step_before_s"])
         res["pause"] = row
-        print(f"\npause: 2->4, standby 2, reuse: serving pause {row['pause_s']:.3f} s; one decode step "
-              f"{row['step_before_s'] * 1e3:.1f} ms at DP 2, {row['step_after_s'] * 1e3:.1f} ms at DP 4; "
-              f"pause = {row['pause_in_steps']:.1f} steps (DP 4), {row['pause_in_steps_dp2']:.1f} steps (DP 2)")
+        print(
+            f"\npause: 2->4, standby 2, reuse: serving pause {row['pause_s']:.3f} s; one decode step "
+            f"{row['step_before_s'] * 1e3:.1f} ms at DP 2, {row['step_after_s'] * 1e3:.1f} ms at DP 4; "
+            f"pause = {row['pause_in_steps']:.1f} steps (DP 4), {row['pause_in_steps_dp2']:.1f} steps (DP 2)"
+        )
         for ph in ("commit", "reshuffle", "warm", "capture", "lock"):
             print(f"  {ph} by rank: {row.get(f'{ph}_by_rank', {})}", flush=True)
         print(f"  taken in the pool, before adoption, by rank: {row.get('in_pool_by_rank', {})}", flush=True)
         print(f"  inside the commit, by rank: {row.get('commit_parts_by_rank', {})}", flush=True)
         if row.get("pause_window_s") is not None:
-            print(f"  first survivor stopping -> last rank serving: {row['pause_window_s']:.3f} s = "
-                  f"{row['pause_window_s'] / max(1e-9, row['step_before_s']):.1f} steps (DP 2)", flush=True)
+            print(
+                f"  first survivor stopping -> last rank serving: {row['pause_window_s']:.3f} s = "
+                f"{row['pause_window_s'] / max(1e-9, row['step_before_s']):.1f} steps (DP 2)",
+                flush=True,
+            )
         save(a, res)
     res["world"] = []
     if "world" in a.parts:
@@ -604,17 +809,24 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             row = await transition({**BASE, "expert_hidden": a.world_expert_hidden}, f"cw{t}", s, t, device=dev)
             res["world"].append(row)
             save(a, res)
-        print(f"\n(world curve: expert_hidden {a.world_expert_hidden}, "
-              f"{expert_bytes(a.world_expert_hidden) / MIB:.0f} MiB of experts)")
-        print("| op | wall s | launch s | pause s | prepare s | transfer s | commit s | reshuffle s | warm s | capture s "
-              "| pause / 2->4 pause |")
+        print(
+            f"\n(world curve: expert_hidden {a.world_expert_hidden}, "
+            f"{expert_bytes(a.world_expert_hidden) / MIB:.0f} MiB of experts)"
+        )
+        print(
+            "| op | wall s | launch s | pause s | prepare s | transfer s | commit s | reshuffle s | warm s | capture s "
+            "| pause / 2->4 pause |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         p0 = res["world"][0]["pause_s"] or 1e-9
         for r in res["world"]:
             ph = r["phases"]
-            print(f"| {r['from']}->{r['to']} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | {_f(r['pause_s'])} | "
-                  f"{_f(ph.get('prepare'))} | {_f(r['transfer_s'])} | {_f(ph.get('commit'))} | {_f(ph.get('reshuffle'))} | "
-                  f"{_f(ph.get('warm'))} | {_f(ph.get('capture'))} | {r['pause_s'] / p0:.2f} |", flush=True)
+            print(
+                f"| {r['from']}->{r['to']} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | {_f(r['pause_s'])} | "
+                f"{_f(ph.get('prepare'))} | {_f(r['transfer_s'])} | {_f(ph.get('commit'))} | {_f(ph.get('reshuffle'))} | "
+                f"{_f(ph.get('warm'))} | {_f(ph.get('capture'))} | {r['pause_s'] / p0:.2f} |",
+                flush=True,
+            )
 
     save(a, res)
     if a.fit:
@@ -629,21 +841,46 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="a small smoke run: 1 and 8 MiB link, 2 MiB model, 2->4")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--parts", default="link,bytes,world,pause")
-    ap.add_argument("--expert-hidden", default="256,4096,32768,262144",
-                    help="the bytes curve's points (8 KiB of experts per unit: 2 MiB .. 2 GiB)")
+    ap.add_argument(
+        "--expert-hidden",
+        default="256,4096,32768,262144",
+        help="the bytes curve's points (8 KiB of experts per unit: 2 MiB .. 2 GiB)",
+    )
     ap.add_argument("--worlds", default="2:4,4:8,8:16")
-    ap.add_argument("--bytes-policy", default="auto",
-                    help="the bytes curve's capture policy: auto (the engine's default), reuse or recapture")
-    ap.add_argument("--bytes-capture-sizes", default="",
-                    help="the bytes curve's capture sizes, e.g. 1,2,4,8 (default none: the pause without captures)")
-    ap.add_argument("--bytes-standby", type=int, default=0, help="the bytes curve's standby pool (2: the joiners' launch is off the scale)")
+    ap.add_argument(
+        "--bytes-policy",
+        default="auto",
+        help="the bytes curve's capture policy: auto (the engine's default), reuse or recapture",
+    )
+    ap.add_argument(
+        "--bytes-capture-sizes",
+        default="",
+        help="the bytes curve's capture sizes, e.g. 1,2,4,8 (default none: the pause without captures)",
+    )
+    ap.add_argument(
+        "--bytes-standby",
+        type=int,
+        default=0,
+        help="the bytes curve's standby pool (2: the joiners' launch is off the scale)",
+    )
     ap.add_argument("--world-expert-hidden", type=int, default=1024)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the one GPU)")
     ap.add_argument("--transport", default="auto", help="the bytes curve's: auto (same-host memory) or gloo")
-    ap.add_argument("--kv-experts", type=int, default=0,
-                    help="the bytes curve's KV pool also holds this many experts: room for a member's pre-copy")
-    ap.add_argument("--commit-load-threads", type=int, default=0,
-                    help="the bytes curve's engine config: threads loading landed experts in the commit (0: sized to the host)")
-    ap.add_argument("--fit", action="store_true",
-                    help="fit the cost model to this run's bytes and pause points: <out>/cost_model.json")
+    ap.add_argument(
+        "--kv-experts",
+        type=int,
+        default=0,
+        help="the bytes curve's KV pool also holds this many experts: room for a member's pre-copy",
+    )
+    ap.add_argument(
+        "--commit-load-threads",
+        type=int,
+        default=0,
+        help="the bytes curve's engine config: threads loading landed experts in the commit (0: sized to the host)",
+    )
+    ap.add_argument(
+        "--fit",
+        action="store_true",
+        help="fit the cost model to this run's bytes and pause points: <out>/cost_model.json",
+    )
     asyncio.run(main(ap.parse_args()))

@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 from engine_ext.config import EngineConfig
-from engine_ext.model.dense_oracle import reference_generate
 from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
 
 PROMPTS = [[7], [1, 2, 3], [200, 13, 99, 5, 5], [(11 * j + 3) % 256 for j in range(9)]]
 MAX_TOKENS = 6
@@ -61,27 +61,40 @@ async def _case(name: str, cfg: EngineConfig, standby: int, rate: float, referen
     finals = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
     await dep.stop()
     by_prompt = {tuple(r["prompt"]): r["output"] for r in reference}
-    same = all(r["output"] == by_prompt[tuple(r["prompt"])] for r in finals + [r for r in results if not r.get("error")])
+    same = all(
+        r["output"] == by_prompt[tuple(r["prompt"])] for r in finals + [r for r in results if not r.get("error")]
+    )
     pd = op.get("phase_durations", {})
-    return {"case": name, "wall_s": wall, "launch_s": pd.get("launch", 0.0), "pause_s": op.get("serving_pause_s", 0.0),
-            "captures": op.get("captures_per_rank", {}), "requests": len(results),
-            "failed": sum(1 for r in results if r.get("error")), "oracle_equal": same}
+    return {
+        "case": name,
+        "wall_s": wall,
+        "launch_s": pd.get("launch", 0.0),
+        "pause_s": op.get("serving_pause_s", 0.0),
+        "captures": op.get("captures_per_rank", {}),
+        "requests": len(results),
+        "failed": sum(1 for r in results if r.get("error")),
+        "oracle_equal": same,
+    }
 
 
 async def main(rate: float) -> None:
     base = EngineConfig(dtype="float64", capture_policy="recapture")
     reference = reference_generate(base, PROMPTS, MAX_TOKENS)
-    rows = [await _case("cold", base, 0, rate, reference),
-            await _case("elastic", base, 0, rate, reference),
-            await _case("standby", base, 2, rate, reference),
-            await _case("standby+reuse", EngineConfig(dtype="float64", capture_policy="reuse"), 2, rate, reference)]
+    rows = [
+        await _case("cold", base, 0, rate, reference),
+        await _case("elastic", base, 0, rate, reference),
+        await _case("standby", base, 2, rate, reference),
+        await _case("standby+reuse", EngineConfig(dtype="float64", capture_policy="reuse"), 2, rate, reference),
+    ]
     cold = rows[0]["wall_s"]
     print("| 2->4 | wall s | x cold | launch s | serving pause s | captures/rank | requests | failed | oracle |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         caps = ",".join(f"{k}:{v}" for k, v in sorted(r["captures"].items())) or "-"
-        print(f"| {r['case']} | {r['wall_s']:.2f} | {r['wall_s'] / cold:.2f} | {r['launch_s']:.2f} | "
-              f"{r['pause_s']:.3f} | {caps} | {r['requests']} | {r['failed']} | {r['oracle_equal']} |")
+        print(
+            f"| {r['case']} | {r['wall_s']:.2f} | {r['wall_s'] / cold:.2f} | {r['launch_s']:.2f} | "
+            f"{r['pause_s']:.3f} | {caps} | {r['requests']} | {r['failed']} | {r['oracle_equal']} |"
+        )
 
 
 if __name__ == "__main__":

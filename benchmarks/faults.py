@@ -51,18 +51,38 @@ def _controller_pid(t: Any) -> int:
     return int(ray.get(_controller(t).pid.remote(), timeout=30))
 
 
-def _scenario(core: Any, t: Any, rate: float, deadline_s: float, faults: list[str],
-              inject: Callable[[], float], *, dp: int = 3, placement: str = "pack",
-              cleanup: Callable[[], None] = lambda: None, **engine_over: Any) -> dict[str, Any]:
+def _scenario(
+    core: Any,
+    t: Any,
+    rate: float,
+    deadline_s: float,
+    faults: list[str],
+    inject: Callable[[], float],
+    *,
+    dp: int = 3,
+    placement: str = "pack",
+    cleanup: Callable[[], None] = lambda: None,
+    **engine_over: Any,
+) -> dict[str, Any]:
     """Up DP ``dp``, load, ``inject`` the fault (returns its time), measure, down."""
     engine = dict(ENGINE, faults=faults, fault_delay_s=FAIL_AFTER_S, step_timeout_s=deadline_s, **engine_over)
-    core.up(t, dp=dp, max_dp=4, engine=engine, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
-            on_rank_failure="shrink", health_deadline_s=deadline_s,
-            placement={"policy": placement, "ifname": ""})
+    core.up(
+        t,
+        dp=dp,
+        max_dp=4,
+        engine=engine,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        on_rank_failure="shrink",
+        health_deadline_s=deadline_s,
+        placement={"policy": placement, "ifname": ""},
+    )
     _wait_serving(core, t, dp)
     load: dict[str, Any] = {}
-    loader = threading.Thread(target=lambda: load.update(core.load(t, core.DEFAULT_PROMPTS, 8, rate, 30.0,
-                                                                   timeout_s=300)))
+    loader = threading.Thread(
+        target=lambda: load.update(core.load(t, core.DEFAULT_PROMPTS, 8, rate, 30.0, timeout_s=300))
+    )
     with Probe(_controller(t)) as probe:
         loader.start()
         time.sleep(3.0)
@@ -80,22 +100,30 @@ def _measure(core: Any, t: Any, t_fault: float, done: list[float], load: dict[st
     gaps = [(b - a, b) for a, b in zip(around, around[1:])]
     pause, back = max(gaps) if gaps else (None, None)
     ops = core.events(t)["operations"]
-    ended = [o["finished"] for o in ops if o.get("kind") in ("recover", "rebuild") and o.get("finished")
-             and o["finished"] > t_fault and o.get("state") == "succeeded"]
+    ended = [
+        o["finished"]
+        for o in ops
+        if o.get("kind") in ("recover", "rebuild")
+        and o.get("finished")
+        and o["finished"] > t_fault
+        and o.get("state") == "succeeded"
+    ]
     failed = [r for r in load.get("records", []) if r.get("error")]
     core.down(t, stop_cluster=False)
-    return {"serving_again_s": round(back - t_fault, 3) if back else None,
-            "pause_s": round(pause, 3) if pause else None,
-            "recovered_s": round(min(ended) - t_fault, 3) if ended else None,
-            "requests": load.get("sent"), "failed": load.get("failed"),
-            "failed_sent_before_fault": sum(1 for r in failed if r.get("sent_at", 0) < t_fault),
-            "operations": [f"{o.get('kind')}:{o.get('state')}" for o in ops]}
+    return {
+        "serving_again_s": round(back - t_fault, 3) if back else None,
+        "pause_s": round(pause, 3) if pause else None,
+        "recovered_s": round(min(ended) - t_fault, 3) if ended else None,
+        "requests": load.get("sent"),
+        "failed": load.get("failed"),
+        "failed_sent_before_fault": sum(1 for r in failed if r.get("sent_at", 0) < t_fault),
+        "operations": [f"{o.get('kind')}:{o.get('state')}" for o in ops],
+    }
 
 
 def _partition(rate: float, deadline_s: float) -> dict[str, Any]:
     """The worker node of a two-node cluster cut off (its processes live) under load."""
     import ray
-
     from eepctl import core
     from tests import multinode
 
@@ -116,8 +144,7 @@ def _partition(rate: float, deadline_s: float) -> dict[str, Any]:
 
         # 8 slots per rank: the head's rank alone holds every expert (at 6, DP 1 cannot, the
         # recovery fails and the deployment waits for the link to rebuild DP 2).
-        return _scenario(core, t, rate, deadline_s, [], cut, dp=2, placement="spread", cleanup=heal,
-                         slots_per_rank=8)
+        return _scenario(core, t, rate, deadline_s, [], cut, dp=2, placement="spread", cleanup=heal, slots_per_rank=8)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -145,6 +172,7 @@ def main() -> None:
     out: dict[str, Any] = {"deadline_s": args.deadline}
     stopped: list[int] = []
     try:
+
         def hang() -> float:
             pid = _pid_of(core, t, 1)
             os.kill(pid, signal.SIGSTOP)
@@ -152,8 +180,9 @@ def main() -> None:
             return time.time()
 
         def failed_alive() -> float:
-            while not any(r["state"] == "failed" or r["rank"] == 1 and r["state"] == "fenced"
-                          for r in core.status(t)["ranks"]):
+            while not any(
+                r["state"] == "failed" or r["rank"] == 1 and r["state"] == "fenced" for r in core.status(t)["ranks"]
+            ):
                 time.sleep(0.1)
             return time.time()
 
@@ -161,8 +190,11 @@ def main() -> None:
             os.kill(_controller_pid(t), signal.SIGKILL)
             return time.time()
 
-        for name, faults, inject in (("hang", [], hang), ("failed_alive", ["fail:step@1"], failed_alive),
-                                     ("controller", [], controller)):
+        for name, faults, inject in (
+            ("hang", [], hang),
+            ("failed_alive", ["fail:step@1"], failed_alive),
+            ("controller", [], controller),
+        ):
             t = core.Target(address=args.address, name=f"bench-{name.replace('_', '-')}")
             out[name] = _scenario(core, t, args.rate, args.deadline, faults, inject)
         t = core.Target(address=args.address, name="bench-cold")

@@ -36,9 +36,17 @@ def points(res: dict[str, Any]) -> list[dict[str, Any]]:
         pred, got = cost.get("predicted"), cost.get("measured")
         if r.get("state") != "succeeded" or not pred or not got:
             continue
-        out.append({**{f: pred[f] for f in MOVE_FEATURES + PAUSE_FEATURES},
-                    "move_s": got["move_s"], "pause_s": got["pause_s"], "capture_policy": r["capture_policy"],
-                    "capture_sizes": r["capture_sizes"], "pool": r["pool"], "expert_MiB": r.get("expert_MiB", 1.0)})
+        out.append(
+            {
+                **{f: pred[f] for f in MOVE_FEATURES + PAUSE_FEATURES},
+                "move_s": got["move_s"],
+                "pause_s": got["pause_s"],
+                "capture_policy": r["capture_policy"],
+                "capture_sizes": r["capture_sizes"],
+                "pool": r["pool"],
+                "expert_MiB": r.get("expert_MiB", 1.0),
+            }
+        )
     return out
 
 
@@ -56,16 +64,20 @@ def fit_and_write(paths: list[str], out: str) -> dict[str, Any]:
         f.write("\n")
     mv = model["move"]
     print(f"wrote {out}: {len(pts)} points from {runs[0]['host']}")
-    print(f"  move: {mv['intercept']:.4f} s + {mv['coef'].get('total_moved_bytes', 0.0) * 2**30:.3f} s/GiB moved + "
-          f"{mv['coef'].get('spare_total_bytes', 0.0) * 2**30:.3f} s/GiB into spare buffers (not fitted: {mv['not_fitted']}) "
-          f"(max error on its points {mv['max_rel_error']:.0%}, spread x{mv['spread'][0]:.2f}..x{mv['spread'][1]:.2f}); "
-          f"the commit's loads at "
-          f"{min(rates) if rates else 0:.1f} GB/s (the copy rate measured beside the curves)")
+    print(
+        f"  move: {mv['intercept']:.4f} s + {mv['coef'].get('total_moved_bytes', 0.0) * 2**30:.3f} s/GiB moved + "
+        f"{mv['coef'].get('spare_total_bytes', 0.0) * 2**30:.3f} s/GiB into spare buffers (not fitted: {mv['not_fitted']}) "
+        f"(max error on its points {mv['max_rel_error']:.0%}, spread x{mv['spread'][0]:.2f}..x{mv['spread'][1]:.2f}); "
+        f"the commit's loads at "
+        f"{min(rates) if rates else 0:.1f} GB/s (the copy rate measured beside the curves)"
+    )
     for policy, pz in model["pause"].items():
-        print(f"  pause ({policy}): {pz['intercept']:.4f} s + {pz['coef'].get('rank_expert_bytes', 0.0) * 2**30:.4f} "
-              f"s/GiB held per rank + {pz['coef'].get('commit_load_bytes', 0.0) * 2**30:.4f} s/GiB loaded in the "
-              f"commit (max error on its points {pz['max_rel_error']:.0%}, spread x{pz['spread'][0]:.2f}..x{pz['spread'][1]:.2f}; "
-              f"not fitted: {pz['not_fitted']})")
+        print(
+            f"  pause ({policy}): {pz['intercept']:.4f} s + {pz['coef'].get('rank_expert_bytes', 0.0) * 2**30:.4f} "
+            f"s/GiB held per rank + {pz['coef'].get('commit_load_bytes', 0.0) * 2**30:.4f} s/GiB loaded in the "
+            f"commit (max error on its points {pz['max_rel_error']:.0%}, spread x{pz['spread'][0]:.2f}..x{pz['spread'][1]:.2f}; "
+            f"not fitted: {pz['not_fitted']})"
+        )
     return model
 
 
@@ -73,7 +85,9 @@ def report(paths: list[str]) -> None:
     """Per scale, then per part: how many within 25 %, how many inside the predicted range, and
     the error of the median of the repeats of each size (one scale's pause strays; the median of
     its repeats says whether the model is off)."""
-    print("| expert MiB | pause predicted s (range) | measured s | error | move predicted s (range) | measured s | error |")
+    print(
+        "| expert MiB | pause predicted s (range) | measured s | error | move predicted s (range) | measured s | error |"
+    )
     print("|---|---|---|---|---|---|---|")
     by_plan: dict[tuple[Any, ...], list[tuple[dict[str, Any], dict[str, Any]]]] = {}  # repeats of one plan
     for p in paths:
@@ -88,12 +102,23 @@ def report(paths: list[str]) -> None:
             by_plan.setdefault(key, []).append((pred, got))
             inside = within_range(pred, got)
             f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-            e = lambda k: (f"{err[k]:+.0%}" if k in err else "-") + ("" if k not in inside else  # noqa: E731
-                                                                      " in" if inside[k] else " **out**")
-            rg = lambda k: (f" ({pred[k][0]:.4f}-{pred[k][1]:.4f})" if pred.get(k) else "")  # noqa: E731
-            print(f"| {mib:.0f} | {f(pred.get('pause_s'))}{rg('pause_range_s')} | {f(got.get('pause_s'))} | {e('pause_s')} "
-                  f"| {f(pred.get('move_s'))}{rg('move_range_s')} | {f(got.get('move_s'))} | {e('move_s')} |"
-                  + (f" {pred['no_model']}" if pred.get("no_model") else ""))
+            e = lambda k: (
+                (f"{err[k]:+.0%}" if k in err else "-")
+                + (
+                    ""
+                    if k not in inside
+                    # noqa: E731
+                    else " in"
+                    if inside[k]
+                    else " **out**"
+                )
+            )
+            rg = lambda k: f" ({pred[k][0]:.4f}-{pred[k][1]:.4f})" if pred.get(k) else ""  # noqa: E731
+            print(
+                f"| {mib:.0f} | {f(pred.get('pause_s'))}{rg('pause_range_s')} | {f(got.get('pause_s'))} | {e('pause_s')} "
+                f"| {f(pred.get('move_s'))}{rg('move_range_s')} | {f(got.get('move_s'))} | {e('move_s')} |"
+                + (f" {pred['no_model']}" if pred.get("no_model") else "")
+            )
     for k in ("pause_s", "move_s"):
         pairs = [(pr, g) for rows in by_plan.values() for pr, g in rows if pr.get(k) is not None and g.get(k)]
         if not pairs:
@@ -105,10 +130,14 @@ def report(paths: list[str]) -> None:
             got = [g[k] for pr, g in rows if pr.get(k) is not None and g.get(k)]
             if got:  # one size's repeats may differ in plan (the load-based layout): grouped by plan
                 gm = statistics.median(got)
-                med.append(f"{key[0]:.0f} MiB{' (spare)' if key[2] else ''} x{len(got)} {(rows[0][0][k] - gm) / gm:+.0%}")
-        print(f"{k}: within 25 % on {sum(abs(x) <= 0.25 for x in errs)} of {len(errs)} scales (median |error| "
-              f"{statistics.median(abs(x) for x in errs):.0%}); inside the range on {sum(bool(x) for x in inside)} of "
-              f"{sum(x is not None for x in inside)}; median of the repeats of each plan: {', '.join(med)}")
+                med.append(
+                    f"{key[0]:.0f} MiB{' (spare)' if key[2] else ''} x{len(got)} {(rows[0][0][k] - gm) / gm:+.0%}"
+                )
+        print(
+            f"{k}: within 25 % on {sum(abs(x) <= 0.25 for x in errs)} of {len(errs)} scales (median |error| "
+            f"{statistics.median(abs(x) for x in errs):.0%}); inside the range on {sum(bool(x) for x in inside)} of "
+            f"{sum(x is not None for x in inside)}; median of the repeats of each plan: {', '.join(med)}"
+        )
 
 
 def leave_one_size_out(paths: list[str]) -> None:
@@ -126,8 +155,10 @@ def leave_one_size_out(paths: list[str]) -> None:
             pred = {"pause_s": pause_s(model, p, p["capture_policy"]), "move_s": move_s(model, p)}
             err = {k: (pred[k] - p[k]) / p[k] for k in pred}
             counts = {k: counts[k] + (abs(err[k]) <= 0.25) for k in counts}
-            print(f"| {size:.0f} | {p['commit_load_bytes'] / 2**20:.0f} | {pred['pause_s']:.4f} | {p['pause_s']:.4f} | "
-                  f"{err['pause_s']:+.0%} | {pred['move_s']:.4f} | {p['move_s']:.4f} | {err['move_s']:+.0%} |")
+            print(
+                f"| {size:.0f} | {p['commit_load_bytes'] / 2**20:.0f} | {pred['pause_s']:.4f} | {p['pause_s']:.4f} | "
+                f"{err['pause_s']:+.0%} | {pred['move_s']:.4f} | {p['move_s']:.4f} | {err['move_s']:+.0%} |"
+            )
     print(f"within 25 %: pause on {counts['pause_s']} of {len(pts)} scales, move on {counts['move_s']} of {len(pts)}")
 
 
@@ -136,13 +167,18 @@ if __name__ == "__main__":
     ap.add_argument("curves", nargs="+", help="curves JSON files written by benchmarks/curves.py")
     ap.add_argument("--out", default="engine_ext/control/cost_model.json")
     ap.add_argument("--report", action="store_true", help="print predicted vs measured instead of fitting")
-    ap.add_argument("--leave-one-size-out", action="store_true",
-                    help="predict each size from a fit of the other sizes (no model written)")
+    ap.add_argument(
+        "--leave-one-size-out",
+        action="store_true",
+        help="predict each size from a fit of the other sizes (no model written)",
+    )
     a = ap.parse_args()
     if a.report:
         report(a.curves)
     elif a.leave_one_size_out:
-        print("| expert MiB | loaded in commit MiB | pause predicted s | measured s | error | move predicted s | measured s | error |")
+        print(
+            "| expert MiB | loaded in commit MiB | pause predicted s | measured s | error | move predicted s | measured s | error |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         leave_one_size_out(a.curves)
     else:

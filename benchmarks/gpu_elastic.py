@@ -23,11 +23,11 @@ import signal
 import time
 from typing import Any
 
-from engine_ext.config import EngineConfig
-from engine_ext.model.dense_oracle import reference_generate
 from benchmarks.gpu_transition import MAX_TOKENS, PROMPTS
 from benchmarks.gpu_transition import client as _client
+from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
 
 CLIENTS = 4
 
@@ -42,8 +42,7 @@ def _device_used_bytes(device: str) -> int | None:
 
 
 def _workspace(dep: LocalDeployment) -> dict[str, int]:
-    return {str(r): int(s.workspace_bytes) for r, s in sorted(dep.registry.ranks.items())
-            if r in dep.orch.members}
+    return {str(r): int(s.workspace_bytes) for r, s in sorted(dep.registry.ranks.items()) if r in dep.orch.members}
 
 
 async def _case(name: str, cfg: EngineConfig, device: str, reference: list[dict]) -> dict[str, Any]:
@@ -51,8 +50,9 @@ async def _case(name: str, cfg: EngineConfig, device: str, reference: list[dict]
     stop = asyncio.Event()
     standby = 2 if name.startswith("standby") else 0
     start_dp = 3 if name == "kill" else 2
-    dep = LocalDeployment(cfg, f"gpu{name.replace('+', '')}", max_dp=4, device=device, standby=standby,
-                          on_rank_failure="shrink")
+    dep = LocalDeployment(
+        cfg, f"gpu{name.replace('+', '')}", max_dp=4, device=device, standby=standby, on_rank_failure="shrink"
+    )
     await dep.start(start_dp)
     if dep.pool is not None:
         while len(dep.pool.ready) < standby:
@@ -94,13 +94,25 @@ async def _case(name: str, cfg: EngineConfig, device: str, reference: list[dict]
     served = [r for r in records if not r["error"]] + [dict(f, prompt=PROMPTS.index(f["prompt"])) for f in finals]
     wrong = sum(1 for r in served if r["output"] != want[tuple(PROMPTS[r["prompt"]])])
     pd = op.get("phase_durations", {})
-    return {"case": name, "state": op.get("state", "-"), "wall_s": round(wall, 3), "launch_s": pd.get("launch"),
-            "pause_s": op.get("serving_pause_s"), "phases": pd, "captures_per_rank": op.get("captures_per_rank", {}),
-            "workspace_before": ws_before, "workspace_after": ws_after,
-            "device_used_before": mem_before, "device_used_after": mem_after,
-            "requests": len(records), "failed": sum(1 for r in records if r["error"]), "wrong": wrong,
-            "rerouted": op.get("rerouted_requests"), "first_completion_after_kill_s": first_after_kill,
-            "transport": transports}
+    return {
+        "case": name,
+        "state": op.get("state", "-"),
+        "wall_s": round(wall, 3),
+        "launch_s": pd.get("launch"),
+        "pause_s": op.get("serving_pause_s"),
+        "phases": pd,
+        "captures_per_rank": op.get("captures_per_rank", {}),
+        "workspace_before": ws_before,
+        "workspace_after": ws_after,
+        "device_used_before": mem_before,
+        "device_used_after": mem_after,
+        "requests": len(records),
+        "failed": sum(1 for r in records if r["error"]),
+        "wrong": wrong,
+        "rerouted": op.get("rerouted_requests"),
+        "first_completion_after_kill_s": first_after_kill,
+        "transport": transports,
+    }
 
 
 async def main(device: str, out: str, cases: list[str]) -> None:
@@ -114,16 +126,20 @@ async def main(device: str, out: str, cases: list[str]) -> None:
     with open(os.path.join(out, f"gpu_elastic_{device.replace(':', '')}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     cold = next((r["wall_s"] for r in rows if r["case"] == "cold"), None)
-    print("| case | wall s | x cold | launch s | pause s | captures/rank | workspace/rank B | device used MiB | "
-          "failed | wrong |")
+    print(
+        "| case | wall s | x cold | launch s | pause s | captures/rank | workspace/rank B | device used MiB | "
+        "failed | wrong |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         caps = ",".join(f"{k}:{v}" for k, v in sorted(r["captures_per_rank"].items())) or "-"
         ws = sorted(set(r["workspace_after"].values()))
         mib = "-" if r["device_used_after"] is None else f"{r['device_used_after'] / 2**20:.0f}"
         ratio = f"{r['wall_s'] / cold:.2f}" if cold else "-"
-        print(f"| {r['case']} | {r['wall_s']:.2f} | {ratio} | {r['launch_s'] if r['launch_s'] is not None else '-'} | "
-              f"{round(r['pause_s'], 3) if r['pause_s'] is not None else '-'} | {caps} | {ws} | {mib} | {r['failed']} | {r['wrong']} |")
+        print(
+            f"| {r['case']} | {r['wall_s']:.2f} | {ratio} | {r['launch_s'] if r['launch_s'] is not None else '-'} | "
+            f"{round(r['pause_s'], 3) if r['pause_s'] is not None else '-'} | {caps} | {ws} | {mib} | {r['failed']} | {r['wrong']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,16 @@ from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
 
-PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99, 7], [200, 13, 13, 8, 250, 3, 61], [5, 6, 7, 8, 9, 10, 11, 12], [128],
-           [77, 78, 79], [9] * 12, [31, 41, 59, 26, 53]]
+PROMPTS = [
+    [1, 2, 3, 4, 5],
+    [17, 42, 99, 7],
+    [200, 13, 13, 8, 250, 3, 61],
+    [5, 6, 7, 8, 9, 10, 11, 12],
+    [128],
+    [77, 78, 79],
+    [9] * 12,
+    [31, 41, 59, 26, 53],
+]
 MAX_TOKENS = 12
 
 
@@ -44,8 +52,15 @@ async def client(dep: LocalDeployment, stop: asyncio.Event, seed: int, records: 
         i = rng.randrange(len(PROMPTS))
         t0 = time.perf_counter()
         res = await dep.generate(PROMPTS[i], MAX_TOKENS)
-        records.append({"prompt": i, "output": res.get("output"), "error": res.get("error"),
-                        "latency_s": time.perf_counter() - t0, "t": time.time()})
+        records.append(
+            {
+                "prompt": i,
+                "output": res.get("output"),
+                "error": res.get("error"),
+                "latency_s": time.perf_counter() - t0,
+                "t": time.time(),
+            }
+        )
 
 
 def summarize_op(dep: LocalDeployment, op: dict[str, Any]) -> dict[str, Any]:
@@ -65,18 +80,27 @@ def summarize_op(dep: LocalDeployment, op: dict[str, Any]) -> dict[str, Any]:
         if e["phase"] == "lock":
             counted_passes[str(e["rank"])] = e["detail"].get("capture_passes")
     return {
-        "op": f"{op['from_size']}->{op['to_size']}", "state": op["state"], "error": op.get("error"),
-        "serving_pause_s": op["serving_pause_s"], "phase_durations": merged["phase_durations"],
-        "captures_per_rank": op["captures_per_rank"], "capture_passes_seen": passes,
-        "capture_per_size_s": capture, "warm_s": warm, "capture_passes_counted": counted_passes,
-        "workspace_before": op["workspace_before"], "workspace_after": op["workspace_after"],
+        "op": f"{op['from_size']}->{op['to_size']}",
+        "state": op["state"],
+        "error": op.get("error"),
+        "serving_pause_s": op["serving_pause_s"],
+        "phase_durations": merged["phase_durations"],
+        "captures_per_rank": op["captures_per_rank"],
+        "capture_passes_seen": passes,
+        "capture_per_size_s": capture,
+        "warm_s": warm,
+        "capture_passes_counted": counted_passes,
+        "workspace_before": op["workspace_before"],
+        "workspace_after": op["workspace_after"],
     }
 
 
-async def run_variant(name: str, faults: list[str], dtype: str, ref: dict[int, list[int]],
-                      device: str) -> dict[str, Any]:
-    cfg = EngineConfig(dtype=dtype, slots_per_rank=8, capture_sizes=[1, 2, 4, 8], faults=faults,
-                       capture_policy="recapture")
+async def run_variant(
+    name: str, faults: list[str], dtype: str, ref: dict[int, list[int]], device: str
+) -> dict[str, Any]:
+    cfg = EngineConfig(
+        dtype=dtype, slots_per_rank=8, capture_sizes=[1, 2, 4, 8], faults=faults, capture_policy="recapture"
+    )
     out: dict[str, Any] = {"variant": name, "faults": faults, "dtype": dtype}
     async with LocalDeployment(cfg, f"gpu-{name.replace('_', '-')}", device=device, max_dp=4) as dep:
         t0 = time.time()
@@ -110,10 +134,14 @@ async def run_variant(name: str, faults: list[str], dtype: str, ref: dict[int, l
         ok = [r for r in recs if not r["error"]]
         wrong = [r for r in ok if r["output"] != ref[r["prompt"]]]
         lat = sorted(r["latency_s"] for r in ok)
-        out[label] = {"requests": len(recs), "failed": len(recs) - len(ok), "wrong_outputs": len(wrong),
-                      "p50_ms": round(1000 * statistics.median(lat), 2) if lat else None,
-                      "p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2) if lat else None,
-                      "max_ms": round(1000 * lat[-1], 2) if lat else None}
+        out[label] = {
+            "requests": len(recs),
+            "failed": len(recs) - len(ok),
+            "wrong_outputs": len(wrong),
+            "p50_ms": round(1000 * statistics.median(lat), 2) if lat else None,
+            "p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2) if lat else None,
+            "max_ms": round(1000 * lat[-1], 2) if lat else None,
+        }
     return out
 
 
@@ -140,17 +168,20 @@ def main() -> None:
         results.append(res)
         print(json.dumps(res, indent=1, default=str), flush=True)
     with open(os.path.join(args.out, f"gpu_transition{args.tag}.json"), "w") as f:
-        json.dump({"device": device_name, "torch": torch.__version__, "results": results}, f,
-                  indent=1, default=str)
-    print("\nvariant        op    state      pause_ms  commit_s  warm_s(max) capture_s(max) passes  stale_refused  wrong/failed")
+        json.dump({"device": device_name, "torch": torch.__version__, "results": results}, f, indent=1, default=str)
+    print(
+        "\nvariant        op    state      pause_ms  commit_s  warm_s(max) capture_s(max) passes  stale_refused  wrong/failed"
+    )
     for r in results:
         for op in r["ops"]:
             pd = op["phase_durations"]
             passes = max(op["capture_passes_seen"].values(), default=0)
-            print(f"{r['variant']:<14} {op['op']:<5} {op['state']:<10} {op['serving_pause_s'] * 1000:8.1f} "
-                  f"{pd.get('commit', 0):8.3f}  {pd.get('warm', 0):10.3f}  {pd.get('capture', 0):12.3f}  {passes:5d} "
-                  f"{sum(r['stale_replays_refused'].values()):13d}  "
-                  f"{r['during_transitions']['wrong_outputs']}/{r['during_transitions']['failed']}")
+            print(
+                f"{r['variant']:<14} {op['op']:<5} {op['state']:<10} {op['serving_pause_s'] * 1000:8.1f} "
+                f"{pd.get('commit', 0):8.3f}  {pd.get('warm', 0):10.3f}  {pd.get('capture', 0):12.3f}  {passes:5d} "
+                f"{sum(r['stale_replays_refused'].values()):13d}  "
+                f"{r['during_transitions']['wrong_outputs']}/{r['during_transitions']['failed']}"
+            )
 
 
 if __name__ == "__main__":

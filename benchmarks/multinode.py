@@ -32,9 +32,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("EEPCTL_STATE_DIR", tempfile.mkdtemp(prefix="eep-bench-mn-"))
 
+from benchmarks.transition import load_during  # noqa: E402
 from eepctl import core  # noqa: E402
 from tests import multinode  # noqa: E402
-from benchmarks.transition import load_during  # noqa: E402
 
 
 def transfers(t: core.Target, op_id: str, node_of: dict[int, str]) -> list[dict[str, Any]]:
@@ -45,16 +45,31 @@ def transfers(t: core.Target, op_id: str, node_of: dict[int, str]) -> list[dict[
         if e["phase"] == "transfer" and e["rank"] >= 0 and "received_from" in d:
             src, dst = int(d["received_from"]), int(e["rank"])
             secs = max(e["end"] - e["start"], 1e-9)
-            rows.append({"pair": f"{src}->{dst}", "bytes": int(d.get("bytes", 0)), "s": secs,
-                         "mbps": d.get("bytes", 0) / secs / 1e6, "cross": node_of.get(src) != node_of.get(dst)})
+            rows.append(
+                {
+                    "pair": f"{src}->{dst}",
+                    "bytes": int(d.get("bytes", 0)),
+                    "s": secs,
+                    "mbps": d.get("bytes", 0) / secs / 1e6,
+                    "cross": node_of.get(src) != node_of.get(dst),
+                }
+            )
     return rows
 
 
 def run_policy(policy: str, engine: dict[str, Any], rate: float) -> list[dict[str, Any]]:
     t = core.Target(name=f"bench-{policy}")
     out = []
-    core.up(t, dp=1, max_dp=4, engine=engine, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
-            placement={"policy": policy, "ifname": ""})
+    core.up(
+        t,
+        dp=1,
+        max_dp=4,
+        engine=engine,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        placement={"policy": policy, "ifname": ""},
+    )
     try:
         for target in (2, 4, 2):
             res: dict[str, Any] = {}
@@ -66,10 +81,18 @@ def run_policy(policy: str, engine: dict[str, Any], rate: float) -> list[dict[st
             th.join()
             snap = core.status(t)
             node_of = {r["rank"]: r["node_ip"] for r in snap["ranks"]}
-            out.append({"policy": policy, "op": f"{op['from_size']}->{op['to_size']}", "state": op["state"],
-                        "wall": wall, "pause": op["serving_pause_s"], "nodes": sorted(set(node_of.values())),
-                        "transfers": transfers(t, op["op_id"], node_of) if op["to_size"] > op["from_size"] else [],
-                        "load": res})
+            out.append(
+                {
+                    "policy": policy,
+                    "op": f"{op['from_size']}->{op['to_size']}",
+                    "state": op["state"],
+                    "wall": wall,
+                    "pause": op["serving_pause_s"],
+                    "nodes": sorted(set(node_of.values())),
+                    "transfers": transfers(t, op["op_id"], node_of) if op["to_size"] > op["from_size"] else [],
+                    "load": res,
+                }
+            )
     finally:
         core.down(t, stop_cluster=False)
     return out
@@ -83,10 +106,13 @@ def veth_link(cl: multinode.TwoNodeCluster, sizes_mib: list[int], reps: int) -> 
     root = str(Path(__file__).resolve().parent.parent)
 
     def sender(port: int, sizes: list[int]) -> subprocess.Popen:
-        code = (f"from benchmarks.curves import _link_peer; _link_peer(1, {port}, {sizes!r}, {reps}, None, 'cpu', "
-                f"host={multinode.HEAD_IP!r}, node_ip={multinode.WORKER_IP!r})")
-        return subprocess.Popen(["ip", "netns", "exec", cl.ns, sys.executable, "-c", code], cwd=root,
-                                env={**os.environ, "PYTHONPATH": root})
+        code = (
+            f"from benchmarks.curves import _link_peer; _link_peer(1, {port}, {sizes!r}, {reps}, None, 'cpu', "
+            f"host={multinode.HEAD_IP!r}, node_ip={multinode.WORKER_IP!r})"
+        )
+        return subprocess.Popen(
+            ["ip", "netns", "exec", cl.ns, sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": root}
+        )
 
     return link_curve(sizes_mib, reps, host=multinode.HEAD_IP, sender=sender)
 
@@ -101,8 +127,16 @@ def curve_case(policy: str, expert_hidden: int, rate: float) -> dict[str, Any]:
     engine["num_blocks"] = kv_blocks(EngineConfig(**engine), 4)
     per_expert = expert_bytes(expert_hidden) // BASE["num_experts"]
     t = core.Target(name=f"curve-{policy}")
-    core.up(t, dp=2, max_dp=4, engine=engine, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
-            placement={"policy": policy, "ifname": ""})
+    core.up(
+        t,
+        dp=2,
+        max_dp=4,
+        engine=engine,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        placement={"policy": policy, "ifname": ""},
+    )
     try:
         res: dict[str, Any] = {}
         th = load_during(t, rate, 30.0, res)
@@ -127,14 +161,32 @@ def curve_case(policy: str, expert_hidden: int, rate: float) -> dict[str, Any]:
             g["exchange_s"] += d["exchange_s"]
         joiners = []
         for j, g in sorted(got.items()):
-            crossed = sum(per_expert for m in moves if m["dst_rank"] == j and node_of.get(m["src_rank"]) != node_of.get(j))
+            crossed = sum(
+                per_expert for m in moves if m["dst_rank"] == j and node_of.get(m["src_rank"]) != node_of.get(j)
+            )
             nbytes = int(g["precopy"] + g["reshuffle"])
-            joiners.append({"rank": j, "node": node_of.get(j), "bytes": nbytes, "precopy_bytes": int(g["precopy"]),
-                            "commit_bytes": int(g["reshuffle"]), "crossed_bytes": crossed, "exchange_s": g["exchange_s"],
-                            "GBps": nbytes / max(g["exchange_s"], 1e-9) / 1e9})
-        return {"policy": policy, "state": op["state"], "wall_s": wall, "pause_s": op["serving_pause_s"],
-                "nodes": node_of, "joiners": joiners, "moves": len(moves),
-                "load": {k: res.get(k) for k in ("sent", "completed", "failed")}}
+            joiners.append(
+                {
+                    "rank": j,
+                    "node": node_of.get(j),
+                    "bytes": nbytes,
+                    "precopy_bytes": int(g["precopy"]),
+                    "commit_bytes": int(g["reshuffle"]),
+                    "crossed_bytes": crossed,
+                    "exchange_s": g["exchange_s"],
+                    "GBps": nbytes / max(g["exchange_s"], 1e-9) / 1e9,
+                }
+            )
+        return {
+            "policy": policy,
+            "state": op["state"],
+            "wall_s": wall,
+            "pause_s": op["serving_pause_s"],
+            "nodes": node_of,
+            "joiners": joiners,
+            "moves": len(moves),
+            "load": {k: res.get(k) for k in ("sent", "completed", "failed")},
+        }
     finally:
         core.down(t, stop_cluster=False)
 
@@ -144,8 +196,12 @@ def curve(expert_hidden: int, rate: float, out: str) -> None:
 
     cl = multinode.start(num_cpus=6)
     os.environ["RAY_ADDRESS"] = cl.address
-    res: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": os.getloadavg(),
-                           "expert_hidden": expert_hidden, "expert_MiB": expert_bytes(expert_hidden) / MIB}
+    res: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "loadavg_start": os.getloadavg(),
+        "expert_hidden": expert_hidden,
+        "expert_MiB": expert_bytes(expert_hidden) / MIB,
+    }
     try:
         res["link"] = veth_link(cl, [256], reps=3)
         res["cases"] = [curve_case(p, expert_hidden, rate) for p in ("spread", "pack")]
@@ -157,17 +213,23 @@ def curve(expert_hidden: int, rate: float, out: str) -> None:
     with open(os.path.join(out, "multinode_curve.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     lk = res["link"][0]
-    print(f"veth, 256 MiB, median of 3: raw TCP {raw:.2f} GB/s, gloo storage to storage "
-          f"{lk['gloo_direct_GBps']:.2f} GB/s (ratio {lk['ratio_direct']:.2f})")
+    print(
+        f"veth, 256 MiB, median of 3: raw TCP {raw:.2f} GB/s, gloo storage to storage "
+        f"{lk['gloo_direct_GBps']:.2f} GB/s (ratio {lk['ratio_direct']:.2f})"
+    )
     print(f"\n2->4, {res['expert_MiB']:.0f} MiB of experts, load {rate} req/s")
-    print("| placement | state | wall s | pause s | joiner | node | received MiB | crossed the link MiB | exchange s "
-          "| GB/s | / raw veth |")
+    print(
+        "| placement | state | wall s | pause s | joiner | node | received MiB | crossed the link MiB | exchange s "
+        "| GB/s | / raw veth |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
         for j in c["joiners"]:
-            print(f"| {c['policy']} | {c['state']} | {c['wall_s']:.2f} | {c['pause_s']:.3f} | {j['rank']} | {j['node']} "
-                  f"| {j['bytes'] / MIB:.0f} | {j['crossed_bytes'] / MIB:.0f} | {j['exchange_s']:.3f} | {j['GBps']:.2f} "
-                  f"| {j['GBps'] / raw:.2f} |")
+            print(
+                f"| {c['policy']} | {c['state']} | {c['wall_s']:.2f} | {c['pause_s']:.3f} | {j['rank']} | {j['node']} "
+                f"| {j['bytes'] / MIB:.0f} | {j['crossed_bytes'] / MIB:.0f} | {j['exchange_s']:.3f} | {j['GBps']:.2f} "
+                f"| {j['GBps'] / raw:.2f} |"
+            )
         print(f"  ({c['policy']}: load sent/completed/failed {c['load']})")
 
 
@@ -196,15 +258,19 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ld = r["load"]
-        print(f"| {r['policy']} | {r['op']} | {r['state']} | {r['wall']:.2f} | {r['pause']:.3f} | "
-              f"{len(r['nodes'])} | {ld.get('sent')}/{ld.get('completed')}/{ld.get('failed')} | "
-              f"{(ld.get('latency_s') or {}).get('p99', 0) * 1000:.0f} |")
+        print(
+            f"| {r['policy']} | {r['op']} | {r['state']} | {r['wall']:.2f} | {r['pause']:.3f} | "
+            f"{len(r['nodes'])} | {ld.get('sent')}/{ld.get('completed')}/{ld.get('failed')} | "
+            f"{(ld.get('latency_s') or {}).get('p99', 0) * 1000:.0f} |"
+        )
     print("\n| placement | transfer | crosses nodes | bytes | s | MB/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         for x in r["transfers"]:
-            print(f"| {r['policy']} | {x['pair']} | {'yes' if x['cross'] else 'no'} | {x['bytes']} | "
-                  f"{x['s']:.4f} | {x['mbps']:.1f} |")
+            print(
+                f"| {r['policy']} | {x['pair']} | {'yes' if x['cross'] else 'no'} | {x['bytes']} | "
+                f"{x['s']:.4f} | {x['mbps']:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ENGINE = {"num_experts": 8, "slots_per_rank": 6, "top_k": 2, "num_layers": 2, "hidden_size": 64,
-          "max_num_seqs": 8, "max_num_tokens": 64, "dtype": "float64", "seed": 0, "capture_sizes": [1, 2, 4, 8]}
+ENGINE = {
+    "num_experts": 8,
+    "slots_per_rank": 6,
+    "top_k": 2,
+    "num_layers": 2,
+    "hidden_size": 64,
+    "max_num_seqs": 8,
+    "max_num_tokens": 64,
+    "dtype": "float64",
+    "seed": 0,
+    "capture_sizes": [1, 2, 4, 8],
+}
 PROBE = [5, 6, 7]
 
 
@@ -101,13 +111,22 @@ def main() -> None:
     t = core.Target(address=args.address, name=args.name)
     out: dict[str, Any] = {}
     try:
-        core.up(t, dp=3, max_dp=4, engine=ENGINE, cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300,
-                on_rank_failure="shrink")
+        core.up(
+            t,
+            dp=3,
+            max_dp=4,
+            engine=ENGINE,
+            cpus_per_rank=1.0,
+            gpus_per_rank=0.0,
+            timeout_s=300,
+            on_rank_failure="shrink",
+        )
         _wait_serving(core, t, 3)
         victim = next(r for r in core.status(t)["ranks"] if r["rank"] == 1)
         load: dict[str, Any] = {}
-        loader = threading.Thread(target=lambda: load.update(core.load(t, core.DEFAULT_PROMPTS, 8, args.rate, 12.0,
-                                                                       timeout_s=300)))
+        loader = threading.Thread(
+            target=lambda: load.update(core.load(t, core.DEFAULT_PROMPTS, 8, args.rate, 12.0, timeout_s=300))
+        )
         with Probe(_ingress(t)) as probe:
             loader.start()
             time.sleep(3.0)
@@ -124,7 +143,9 @@ def main() -> None:
         out["self_heal"] = {
             "kill_to_first_completion_s": round(after[0] - t_kill, 3) if after else None,
             "serving_pause_s": round(max(gaps), 3) if gaps else None,
-            "requests": load["sent"], "failed": load["failed"], "wrong": wrong,
+            "requests": load["sent"],
+            "failed": load["failed"],
+            "wrong": wrong,
             "rerouted": ops[-1].get("rerouted_requests") if ops else None,
             "recover_phases_s": ops[-1].get("phase_durations") if ops else None,
             "probe_errors": probe.errors,

@@ -40,16 +40,40 @@ from engine_ext.protocol import RankState, RankStatus, to_builtins  # noqa: E402
 def synthetic_status(deployment: str, rank: int, dp: int, rng: random.Random) -> dict[str, Any]:
     """A status record shaped exactly like RankEngine.status() produces."""
     iid = f"{deployment}_dp{rank}"
-    st = to_builtins(RankStatus(
-        deployment=deployment, rank=rank, instance_id=iid, engine_id=iid, node=f"node-{rank // 8}/10.0.{rank // 8}.1",
-        pid=100000 + rank, device="cpu", state=RankState.SERVING.value, dp_size=dp,
-        requests_running=rng.randint(0, 8), requests_waiting=rng.randint(0, 4), slots_used=rng.randint(0, 8),
-        slots_total=8, kv_blocks_used=rng.randint(1, 127), kv_blocks_total=128, workspace_bytes=1 << 20,
-        workspace_locked=True, workspace_required_bytes=1 << 20, graphs_captured=4, capture_sizes=[1, 2, 4, 8],
-        graph_replays=rng.randint(0, 10 ** 6), last_capture_s=0.05, captures_this_op=1, current_op="",
-        eplb_step=rng.randint(0, 1000), eplb_imbalance=round(rng.random(), 3), physical_experts=8,
-        logical_experts=8, steps=rng.randint(0, 10 ** 6), last_heartbeat=time.time(),
-    ))
+    st = to_builtins(
+        RankStatus(
+            deployment=deployment,
+            rank=rank,
+            instance_id=iid,
+            engine_id=iid,
+            node=f"node-{rank // 8}/10.0.{rank // 8}.1",
+            pid=100000 + rank,
+            device="cpu",
+            state=RankState.SERVING.value,
+            dp_size=dp,
+            requests_running=rng.randint(0, 8),
+            requests_waiting=rng.randint(0, 4),
+            slots_used=rng.randint(0, 8),
+            slots_total=8,
+            kv_blocks_used=rng.randint(1, 127),
+            kv_blocks_total=128,
+            workspace_bytes=1 << 20,
+            workspace_locked=True,
+            workspace_required_bytes=1 << 20,
+            graphs_captured=4,
+            capture_sizes=[1, 2, 4, 8],
+            graph_replays=rng.randint(0, 10**6),
+            last_capture_s=0.05,
+            captures_this_op=1,
+            current_op="",
+            eplb_step=rng.randint(0, 1000),
+            eplb_imbalance=round(rng.random(), 3),
+            physical_experts=8,
+            logical_experts=8,
+            steps=rng.randint(0, 10**6),
+            last_heartbeat=time.time(),
+        )
+    )
     st["stale_replays_refused"] = 0
     st["eplb_logical_load"] = [rng.random() for _ in range(8)]
     st["eplb_recent_load"] = [float(rng.randint(0, 500)) for _ in range(8)]
@@ -113,7 +137,9 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def timed(cmd: list[str], runs: int, env: dict[str, str], label: str = "") -> tuple[list[float], subprocess.CompletedProcess]:
+def timed(
+    cmd: list[str], runs: int, env: dict[str, str], label: str = ""
+) -> tuple[list[float], subprocess.CompletedProcess]:
     """Wall seconds of each run; the CPU seconds the process used go to _CPU[label]: on a machine
     other sessions load, wall time mostly measures waiting for a core, CPU time what the command costs."""
     last = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)  # warm-up
@@ -147,13 +173,15 @@ def row(label: str, ts: list[float]) -> str:
 
 def bench(address: str, env: dict[str, str], ranks: int, runs: int, ray_list: bool) -> dict[str, float]:
     import ray
-
     from engine_ext.ray.names import registry_name
     from engine_ext.ray.registry import Registry
 
     name, ns = f"scale-bench-{ranks}", "eepctl"
-    registry = ray.remote(Registry).options(name=registry_name(name), namespace=ns, lifetime="detached",
-                                            num_cpus=0).remote(name)
+    registry = (
+        ray.remote(Registry)
+        .options(name=registry_name(name), namespace=ns, lifetime="detached", num_cpus=0)
+        .remote(name)
+    )
     ray.get(registry.set_info.remote({"dp": ranks, "max_dp": ranks}))
     lines = []
     with Reporters(registry, name, ranks, interval_s=max(1.0, ranks / 256)) as rep:
@@ -172,28 +200,34 @@ def bench(address: str, env: dict[str, str], ranks: int, runs: int, ray_list: bo
             t0 = time.perf_counter()
             ray.get(registry.snapshot.remote())
             t_snap.append(time.perf_counter() - t0)
-        lines += [row(f"eepctl status -o json, light path ({ranks} ranks)", t_fast),
-                  row("  CPU seconds of that process", _CPU["light"]),
-                  row(f"eepctl status -o json, Ray driver ({ranks} ranks)", t_ray),
-                  row("  CPU seconds of that process", _CPU["ray"]),
-                  row(f"status --watch refresh, light path ({ranks} ranks)", t_watch),
-                  row(f"registry.snapshot() round trip in-driver ({ranks})", t_snap)]
+        lines += [
+            row(f"eepctl status -o json, light path ({ranks} ranks)", t_fast),
+            row("  CPU seconds of that process", _CPU["light"]),
+            row(f"eepctl status -o json, Ray driver ({ranks} ranks)", t_ray),
+            row("  CPU seconds of that process", _CPU["ray"]),
+            row(f"status --watch refresh, light path ({ranks} ranks)", t_watch),
+            row(f"registry.snapshot() round trip in-driver ({ranks})", t_snap),
+        ]
         if ray_list:
             ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
             t_list, lres = timed([ray_bin, "list", "actors", "--format", "json", "--limit", "10000"], runs, env)
             lines.append(row("ray list actors" + ("" if lres.returncode == 0 else " (FAILED)"), t_list))
         sent = rep.sent
     ray.kill(registry, no_restart=True)
-    print(f"ranks registered: {len(snap['ranks'])}; status reports pushed during the run: {sent}; "
-          f"snapshot JSON {len(res.stdout) / 1e6:.1f} MB")
+    print(
+        f"ranks registered: {len(snap['ranks'])}; status reports pushed during the run: {sent}; "
+        f"snapshot JSON {len(res.stdout) / 1e6:.1f} MB"
+    )
     print(f"{'command':<52} {'runs':>4} {'min':>7} {'median':>7} {'max':>7}")
     print("\n".join(lines))
     target = 0.3 if ranks <= 256 else 1.0
     med = statistics.median(t_fast)
-    print(f"light path median {med:.3f}s wall, {statistics.median(_CPU['light']):.3f}s CPU vs target {target:.1f}s: "
-          f"{'MET' if med <= target else 'MISSED'}; "
-          f"Ray driver path / light path: {statistics.median(t_ray) / med:.1f}x; "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n")
+    print(
+        f"light path median {med:.3f}s wall, {statistics.median(_CPU['light']):.3f}s CPU vs target {target:.1f}s: "
+        f"{'MET' if med <= target else 'MISSED'}; "
+        f"Ray driver path / light path: {statistics.median(t_ray) / med:.1f}x; "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n"
+    )
     return {"ranks": ranks, "light_s": med, "ray_s": statistics.median(t_ray)}
 
 

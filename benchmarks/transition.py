@@ -36,15 +36,28 @@ def load_during(t: core.Target, rate: float, seconds: float, result: dict[str, A
 
 def op_row(t: core.Target, op: dict[str, Any], wall: float) -> dict[str, Any]:
     merged = core.events(t, op["op_id"])["operations"][-1]
-    return {"op": f"{op['from_size']}->{op['to_size']}", "wall": wall, "pause": op["serving_pause_s"],
-            **{p: merged["phase_durations"].get(p) for p in PHASES},
-            "ws_before": max(op["workspace_before"].values()), "ws_after": max(op["workspace_after"].values())}
+    return {
+        "op": f"{op['from_size']}->{op['to_size']}",
+        "wall": wall,
+        "pause": op["serving_pause_s"],
+        **{p: merged["phase_durations"].get(p) for p in PHASES},
+        "ws_before": max(op["workspace_before"].values()),
+        "ws_after": max(op["workspace_after"].values()),
+    }
 
 
 def pool_case(t: core.Target, rate: float, policy: str) -> dict[str, Any]:
     """2->4 under load on a fresh deployment with two standby ranks, under ``policy``."""
-    core.up(t, dp=2, max_dp=4, engine={"capture_policy": policy},
-            cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300, standby=2)
+    core.up(
+        t,
+        dp=2,
+        max_dp=4,
+        engine={"capture_policy": policy},
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        standby=2,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and core.status(t)["summary"].get("standby", 0) < 2:
         time.sleep(0.5)
@@ -103,15 +116,19 @@ def main() -> None:
         cells = " | ".join("-" if r[p] is None else f"{r[p]:.3f}" for p in PHASES)
         print(f"| {r['op']} | {r['wall']:.2f} | {r['pause']:.3f} | {cells} | {r['ws_before']} B -> {r['ws_after']} B |")
     for r in (rows[0], *rows[2:]):
-        print(f"\n{r['op']} ÷ cold restart to 4: {r['wall']:.2f}s / {cold4:.2f}s = {r['wall'] / cold4:.2f}"
-              + (f"; captures per rank {r['captures']}" if "captures" in r else ""))
+        print(
+            f"\n{r['op']} ÷ cold restart to 4: {r['wall']:.2f}s / {cold4:.2f}s = {r['wall'] / cold4:.2f}"
+            + (f"; captures per rank {r['captures']}" if "captures" in r else "")
+        )
     print("\n| load window | sent | completed | failed | p50 ms | p90 ms | p99 ms | max ms |")
     print("|---|---|---|---|---|---|---|---|")
     for label, l in loads.items():
         lat = l["latency_s"]
         ms = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731
-        print(f"| {label} | {l['sent']} | {l['completed']} | {l['failed']} | {ms(lat['p50'])} | {ms(lat['p90'])} | "
-              f"{ms(lat['p99'])} | {ms(lat['max'])} |")
+        print(
+            f"| {label} | {l['sent']} | {l['completed']} | {l['failed']} | {ms(lat['p50'])} | {ms(lat['p90'])} | "
+            f"{ms(lat['p99'])} | {ms(lat['max'])} |"
+        )
 
 
 if __name__ == "__main__":

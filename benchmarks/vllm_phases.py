@@ -28,12 +28,32 @@ from typing import Any
 
 NAME = "vllm-phases"
 # The rows of the table, in the order a scale runs them; (phase, process) where the process matters.
-ROWS = [("api_prepare", ""), ("placement", ""), ("launch", ""), ("imports", "engine core"), ("workers", ""),
-        ("imports", "worker"), ("groups", "engine core"), ("groups", "worker"), ("load_model", ""), ("join", ""),
-        ("transfer", ""),
-        ("kv_cache", ""), ("prepare", ""), ("eplb_communicator", ""), ("prepare_warm_groups", ""),
-        ("drain", ""), ("api_commit", ""), ("commit", ""), ("switch", ""), ("reshuffle", ""), ("warm", ""),
-        ("release_graphs", ""), ("warmup", ""), ("remove", "")]
+ROWS = [
+    ("api_prepare", ""),
+    ("placement", ""),
+    ("launch", ""),
+    ("imports", "engine core"),
+    ("workers", ""),
+    ("imports", "worker"),
+    ("groups", "engine core"),
+    ("groups", "worker"),
+    ("load_model", ""),
+    ("join", ""),
+    ("transfer", ""),
+    ("kv_cache", ""),
+    ("prepare", ""),
+    ("eplb_communicator", ""),
+    ("prepare_warm_groups", ""),
+    ("drain", ""),
+    ("api_commit", ""),
+    ("commit", ""),
+    ("switch", ""),
+    ("reshuffle", ""),
+    ("warm", ""),
+    ("release_graphs", ""),
+    ("warmup", ""),
+    ("remove", ""),
+]
 SPLIT_BY_PROCESS = ("imports", "groups")  # phases both an engine core and its worker time
 
 
@@ -65,15 +85,18 @@ def table(result: dict[str, Any]) -> str:
 
 
 def _eepctl(address: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eepctl", *args, "--name", NAME, "--address", address],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "eepctl", *args, "--name", NAME, "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _registry_events(op: dict[str, Any]) -> list[dict[str, Any]]:
     """The ranks' and the API server's events of ``op``: its ranks' operation id for the target size
     (a late event of the scale before can arrive while this one runs, under that one's id)."""
     import ray
-
     from engine_ext.ray.names import registry_name
 
     reg = ray.get_actor(registry_name(NAME), namespace="eepctl")
@@ -83,7 +106,6 @@ def _registry_events(op: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _info() -> dict[str, Any]:
     import ray
-
     from engine_ext.ray.names import registry_name
 
     reg = ray.get_actor(registry_name(NAME), namespace="eepctl")
@@ -113,11 +135,20 @@ def scale(address: str, target: int, load: str, records: list[dict[str, Any]]) -
     time.sleep(3.0)  # the reporters send every 1-2 s
     events = _registry_events(op)
     answered = [r for r in records[n0:] if r["code"] == 200]
-    return {"op_id": op["op_id"], "rank_ops": op.get("rank_ops"), "from": op["from_size"], "to": target,
-            "load": load, "wall_s": round(op["finished"] - op["started"], 2),
-            "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-            "requests": len(records) - n0, "answered": len(answered),
-            "refused_503": sum(r["code"] == 503 for r in records[n0:]), "split": split(events), "events": events}
+    return {
+        "op_id": op["op_id"],
+        "rank_ops": op.get("rank_ops"),
+        "from": op["from_size"],
+        "to": target,
+        "load": load,
+        "wall_s": round(op["finished"] - op["started"], 2),
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "requests": len(records) - n0,
+        "answered": len(answered),
+        "refused_503": sum(r["code"] == 503 for r in records[n0:]),
+        "split": split(events),
+        "events": events,
+    }
 
 
 def _load(server: Any, prompts: list[list[int]], stop: threading.Event, out: list[dict[str, Any]]) -> None:
@@ -136,15 +167,36 @@ def serve(tmp: Path, address: str, standby: int = 0) -> Any:
     from tests.vllm_servers import platform_entry_path, pythonpath, start
 
     model = write_random_mixtral(tmp / "random-mixtral")
-    env = {"PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")), "EEPCTL_VLLM_CPU_EP": "1",
-           "EEPCTL_DEPLOYMENT": NAME, "EEPCTL_RAY_ADDRESS": address, "RAY_ADDRESS": address,
-           "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH"}
+    env = {
+        "PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")),
+        "EEPCTL_VLLM_CPU_EP": "1",
+        "EEPCTL_DEPLOYMENT": NAME,
+        "EEPCTL_RAY_ADDRESS": address,
+        "RAY_ADDRESS": address,
+        "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH",
+    }
     if standby:
         env["EEPCTL_VLLM_STANDBY"] = str(standby)
-    server = start(model, tmp / "elastic.log",
-                   ["--dtype", "float32", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
-                    "--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size",
-                    "4", "--eplb-config", '{"use_async": false}'], env=env)
+    server = start(
+        model,
+        tmp / "elastic.log",
+        [
+            "--dtype",
+            "float32",
+            "--data-parallel-size",
+            "2",
+            "--data-parallel-backend",
+            "ray",
+            "--enable-expert-parallel",
+            "--enable-eplb",
+            "--enable-elastic-ep",
+            "--elastic-ep-max-dp-size",
+            "4",
+            "--eplb-config",
+            '{"use_async": false}',
+        ],
+        env=env,
+    )
     t0 = time.time()
     server.wait_healthy(timeout=600)
     print(f"server healthy in {time.time() - t0:.0f}s (log {server.log})", flush=True)
@@ -173,10 +225,13 @@ def run(args: argparse.Namespace, tmp: Path, address: str) -> list[dict[str, Any
                         r = scale(address, target, load, records)
                         after = _info().get("standby") if args.standby else None  # its drop_s: a drop's time
                         results.append(dict(r, run=n + 1, standby=args.standby, held=held, held_after=after))
-                        print(f"\n### {r['from']} -> {r['to']}, load {load}, run {n + 1}: {r['wall_s']} s "
-                              f"(load average {r['loadavg_1m'][0]} -> {r['loadavg_1m'][1]}; {r['requests']} "
-                              f"requests, {r['refused_503']} refused with 503; op {r['op_id']}, ranks' "
-                              f"{', '.join(r['rank_ops'] or [])})\n{table(r)}", flush=True)
+                        print(
+                            f"\n### {r['from']} -> {r['to']}, load {load}, run {n + 1}: {r['wall_s']} s "
+                            f"(load average {r['loadavg_1m'][0]} -> {r['loadavg_1m'][1]}; {r['requests']} "
+                            f"requests, {r['refused_503']} refused with 503; op {r['op_id']}, ranks' "
+                            f"{', '.join(r['rank_ops'] or [])})\n{table(r)}",
+                            flush=True,
+                        )
                         time.sleep(args.pause)
                 finally:
                     stop.set()
@@ -192,13 +247,18 @@ def medians(results: list[dict[str, Any]]) -> str:
     lines = []
     for key in sorted({(r["from"], r["to"], r["load"]) for r in results}, key=lambda k: (-k[1], k[2])):
         runs = [r for r in results if (r["from"], r["to"], r["load"]) == key]
-        rows = {name: statistics.median(max(r["split"].get(name, {"": 0.0}).values()) for r in runs)
-                for name in {n for r in runs for n in r["split"]}}
+        rows = {
+            name: statistics.median(max(r["split"].get(name, {"": 0.0}).values()) for r in runs)
+            for name in {n for r in runs for n in r["split"]}
+        }
         order = [f"{p} ({proc})" if proc else p for p, proc in ROWS]
-        body = ", ".join(f"{n} {rows[n]:.2f}" for n in sorted(rows, key=lambda n: order.index(n) if n in order
-                                                                else len(order)))
-        lines.append(f"{key[0]} -> {key[1]}, load {key[2]}: wall median {statistics.median(r['wall_s'] for r in runs)}"
-                     f" s of {[r['wall_s'] for r in runs]} (load average {[r['loadavg_1m'] for r in runs]}); {body}")
+        body = ", ".join(
+            f"{n} {rows[n]:.2f}" for n in sorted(rows, key=lambda n: order.index(n) if n in order else len(order))
+        )
+        lines.append(
+            f"{key[0]} -> {key[1]}, load {key[2]}: wall median {statistics.median(r['wall_s'] for r in runs)}"
+            f" s of {[r['wall_s'] for r in runs]} (load average {[r['loadavg_1m'] for r in runs]}); {body}"
+        )
     return "\n".join(lines)
 
 
@@ -208,14 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", default="none,test", help="comma-separated: none, test")
     ap.add_argument("--pause", type=float, default=5.0, help="seconds between scales")
     ap.add_argument("--json", type=Path, help="write every result (with its events) here")
-    ap.add_argument("--standby", type=int, default=0, help="EEPCTL_VLLM_STANDBY for the server: each scale waits "
-                    "until the plugin holds vLLM's prepare for DP + N")
+    ap.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        help="EEPCTL_VLLM_STANDBY for the server: each scale waits until the plugin holds vLLM's prepare for DP + N",
+    )
     args = ap.parse_args(argv)
     from eepctl import cluster
 
     with tempfile.TemporaryDirectory(prefix="vllm-phases-") as d:
-        info = cluster.start_local(num_cpus=16, resources={"vllm_cpu_rank": 8}, any_port=True,
-                                   temp_dir=f"/tmp/eepray-phases-{os.getpid()}")
+        info = cluster.start_local(
+            num_cpus=16, resources={"vllm_cpu_rank": 8}, any_port=True, temp_dir=f"/tmp/eepray-phases-{os.getpid()}"
+        )
         try:
             results = run(args, Path(d), info["address"])
         finally:
@@ -228,8 +293,12 @@ def main(argv: list[str] | None = None) -> int:
                 cluster.stop_process_group(int(info["pgid"]))
     print("\n" + medians(results))
     if args.json:
-        args.json.write_text(json.dumps({"host": os.uname().nodename, "cpus": os.cpu_count(), "date": time.ctime(),
-                                         "results": results}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"host": os.uname().nodename, "cpus": os.cpu_count(), "date": time.ctime(), "results": results},
+                indent=1,
+            )
+        )
     return 0
 
 

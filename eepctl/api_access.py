@@ -15,11 +15,13 @@ def check_listen(host: str, port: int, ingress: int) -> None:
     try:
         ipaddress.IPv4Address(host)
     except ValueError:
-        raise UsageError(f"--host must be an IPv4 address (0.0.0.0: every interface; 127.0.0.1: this node only), "
-                         f"not {host!r}") from None
+        raise UsageError(
+            f"--host must be an IPv4 address (0.0.0.0: every interface; 127.0.0.1: this node only), not {host!r}"
+        ) from None
     if port != 0 and not 0 < port <= 65536 - ingress:
-        raise UsageError(f"--port must be 0 (any free port) or 1-{65536 - ingress} (ingress i listens on PORT+i), "
-                         f"got {port}")
+        raise UsageError(
+            f"--port must be 0 (any free port) or 1-{65536 - ingress} (ingress i listens on PORT+i), got {port}"
+        )
 
 
 def key_digest(api_key: str) -> str:

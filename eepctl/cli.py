@@ -11,8 +11,8 @@ from eepctl import interrupt, streams
 from eepctl.cli_autoscale import autoscale
 from eepctl.cli_events import events
 from eepctl.options import Address, ApiKey, Name, Namespace, Output, OutputOpt, RequestKey, UpApiKey
-from eepctl.options import note_unused_vllm_key as _note_unused_vllm_key
 from eepctl.options import emit as _emit
+from eepctl.options import note_unused_vllm_key as _note_unused_vllm_key
 from eepctl.options import plain as _plain
 from eepctl.options import say as _say
 from eepctl.options import target as _target
@@ -44,9 +44,12 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", "--traceback", help="Re-raise errors with their traceback.")] = False,
-    version: Annotated[bool, typer.Option("--version", help="Print eepctl's version and exit.", is_eager=True,
-                                          callback=_print_version)] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", "--traceback", help="Re-raise errors with their traceback.")
+    ] = False,
+    version: Annotated[
+        bool, typer.Option("--version", help="Print eepctl's version and exit.", is_eager=True, callback=_print_version)
+    ] = False,
 ) -> None:
     """Global options."""
 
@@ -59,7 +62,9 @@ def up(
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     experts: Annotated[int, typer.Option(help="Logical experts per MoE layer.")] = 8,
-    slots_per_rank: Annotated[int, typer.Option(help="Physical expert slots per rank (redundant = slots*DP - experts).")] = 8,
+    slots_per_rank: Annotated[
+        int, typer.Option(help="Physical expert slots per rank (redundant = slots*DP - experts).")
+    ] = 8,
     top_k: Annotated[int, typer.Option(help="Experts per token.")] = 2,
     layers: Annotated[int, typer.Option(help="Decoder layers.")] = 2,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 64,
@@ -70,50 +75,131 @@ def up(
     cpus_per_rank: Annotated[float, typer.Option(help="Ray CPUs per rank.")] = 1.0,
     gpus_per_rank: Annotated[float, typer.Option(help="Ray GPUs per rank (0: CPU ranks).")] = 0.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait until every rank serves.")] = 300.0,
-    on_rank_failure: Annotated[str, typer.Option(help="When a rank dies: shrink (serve at the healthy size) "
-                                                 "or replace (shrink, then grow back to the desired size).")] = "replace",
-    placement: Annotated[str, typer.Option(help="Ranks over Ray nodes: pack, spread or strict-spread (one per node).")] = "pack",
-    ifname: Annotated[str, typer.Option(help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME.")] = "",
-    standby: Annotated[int, typer.Option("--standby", help="Ranks to keep launched ahead (model and KV loaded, in no DP group): a scale-up adopts them and skips its launch phase.")] = 0,
-    capture_policy: Annotated[str, typer.Option("--capture-policy", help=(
-        "reuse: size workspace and captures for --max-dp at start; survivors re-warm and capture nothing in "
-        "a scale, a joiner once (more workspace, fewer KV blocks); recapture: re-warm and capture on every "
-        "rank in each scale, workspace right-sized; auto: reuse where the KV pool left beside its workspace "
-        "still holds --max-num-seqs requests of max_model_len, else recapture (up says which)."))] = "auto",
-    transport: Annotated[str, typer.Option("--transport", help="The per-step collectives: auto (shared memory when every rank of a world shares one host, gloo otherwise; chosen again at every transition), or gloo (TCP always).")] = "auto",
-    health_deadline: Annotated[float, typer.Option("--health-deadline", help="Seconds a rank may stay silent (no probe answer, token or result) before it is fenced and recovered around; also how long a serving step waits for a peer.")] = 5.0,
-    ingress: Annotated[int, typer.Option("--ingress", help="Ingress actors (requests enter there, HTTP and Ray calls; spread over nodes, the head first).")] = 1,
-    host: Annotated[str, typer.Option("--host", help=(
-        "IPv4 address the ingresses' HTTP API listens on: 0.0.0.0 (every interface of its node), 127.0.0.1 "
-        "(the node itself only) or one of the node's addresses."))] = "0.0.0.0",
-    port: Annotated[int, typer.Option("--port", help=(
-        "The first ingress's HTTP port; ingress i listens on PORT+i, also after a restart (a port that is taken "
-        "fails `up`, exit 4). 0: any free port, kept across restarts while free."))] = 0,
+    on_rank_failure: Annotated[
+        str,
+        typer.Option(
+            help="When a rank dies: shrink (serve at the healthy size) "
+            "or replace (shrink, then grow back to the desired size)."
+        ),
+    ] = "replace",
+    placement: Annotated[
+        str, typer.Option(help="Ranks over Ray nodes: pack, spread or strict-spread (one per node).")
+    ] = "pack",
+    ifname: Annotated[
+        str,
+        typer.Option(
+            help="Network interface ranks bind (store, gloo); default: the node IP Ray reports. Env EEPCTL_IFNAME."
+        ),
+    ] = "",
+    standby: Annotated[
+        int,
+        typer.Option(
+            "--standby",
+            help="Ranks to keep launched ahead (model and KV loaded, in no DP group): a scale-up adopts them and skips its launch phase.",
+        ),
+    ] = 0,
+    capture_policy: Annotated[
+        str,
+        typer.Option(
+            "--capture-policy",
+            help=(
+                "reuse: size workspace and captures for --max-dp at start; survivors re-warm and capture nothing in "
+                "a scale, a joiner once (more workspace, fewer KV blocks); recapture: re-warm and capture on every "
+                "rank in each scale, workspace right-sized; auto: reuse where the KV pool left beside its workspace "
+                "still holds --max-num-seqs requests of max_model_len, else recapture (up says which)."
+            ),
+        ),
+    ] = "auto",
+    transport: Annotated[
+        str,
+        typer.Option(
+            "--transport",
+            help="The per-step collectives: auto (shared memory when every rank of a world shares one host, gloo otherwise; chosen again at every transition), or gloo (TCP always).",
+        ),
+    ] = "auto",
+    health_deadline: Annotated[
+        float,
+        typer.Option(
+            "--health-deadline",
+            help="Seconds a rank may stay silent (no probe answer, token or result) before it is fenced and recovered around; also how long a serving step waits for a peer.",
+        ),
+    ] = 5.0,
+    ingress: Annotated[
+        int,
+        typer.Option(
+            "--ingress",
+            help="Ingress actors (requests enter there, HTTP and Ray calls; spread over nodes, the head first).",
+        ),
+    ] = 1,
+    host: Annotated[
+        str,
+        typer.Option(
+            "--host",
+            help=(
+                "IPv4 address the ingresses' HTTP API listens on: 0.0.0.0 (every interface of its node), 127.0.0.1 "
+                "(the node itself only) or one of the node's addresses."
+            ),
+        ),
+    ] = "0.0.0.0",
+    port: Annotated[
+        int,
+        typer.Option(
+            "--port",
+            help=(
+                "The first ingress's HTTP port; ingress i listens on PORT+i, also after a restart (a port that is taken "
+                "fails `up`, exit 4). 0: any free port, kept across restarts while free."
+            ),
+        ),
+    ] = 0,
     api_key: UpApiKey = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a reference deployment (and a local Ray head if none is running)."""
     from eepctl import core, render
 
-    sizes = {"num_experts": experts, "slots_per_rank": slots_per_rank, "top_k": top_k, "num_layers": layers,
-             "hidden_size": hidden, "max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens}
+    sizes = {
+        "num_experts": experts,
+        "slots_per_rank": slots_per_rank,
+        "top_k": top_k,
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "max_num_seqs": max_num_seqs,
+        "max_num_tokens": max_num_tokens,
+    }
     engine = _engine_options(sizes, dtype, seed, capture_policy, transport, health_deadline)
     from eepctl.progress import busy
 
     _note_unused_vllm_key(api_key)
-    with busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json), \
-            interrupt.doing(f"starting {name} at DP {dp}",
-                            f"what was started keeps running: `eepctl down --name {name}` removes it"):
-        res = core.up(_target(address, namespace, name), dp=dp, max_dp=max_dp, engine=engine,
-                      cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, timeout_s=timeout, say=_say,
-                      placement={"policy": placement, "ifname": ifname},
-                      on_rank_failure=on_rank_failure, standby=standby, health_deadline_s=health_deadline,
-                      ingress=ingress, api_key=api_key, host=host, port=port)
+    with (
+        busy(f"starting {name} at DP {dp}", plain=_plain() or output == Output.json),
+        interrupt.doing(
+            f"starting {name} at DP {dp}", f"what was started keeps running: `eepctl down --name {name}` removes it"
+        ),
+    ):
+        res = core.up(
+            _target(address, namespace, name),
+            dp=dp,
+            max_dp=max_dp,
+            engine=engine,
+            cpus_per_rank=cpus_per_rank,
+            gpus_per_rank=gpus_per_rank,
+            timeout_s=timeout,
+            say=_say,
+            placement={"policy": placement, "ifname": ifname},
+            on_rank_failure=on_rank_failure,
+            standby=standby,
+            health_deadline_s=health_deadline,
+            ingress=ingress,
+            api_key=api_key,
+            host=host,
+            port=port,
+        )
     _emit(render.to_json("up", res) + "\n" if output == Output.json else render.up_text(res))
 
 
-def _engine_options(sizes: dict[str, int], dtype: str, seed: int, capture_policy: str, transport: str,
-                    health_deadline: float) -> dict[str, Any]:
+def _engine_options(
+    sizes: dict[str, int], dtype: str, seed: int, capture_policy: str, transport: str, health_deadline: float
+) -> dict[str, Any]:
     """The engine config `up`'s options describe; a bad value is named by its option (the config
     validates it too)."""
     from engine_ext.config import CapturePolicy
@@ -126,9 +212,15 @@ def _engine_options(sizes: dict[str, int], dtype: str, seed: int, capture_policy
         raise UsageError(str(e)) from None
     if transport not in ("gloo", "auto"):
         raise UsageError(f"--transport must be gloo or auto, not {transport!r}")
-    return {**sizes, "dtype": dtype, "seed": seed,
-            "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= sizes["max_num_seqs"]],
-            "capture_policy": capture_policy, "transport": transport, "step_timeout_s": health_deadline}
+    return {
+        **sizes,
+        "dtype": dtype,
+        "seed": seed,
+        "capture_sizes": [s for s in (1, 2, 4, 8, 16, 32) if s <= sizes["max_num_seqs"]],
+        "capture_policy": capture_policy,
+        "transport": transport,
+        "step_timeout_s": health_deadline,
+    }
 
 
 @app.command()
@@ -136,12 +228,13 @@ def down(
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
-    stop_cluster: Annotated[bool, typer.Option("--stop-cluster", help="Also stop the local Ray cluster, if eepctl started it.")] = False,
+    stop_cluster: Annotated[
+        bool, typer.Option("--stop-cluster", help="Also stop the local Ray cluster, if eepctl started it.")
+    ] = False,
     output: OutputOpt = Output.table,
 ) -> None:
     """Stop a deployment."""
     from eepctl import core, render
-
     from eepctl.progress import busy
 
     with busy(f"stopping {name}", plain=_plain() or output == Output.json):
@@ -161,9 +254,12 @@ def standby(
     from eepctl import core, render
 
     res = core.standby(_target(address, namespace, name), count)
-    _emit(render.to_json("standby", res) + "\n" if output == Output.json else
-          f"standby pool of {name}: {len(res['ready'])} of {res['size']} ready (standby numbers {res['ready']}), "
-          f"{res['taken']} adopted so far\n")
+    _emit(
+        render.to_json("standby", res) + "\n"
+        if output == Output.json
+        else f"standby pool of {name}: {len(res['ready'])} of {res['size']} ready (standby numbers {res['ready']}), "
+        f"{res['taken']} adopted so far\n"
+    )
 
 
 @app.command()
@@ -174,7 +270,9 @@ def status(
     output: OutputOpt = Output.table,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until interrupted.")] = False,
     interval: Annotated[float, typer.Option(help="Refresh interval for --watch, seconds.")] = 1.0,
-    state: Annotated[list[str] | None, typer.Option("--state", help="Only ranks in this state (repeat or comma-separate).")] = None,
+    state: Annotated[
+        list[str] | None, typer.Option("--state", help="Only ranks in this state (repeat or comma-separate).")
+    ] = None,
     node: Annotated[str | None, typer.Option("--node", help="Only ranks on this node (its id or IP).")] = None,
 ) -> None:
     """Per-rank status: state, requests, slots, KV, workspace, graphs, EPLB, heartbeat.
@@ -190,8 +288,9 @@ def status(
 
     if not watch:
         data = snap()
-        _emit(render.to_json("status", data) + "\n" if output == Output.json
-              else render.status_text(data, width=_width()))
+        _emit(
+            render.to_json("status", data) + "\n" if output == Output.json else render.status_text(data, width=_width())
+        )
         return
     if output == Output.json:
         while True:
@@ -211,7 +310,10 @@ def status(
 
 @app.command()
 def generate(
-    prompt_ids: Annotated[list[str] | None, typer.Option("--prompt-ids", "-p", help="A prompt as comma-separated token ids; repeat for more.")] = None,
+    prompt_ids: Annotated[
+        list[str] | None,
+        typer.Option("--prompt-ids", "-p", help="A prompt as comma-separated token ids; repeat for more."),
+    ] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 8,
     rate: Annotated[float | None, typer.Option(help="Turn into a load generator: requests per second.")] = None,
     duration: Annotated[float, typer.Option(help="Seconds of load with --rate.")] = 10.0,
@@ -273,14 +375,33 @@ def _parse_prompt(text: str) -> list[int]:
 @app.command()
 def scale(
     dp: Annotated[int, typer.Option("--dp", help="Target data-parallel size (absolute).")],
-    drain_timeout: Annotated[float, typer.Option(help="Seconds removing ranks may finish requests before they move.")] = 30.0,
+    drain_timeout: Annotated[
+        float, typer.Option(help="Seconds removing ranks may finish requests before they move.")
+    ] = 30.0,
     timeout: Annotated[float, typer.Option(help="Seconds the whole transition may take (exit 6 after).")] = 300.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and change nothing.")] = False,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the operation id and return.")] = False,
-    request_id: Annotated[str | None, typer.Option("--request-id", help="Idempotency key: a retry with the same id returns the same operation instead of starting another.", show_default=False)] = None,
-    retire: Annotated[str | None, typer.Option("--retire", help="A scale-down removes these ranks (comma-separated; as many as it removes). Default: the ranks with the fewest requests and least KV in use.")] = None,
-    verbose: Annotated[bool, typer.Option(
-        "--verbose", "-v", help="Live display: add one row per rank; off a terminal: each rank's events too.")] = False,
+    request_id: Annotated[
+        str | None,
+        typer.Option(
+            "--request-id",
+            help="Idempotency key: a retry with the same id returns the same operation instead of starting another.",
+            show_default=False,
+        ),
+    ] = None,
+    retire: Annotated[
+        str | None,
+        typer.Option(
+            "--retire",
+            help="A scale-down removes these ranks (comma-separated; as many as it removes). Default: the ranks with the fewest requests and least KV in use.",
+        ),
+    ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", help="Live display: add one row per rank; off a terminal: each rank's events too."
+        ),
+    ] = False,
     api_key: ApiKey = None,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
@@ -303,16 +424,30 @@ def scale(
 
     def on_op(op: dict[str, Any]) -> None:
         if op.get("op_id"):
-            interrupt.now_doing(f"following scale {op['op_id']} of {name} to DP {dp}",
-                                f"the scale continues in the cluster: `eepctl events{flags} "
-                                f"--op {op['op_id']} --follow`")
+            interrupt.now_doing(
+                f"following scale {op['op_id']} of {name} to DP {dp}",
+                f"the scale continues in the cluster: `eepctl events{flags} --op {op['op_id']} --follow`",
+            )
         progress.on_operation(op)
 
-    with progress, interrupt.doing(f"asking {name} to scale to DP {dp}",
-                                   f"the scale may have been admitted: `eepctl status{flags}`"):
-        res = core.scale(t, dp, drain_timeout_s=drain_timeout, timeout_s=timeout, wait=not no_wait,
-                         on_event=progress.on_event, api_key=api_key, on_op=on_op,
-                         request_id=request_id, retire=leaving)
+    with (
+        progress,
+        interrupt.doing(
+            f"asking {name} to scale to DP {dp}", f"the scale may have been admitted: `eepctl status{flags}`"
+        ),
+    ):
+        res = core.scale(
+            t,
+            dp,
+            drain_timeout_s=drain_timeout,
+            timeout_s=timeout,
+            wait=not no_wait,
+            on_event=progress.on_event,
+            api_key=api_key,
+            on_op=on_op,
+            request_id=request_id,
+            retire=leaving,
+        )
     _emit(render.to_json("scale", res) + "\n" if output == Output.json else render.scale_text(res, flags))
 
 
@@ -341,8 +476,9 @@ def repair(
     """Recover what self-healing could not (dead ranks, a size below the desired one); say what was done."""
     from eepctl import core, render
 
-    with interrupt.doing(f"repairing {name}", "the repair continues in the cluster: `eepctl status --name "
-                         f"{name}` shows it"):
+    with interrupt.doing(
+        f"repairing {name}", f"the repair continues in the cluster: `eepctl status --name {name}` shows it"
+    ):
         res = core.repair(_target(address, namespace, name), timeout_s=timeout, api_key=api_key)
     if output == Output.json:
         _emit(render.to_json("repair", res) + "\n")

@@ -14,22 +14,42 @@ from engine_ext.protocol import DEFAULT_DEPLOYMENT, DEFAULT_NAMESPACE, UsageErro
 
 
 def events(
-    op: Annotated[str | None, typer.Option(
-        "--op", help="Only this operation (its full id or the short one the table shows), with every event.")] = None,
-    follow: Annotated[bool, typer.Option(
-        "--follow", "-f", help="Keep printing new events (until the operation ends, with --op).")] = False,
-    timeline: Annotated[bool, typer.Option(
-        "--timeline", help="A per-rank Gantt of an operation's phases (--op; default: the last operation; "
-                           "-o json: the spans).")] = False,
-    autoscaler: Annotated[bool, typer.Option(
-        "--autoscaler",
-        help="The autoscaler's decisions instead: signals, rule fired, recommendation, action.")] = False,
-    last: Annotated[int | None, typer.Option(
-        "--last", help="Only the last N operations (default 20 in the table; all with -o json).",
-        show_default=False)] = None,
-    verbose: Annotated[bool, typer.Option(
-        "--verbose", "-v", help="Also every event of the controller and of each rank (--op: that operation's).",
-    )] = False,
+    op: Annotated[
+        str | None,
+        typer.Option(
+            "--op", help="Only this operation (its full id or the short one the table shows), with every event."
+        ),
+    ] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new events (until the operation ends, with --op).")
+    ] = False,
+    timeline: Annotated[
+        bool,
+        typer.Option(
+            "--timeline",
+            help="A per-rank Gantt of an operation's phases (--op; default: the last operation; -o json: the spans).",
+        ),
+    ] = False,
+    autoscaler: Annotated[
+        bool,
+        typer.Option(
+            "--autoscaler", help="The autoscaler's decisions instead: signals, rule fired, recommendation, action."
+        ),
+    ] = False,
+    last: Annotated[
+        int | None,
+        typer.Option(
+            "--last", help="Only the last N operations (default 20 in the table; all with -o json).", show_default=False
+        ),
+    ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Also every event of the controller and of each rank (--op: that operation's).",
+        ),
+    ] = False,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
@@ -48,7 +68,8 @@ def events(
     op = events_query.resolve(t, op) if op else None
     if timeline:
         from eepctl import core
-        from eepctl.timeline import timeline as build, timeline_text
+        from eepctl.timeline import timeline as build
+        from eepctl.timeline import timeline_text
 
         op = op or events_query.last_op(t)
         tl = build(core.events(t, op), op)
@@ -58,8 +79,11 @@ def events(
         last = events_query.DEFAULT_LAST
     data = events_query.query(t, op, last)
     if not follow:
-        emit(render.to_json("events", data) + "\n" if output == Output.json
-             else events_text(data, width=width(), verbose=verbose or op is not None))
+        emit(
+            render.to_json("events", data) + "\n"
+            if output == Output.json
+            else events_text(data, width=width(), verbose=verbose or op is not None)
+        )
         return
     _follow_events(t, op, data, output, verbose or op is not None)
 
@@ -91,14 +115,20 @@ def _autoscaler_events(t: Any, follow: bool, output: Output) -> None:
 
     data = core.autoscale_decisions(t)
     if not follow:
-        emit(render.to_json("autoscale_decisions", data) + "\n" if output == Output.json
-             else render_autoscale.decisions_text(data))
+        emit(
+            render.to_json("autoscale_decisions", data) + "\n"
+            if output == Output.json
+            else render_autoscale.decisions_text(data)
+        )
         return
     since = 0.0
     while True:
         for d in data["decisions"]:
             since = max(since, d["at"])
-            emit(render.to_json("autoscale_decision", d) + "\n" if output == Output.json
-                 else render_autoscale.decision_line(d) + "\n")
+            emit(
+                render.to_json("autoscale_decision", d) + "\n"
+                if output == Output.json
+                else render_autoscale.decision_line(d) + "\n"
+            )
         time.sleep(1.0)
         data = core.autoscale_decisions(t, since)

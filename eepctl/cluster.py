@@ -14,8 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from eepctl import streams
@@ -92,14 +92,15 @@ def connect(address: str | None, namespace: str) -> str:
     if hostport is not None:
         _check_auth(addr, *hostport)
     try:
-        ray.init(address=addr, namespace=namespace, logging_level="ERROR", log_to_driver=False,
-                 configure_logging=True)
+        ray.init(address=addr, namespace=namespace, logging_level="ERROR", log_to_driver=False, configure_logging=True)
     except ConnectionError as e:
         raise UnreachableError(f"cannot connect to the Ray cluster at {addr}: {str(e).splitlines()[0]}") from None
     except Exception as e:  # auth failures and version mismatches surface as other types
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "auth" in msg.lower() or "token" in msg.lower() or "unauthenticated" in msg.lower():
-            raise UnreachableError(f"the Ray cluster at {addr} refused the connection (authentication): {msg}") from None
+            raise UnreachableError(
+                f"the Ray cluster at {addr} refused the connection (authentication): {msg}"
+            ) from None
         raise UnreachableError(f"cannot connect to the Ray cluster at {addr}: {msg}") from None
     finally:
         from eepctl import interrupt
@@ -108,8 +109,9 @@ def connect(address: str | None, namespace: str) -> str:
     return addr
 
 
-def connect_or_start(address: str | None, namespace: str,
-                     say: Callable[[str], None]) -> tuple[str, dict[str, Any] | None]:
+def connect_or_start(
+    address: str | None, namespace: str, say: Callable[[str], None]
+) -> tuple[str, dict[str, Any] | None]:
     """Connect to the cluster named (``address``, RAY_ADDRESS or the one eepctl started); with
     none named anywhere, start a local head and say so. Returns the address and what was
     started (None: nothing)."""
@@ -118,8 +120,10 @@ def connect_or_start(address: str | None, namespace: str,
     except UnreachableError:
         if resolve_address(address) is not None:
             raise
-    say("No Ray cluster is running: starting a local Ray head (eepctl started it; "
-        "`eepctl down --stop-cluster` stops it).")
+    say(
+        "No Ray cluster is running: starting a local Ray head (eepctl started it; "
+        "`eepctl down --stop-cluster` stops it)."
+    )
     started = start_local()
     return connect(started["address"], namespace), started
 
@@ -142,19 +146,23 @@ def _check_auth(addr: str, host: str, port: int, timeout_s: float = 3.0) -> None
     try:
         with grpc.insecure_channel(f"{host}:{port}") as channel:
             gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata
+            )
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.UNIMPLEMENTED and not addr.startswith("ray://"):
-            raise UnreachableError(f"no Ray cluster answers at {host}:{port}: a gRPC server that is not Ray's "
-                                   "GCS answers there (a raylet's or a worker's port?)") from None
+            raise UnreachableError(
+                f"no Ray cluster answers at {host}:{port}: a gRPC server that is not Ray's "
+                "GCS answers there (a raylet's or a worker's port?)"
+            ) from None
         if e.code() == grpc.StatusCode.UNAUTHENTICATED:
             if not metadata and _adopt_saved_token():
                 return _check_auth(addr, host, port, timeout_s)
-            how = ("the token this process has was refused" if metadata else "this process has no Ray token")
+            how = "the token this process has was refused" if metadata else "this process has no Ray token"
             raise UnreachableError(
                 f"the Ray cluster at {addr} requires token authentication and {how}: set "
                 "RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN or a file named by "
-                "RAY_AUTH_TOKEN_PATH (default ~/.ray/auth_token)") from None
+                "RAY_AUTH_TOKEN_PATH (default ~/.ray/auth_token)"
+            ) from None
     except Exception:  # noqa: BLE001 - not our concern here; ray.init reports it
         return
 
@@ -184,9 +192,14 @@ def _free_port(preferred: int = 6379) -> int:
         return s.getsockname()[1]
 
 
-def start_local(num_cpus: int | None = None, timeout_s: float = 90.0, dashboard: bool = False,
-                resources: dict[str, float] | None = None, temp_dir: str | None = None,
-                any_port: bool = False) -> dict[str, Any]:
+def start_local(
+    num_cpus: int | None = None,
+    timeout_s: float = 90.0,
+    dashboard: bool = False,
+    resources: dict[str, float] | None = None,
+    temp_dir: str | None = None,
+    any_port: bool = False,
+) -> dict[str, Any]:
     """Start a local Ray head in its own process group and remember it; ``resources`` are custom
     resources it advertises (the tests' head: ``vllm_cpu_rank`` for vLLM's Ray DP ranks on CPU).
     ``temp_dir`` and ``any_port`` (not Ray's 6379 first) keep heads started side by side apart."""
@@ -196,13 +209,22 @@ def start_local(num_cpus: int | None = None, timeout_s: float = 90.0, dashboard:
     if ray_bin is None:
         raise UnreachableError("cannot start a local Ray cluster: the `ray` command is not installed")
     log = state_dir() / "local-cluster.log"
-    cmd = [ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
-           f"--include-dashboard={'true' if dashboard else 'false'}",
-           "--disable-usage-stats", "--block", *([f"--resources={json.dumps(resources)}"] if resources else []),
-           *([f"--temp-dir={temp_dir}"] if temp_dir else [])]
+    cmd = [
+        ray_bin,
+        "start",
+        "--head",
+        f"--port={port}",
+        f"--num-cpus={cpus}",
+        f"--include-dashboard={'true' if dashboard else 'false'}",
+        "--disable-usage-stats",
+        "--block",
+        *([f"--resources={json.dumps(resources)}"] if resources else []),
+        *([f"--temp-dir={temp_dir}"] if temp_dir else []),
+    ]
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     address = f"127.0.0.1:{port}"
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -214,8 +236,14 @@ def start_local(num_cpus: int | None = None, timeout_s: float = 90.0, dashboard:
     else:
         stop_process_group(proc.pid)
         raise UnreachableError(f"the local Ray head did not come up in {timeout_s:.0f}s; see {log}")
-    info = {"address": address, "pid": proc.pid, "pgid": proc.pid, "num_cpus": cpus, "started": time.time(),
-            "log": str(log)}
+    info = {
+        "address": address,
+        "pid": proc.pid,
+        "pgid": proc.pid,
+        "num_cpus": cpus,
+        "started": time.time(),
+        "log": str(log),
+    }
     _state_file().write_text(json.dumps(info))
     return info
 

@@ -34,8 +34,25 @@ from engine_ext.protocol import (
 from engine_ext.ray.deployment import list_deployments
 from engine_ext.ray.names import controller_name, registry_name
 
-__all__ = ["DEFAULT_PROMPTS", "Target", "autoscale", "autoscale_decisions", "autoscale_show", "check_outcome", "down", "events", "generate", "list_deployments", "load",
-           "percentiles", "plan", "requests", "scale", "status", "up"]
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "Target",
+    "autoscale",
+    "autoscale_decisions",
+    "autoscale_show",
+    "check_outcome",
+    "down",
+    "events",
+    "generate",
+    "list_deployments",
+    "load",
+    "percentiles",
+    "plan",
+    "requests",
+    "scale",
+    "status",
+    "up",
+]
 
 
 @dataclass
@@ -84,11 +101,25 @@ def _driver(t: Target, api_key: str | None) -> Driver:
 
 
 # ---- up / down ---------------------------------------------------------------------------------
-def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank: float, gpus_per_rank: float,
-       timeout_s: float, say: Callable[[str], None] = lambda s: None,
-       placement: dict[str, Any] | None = None, on_rank_failure: str = "replace",
-       standby: int = 0, health_deadline_s: float = 5.0, ingress: int = 1,
-       api_key: str | None = None, host: str = "0.0.0.0", port: int = 0) -> dict[str, Any]:
+def up(
+    t: Target,
+    *,
+    dp: int,
+    max_dp: int,
+    engine: dict[str, Any],
+    cpus_per_rank: float,
+    gpus_per_rank: float,
+    timeout_s: float,
+    say: Callable[[str], None] = lambda s: None,
+    placement: dict[str, Any] | None = None,
+    on_rank_failure: str = "replace",
+    standby: int = 0,
+    health_deadline_s: float = 5.0,
+    ingress: int = 1,
+    api_key: str | None = None,
+    host: str = "0.0.0.0",
+    port: int = 0,
+) -> dict[str, Any]:
     from engine_ext.config import EngineConfig, RankFailurePolicy
     from engine_ext.ray.deployment import actor, create_deployment
     from engine_ext.ray.placement import PlacementSpec  # torch- and ray-free
@@ -126,38 +157,65 @@ def up(t: Target, *, dp: int, max_dp: int, engine: dict[str, Any], cpus_per_rank
     address, started = cluster.connect_or_start(t.address, t.namespace, say)
     if actor(registry_name(t.name), t.namespace) is not None:
         raise PreconditionError(f"deployment {t.name!r} already exists in namespace {t.namespace!r}")
-    handles, result = create_deployment(t.name, t.namespace, cfg.to_dict(), dp, max_dp, cpus_per_rank,
-                                        gpus_per_rank, timeout_s, placement=spec.to_dict(),
-                                        on_rank_failure=on_rank_failure, standby=standby,
-                                        health_deadline_s=health_deadline_s, ingress=ingress,
-                                        api_key_sha256=key_digest(api_key) if api_key else "", host=host, port=port)
+    handles, result = create_deployment(
+        t.name,
+        t.namespace,
+        cfg.to_dict(),
+        dp,
+        max_dp,
+        cpus_per_rank,
+        gpus_per_rank,
+        timeout_s,
+        placement=spec.to_dict(),
+        on_rank_failure=on_rank_failure,
+        standby=standby,
+        health_deadline_s=health_deadline_s,
+        ingress=ingress,
+        api_key_sha256=key_digest(api_key) if api_key else "",
+        host=host,
+        port=port,
+    )
     # Heartbeats lag the start by up to a second: never less than a few seconds for them.
     deadline = max(t0 + timeout_s, time.time() + 5.0)
     snap = wait_serving(lambda: _get(handles.registry.snapshot.remote()), t.name, dp, deadline)
-    return {"deployment": t.name, "namespace": t.namespace, "address": address, "dp": result["dp"],
-            "max_dp": max_dp, "cluster_started": started is not None, "elapsed_s": round(time.time() - t0, 2),
-            "ranks": snap.get("ranks", []),
-            "ingress": result.get("ingress") or (snap.get("info") or {}).get("ingress", []),
-            "capture": up_summary(cfg, dp, max_dp, choice)}
+    return {
+        "deployment": t.name,
+        "namespace": t.namespace,
+        "address": address,
+        "dp": result["dp"],
+        "max_dp": max_dp,
+        "cluster_started": started is not None,
+        "elapsed_s": round(time.time() - t0, 2),
+        "ranks": snap.get("ranks", []),
+        "ingress": result.get("ingress") or (snap.get("info") or {}).get("ingress", []),
+        "capture": up_summary(cfg, dp, max_dp, choice),
+    }
 
 
-def wait_serving(snapshot: Callable[[], dict[str, Any]], name: str, dp: int, deadline: float,
-                 interval_s: float = 0.2) -> dict[str, Any]:
+def wait_serving(
+    snapshot: Callable[[], dict[str, Any]], name: str, dp: int, deadline: float, interval_s: float = 0.2
+) -> dict[str, Any]:
     """The registry's snapshot once ``dp`` DP ranks report serving (their heartbeats lag the
     start): a rank that failed ends the wait at once (exit 5), the deadline (``up --timeout``)
     with exit 6, each naming the ranks' states."""
     while True:
         snap = snapshot()
         ranks = [r for r in snap["ranks"] if r["state"] not in ("standby", "removed")]
-        states = ", ".join(f"rank {r['rank']} {r['state']}" for r in sorted(ranks, key=lambda r: r["rank"])) or "no rank reported"
+        states = (
+            ", ".join(f"rank {r['rank']} {r['state']}" for r in sorted(ranks, key=lambda r: r["rank"]))
+            or "no rank reported"
+        )
         if [r for r in ranks if r["state"] == "failed"]:
-            raise TransitionFailed(f"{name!r} did not come up: {states}; `eepctl status --name {name}` says why, "
-                                   f"`eepctl down --name {name}` removes it")
+            raise TransitionFailed(
+                f"{name!r} did not come up: {states}; `eepctl status --name {name}` says why, "
+                f"`eepctl down --name {name}` removes it"
+            )
         if len(ranks) == dp and all(r["state"] == "serving" for r in ranks):
             return snap
         if time.time() >= deadline:
-            raise TransitionTimeout(f"{name!r} did not serve at DP {dp} before --timeout: {states}; "
-                                    f"`eepctl down --name {name}` removes it")
+            raise TransitionTimeout(
+                f"{name!r} did not serve at DP {dp} before --timeout: {states}; `eepctl down --name {name}` removes it"
+            )
         time.sleep(interval_s)  # the poll interval
 
 
@@ -175,7 +233,6 @@ def standby(t: Target, count: int) -> dict[str, Any]:
 
 def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:
     import ray
-
     from engine_ext.ray.deployment import DeploymentHandles, destroy_deployment, has_leftovers
 
     t.validated()
@@ -187,8 +244,12 @@ def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:
             raise
         registry = controller = None  # its control actors are gone; what they left is removed
     removed = destroy_deployment(t.name, t.namespace, DeploymentHandles(registry, controller))
-    result: dict[str, Any] = {"deployment": t.name, "stopped": True, "cluster_stopped": False,
-                              "removed_by_name": removed}
+    result: dict[str, Any] = {
+        "deployment": t.name,
+        "stopped": True,
+        "cluster_stopped": False,
+        "removed_by_name": removed,
+    }
     if stop_cluster:
         ray.shutdown()
         stopped = cluster.stop_started(cluster.resolve_address(t.address))
@@ -209,8 +270,10 @@ def _ray_status_reader(t: Target) -> Callable[[], dict[str, Any]]:
     _connect(t)
     registry, _ = _deployment(t, controller=False)
     if registry is None:
-        raise UnreachableError(f"the registry of {t.name!r} is gone while its controller still runs; "
-                               "per-rank status is unavailable until a registry exists again")
+        raise UnreachableError(
+            f"the registry of {t.name!r} is gone while its controller still runs; "
+            "per-rank status is unavailable until a registry exists again"
+        )
     return lambda: status_view(_get(registry.snapshot.remote(), timeout=10))
 
 
@@ -245,10 +308,16 @@ def events(t: Target, op_id: str | None = None, since_seq: int = 0) -> dict[str,
 
 
 # ---- generate / load --------------------------------------------------------------------------------
-def generate(t: Target, prompts: list[list[int]], max_tokens: int, timeout_s: float,
-             api_key: str | None = None, note: Callable[[str], None] = lambda s: None,
-             on_token: TokenSink | None = None,
-             on_answer: Callable[[int, dict[str, Any]], None] = lambda i, r: None) -> dict[str, Any]:
+def generate(
+    t: Target,
+    prompts: list[list[int]],
+    max_tokens: int,
+    timeout_s: float,
+    api_key: str | None = None,
+    note: Callable[[str], None] = lambda s: None,
+    on_token: TokenSink | None = None,
+    on_answer: Callable[[int, dict[str, Any]], None] = lambda i, r: None,
+) -> dict[str, Any]:
     """Every prompt at once, streamed (``on_token``: each token by prompt position, ``on_answer``: each answer in order)."""
     t.validated()
     if max_tokens < 1:
@@ -259,16 +328,33 @@ def generate(t: Target, prompts: list[list[int]], max_tokens: int, timeout_s: fl
         pending = [submit(p) for p in prompts]
         for i, (p, sent) in enumerate(zip(prompts, pending)):
             r = sent.wait(max(0.1, deadline - time.time()))
-            results.append({"prompt": p, "output": r.get("output", []), "error": loadgen.error_text(r),
-                            "latency_s": round(r.get("latency_s") or 0.0, 4), **{k: r.get(k, d) for k, d in (
-                                ("rank", None), ("moved_from", []), ("resumed_with", 0), ("resent", 0))}})
+            results.append(
+                {
+                    "prompt": p,
+                    "output": r.get("output", []),
+                    "error": loadgen.error_text(r),
+                    "latency_s": round(r.get("latency_s") or 0.0, 4),
+                    **{
+                        k: r.get(k, d)
+                        for k, d in (("rank", None), ("moved_from", []), ("resumed_with", 0), ("resent", 0))
+                    },
+                }
+            )
             on_answer(i, results[-1])
     return {"deployment": t.name, "results": results}
 
 
-def load(t: Target, prompts: list[list[int]], max_tokens: int, rate: float, duration_s: float,
-         timeout_s: float, seed: int = 0, api_key: str | None = None,
-         note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def load(
+    t: Target,
+    prompts: list[list[int]],
+    max_tokens: int,
+    rate: float,
+    duration_s: float,
+    timeout_s: float,
+    seed: int = 0,
+    api_key: str | None = None,
+    note: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
     """Open-loop load: ``rate`` requests per second for ``duration_s``; report outcomes and latency."""
     t.validated()
     if rate <= 0 or duration_s <= 0 or max_tokens < 1:
@@ -278,9 +364,14 @@ def load(t: Target, prompts: list[list[int]], max_tokens: int, rate: float, dura
     return {"deployment": t.name, **res}
 
 
-def requests(t: Target, max_tokens: int, timeout_s: float, api_key: str | None = None,
-             note: Callable[[str], None] = lambda s: None,
-             on_token: TokenSink | None = None) -> AbstractContextManager[Submit]:
+def requests(
+    t: Target,
+    max_tokens: int,
+    timeout_s: float,
+    api_key: str | None = None,
+    note: Callable[[str], None] = lambda s: None,
+    on_token: TokenSink | None = None,
+) -> AbstractContextManager[Submit]:
     """Prompts through the deployment's HTTP endpoint, whatever engine serves it (the URLs `status`
     shows, from the snapshot; else asked of the cluster), looked up again when one drops a request."""
     try:
@@ -321,10 +412,19 @@ def plan(t: Target, dp: int, api_key: str | None = None, retire: list[int] | Non
     return _driver(t, api_key).plan(dp, retire)
 
 
-def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-          on_event: Callable[[dict[str, Any]], None] = lambda e: None, api_key: str | None = None,
-          on_op: Callable[[dict[str, Any]], None] = lambda o: None,
-          request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
+def scale(
+    t: Target,
+    dp: int,
+    *,
+    drain_timeout_s: float,
+    timeout_s: float,
+    wait: bool,
+    on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+    api_key: str | None = None,
+    on_op: Callable[[dict[str, Any]], None] = lambda o: None,
+    request_id: str | None = None,
+    retire: list[int] | None = None,
+) -> dict[str, Any]:
     t.validated()
     if dp < 1:
         raise UsageError(f"--dp must be >= 1, got {dp}")
@@ -333,8 +433,16 @@ def scale(t: Target, dp: int, *, drain_timeout_s: float, timeout_s: float, wait:
     if request_id is not None and not (0 < len(request_id) <= 128 and request_id.isprintable()):
         raise UsageError("--request-id must be 1 to 128 printable characters")
     retire = check_retire(retire)
-    return _driver(t, api_key).scale(dp, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s, wait=wait,
-                                     on_event=on_event, on_op=on_op, request_id=request_id, retire=retire)
+    return _driver(t, api_key).scale(
+        dp,
+        drain_timeout_s=drain_timeout_s,
+        timeout_s=timeout_s,
+        wait=wait,
+        on_event=on_event,
+        on_op=on_op,
+        request_id=request_id,
+        retire=retire,
+    )
 
 
 # ---- autoscale -----------------------------------------------------------------------------------
@@ -345,8 +453,9 @@ def check_autoscale_changes(changes: dict[str, Any]) -> dict[str, Any]:
 
     lo = changes.get("min_dp", 1)
     probe: dict[str, Any] = {"min_dp": lo, "max_dp": max(lo, changes.get("max_dp", lo)) if isinstance(lo, int) else 1}
-    untouched = [k for k in ("target_queue", "target_kv", "slo_ttft_ms", "slo_tpot_ms", "target_utilization")
-                 if k not in changes]
+    untouched = [
+        k for k in ("target_queue", "target_kv", "slo_ttft_ms", "slo_tpot_ms", "target_utilization") if k not in changes
+    ]
     if untouched:  # a target the deployment may keep: "at least one target" is the controller's check
         probe[untouched[0]] = 0.5
     try:
@@ -386,6 +495,9 @@ def check_repair(res: dict[str, Any]) -> None:
     """Exit 5 (one line naming what failed) when an action of the repair failed."""
     failed = res.get("failed") or []
     if failed:
-        raise TransitionFailed(f"repair of {res.get('deployment')!r} failed ({len(failed)} action(s)): "
-                               + "; ".join(failed) + f"; DP {res.get('dp')} of desired {res.get('desired_dp')}",
-                               detail={"repair": res})
+        raise TransitionFailed(
+            f"repair of {res.get('deployment')!r} failed ({len(failed)} action(s)): "
+            + "; ".join(failed)
+            + f"; DP {res.get('dp')} of desired {res.get('desired_dp')}",
+            detail={"repair": res},
+        )

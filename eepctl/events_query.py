@@ -41,8 +41,10 @@ def match_op(op_ids: list[str], text: str) -> str:
         return text
     found = [o for o in op_ids if o.endswith("-" + text)]
     if len(found) > 1:
-        raise UsageError(f"--op {text} matches {len(found)} operations ({', '.join(found[:4])}"
-                         f"{', ...' if len(found) > 4 else ''}): give more of the id")
+        raise UsageError(
+            f"--op {text} matches {len(found)} operations ({', '.join(found[:4])}"
+            f"{', ...' if len(found) > 4 else ''}): give more of the id"
+        )
     return found[0] if found else text
 
 
@@ -58,14 +60,19 @@ def select(data: dict[str, Any], last: int | None) -> dict[str, Any]:
     ops = sorted(data.get("operations", []), key=lambda o: o.get("started") or 0.0)
     shown = ops if last is None else ops[-last:] if last > 0 else []
     short = short_ids([o["op_id"] for o in ops])
-    out = {**data, "operations": shown, "operations_total": len(ops),
-           "short_ids": {o["op_id"]: short[o["op_id"]] for o in shown}}
+    out = {
+        **data,
+        "operations": shown,
+        "operations_total": len(ops),
+        "short_ids": {o["op_id"]: short[o["op_id"]] for o in shown},
+    }
     if len(shown) == len(ops):
         return out
     ids, all_ids = {o["op_id"] for o in shown}, {o["op_id"] for o in ops}
     since = (shown[0].get("started") or 0.0) if shown else float("inf")
-    out["events"] = [e for e in data.get("events", [])
-                     if e["op_id"] in ids or (e["op_id"] not in all_ids and e["start"] >= since)]
+    out["events"] = [
+        e for e in data.get("events", []) if e["op_id"] in ids or (e["op_id"] not in all_ids and e["start"] >= since)
+    ]
     return out
 
 

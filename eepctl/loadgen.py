@@ -19,7 +19,16 @@ from typing import Any
 from engine_ext.drivers.base import Pending, Submit
 from engine_ext.protocol import EepError
 
-__all__ = ["DEFAULT_PROMPTS", "SENDING", "Pending", "Submit", "error_text", "interrupt_ends_sending", "open_loop", "percentiles"]
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "SENDING",
+    "Pending",
+    "Submit",
+    "error_text",
+    "interrupt_ends_sending",
+    "open_loop",
+    "percentiles",
+]
 
 DEFAULT_PROMPTS: list[list[int]] = [
     [1, 2, 3, 4, 5],
@@ -40,8 +49,10 @@ def error_text(answer: dict[str, Any]) -> str | None:
 
 # The note `generate --rate` gives once connected and sending: before it, a SIGINT interrupts the
 # command (exit 130); from it on, the first SIGINT ends the sending and the report still comes.
-SENDING = ("sending {rate:g} requests/s for {duration:g} s (the first Ctrl-C ends the sending; what was "
-           "sent is still awaited and reported)")
+SENDING = (
+    "sending {rate:g} requests/s for {duration:g} s (the first Ctrl-C ends the sending; what was "
+    "sent is still awaited and reported)"
+)
 
 
 @contextmanager
@@ -68,9 +79,16 @@ def interrupt_ends_sending() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s: float, timeout_s: float,
-              seed: int = 0, stop: threading.Event | None = None,
-              note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def open_loop(
+    submit: Submit,
+    prompts: list[list[int]],
+    rate: float,
+    duration_s: float,
+    timeout_s: float,
+    seed: int = 0,
+    stop: threading.Event | None = None,
+    note: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
     """``rate`` requests per second for ``duration_s`` (open loop: a slow answer does not delay
     the next request), prompts drawn with ``seed``; every outcome and the latency percentiles.
     ``stop`` set: no more requests are sent (``stopped_early`` in the result); those sent are awaited.
@@ -97,14 +115,31 @@ def open_loop(submit: Submit, prompts: list[list[int]], rate: float, duration_s:
             r = pending.wait(max(1.0, timeout_s - (time.time() - sent_at)))
         except EepError as e:
             r = {"error": e.message}
-        records.append({"prompt_index": idx, "output": r.get("output", []), "error": error_text(r),
-                        "latency_s": r.get("latency_s"), "rank": r.get("rank"), "moved_from": r.get("moved_from", []),
-                        "resumed_with": r.get("resumed_with", 0), "sent_at": round(sent_at, 3),
-                        "resent": r.get("resent", 0)})
+        records.append(
+            {
+                "prompt_index": idx,
+                "output": r.get("output", []),
+                "error": error_text(r),
+                "latency_s": r.get("latency_s"),
+                "rank": r.get("rank"),
+                "moved_from": r.get("moved_from", []),
+                "resumed_with": r.get("resumed_with", 0),
+                "sent_at": round(sent_at, 3),
+                "resent": r.get("resent", 0),
+            }
+        )
     lat = sorted(r["latency_s"] for r in records if not r["error"] and r["latency_s"] is not None)
-    return {"sent": n, "completed": len(lat), "failed": n - len(lat), "duration_s": round(time.time() - t0, 2),
-            "rate": rate, "stopped_early": stop.is_set(), "latency_s": percentiles(lat), "prompts": prompts,
-            "records": records}
+    return {
+        "sent": n,
+        "completed": len(lat),
+        "failed": n - len(lat),
+        "duration_s": round(time.time() - t0, 2),
+        "rate": rate,
+        "stopped_early": stop.is_set(),
+        "latency_s": percentiles(lat),
+        "prompts": prompts,
+        "records": records,
+    }
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -116,5 +151,10 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     def pct(p: float) -> float:
         return round(v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))], 4)
 
-    return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "max": round(v[-1], 4),
-            "mean": round(statistics.fmean(v), 4)}
+    return {
+        "p50": pct(50),
+        "p90": pct(90),
+        "p99": pct(99),
+        "max": round(v[-1], 4),
+        "mean": round(statistics.fmean(v), 4),
+    }

@@ -24,21 +24,43 @@ def complete_name(incomplete: str) -> list[str]:
     return [n for n in deployment_names() if n.startswith(incomplete)]
 
 
-Address = Annotated[str | None, typer.Option("--address", envvar="RAY_ADDRESS", show_envvar=True,
-                                             help="Ray cluster address HOST:PORT.")]
+Address = Annotated[
+    str | None, typer.Option("--address", envvar="RAY_ADDRESS", show_envvar=True, help="Ray cluster address HOST:PORT.")
+]
 Namespace = Annotated[str, typer.Option("--namespace", envvar="EEPCTL_NAMESPACE", help="Ray namespace.")]
-Name = Annotated[str, typer.Option("--name", "-n", envvar="EEPCTL_NAME", help="Deployment name.",
-                                   autocompletion=complete_name)]
-ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="VLLM_API_KEY", show_envvar=True, show_default=False,
-                                            help="Bearer key of a vLLM deployment's API server (never printed or stored).")]
-UpApiKey = Annotated[str | None, typer.Option(
-    "--api-key", envvar="EEPCTL_API_KEY", show_envvar=True, show_default=False,
-    help="Bearer key the deployment's HTTP API (its ingresses) will want; without one, anyone who reaches the port "
-         "can send requests. Never printed or stored (only its SHA-256 reaches Ray); VLLM_API_KEY is not read.")]
-RequestKey = Annotated[str | None, typer.Option(
-    "--api-key", show_default=False,
-    help="Bearer key of the deployment's HTTP API (never printed or stored). Default: $EEPCTL_API_KEY for a "
-         "reference deployment, $VLLM_API_KEY for a vLLM one.")]
+Name = Annotated[
+    str, typer.Option("--name", "-n", envvar="EEPCTL_NAME", help="Deployment name.", autocompletion=complete_name)
+]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="VLLM_API_KEY",
+        show_envvar=True,
+        show_default=False,
+        help="Bearer key of a vLLM deployment's API server (never printed or stored).",
+    ),
+]
+UpApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="EEPCTL_API_KEY",
+        show_envvar=True,
+        show_default=False,
+        help="Bearer key the deployment's HTTP API (its ingresses) will want; without one, anyone who reaches the port "
+        "can send requests. Never printed or stored (only its SHA-256 reaches Ray); VLLM_API_KEY is not read.",
+    ),
+]
+RequestKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        show_default=False,
+        help="Bearer key of the deployment's HTTP API (never printed or stored). Default: $EEPCTL_API_KEY for a "
+        "reference deployment, $VLLM_API_KEY for a vLLM one.",
+    ),
+]
 OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="Output format.", case_sensitive=False)]
 
 
@@ -53,8 +75,11 @@ def target_flags(name: str, namespace: str, address: str | None) -> str:
     ``--name`` always, ``--namespace`` and ``--address`` where they are not the defaults."""
     from engine_ext.protocol import DEFAULT_NAMESPACE
 
-    return (f" --name {name}" + (f" --namespace {namespace}" if namespace != DEFAULT_NAMESPACE else "")
-            + (f" --address {address}" if address else ""))
+    return (
+        f" --name {name}"
+        + (f" --namespace {namespace}" if namespace != DEFAULT_NAMESPACE else "")
+        + (f" --address {address}" if address else "")
+    )
 
 
 def emit(text: str) -> None:
@@ -72,7 +97,7 @@ def emit(text: str) -> None:
     out.flush()  # what the stream already holds goes first
     data = memoryview(text.encode(getattr(out, "encoding", None) or "utf-8", getattr(out, "errors", None) or "strict"))
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def say(msg: str) -> None:
@@ -83,8 +108,10 @@ def note_unused_vllm_key(api_key: str | None) -> None:
     """`up` takes its key from --api-key or EEPCTL_API_KEY: a VLLM_API_KEY in the environment is
     vLLM's, never silently made a reference deployment's key, and said to be left unused."""
     if not api_key and os.environ.get("VLLM_API_KEY"):
-        say("note: VLLM_API_KEY is set and not used: a reference deployment's API key comes from --api-key or "
-            "EEPCTL_API_KEY")
+        say(
+            "note: VLLM_API_KEY is set and not used: a reference deployment's API key comes from --api-key or "
+            "EEPCTL_API_KEY"
+        )
 
 
 def width() -> int:

@@ -36,8 +36,9 @@ def require_ray(host: str, port: int, timeout_s: float = 3.0) -> None:
         return
     http = http_answer(host, port, timeout_s / 2)
     if http is None:
-        raise UnreachableError(f"no Ray cluster answers at {where}: something listens there but does not "
-                               f"speak Ray's protocol; {HINT}")
+        raise UnreachableError(
+            f"no Ray cluster answers at {where}: something listens there but does not speak Ray's protocol; {HINT}"
+        )
     what = "it is an ingress" if _is_ingress(http) else "not Ray's protocol"
     raise UnreachableError(f"no Ray cluster answers at {where}; that port answers HTTP: {what}; {HINT}")
 

@@ -136,8 +136,9 @@ def _fmt_s(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f}s"
 
 
-def progress_view(model: ProgressModel, now: float | None = None, *, verbose: bool = False,
-                  spinner: bool = True) -> Any:
+def progress_view(
+    model: ProgressModel, now: float | None = None, *, verbose: bool = False, spinner: bool = True
+) -> Any:
     """The display: a header, one row per phase, the pause line (and rank rows with verbose)."""
     from rich.console import Group
     from rich.spinner import Spinner
@@ -218,8 +219,9 @@ class ScaleProgress:
             from rich.console import Console
             from rich.live import Live
 
-            self._live = Live(_LiveView(self.model, self.verbose), console=Console(stderr=True),
-                              refresh_per_second=8, transient=False)
+            self._live = Live(
+                _LiveView(self.model, self.verbose), console=Console(stderr=True), refresh_per_second=8, transient=False
+            )
             self._live.__enter__()
         return self
 

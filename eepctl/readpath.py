@@ -60,7 +60,7 @@ def _read_fields(data: bytes) -> dict[int, bytes]:
         if wire != 2:
             raise ValueError(f"unexpected wire type {wire}")
         n, i = _read_varint(data, i)
-        out[number] = data[i:i + n]
+        out[number] = data[i : i + n]
         i += n
     return out
 
@@ -153,8 +153,9 @@ def reader(address: str | None, namespace: str, name: str) -> Callable[[], dict[
     return read
 
 
-def events(address: str | None, namespace: str, name: str, op_id: str | None = None,
-           since_seq: int = 0) -> dict[str, Any] | None:
+def events(
+    address: str | None, namespace: str, name: str, op_id: str | None = None, since_seq: int = 0
+) -> dict[str, Any] | None:
     """The registry's events and operations (what its ``events`` actor call answers) over the
     light path, or None (use the Ray driver)."""
     query = urllib.parse.urlencode({"since": since_seq, **({"op": op_id} if op_id else {})})

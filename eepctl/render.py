@@ -6,12 +6,13 @@ import io
 import time
 from typing import Any
 
+from eepctl.render_control import api_lines, control_lines, ingress_lines
+from eepctl.render_cost import capture_lines, plan_cost_lines
+from eepctl.render_gpu import shared_gpu_lines
+from eepctl.render_requests import generate_head, generate_tail, generate_text, load_text  # noqa: F401 - render's API
+
 # rich is imported inside the text renderers: `-o json` output never pays for it.
 from engine_ext.protocol import REPORTED_PHASES, SCHEMA_VERSION
-from eepctl.render_control import api_lines, control_lines, ingress_lines
-from eepctl.render_gpu import shared_gpu_lines
-from eepctl.render_cost import capture_lines, plan_cost_lines
-from eepctl.render_requests import generate_head, generate_tail, generate_text, load_text  # noqa: F401 - render's API
 
 
 def to_json(kind: str, data: Any) -> str:
@@ -30,8 +31,9 @@ def rich_text(renderables: list[Any], width: int = 160) -> str:
     # markup=False: error texts (gloo's "[/path/pair.cc:553]") must print as they are.
     from rich.console import Console
 
-    console = Console(file=buf, width=width, force_terminal=False, color_system=None, highlight=False,
-                      markup=False, emoji=False)
+    console = Console(
+        file=buf, width=width, force_terminal=False, color_system=None, highlight=False, markup=False, emoji=False
+    )
     for r in renderables:
         console.print(r)
     return buf.getvalue()
@@ -95,8 +97,9 @@ def filter_ranks(snap: dict[str, Any], states: list[str] | None = None, node: st
     def keep(r: dict[str, Any]) -> bool:
         where = {r.get("node", ""), *r.get("node", "").split("/"), r.get("node_ip", ""), node_label(r)}
         node_id = r.get("node_id", "")
-        return ((not wanted or r["state"] in wanted)
-                and (not node or node in where or bool(node_id and node_id.startswith(node))))
+        return (not wanted or r["state"] in wanted) and (
+            not node or node in where or bool(node_id and node_id.startswith(node))
+        )
 
     ranks = [r for r in snap["ranks"] if keep(r)]
     return {**snap, "ranks": ranks, "filtered": len(ranks) != len(snap["ranks"])}
@@ -112,7 +115,7 @@ def status_text(snap: dict[str, Any], width: int = 160, max_rows: int | None = N
     they fit in ``width``, else a compact set (the states' reasons are listed under the table).
     ``max_rows`` (watch mode: the screen's height) cuts the table and says how many are left out."""
     ranks = attention_order(snap["ranks"])
-    shown = ranks if max_rows is None else ranks[:max(1, max_rows)]
+    shown = ranks if max_rows is None else ranks[: max(1, max_rows)]
     table = _status_table(snap, shown, compact=False)
     if natural_width(table) > width:
         table = _status_table(snap, shown, compact=True)
@@ -123,9 +126,24 @@ def _status_table(snap: dict[str, Any], ranks: list[dict[str, Any]], compact: bo
     from rich.table import Table
 
     table = Table(title=f"deployment {snap['deployment']} ({snap.get('kind', 'reference')})", title_justify="left")
-    cols = (("rank", "identity", "state", "run/wait", "kv", "workspace", "graphs", "hb") if compact else
-            ("rank", "identity", "node", "state", "run/wait", "slots", "kv", "workspace", "graphs",
-             "replays", "eplb", "hb"))
+    cols = (
+        ("rank", "identity", "state", "run/wait", "kv", "workspace", "graphs", "hb")
+        if compact
+        else (
+            "rank",
+            "identity",
+            "node",
+            "state",
+            "run/wait",
+            "slots",
+            "kv",
+            "workspace",
+            "graphs",
+            "replays",
+            "eplb",
+            "hb",
+        )
+    )
     for col in cols:
         table.add_column(col, no_wrap=True, overflow="ellipsis")
     for r in ranks:
@@ -139,9 +157,20 @@ def _status_table(snap: dict[str, Any], ranks: list[dict[str, Any]], compact: bo
             graphs = f"{r.get('graphs_captured', 0)} {kind}"
             table.add_row(str(r["rank"]), r["instance_id"], r["state"], run_wait, kv, ws, graphs, age)
         else:
-            table.add_row(str(r["rank"]), r["instance_id"], node_label(r), r["state"], run_wait,
-                          f"{r['slots_used']}/{r['slots_total']}", kv, ws, capture_cell(r),
-                          replays_cell(r), eplb_share(snap, r["rank"]), age)
+            table.add_row(
+                str(r["rank"]),
+                r["instance_id"],
+                node_label(r),
+                r["state"],
+                run_wait,
+                f"{r['slots_used']}/{r['slots_total']}",
+                kv,
+                ws,
+                capture_cell(r),
+                replays_cell(r),
+                eplb_share(snap, r["rank"]),
+                age,
+            )
     return table
 
 
@@ -149,8 +178,9 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
     """The lines under the table; each concern appends its own (kept apart so they merge)."""
     s = snap["summary"]
     states = ", ".join(f"{n} {k}" for k, n in sorted(s["by_state"].items())) or "no ranks"
-    lines = [f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, "
-             f"waiting {s['requests_waiting']}"]
+    lines = [
+        f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, waiting {s['requests_waiting']}"
+    ]
     lines += _selfheal_lines(snap)
     lines += control_lines(snap) + ingress_lines(snap)
     lines += _autoscale_lines(snap)
@@ -161,28 +191,38 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
     elif per_node:
         lines.append("ranks per node: " + ", ".join(f"{node} {n}" for node, n in per_node.items()))
     if s.get("standby"):
-        lines.append(f"standby pool: {s['standby']} rank(s) launched ahead, in no DP group (not counted in DP); "
-                     "a scale-up adopts them as _dp<rank>")
+        lines.append(
+            f"standby pool: {s['standby']} rank(s) launched ahead, in no DP group (not counted in DP); "
+            "a scale-up adopts them as _dp<rank>"
+        )
     reuse = [r for r in snap["ranks"] if r.get("capture_policy") == "reuse"]
     if reuse:  # what the reuse capture policy costs against recapture at this world
         held, right = reuse[0].get("workspace_bytes", 0), reuse[0].get("workspace_recapture_bytes", 0)
-        lines.append(f"capture policy reuse: workspace {human_bytes(held)}/rank sized for max DP "
-                     f"(recapture would hold {human_bytes(right)}: +{human_bytes(max(0, held - right))}/rank)")
+        lines.append(
+            f"capture policy reuse: workspace {human_bytes(held)}/rank sized for max DP "
+            f"(recapture would hold {human_bytes(right)}: +{human_bytes(max(0, held - right))}/rank)"
+        )
     if left_out:
         lines.append(f"... {left_out} more rank(s) not shown (narrow with --state / --node)")
     if snap.get("filtered"):
         lines.append(f"showing {len(snap['ranks'])} rank(s) matching the filters")
     if snap.get("rebuilding"):
-        lines.append(f"registry rebuilding: restarted {snap.get('registry_age_s', 0.0):.1f}s ago; "
-                     f"{s['ranks']} of {snap.get('expected_ranks')} rank(s) the controller runs have reported")
+        lines.append(
+            f"registry rebuilding: restarted {snap.get('registry_age_s', 0.0):.1f}s ago; "
+            f"{s['ranks']} of {snap.get('expected_ranks')} rank(s) the controller runs have reported"
+        )
     imb = (snap.get("eplb") or {}).get("imbalance")
-    lines.append("eplb imbalance (max/mean rank load, recent window): " + ("– (no load)" if imb is None else f"{imb:.2f}"))
+    lines.append(
+        "eplb imbalance (max/mean rank load, recent window): " + ("– (no load)" if imb is None else f"{imb:.2f}")
+    )
     for r in attention_order(snap["ranks"]):  # a standby's reason is the standby pool line above
         if r.get("state_reason") and r["state"] not in ("serving", "standby"):
             lines.append(f"rank {r['rank']} {r['state']}: {r['state_reason']}")
     op = snap.get("operation")
     if op:
-        lines.append(f"operation in progress: {op['op_id']} DP {op['from_size']} -> {op['to_size']}, phase {op['phase']}")
+        lines.append(
+            f"operation in progress: {op['op_id']} DP {op['from_size']} -> {op['to_size']}, phase {op['phase']}"
+        )
     for v in snap.get("violations", []):
         lines.append(f"INVARIANT {v['invariant']} rank {v['rank']}: {v['message']}")
     lines.extend(shared_gpu_lines(snap["ranks"]))
@@ -196,8 +236,9 @@ def _selfheal_lines(snap: dict[str, Any]) -> list[str]:
     lines = []
     if "desired_dp" in info:
         current = len(info.get("members", snap["ranks"]))
-        lines.append(f"DP {current} of desired {info['desired_dp']} (on rank failure: "
-                     f"{info.get('on_rank_failure', 'replace')})")
+        lines.append(
+            f"DP {current} of desired {info['desired_dp']} (on rank failure: {info.get('on_rank_failure', 'replace')})"
+        )
     for d in info.get("dead") or []:
         lines.append(f"rank {d.get('rank')} dead: {d.get('cause', 'unknown cause')}")
     return lines
@@ -214,8 +255,10 @@ def _autoscale_lines(snap: dict[str, Any]) -> list[str]:
     lines = [f"autoscale: {policy_line(shown['policy'])}"]
     last = shown.get("last")
     if last:
-        lines.append(f"autoscale recommends DP {last['recommendation']} (now {last['current_dp']}), "
-                     f"{last['action']}: {last['rule']}")
+        lines.append(
+            f"autoscale recommends DP {last['recommendation']} (now {last['current_dp']}), "
+            f"{last['action']}: {last['rule']}"
+        )
     return lines
 
 
@@ -241,18 +284,33 @@ def _vllm_lines(snap: dict[str, Any]) -> list[str]:
     wedge = (snap.get("info") or {}).get("wedged")
     if wedge:
         since = time.strftime("%H:%M:%S UTC", time.gmtime(float(wedge.get("since") or 0)))
-        out.append(f"WEDGED since {since} (failing phase: {wedge.get('phase')}): {wedge.get('cause')}"
-                   f"{'; ' + wedge['error'] if wedge.get('error') else ''}. Remedy: {wedge.get('remedy')}")
+        out.append(
+            f"WEDGED since {since} (failing phase: {wedge.get('phase')}): {wedge.get('cause')}"
+            f"{'; ' + wedge['error'] if wedge.get('error') else ''}. Remedy: {wedge.get('remedy')}"
+        )
     found = ((snap.get("info") or {}).get("control") or {}).get("vllm") or {}
-    for key in ("server_down", "flag_stuck", "engines"):  # what the vLLM controller's loop found, and what repair would do
+    for key in (
+        "server_down",
+        "flag_stuck",
+        "engines",
+    ):  # what the vLLM controller's loop found, and what repair would do
         if found.get(key):
-            out.append(f"controller: {found[key]['reason']}"
-                       + (f"; repair: {found[key]['repair']}" if found[key].get("repair") else ""))
+            out.append(
+                f"controller: {found[key]['reason']}"
+                + (f"; repair: {found[key]['repair']}" if found[key].get("repair") else "")
+            )
     ft = snap.get("fault_tolerance")
     if ft:
-        out.append("fault tolerance: " + (ft.get("error") or ", ".join(
-            f"engine {e.get('id')} {e.get('status')}{' (' + e['fault_info'] + ')' if e.get('fault_info') else ''}"
-            for e in ft.get("engines", []))))
+        out.append(
+            "fault tolerance: "
+            + (
+                ft.get("error")
+                or ", ".join(
+                    f"engine {e.get('id')} {e.get('status')}{' (' + e['fault_info'] + ')' if e.get('fault_info') else ''}"
+                    for e in ft.get("engines", [])
+                )
+            )
+        )
     return out
 
 
@@ -261,22 +319,32 @@ def _leave_reason(j: dict[str, Any]) -> str:
     if j.get("chosen_by") == "--retire":
         return ", named by --retire"
     if j.get("chosen_by"):
-        work = "did not answer" if j.get("requests") is None else \
-            f"{j['requests']:g} requests, {j.get('kv_blocks_used') or 0:g} KV blocks in use"
+        work = (
+            "did not answer"
+            if j.get("requests") is None
+            else f"{j['requests']:g} requests, {j.get('kv_blocks_used') or 0:g} KV blocks in use"
+        )
         return f", least work: {work}"
     return ""
 
 
 def _membership_lines(plan: dict[str, Any]) -> list[str]:
     """Ranks joining or leaving with their identities, and the weight-transfer pairs."""
-    where = {p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}"
-             for p in (plan.get("placement") or {}).get("nodes", []) if p.get("node_id")}
-    lines = [f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}"
-             + (f" (from the standby pool: {j['from_standby']}, launch skipped)" if j.get("from_standby") else "")
-             for j in plan.get("joining", [])]
+    where = {
+        p["rank"]: f" on node {p['node_id'][:8]}/{p['node_ip']}"
+        for p in (plan.get("placement") or {}).get("nodes", [])
+        if p.get("node_id")
+    }
+    lines = [
+        f"  join   rank {j['rank']} as {j['instance_id']}{where.get(j['rank'], '')}"
+        + (f" (from the standby pool: {j['from_standby']}, launch skipped)" if j.get("from_standby") else "")
+        for j in plan.get("joining", [])
+    ]
     lines += [f"  leave  rank {j['rank']} ({j['instance_id']}){_leave_reason(j)}" for j in plan.get("leaving", [])]
-    lines += [f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
-              for src, dsts in plan.get("transfer_pairs", {}).items()]
+    lines += [
+        f"  non-expert weights: rank {src} -> ranks {', '.join(map(str, dsts))}"
+        for src, dsts in plan.get("transfer_pairs", {}).items()
+    ]
     return lines
 
 
@@ -290,13 +358,17 @@ def plan_text(plan: dict[str, Any]) -> str:
     moves = plan.get("expert_moves", [])
     lines.append(f"  expert moves: {len(moves)}")
     for m in moves:
-        lines.append(f"    expert {m['logical']}: rank {m['src_rank']} slot {m['src_slot']} -> "
-                     f"rank {m['dst_rank']} slot {m['dst_slot']}")
+        lines.append(
+            f"    expert {m['logical']}: rank {m['src_rank']} slot {m['src_slot']} -> "
+            f"rank {m['dst_rank']} slot {m['dst_slot']}"
+        )
     layout = plan.get("layout") or {}
     if layout:
         phys = layout["slots_per_rank"] * layout["world_size"]
-        lines.append(f"  layout: {phys} physical slots for {layout['num_logical']} experts "
-                     f"({phys - layout['num_logical']} redundant)")
+        lines.append(
+            f"  layout: {phys} physical slots for {layout['num_logical']} experts "
+            f"({phys - layout['num_logical']} redundant)"
+        )
     if plan.get("capture_memory"):
         from engine_ext.capture_memory import describe  # torch-free
 
@@ -311,7 +383,9 @@ def plan_text(plan: dict[str, Any]) -> str:
 
 def vllm_plan_text(plan: dict[str, Any]) -> str:
     """A vLLM deployment's dry run: what eepctl knows, and what vLLM decides only inside the transition."""
-    lines = [f"plan: DP {plan['from_size']} -> {plan['to_size']} via vLLM at {plan['api_url']} (dry run, nothing changed)"]
+    lines = [
+        f"plan: DP {plan['from_size']} -> {plan['to_size']} via vLLM at {plan['api_url']} (dry run, nothing changed)"
+    ]
     lines.extend(_membership_lines(plan))
     if plan.get("capacity_problem"):
         lines.append(f"  WARNING: {plan['capacity_problem']}")
@@ -332,15 +406,19 @@ def scale_text(op: dict[str, Any], target_flags: str = "") -> str:
     pd = op.get("phase_durations", {})
     phases = ", ".join(f"{p} {pd[p]:.2f}s" for p in REPORTED_PHASES if p in pd)
     caps = ", ".join(f"rank {r}: {n}" for r, n in sorted(op.get("captures_per_rank", {}).items()))
-    return (f"{op['op_id']}: DP {op['from_size']} -> {op['to_size']} {op['state']}\n"
-            f"  phases: {phases}\n  serving pause: {op.get('serving_pause_s', 0.0) * 1000:.1f} ms\n"
-            f"  captures per rank: {caps}\n")
+    return (
+        f"{op['op_id']}: DP {op['from_size']} -> {op['to_size']} {op['state']}\n"
+        f"  phases: {phases}\n  serving pause: {op.get('serving_pause_s', 0.0) * 1000:.1f} ms\n"
+        f"  captures per rank: {caps}\n"
+    )
 
 
 def up_text(res: dict[str, Any]) -> str:
     where = "a local Ray head eepctl started" if res["cluster_started"] else "the cluster"
-    lines = [f"deployment {res['deployment']} serving at DP {res['dp']} (max {res['max_dp']}) on {where} at "
-             f"{res['address']} in {res['elapsed_s']:.1f}s"]
+    lines = [
+        f"deployment {res['deployment']} serving at DP {res['dp']} (max {res['max_dp']}) on {where} at "
+        f"{res['address']} in {res['elapsed_s']:.1f}s"
+    ]
     for r in res.get("ranks", []):
         lines.append(f"  rank {r['rank']}: {r['instance_id']} pid {r['pid']} {r['state']}")
     return "\n".join(lines + capture_lines(res.get("capture")) + api_lines(res.get("ingress", []))) + "\n"

@@ -8,9 +8,13 @@ import time
 from typing import Any
 
 MARKS = {"scaled": "S", "scale": "S", "failed": "F", "advisory": "A", "blocked": "B"}
-TARGET_TEXT = (("target_queue", "queue {:g} requests/rank"), ("target_kv", "KV use {:.0%}"),
-               ("slo_ttft_ms", "TTFT p95 {:g} ms"), ("slo_tpot_ms", "TPOT p95 {:g} ms"),
-               ("target_utilization", "load at {:.0%} of capacity"))
+TARGET_TEXT = (
+    ("target_queue", "queue {:g} requests/rank"),
+    ("target_kv", "KV use {:.0%}"),
+    ("slo_ttft_ms", "TTFT p95 {:g} ms"),
+    ("slo_tpot_ms", "TPOT p95 {:g} ms"),
+    ("target_utilization", "load at {:.0%} of capacity"),
+)
 
 
 def _delay(v: Any) -> str:
@@ -22,10 +26,12 @@ def policy_line(p: dict[str, Any] | None) -> str:
     if not p:
         return "no autoscaling policy (`eepctl autoscale --min-dp N --max-dp M --target-queue Q` sets one)"
     targets = ", ".join(fmt.format(p[k]) for k, fmt in TARGET_TEXT if p.get(k)) or "none"
-    return (f"mode {p['mode']}, DP {p['min_dp']}..{p['max_dp']}, targets: {targets}; up after "
-            f"{_delay(p['up_delay_s'])}, down after {_delay(p['down_delay_s'])}, tolerance {p['tolerance']:.0%}, "
-            f"max step {p['max_step']}, cooldown {_delay(p['cooldown_s'])}, window {p['window_s']:g}s"
-            + (f", standby auto for a {p.get('burst', 4.0):g}x burst" if p.get("standby") == "auto" else ""))
+    return (
+        f"mode {p['mode']}, DP {p['min_dp']}..{p['max_dp']}, targets: {targets}; up after "
+        f"{_delay(p['up_delay_s'])}, down after {_delay(p['down_delay_s'])}, tolerance {p['tolerance']:.0%}, "
+        f"max step {p['max_step']}, cooldown {_delay(p['cooldown_s'])}, window {p['window_s']:g}s"
+        + (f", standby auto for a {p.get('burst', 4.0):g}x burst" if p.get("standby") == "auto" else "")
+    )
 
 
 def _clock(at: float) -> str:
@@ -61,8 +67,11 @@ def show_text(data: dict[str, Any]) -> str:
 def decisions_text(data: dict[str, Any]) -> str:
     rows = data.get("decisions", [])
     if not rows:
-        return f"no autoscaler decisions for {data['deployment']}" + ("" if data.get("policy") else
-                                                                      " (no autoscaling policy set)") + "\n"
+        return (
+            f"no autoscaler decisions for {data['deployment']}"
+            + ("" if data.get("policy") else " (no autoscaling policy set)")
+            + "\n"
+        )
     return "\n".join(decision_line(d) for d in rows) + "\n"
 
 
@@ -87,8 +96,9 @@ def _signal(d: dict[str, Any] | None, names: tuple[str, ...], key: str) -> float
     return None
 
 
-def _panel(title: str, series: list[tuple[str, list[float | None]]], height: int, lo: float, hi: float,
-           unit: str = "") -> list[str]:
+def _panel(
+    title: str, series: list[tuple[str, list[float | None]]], height: int, lo: float, hi: float, unit: str = ""
+) -> list[str]:
     """One chart: each series drawn with its character; rows top (hi) to bottom (lo)."""
     width = len(series[0][1]) if series else 0
     grid = [[" "] * width for _ in range(height)]
@@ -116,21 +126,38 @@ def plot_text(data: dict[str, Any], width: int = 100, height: int = 6) -> str:
     w = max(10, width - 8)
     cols = _columns(rows, w)
     dp_hi = float(max([p.get("max_dp", 1)] + [max(d["current_dp"], d["recommendation"]) for d in rows]))
-    out = _panel("DP  (# actual, * recommended)", [("#", [d["current_dp"] if d else None for d in cols]),
-                                                    ("*", [d["recommendation"] if d else None for d in cols])],
-                 int(dp_hi) + 1 if dp_hi <= 12 else height, 0.0, dp_hi)  # one row per size when few
+    out = _panel(
+        "DP  (# actual, * recommended)",
+        [
+            ("#", [d["current_dp"] if d else None for d in cols]),
+            ("*", [d["recommendation"] if d else None for d in cols]),
+        ],
+        int(dp_hi) + 1 if dp_hi <= 12 else height,
+        0.0,
+        dp_hi,
+    )  # one row per size when few
     load_names = ("queue",) if p.get("target_queue") else ("kv",)
     load = [_signal(d, load_names, "value") for d in cols]
     target = _signal(rows[-1], load_names, "target")
     if any(v is not None for v in load):
         hi = max([v for v in load if v is not None] + [2 * (target or 0)])
-        out += _panel(f"load: {load_names[0]} per rank  (o value, - target {target:g})" if target else "load",
-                      [("o", load), ("-", [target] * w)], height, 0.0, hi or 1.0)
+        out += _panel(
+            f"load: {load_names[0]} per rank  (o value, - target {target:g})" if target else "load",
+            [("o", load), ("-", [target] * w)],
+            height,
+            0.0,
+            hi or 1.0,
+        )
     slo = [_signal(d, ("ttft", "tpot"), "ratio") for d in cols]
     if any(v is not None for v in slo):
         hi = max([2.5] + [v for v in slo if v is not None])
-        out += _panel("SLO: p95 / SLO  (x value, - SLO, = panic at 2x)",
-                      [("x", slo), ("-", [1.0] * w), ("=", [2.0] * w)], height, 0.0, hi)
+        out += _panel(
+            "SLO: p95 / SLO  (x value, - SLO, = panic at 2x)",
+            [("x", slo), ("-", [1.0] * w), ("=", [2.0] * w)],
+            height,
+            0.0,
+            hi,
+        )
     marks = [" "] * w
     for d in rows:
         x = next(i for i, c in enumerate(cols) if c is not None and c["at"] >= d["at"])

@@ -19,11 +19,15 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
     lines: list[str] = []
     pool_error = ((snap.get("info") or {}).get("standby_pool") or {}).get("last_error")
     if pool_error:
-        lines.append(f"standby pool short: launching standby {pool_error.get('standby')} failed "
-                     f"{_ago(now, pool_error.get('at'))}: {pool_error.get('error')} (tried again every 10s)")
+        lines.append(
+            f"standby pool short: launching standby {pool_error.get('standby')} failed "
+            f"{_ago(now, pool_error.get('at'))}: {pool_error.get('error')} (tried again every 10s)"
+        )
     if control.get("controller_restarts"):
-        lines.append(f"controller restarted {control['controller_restarts']} time(s); "
-                     f"took over: {'; '.join(control.get('took_over') or []) or 'nothing to do'}")
+        lines.append(
+            f"controller restarted {control['controller_restarts']} time(s); "
+            f"took over: {'; '.join(control.get('took_over') or []) or 'nothing to do'}"
+        )
     if control.get("working_on"):
         lines.append(f"reconciling: {control['working_on']}")
     lines += suspicion_lines(control, now)
@@ -37,12 +41,16 @@ def control_lines(snap: dict[str, Any], now: float | None = None) -> list[str]:
         lines.append(f"{control['parked_requests']} request(s) waiting for a healthy world")
     err = control.get("last_error")
     if err:
-        lines.append(f"last reconcile error {_ago(now, err.get('at'))} in {err.get('action')}: {err.get('error')}"
-                     + _retry_in(control, now))
+        lines.append(
+            f"last reconcile error {_ago(now, err.get('at'))} in {err.get('action')}: {err.get('error')}"
+            + _retry_in(control, now)
+        )
     esc = control.get("escalated")
     if esc:
-        lines.append(f"ESCALATED: {esc.get('action')} failed the same way {esc.get('attempts')} times in a row: "
-                     f"{esc.get('cause')}")
+        lines.append(
+            f"ESCALATED: {esc.get('action')} failed the same way {esc.get('attempts')} times in a row: "
+            f"{esc.get('cause')}"
+        )
         lines += [f"  tried {t}" for t in esc.get("tried") or []]
         lines.append(f"  operator: {esc.get('operator')}")
     return lines
@@ -53,16 +61,23 @@ def suspicion_lines(control: dict[str, Any], now: float) -> list[str]:
     suspicion ended, for SUSPICION_SHOWN_S after it did."""
     cur, last = control.get("suspicion"), control.get("last_suspicion")
     if cur:
-        return [f"health: suspecting the observer: {len(cur['silent'])} of {cur['members']} ranks silent "
-                f"{cur['silent_s']:.1f}s while alive; controller tick lag {cur['lag_s']:.1f}s{_load(cur)}; "
-                f"deadline extended to {cur['extended_s']:g}s"]
+        return [
+            f"health: suspecting the observer: {len(cur['silent'])} of {cur['members']} ranks silent "
+            f"{cur['silent_s']:.1f}s while alive; controller tick lag {cur['lag_s']:.1f}s{_load(cur)}; "
+            f"deadline extended to {cur['extended_s']:g}s"
+        ]
     if last and now - float(last.get("ended") or 0.0) <= SUSPICION_SHOWN_S:
-        fenced = (f"fenced rank(s) {', '.join(map(str, last['fenced']))} (no answer to a second probe)"
-                  if last.get("fenced") else "fenced none")
-        return [f"health: suspected the observer {_ago(now, last.get('ended'))} for "
-                f"{float(last['ended']) - float(last['since']):.0f}s ({len(last['silent'])} of {last['members']} "
-                f"ranks silent up to {last['longest_s']:.1f}s while alive; deadline extended to "
-                f"{last['extended_s']:g}s); {fenced}"]
+        fenced = (
+            f"fenced rank(s) {', '.join(map(str, last['fenced']))} (no answer to a second probe)"
+            if last.get("fenced")
+            else "fenced none"
+        )
+        return [
+            f"health: suspected the observer {_ago(now, last.get('ended'))} for "
+            f"{float(last['ended']) - float(last['since']):.0f}s ({len(last['silent'])} of {last['members']} "
+            f"ranks silent up to {last['longest_s']:.1f}s while alive; deadline extended to "
+            f"{last['extended_s']:g}s); {fenced}"
+        ]
     return []
 
 
@@ -85,22 +100,32 @@ def ingress_lines(snap: dict[str, Any]) -> list[str]:
     lines = []
     for ing in (snap.get("info") or {}).get("ingress") or []:
         held = [f"{ing[k]} {k}" for k in ("inflight", "parked") if ing.get(k)]
-        where = ing.get("url") or (f"not listening: {ing['listen_error']} (trying again every second)"
-                                   if ing.get("listen_error") else "starting")
-        lines.append(f"ingress {ing.get('index')}: {where}" + (f" ({', '.join(held)})" if held else "")
-                     + (" (restarted by Ray)" if ing.get("restarted") else "")
-                     + (f" ({ing['note']})" if ing.get("note") else "") + exposure(ing))
+        where = ing.get("url") or (
+            f"not listening: {ing['listen_error']} (trying again every second)"
+            if ing.get("listen_error")
+            else "starting"
+        )
+        lines.append(
+            f"ingress {ing.get('index')}: {where}"
+            + (f" ({', '.join(held)})" if held else "")
+            + (" (restarted by Ray)" if ing.get("restarted") else "")
+            + (f" ({ing['note']})" if ing.get("note") else "")
+            + exposure(ing)
+        )
     return lines
 
 
 def api_lines(ingresses: list[dict[str, Any]]) -> list[str]:
     """`up`'s lines for the HTTP API: each ingress's URL, where it listens, and its key."""
-    return [f"  API: {ing.get('url')} (ingress {ing.get('index')}, listening on {ing.get('listen')})"
-            + (exposure(ing) or "; a key is required (Authorization: Bearer KEY)") for ing in ingresses]
+    return [
+        f"  API: {ing.get('url')} (ingress {ing.get('index')}, listening on {ing.get('listen')})"
+        + (exposure(ing) or "; a key is required (Authorization: Bearer KEY)")
+        for ing in ingresses
+    ]
 
 
 def exposure(ing: dict[str, Any]) -> str:
-    """", no key: ..." for an ingress whose API takes requests without a key ("" otherwise, and
+    """ ", no key: ..." for an ingress whose API takes requests without a key ("" otherwise, and
     for an ingress that does not say)."""
     if ing.get("key_required") is not False:
         return ""

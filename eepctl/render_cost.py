@@ -42,18 +42,25 @@ def predicted_lines(cost: dict[str, Any] | None) -> list[str]:
         return []
     per_rank = cost.get("per_rank", {})
     moved = ", ".join(f"{r}: {_b(v['moved_bytes'])}" for r, v in sorted(per_rank.items(), key=lambda kv: int(kv[0])))
-    sizes = (f"up to {_b(cost.get('moved_bytes'))} moved per rank ({moved}), {_b(cost.get('commit_bytes'))} of it "
-             f"in the commit; extra memory up to {_b(cost.get('extra_memory_bytes'))} per rank (spare buffers)")
+    sizes = (
+        f"up to {_b(cost.get('moved_bytes'))} moved per rank ({moved}), {_b(cost.get('commit_bytes'))} of it "
+        f"in the commit; extra memory up to {_b(cost.get('extra_memory_bytes'))} per rank (spare buffers)"
+    )
     if cost.get("no_model"):
         return [f"predicted cost: {cost['no_model']}", f"  {sizes}"]
     move = f"move time {_s(cost.get('move_s'))}{_range(cost.get('move_range_s'))} (pre-copy, while serving)"
     head = f"predicted cost (model fitted on {_host(cost.get('model') or {})}): "
     if cost.get("pause_s") is None:  # the move is predicted, the pause is not: say so, and why
-        lines = [head + move, f"  serving pause NOT PREDICTED: {cost.get('pause_note') or 'no pause fit applies'}",
-                 f"  {sizes}"]
+        lines = [
+            head + move,
+            f"  serving pause NOT PREDICTED: {cost.get('pause_note') or 'no pause fit applies'}",
+            f"  {sizes}",
+        ]
     else:
-        lines = [head + f"serving pause {_s(cost.get('pause_s'))}{_range(cost.get('pause_range_s'))}, " + move,
-                 f"  {sizes}"]
+        lines = [
+            head + f"serving pause {_s(cost.get('pause_s'))}{_range(cost.get('pause_range_s'))}, " + move,
+            f"  {sizes}",
+        ]
     if cost.get("pause_range_s") or cost.get("move_range_s"):
         lines.append("  (ranges: how far the fit's scales strayed, each predicted from the others, on that host)")
     if cost.get("pause_note") and cost.get("pause_s") is not None:
@@ -68,8 +75,9 @@ def _range(r: list[float] | None) -> str:
 
 
 def _pair(pred: Any, got: Any, fmt: Any, err: float | None, inside: bool | None = None) -> str:
-    notes = ([f"{err:+.0%}"] if err is not None else []) + \
-        ([f"{'inside' if inside else 'outside'} the range"] if inside is not None else [])
+    notes = ([f"{err:+.0%}"] if err is not None else []) + (
+        [f"{'inside' if inside else 'outside'} the range"] if inside is not None else []
+    )
     return f"{fmt(pred)} vs {fmt(got)}" + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -83,14 +91,19 @@ def cost_lines(ops: list[dict[str, Any]]) -> list[str]:
         inside = cost.get("within_range") or {}
         if not got:
             continue
-        pause = (_pair(pred.get("pause_s"), got.get("pause_s"), _s, err.get("pause_s"), inside.get("pause_s"))
-                 if pred.get("pause_s") is not None else f"not predicted vs {_s(got.get('pause_s'))}")
-        out.append(f"{op['op_id']} predicted vs measured: pause {pause}, move "
-                   f"{_pair(pred.get('move_s'), got.get('move_s'), _s, err.get('move_s'), inside.get('move_s'))}, moved per rank "
-                   f"{_pair(pred.get('moved_bytes'), got.get('moved_bytes'), _b, err.get('moved_bytes'))}, in the "
-                   f"commit {_pair(pred.get('commit_bytes'), got.get('commit_bytes'), _b, err.get('commit_bytes'))}, "
-                   f"extra memory {_pair(pred.get('extra_memory_bytes'), got.get('extra_memory_bytes'), _b, None)}"
-                   + (f" [{pred['no_model']}]" if pred.get("no_model") else ""))
+        pause = (
+            _pair(pred.get("pause_s"), got.get("pause_s"), _s, err.get("pause_s"), inside.get("pause_s"))
+            if pred.get("pause_s") is not None
+            else f"not predicted vs {_s(got.get('pause_s'))}"
+        )
+        out.append(
+            f"{op['op_id']} predicted vs measured: pause {pause}, move "
+            f"{_pair(pred.get('move_s'), got.get('move_s'), _s, err.get('move_s'), inside.get('move_s'))}, moved per rank "
+            f"{_pair(pred.get('moved_bytes'), got.get('moved_bytes'), _b, err.get('moved_bytes'))}, in the "
+            f"commit {_pair(pred.get('commit_bytes'), got.get('commit_bytes'), _b, err.get('commit_bytes'))}, "
+            f"extra memory {_pair(pred.get('extra_memory_bytes'), got.get('extra_memory_bytes'), _b, None)}"
+            + (f" [{pred['no_model']}]" if pred.get("no_model") else "")
+        )
     return out
 
 
@@ -102,12 +115,20 @@ def capture_lines(cap: dict[str, Any] | None) -> list[str]:
     by = "auto" if cap.get("chosen_by") == "auto" else "--capture-policy"
     need = f"{cap['max_num_seqs']} requests of max_model_len {cap['max_model_len']} need {cap['need_kv_blocks']}"
     if cap["capture_policy"] == "reuse":
-        return [f"  capture policy reuse ({by}): workspace {_b(cap['reuse_bytes'])}/rank sized for max DP "
-                f"{cap['capture_world']} (recapture: {_b(cap['recapture_bytes'])} now), {cap['kv_blocks']} KV "
-                f"blocks/rank left ({need}); the ranks that stay re-warm and capture nothing in a scale; "
-                f"`{cap['other']}` opts out"]
+        return [
+            f"  capture policy reuse ({by}): workspace {_b(cap['reuse_bytes'])}/rank sized for max DP "
+            f"{cap['capture_world']} (recapture: {_b(cap['recapture_bytes'])} now), {cap['kv_blocks']} KV "
+            f"blocks/rank left ({need}); the ranks that stay re-warm and capture nothing in a scale; "
+            f"`{cap['other']}` opts out"
+        ]
     auto = cap.get("auto")
-    why = (f": reuse's workspace for max DP {auto['capture_world']} ({_b(auto['reuse_workspace_bytes'])}/rank) "
-           f"would leave {auto['reuse_kv_blocks']} KV blocks/rank where {need}" if auto else "")
-    return [f"  capture policy recapture ({by}){why}{';' if auto else ':'} every rank re-warms and captures in "
-            f"each scale (`{cap['other']}` keeps the workspace for max DP instead)"]
+    why = (
+        f": reuse's workspace for max DP {auto['capture_world']} ({_b(auto['reuse_workspace_bytes'])}/rank) "
+        f"would leave {auto['reuse_kv_blocks']} KV blocks/rank where {need}"
+        if auto
+        else ""
+    )
+    return [
+        f"  capture policy recapture ({by}){why}{';' if auto else ':'} every rank re-warms and captures in "
+        f"each scale (`{cap['other']}` keeps the workspace for max DP instead)"
+    ]

@@ -44,8 +44,10 @@ def fence_lines(events: list[dict[str, Any]], short: dict[str, str]) -> list[str
         if e["phase"] == "fence" and e["rank"] >= 0:
             d = e.get("detail") or {}
             during = f" (during {short.get(e['op_id'], e['op_id'])})" if e.get("op_id") else ""
-            out.append(f"{time.strftime('%H:%M:%S', time.localtime(e['start']))} rank {e['rank']} fenced at epoch "
-                       f"{d.get('epoch', '?')}: {d.get('reason', 'no reason given')}{during}")
+            out.append(
+                f"{time.strftime('%H:%M:%S', time.localtime(e['start']))} rank {e['rank']} fenced at epoch "
+                f"{d.get('epoch', '?')}: {d.get('reason', 'no reason given')}{during}"
+            )
     return out
 
 
@@ -95,8 +97,12 @@ def ops_table(ops: list[dict[str, Any]], short: dict[str, str], level: str) -> A
     from rich.table import Table
 
     phases = [p for p in REPORTED_PHASES if any(p in (o.get("phase_durations") or {}) for o in ops)]
-    extra = {"phases": [*phases, "captures/rank", "workspace"], "longest+memory": ["longest phase", "captures/rank",
-             "workspace"], "longest": ["longest phase"], "base": []}[level]
+    extra = {
+        "phases": [*phases, "captures/rank", "workspace"],
+        "longest+memory": ["longest phase", "captures/rank", "workspace"],
+        "longest": ["longest phase"],
+        "base": [],
+    }[level]
     table = Table(title="operations", title_justify="left")
     ids = [short.get(o["op_id"], o["op_id"]) for o in ops]
     for col in ("op", "kind", "started", "dp", "state", "took", "pause", *extra):
@@ -105,10 +111,23 @@ def ops_table(ops: list[dict[str, Any]], short: dict[str, str], level: str) -> A
         pd = op.get("phase_durations") or {}
         started = time.strftime("%H:%M:%S", time.localtime(op["started"])) if op.get("started") else "-"
         cells = {p: f"{pd[p]:.2f}s" if p in pd else "-" for p in phases}
-        cells.update({"longest phase": _longest(op), "captures/rank": _captures(op.get("captures_per_rank") or {}),
-                      "workspace": _workspace(op)})
-        table.add_row(op_short, kind_label(op), started, f"{op['from_size']}->{op['to_size']}", op["state"],
-                      _took(op), f"{op.get('serving_pause_s', 0.0) * 1000:.0f} ms", *[cells[c] for c in extra])
+        cells.update(
+            {
+                "longest phase": _longest(op),
+                "captures/rank": _captures(op.get("captures_per_rank") or {}),
+                "workspace": _workspace(op),
+            }
+        )
+        table.add_row(
+            op_short,
+            kind_label(op),
+            started,
+            f"{op['from_size']}->{op['to_size']}",
+            op["state"],
+            _took(op),
+            f"{op.get('serving_pause_s', 0.0) * 1000:.0f} ms",
+            *[cells[c] for c in extra],
+        )
     return table
 
 
@@ -128,15 +147,21 @@ def events_text(data: dict[str, Any], width: int = 160, verbose: bool = False) -
     if total and total > len(ops):
         out.append(f"the last {len(ops)} of {total} operations (--last N shows more)")
     out += [f"{short.get(o['op_id'], o['op_id'])} {o['state']}: {o['error']}" for o in ops if o.get("error")]
-    out += [f"{short.get(o['op_id'], o['op_id'])}: {o['redispatched_requests']} request(s) waiting on the old ranks "
-            "re-dispatched over the new width" for o in ops if o.get("redispatched_requests")]
+    out += [
+        f"{short.get(o['op_id'], o['op_id'])}: {o['redispatched_requests']} request(s) waiting on the old ranks "
+        "re-dispatched over the new width"
+        for o in ops
+        if o.get("redispatched_requests")
+    ]
     out += cost_lines(ops)
     out += fence_lines(evs, short)
     if verbose:
         out += [event_line(e, short) for e in evs]
     elif any(e["phase"] != "fence" for e in evs):
-        out.append(f"{sum(e['phase'] != 'fence' for e in evs)} phase event(s) of the controller and each rank not "
-                   "shown: -v shows them, --op ID one operation's")
+        out.append(
+            f"{sum(e['phase'] != 'fence' for e in evs)} phase event(s) of the controller and each rank not "
+            "shown: -v shows them, --op ID one operation's"
+        )
     if not out:
         out.append("no operations or events yet")
     return rich_text(out, width)

@@ -17,7 +17,9 @@ def shared_gpu_lines(ranks: list[dict[str, Any]]) -> list[str]:
         if len(rs) < 2 or all(r.get("mps") for r in rs):
             continue
         names = ",".join(str(r["rank"]) for r in sorted(rs, key=lambda r: r["rank"]))
-        lines.append(f"ranks {names} share one GPU ({rs[0].get('device', 'cuda')} on {node}) without MPS: their "
-                     "kernels take turns, so together they serve less than one rank; start "
-                     "`nvidia-cuda-mps-control -d` on that node before the ranks")
+        lines.append(
+            f"ranks {names} share one GPU ({rs[0].get('device', 'cuda')} on {node}) without MPS: their "
+            "kernels take turns, so together they serve less than one rank; start "
+            "`nvidia-cuda-mps-control -d` on that node before the ranks"
+        )
     return lines

@@ -29,6 +29,8 @@ def load_text(res: dict[str, Any]) -> str:
         return "-" if v is None else f"{v * 1000:.0f} ms"
 
     early = " (sending ended early by SIGINT)" if res.get("stopped_early") else ""
-    return (f"sent {res['sent']} at {res['rate']:g}/s over {res['duration_s']:.1f}s{early}: completed {res['completed']}, "
-            f"failed {res['failed']}\nlatency p50 {ms(lat['p50'])}, p90 {ms(lat['p90'])}, p99 {ms(lat['p99'])}, "
-            f"max {ms(lat['max'])}\n")
+    return (
+        f"sent {res['sent']} at {res['rate']:g}/s over {res['duration_s']:.1f}s{early}: completed {res['completed']}, "
+        f"failed {res['failed']}\nlatency p50 {ms(lat['p50'])}, p90 {ms(lat['p90'])}, p99 {ms(lat['p99'])}, "
+        f"max {ms(lat['max'])}\n"
+    )

@@ -41,8 +41,10 @@ def worker_lines(snap: dict[str, Any], human_bytes: Callable[[Any], str]) -> lis
         if not r.get("worker_executor"):
             out.append(f"rank {r['rank']} worker: no report yet")
             continue
-        out.append(f"rank {r['rank']} worker: {r['worker_executor']} pid {r.get('worker_pid')} "
-                   f"({float(r.get('worker_age_s') or 0):.1f}s ago); {_workspace(r, human_bytes)}; warm-ups "
-                   f"{r.get('warmups_total', 0)} ({r.get('warmups_this_op', 0)} in {r.get('last_op') or '-'}), "
-                   f"last {_ms(r.get('last_warmup_s'))}; {_captures(r)}")
+        out.append(
+            f"rank {r['rank']} worker: {r['worker_executor']} pid {r.get('worker_pid')} "
+            f"({float(r.get('worker_age_s') or 0):.1f}s ago); {_workspace(r, human_bytes)}; warm-ups "
+            f"{r.get('warmups_total', 0)} ({r.get('warmups_this_op', 0)} in {r.get('last_op') or '-'}), "
+            f"last {_ms(r.get('last_warmup_s'))}; {_captures(r)}"
+        )
     return out

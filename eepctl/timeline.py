@@ -15,13 +15,43 @@ from rich.text import Text
 
 # Letters and colours of the phases we know, one letter each; any other phase (a vLLM hook's)
 # gets a letter of its name that no other phase of the picture has (``glyphs``).
-_GLYPH = {"launch": "L", "plan": "n", "prepare": "p", "prepare_warm_groups": "g", "transfer": "t", "precopy": "y",
-          "drain": "d", "commit": "c", "reshuffle": "r", "warm": "w", "capture": "C", "lock": "k", "cleanup": "x",
-          "rollback": "R", "failure": "!", "detect": "D", "abort": "a", "regroup": "G", "restore_experts": "e",
-          "resume": "u", "rebuild": "b", "fence": "F"}
-_COLOUR = {"launch": "blue", "prepare": "cyan", "transfer": "magenta", "drain": "yellow", "commit": "white",
-           "reshuffle": "bright_magenta", "warm": "green", "capture": "bright_green", "cleanup": "bright_black",
-           "rollback": "red", "failure": "bold red"}
+_GLYPH = {
+    "launch": "L",
+    "plan": "n",
+    "prepare": "p",
+    "prepare_warm_groups": "g",
+    "transfer": "t",
+    "precopy": "y",
+    "drain": "d",
+    "commit": "c",
+    "reshuffle": "r",
+    "warm": "w",
+    "capture": "C",
+    "lock": "k",
+    "cleanup": "x",
+    "rollback": "R",
+    "failure": "!",
+    "detect": "D",
+    "abort": "a",
+    "regroup": "G",
+    "restore_experts": "e",
+    "resume": "u",
+    "rebuild": "b",
+    "fence": "F",
+}
+_COLOUR = {
+    "launch": "blue",
+    "prepare": "cyan",
+    "transfer": "magenta",
+    "drain": "yellow",
+    "commit": "white",
+    "reshuffle": "bright_magenta",
+    "warm": "green",
+    "capture": "bright_green",
+    "cleanup": "bright_black",
+    "rollback": "red",
+    "failure": "bold red",
+}
 PAUSE_PHASE = "commit"  # a rank stops serving for its commit (its detail carries pause_s)
 
 
@@ -46,13 +76,30 @@ def timeline(data: dict[str, Any], op_id: str | None = None, tolerance_s: float 
     evs = [e for e in data.get("events", []) if op_id is None or e["op_id"] == op_id or e["op_id"] in ranks]
     op_id = op_id or (evs[0]["op_id"] if evs else "")
     if not evs:
-        return {"op_id": op_id, "t0": None, "duration_s": 0.0, "spans": [], "pause": None, "slowest_rank": None,
-                "groups": []}
+        return {
+            "op_id": op_id,
+            "t0": None,
+            "duration_s": 0.0,
+            "spans": [],
+            "pause": None,
+            "slowest_rank": None,
+            "groups": [],
+        }
     t0 = min(float(e["start"]) for e in evs)
-    spans = sorted(({"rank": e["rank"], "phase": e["phase"], "start_s": round(float(e["start"]) - t0, 4),
-                     "end_s": round(float(e["end"]) - t0, 4), "duration_s": e.get("duration_s", 0.0),
-                     "outcome": e.get("outcome", "ok")} for e in evs),
-                   key=lambda s: (s["rank"], s["start_s"], -s["end_s"]))
+    spans = sorted(
+        (
+            {
+                "rank": e["rank"],
+                "phase": e["phase"],
+                "start_s": round(float(e["start"]) - t0, 4),
+                "end_s": round(float(e["end"]) - t0, 4),
+                "duration_s": e.get("duration_s", 0.0),
+                "outcome": e.get("outcome", "ok"),
+            }
+            for e in evs
+        ),
+        key=lambda s: (s["rank"], s["start_s"], -s["end_s"]),
+    )
     total = max(s["end_s"] for s in spans)
     commits = [s for s in spans if s["phase"] == PAUSE_PHASE and s["rank"] >= 0]
     pause = None
@@ -65,8 +112,16 @@ def timeline(data: dict[str, Any], op_id: str | None = None, tolerance_s: float 
             rank_end[s["rank"]] = max(rank_end.get(s["rank"], 0.0), s["end_s"])
     slowest = max(rank_end, key=lambda r: (rank_end[r], -r)) if rank_end else None
     tol = tolerance_s if tolerance_s is not None else max(0.02, 0.05 * total)
-    return {"op_id": op_id, "t0": t0, "duration_s": round(total, 4), "spans": spans, "pause": pause,
-            "slowest_rank": slowest, "tolerance_s": round(tol, 4), "groups": _groups(spans, tol)}
+    return {
+        "op_id": op_id,
+        "t0": t0,
+        "duration_s": round(total, 4),
+        "spans": spans,
+        "pause": pause,
+        "slowest_rank": slowest,
+        "tolerance_s": round(tol, 4),
+        "groups": _groups(spans, tol),
+    }
 
 
 def _groups(spans: list[dict[str, Any]], tol: float) -> list[dict[str, Any]]:
@@ -80,9 +135,17 @@ def _groups(spans: list[dict[str, Any]], tol: float) -> list[dict[str, Any]]:
         mine = by_rank[rank]
         for g in groups:
             rep = g["spans"]
-            if rank >= 0 and g["ranks"][0] >= 0 and len(rep) == len(mine) and all(
-                    a["phase"] == b["phase"] and abs(a["start_s"] - b["start_s"]) <= tol
-                    and abs(a["end_s"] - b["end_s"]) <= tol for a, b in zip(rep, mine)):
+            if (
+                rank >= 0
+                and g["ranks"][0] >= 0
+                and len(rep) == len(mine)
+                and all(
+                    a["phase"] == b["phase"]
+                    and abs(a["start_s"] - b["start_s"]) <= tol
+                    and abs(a["end_s"] - b["end_s"]) <= tol
+                    for a, b in zip(rep, mine)
+                )
+            ):
                 g["ranks"].append(rank)
                 break
         else:
@@ -123,8 +186,12 @@ def timeline_renderables(tl: dict[str, Any], width: int = 120) -> list[Any]:
         return [f"no events for {tl['op_id'] or 'this operation'}"]
     bar_w = max(20, width - 40)
     total = tl["duration_s"]
-    table = Table(title=f"{tl['op_id']}: {total:.2f}s, ranks grouped within {tl['tolerance_s'] * 1000:.0f} ms",
-                  title_justify="left", show_edge=False, pad_edge=False)
+    table = Table(
+        title=f"{tl['op_id']}: {total:.2f}s, ranks grouped within {tl['tolerance_s'] * 1000:.0f} ms",
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+    )
     table.add_column("ranks", no_wrap=True)
     end_label = f"{total:.2f}s"
     table.add_column(f"0s{' ' * (bar_w - 2 - len(end_label))}{end_label}", no_wrap=True)
@@ -135,16 +202,25 @@ def timeline_renderables(tl: dict[str, Any], width: int = 120) -> list[Any]:
     seen = sorted(first, key=lambda p: first[p])
     glyph = glyphs(seen)
     for g in tl["groups"]:
-        label = "controller" if g["ranks"] == [-1] else f"{rank_ranges(g['ranks'])}" + (
-            f" (x{len(g['ranks'])})" if len(g["ranks"]) > 1 else "")
+        label = (
+            "controller"
+            if g["ranks"] == [-1]
+            else f"{rank_ranges(g['ranks'])}" + (f" (x{len(g['ranks'])})" if len(g["ranks"]) > 1 else "")
+        )
         end = max(s["end_s"] for s in g["spans"])
         slow = tl["slowest_rank"] in g["ranks"] and g["ranks"] != [-1]
-        table.add_row(Text(label + (" <- slowest" if slow else ""), style="bold red" if slow else ""),
-                      _bar(g["spans"], total, bar_w, glyph), f"{end:.2f}s")
+        table.add_row(
+            Text(label + (" <- slowest" if slow else ""), style="bold red" if slow else ""),
+            _bar(g["spans"], total, bar_w, glyph),
+            f"{end:.2f}s",
+        )
     pause = tl.get("pause")
     if pause:
-        table.add_row(Text("serving pause", style="bold yellow"), _pause_bar(pause, total, bar_w),
-                      f"{pause['duration_s'] * 1000:.0f} ms")
+        table.add_row(
+            Text("serving pause", style="bold yellow"),
+            _pause_bar(pause, total, bar_w),
+            f"{pause['duration_s'] * 1000:.0f} ms",
+        )
     legend = "  ".join(f"{glyph[p]}={p}" for p in seen) + ("  ==serving pause" if pause else "")
     return [table, legend]
 

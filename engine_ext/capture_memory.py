@@ -37,8 +37,13 @@ def policy_memory(cfg: EngineConfig, dp: int, max_dp: int, policy: str | None = 
     policy = policy or cfg.capture_policy
     recapture = workspace_bytes(cfg, dp)
     reuse = workspace_bytes(cfg, cfg.capture_world or max_dp)
-    return {"capture_policy": policy, "recapture_bytes": recapture, "reuse_bytes": reuse,
-            "held_bytes": reuse if policy == "reuse" else recapture, "reuse_extra_bytes": reuse - recapture}
+    return {
+        "capture_policy": policy,
+        "recapture_bytes": recapture,
+        "reuse_bytes": reuse,
+        "held_bytes": reuse if policy == "reuse" else recapture,
+        "reuse_extra_bytes": reuse - recapture,
+    }
 
 
 def kv_block_bytes(cfg: EngineConfig) -> int:
@@ -53,10 +58,14 @@ def kv_budget(cfg: EngineConfig, world: int) -> dict[str, int]:
     (the null block excluded). ``need_blocks``: one request of ``max_model_len``."""
     block = kv_block_bytes(cfg)
     budget = cfg.num_blocks * block + workspace_bytes(cfg, 1)
-    held = workspace_bytes(cfg, cfg.capture_world if cfg.capture_policy == "reuse" and cfg.capture_world
-                           else world)
-    return {"budget_bytes": budget, "workspace_bytes": held, "block_bytes": block,
-            "kv_blocks": max(0, (budget - held) // block - 1), "need_blocks": cfg.max_blocks_per_seq}
+    held = workspace_bytes(cfg, cfg.capture_world if cfg.capture_policy == "reuse" and cfg.capture_world else world)
+    return {
+        "budget_bytes": budget,
+        "workspace_bytes": held,
+        "block_bytes": block,
+        "kv_blocks": max(0, (budget - held) // block - 1),
+        "need_blocks": cfg.max_blocks_per_seq,
+    }
 
 
 def auto_policy(cfg: EngineConfig, max_dp: int) -> dict[str, Any]:
@@ -71,9 +80,15 @@ def auto_policy(cfg: EngineConfig, max_dp: int) -> dict[str, Any]:
     held = workspace_bytes(cfg, world)
     kv_blocks = max(0, (budget - held) // block - 1)
     need = cfg.max_num_seqs * cfg.max_blocks_per_seq
-    return {"capture_policy": "reuse" if kv_blocks >= need else "recapture", "capture_world": world,
-            "reuse_workspace_bytes": held, "reuse_kv_blocks": kv_blocks, "need_kv_blocks": need,
-            "max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len}
+    return {
+        "capture_policy": "reuse" if kv_blocks >= need else "recapture",
+        "capture_world": world,
+        "reuse_workspace_bytes": held,
+        "reuse_kv_blocks": kv_blocks,
+        "need_kv_blocks": need,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_model_len": cfg.max_model_len,
+    }
 
 
 def size_captures(cfg: EngineConfig, max_dp: int) -> dict[str, Any] | None:
@@ -93,10 +108,17 @@ def up_summary(cfg: EngineConfig, dp: int, max_dp: int, choice: dict[str, Any] |
     the workspace beside recapture's, the KV blocks left, how it was chosen and how to opt out."""
     mem, kv = policy_memory(cfg, dp, max_dp), kv_budget(cfg, dp)
     other = "recapture" if cfg.capture_policy == "reuse" else "reuse"
-    return {**mem, "capture_world": cfg.capture_world, "kv_blocks": kv["kv_blocks"],
-            "need_kv_blocks": cfg.max_num_seqs * cfg.max_blocks_per_seq, "max_num_seqs": cfg.max_num_seqs,
-            "max_model_len": cfg.max_model_len, "chosen_by": "auto" if choice else "option", "auto": choice,
-            "other": f"--capture-policy {other}"}
+    return {
+        **mem,
+        "capture_world": cfg.capture_world,
+        "kv_blocks": kv["kv_blocks"],
+        "need_kv_blocks": cfg.max_num_seqs * cfg.max_blocks_per_seq,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_model_len": cfg.max_model_len,
+        "chosen_by": "auto" if choice else "option",
+        "auto": choice,
+        "other": f"--capture-policy {other}",
+    }
 
 
 def kv_budget_error(cfg: EngineConfig, world: int) -> str | None:
@@ -106,18 +128,22 @@ def kv_budget_error(cfg: EngineConfig, world: int) -> str | None:
     b = kv_budget(cfg, world)
     if b["kv_blocks"] >= b["need_blocks"]:
         return None
-    return (f"at DP {world} the MoE workspace takes {b['workspace_bytes']:,} B of the rank's "
-            f"{b['budget_bytes']:,} B KV budget (num_blocks {cfg.num_blocks} x {b['block_bytes']:,} B + the "
-            f"workspace at DP 1), leaving {b['kv_blocks']} KV block(s); one request of max_model_len "
-            f"{cfg.max_model_len} needs {b['need_blocks']}: raise num_blocks or lower expert_hidden / "
-            "max_num_tokens (or capture_world under capture policy reuse)")
+    return (
+        f"at DP {world} the MoE workspace takes {b['workspace_bytes']:,} B of the rank's "
+        f"{b['budget_bytes']:,} B KV budget (num_blocks {cfg.num_blocks} x {b['block_bytes']:,} B + the "
+        f"workspace at DP 1), leaving {b['kv_blocks']} KV block(s); one request of max_model_len "
+        f"{cfg.max_model_len} needs {b['need_blocks']}: raise num_blocks or lower expert_hidden / "
+        "max_num_tokens (or capture_world under capture policy reuse)"
+    )
 
 
 def describe(mem: dict[str, Any]) -> str:
     """One line for status and --dry-run."""
-    return (f"capture policy {mem['capture_policy']}: workspace {mem['held_bytes']:,} B/rank "
-            f"(recapture {mem['recapture_bytes']:,} B, reuse {mem['reuse_bytes']:,} B, "
-            f"reuse costs {mem['reuse_extra_bytes']:+,} B/rank)")
+    return (
+        f"capture policy {mem['capture_policy']}: workspace {mem['held_bytes']:,} B/rank "
+        f"(recapture {mem['recapture_bytes']:,} B, reuse {mem['reuse_bytes']:,} B, "
+        f"reuse costs {mem['reuse_extra_bytes']:+,} B/rank)"
+    )
 
 
 def replica_table_width(cfg: EngineConfig) -> int:

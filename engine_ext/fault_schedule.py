@@ -30,8 +30,12 @@ class Round:
 # with its only member killed 1.7 s in, back to 2, then 2 -> 1 with rank 0 and the controller killed
 # 0.9 s in. Each restarted controller must remove what the interrupted attempt reserved (its
 # placement groups), or every later launch fails on their names.
-TAKEOVERS = [Round(4, "rank+controller", 1.0, 0.75, True), Round(3, "rank-kill", 1.7, 0.0, True),
-             Round(2, "rank-kill", 2.0, 0.0, False), Round(1, "rank+controller", 0.9, 0.0, True)]
+TAKEOVERS = [
+    Round(4, "rank+controller", 1.0, 0.75, True),
+    Round(3, "rank-kill", 1.7, 0.0, True),
+    Round(2, "rank-kill", 2.0, 0.0, False),
+    Round(1, "rank+controller", 0.9, 0.0, True),
+]
 
 
 def schedule(seed: int, rounds: int, start_dp: int, max_dp: int) -> list[Round]:

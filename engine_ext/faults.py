@@ -34,57 +34,58 @@ def debug_fail_commit_file() -> str:
     """The file whose existence makes a vLLM server's scale commits fail (a test hook; "" when unset)."""
     return os.environ.get(DEBUG_FAIL_COMMIT_ENV, "")
 
+
 # Broken variants: name -> what it breaks (and which invariant check must catch it).
 VARIANTS: dict[str, str] = {
     "double_suffix": "identities are suffixed twice, `<id>_dp<r>_dp<r>` (the upstream bug, built by hand; I1)",
     "no_suffix": "identities are not suffixed: every rank claims the same instance and engine id (I1)",
     "skip_release": "release and re-capture are switched off in a transition: the old captures stay, "
-                    "so replays would read the old world's buffers (I3; and 0 capture passes, I4)",
+    "so replays would read the old world's buffers (I3; and 0 capture passes, I4)",
     "no_stale_check": "the replay staleness check is off: a stale capture replays (shows I3's harm)",
     "skip_rewarm": "the workspace is not right-sized for the new world in a transition: the lock "
-                   "refuses it, too small on a scale-up, too large on a scale-down (I4)",
+    "refuses it, too small on a scale-up, too large on a scale-down (I4)",
     "no_lock_check": "the workspace locks at whatever size it holds (shows skip_rewarm's harm)",
     "double_capture": "two capture passes per transition (upstream before its fix; I4)",
     "warmup_not_isolated": "the warm-up batch takes every request slot, live ones included, pointing "
-                           "their block tables at live KV blocks that it then writes (I5)",
+    "their block tables at live KV blocks that it then writes (I5)",
     "eplb_not_suppressed": "the warm-up batch's routing is recorded as EPLB load (I5)",
     "no_warmup_check": "warm-up isolation is measured and reported but not enforced (shows I5's harm)",
     "late_eplb_comm": "prepare runs its steps in reverse: the non-expert weight transfer before the "
-                      "groups and the EPLB communicator, so the transfer finds no channel and the scale "
-                      "fails (I2)",
+    "groups and the EPLB communicator, so the transfer finds no channel and the scale "
+    "fails (I2)",
     "transport_sized_for_old_world": "at a transition the new world's shared memory is sized for the old "
-                                     "world's exchanges: on a scale-up the I2 transport check refuses it in "
-                                     "prepare (the scale rolls back, nothing moved)",
+    "world's exchanges: on a scale-up the I2 transport check refuses it in "
+    "prepare (the scale rolls back, nothing moved)",
     "no_transport_check": "prepare does not check the new world's transport from its evidence (shows "
-                          "transport_sized_for_old_world's harm: the new world runs on a segment its largest "
-                          "routed exchange overflows, which fails the step on every member)",
+    "transport_sized_for_old_world's harm: the new world runs on a segment its largest "
+    "routed exchange overflows, which fails the step on every member)",
     "reuse_sized_for_world": "under capture_policy=reuse, captures are sized for the world at launch "
-                             "instead of max DP: the reuse check refuses them on a scale-up",
+    "instead of max DP: the reuse check refuses them on a scale-up",
     "no_token_stream": "the rank does not stream its tokens to the router: a request moved off a dead "
-                       "rank re-prefills from its prompt only (resumed_with 0; greedy outputs hide it)",
+    "rank re-prefills from its prompt only (resumed_with 0; greedy outputs hide it)",
     "reuse_drops_captures": "under capture_policy=reuse, survivors release their captures in a transition "
-                            "instead of keeping them: they serve decodes eagerly (outputs unchanged; the "
-                            "eager-fallback counter and the registry show it)",
+    "instead of keeping them: they serve decodes eagerly (outputs unchanged; the "
+    "eager-fallback counter and the registry show it)",
     "precopy_into_live_slots": "a member receives a scale's pre-copied experts straight into the slots it "
-                               "serves from instead of spare buffers: the old world serves them before the "
-                               "switch, and a failure before the switch leaves them moved (wrong tokens)",
+    "serves from instead of spare buffers: the old world serves them before the "
+    "switch, and a failure before the switch leaves them moved (wrong tokens)",
     "slow_prepare": "alias of a hold in prepare on joining ranks only: a window to kill a joiner",
     # Self-healing mechanisms switched off: the harm shows when a rank dies.
     "no_reroute": "the controller does not re-route a dead rank's requests (router park/re-route): "
-                  "they stay owned by the dead rank and are never answered",
+    "they stay owned by the dead rank and are never answered",
     "no_degrade": "a survivor takes a peer's death for its own failure (degrade-vs-fail classification "
-                  "off): it reports `failed` instead of `degraded`, so status shows a healthy rank broken, "
-                  "and the reconcile loop fences it if it sees that report before the recovery reaches it "
-                  "(a healthy rank lost; its requests move, none fails)",
+    "off): it reports `failed` instead of `degraded`, so status shows a healthy rank broken, "
+    "and the reconcile loop fences it if it sees that report before the recovery reaches it "
+    "(a healthy rank lost; its requests move, none fails)",
     "no_store_rehost": "a recovery does not re-host the store when its host died: the survivors "
-                       "regroup on the dead store and the recovery fails",
+    "regroup on the dead store and the recovery fails",
     "no_group_abort": "a degrading or recovering rank does not abort its groups: a thread blocked in a "
-                      "collective with a survivor that stopped waits out the backend's timeout",
+    "collective with a survivor that stopped waits out the backend's timeout",
     "no_sleeper_abandon": "a recovery waits for a step thread asleep on the store instead of leaving it "
-                          "behind: with the store's host cut off that wait does not return, and the "
-                          "recovery fails (\"the step loop did not stop\")",
+    "behind: with the store's host cut off that wait does not return, and the "
+    'recovery fails ("the step loop did not stop")',
     "no_weight_source_restore": "a recovery does not load experts whose every copy died from the weight "
-                                "source: their slots keep another expert's weights (wrong tokens)",
+    "source: their slots keep another expert's weights (wrong tokens)",
 }
 
 # Phases a rank can be held in with "hold:<phase>" or "hold:<phase>@<rank>" (``adopt``: a standby taken
@@ -100,8 +101,22 @@ VARIANTS: dict[str, str] = {
 # tokens: a window to kill a rank that certainly holds requests with tokens to continue with. Only a
 # rank started with the deployment holds there: its replacement (a joiner) would otherwise stall its
 # peers' steps past the step timeout and turn one kill into a cascade the test did not ask for.
-HOLD_PHASES = ("admit", "launch", "adopt", "prepare", "shm_setup", "transfer", "precopy", "drain", "commit", "reshuffle",
-               "warm", "capture", "regroup", "step")
+HOLD_PHASES = (
+    "admit",
+    "launch",
+    "adopt",
+    "prepare",
+    "shm_setup",
+    "transfer",
+    "precopy",
+    "drain",
+    "commit",
+    "reshuffle",
+    "warm",
+    "capture",
+    "regroup",
+    "step",
+)
 ONCE_PHASES = frozenset({"step"})
 # Phases of a transition's commit, where forward passes are paused. A hold in one of them on a member
 # that serves on in the new world (role "existing" or "remaining") makes that rank agree to commit
@@ -117,12 +132,20 @@ FAIL_PHASES = ("step",)
 class Faults:
     """The faults configured for one rank."""
 
-    def __init__(self, names: list[str], delay_s: float, rank: int,
-                 on_hold: Callable[[str], None] | None = None, joining: bool = False) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        delay_s: float,
+        rank: int,
+        on_hold: Callable[[str], None] | None = None,
+        joining: bool = False,
+    ) -> None:
         unknown = [n for n in names if n not in VARIANTS and not _is_hold(n) and not _is_fail(n)]
         if unknown:
-            raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(VARIANTS)}, "
-                             f"hold:<phase>[@<rank>] with phase in {HOLD_PHASES} and fail:step@<rank>")
+            raise ValueError(
+                f"unknown fault(s) {unknown}; known: {sorted(VARIANTS)}, "
+                f"hold:<phase>[@<rank>] with phase in {HOLD_PHASES} and fail:step@<rank>"
+            )
         self.names = frozenset(names)
         self.delay_s = delay_s
         self.rank = rank
@@ -171,7 +194,7 @@ class Faults:
 
 
 def _is_fail(name: str) -> bool:
-    phase, _, rank = name[len("fail:"):].partition("@")
+    phase, _, rank = name[len("fail:") :].partition("@")
     return name.startswith("fail:") and phase in FAIL_PHASES and rank.isdigit()
 
 
@@ -190,5 +213,5 @@ def controller_holds(names: list[str], phase: str) -> bool:
 def _is_hold(name: str) -> bool:
     if not name.startswith("hold:"):
         return False
-    phase, _, rank = name[len("hold:"):].partition("@")
+    phase, _, rank = name[len("hold:") :].partition("@")
     return phase in HOLD_PHASES and (not rank or rank.isdigit())

@@ -17,18 +17,16 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine_ext.elastic.eplb import ExpertLayout
-from engine_ext.elastic.identity import strip_dp_suffix
-from engine_ext.control.registry_state import RegistryState
-from engine_ext.control.standby_pool import StandbyPool
-from engine_ext.elastic.identity import STANDBY_RANK_BASE
 from engine_ext.capture_memory import size_captures
 from engine_ext.config import EngineConfig
-from engine_ext.errors import RankRefused
 from engine_ext.control.orchestrator import Orchestrator
-from engine_ext.control.reconciler import Reconciler
 from engine_ext.control.rank_client import RANK_METHODS, RankClient
-
+from engine_ext.control.reconciler import Reconciler
+from engine_ext.control.registry_state import RegistryState
+from engine_ext.control.standby_pool import StandbyPool
+from engine_ext.elastic.eplb import ExpertLayout
+from engine_ext.elastic.identity import STANDBY_RANK_BASE, strip_dp_suffix
+from engine_ext.errors import RankRefused
 
 # What a rank process imports, loaded once in the fork server (``rank_context``).
 RANK_PRELOAD = ["torch", "engine_ext.rank.engine"]
@@ -49,8 +47,17 @@ def rank_context() -> mp.context.BaseContext:
     return ctx
 
 
-def _rank_main(conn: Connection, cfg_d: dict[str, Any], name: str, rank: int, layout_d: dict[str, Any],
-               joining: bool, device: str, env: dict[str, str], standby: int = -1) -> None:
+def _rank_main(
+    conn: Connection,
+    cfg_d: dict[str, Any],
+    name: str,
+    rank: int,
+    layout_d: dict[str, Any],
+    joining: bool,
+    device: str,
+    env: dict[str, str],
+    standby: int = -1,
+) -> None:
     # The launcher's environment at this launch, as a spawned child would inherit it: a forked
     # one would otherwise see the fork server's, from when the server started.
     os.environ.clear()
@@ -63,8 +70,15 @@ def _rank_main(conn: Connection, cfg_d: dict[str, Any], name: str, rank: int, la
         with send_lock:
             conn.send(msg)
 
-    engine = RankEngine(EngineConfig.from_dict(cfg_d), name, rank, ExpertLayout.from_dict(layout_d),
-                        joining=joining, device=device, sink=lambda kind, payload: send((kind, payload)))
+    engine = RankEngine(
+        EngineConfig.from_dict(cfg_d),
+        name,
+        rank,
+        ExpertLayout.from_dict(layout_d),
+        joining=joining,
+        device=device,
+        sink=lambda kind, payload: send((kind, payload)),
+    )
     if standby >= 0:  # launched ahead for the standby pool
         from engine_ext.rank.standby import enter_standby
 
@@ -204,11 +218,22 @@ class ProcessSpawner:
         parent, child = self.ctx.Pipe()
         o = self.owner
         device = o.device_for(rank if standby < 0 else 0)
-        proc = self.ctx.Process(target=_rank_main,
-                                name=f"{o.name}_dp{rank}" if standby < 0 else f"{o.name}_standby{standby}",
-                                args=(child, o.cfg.to_dict(), o.name, rank, layout.to_dict(), joining, device,
-                                      {**os.environ, **o.env}, standby),
-                                daemon=True)
+        proc = self.ctx.Process(
+            target=_rank_main,
+            name=f"{o.name}_dp{rank}" if standby < 0 else f"{o.name}_standby{standby}",
+            args=(
+                child,
+                o.cfg.to_dict(),
+                o.name,
+                rank,
+                layout.to_dict(),
+                joining,
+                device,
+                {**os.environ, **o.env},
+                standby,
+            ),
+            daemon=True,
+        )
         proc.start()
         child.close()
         client = ProcessRankClient(rank, proc, parent, o)
@@ -233,9 +258,19 @@ async def _process_alive(client: RankClient) -> bool:
 class LocalDeployment:
     """A deployment whose ranks are child processes of this one. Use ``async with``."""
 
-    def __init__(self, cfg: EngineConfig, name: str = "local", *, max_dp: int = 8, device: str = "cpu",
-                 env: dict[str, str] | None = None, on_rank_failure: str = "replace", standby: int = 0,
-                 health_deadline_s: float = 5.0, death_report_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        name: str = "local",
+        *,
+        max_dp: int = 8,
+        device: str = "cpu",
+        env: dict[str, str] | None = None,
+        on_rank_failure: str = "replace",
+        standby: int = 0,
+        health_deadline_s: float = 5.0,
+        death_report_delay_s: float = 0.0,
+    ) -> None:
         size_captures(cfg, max_dp)  # resolves capture policy auto before any rank starts
         # Seconds from a rank's pipe closing to its death report. The pipe tells at once; Ray
         # tells seconds late, so calls can fail on a death nobody reported yet (tests set it).
@@ -248,9 +283,16 @@ class LocalDeployment:
         self.registry = RegistryState(name)
         self.registry.set_info({"max_dp": max_dp, "config": cfg.to_dict()})  # as the Ray controller records it
         spawner = ProcessSpawner(self)
-        self.orch = Orchestrator(name, cfg, spawner, max_dp=max_dp,
-                                 emit=self.registry.report_event, record_op=self.registry.record_operation,
-                                 forget_rank=self.registry.forget_rank, on_rank_failure=on_rank_failure)
+        self.orch = Orchestrator(
+            name,
+            cfg,
+            spawner,
+            max_dp=max_dp,
+            emit=self.registry.report_event,
+            record_op=self.registry.record_operation,
+            forget_rank=self.registry.forget_rank,
+            on_rank_failure=on_rank_failure,
+        )
         self.orch.admission.device = device  # the cost model's host check (engine_ext.control.cost_model)
         # The same reconcile loop as the Ray controller: fences a silent or failed rank (SIGKILL),
         # rebuilds from the weight source when no healthy rank is left, grows back.
@@ -259,9 +301,14 @@ class LocalDeployment:
         self._pool_watch: asyncio.Task[None] | None = None
 
     def _make_pool(self, spawner: ProcessSpawner, size: int) -> StandbyPool:
-        pool = StandbyPool(size, spawner.launch_standby, _process_alive,
-                           lambda c: c.kill(), self.registry.forget_rank,  # type: ignore[attr-defined]
-                           lambda: self.orch.running_op() is not None)
+        pool = StandbyPool(
+            size,
+            spawner.launch_standby,
+            _process_alive,
+            lambda c: c.kill(),
+            self.registry.forget_rank,  # type: ignore[attr-defined]
+            lambda: self.orch.running_op() is not None,
+        )
         pool.identity_base = strip_dp_suffix(self.cfg.instance_id or self.name)
         return pool
 
@@ -286,8 +333,13 @@ class LocalDeployment:
             return  # a late report of a process already replaced under this rank number: not news
         proc.join(0.5)
         code = proc.exitcode
-        cause = f"process exited (exit code {code})" if code is not None and code >= 0 else \
-            f"process killed by signal {-code}" if code is not None else "rank pipe closed"
+        cause = (
+            f"process exited (exit code {code})"
+            if code is not None and code >= 0
+            else f"process killed by signal {-code}"
+            if code is not None
+            else "rank pipe closed"
+        )
         self.orch.recovery.on_death(rank, cause)
 
     async def start(self, size: int) -> None:

@@ -35,10 +35,31 @@ from engine_ext.records import (
 )
 
 __all__ = [
-    "DEFAULT_DEPLOYMENT", "DEFAULT_NAMESPACE", "REPORTED_PHASES", "SCHEMA_VERSION", "STALE_AFTER_S",
-    "DeploymentKind", "EepError", "Event", "ExitCode", "OpState", "Operation", "Phase", "PreconditionError",
-    "RankState", "RankStatus", "TransitionFailed", "TransitionTimeout", "UnreachableError", "UsageError",
-    "VllmRankStatus", "error_from_record", "error_record", "from_builtins", "to_builtins", "validate_name",
+    "DEFAULT_DEPLOYMENT",
+    "DEFAULT_NAMESPACE",
+    "REPORTED_PHASES",
+    "SCHEMA_VERSION",
+    "STALE_AFTER_S",
+    "DeploymentKind",
+    "EepError",
+    "Event",
+    "ExitCode",
+    "OpState",
+    "Operation",
+    "Phase",
+    "PreconditionError",
+    "RankState",
+    "RankStatus",
+    "TransitionFailed",
+    "TransitionTimeout",
+    "UnreachableError",
+    "UsageError",
+    "VllmRankStatus",
+    "error_from_record",
+    "error_record",
+    "from_builtins",
+    "to_builtins",
+    "validate_name",
 ]
 
 SCHEMA_VERSION = 1  # of every JSON object eepctl prints (docs/status-schema.md)

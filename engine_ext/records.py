@@ -319,8 +319,9 @@ def _null_means_default(record_type: type) -> frozenset[str]:
     """Fields with a default that cannot hold None: a None sent for them means the default."""
     names = _NULL_MEANS_DEFAULT.get(record_type)
     if names is None:
-        names = frozenset(f.name for f in msgspec.structs.fields(record_type)
-                          if not f.required and not _accepts_none(f.type))
+        names = frozenset(
+            f.name for f in msgspec.structs.fields(record_type) if not f.required and not _accepts_none(f.type)
+        )
         _NULL_MEANS_DEFAULT[record_type] = names
     return names
 
@@ -334,8 +335,11 @@ def from_builtins(data: Any, record_type: type[Record], what: str | None = None)
     NaN, no unknown keys). Refused data raises ValueError with msgspec's message."""
     if isinstance(data, Mapping):
         nulls = _null_means_default(record_type)
-        data = {k: v.value if isinstance(v, enum.Enum) else v  # RankState.SERVING is "serving"
-                for k, v in data.items() if v is not None or k not in nulls}
+        data = {
+            k: v.value if isinstance(v, enum.Enum) else v  # RankState.SERVING is "serving"
+            for k, v in data.items()
+            if v is not None or k not in nulls
+        }
     try:
         return msgspec.convert(data, record_type, strict=True)
     except msgspec.ValidationError as e:

@@ -60,8 +60,7 @@ def _in_use(directory: Path, prefix: str) -> set[str]:
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
             with open(proc / "maps") as f:
-                used.update(line.split(f"{directory}/", 1)[1].split(" ")[0].rstrip()
-                            for line in f if marker in line)
+                used.update(line.split(f"{directory}/", 1)[1].split(" ")[0].rstrip() for line in f if marker in line)
         with contextlib.suppress(OSError):
             for fd in os.listdir(proc / "fd"):
                 with contextlib.suppress(OSError):
@@ -71,8 +70,9 @@ def _in_use(directory: Path, prefix: str) -> set[str]:
     return used
 
 
-def orphan_segments(since: float = 0.0, min_age_s: float = MIN_AGE_S, prefix: str = PREFIX,
-                    directory: Path = SHM_DIR) -> list[Orphan]:
+def orphan_segments(
+    since: float = 0.0, min_age_s: float = MIN_AGE_S, prefix: str = PREFIX, directory: Path = SHM_DIR
+) -> list[Orphan]:
     """The orphaned segments (the module's rules), oldest first."""
     found = _candidates(directory, prefix, since, min_age_s)
     if not found:
@@ -81,8 +81,9 @@ def orphan_segments(since: float = 0.0, min_age_s: float = MIN_AGE_S, prefix: st
     return sorted((o for o in found if o.path.name not in used), key=lambda o: o.path.name)
 
 
-def remove_orphan_segments(since: float = 0.0, min_age_s: float = MIN_AGE_S, prefix: str = PREFIX,
-                           directory: Path = SHM_DIR) -> list[Orphan]:
+def remove_orphan_segments(
+    since: float = 0.0, min_age_s: float = MIN_AGE_S, prefix: str = PREFIX, directory: Path = SHM_DIR
+) -> list[Orphan]:
     """Remove ``orphan_segments(...)``; those removed."""
     gone = []
     for o in orphan_segments(since, min_age_s, prefix, directory):

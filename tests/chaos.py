@@ -17,8 +17,18 @@ from typing import Any
 from engine_ext.fault_schedule import Round
 
 # 8 slots per rank: DP 1 holds every expert, so any size from 1 to MAX_DP is a valid world.
-ENGINE = {"num_experts": 8, "slots_per_rank": 8, "top_k": 2, "num_layers": 2, "hidden_size": 64,
-          "max_num_seqs": 8, "max_num_tokens": 64, "dtype": "float64", "seed": 0, "capture_sizes": [1, 2, 4, 8]}
+ENGINE = {
+    "num_experts": 8,
+    "slots_per_rank": 8,
+    "top_k": 2,
+    "num_layers": 2,
+    "hidden_size": 64,
+    "max_num_seqs": 8,
+    "max_num_tokens": 64,
+    "dtype": "float64",
+    "seed": 0,
+    "capture_sizes": [1, 2, 4, 8],
+}
 START_DP, MAX_DP = 2, 4
 DEADLINE_S = 3.0  # the health deadline
 PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99, 7], [77, 78, 79]]
@@ -27,23 +37,33 @@ PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99, 7], [77, 78, 79]]
 class Chaos:
     """Runs rounds against one deployment of this machine (faults are signals by pid)."""
 
-    def __init__(self, core: Any, t: Any, oracle: Callable[[list[int]], list[int]], *, bound_s: float = 150.0,
-                 deadline_s: float = DEADLINE_S, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        core: Any,
+        t: Any,
+        oracle: Callable[[list[int]], list[int]],
+        *,
+        bound_s: float = 150.0,
+        deadline_s: float = DEADLINE_S,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.core, self.t, self.oracle = core, t, oracle
         self.bound_s, self.deadline_s, self.log = bound_s, deadline_s, log
         self.stopped: list[int] = []  # SIGSTOPped pids, resumed by a timer (or by close())
 
     def _controller_pid(self) -> int:
         import ray
-
         from engine_ext.ray.deployment import actor
         from engine_ext.ray.names import controller_name
 
         return int(ray.get(actor(controller_name(self.t.name), self.t.namespace).pid.remote(), timeout=30))
 
     def _ranks(self) -> list[dict[str, Any]]:
-        return [r for r in self.core.status(self.t)["ranks"]
-                if r.get("pid") and r["state"] not in ("stale", "removed", "fenced", "dead", "standby")]
+        return [
+            r
+            for r in self.core.status(self.t)["ranks"]
+            if r.get("pid") and r["state"] not in ("stale", "removed", "fenced", "dead", "standby")
+        ]
 
     def run_round(self, i: int, rnd: Round) -> dict[str, Any]:
         """One round; its record (raises AssertionError when the deployment does not serve within the bound)."""
@@ -61,8 +81,9 @@ class Chaos:
         t0 = time.time()
         scaler.start()
         time.sleep(max(0.0, t0 + rnd.at_s - time.time()))
-        listed = sorted((r for r in self._ranks() if not rnd.members_only or r["rank"] in members),
-                        key=lambda r: r["rank"])
+        listed = sorted(
+            (r for r in self._ranks() if not rnd.members_only or r["rank"] in members), key=lambda r: r["rank"]
+        )
         victim = listed[int(rnd.victim * len(listed))] if listed and rnd.fault != "controller-kill" else None
         t_fault = time.time()
         if victim is not None:
@@ -80,9 +101,15 @@ class Chaos:
         scaler.join(240)
         killed = [int(victim["pid"])] if victim is not None and rnd.fault != "rank-stop" else []
         serving_s = self.wait_serving(t_fault, killed, ctl_pid if "controller" in rnd.fault else 0)
-        rec = {"round": i, **asdict(rnd), "from": len(members), "victim_rank": victim["rank"] if victim else None,
-               "scale": (outcome.get("op") or {}).get("state") or outcome.get("error"),
-               "serving_s": round(serving_s, 2), "dp": self.core.status(self.t)["info"].get("desired_dp")}
+        rec = {
+            "round": i,
+            **asdict(rnd),
+            "from": len(members),
+            "victim_rank": victim["rank"] if victim else None,
+            "scale": (outcome.get("op") or {}).get("state") or outcome.get("error"),
+            "serving_s": round(serving_s, 2),
+            "dp": self.core.status(self.t)["info"].get("desired_dp"),
+        }
         self.log(f"round {i}: serving again at DP {rec['dp']} {serving_s:.1f}s after the fault (scale: {rec['scale']})")
         return rec
 
@@ -117,11 +144,17 @@ class Chaos:
                     continue
                 desired = int(s["info"].get("desired_dp") or 0)
                 control = s["info"].get("control") or {}
-                last = (f"ranks {[(r['rank'], r['state'], r.get('dp_size')) for r in live]}, desired {desired}, "
-                        f"operation {bool(s.get('operation'))}, working on {control.get('working_on')!r}, "
-                        f"last error {control.get('last_error')}, escalated {control.get('escalated')}")
-                if (live and not s.get("operation") and len(live) == desired
-                        and all(r["state"] == "serving" and r.get("dp_size") == desired for r in live)):
+                last = (
+                    f"ranks {[(r['rank'], r['state'], r.get('dp_size')) for r in live]}, desired {desired}, "
+                    f"operation {bool(s.get('operation'))}, working on {control.get('working_on')!r}, "
+                    f"last error {control.get('last_error')}, escalated {control.get('escalated')}"
+                )
+                if (
+                    live
+                    and not s.get("operation")
+                    and len(live) == desired
+                    and all(r["state"] == "serving" and r.get("dp_size") == desired for r in live)
+                ):
                     t_ok = time.time()
                     gen = self.core.generate(self.t, PROMPTS, 8, 60)
                     bad = [r for r in gen["results"] if r["error"] or r["output"] != self.oracle(r["prompt"])]

@@ -16,7 +16,6 @@ import pytest
 from engine_ext.shm_orphans import remove_orphan_segments
 from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 
-
 # Under pytest-xdist (`bash scripts/test.sh` runs two workers): a module is one unit of
 # work (its module-scoped deployment or server serves all its tests), and the modules that start
 # vLLM servers are one unit (their servers would race for vLLM's default ports, and two of them
@@ -32,14 +31,28 @@ from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 # unit beside the busiest Ray modules) made each take 2-3x longer and load-sensitive tests fail
 # (docs/testing.md, "Two lanes").
 # EEPCTL_TEST_LANES=0: free dealing, the longest units first (``LONGEST_FIRST``).
-VLLM_SERVER_MODULES = ("test_vllm_elastic", "test_vllm_cpu_ep", "test_vllm_plugin", "test_vllm_amx",
-                       "test_vllm_standby")
+VLLM_SERVER_MODULES = (
+    "test_vllm_elastic",
+    "test_vllm_cpu_ep",
+    "test_vllm_plugin",
+    "test_vllm_amx",
+    "test_vllm_standby",
+)
 RAY_UNITS = ("test_fuzz", "test_completions")  # with every ``*_ray`` module: they start the session's Ray head
 WAITING_RAY = ("test_multinode_ray", "test_control_plane_ray", "test_cli_ray")  # gw1's Ray modules
 LANE_FIRST = ("test_scaling_ray", "test_multinode_ray", "test_selfheal_ray", "test_control_plane_ray", "test_cli_ray")
 LANE_LAST = ("vllm",)  # gw0 ends with it, once gw1 has (about) finished
-LONGEST_FIRST = ("vllm", "test_multinode_ray", "test_scaling_ray", "test_control_plane_ray", "test_selfheal_local",
-                 "test_selfheal_ray", "test_autoscale_e2e_ray", "test_cli_ray", "test_selfheal_mechanisms")
+LONGEST_FIRST = (
+    "vllm",
+    "test_multinode_ray",
+    "test_scaling_ray",
+    "test_control_plane_ray",
+    "test_selfheal_local",
+    "test_selfheal_ray",
+    "test_autoscale_e2e_ray",
+    "test_cli_ray",
+    "test_selfheal_mechanisms",
+)
 
 
 def _work_unit(nodeid: str) -> str:
@@ -73,6 +86,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 if importlib.util.find_spec("xdist") is not None:
+
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         from xdist.scheduler import LoadScopeScheduling
 
@@ -98,8 +112,7 @@ if importlib.util.find_spec("xdist") is not None:
                 return super()._assign_work_unit(node)
 
             def _reschedule(self, node: Any) -> None:
-                if _lanes() and not node.shutting_down \
-                        and all(_lane(u) != self._lane_of(node) for u in self.workqueue):
+                if _lanes() and not node.shutting_down and all(_lane(u) != self._lane_of(node) for u in self.workqueue):
                     node.shutdown()  # this lane's units are all dealt: it ends once its tests ran
                     return None
                 return super()._reschedule(node)
@@ -154,8 +167,12 @@ def ray_cluster(state_dir: Path) -> Iterator[dict[str, Any]]:
     from eepctl import cluster
 
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # a head per xdist worker: its own port and temp dir
-    info = cluster.start_local(num_cpus=16, resources={"vllm_cpu_rank": 8}, any_port=bool(worker),
-                               temp_dir=f"/tmp/eepray-{worker}-{os.getpid()}" if worker else None)
+    info = cluster.start_local(
+        num_cpus=16,
+        resources={"vllm_cpu_rank": 8},
+        any_port=bool(worker),
+        temp_dir=f"/tmp/eepray-{worker}-{os.getpid()}" if worker else None,
+    )
     os.environ["RAY_ADDRESS"] = info["address"]
     try:
         yield info
@@ -193,8 +210,12 @@ def vllm_oracle(vllm_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
     once it answered; a module asks for it after starting its own servers, so the starts overlap."""
     from tests.vllm_servers import PROMPTS, pythonpath, run_prompts, start
 
-    oracle = start(vllm_checkpoint, tmp_path_factory.mktemp("vllm-oracle") / "dp1.log", ["--dtype", "float32"],
-                   env={"PYTHONPATH": pythonpath()})
+    oracle = start(
+        vllm_checkpoint,
+        tmp_path_factory.mktemp("vllm-oracle") / "dp1.log",
+        ["--dtype", "float32"],
+        env={"PYTHONPATH": pythonpath()},
+    )
     try:
         oracle.wait_healthy()
         return run_prompts(oracle, PROMPTS)

@@ -16,8 +16,9 @@ def run(coro: Coroutine[Any, Any, T], timeout: float) -> T:
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def oracle_mismatch(pairs: list[tuple[int, dict]], ref: list[dict], *, rel_tol: float = 1e-9,
-                    logits: bool = True) -> str:
+def oracle_mismatch(
+    pairs: list[tuple[int, dict]], ref: list[dict], *, rel_tol: float = 1e-9, logits: bool = True
+) -> str:
     """'' when every (prompt index, result) equals the oracle's greedy tokens (and logits), else why not."""
     for idx, got in pairs:
         if got.get("error"):
@@ -123,8 +124,9 @@ def watch_reported_reasons(dep: Any, state: str) -> dict[int, list[str]]:
     return seen
 
 
-async def kill_between_steps(dep: Any, victim: int, prompts: list[list[int]], max_tokens: int,
-                             bound_s: float, report_delay_s: float = 3.0) -> list[dict | None]:
+async def kill_between_steps(
+    dep: Any, victim: int, prompts: list[list[int]], max_tokens: int, bound_s: float, report_delay_s: float = 3.0
+) -> list[dict | None]:
     """SIGKILL ``victim`` (of a ``LocalDeployment``) while the world is idle, its death reported
     ``report_delay_s`` late (as Ray reports it), and submit every prompt at once: the survivors
     wake into the next step's header all-reduce before any recovery. On gloo that is a ring: the

@@ -17,20 +17,33 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "eepctl"
 MAX_TOKENS = 8  # `eepctl generate`'s default
-SENDING_NOTE = "requests/s for"  # in the note `eepctl generate --rate` gives as it begins sending (eepctl.loadgen.SENDING)
+SENDING_NOTE = (
+    "requests/s for"  # in the note `eepctl generate --rate` gives as it begins sending (eepctl.loadgen.SENDING)
+)
 # Seconds a Ray head a test started gets between SIGTERM and SIGKILL: its deployments are down by
 # then, and a head whose raylet had detached actors outlived the CLI's 15 s default grace.
 STOP_GRACE_S = 3.0
-SMALL_ENGINE = {"num_experts": 8, "slots_per_rank": 8, "top_k": 2, "num_layers": 2, "hidden_size": 64,
-                "max_num_seqs": 8, "max_num_tokens": 64, "dtype": "float64", "seed": 0,
-                "capture_sizes": [1, 2, 4, 8], "capture_policy": "recapture"}
+SMALL_ENGINE = {
+    "num_experts": 8,
+    "slots_per_rank": 8,
+    "top_k": 2,
+    "num_layers": 2,
+    "hidden_size": 64,
+    "max_num_seqs": 8,
+    "max_num_tokens": 64,
+    "dtype": "float64",
+    "seed": 0,
+    "capture_sizes": [1, 2, 4, 8],
+    "capture_policy": "recapture",
+}
 
 
 def eepctl(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as an operator or a script would."""
     full_env = dict(os.environ, NO_COLOR="1", COLUMNS="200", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "eepctl", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "eepctl", *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT
+    )
 
 
 def last_json(text: str) -> dict[str, Any]:
@@ -82,8 +95,9 @@ class Deployment:
         """The CLI in the background; ``stdout`` a file for a long ``--watch`` (a pipe nobody
         reads fills, and its writer blocks)."""
         env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
-        p = subprocess.Popen([sys.executable, "-m", "eepctl", *args], stdout=stdout, stderr=subprocess.PIPE,
-                             text=True, env=env, cwd=ROOT)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "eepctl", *args], stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        )
         self.procs.append(p)
         return p
 
@@ -112,8 +126,23 @@ def owned_deployments() -> Iterator[Callable[[str], Deployment]]:
 
 def up_cli(d: Deployment, dp: int, max_dp: int, *extra: str) -> dict[str, Any]:
     # recapture, as SMALL_ENGINE: the tests see every rank re-warm and capture in each scale (I4, I5)
-    res = eepctl("up", "--dp", str(dp), "--max-dp", str(max_dp), "--dtype", "float64", "--name", d.name,
-                 "--capture-policy", "recapture", *extra, "-o", "json", timeout=300)
+    res = eepctl(
+        "up",
+        "--dp",
+        str(dp),
+        "--max-dp",
+        str(max_dp),
+        "--dtype",
+        "float64",
+        "--name",
+        d.name,
+        "--capture-policy",
+        "recapture",
+        *extra,
+        "-o",
+        "json",
+        timeout=300,
+    )
     assert res.returncode == 0, f"up {d.name} exited {res.returncode}: {res.stderr}"
     return last_json(res.stdout)
 
@@ -175,8 +204,11 @@ def oracle(cfg_d: dict[str, Any], prompt: list[int], max_tokens: int = MAX_TOKEN
     from engine_ext.model.dense_oracle import reference_generate
 
     cfg = EngineConfig.from_dict(cfg_d)
-    model_key = {k: v for k, v in cfg.to_dict().items() if k not in ("instance_id", "kv_transfer", "faults",
-                                                                       "fault_delay_s", "slots_per_rank")}
+    model_key = {
+        k: v
+        for k, v in cfg.to_dict().items()
+        if k not in ("instance_id", "kv_transfer", "faults", "fault_delay_s", "slots_per_rank")
+    }
     key = (json.dumps(model_key, sort_keys=True), tuple(prompt), max_tokens)
     if key not in _ORACLE:
         _ORACLE[key] = list(reference_generate(cfg, [list(prompt)], max_tokens)[0]["output"])
@@ -218,8 +250,9 @@ def stop_sending(proc: Any, timeout: float = 120.0) -> None:
         proc.send_signal(signal.SIGINT)
 
 
-def finish_load(proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS, *,
-                stop: bool = False) -> dict[str, Any]:
+def finish_load(
+    proc: Any, cfg_d: dict[str, Any], max_tokens: int = MAX_TOKENS, *, stop: bool = False
+) -> dict[str, Any]:
     """Wait for an `eepctl generate --rate` process (``stop``: ending its sending first); it exited
     0, lost nothing, matched the oracle. Its stderr comes back as ``res["stderr"]``."""
     if stop:
@@ -248,31 +281,53 @@ def moved_off(records: list[dict[str, Any]], victim: int, *, resumed: bool = Tru
     return continued
 
 
-def up_with_faults(name: str, dp: int, max_dp: int, faults: list[str], delay_s: float, *,
-                   on_rank_failure: str = "replace", standby: int = 0, placement: str = "pack",
-                   ingress: int = 1, **engine: Any) -> dict[str, Any]:
+def up_with_faults(
+    name: str,
+    dp: int,
+    max_dp: int,
+    faults: list[str],
+    delay_s: float,
+    *,
+    on_rank_failure: str = "replace",
+    standby: int = 0,
+    placement: str = "pack",
+    ingress: int = 1,
+    **engine: Any,
+) -> dict[str, Any]:
     """``up`` (in this process, as the CLI does) with the CLI's engine and test faults. This
     process's Ray connection is dropped first: it may belong to another test's cluster (the
     multi-node one points RAY_ADDRESS elsewhere), and a connected driver never re-reads it."""
     import ray
-
     from eepctl import core
 
     if ray.is_initialized():
         ray.shutdown()
 
     eng = dict(SMALL_ENGINE, faults=faults, fault_delay_s=delay_s, **engine)
-    return core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=eng,
-                   cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300, on_rank_failure=on_rank_failure,
-                   standby=standby, placement={"policy": placement, "ifname": ""}, ingress=ingress)
+    return core.up(
+        core.Target(name=name, namespace=NAMESPACE),
+        dp=dp,
+        max_dp=max_dp,
+        engine=eng,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        on_rank_failure=on_rank_failure,
+        standby=standby,
+        placement={"policy": placement, "ifname": ""},
+        ingress=ingress,
+    )
 
 
 def wait_held(name: str, rank: int, phase: str, timeout: float = 90.0) -> dict[str, Any]:
     """Status once ``rank`` says a test fault holds it in ``phase`` (its pid is then listed)."""
+
     def ok() -> dict[str, Any] | None:
         s = status(name)
-        hit = any(r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "") and r.get("pid")
-                  for r in s["ranks"])
+        hit = any(
+            r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "") and r.get("pid")
+            for r in s["ranks"]
+        )
         return s if hit else None
 
     return wait_for(ok, timeout=timeout, interval=0.3, what=f"rank {rank} held in {phase}")
@@ -293,8 +348,11 @@ def serving_ranks(name: str, ranks: list[int], timeout: float = 90.0, gone: int 
         live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed", "fenced", "dead")]
         if gone is not None and any(int(r.get("pid") or 0) == gone for r in live):
             return None
-        if (sorted(r["rank"] for r in live) == ranks and all(r["state"] == "serving" and r["dp_size"] == len(ranks)
-                                                            for r in live) and not s.get("operation")):
+        if (
+            sorted(r["rank"] for r in live) == ranks
+            and all(r["state"] == "serving" and r["dp_size"] == len(ranks) for r in live)
+            and not s.get("operation")
+        ):
             return s
         return None
 
@@ -302,9 +360,12 @@ def serving_ranks(name: str, ranks: list[int], timeout: float = 90.0, gone: int 
         return wait_for(ok, timeout=timeout, interval=0.5, what=f"{name}: ranks {ranks} serving")
     except AssertionError as e:
         s = seen[0] if seen else {}
-        shown = [(r["rank"], r["state"], r.get("dp_size"), (r.get("state_reason") or "")[:160]) for r in s.get("ranks", [])]
-        raise AssertionError(f"{e}; ranks {shown}; operation {s.get('operation')}; "
-                             f"control {s.get('info', {}).get('control')}") from e
+        shown = [
+            (r["rank"], r["state"], r.get("dp_size"), (r.get("state_reason") or "")[:160]) for r in s.get("ranks", [])
+        ]
+        raise AssertionError(
+            f"{e}; ranks {shown}; operation {s.get('operation')}; control {s.get('info', {}).get('control')}"
+        ) from e
 
 
 def pid_of(snap: dict[str, Any], rank: int) -> int:
@@ -318,9 +379,9 @@ def operations(name: str, kind: str) -> list[dict[str, Any]]:
 def controller_pid(name: str) -> int:
     """The controller actor's pid, once it answers (requests do not pass through the controller, so
     serving again after its SIGKILL does not mean Ray finished restarting it)."""
-    import ray
     from ray.exceptions import ActorUnavailableError
 
+    import ray
     from engine_ext.ray.names import controller_name
 
     def ask() -> int | None:
@@ -341,11 +402,19 @@ def cost_points(move: tuple[float, float], pause: tuple[float, float]) -> list[d
     out = []
     for mib, spare_mib in ((1, 0), (32, 8), (256, 0), (1024, 64)):
         moved, held, spare = mib * 2**20, mib * 2**20 // 2, spare_mib * 2**20
-        out.append({"total_moved_bytes": moved, "spare_total_bytes": spare, "rank_expert_bytes": held,
-                    "commit_load_bytes": 0,
-                    "move_s": move[0] + move[1] * moved + SPARE_S_PER_B * spare,
-                    "pause_s": pause[0] + pause[1] * held, "capture_policy": "reuse", "capture_sizes": [1, 2],
-                    "pool": True})
+        out.append(
+            {
+                "total_moved_bytes": moved,
+                "spare_total_bytes": spare,
+                "rank_expert_bytes": held,
+                "commit_load_bytes": 0,
+                "move_s": move[0] + move[1] * moved + SPARE_S_PER_B * spare,
+                "pause_s": pause[0] + pause[1] * held,
+                "capture_policy": "reuse",
+                "capture_sizes": [1, 2],
+                "pool": True,
+            }
+        )
     return out
 
 
@@ -380,9 +449,12 @@ def as_ray_task_error(refused: BaseException) -> BaseException:
 
     class RayTaskErrorLike(type(refused)):  # type: ignore[misc]
         def __init__(self) -> None:
-            Exception.__init__(self, f"ray::RankActor.call() (pid=1, repr=<engine_ext.ray.rank_actor.RankActor>)\n"
-                               f"  File \"engine_ext/rank/engine.py\", in add_request\n"
-                               f"{type(refused).__module__}.{type(refused).__name__}: {refused}")
+            Exception.__init__(
+                self,
+                f"ray::RankActor.call() (pid=1, repr=<engine_ext.ray.rank_actor.RankActor>)\n"
+                f'  File "engine_ext/rank/engine.py", in add_request\n'
+                f"{type(refused).__module__}.{type(refused).__name__}: {refused}",
+            )
             self.__dict__.update(refused.__dict__)
             self.cause = refused
 

@@ -31,8 +31,7 @@ PREFIX = 24
 # dead ~5 s after the loss; a node behind a downed link fails each check only at its 10 s timeout
 # (Ray's default, kept), so the partition tests' cuts (well under 50 s) never make Ray declare
 # the worker dead, which would end its raylet once the link is back.
-HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5,
-                "health_check_timeout_ms": 10000}
+HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5, "health_check_timeout_ms": 10000}
 # The controllers of this cluster retry a growth that found no capacity at least every 3 s, not at
 # the escalated 30 s (engine_ext.control.reconciler): the tests bring a node back seconds later.
 # RAY_AUTH_MODE pinned: `ray start` turns token auth on by itself where a token is saved in
@@ -90,19 +89,42 @@ class TwoNodeCluster:
         env.pop("RAY_ADDRESS", None)
         n = len(self.procs)
         log = open(self.temp_root / f"worker{n}.log", "w")
-        self.procs.append(subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, _ray_bin(), "start", f"--address={self.address}",
-             f"--node-ip-address={WORKER_IP}", f"--temp-dir={self.temp_root / f'worker{n}'}",
-             f"--num-cpus={self.num_cpus}", "--disable-usage-stats", "--block"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env))
+        self.procs.append(
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.ns,
+                    _ray_bin(),
+                    "start",
+                    f"--address={self.address}",
+                    f"--node-ip-address={WORKER_IP}",
+                    f"--temp-dir={self.temp_root / f'worker{n}'}",
+                    f"--num-cpus={self.num_cpus}",
+                    "--disable-usage-stats",
+                    "--block",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+            )
+        )
         _wait_nodes(self.address, 2, timeout_s)
 
     def eepctl_on_worker(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """The CLI run from the worker node's shell (inside its namespace), as an operator there would."""
         env = dict(os.environ, **CONTROL_ENV, RAY_ADDRESS=self.address, NO_COLOR="1", COLUMNS="200")
-        return subprocess.run(["ip", "netns", "exec", self.ns, sys.executable, "-m", "eepctl", *args],
-                              capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=Path(__file__).resolve().parent.parent)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns, sys.executable, "-m", "eepctl", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
 
     def set_link(self, up: bool) -> None:
         """Cut the worker node off (its processes live, no packet crosses) or connect it again."""
@@ -141,8 +163,10 @@ def _ray_bin() -> str:
 
 
 def _wait_nodes(address: str, want: int, timeout_s: float) -> None:
-    code = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False);"
-            "print(sum(1 for n in ray.nodes() if n['Alive']))")
+    code = (
+        "import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False);"
+        "print(sum(1 for n in ray.nodes() if n['Alive']))"
+    )
     deadline = time.time() + timeout_s
     last = ""
     while time.time() < deadline:
@@ -181,15 +205,42 @@ def start(num_cpus: int = 8, timeout_s: float = 90.0) -> TwoNodeCluster:
         env = dict(os.environ, **CONTROL_ENV)
         env.pop("RAY_ADDRESS", None)
         for name, cmd in (
-            ("head", [ray, "start", "--head", f"--port={port}", f"--node-ip-address={HEAD_IP}",
-                      f"--system-config={json.dumps(HEALTH_CHECK)}",
-                      f"--temp-dir={cl.temp_root / 'head'}", "--include-dashboard=false", *common]),
-            ("worker", ["ip", "netns", "exec", ns, ray, "start", f"--address={cl.address}",
-                        f"--node-ip-address={WORKER_IP}", f"--temp-dir={cl.temp_root / 'worker'}", *common]),
+            (
+                "head",
+                [
+                    ray,
+                    "start",
+                    "--head",
+                    f"--port={port}",
+                    f"--node-ip-address={HEAD_IP}",
+                    f"--system-config={json.dumps(HEALTH_CHECK)}",
+                    f"--temp-dir={cl.temp_root / 'head'}",
+                    "--include-dashboard=false",
+                    *common,
+                ],
+            ),
+            (
+                "worker",
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    ray,
+                    "start",
+                    f"--address={cl.address}",
+                    f"--node-ip-address={WORKER_IP}",
+                    f"--temp-dir={cl.temp_root / 'worker'}",
+                    *common,
+                ],
+            ),
         ):
             log = open(cl.temp_root / f"{name}.log", "w")
-            cl.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             start_new_session=True, env=env))
+            cl.procs.append(
+                subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+                )
+            )
             if name == "head":
                 _wait_port(HEAD_IP, port, timeout_s, cl)
         _wait_nodes(cl.address, 2, timeout_s)

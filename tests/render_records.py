@@ -17,15 +17,38 @@ def rank_status(rank: int, dp: int, **over: Any) -> dict[str, Any]:
     slots = [(rank * 4 + i) % 8 for i in range(4)]
     load = [float((e + 1) * 10) if rank % 2 == 0 else 10.0 for e in range(8)]
     st = RankStatus(
-        deployment="big", rank=rank, instance_id=f"big_dp{rank}", engine_id=f"big_dp{rank}",
-        node=f"node-{rank // 8}/10.0.{rank // 8}.1", pid=1000 + rank, state="serving", dp_size=dp,
-        requests_running=rank % 3, requests_waiting=0, slots_used=rank % 3, slots_total=8,
-        kv_blocks_used=rank % 100, kv_blocks_total=128, workspace_bytes=1 << 20, workspace_locked=True,
-        workspace_required_bytes=1 << 20, graphs_captured=4, capture_sizes=[1, 2, 4, 8],
-        graph_replays=100 + rank, last_capture_s=0.05,
-        capture_times_s={"1": 0.06, "2": 0.07, "4": 0.08, "8": 0.09}, last_capture_pass_s=0.3,
-        captures_this_op=1, eplb_step=50, physical_experts=4 * dp, logical_experts=8, steps=1000,
-        last_heartbeat=T0, eplb_logical_load=load, eplb_recent_load=load, eplb_slots=slots,
+        deployment="big",
+        rank=rank,
+        instance_id=f"big_dp{rank}",
+        engine_id=f"big_dp{rank}",
+        node=f"node-{rank // 8}/10.0.{rank // 8}.1",
+        pid=1000 + rank,
+        state="serving",
+        dp_size=dp,
+        requests_running=rank % 3,
+        requests_waiting=0,
+        slots_used=rank % 3,
+        slots_total=8,
+        kv_blocks_used=rank % 100,
+        kv_blocks_total=128,
+        workspace_bytes=1 << 20,
+        workspace_locked=True,
+        workspace_required_bytes=1 << 20,
+        graphs_captured=4,
+        capture_sizes=[1, 2, 4, 8],
+        graph_replays=100 + rank,
+        last_capture_s=0.05,
+        capture_times_s={"1": 0.06, "2": 0.07, "4": 0.08, "8": 0.09},
+        last_capture_pass_s=0.3,
+        captures_this_op=1,
+        eplb_step=50,
+        physical_experts=4 * dp,
+        logical_experts=8,
+        steps=1000,
+        last_heartbeat=T0,
+        eplb_logical_load=load,
+        eplb_recent_load=load,
+        eplb_slots=slots,
     )
     return {**to_builtins(st), **over}
 
@@ -73,8 +96,17 @@ def scale_events(ranks: int = 64, op_id: str = "op-1700000000-abcd") -> dict[str
     ev(-1, "commit", 2.9, 3.95)
     ev(-1, "cleanup", 3.95, 3.96)
     events = [{**to_builtins(e), "seq": i + 1} for i, e in enumerate(sorted(evs, key=lambda e: e.start))]
-    op = {"op_id": op_id, "deployment": "big", "from_size": ranks - 8, "to_size": ranks, "state": "succeeded",
-          "phase": "cleanup", "started": T0, "finished": T0 + 3.96, "serving_pause_s": 1.0}
+    op = {
+        "op_id": op_id,
+        "deployment": "big",
+        "from_size": ranks - 8,
+        "to_size": ranks,
+        "state": "succeeded",
+        "phase": "cleanup",
+        "started": T0,
+        "finished": T0 + 3.96,
+        "serving_pause_s": 1.0,
+    }
     return {"events": events, "operations": [op]}
 
 
@@ -83,23 +115,58 @@ def history(ops: int = 6) -> dict[str, Any]:
     state: scales up and down, a rank fenced and the recovery around it, the grow back (policy
     replace), a rebuild, and a scale rolled back with a long error; each scale with rank events."""
     state = RegistryState("big")
-    kinds = [("scale", "", 2, 4), ("scale", "", 4, 3), ("recover", "", 3, 2), ("scale", "replace", 2, 3),
-             ("rebuild", "", 3, 3), ("scale", "", 3, 4)]
+    kinds = [
+        ("scale", "", 2, 4),
+        ("scale", "", 4, 3),
+        ("recover", "", 3, 2),
+        ("scale", "replace", 2, 3),
+        ("rebuild", "", 3, 3),
+        ("scale", "", 3, 4),
+    ]
     for i in range(ops):
         kind, cause, a, b = kinds[i % len(kinds)]
-        op_id = f"op-20261206-2340{i:02d}-{0xa000 + i:04x}"
+        op_id = f"op-20261206-2340{i:02d}-{0xA000 + i:04x}"
         start = T0 + 60 * i
         failed = i == ops - 1 and kind == "scale"
-        state.record_operation(to_builtins(Operation(
-            op_id, "big", a, b, state="rolled_back" if failed else "succeeded", phase="cleanup", started=start,
-            finished=start + 2.5, kind=kind, cause=cause, serving_pause_s=0.125,
-            error="rank 3 failed in prepare: RuntimeError: gloo connection reset by peer while "
-                  "receiving expert 5 of layer 1 from rank 0" if failed else "",
-            phase_durations={"prepare": 0.4, "commit": 1.25} if kind == "scale" else {"detect": 0.2, "regroup": 0.1},
-            captures_per_rank={str(r): 1 for r in range(b)})))
+        state.record_operation(
+            to_builtins(
+                Operation(
+                    op_id,
+                    "big",
+                    a,
+                    b,
+                    state="rolled_back" if failed else "succeeded",
+                    phase="cleanup",
+                    started=start,
+                    finished=start + 2.5,
+                    kind=kind,
+                    cause=cause,
+                    serving_pause_s=0.125,
+                    error="rank 3 failed in prepare: RuntimeError: gloo connection reset by peer while "
+                    "receiving expert 5 of layer 1 from rank 0"
+                    if failed
+                    else "",
+                    phase_durations={"prepare": 0.4, "commit": 1.25}
+                    if kind == "scale"
+                    else {"detect": 0.2, "regroup": 0.1},
+                    captures_per_rank={str(r): 1 for r in range(b)},
+                )
+            )
+        )
         if kind == "recover":
-            state.report_event(to_builtins(Event("", 2, "fence", start - 1, start - 1, "ok",
-                                                 {"epoch": 4, "reason": "silent for 7.0s (deadline 5s)"})))
+            state.report_event(
+                to_builtins(
+                    Event(
+                        "",
+                        2,
+                        "fence",
+                        start - 1,
+                        start - 1,
+                        "ok",
+                        {"epoch": 4, "reason": "silent for 7.0s (deadline 5s)"},
+                    )
+                )
+            )
         state.report_event(to_builtins(Event(op_id, -1, "prepare", start, start + 0.4)))
         for r in range(b):
             state.report_event(to_builtins(Event(op_id, r, "prepare", start, start + 0.3)))

@@ -95,8 +95,9 @@ def test_a_port_nothing_listens_on(closed_port: int, no_local_cluster: Path) -> 
     assert f"nothing listens at 127.0.0.1:{closed_port}" in err, err
 
 
-@pytest.mark.parametrize("address", ["garbage", "host:notaport", "127.0.0.1:0", "127.0.0.1:70000", ":6379",
-                                     "127.0.0.1:\u00b2"])
+@pytest.mark.parametrize(
+    "address", ["garbage", "host:notaport", "127.0.0.1:0", "127.0.0.1:70000", ":6379", "127.0.0.1:\u00b2"]
+)
 def test_an_address_that_is_no_host_port_is_bad_input(address: str, no_local_cluster: Path) -> None:
     from eepctl.main import run
 

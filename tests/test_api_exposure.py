@@ -24,15 +24,33 @@ NO_KEY = "no key: anyone who reaches the port can send requests"
 
 
 def _ingress(**over: object) -> dict[str, object]:
-    ing = {"index": 0, "url": "http://10.0.0.5:8000", "listen": "0.0.0.0:8000", "key_required": False,
-           "note": "", "listen_error": "", "parked": 0, "inflight": 0, "restarted": False}
+    ing = {
+        "index": 0,
+        "url": "http://10.0.0.5:8000",
+        "listen": "0.0.0.0:8000",
+        "key_required": False,
+        "note": "",
+        "listen_error": "",
+        "parked": 0,
+        "inflight": 0,
+        "restarted": False,
+    }
     ing.update(over)
     return ing
 
 
 def _up_result(*ingresses: dict[str, object]) -> dict[str, object]:
-    return {"deployment": "d", "namespace": "eepctl", "address": "127.0.0.1:6379", "dp": 1, "max_dp": 2,
-            "cluster_started": False, "elapsed_s": 1.0, "ranks": [], "ingress": list(ingresses)}
+    return {
+        "deployment": "d",
+        "namespace": "eepctl",
+        "address": "127.0.0.1:6379",
+        "dp": 1,
+        "max_dp": 2,
+        "cluster_started": False,
+        "elapsed_s": 1.0,
+        "ranks": [],
+        "ingress": list(ingresses),
+    }
 
 
 def test_up_says_where_the_api_listens_and_that_it_has_no_key() -> None:
@@ -47,14 +65,28 @@ def test_up_says_where_the_api_listens_and_that_it_has_no_key() -> None:
 def test_status_says_which_ingress_has_no_key_why_it_moved_or_does_not_listen() -> None:
     from eepctl.render_control import ingress_lines
 
-    snap = {"info": {"ingress": [
-        _ingress(),
-        _ingress(index=1, url="http://10.0.0.5:40123", key_required=True, restarted=True,
-                 note="port 8001 was taken when it restarted: now 40123 (the URL changed)"),
-        _ingress(index=2, url="", key_required=True, restarted=True,
-                 listen_error="cannot listen on 0.0.0.0:8002: Address already in use"),
-        {"index": 3, "url": "http://10.0.0.5:8003"},  # an ingress that does not say: nothing claimed
-    ]}}
+    snap = {
+        "info": {
+            "ingress": [
+                _ingress(),
+                _ingress(
+                    index=1,
+                    url="http://10.0.0.5:40123",
+                    key_required=True,
+                    restarted=True,
+                    note="port 8001 was taken when it restarted: now 40123 (the URL changed)",
+                ),
+                _ingress(
+                    index=2,
+                    url="",
+                    key_required=True,
+                    restarted=True,
+                    listen_error="cannot listen on 0.0.0.0:8002: Address already in use",
+                ),
+                {"index": 3, "url": "http://10.0.0.5:8003"},  # an ingress that does not say: nothing claimed
+            ]
+        }
+    }
     assert ingress_lines(snap) == [
         f"ingress 0: http://10.0.0.5:8000, {NO_KEY}",
         "ingress 1: http://10.0.0.5:40123 (restarted by Ray) (port 8001 was taken when it restarted: now 40123 "
@@ -72,13 +104,16 @@ def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
     return CliRunner()
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--host", "localhost"], "--host must be an IPv4 address"),
-    (["--host", "::"], "--host must be an IPv4 address"),
-    (["--port", "70000"], "--port must be 0 (any free port) or 1-65535"),
-    (["--port", "-1"], "--port must be 0"),
-    (["--port", "65535", "--ingress", "2"], "1-65534 (ingress i listens on PORT+i), got 65535"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--host", "localhost"], "--host must be an IPv4 address"),
+        (["--host", "::"], "--host must be an IPv4 address"),
+        (["--port", "70000"], "--port must be 0 (any free port) or 1-65535"),
+        (["--port", "-1"], "--port must be 0"),
+        (["--port", "65535", "--ingress", "2"], "1-65534 (ingress i listens on PORT+i), got 65535"),
+    ],
+)
 def test_host_and_port_are_checked_before_any_connection(runner: CliRunner, args: list[str], says: str) -> None:
     result = runner.invoke(app, ["up", "--address", "127.0.0.1:1", *args])
     assert isinstance(result.exception, UsageError) and says in result.exception.message, result.exception
@@ -95,8 +130,10 @@ def test_up_leaves_vllm_api_key_unused_and_says_so(runner: CliRunner, closed_add
     """Before the cluster is asked (nothing listens at the address: exit 3 after the note)."""
     result = runner.invoke(app, ["up", "--address", closed_address], env={"VLLM_API_KEY": "vllm-secret"})
     assert isinstance(result.exception, EepError) and result.exception.exit_code == ExitCode.UNREACHABLE
-    assert "note: VLLM_API_KEY is set and not used: a reference deployment's API key comes from --api-key or " \
-           "EEPCTL_API_KEY" in result.stderr, result.stderr
+    assert (
+        "note: VLLM_API_KEY is set and not used: a reference deployment's API key comes from --api-key or "
+        "EEPCTL_API_KEY" in result.stderr
+    ), result.stderr
     assert "vllm-secret" not in result.output
     for env in ({"VLLM_API_KEY": "vllm-secret", "EEPCTL_API_KEY": "eep-secret"}, {}):
         quiet = runner.invoke(app, ["up", "--address", closed_address], env=env)
@@ -113,8 +150,11 @@ def test_generate_sends_the_key_its_deployment_kind_takes(monkeypatch: pytest.Mo
     monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
     monkeypatch.setenv("EEPCTL_API_KEY", "eep-key")
     reference, vllm = {"kind": "reference", "info": {}}, {"kind": "vllm", "info": {}}
-    assert (request_key(reference, None), request_key(None, None), request_key(vllm, None)) == \
-        ("eep-key", "eep-key", "vllm-key")
+    assert (request_key(reference, None), request_key(None, None), request_key(vllm, None)) == (
+        "eep-key",
+        "eep-key",
+        "vllm-key",
+    )
     assert request_key(reference, "given") == request_key(vllm, "given") == "given"
     monkeypatch.delenv("EEPCTL_API_KEY")
     assert request_key(reference, None) is None  # a vLLM key is never sent to an ingress

@@ -36,8 +36,9 @@ def _free_port() -> int:
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RAY_AUTH") and k not in ("RAY_ADDRESS", "VLLM_API_KEY")}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k not in ("RAY_ADDRESS", "VLLM_API_KEY")
+    }
     env.update(NO_COLOR="1", COLUMNS="200", **extra)
     return env
 
@@ -51,10 +52,24 @@ def auth_cluster():
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     env = _clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=RAY_TOKEN, HOME=str(home))
     log = open(tmp / "head.log", "wb")
-    proc = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-                             "--disable-usage-stats", "--block", f"--temp-dir={tmp / 'ray'}"],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--block",
+            f"--temp-dir={tmp / 'ray'}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 90
         while True:
@@ -81,15 +96,18 @@ class Runner:
         self.c = c
         self.outputs: list[str] = []
 
-    def __call__(self, *args: str, token: bool = True, env: dict[str, str] | None = None,
-                 timeout: float = 300) -> subprocess.CompletedProcess:
-        e = _clean_env(RAY_ADDRESS=self.c["address"], HOME=str(self.c["home"]),
-                       EEPCTL_STATE_DIR=str(self.c["tmp"] / "state"))
+    def __call__(
+        self, *args: str, token: bool = True, env: dict[str, str] | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess:
+        e = _clean_env(
+            RAY_ADDRESS=self.c["address"], HOME=str(self.c["home"]), EEPCTL_STATE_DIR=str(self.c["tmp"] / "state")
+        )
         e.update(env or {})
         if token:
             e.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=RAY_TOKEN)
-        res = subprocess.run([sys.executable, "-m", "eepctl", *args], capture_output=True, text=True, env=e,
-                             timeout=timeout, cwd=ROOT)
+        res = subprocess.run(
+            [sys.executable, "-m", "eepctl", *args], capture_output=True, text=True, env=e, timeout=timeout, cwd=ROOT
+        )
         self.outputs += [res.stdout, res.stderr]
         return res
 
@@ -104,8 +122,9 @@ def test_without_token_exit_3_with_token_everything_works(auth_cluster):
     assert res.returncode == 3, (res.returncode, res.stderr)
     assert "token authentication" in res.stderr and "RAY_AUTH_TOKEN" in res.stderr, res.stderr
     assert took < 15, f"refusal took {took:.1f}s"
-    res = run("status", "--name", name, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "x" * 40}, token=False,
-              timeout=60)
+    res = run(
+        "status", "--name", name, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "x" * 40}, token=False, timeout=60
+    )
     assert res.returncode == 3 and "refused" in res.stderr, (res.returncode, res.stderr)
     res = run("up", "--dp", "1", "--max-dp", "2", "--name", name, *ENGINE, token=False, timeout=60)
     assert res.returncode == 3, (res.returncode, res.stderr)
@@ -127,8 +146,9 @@ def test_without_token_exit_3_with_token_everything_works(auth_cluster):
         assert res.returncode == 0, res.stderr
         # An API key handed to every command that takes one, by flag and by environment, together
         # with the Ray token: neither may surface anywhere.
-        res = run("scale", "--dp", "2", "--name", name, "--api-key", API_KEY, "-o", "json",
-                  env={"VLLM_API_KEY": API_KEY})
+        res = run(
+            "scale", "--dp", "2", "--name", name, "--api-key", API_KEY, "-o", "json", env={"VLLM_API_KEY": API_KEY}
+        )
         assert res.returncode == 0, res.stderr
         res = run("scale", "--dp", "1", "--name", name, "--dry-run", "-o", "json", env={"VLLM_API_KEY": API_KEY})
         assert res.returncode == 0, res.stderr
@@ -156,7 +176,11 @@ def test_without_token_exit_3_with_token_everything_works(auth_cluster):
             except OSError:
                 pass
     assert files > 10, f"only {files} files under {ray_dir}: the session logs were not found"
-    leaks = [(where, which) for where, text in haystacks.items()
-             for which, secret in (("ray token", RAY_TOKEN), ("api key", API_KEY)) if secret in text]
+    leaks = [
+        (where, which)
+        for where, text in haystacks.items()
+        for which, secret in (("ray token", RAY_TOKEN), ("api key", API_KEY))
+        if secret in text
+    ]
     assert not leaks, leaks
     print(f"\n[auth] no secret in {len(run.outputs)} CLI outputs and {files} files of the cluster's session dir")

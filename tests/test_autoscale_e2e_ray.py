@@ -68,11 +68,13 @@ def _serving(name: str, ranks: list[int], timeout: float = 120.0) -> dict[str, A
         s = _status(name)
         if s is None:
             return None
-        seen[0] = ([(r["rank"], r["state"], r["dp_size"]) for r in s["ranks"]],
-                   (s.get("operation") or {}).get("op_id"))
+        seen[0] = ([(r["rank"], r["state"], r["dp_size"]) for r in s["ranks"]], (s.get("operation") or {}).get("op_id"))
         live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed", "fenced", "dead")]
-        if (sorted(r["rank"] for r in live) == ranks and not s.get("operation")
-                and all(r["state"] == "serving" and r["dp_size"] == len(ranks) for r in live)):
+        if (
+            sorted(r["rank"] for r in live) == ranks
+            and not s.get("operation")
+            and all(r["state"] == "serving" and r["dp_size"] == len(ranks) for r in live)
+        ):
             return s
         return None
 
@@ -95,8 +97,19 @@ def _queue(d: dict[str, Any]) -> float | None:
 
 
 def _load(dep: Any, rate: float, duration: float) -> Any:
-    return dep.popen("generate", "--name", dep.name, "--rate", str(rate), "--duration", str(duration),
-                     "--max-tokens", str(TOKENS), "-o", "json")
+    return dep.popen(
+        "generate",
+        "--name",
+        dep.name,
+        "--rate",
+        str(rate),
+        "--duration",
+        str(duration),
+        "--max-tokens",
+        str(TOKENS),
+        "-o",
+        "json",
+    )
 
 
 def _cpu_s(pid: int) -> float:
@@ -108,7 +121,6 @@ def _cpu_s(pid: int) -> float:
 def _idle_cpu(name: str, snap: dict[str, Any], seconds: float) -> str:
     """The controller's and each rank's CPU share over ``seconds`` of no load (a figure, not a check)."""
     import ray
-
     from engine_ext.ray.names import controller_name
 
     pids = {"controller": ray.get(ray.get_actor(controller_name(name), namespace=NAMESPACE).pid.remote(), timeout=30)}
@@ -120,7 +132,6 @@ def _idle_cpu(name: str, snap: dict[str, Any], seconds: float) -> str:
 
 def _set_policy(name: str, changes: dict[str, Any]) -> None:
     import ray
-
     from engine_ext.ray.names import controller_name
 
     ctl = ray.get_actor(controller_name(name), namespace=NAMESPACE)
@@ -148,12 +159,16 @@ def _up_timing(trail: list[dict[str, Any]], rec: dict[str, Any], up: dict[str, A
 def _settled_ups(name: str, rec: dict[str, Any]) -> list[dict[str, Any]]:
     """The scale-ups after the recovery once the load is gone: the newest decision no longer asks
     up and no operation runs. One up, 1 -> 3: the load rule's jump; it succeeded."""
+
     def settled() -> list[dict[str, Any]] | None:
         trail, s = _decisions(name), _status(name)
         if not trail or s is None or s.get("operation") or trail[-1]["raw_recommendation"] > trail[-1]["current_dp"]:
             return None
-        return [o for o in _ops(name) if o["started"] >= rec["finished"]
-                and not (o["kind"] == "scale" and o["to_size"] < o["from_size"])]
+        return [
+            o
+            for o in _ops(name)
+            if o["started"] >= rec["finished"] and not (o["kind"] == "scale" and o["to_size"] < o["from_size"])
+        ]
 
     ops = wait_for(settled, timeout=60, interval=0.5, what="the load gone and no operation running")
     assert [(o["kind"], o["state"], o["from_size"], o["to_size"]) for o in ops] == [("scale", "succeeded", 1, 3)], ops
@@ -167,8 +182,17 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     t0 = time.time()
     dep = deployments("as-e2e")
     engine = dict(SMALL_ENGINE, step_timeout_s=4.0, faults=["hold:regroup"], fault_delay_s=HOLD_S)
-    core.up(core.Target(name=dep.name, namespace=NAMESPACE), dp=3, max_dp=3, engine=engine, cpus_per_rank=1.0,
-            gpus_per_rank=0.0, timeout_s=300, on_rank_failure="shrink", health_deadline_s=4.0)
+    core.up(
+        core.Target(name=dep.name, namespace=NAMESPACE),
+        dp=3,
+        max_dp=3,
+        engine=engine,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        on_rank_failure="shrink",
+        health_deadline_s=4.0,
+    )
     cfg_d = _serving(dep.name, [0, 1, 2])["info"]["config"]
 
     # 1. --retire through Ray: the dry runs show the choice; exactly the named rank leaves.
@@ -185,25 +209,54 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     # 2. Advisory under a 4x step: recorded and shown, nothing done.
     # A low target: the step (or a slow machine's base load) is certainly recommended up; advisory
     # mode must record that and do nothing.
-    res = eepctl_json("autoscale", "--name", dep.name, "--min-dp", "1", "--max-dp", "3", "--target-queue", "0.3",
-                      "--up-delay", str(UP_DELAY), "--down-delay", str(DOWN_DELAY), "--cooldown", str(COOLDOWN),
-                      "--window", str(WINDOW), "--tolerance", str(TOLERANCE))
+    res = eepctl_json(
+        "autoscale",
+        "--name",
+        dep.name,
+        "--min-dp",
+        "1",
+        "--max-dp",
+        "3",
+        "--target-queue",
+        "0.3",
+        "--up-delay",
+        str(UP_DELAY),
+        "--down-delay",
+        str(DOWN_DELAY),
+        "--cooldown",
+        str(COOLDOWN),
+        "--window",
+        str(WINDOW),
+        "--tolerance",
+        str(TOLERANCE),
+    )
     assert res["policy"]["mode"] == "advisory", res
     base = _load(dep, RATE, 16)
     time.sleep(WINDOW + 3)  # the window holds the base load alone
     # The queue is the ranks' time-weighted mean (their request-seconds counters), so even a light
     # load's short requests show; the wait covers a load process slow to start on a busy box.
-    quiet = wait_for(lambda: (qs := [q for d in _decisions(dep.name)[-3:] if (q := _queue(d)) is not None])
-                     and min(qs) > 0 and qs, timeout=20, interval=1.0, what="the base load's queue")
+    quiet = wait_for(
+        lambda: (qs := [q for d in _decisions(dep.name)[-3:] if (q := _queue(d)) is not None]) and min(qs) > 0 and qs,
+        timeout=20,
+        interval=1.0,
+        what="the base load's queue",
+    )
     # The base load's queue per rank sits at half the target from here: the band (TOLERANCE) is
     # then 0.4x..3.6x of it, room for the +30 % wander (which, on 2 shared cores, the extra load
     # process's own CPU turned into 2.5x the queue in one CI run: the base is a few queued requests,
     # so its mean is coarse), while a 4x step overloads the ranks and lands far above it.
     target = round(2.0 * sum(quiet) / len(quiet), 3)
     step = _load(dep, 3 * RATE, 6)
-    advised = wait_for(lambda: [d for d in _decisions(dep.name) if d["recommendation"] > d["current_dp"]
-                                and d["action"] == "advisory: not acted"], timeout=30, interval=0.5,
-                       what="an advisory recommendation to scale up")
+    advised = wait_for(
+        lambda: [
+            d
+            for d in _decisions(dep.name)
+            if d["recommendation"] > d["current_dp"] and d["action"] == "advisory: not acted"
+        ],
+        timeout=30,
+        interval=0.5,
+        what="an advisory recommendation to scale up",
+    )
     shown = _status(dep.name)
     assert shown is not None and "autoscale" in shown["info"], shown
     text = eepctl("status", "--name", dep.name)
@@ -242,12 +295,22 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     time.sleep(1.0)  # requests in flight; the signal has not crossed the band plus the up-delay yet
     t_kill = time.time()
     os.kill(victim, signal.SIGKILL)  # the rank actor's process of this test's own deployment
-    rec = wait_for(lambda: [o for o in _ops(dep.name) if o["kind"] == "recover" and o.get("finished")],
-                   timeout=90, interval=0.5, what="the recovery of the killed rank")[0]
+    rec = wait_for(
+        lambda: [o for o in _ops(dep.name) if o["kind"] == "recover" and o.get("finished")],
+        timeout=90,
+        interval=0.5,
+        what="the recovery of the killed rank",
+    )[0]
     assert rec["state"] == "succeeded" and rec["dead_ranks"] == [2], rec
     assert rec["finished"] - t_kill >= HOLD_S, "the recovery was not held: it proves nothing about gating"
-    up = wait_for(lambda: [o for o in _ops(dep.name) if o["kind"] == "scale" and o["started"] >= rec["finished"]
-                           and o.get("finished")], timeout=90, interval=0.5, what="the autoscaler's scale-up")[0]
+    up = wait_for(
+        lambda: [
+            o for o in _ops(dep.name) if o["kind"] == "scale" and o["started"] >= rec["finished"] and o.get("finished")
+        ],
+        timeout=90,
+        interval=0.5,
+        what="the autoscaler's scale-up",
+    )[0]
     # One jump to the width the load needs (bounded by --max-dp 3), past --max-step 1.
     assert (up["from_size"], up["to_size"], up["state"]) == (1, 3, "succeeded"), up
     trail = _decisions(dep.name)
@@ -275,9 +338,19 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     # looked for from the last up's end, not from when this test looks: on a loaded box the load's
     # tail and the eepctl calls above can take most of the 25 s down-delay (two CI runs saw the down
     # done before status was read here).
-    down = wait_for(lambda: [o for o in _ops(dep.name) if o["kind"] == "scale" and o["to_size"] < o["from_size"]
-                             and o["started"] >= ups[-1]["finished"] and o.get("finished")],
-                    timeout=90, interval=0.5, what="the autoscaler's scale-down")[0]
+    down = wait_for(
+        lambda: [
+            o
+            for o in _ops(dep.name)
+            if o["kind"] == "scale"
+            and o["to_size"] < o["from_size"]
+            and o["started"] >= ups[-1]["finished"]
+            and o.get("finished")
+        ],
+        timeout=90,
+        interval=0.5,
+        what="the autoscaler's scale-down",
+    )[0]
     assert (down["from_size"], down["to_size"], down["state"]) == (len(grown), 1, "succeeded"), down
     trail = _decisions(dep.name)
     acted = [d for d in _acted(trail) if d["at"] >= ups[-1]["finished"]]
@@ -298,9 +371,11 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
     gen = eepctl_json("generate", "--name", dep.name, "--max-tokens", str(TOKENS), timeout=90)
     assert all(not r["error"] for r in gen["results"]), gen
     idle = _idle_cpu(dep.name, final, 5.0)  # the loop's cost with a policy deciding every tick (printed)
-    print(f"autoscale e2e: target queue {target:.2f}/rank; recovery {rec['finished'] - t_kill:.1f}s after the kill "
-          f"(held {HOLD_S:g}s); up {up['finished'] - rec['finished']:.1f}s after it (asks held {held_up:.1f}s, "
-          f"started {late_s:+.1f}s after delay and recovery, transition {transition_s:.1f}s; ups "
-          f"{[(o['from_size'], o['to_size']) for o in ups]}); "
-          f"down {held:.1f}s after it was first asked in a row; scenario {time.time() - t_ready:.0f}s, "
-          f"with up {time.time() - t0:.0f}s; idle with a policy: {idle}")
+    print(
+        f"autoscale e2e: target queue {target:.2f}/rank; recovery {rec['finished'] - t_kill:.1f}s after the kill "
+        f"(held {HOLD_S:g}s); up {up['finished'] - rec['finished']:.1f}s after it (asks held {held_up:.1f}s, "
+        f"started {late_s:+.1f}s after delay and recovery, transition {transition_s:.1f}s; ups "
+        f"{[(o['from_size'], o['to_size']) for o in ups]}); "
+        f"down {held:.1f}s after it was first asked in a row; scenario {time.time() - t_ready:.0f}s, "
+        f"with up {time.time() - t0:.0f}s; idle with a policy: {idle}"
+    )

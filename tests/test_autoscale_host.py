@@ -9,8 +9,16 @@ from engine_ext.ray.autoscale_host import AutoscaleHost
 
 
 def status(rank: int, waiting: int, running: int, kv_used: int = 0, ttft: float | None = None) -> dict:
-    return {"rank": rank, "requests_waiting": waiting, "requests_running": running, "kv_blocks_used": kv_used,
-            "kv_blocks_total": 100, "ttft_ms_p95": ttft, "tpot_ms_p95": None, "eplb_imbalance": 1.2}
+    return {
+        "rank": rank,
+        "requests_waiting": waiting,
+        "requests_running": running,
+        "kv_blocks_used": kv_used,
+        "kv_blocks_total": 100,
+        "ttft_ms_p95": ttft,
+        "tpot_ms_p95": None,
+        "eplb_imbalance": 1.2,
+    }
 
 
 def test_policy_kept_persisted_and_restored_with_its_trail() -> None:
@@ -19,8 +27,9 @@ def test_policy_kept_persisted_and_restored_with_its_trail() -> None:
     res = host.set_autoscale({"min_dp": 2, "max_dp": 6, "target_queue": 4.0, "up_delay_s": 0.0, "cooldown_s": 0.0})
     assert res["previous"] is None and res["policy"]["mode"] == "advisory", "advisory first"
     assert host.set_autoscale({"mode": "on"})["policy"]["target_queue"] == 4.0, "a change keeps the rest"
-    d = host.tick([status(0, 6, 4), status(1, 5, 5), status(7, 50, 0)], members=[0, 1], now=100.0,
-                  num_experts=8, slots_per_rank=8)
+    d = host.tick(
+        [status(0, 6, 4), status(1, 5, 5), status(7, 50, 0)], members=[0, 1], now=100.0, num_experts=8, slots_per_rank=8
+    )
     assert d is not None and d.act and d.recommendation == 4  # ceil(2 x 10/4) = 5, max step 2; rank 7 not a member
     assert d.eplb_imbalance == 1.2 and {s.name for s in d.signals} == {"queue"}
     host.record_outcome(d.id, False, "capacity gone")
@@ -85,7 +94,6 @@ def test_an_idle_tick_changes_neither_the_durable_state_nor_what_status_shows() 
     assert host.shown(now=111.0)["last"]["recommendation"] == 3
 
 
-
 def test_the_loop_ticks_fast_under_load_and_as_before_when_idle() -> None:
     """With a policy on, a tick that saw requests admitted (or work held) asks for the next after
     0.45 s (a tick every 0.5 s with the tick's own work); an idle one, and any tick without a
@@ -107,14 +115,26 @@ def test_the_loop_ticks_fast_under_load_and_as_before_when_idle() -> None:
 def test_the_learned_capacity_and_scale_cost_are_kept_with_the_policy() -> None:
     saved: list[dict] = []
     host = AutoscaleHost("moe", max_dp=8, persist=saved.append)
-    host.set_autoscale({"target_utilization": 0.5, "up_delay_s": "auto", "down_delay_s": "auto",
-                        "cooldown_s": "auto"})
-    op = {"op_id": "op-a", "kind": "scale", "state": "succeeded", "from_size": 1, "to_size": 2, "started": 0.0,
-          "finished": 2.3, "phase_durations": {"launch": 2.0}}  # 0.3 s besides its launch
+    host.set_autoscale({"target_utilization": 0.5, "up_delay_s": "auto", "down_delay_s": "auto", "cooldown_s": "auto"})
+    op = {
+        "op_id": "op-a",
+        "kind": "scale",
+        "state": "succeeded",
+        "from_size": 1,
+        "to_size": 2,
+        "started": 0.0,
+        "finished": 2.3,
+        "phase_durations": {"launch": 2.0},
+    }  # 0.3 s besides its launch
     sat = {"saturated_tokens": 0, "saturated_s": 0.0, "instance_id": "x"}
     host.tick([status(0, 3, 4) | sat], [0], now=0.0, admissions={"requests": 0, "prompt_tokens": 0})
-    d = host.tick([status(0, 3, 4) | sat | {"saturated_tokens": 900, "saturated_s": 1.0}], [0], now=1.0,
-                  admissions={"requests": 30, "prompt_tokens": 90, "output_tokens": 450}, ops=[op])
+    d = host.tick(
+        [status(0, 3, 4) | sat | {"saturated_tokens": 900, "saturated_s": 1.0}],
+        [0],
+        now=1.0,
+        admissions={"requests": 30, "prompt_tokens": 90, "output_tokens": 450},
+        ops=[op],
+    )
     assert d is not None
     load = next(s for s in d.signals if s.name == "load")
     assert load.terms["capacity_tps"] == 900.0 and load.terms["arrival_rps"] == 30.0 and load.recommendation == 2

@@ -33,13 +33,21 @@ FAST = ScaleCost(up_s=0.2, launch_s=0.0, down_s=0.2, measured=3)  # a scale as t
 
 def load_obs(dp: int, rps: float, backlog: float = 48.0, cost: ScaleCost = FAST, **kw) -> Observed:
     load = LoadSignals(rps, rps * 8, kw.pop("base_rps", rps), TOKENS, backlog, kw.pop("capacity", CAPACITY), "learned")
-    return Observed(dp=dp, ranks=[RankSignals(r) for r in range(dp)], num_experts=8, slots_per_rank=8,
-                    load=load, cost=cost, **kw)
+    return Observed(
+        dp=dp, ranks=[RankSignals(r) for r in range(dp)], num_experts=8, slots_per_rank=8, load=load, cost=cost, **kw
+    )
 
 
 def policy(**kw) -> AutoscalePolicy:
-    base = {"mode": "on", "max_dp": 8, "target_utilization": 0.8, "up_delay_s": "auto", "down_delay_s": "auto",
-            "cooldown_s": "auto", "max_step": 1}
+    base = {
+        "mode": "on",
+        "max_dp": 8,
+        "target_utilization": 0.8,
+        "up_delay_s": "auto",
+        "down_delay_s": "auto",
+        "cooldown_s": "auto",
+        "max_step": 1,
+    }
     return AutoscalePolicy(**(base | kw))
 
 
@@ -101,19 +109,29 @@ def test_a_burst_shorter_than_the_scale_it_needs_is_not_chased() -> None:
     assert not a.decide(2.5, load_obs(1, BASE_RPS, cost=launched)).act
     # The arrivals fit DP 2, and what is queued drains at its spare capacity before a launch: not chased.
     slow = Autoscaler(policy(up_delay_s=0)).decide(0.0, load_obs(2, 60.0, backlog=2000.0, cost=launched))
-    assert not slow.act and "not chased: the backlog (2000 tok) drains at DP 2 in 1.89s, before a 7.70s scale" \
-        in slow.rule, slow.rule
+    assert (
+        not slow.act and "not chased: the backlog (2000 tok) drains at DP 2 in 1.89s, before a 7.70s scale" in slow.rule
+    ), slow.rule
     over = Autoscaler(policy(up_delay_s=0)).decide(0.0, load_obs(1, 50.0, backlog=100.0, cost=launched))
     assert over.act and over.recommendation == 2, "arrivals over the width's target share: not a passing backlog"
-    pooled = Autoscaler(policy(up_delay_s=0)).decide(0.0, load_obs(2, 60.0, backlog=2000.0, cost=launched,
-                                                                    standby_ready=2))
+    pooled = Autoscaler(policy(up_delay_s=0)).decide(
+        0.0, load_obs(2, 60.0, backlog=2000.0, cost=launched, standby_ready=2)
+    )
     assert pooled.act and pooled.recommendation == 3, pooled.rule  # from the pool (0.7 s) it is worth it
 
 
 def test_the_cost_is_learned_from_the_scales_the_deployment_ran() -> None:
     c = ScaleCost()
-    up = {"op_id": "op-1", "kind": "scale", "state": "succeeded", "from_size": 1, "to_size": 4, "started": 10.0,
-          "finished": 13.5, "phase_durations": {"launch": 3.0}}
+    up = {
+        "op_id": "op-1",
+        "kind": "scale",
+        "state": "succeeded",
+        "from_size": 1,
+        "to_size": 4,
+        "started": 10.0,
+        "finished": 13.5,
+        "phase_durations": {"launch": 3.0},
+    }
     assert c.observe(up) and not c.observe(up), "each operation once"
     assert (c.up_s, c.launch_s) == (pytest.approx(0.6), pytest.approx(5.0))  # halfway from 0.7 and 7
     assert c.observe({**up, "op_id": "op-2", "from_size": 4, "to_size": 2, "finished": 10.4})

@@ -27,8 +27,17 @@ async def _scenario(cfg: EngineConfig) -> tuple[list[dict], list[dict], list[dic
     async with LocalDeployment(cfg, "autoscale", max_dp=4) as dep:
         await dep.start(1)
         host = AutoscaleHost("autoscale", 4, persist=lambda s: None)
-        host.set_autoscale({"min_dp": 1, "max_dp": 4, "target_queue": 2.0, "up_delay_s": 0.0, "down_delay_s": 3.0,
-                            "cooldown_s": 0.0, "max_step": 2})  # advisory first
+        host.set_autoscale(
+            {
+                "min_dp": 1,
+                "max_dp": 4,
+                "target_queue": 2.0,
+                "up_delay_s": 0.0,
+                "down_delay_s": 3.0,
+                "cooldown_s": 0.0,
+                "max_step": 2,
+            }
+        )  # advisory first
 
         async def act(d):  # the loop moves the desired size; here: the orchestrator's scale to it
             return await dep.orch.scale(d.recommendation, timeout_s=120)

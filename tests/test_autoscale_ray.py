@@ -22,7 +22,6 @@ NAME = "as-seam"
 def _start_host(saved: dict[str, Any] | None) -> Any:
     """The actor, named as the controller; its class is built here so Ray ships it by value."""
     import ray
-
     from engine_ext.ray.autoscale_host import AutoscaleHost
 
     class AutoscalingController:
@@ -46,30 +45,48 @@ def _start_host(saved: dict[str, Any] | None) -> Any:
             return self.saved
 
         def feed(self, ticks: list[tuple[float, list[dict[str, Any]]]]) -> list[str]:
-            return [d.action for at, sts in ticks
-                    if (d := self.autoscale_host.tick(sts, [s["rank"] for s in sts], now=at, num_experts=8,
-                                                      slots_per_rank=8)) is not None]
+            return [
+                d.action
+                for at, sts in ticks
+                if (
+                    d := self.autoscale_host.tick(
+                        sts, [s["rank"] for s in sts], now=at, num_experts=8, slots_per_rank=8
+                    )
+                )
+                is not None
+            ]
 
-    return ray.remote(AutoscalingController).options(
-        name=controller_name(NAME), namespace=DEFAULT_NAMESPACE, lifetime="detached", num_cpus=0).remote(saved)
+    return (
+        ray.remote(AutoscalingController)
+        .options(name=controller_name(NAME), namespace=DEFAULT_NAMESPACE, lifetime="detached", num_cpus=0)
+        .remote(saved)
+    )
 
 
 def _status(rank: int, requests: int) -> dict[str, Any]:
-    return {"rank": rank, "requests_waiting": requests, "requests_running": 0, "kv_blocks_used": 4,
-            "kv_blocks_total": 64, "ttft_ms_p95": 40.0 * requests, "tpot_ms_p95": 5.0, "eplb_imbalance": 1.1}
+    return {
+        "rank": rank,
+        "requests_waiting": requests,
+        "requests_running": 0,
+        "kv_blocks_used": 4,
+        "kv_blocks_total": 64,
+        "ttft_ms_p95": 40.0 * requests,
+        "tpot_ms_p95": 5.0,
+        "eplb_imbalance": 1.1,
+    }
 
 
 @pytest.mark.timeout(300)
 def test_autoscale_commands_through_the_driver_seam(ray_cluster: dict) -> None:
     import ray
-
     from eepctl import cluster
 
     cluster.connect(ray_cluster["address"], DEFAULT_NAMESPACE)
     host = _start_host(None)
     try:
-        res = eepctl_json("autoscale", "--name", NAME, "--min-dp", "1", "--max-dp", "4", "--target-queue", "2",
-                          "--up-delay", "0")
+        res = eepctl_json(
+            "autoscale", "--name", NAME, "--min-dp", "1", "--max-dp", "4", "--target-queue", "2", "--up-delay", "0"
+        )
         assert res["object"] == "autoscale" and res["policy"]["mode"] == "advisory" and res["previous"] is None
         over = eepctl("autoscale", "--name", NAME, "--max-dp", "9")
         assert over.returncode == 4 and "over the deployment's max DP 4" in over.stderr, over.stderr

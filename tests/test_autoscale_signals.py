@@ -14,8 +14,9 @@ from tests.engine_helpers import OneRank
 def test_the_rank_measures_ttft_and_tpot_per_request_and_windows_them() -> None:
     o = OneRank(EngineConfig(max_num_seqs=1, capture_sizes=[1]))  # one slot: the second request queues
     o.add([[1, 2, 3], [4, 5, 6]], max_tokens=4)
-    o.engine.add_request({"request_id": "moved", "prompt": [7, 8], "max_tokens": 3, "output": [9, 10],
-                          "logits": [0.0, 0.0]})  # moved here with tokens: its first token was elsewhere
+    o.engine.add_request(
+        {"request_id": "moved", "prompt": [7, 8], "max_tokens": 3, "output": [9, 10], "logits": [0.0, 0.0]}
+    )  # moved here with tokens: its first token was elsewhere
     o.steps()
     first, queued, moved = o.results["0"], o.results["1"], o.results["moved"]
     assert first["ttft_ms"] > 0 and first["tpot_ms"] > 0
@@ -46,12 +47,25 @@ def test_the_queue_signal_counts_requests_shorter_than_a_tick() -> None:
     held, w, t = RequestSeconds(), SignalWindow(window_s=30.0), 1000.0
     for tick in range(10):
         now = t + tick
-        w.add(now, [{"rank": 0, "requests_waiting": 0, "requests_running": 0, "instance_id": "a",
-                     "request_seconds": held.total(now), "last_heartbeat": now}])
+        w.add(
+            now,
+            [
+                {
+                    "rank": 0,
+                    "requests_waiting": 0,
+                    "requests_running": 0,
+                    "instance_id": "a",
+                    "request_seconds": held.total(now),
+                    "last_heartbeat": now,
+                }
+            ],
+        )
         held.change(+1, now + 0.4)
         held.change(-1, now + 0.6)
-    w.add(t + 10.5, [{"rank": 0, "requests_running": 1, "instance_id": "b", "request_seconds": 0.1,
-                      "last_heartbeat": t + 10.5}])  # restarted: a new counter, not a negative step
+    w.add(
+        t + 10.5,
+        [{"rank": 0, "requests_running": 1, "instance_id": "b", "request_seconds": 0.1, "last_heartbeat": t + 10.5}],
+    )  # restarted: a new counter, not a negative step
     obs = w.observed(t + 10.5, [0])
     assert abs(obs.ranks[0].requests - 0.2) < 1e-9, obs.ranks[0].requests
     sampled = SignalWindow(window_s=30.0)  # a vLLM rank reports no counter: the sampled counts
@@ -96,6 +110,9 @@ def test_the_router_counts_what_it_admits_and_the_ingress_link_sums_the_ingresse
     counts, answers = asyncio.run(admit())
     assert counts == {"requests": 2, "prompt_tokens": 4, "output_tokens": 24} and all(a["error"] for a in answers)
     link = IngressLink("moe", "ns", 2, fenced=dict)
-    link.stats = {0: {"admitted": counts}, 1: {"admitted": {"requests": 1, "prompt_tokens": 5, "output_tokens": 8}},
-                  2: {}}
+    link.stats = {
+        0: {"admitted": counts},
+        1: {"admitted": {"requests": 1, "prompt_tokens": 5, "output_tokens": 8}},
+        2: {},
+    }
     assert link.admissions() == {"requests": 3, "prompt_tokens": 9, "output_tokens": 32}

@@ -24,10 +24,18 @@ def obs(dp: int, per_rank: float = 0.0, kv: float = 0.0, ttft: list[float] | Non
 
 
 policies = st.builds(
-    AutoscalePolicy, min_dp=st.integers(1, 3), max_dp=st.integers(3, 10), mode=st.sampled_from(["on", "advisory"]),
-    target_queue=st.sampled_from([2.0, 4.0]), slo_ttft_ms=st.sampled_from([0.0, 100.0]),
-    up_delay_s=st.sampled_from([0.0, 5.0]), down_delay_s=st.sampled_from([0.0, 30.0]),
-    tolerance=st.sampled_from([0.0, 0.1, 0.3]), max_step=st.integers(1, 3), cooldown_s=st.sampled_from([0.0, 10.0]))
+    AutoscalePolicy,
+    min_dp=st.integers(1, 3),
+    max_dp=st.integers(3, 10),
+    mode=st.sampled_from(["on", "advisory"]),
+    target_queue=st.sampled_from([2.0, 4.0]),
+    slo_ttft_ms=st.sampled_from([0.0, 100.0]),
+    up_delay_s=st.sampled_from([0.0, 5.0]),
+    down_delay_s=st.sampled_from([0.0, 30.0]),
+    tolerance=st.sampled_from([0.0, 0.1, 0.3]),
+    max_step=st.integers(1, 3),
+    cooldown_s=st.sampled_from([0.0, 10.0]),
+)
 ticks = st.lists(st.tuples(st.floats(0, 40), st.floats(0, 500), st.booleans()), min_size=1, max_size=40)
 
 
@@ -62,10 +70,11 @@ def test_decisions_keep_every_rule(policy: AutoscalePolicy, seq) -> None:
     for i, (dp, d) in enumerate(out):  # a calm move waited its delay: every tick in it asked the same way
         if d.act and not d.panic:
             delay = policy.up_delay_s if d.recommendation > dp else policy.down_delay_s
-            ticks_in = [e for _, e in out[:i + 1] if e.at >= d.at - delay]
+            ticks_in = [e for _, e in out[: i + 1] if e.at >= d.at - delay]
             assert out[0][1].at <= d.at - delay or delay == 0, "acted before a full delay was observed"
-            assert all((e.raw_recommendation > dp) == (d.recommendation > dp) and e.raw_recommendation != dp
-                       for e in ticks_in), "stabilisation: the whole delay asked the same way"
+            assert all(
+                (e.raw_recommendation > dp) == (d.recommendation > dp) and e.raw_recommendation != dp for e in ticks_in
+            ), "stabilisation: the whole delay asked the same way"
     for (_, a1), (_, a2) in itertools.pairwise(acts):
         assert a2.panic or a2.at - a1.at >= policy.cooldown_s, "a cooldown after each action"
 
@@ -150,14 +159,17 @@ def test_the_trail_survives_a_restart() -> None:
     assert b.recent() == a.recent() and b.decide(50.0, obs(4, 16.0)).action.startswith("blocked: cooldown")
 
 
-@pytest.mark.parametrize("kw, msg", [
-    ({"min_dp": 4, "max_dp": 2}, "--min-dp 4 is over --max-dp 2"),
-    ({"mode": "auto"}, "--mode must be advisory or on or off"),
-    ({"target_kv": 1.5}, "--target-kv"),
-    ({"tolerance": -0.1}, "--tolerance must be a number >= 0"),
-    ({"target_queue": 0}, "give at least one target"),
-    ({"max_step": 0}, "--max-step must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"min_dp": 4, "max_dp": 2}, "--min-dp 4 is over --max-dp 2"),
+        ({"mode": "auto"}, "--mode must be advisory or on or off"),
+        ({"target_kv": 1.5}, "--target-kv"),
+        ({"tolerance": -0.1}, "--tolerance must be a number >= 0"),
+        ({"target_queue": 0}, "give at least one target"),
+        ({"max_step": 0}, "--max-step must be an integer >= 1"),
+    ],
+)
 def test_policy_errors_name_the_option(kw, msg) -> None:
     base = {"target_queue": 4.0} | kw
     with pytest.raises(ValueError, match=msg.replace("-", r"\-")):

@@ -13,16 +13,22 @@ import asyncio
 
 import pytest
 
+from eepctl import render
 from engine_ext.capture_memory import workspace_bytes
 from engine_ext.config import EngineConfig
-from engine_ext.model.dense_oracle import reference_generate
 from engine_ext.launcher import LocalDeployment
-from eepctl import render
+from engine_ext.model.dense_oracle import reference_generate
 from tests.engine_helpers import oracle_mismatch, run, wait_until
 
 MAX_TOKENS = 4
-PROMPTS = [[7], [1, 2, 3], [200, 13, 99, 5, 5], [(11 * j + 3) % 256 for j in range(9)],
-           [(37 * j + 17) % 256 for j in range(14)], [255, 0, 128, 64, 32, 16, 8, 4]]
+PROMPTS = [
+    [7],
+    [1, 2, 3],
+    [200, 13, 99, 5, 5],
+    [(11 * j + 3) % 256 for j in range(9)],
+    [(37 * j + 17) % 256 for j in range(14)],
+    [255, 0, 128, 64, 32, 16, 8, 4],
+]
 
 
 def _cfg(**kw) -> EngineConfig:
@@ -64,9 +70,18 @@ async def _reuse_path(cfg: EngineConfig) -> list[tuple]:
                 assert op["state"] == "succeeded", (op.get("error"), op)
             results = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
             op_id = op.get("op_id", "")
-            out.append((dp, results, _lock_events(dep, op_id) if op_id else {},
-                        _capture_events(dep, op_id) if op_id else {}, dep.registry.violations(),
-                        await _live_status(dep), op_id, list(dep.orch.members)))
+            out.append(
+                (
+                    dp,
+                    results,
+                    _lock_events(dep, op_id) if op_id else {},
+                    _capture_events(dep, op_id) if op_id else {},
+                    dep.registry.violations(),
+                    await _live_status(dep),
+                    op_id,
+                    list(dep.orch.members),
+                )
+            )
     return out
 
 
@@ -126,6 +141,7 @@ def test_survivors_that_drop_their_captures_serve_eagerly_and_are_flagged():
             op = await dep.scale(3, timeout_s=60)
             results = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
             live = await _live_status(dep)
+
             def eager_flags() -> list[dict]:
                 found = [v for v in dep.registry.violations() if "served eagerly" in v["message"]]
                 return found if {v["rank"] for v in found} >= {"0", "1"} else []
@@ -151,13 +167,20 @@ def test_reuse_check_refuses_a_capture_sized_for_the_launch_world():
         async with LocalDeployment(cfg, "reusebad", max_dp=4) as dep:
             await dep.start(2)
             op = await dep.scale(4, timeout_s=60)
-            errors = [e.detail.get("error", "") for _, e in dep.registry.events
-                      if e.op_id == op.get("op_id") and e.phase == "lock" and e.outcome == "error"]
+            errors = [
+                e.detail.get("error", "")
+                for _, e in dep.registry.events
+                if e.op_id == op.get("op_id") and e.phase == "lock" and e.outcome == "error"
+            ]
             return op, errors
 
     op, errors = run(go(), 180)
     assert op["state"] != "succeeded", op
-    assert any("reused capture refused" in m and "world of 2" in m for m in errors), (op.get("state"), op.get("error"), errors)
+    assert any("reused capture refused" in m and "world of 2" in m for m in errors), (
+        op.get("state"),
+        op.get("error"),
+        errors,
+    )
 
 
 def test_capture_memory_matches_the_model_bound():
@@ -185,8 +208,8 @@ def test_auto_takes_reuse_only_where_its_workspace_leaves_every_request_slot_its
     workspace at max DP hold max_num_seqs requests of max_model_len, recapture one block short of
     that; the figure is the KV pool a reuse rank really holds. A policy given by name is kept, and
     `up` says which it runs, what it holds and the option that takes the other."""
-    from engine_ext.capture_memory import auto_policy, size_captures, up_summary
     from eepctl.render_cost import capture_lines
+    from engine_ext.capture_memory import auto_policy, size_captures, up_summary
     from tests.engine_helpers import OneRank
 
     need = 8 * 16  # max_num_seqs x the blocks of one max_model_len request (128 / block_size 8)
@@ -199,8 +222,11 @@ def test_auto_takes_reuse_only_where_its_workspace_leaves_every_request_slot_its
         assert cfg.capture_world == (4 if policy == "reuse" else 0)
         line = capture_lines(up_summary(cfg, 2, 4, choice))[0]
         assert line.startswith(f"  capture policy {policy} (auto)"), line
-        assert ("`--capture-policy recapture` opts out" in line if policy == "reuse"
-                else f"would leave {need - 1} KV blocks/rank where 8 requests of max_model_len 128 need {need}" in line)
+        assert (
+            "`--capture-policy recapture` opts out" in line
+            if policy == "reuse"
+            else f"would leave {need - 1} KV blocks/rank where 8 requests of max_model_len 128 need {need}" in line
+        )
     rank = OneRank(EngineConfig(num_blocks=blocks, capture_policy="reuse", capture_world=4))
     assert rank.engine.res.sched.blocks.total == need  # what auto counted is what the rank holds
     # `eepctl up`'s default model holds too few blocks for it: auto recaptures there.
@@ -224,9 +250,13 @@ def test_under_the_default_policy_the_ranks_that_stay_neither_rewarm_nor_capture
             await dep.start(2)
             op = await dep.scale(3, timeout_s=60)
             results = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
-            events = await wait_until(lambda: (lambda evs: evs if {e["rank"] for e in evs if e["phase"] == "lock"}
-                                               == {0, 1, 2} else None)(dep.registry.events_for(op["op_id"])),
-                                      15, "the lock events of every rank")
+            events = await wait_until(
+                lambda: (lambda evs: evs if {e["rank"] for e in evs if e["phase"] == "lock"} == {0, 1, 2} else None)(
+                    dep.registry.events_for(op["op_id"])
+                ),
+                15,
+                "the lock events of every rank",
+            )
             return op, results, events, dep.registry.violations()
 
     op, results, events, violations = run(go(), 140)

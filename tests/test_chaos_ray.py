@@ -27,7 +27,6 @@ pytestmark = pytest.mark.ray
 @pytest.mark.timeout(420)
 def test_mixed_faults_during_scales_never_wedge(deployments, ray_cluster):
     import ray
-
     from eepctl import core
 
     seed = int(os.environ.get("EEP_CHAOS_SEED") or random.randrange(10**6))
@@ -37,11 +36,18 @@ def test_mixed_faults_during_scales_never_wedge(deployments, ray_cluster):
     t = core.Target(name=d.name, namespace=NAMESPACE)
     if ray.is_initialized():
         ray.shutdown()
-    snap = core.up(t, dp=START_DP, max_dp=MAX_DP, engine=ENGINE, cpus_per_rank=1.0, gpus_per_rank=0.0,
-                   timeout_s=300, health_deadline_s=DEADLINE_S)
+    snap = core.up(
+        t,
+        dp=START_DP,
+        max_dp=MAX_DP,
+        engine=ENGINE,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        health_deadline_s=DEADLINE_S,
+    )
     cfg_d = dict(ENGINE, instance_id=d.name)
-    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "900", "--timeout", "300",
-                   "-o", "json")
+    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "900", "--timeout", "300", "-o", "json")
     wait_serving_load(d.name)
     chaos = Chaos(core, t, lambda p: oracle(cfg_d, p), bound_s=150.0, log=lambda s: print(f"[chaos] {s}"))
     try:
@@ -50,7 +56,8 @@ def test_mixed_faults_during_scales_never_wedge(deployments, ray_cluster):
         chaos.close()
     res = finish_load(load, cfg_d, stop=True)  # no request failed; every output is the oracle's
     ops = events(d.name)["operations"]
-    print(f"[chaos] {len(records)} rounds, serving again after {[r['serving_s'] for r in records]} s; "
-          f"{res['sent']} requests, 0 failed; operations {[(o.get('kind'), o.get('state')) for o in ops]}")
+    print(
+        f"[chaos] {len(records)} rounds, serving again after {[r['serving_s'] for r in records]} s; "
+        f"{res['sent']} requests, 0 failed; operations {[(o.get('kind'), o.get('state')) for o in ops]}"
+    )
     assert snap["dp"] == START_DP
-

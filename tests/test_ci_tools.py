@@ -15,8 +15,13 @@ SCRIPT = ROOT / "scripts" / "ci_tools.sh"
 
 
 def _run(bin_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([shutil.which("bash") or "/bin/bash", str(SCRIPT)], capture_output=True, text=True,
-                          timeout=60, env={"PATH": str(bin_dir), "HOME": os.environ.get("HOME", "/")})
+    return subprocess.run(
+        [shutil.which("bash") or "/bin/bash", str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": str(bin_dir), "HOME": os.environ.get("HOME", "/")},
+    )
 
 
 def _bin(tmp_path: Path, tools: list[str]) -> Path:

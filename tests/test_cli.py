@@ -60,30 +60,38 @@ def test_version_comes_from_the_package_metadata_without_heavy_imports(runner: C
 
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output == f"eepctl {version('eepctl')}\n", result.output
-    code = ("import sys; from eepctl.main import run; assert run(['--version']) == 0; "
-            "print(sorted(m for m in ('ray', 'torch', 'vllm', 'numpy') if m in sys.modules))")
+    code = (
+        "import sys; from eepctl.main import run; assert run(['--version']) == 0; "
+        "print(sorted(m for m in ('ray', 'torch', 'vllm', 'numpy') if m in sys.modules))"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.returncode == 0 and res.stdout == f"eepctl {version('eepctl')}\n[]\n", (res.stdout, res.stderr)
 
 
 # ---- usage errors the command framework finds ------------------------------------------------------
-@pytest.mark.parametrize("args", [
-    ["scale", "--dp", "x"],
-    ["scale"],  # --dp is required
-    ["status", "-o", "yaml"],
-    ["frobnicate"],
-    ["generate", "--rate", "fast"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["scale", "--dp", "x"],
+        ["scale"],  # --dp is required
+        ["status", "-o", "yaml"],
+        ["frobnicate"],
+        ["generate", "--rate", "fast"],
+    ],
+)
 def test_malformed_arguments_exit_2(runner: CliRunner, args: list[str]) -> None:
     result = runner.invoke(app, args)
     assert result.exit_code == ExitCode.USAGE, (result.exit_code, result.output)
 
 
-@pytest.mark.parametrize("command, options", [
-    ("status", ("--state", "--node", "--watch")),
-    ("scale", ("--verbose",)),
-    ("events", ("--timeline", "--last", "--verbose")),
-])
+@pytest.mark.parametrize(
+    "command, options",
+    [
+        ("status", ("--state", "--node", "--watch")),
+        ("scale", ("--verbose",)),
+        ("events", ("--timeline", "--last", "--verbose")),
+    ],
+)
 def test_operator_view_options_are_documented(runner: CliRunner, command: str, options: tuple[str, ...]) -> None:
     result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
@@ -92,22 +100,25 @@ def test_operator_view_options_are_documented(runner: CliRunner, command: str, o
 
 
 # ---- checks a command makes before it connects -----------------------------------------------------
-@pytest.mark.parametrize("args, says", [
-    (["scale", "--dp", "0"], "--dp"),
-    (["scale", "--dp", "2", "--timeout", "0"], "--timeout"),
-    (["up", "--dp", "0"], "--dp"),
-    (["up", "--dp", "3", "--max-dp", "2"], "--max-dp"),
-    (["up", "--dtype", "int8"], "--dtype"),
-    (["up", "--top-k", "9"], "invalid engine option"),
-    (["up", "--capture-policy", "never"], "--capture-policy"),
-    (["up", "--standby", "-1"], "--standby"),
-    (["standby", "--count", "-1"], "--count"),
-    (["generate", "--max-tokens", "0"], "--max-tokens"),
-    (["generate", "-p", "1,two,3"], "comma-separated integers"),
-    (["generate", "--rate", "0"], "--rate"),
-    (["completion", "tcsh"], "bash, zsh or fish"),
-    (["events", "--last", "-1"], "--last must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["scale", "--dp", "0"], "--dp"),
+        (["scale", "--dp", "2", "--timeout", "0"], "--timeout"),
+        (["up", "--dp", "0"], "--dp"),
+        (["up", "--dp", "3", "--max-dp", "2"], "--max-dp"),
+        (["up", "--dtype", "int8"], "--dtype"),
+        (["up", "--top-k", "9"], "invalid engine option"),
+        (["up", "--capture-policy", "never"], "--capture-policy"),
+        (["up", "--standby", "-1"], "--standby"),
+        (["standby", "--count", "-1"], "--count"),
+        (["generate", "--max-tokens", "0"], "--max-tokens"),
+        (["generate", "-p", "1,two,3"], "comma-separated integers"),
+        (["generate", "--rate", "0"], "--rate"),
+        (["completion", "tcsh"], "bash, zsh or fish"),
+        (["events", "--last", "-1"], "--last must be >= 0"),
+    ],
+)
 def test_bad_values_are_usage_errors(runner: CliRunner, args: list[str], says: str) -> None:
     err = _typed_error(runner, *args)
     assert isinstance(err, UsageError) and err.exit_code == ExitCode.USAGE
@@ -168,8 +179,7 @@ def test_open_loop_sends_at_the_rate_and_reports_every_outcome() -> None:
             return _Late()
         if prompt == [2]:
             return _Answered({"output": [], "error": "engine failed", "latency_s": 0.01})
-        return _Answered({"output": [prompt[0] * 10], "error": None, "latency_s": 0.02 * prompt[0],
-                          "moved_from": [1]})
+        return _Answered({"output": [prompt[0] * 10], "error": None, "latency_s": 0.02 * prompt[0], "moved_from": [1]})
 
     prompts = [[1], [2], [3], [4]]
     res = loadgen.open_loop(submit, prompts, rate=40.0, duration_s=0.5, timeout_s=5.0, seed=3)
@@ -246,14 +256,26 @@ def test_generate_and_load_text() -> None:
     vllm = dict(reference, rank=None)  # a vLLM server does not say which rank served
     failed = dict(reference, output=[], error="rank 1 failed")
     text = render.generate_text({"deployment": "d", "results": [reference, vllm, failed]})
-    assert text.splitlines() == ["[1 2] -> 7 8  (12 ms, rank 1)", "[1 2] -> 7 8  (12 ms)",
-                                 "[1 2] -> ERROR rank 1 failed  (12 ms, rank 1)"]
-    load = {"sent": 8, "rate": 4.0, "duration_s": 2.04, "completed": 7, "failed": 1,
-            "latency_s": loadgen.percentiles([0.1, 0.2, 0.3])}
+    assert text.splitlines() == [
+        "[1 2] -> 7 8  (12 ms, rank 1)",
+        "[1 2] -> 7 8  (12 ms)",
+        "[1 2] -> ERROR rank 1 failed  (12 ms, rank 1)",
+    ]
+    load = {
+        "sent": 8,
+        "rate": 4.0,
+        "duration_s": 2.04,
+        "completed": 7,
+        "failed": 1,
+        "latency_s": loadgen.percentiles([0.1, 0.2, 0.3]),
+    }
     assert render.load_text(load).splitlines() == [
-        "sent 8 at 4/s over 2.0s: completed 7, failed 1", "latency p50 200 ms, p90 300 ms, p99 300 ms, max 300 ms"]
+        "sent 8 at 4/s over 2.0s: completed 7, failed 1",
+        "latency p50 200 ms, p90 300 ms, p99 300 ms, max 300 ms",
+    ]
     assert render.load_text(dict(load, stopped_early=True)).splitlines()[0] == (
-        "sent 8 at 4/s over 2.0s (sending ended early by SIGINT): completed 7, failed 1")
+        "sent 8 at 4/s over 2.0s (sending ended early by SIGINT): completed 7, failed 1"
+    )
 
 
 def test_up_waits_until_every_rank_serves_or_exits_with_the_documented_code():
@@ -269,11 +291,15 @@ def test_up_waits_until_every_rank_serves_or_exits_with_the_documented_code():
         return {"ranks": out + ([{"rank": 100000, "state": "standby"}] if standby else [])}
 
     seq = iter([ranks("starting", "serving"), ranks("serving"), ranks("serving", "serving", standby=True)])
-    assert wait_serving(lambda: next(seq), "d", 2, time.time() + 30, interval_s=0) == ranks("serving", "serving", standby=True)
+    assert wait_serving(lambda: next(seq), "d", 2, time.time() + 30, interval_s=0) == ranks(
+        "serving", "serving", standby=True
+    )
     with pytest.raises(EepError, match="rank 1 failed") as failed:
         wait_serving(lambda: ranks("serving", "failed"), "d", 2, time.time() + 30, interval_s=0)
     assert int(failed.value.exit_code) == 5
-    with pytest.raises(EepError, match="did not serve at DP 2 before --timeout: rank 0 serving, rank 1 starting") as late:
+    with pytest.raises(
+        EepError, match="did not serve at DP 2 before --timeout: rank 0 serving, rank 1 starting"
+    ) as late:
         wait_serving(lambda: ranks("serving", "starting"), "d", 2, time.time() + 0.2, interval_s=0.01)
     assert int(late.value.exit_code) == 6
 
@@ -284,8 +310,9 @@ def test_up_refuses_a_world_whose_workspace_eats_the_kv_budget(runner: CliRunner
     a cluster is touched (the address names no cluster: without the check it would not be exit 4)."""
     from engine_ext.protocol import PreconditionError
 
-    err = _typed_error(runner, "up", "--dp", "2", "--max-dp", "16", "--capture-policy", "reuse",
-                       "--address", "127.0.0.1:1")
+    err = _typed_error(
+        runner, "up", "--dp", "2", "--max-dp", "16", "--capture-policy", "reuse", "--address", "127.0.0.1:1"
+    )
     assert isinstance(err, PreconditionError) and err.exit_code == ExitCode.PRECONDITION, err.message
     assert "cannot start DP 2: at DP 2 the MoE workspace takes" in err.message and "KV budget" in err.message
 
@@ -319,8 +346,9 @@ def test_a_report_interrupted_while_the_reader_lags_comes_out_whole(how: str) ->
 
     cut = []
     for _ in range(3):
-        p = subprocess.Popen([sys.executable, "-c", _WRITER, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             cwd=ROOT)
+        p = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
+        )
         assert p.stderr is not None and p.stderr.readline() == b"ready\n"
         time.sleep(0.5)  # the writer fills the pipe and blocks in its write
         p.send_signal(signal.SIGINT)

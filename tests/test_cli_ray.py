@@ -69,7 +69,7 @@ def _assert_rank_process(pid: int) -> None:
 
 def _cpu_seconds(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
-    after_comm = stat[stat.rindex(")") + 2:].split()
+    after_comm = stat[stat.rindex(")") + 2 :].split()
     # fields 14 and 15 (utime, stime) of proc(5); after_comm starts at field 3
     utime, stime = int(after_comm[11]), int(after_comm[12])
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
@@ -90,20 +90,32 @@ def _assert_clean_error(res: subprocess.CompletedProcess, code: int, *, contains
 # ---- 1. lifecycle ------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -> None:
+    from eepctl.core import DEFAULT_PROMPTS
     from engine_ext.config import EngineConfig
     from engine_ext.model.dense_oracle import reference_generate
-    from eepctl.core import DEFAULT_PROMPTS
 
     name = "cli-a"
     downed = False
     try:
         # VLLM_API_KEY is vLLM's: `up` leaves it unused and says so; the API has no key and says that
-        res = eepctl("up", "--dp", "2", "--name", name, "--dtype", "float64", "-o", "json", timeout=240,
-                     env={"VLLM_API_KEY": "vllm-key-of-another-server"})
+        res = eepctl(
+            "up",
+            "--dp",
+            "2",
+            "--name",
+            name,
+            "--dtype",
+            "float64",
+            "-o",
+            "json",
+            timeout=240,
+            env={"VLLM_API_KEY": "vllm-key-of-another-server"},
+        )
         assert res.returncode == 0 and "note: VLLM_API_KEY is set and not used" in res.stderr, res.stderr
         up = last_json(res.stdout)
         assert [i["key_required"] for i in up["ingress"]] == [False] and up["ingress"][0]["listen"].startswith(
-            "0.0.0.0:"), up["ingress"]
+            "0.0.0.0:"
+        ), up["ingress"]
         assert up["dp"] == 2 and up["deployment"] == name
         assert sorted(r["rank"] for r in up["ranks"]) == [0, 1], up["ranks"]
 
@@ -124,8 +136,9 @@ def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -
         assert [r["output"] for r in results] == [x["output"] for x in ref]
 
         # explicit prompts and max tokens
-        gen2 = eepctl_json("generate", "--name", name, "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
-                           "--max-tokens", "4", timeout=120)
+        gen2 = eepctl_json(
+            "generate", "--name", name, "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-tokens", "4", timeout=120
+        )
         prompts2 = [[1, 2, 3], [4, 5]]
         assert [r["prompt"] for r in gen2["results"]] == prompts2
         assert all(r["error"] is None for r in gen2["results"]), gen2
@@ -152,8 +165,10 @@ def test_lifecycle_up_generate_status_events_down(ray_cluster: dict[str, Any]) -
 
         table = eepctl("status", "--name", name, timeout=60)
         assert table.returncode == 0, table.stderr
-        assert f"ingress 0: {up['ingress'][0]['url']}, no key: anyone who reaches the port can send requests" \
-            in table.stdout, table.stdout
+        assert (
+            f"ingress 0: {up['ingress'][0]['url']}, no key: anyone who reaches the port can send requests"
+            in table.stdout
+        ), table.stdout
         for r in ranks:
             assert r["instance_id"] in table.stdout, table.stdout
         assert re.search(r"cpu-static 4 sizes \d+ ms", table.stdout), table.stdout  # capture timings, not "n/a"
@@ -212,8 +227,11 @@ def test_bad_input_exit_codes(ray_cluster: dict[str, Any]) -> None:
         _assert_clean_error(eepctl("generate", "--name", "nosuch"), ExitCode.UNREACHABLE, contains="nosuch")
         _assert_clean_error(eepctl("status", "--address", "127.0.0.1:1", "--name", name), ExitCode.UNREACHABLE)
         # the real head's address passes the check of what answers there (eepctl.probe): connected, no such name
-        _assert_clean_error(eepctl("status", "--address", ray_cluster["address"], "--name", "nosuch"),
-                            ExitCode.UNREACHABLE, contains="deployment 'nosuch' not found")
+        _assert_clean_error(
+            eepctl("status", "--address", ray_cluster["address"], "--name", "nosuch"),
+            ExitCode.UNREACHABLE,
+            contains="deployment 'nosuch' not found",
+        )
         _assert_clean_error(eepctl("scale", "--dp", "0", "--name", name), ExitCode.USAGE)  # the project's error
         _assert_clean_error(eepctl("scale", "--dp", "x", "--name", name), ExitCode.USAGE)  # typer's error
         _assert_clean_error(eepctl("frobnicate"), ExitCode.USAGE)
@@ -229,11 +247,19 @@ def test_bad_input_exit_codes(ray_cluster: dict[str, Any]) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv", [["--help"], ["scale", "--help"], ["completion", "bash"]])
 def test_light_commands_import_no_ray_or_torch(argv: list[str]) -> None:
-    code = ("import sys; from eepctl.main import run; rc = run(%r); "
-            "assert 'ray' not in sys.modules and 'torch' not in sys.modules, "
-            "sorted(m for m in sys.modules if m.split('.')[0] in ('ray','torch')); sys.exit(rc)" % (argv,))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env=dict(os.environ, NO_COLOR="1", COLUMNS="200"))
+    code = (
+        "import sys; from eepctl.main import run; rc = run(%r); "
+        "assert 'ray' not in sys.modules and 'torch' not in sys.modules, "
+        "sorted(m for m in sys.modules if m.split('.')[0] in ('ray','torch')); sys.exit(rc)" % (argv,)
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=dict(os.environ, NO_COLOR="1", COLUMNS="200"),
+    )
     assert res.returncode == 0, (res.returncode, res.stdout[-2000:], res.stderr[-2000:])
     assert res.stdout.strip(), "printed nothing"
 
@@ -253,7 +279,6 @@ IDLE_BOUND = 0.10  # CPU-seconds per second: 10% of one core per rank
 
 def _controller(name: str) -> Any:
     import ray
-
     from eepctl import cluster
     from engine_ext.ray.names import controller_name
 
@@ -290,16 +315,17 @@ def test_idle_ranks_use_little_cpu(deployment: tuple[str, dict[str, Any]]) -> No
     writes_idle = _writes(name)
     elapsed = time.monotonic() - t0
     usage = {r: (after[r] - before[r]) / elapsed for r in pids}
-    print(f"\nidle CPU per rank over {elapsed:.1f}s (CPU-s/s): "
-          + ", ".join(f"rank {r} pid {pids[r]}: {u:.4f}" for r, u in sorted(usage.items()))
-          + f"; controller writes {writes_before} -> {writes_idle}")
+    print(
+        f"\nidle CPU per rank over {elapsed:.1f}s (CPU-s/s): "
+        + ", ".join(f"rank {r} pid {pids[r]}: {u:.4f}" for r, u in sorted(usage.items()))
+        + f"; controller writes {writes_before} -> {writes_idle}"
+    )
     for r, u in usage.items():
         assert u < IDLE_BOUND, f"rank {r} used {u:.3f} CPU-s/s while idle (bound {IDLE_BOUND})"
     assert writes_idle == writes_before, f"an idle deployment wrote: {writes_before} -> {writes_idle}"
     res = eepctl("autoscale", "--name", name, "--mode", "off", "--target-queue", "4", timeout=60)
     assert res.returncode == 0, res.stderr
-    wait_for(lambda: _writes(name)["durable"] > writes_idle["durable"], timeout=10,
-             what="the policy change written")
+    wait_for(lambda: _writes(name)["durable"] > writes_idle["durable"], timeout=10, what="the policy change written")
 
 
 # ---- 6. what eepctl says when the controller dies, a signal ends it, or a repair fails -------------
@@ -313,6 +339,7 @@ def _one_line(stderr: str) -> str:
 def _serving_at(name: str, ranks: list[int], timeout: float = 120.0) -> dict[str, Any]:
     """Status once exactly ``ranks`` serve at DP len(ranks) and no operation runs (a rank gone
     may still be listed as stale or removed for a moment)."""
+
     def ok() -> dict[str, Any] | None:
         res = eepctl("status", "--name", name, "-o", "json", timeout=60)
         if res.returncode != 0:  # the controller is being restarted: ask again
@@ -326,8 +353,14 @@ def _serving_at(name: str, ranks: list[int], timeout: float = 120.0) -> dict[str
 
 
 def _held_in(name: str, rank: int, phase: str) -> None:
-    wait_for(lambda: any(r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "")
-                         for r in _status(name)["ranks"]), 120, interval=0.3, what=f"rank {rank} held in {phase}")
+    wait_for(
+        lambda: any(
+            r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "") for r in _status(name)["ranks"]
+        ),
+        120,
+        interval=0.3,
+        what=f"rank {rank} held in {phase}",
+    )
 
 
 def _scale_op(name: str) -> dict[str, Any] | None:
@@ -348,9 +381,9 @@ def test_scale_through_a_controller_death_signals_and_a_failed_repair(deployment
     `eepctl generate --rate` prints one line (naming `eepctl events --op` for the scale) and
     exits 143, no stack dump; `eepctl repair` that cannot grow back (the test holds every free
     CPU) exits 5 naming what failed, and once the CPUs are free exits 0 at the desired size."""
-    import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    import ray
     from tests.helpers import Deployment, up_with_faults
 
     d: Deployment = deployments("cli-truth")
@@ -360,8 +393,9 @@ def test_scale_through_a_controller_death_signals_and_a_failed_repair(deployment
     # 5 + 6: a retry inside the admission window; the controller killed while the scale holds
     first = d.popen("scale", "--dp", "3", "--name", d.name, "--request-id", "truth-1", "-o", "json")
     time.sleep(1.0)  # the first is inside its 8 s admission when the retry arrives
-    retry = eepctl("scale", "--dp", "3", "--name", d.name, "--request-id", "truth-1", "--no-wait", "-o", "json",
-                   timeout=120)
+    retry = eepctl(
+        "scale", "--dp", "3", "--name", d.name, "--request-id", "truth-1", "--no-wait", "-o", "json", timeout=120
+    )
     assert retry.returncode == 0, f"the retry inside the admission got {retry.returncode}: {retry.stderr}"
     op_id = last_json(retry.stdout)["op_id"]
     _held_in(d.name, 2, "prepare")

@@ -49,8 +49,14 @@ def _bash_complete(words: list[str], env: dict[str, str], timeout: float = 60) -
         'for w in "${COMPREPLY[@]}"; do printf "%s\\n" "$w"; done\n'
     )
     assert shutil.which("eepctl", path=env["PATH"]), "eepctl is not installed next to this interpreter"
-    return subprocess.run(["bash", "--norc", "--noprofile", "-c", prog], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", prog],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def _need(shell: str) -> str:
@@ -65,8 +71,9 @@ def _fish_complete(line: str, env: dict[str, str], timeout: float = 60) -> subpr
     fish = _need("fish")
     script = ROOT / "completions" / "eepctl.fish"
     prog = f"source {shlex.quote(str(script))}; complete -C {shlex.quote(line)}"
-    return subprocess.run([fish, "--no-config", "-c", prog], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [fish, "--no-config", "-c", prog], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
+    )
 
 
 class ZshPane:
@@ -82,15 +89,17 @@ class ZshPane:
         (zdot / ".zshrc").write_text(
             "autoload -U compinit && compinit -u -d " + shlex.quote(str(zdot / ".zcompdump")) + "\n"
             f"source {shlex.quote(str(ROOT / 'completions' / 'eepctl.zsh'))}\n"
-            "PS1='READY> '\n")
+            "PS1='READY> '\n"
+        )
         self.sock = f"eep-zsh-{os.getpid()}-{time.monotonic_ns()}"
         self.env = dict(env, ZDOTDIR=str(zdot), TERM="xterm-256color")
         self._tmux("new-session", "-d", "-x", "200", "-y", "50", f"{zsh} -i")
         self._wait(lambda screen: "READY>" in screen, "the zsh prompt")
 
     def _tmux(self, *args: str) -> str:
-        res = subprocess.run([self.tmux, "-L", self.sock, *args], capture_output=True, text=True, env=self.env,
-                             timeout=30, cwd=ROOT)
+        res = subprocess.run(
+            [self.tmux, "-L", self.sock, *args], capture_output=True, text=True, env=self.env, timeout=30, cwd=ROOT
+        )
         assert res.returncode == 0, res.stderr
         return res.stdout
 
@@ -134,14 +143,21 @@ def zsh_pane(tmp_path: Path) -> Any:
 def test_committed_scripts_match_the_cli(tmp_path: Path) -> None:
     """CI drift check: regenerate with scripts/gen_completions.sh and compare byte for byte."""
     out = tmp_path / "gen"
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "gen_completions.sh"), str(out)], capture_output=True,
-                         text=True, env=dict(os.environ, PYTHON=sys.executable), cwd=ROOT, timeout=120)
+    res = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gen_completions.sh"), str(out)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHON=sys.executable),
+        cwd=ROOT,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     for shell in SHELLS:
         committed = (ROOT / "completions" / f"eepctl.{shell}").read_text()
         fresh = (out / f"eepctl.{shell}").read_text()
-        assert fresh == committed, (f"completions/eepctl.{shell} drifted from the CLI: "
-                                    "run scripts/gen_completions.sh and commit the result")
+        assert fresh == committed, (
+            f"completions/eepctl.{shell} drifted from the CLI: run scripts/gen_completions.sh and commit the result"
+        )
 
 
 # ---- a real bash ---------------------------------------------------------------------------------
@@ -172,8 +188,10 @@ def test_name_completion_without_a_cluster_is_instant_and_silent(tmp_path: Path,
     t0 = time.perf_counter()
     res = _bash_complete(["eepctl", "status", "--name", ""], env)
     wall = time.perf_counter() - t0
-    print(f"\ncompletion of `eepctl status --name ` with no cluster ({ray_address or 'RAY_ADDRESS unset'}): "
-          f"{wall * 1000:.0f} ms wall (bash + python + eepctl)")
+    print(
+        f"\ncompletion of `eepctl status --name ` with no cluster ({ray_address or 'RAY_ADDRESS unset'}): "
+        f"{wall * 1000:.0f} ms wall (bash + python + eepctl)"
+    )
     assert res.returncode == 0
     assert res.stdout.strip() == ""
     assert res.stderr == "", res.stderr
@@ -198,8 +216,9 @@ def test_zsh_completes_subcommand_and_scale_options(tmp_path: Path, zsh_pane: An
     pane = zsh_pane(_env(tmp_path, RAY_ADDRESS="127.0.0.1:1"))
     screen = pane.complete("eepctl sc", lambda s: "READY> eepctl scale" in s, "`eepctl sc` -> scale")
     assert "READY> eepctl scale" in screen.splitlines()  # the whole word (tmux drops the trailing space)
-    screen = pane.complete("eepctl scale --d", lambda s: "--drain-timeout" in s and "--dry-run" in s,
-                           "scale's --d... options listed")
+    screen = pane.complete(
+        "eepctl scale --d", lambda s: "--drain-timeout" in s and "--dry-run" in s, "scale's --d... options listed"
+    )
     for opt in ("--dp", "--dry-run", "--drain-timeout"):
         assert opt in screen
     assert "--no-wait" not in screen  # only the ones matching what was typed
@@ -242,8 +261,9 @@ def test_name_completion_from_a_reachable_cluster(ray_cluster: dict, tmp_path: P
         if shutil.which("zsh") and shutil.which("tmux"):
             pane = ZshPane(tmp_path, env)
             try:
-                screen = pane.complete("eepctl status --name comp", lambda s: f"--name {name}" in s,
-                                       "the deployment name in zsh")
+                screen = pane.complete(
+                    "eepctl status --name comp", lambda s: f"--name {name}" in s, "the deployment name in zsh"
+                )
                 assert f"READY> eepctl status --name {name}" in screen.splitlines()
             finally:
                 pane.close()

@@ -60,16 +60,26 @@ def test_a_fence_is_an_event_the_registry_keeps() -> None:
     o.world.adopt({0: _Answers(0, {}), 1: _Answers(1, {})}, build_layout(8, 8, 2), epoch=3)
     asyncio.run(o.fence(1, "silent for 6.0s"))
     [ev] = reg.events_for()
-    assert (ev["rank"], ev["phase"], ev["op_id"], ev["detail"]) == (1, "fence", "", {"epoch": 3,
-                                                                                "reason": "silent for 6.0s"})
+    assert (ev["rank"], ev["phase"], ev["op_id"], ev["detail"]) == (
+        1,
+        "fence",
+        "",
+        {"epoch": 3, "reason": "silent for 6.0s"},
+    )
 
 
 def test_health_fences_on_silence_and_on_a_reported_failure_not_on_an_answer() -> None:
     """Silence is no probe answer and no token or result an ingress took; a fenced world's answer is none."""
     w = World("t")
-    w.adopt({0: _Answers(0, {"state": "serving", "epoch": 1}), 1: _Answers(1, TimeoutError()),
-             2: _Answers(2, {"state": "failed", "state_reason": "out of memory", "epoch": 1})},
-            build_layout(8, 8, 3), epoch=1)
+    w.adopt(
+        {
+            0: _Answers(0, {"state": "serving", "epoch": 1}),
+            1: _Answers(1, TimeoutError()),
+            2: _Answers(2, {"state": "failed", "state_reason": "out of memory", "epoch": 1}),
+        },
+        build_layout(8, 8, 3),
+        epoch=1,
+    )
     h = Health(w, deadline_s=0.3)
     asyncio.run(h.probe([0, 1, 2]))
     assert h.unhealthy([0, 1, 2]) == {2: "reported failed: out of memory"}  # silence not yet past the deadline
@@ -102,8 +112,11 @@ def test_the_probe_keeps_each_answer_for_the_autoscaler_one_call_per_rank() -> N
 
     st = {"state": "serving", "epoch": 1, "requests_waiting": 6, "requests_running": 2}
     w = World("t")
-    w.adopt({0: _Counted(0, {**st, "rank": 0}), 1: _Counted(1, {**st, "rank": 1}), 2: _Counted(2, TimeoutError())},
-            build_layout(8, 8, 3), epoch=1)
+    w.adopt(
+        {0: _Counted(0, {**st, "rank": 0}), 1: _Counted(1, {**st, "rank": 1}), 2: _Counted(2, TimeoutError())},
+        build_layout(8, 8, 3),
+        epoch=1,
+    )
     h = Health(w, deadline_s=5.0)
     asyncio.run(h.probe([0, 1, 2]))
     assert sorted(calls) == [0, 1, 2], "one status call per rank"
@@ -144,7 +157,6 @@ def test_a_request_beyond_the_models_limits_is_answered_at_once_never_parked() -
     one prefill) fails at once too, but was the client's valid input: not ``rejected``."""
     from engine_ext.errors import RankRefused
     from engine_ext.records import Refusal
-
     from tests.helpers import as_ray_task_error
 
     why = "prompt + max_tokens exceeds max_model_len 128"
@@ -180,8 +192,10 @@ def test_a_request_beyond_the_models_limits_is_answered_at_once_never_parked() -
 def test_a_refused_rank_call_is_one_line_without_a_class_path() -> None:
     from engine_ext.control.router import refusal_line
 
-    assert refusal_line(RuntimeError("ray::x()\n  File y\nray.exceptions.ActorDiedError: The actor died")) == \
-        "ActorDiedError: The actor died"
+    assert (
+        refusal_line(RuntimeError("ray::x()\n  File y\nray.exceptions.ActorDiedError: The actor died"))
+        == "ActorDiedError: The actor died"
+    )
     assert refusal_line(ConnectionError("actor died")) == "actor died"
     assert refusal_line(TimeoutError()) == "TimeoutError"
 
@@ -220,12 +234,23 @@ def test_the_registry_refuses_reports_from_a_fenced_world() -> None:
 
 def test_status_lines_say_what_the_control_plane_does() -> None:
     now = 1000.0
-    snap = {"info": {"control": {
-        "working_on": "rebuild DP 2 from the weight source: every member is dead",
-        "health": {"0": {"unhealthy": ""}, "1": {"unhealthy": "silent for 6.0s (deadline 5s; probe: timed out)"}},
-        "fenced": {"2": {"epoch": 7, "reason": "reported failed: oom", "at": 990.0}},
-        "parked_requests": 3, "controller_restarts": 2, "took_over": ["re-attached to rank(s) [0, 1]"],
-        "last_error": {"at": 995.0, "action": "grow", "error": "no capacity"}, "backoff_s": 4.0}}}
+    snap = {
+        "info": {
+            "control": {
+                "working_on": "rebuild DP 2 from the weight source: every member is dead",
+                "health": {
+                    "0": {"unhealthy": ""},
+                    "1": {"unhealthy": "silent for 6.0s (deadline 5s; probe: timed out)"},
+                },
+                "fenced": {"2": {"epoch": 7, "reason": "reported failed: oom", "at": 990.0}},
+                "parked_requests": 3,
+                "controller_restarts": 2,
+                "took_over": ["re-attached to rank(s) [0, 1]"],
+                "last_error": {"at": 995.0, "action": "grow", "error": "no capacity"},
+                "backoff_s": 4.0,
+            }
+        }
+    }
     assert control_lines(snap, now) == [
         "controller restarted 2 time(s); took over: re-attached to rank(s) [0, 1]",
         "reconciling: rebuild DP 2 from the weight source: every member is dead",
@@ -239,8 +264,9 @@ def test_status_lines_say_what_the_control_plane_does() -> None:
     snap["info"]["control"] = dict(snap["info"]["control"], backoff_s=None, retry_at=1004.0)
     assert control_lines(snap, now)[-1] == "last reconcile error 5s ago in grow: no capacity (retry in 4s)"
     snap["info"]["standby_pool"] = {"last_error": {"at": 990.0, "standby": 3, "error": "EepError: no CPU"}}
-    assert control_lines(snap, now)[0] == ("standby pool short: launching standby 3 failed 10s ago: "
-                                           "EepError: no CPU (tried again every 10s)")
+    assert control_lines(snap, now)[0] == (
+        "standby pool short: launching standby 3 failed 10s ago: EepError: no CPU (tried again every 10s)"
+    )
 
 
 def test_a_moved_request_keeps_one_token_per_place_whatever_arrives_late() -> None:
@@ -293,8 +319,13 @@ def test_an_action_failing_the_same_way_three_times_in_a_row_is_escalated_with_w
 
     from engine_ext.control.reconciler import BACKOFF_MAX_S, ESCALATE_AFTER, Reconciler
 
-    rec = Reconciler(SimpleNamespace(world=World("t"), name="t",  # failed/view read only these
-                                    recovery=SimpleNamespace(running=lambda: False)))
+    rec = Reconciler(
+        SimpleNamespace(
+            world=World("t"),
+            name="t",  # failed/view read only these
+            recovery=SimpleNamespace(running=lambda: False),
+        )
+    )
     taken = "op-20261204-2135{}-ab{} failed: rebuild failed: name 't_dp{}-pg' already exists"
     for i in range(ESCALATE_AFTER - 1):
         rec.failed("rebuild", taken.format(i, i, i))

@@ -41,13 +41,30 @@ from tests.helpers import (
 pytestmark = pytest.mark.ray
 
 
-def _up(name: str, dp: int, max_dp: int, *, faults: list[str] | None = None, delay_s: float = 5.0,
-        policy: str = "shrink", deadline_s: float = 4.0) -> dict[str, Any]:
+def _up(
+    name: str,
+    dp: int,
+    max_dp: int,
+    *,
+    faults: list[str] | None = None,
+    delay_s: float = 5.0,
+    policy: str = "shrink",
+    deadline_s: float = 4.0,
+) -> dict[str, Any]:
     from eepctl import core
 
     engine = dict(SMALL_ENGINE, faults=faults or [], fault_delay_s=delay_s, step_timeout_s=deadline_s)
-    core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=engine, cpus_per_rank=1.0,
-            gpus_per_rank=0.0, timeout_s=300, on_rank_failure=policy, health_deadline_s=deadline_s)
+    core.up(
+        core.Target(name=name, namespace=NAMESPACE),
+        dp=dp,
+        max_dp=max_dp,
+        engine=engine,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        on_rank_failure=policy,
+        health_deadline_s=deadline_s,
+    )
     return serving_ranks(name, list(range(dp)))
 
 
@@ -60,8 +77,12 @@ def _stop_while_busy(snap: dict[str, Any], rank: int, timeout: float = 30.0) -> 
     if not ray.is_initialized():
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
     actor = ray.get_actor(row["instance_id"], namespace=NAMESPACE)
-    wait_for(lambda: ray.get(actor.call.remote("status"), timeout=10)["requests_running"] > 0, timeout=timeout,
-             interval=0.01, what=f"rank {rank} running a request")
+    wait_for(
+        lambda: ray.get(actor.call.remote("status"), timeout=10)["requests_running"] > 0,
+        timeout=timeout,
+        interval=0.01,
+        what=f"rank {rank} running a request",
+    )
     os.kill(int(row["pid"]), signal.SIGSTOP)  # the rank actor's process of this test's own deployment
     return int(row["pid"])
 
@@ -89,14 +110,17 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
     cfg_d = snap["info"]["config"]
     # 64 tokens: a request seen running has many steps left, so the SIGSTOP a few ms later finds it
     # there (with 24, one seen at its last token could finish first: CI saw none moved off rank 1).
-    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "12", "--max-tokens", "64",
-                   "-o", "json")
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "12", "--max-tokens", "64", "-o", "json")
     wait_serving_load(d.name)
     hung = _stop_while_busy(snap, 1)
     t_stop = time.time()
     try:
-        healed = wait_for(lambda: [o for o in operations(d.name, "recover") if o["dead_ranks"] == [1] and o.get("finished")],
-                          timeout=120, interval=0.5, what="the recovery without the hung rank")
+        healed = wait_for(
+            lambda: [o for o in operations(d.name, "recover") if o["dead_ranks"] == [1] and o.get("finished")],
+            timeout=120,
+            interval=0.5,
+            what="the recovery without the hung rank",
+        )
     except AssertionError as ex:  # which recoveries there were instead, and what status says of the ranks
         recovers = [(o["dead_ranks"], o["state"], o.get("error")) for o in operations(d.name, "recover")]
         ranks = [(r["rank"], r["state"], r.get("state_reason")) for r in status(d.name)["ranks"]]
@@ -106,8 +130,7 @@ def test_hung_and_failed_alive_ranks_are_fenced_and_recovered_without_an_operato
         os.kill(hung, signal.SIGCONT)  # it comes back: it must never serve or report again
     # Until rank 2's fault fires (45 s after its start) and past it: a hang handled fast left a
     # 20 s load ending first, and rank 2 never stepped again (ended once rank 0 serves alone).
-    load2 = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "60", "--max-tokens", "24",
-                    "-o", "json")
+    load2 = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "60", "--max-tokens", "24", "-o", "json")
     serving_ranks(d.name, [0], timeout=120)  # rank 2 failed (its step raised) and was fenced
     res = finish_load(load, cfg_d, 64, stop=True)
     finish_load(load2, cfg_d, 24, stop=True)
@@ -148,7 +171,6 @@ def _suspected(name: str, since: float) -> bool:
     info, read through Ray: the CLI takes seconds on a busy box); fails at once when a rank was
     fenced since ``since``."""
     import ray
-
     from engine_ext.ray.names import registry_name
 
     if not ray.is_initialized():
@@ -175,17 +197,26 @@ def _all_stopped(d: Any, cfg_d: dict[str, Any], deadline_s: float) -> None:
     pids = [pid_of(snap, r) for r in (0, 1)]
     t_stop = _stop_all(pids)
     try:
-        load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "4", "--max-tokens", "16",
-                       "-o", "json")
-        wait_for(lambda: _suspected(d.name, t_stop), timeout=30, interval=0.2,
-                 what="status suspecting the observer while every rank is stopped")
+        load = d.popen(
+            "generate", "--name", d.name, "--rate", "2", "--duration", "4", "--max-tokens", "16", "-o", "json"
+        )
+        wait_for(
+            lambda: _suspected(d.name, t_stop),
+            timeout=30,
+            interval=0.2,
+            what="status suspecting the observer while every rank is stopped",
+        )
         time.sleep(max(0.0, t_stop + 7.0 - time.time()))  # a 7 s stall, under the extended deadline
     finally:
         _resume(pids)
     stalled_s = time.time() - t_stop
     finish_load(load, cfg_d, 16)  # raises on a failed request or an output unlike the oracle's
-    control = wait_for(lambda: (c := status(d.name)["info"]["control"]).get("last_suspicion") and c,
-                       timeout=30, interval=0.5, what="the suspicion ending")
+    control = wait_for(
+        lambda: (c := status(d.name)["info"]["control"]).get("last_suspicion") and c,
+        timeout=30,
+        interval=0.5,
+        what="the suspicion ending",
+    )
     last = control["last_suspicion"]
     assert last["fenced"] == [] and last["silent"] == [0, 1] and last["extended_s"] == extended_deadline_s(deadline_s)
     assert all(f["at"] < t_stop for f in control["fenced"].values()), control["fenced"]
@@ -198,9 +229,16 @@ def _all_stopped(d: Any, cfg_d: dict[str, Any], deadline_s: float) -> None:
 
     t_stop = _stop_all(pids)  # for good
     try:
-        fenced = wait_for(lambda: (f := status(d.name)["info"]["control"]["fenced"]) and all(
-            float(f.get(str(r), {}).get("at", 0)) > t_stop for r in (0, 1)) and f, timeout=90, interval=0.5,
-            what="every stopped rank fenced")
+        fenced = wait_for(
+            lambda: (
+                (f := status(d.name)["info"]["control"]["fenced"])
+                and all(float(f.get(str(r), {}).get("at", 0)) > t_stop for r in (0, 1))
+                and f
+            ),
+            timeout=90,
+            interval=0.5,
+            what="every stopped rank fenced",
+        )
     finally:
         _resume(pids)
     bound = fence_bound_s(deadline_s, TICK_S, probe_wait_s(deadline_s))
@@ -237,13 +275,16 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
     d = deployments("cp-ctl")
     snap = _up(d.name, 2, 3, faults=["hold:launch@2", "hold:prepare@2", "hold:commit@2"], delay_s=6.0)
     cfg_d = snap["info"]["config"]
-    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "20", "--max-tokens", "16",
-                   "-o", "json")
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "20", "--max-tokens", "16", "-o", "json")
     wait_serving_load(d.name)
     old_pid = _kill_controller(d.name)
     t_kill = time.time()
-    wait_for(lambda: eepctl("generate", "--name", d.name, "-o", "json", timeout=60).returncode == 0,
-             timeout=60, interval=0.5, what="serving again after the controller's death")
+    wait_for(
+        lambda: eepctl("generate", "--name", d.name, "-o", "json", timeout=60).returncode == 0,
+        timeout=60,
+        interval=0.5,
+        what="serving again after the controller's death",
+    )
     print(f"controller death: serving again {time.time() - t_kill:.1f}s after SIGKILL")
     assert controller_pid(d.name) != old_pid
     time.sleep(4.0)  # the load goes on through the take-over
@@ -283,11 +324,15 @@ def test_controller_killed_while_serving_and_in_each_phase_of_a_scale(deployment
     assert control["controller_restarts"] == 4, control
     restarted = [e for e in events(d.name)["events"] if e["phase"] == "controller_restarted"]
     assert [e["detail"]["restarts"] for e in restarted] == [1, 2, 3, 4], restarted  # each take-over is in events
-    import ray
     from ray.util import list_named_actors
 
-    ranks = sorted(a["name"] for a in list_named_actors(all_namespaces=True)
-                   if a.get("namespace") == NAMESPACE and a["name"].startswith(d.name + "_"))
+    import ray
+
+    ranks = sorted(
+        a["name"]
+        for a in list_named_actors(all_namespaces=True)
+        if a.get("namespace") == NAMESPACE and a["name"].startswith(d.name + "_")
+    )
     assert ranks == [f"{d.name}_dp0", f"{d.name}_dp1"], ranks  # no orphaned joiner
     gen = eepctl_json("generate", "--name", d.name, timeout=90)
     for r in gen["results"]:
@@ -304,7 +349,6 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     SIGKILLed while a joiner is held in launch: rolled back onto a dead world, rebuilt likewise,
     the requests sent meanwhile served; a later scale to 3 works."""
     import ray
-
     from eepctl import cluster
     from engine_ext.ray.names import registry_name
 
@@ -316,9 +360,8 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     ray.kill(ray.get_actor(registry_name(d.name), namespace=NAMESPACE), no_restart=True)
     _kill_controller(d.name)
     snap = serving_ranks(d.name, [0], timeout=120)
-    assert [o["op_id"] for o in events(d.name)["operations"]][:len(before)] == before  # history intact
-    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "16", "--max-tokens", "16",
-                   "-o", "json")
+    assert [o["op_id"] for o in events(d.name)["operations"]][: len(before)] == before  # history intact
+    load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "16", "--max-tokens", "16", "-o", "json")
     wait_held(d.name, 0, "step", timeout=120)  # it holds requests mid-decode
     os.kill(pid_of(snap, 0), signal.SIGKILL)  # the only rank of this test's own deployment
     serving_ranks(d.name, [0], timeout=120, gone=pid_of(snap, 0))
@@ -338,8 +381,7 @@ def test_nothing_left_is_rebuilt_and_registry_with_controller_come_back(deployme
     snap = status(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
     wait_held(d.name, 1, "launch", timeout=120)
-    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "8", "--max-tokens", "16",
-                   "-o", "json")
+    load = d.popen("generate", "--name", d.name, "--rate", "2", "--duration", "8", "--max-tokens", "16", "-o", "json")
     os.kill(pid_of(snap, 0), signal.SIGKILL)  # the only serving rank, while the scale is in launch
     scale.communicate(timeout=180)
     serving_ranks(d.name, [0], timeout=180, gone=pid_of(snap, 0))

@@ -41,12 +41,19 @@ def test_fit_leaves_out_a_feature_that_does_not_vary_and_names_it() -> None:
 
 def _plan() -> dict[str, Any]:
     """2 -> 4: joiners 2 and 3 each receive 2 experts of 1 MiB from ranks 0 and 1; nothing in the commit."""
-    pr = {"0": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
-          "1": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
-          "2": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
-          "3": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0}}
-    return {"op_id": "op-1", "from_size": 2, "to_size": 4, "joining": [{"rank": 2, "instance_id": "d_dp2"}, {"rank": 3, "instance_id": "d_dp3"}],
-            "precopy": {"per_rank": pr}}
+    pr = {
+        "0": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
+        "1": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
+        "2": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
+        "3": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
+    }
+    return {
+        "op_id": "op-1",
+        "from_size": 2,
+        "to_size": 4,
+        "joining": [{"rank": 2, "instance_id": "d_dp2"}, {"rank": 3, "instance_id": "d_dp3"}],
+        "precopy": {"per_rank": pr},
+    }
 
 
 def test_model_from_another_host_predicts_no_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,21 +63,29 @@ def test_model_from_another_host_predicts_no_time(tmp_path: Path, monkeypatch: p
     assert got is None and why.startswith("no cost model fitted on this host") and "999 CPUs" in why
     cost = cm.predict(_plan(), MIB, 4, "reuse", True, got, why)
     assert "pause_s" not in cost and "move_s" not in cost and cost["moved_bytes"] == 2 * MIB  # the plan's own
-    text = render.plan_text(_plan() | {"precopy": _plan()["precopy"] | {
-        "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}, "cost": cost})
+    text = render.plan_text(
+        _plan()
+        | {
+            "precopy": _plan()["precopy"]
+            | {"max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0},
+            "cost": cost,
+        }
+    )
     assert "predicted cost: no cost model fitted on this host" in text and "moved per rank (0: 2.0 MiB" in text
     monkeypatch.setenv(cm.ENV, str(tmp_path / "absent.json"))
     assert "does not exist" in cm.load_model("cpu")[1]
 
 
-def test_a_fit_on_another_gpu_of_a_same_named_host_predicts_nothing(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fit_on_another_gpu_of_a_same_named_host_predicts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Lent machines share a hostname and a CPU count: an H100's fit must not price an H200's
     scales. A CPU model written before the GPU's name was kept (no ``gpu``) still matches a CPU host."""
     here = cm.host_identity("cpu")
     assert here["gpu"] == ""
-    model = cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)), here | {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"},
-                   ["x"])
+    model = cm.fit(
+        cost_points((0.004, 2.5e-9), (0.018, 3e-11)), here | {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}, ["x"]
+    )
     assert cm.same_host(here | {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}, model["host"])
     assert not cm.same_host(here | {"device": "cuda", "gpu": "NVIDIA H200"}, model["host"])
     monkeypatch.setattr(cm, "gpu_name", lambda: "NVIDIA H200")  # this box has no GPU to ask
@@ -78,13 +93,21 @@ def test_a_fit_on_another_gpu_of_a_same_named_host_predicts_nothing(tmp_path: Pa
     got, why = cm.load_model("cuda")
     assert got is None and "cuda (NVIDIA H200)): " in why and why.endswith("CPUs, cuda (NVIDIA H100 80GB HBM3)"), why
     old = {k: v for k, v in here.items() if k != "gpu"}
-    assert cm.same_host(here, old) and not cm.same_host(here | {"device": "cuda", "gpu": "NVIDIA H200"},
-                                                        old | {"device": "cuda"})
+    assert cm.same_host(here, old) and not cm.same_host(
+        here | {"device": "cuda", "gpu": "NVIDIA H200"}, old | {"device": "cuda"}
+    )
 
 
 def test_prediction_and_comparison_rendered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cm.ENV, str(write_cost_model(tmp_path, cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)),
-                                                           cm.host_identity(), ["x"], copy_GBps=10.0))))
+    monkeypatch.setenv(
+        cm.ENV,
+        str(
+            write_cost_model(
+                tmp_path,
+                cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity(), ["x"], copy_GBps=10.0),
+            )
+        ),
+    )
     model, why = cm.load_model("cpu")
     assert model is not None, why
     cost = cm.predict(_plan(), MIB, 4, "reuse", True, model)
@@ -94,20 +117,34 @@ def test_prediction_and_comparison_rendered(tmp_path: Path, monkeypatch: pytest.
     commit = _plan()
     commit["precopy"]["per_rank"]["2"]["commit_moved"] = MIB
     assert cm.predict(commit, MIB, 4, "reuse", True, model)["pause_s"] == pytest.approx(
-        0.018 + 3e-11 * 4 * MIB + 2.5e-9 * MIB)
+        0.018 + 3e-11 * 4 * MIB + 2.5e-9 * MIB
+    )
     assert "pause_s" not in cm.predict(_plan(), MIB, 4, "recapture", False, model)
     # the commit's loads into slots: no curve point had any, so they cost the host's copy rate (10 GB/s)
     load = _plan()
     load["precopy"]["per_rank"]["0"]["commit_copy"] = MIB
     assert cm.predict(load, MIB, 4, "reuse", True, model)["pause_s"] == pytest.approx(
-        0.018 + 3e-11 * 4 * MIB + MIB / 10e9)
-    text = render.plan_text(_plan() | {"precopy": _plan()["precopy"] | {
-        "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}, "cost": cost})
-    assert ("serving pause 0.018 s (0.018-0.018 s), move time 0.014 s (0.014-0.014 s) (pre-copy, while serving)"
-            in text)  # an exact fit: no spread
+        0.018 + 3e-11 * 4 * MIB + MIB / 10e9
+    )
+    text = render.plan_text(
+        _plan()
+        | {
+            "precopy": _plan()["precopy"]
+            | {"max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0},
+            "cost": cost,
+        }
+    )
+    assert (
+        "serving pause 0.018 s (0.018-0.018 s), move time 0.014 s (0.014-0.014 s) (pre-copy, while serving)" in text
+    )  # an exact fit: no spread
     got = {"pause_s": 0.02, "move_s": 0.006, "moved_bytes": 2 * MIB, "commit_bytes": 0, "extra_memory_bytes": 0}
-    op = {"op_id": "op-1", "from_size": 2, "to_size": 4, "state": "succeeded",
-          "cost": {"predicted": cost, "measured": got, "error": cm.relative_errors(cost, got)}}
+    op = {
+        "op_id": "op-1",
+        "from_size": 2,
+        "to_size": 4,
+        "state": "succeeded",
+        "cost": {"predicted": cost, "measured": got, "error": cm.relative_errors(cost, got)},
+    }
     assert op["cost"]["error"]["move_s"] == pytest.approx((cost["move_s"] - 0.006) / 0.006)
     line = next(ln for ln in events_text({"operations": [op]}).splitlines() if "predicted vs" in ln)
     assert "pause 0.018 s vs 0.020 s (-9%)" in line and "move 0.014 s vs 0.006 s (+141%)" in line, line
@@ -122,13 +159,26 @@ def test_a_dry_run_says_plainly_when_no_pause_fit_applies_to_the_capture_policy(
     says the pause is not predicted, for which policy, what the model has, and how to fit one."""
     model = cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity(), ["x"])
     cost = cm.predict(_plan(), MIB, 4, "recapture", False, model)
-    text = render.plan_text(_plan() | {"cost": cost, "precopy": _plan()["precopy"] | {
-        "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}})
+    text = render.plan_text(
+        _plan()
+        | {
+            "cost": cost,
+            "precopy": _plan()["precopy"]
+            | {"max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0},
+        }
+    )
     assert "serving pause -" not in text and "move time 0.014 s" in text, text
-    assert ("serving pause NOT PREDICTED: no fit applies to capture policy recapture: the model has a pause fit "
-            "for reuse only (benchmarks/fit_cost.py fits one from curves run under recapture)") in text, text
-    op = {"op_id": "op-1", "from_size": 2, "to_size": 4, "state": "succeeded",
-          "cost": {"predicted": cost, "measured": {"pause_s": 0.02, "move_s": 0.006}}}
+    assert (
+        "serving pause NOT PREDICTED: no fit applies to capture policy recapture: the model has a pause fit "
+        "for reuse only (benchmarks/fit_cost.py fits one from curves run under recapture)"
+    ) in text, text
+    op = {
+        "op_id": "op-1",
+        "from_size": 2,
+        "to_size": 4,
+        "state": "succeeded",
+        "cost": {"predicted": cost, "measured": {"pause_s": 0.02, "move_s": 0.006}},
+    }
     assert "pause not predicted vs 0.020 s" in events_text({"operations": [op]})
 
 
@@ -143,7 +193,7 @@ def test_the_range_is_the_fits_held_out_scatter_and_events_say_whether_a_scale_f
     model = cm.fit(pts, cm.host_identity(), ["x"])
     pz = model["pause"]["reuse"]
     # each point against the fit of the others (a scale the fit did not see), not against its own line
-    others = [cm.fit_linear(pts[:i] + pts[i + 1:], cm.PAUSE_FEATURES, "pause_s", loo=False) for i in range(len(pts))]
+    others = [cm.fit_linear(pts[:i] + pts[i + 1 :], cm.PAUSE_FEATURES, "pause_s", loo=False) for i in range(len(pts))]
     ratios = [p["pause_s"] / cm._linear(o, p) for p, o in zip(pts, others)]
     own = [p["pause_s"] / cm._linear(pz, p) for p in pts]
     assert pz["spread"] == [pytest.approx(min(ratios)), pytest.approx(max(ratios))]
@@ -151,12 +201,22 @@ def test_the_range_is_the_fits_held_out_scatter_and_events_say_whether_a_scale_f
     assert model["move"]["spread"] == [pytest.approx(1.0), pytest.approx(1.0)]
     cost = cm.predict(_plan(), MIB, 4, "reuse", True, model | {"path": "x"})
     lo, hi = cost["pause_range_s"]
-    assert lo == pytest.approx(cost["pause_s"] * pz["spread"][0]) and hi == pytest.approx(cost["pause_s"] * pz["spread"][1])
+    assert lo == pytest.approx(cost["pause_s"] * pz["spread"][0]) and hi == pytest.approx(
+        cost["pause_s"] * pz["spread"][1]
+    )
     assert cm.within_range(cost, {"pause_s": hi * 0.99, "move_s": cost["move_s"]}) == {"pause_s": True, "move_s": True}
-    assert cm.within_range(cost, {"pause_s": hi * 1.01, "move_s": cost["move_s"] * 2}) == {"pause_s": False,
-                                                                                        "move_s": False}
-    lines = render.plan_text(_plan() | {"precopy": _plan()["precopy"] | {
-        "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0}, "cost": cost})
+    assert cm.within_range(cost, {"pause_s": hi * 1.01, "move_s": cost["move_s"] * 2}) == {
+        "pause_s": False,
+        "move_s": False,
+    }
+    lines = render.plan_text(
+        _plan()
+        | {
+            "precopy": _plan()["precopy"]
+            | {"max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0},
+            "cost": cost,
+        }
+    )
     assert f"serving pause {cost['pause_s']:.3f} s ({lo:.3f}-{hi:.3f} s)" in lines, lines
     assert "ranges: how far the fit's scales strayed, each predicted from the others, on that host" in lines
 

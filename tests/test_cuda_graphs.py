@@ -68,8 +68,11 @@ def test_cuda_reuse_switches_worlds_without_capturing_on_survivors() -> None:
                 assert op["state"] == "succeeded", op
                 assert {r for r, n in op["captures_per_rank"].items() if n} == joiners, op["captures_per_rank"]
                 if joiners:
-                    pooled = [e for e in dep.registry.events_for(op["op_id"])
-                              if e["phase"] == "capture" and e["detail"].get("in_pool")]
+                    pooled = [
+                        e
+                        for e in dep.registry.events_for(op["op_id"])
+                        if e["phase"] == "capture" and e["detail"].get("in_pool")
+                    ]
                     assert [e["rank"] for e in pooled] == [2], pooled
                 assert [o["output"] for o in await asyncio.gather(*inflight)] == ref
                 outs = await asyncio.gather(*(dep.generate(p, 8) for p in PROMPTS))

@@ -14,8 +14,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_curves_quick_runs_and_reports_transfer_bytes(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "curves.py"), "--quick", "--parts", "link,bytes",
-                        "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "curves.py"),
+            "--quick",
+            "--parts",
+            "link,bytes",
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "curves_quick.json").read_text())
     assert [r["bytes"] for r in res["link"]] == [2**20, 8 * 2**20]
@@ -30,7 +43,8 @@ def test_curves_quick_runs_and_reports_transfer_bytes(tmp_path: Path) -> None:
         assert j["bytes_reported"] and j["expert_bytes"] == 4 * per_expert and j["reshuffle_s"] > 0, j
     # ...and where its time went (packing and exchange in the pre-copy, loading in the commit)
     parts = row["reshuffle_parts_by_rank"]
-    assert sorted(parts) == ["0", "1", "2", "3"] and all(set(p) >= {"pack_s", "exchange_s", "load_s"}
-                                                         for p in parts.values()), parts
+    assert sorted(parts) == ["0", "1", "2", "3"] and all(
+        set(p) >= {"pack_s", "exchange_s", "load_s"} for p in parts.values()
+    ), parts
     assert sum(p["received"] for p in parts.values()) == sum(p["sent"] for p in parts.values()) > 0, parts
     assert (tmp_path / "curves_quick.svg").read_text().startswith("<svg")

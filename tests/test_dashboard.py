@@ -22,7 +22,7 @@ def test_the_dashboard_loads_with_the_documented_panels_and_real_metrics() -> No
     for panel in dash["panels"]:
         assert panel["targets"], panel["title"]
         for t in panel["targets"]:
-            assert '$deployment' in t["expr"], t["expr"]
+            assert "$deployment" in t["expr"], t["expr"]
             for name in re.findall(r"ray_(eep_[a-z0-9_]+)", t["expr"]):
                 assert f'"{name}"' in exported, f"{panel['title']}: {name} is not a metric engine_ext exports"
                 assert name in ops, f"{name} is not in docs/operations.md"

@@ -37,9 +37,12 @@ class _Method:
 class _Registry:
     def __init__(self, snap: dict[str, Any], events: list[dict[str, Any]] | None = None) -> None:
         self.snapshot = _Method(lambda: snap)
-        self.events = _Method(lambda op_id, seq: {
-            "events": [e for e in events or [] if e["seq"] > seq],
-            "operations": [{"op_id": op_id, "phase_durations": {"commit": 0.5}}]})
+        self.events = _Method(
+            lambda op_id, seq: {
+                "events": [e for e in events or [] if e["seq"] > seq],
+                "operations": [{"op_id": op_id, "phase_durations": {"commit": 0.5}}],
+            }
+        )
 
 
 class _Controller:
@@ -94,8 +97,10 @@ def test_vllm_scale_is_asked_of_the_in_cluster_controller(monkeypatch: pytest.Mo
         d.scale(2, drain_timeout_s=1, timeout_s=5, wait=True, on_event=print, on_op=print, request_id="r1")
     assert asked[-1] == (2, 1, 5, "r1", None)
     refusal = {"error": {"code": int(ExitCode.PRECONDITION), "message": "op-0 is running", "detail": {}}}
-    monkeypatch.setattr("engine_ext.ray.vllm_controller.controller_for",
-                        lambda name: type("C", (), {"scale": _Method(lambda *a: refusal)})())
+    monkeypatch.setattr(
+        "engine_ext.ray.vllm_controller.controller_for",
+        lambda name: type("C", (), {"scale": _Method(lambda *a: refusal)})(),
+    )
     with pytest.raises(PreconditionError, match="op-0 is running"):
         d.scale(3, drain_timeout_s=1, timeout_s=5, wait=False, on_event=print, on_op=print)
 
@@ -111,8 +116,9 @@ def test_reference_scale_follows_events_and_maps_the_outcome() -> None:
     assert d.scale(2, drain_timeout_s=1, timeout_s=5, wait=False, on_event=print, on_op=print)["state"] == "running"
     failed = {"op_id": "op-1", "state": "failed", "error": "boom", "error_code": 5}
     with pytest.raises(TransitionFailed, match="op-1 failed: boom"):
-        ReferenceDriver("r", None, _Controller(failed)).scale(2, drain_timeout_s=1, timeout_s=5, wait=True,
-                                                               on_event=print, on_op=print)
+        ReferenceDriver("r", None, _Controller(failed)).scale(
+            2, drain_timeout_s=1, timeout_s=5, wait=True, on_event=print, on_op=print
+        )
 
 
 def test_status_view_leaves_a_reference_snapshot_alone() -> None:

@@ -220,8 +220,13 @@ async def _scale_down_scenario(cfg: EngineConfig) -> dict:
 
 @pytest.fixture(scope="module")
 def scale_down() -> dict:
-    cfg = EngineConfig(dtype="float64", slots_per_rank=8, faults=["hold:drain@2"], fault_delay_s=DRAIN_HOLD_S,
-                       capture_policy="recapture")
+    cfg = EngineConfig(
+        dtype="float64",
+        slots_per_rank=8,
+        faults=["hold:drain@2"],
+        fault_delay_s=DRAIN_HOLD_S,
+        capture_policy="recapture",
+    )
     return run(_scale_down_scenario(cfg), 240)
 
 

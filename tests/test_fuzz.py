@@ -32,14 +32,87 @@ DOCUMENTED = {0, 2, 3, 4, 5, 6}
 
 # ---- CLI -------------------------------------------------------------------------------------------
 COMMANDS = ["up", "down", "status", "generate", "scale", "events", "completion"]
-OPTIONS = ["--dp", "--max-dp", "--name", "-n", "--namespace", "--address", "-o", "--output", "--dry-run",
-           "--no-wait", "--drain-timeout", "--timeout", "--watch", "-w", "--interval", "--op", "--follow", "-f",
-           "--prompt-ids", "-p", "--max-tokens", "--rate", "--duration", "--stop-cluster", "--api-key",
-           "--experts", "--slots-per-rank", "--top-k", "--layers", "--hidden", "--dtype", "--seed",
-           "--cpus-per-rank", "--gpus-per-rank", "--help", "-h", "--", "-", "--nope", "-x"]
-VALUES = ["0", "1", "2", "4", "-1", "9999999999999999999999", "x", "1.5", "nan", "inf", "-inf", "", " ",
-          "json", "table", "JSON", "yaml", "moe", "compl-a", "../x", "a b", "A", "-" * 41, "bash", "zsh", "fish",
-          "tcsh", "1,2,3", "1,,x", "float32", "bfloat16", "int8", "\x00", "é", "\udcff", "%s%n", "'; rm -rf /"]
+OPTIONS = [
+    "--dp",
+    "--max-dp",
+    "--name",
+    "-n",
+    "--namespace",
+    "--address",
+    "-o",
+    "--output",
+    "--dry-run",
+    "--no-wait",
+    "--drain-timeout",
+    "--timeout",
+    "--watch",
+    "-w",
+    "--interval",
+    "--op",
+    "--follow",
+    "-f",
+    "--prompt-ids",
+    "-p",
+    "--max-tokens",
+    "--rate",
+    "--duration",
+    "--stop-cluster",
+    "--api-key",
+    "--experts",
+    "--slots-per-rank",
+    "--top-k",
+    "--layers",
+    "--hidden",
+    "--dtype",
+    "--seed",
+    "--cpus-per-rank",
+    "--gpus-per-rank",
+    "--help",
+    "-h",
+    "--",
+    "-",
+    "--nope",
+    "-x",
+]
+VALUES = [
+    "0",
+    "1",
+    "2",
+    "4",
+    "-1",
+    "9999999999999999999999",
+    "x",
+    "1.5",
+    "nan",
+    "inf",
+    "-inf",
+    "",
+    " ",
+    "json",
+    "table",
+    "JSON",
+    "yaml",
+    "moe",
+    "compl-a",
+    "../x",
+    "a b",
+    "A",
+    "-" * 41,
+    "bash",
+    "zsh",
+    "fish",
+    "tcsh",
+    "1,2,3",
+    "1,,x",
+    "float32",
+    "bfloat16",
+    "int8",
+    "\x00",
+    "é",
+    "\udcff",
+    "%s%n",
+    "'; rm -rf /",
+]
 # --address values: only dead or unparsable ones, so no example can reach a real cluster.
 DEAD_ADDRESSES = ["127.0.0.1:1", "ray://127.0.0.1:1", "nohostport", ":", "127.0.0.1:", "[::1]:1", "auto"]
 
@@ -91,8 +164,9 @@ def no_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("NO_COLOR", "1")
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                    HealthCheck.too_slow])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(argv=argv_strategy())
 def test_cli_argv_fuzz(no_cluster: None, argv: list[str]) -> None:
     if "--debug" in argv or "--traceback" in argv:
@@ -105,12 +179,21 @@ def test_cli_argv_fuzz(no_cluster: None, argv: list[str]) -> None:
         assert err.count("\n") <= 1, (argv, err)
 
 
-@pytest.mark.parametrize("argv", [
-    ["up", "--dp", "1"],
-    ["up", "--dp", "1", "--address", "127.0.0.1:1"],
-    ["status"], ["status", "-o", "json"], ["down"], ["down", "--stop-cluster"], ["events"],
-    ["scale", "--dp", "2"], ["scale", "--dp", "2", "--dry-run"], ["generate"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["up", "--dp", "1"],
+        ["up", "--dp", "1", "--address", "127.0.0.1:1"],
+        ["status"],
+        ["status", "-o", "json"],
+        ["down"],
+        ["down", "--stop-cluster"],
+        ["events"],
+        ["scale", "--dp", "2"],
+        ["scale", "--dp", "2", "--dry-run"],
+        ["generate"],
+    ],
+)
 def test_well_formed_commands_exit_3_without_a_cluster(no_cluster: None, argv: list[str]) -> None:
     """With RAY_ADDRESS at a dead address nothing connects and nothing starts: `up` included (it starts
     a local head only when no address resolves at all)."""
@@ -130,9 +213,17 @@ def test_up_does_not_start_a_cluster_at_a_dead_address(no_cluster: None, tmp_pat
 
 # ---- registry intake ----------------------------------------------------------------------------
 def _valid_status(rank: int = 0, **over: Any) -> dict[str, Any]:
-    st_ = {"deployment": "fz", "rank": rank, "instance_id": f"fz_dp{rank}", "engine_id": f"fz_dp{rank}",
-           "state": "serving", "dp_size": 2, "requests_running": 1, "requests_waiting": 0,
-           "last_heartbeat": time.time()}
+    st_ = {
+        "deployment": "fz",
+        "rank": rank,
+        "instance_id": f"fz_dp{rank}",
+        "engine_id": f"fz_dp{rank}",
+        "state": "serving",
+        "dp_size": 2,
+        "requests_running": 1,
+        "requests_waiting": 0,
+        "last_heartbeat": time.time(),
+    }
     st_.update(over)
     return st_
 
@@ -144,8 +235,17 @@ def _valid_event(**over: Any) -> dict[str, Any]:
 
 
 def _valid_op(**over: Any) -> dict[str, Any]:
-    op = {"op_id": "op-1", "deployment": "fz", "from_size": 1, "to_size": 2, "state": "running",
-          "phase": "plan", "started": 1.0, "finished": None, "phase_durations": {"plan": 0.1}}
+    op = {
+        "op_id": "op-1",
+        "deployment": "fz",
+        "from_size": 1,
+        "to_size": 2,
+        "state": "running",
+        "phase": "plan",
+        "started": 1.0,
+        "finished": None,
+        "phase_durations": {"plan": 0.1},
+    }
     op.update(over)
     return op
 
@@ -156,9 +256,18 @@ class Weird:
 
 
 junk_scalar = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.integers(-(2 ** 200), 2 ** 200),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20), st.binary(max_size=10),
-    st.just("x" * 200_000), st.just(float("nan")), st.just(-1), st.just(-(10 ** 6)), st.builds(Weird),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(-(2**200), 2**200),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    st.binary(max_size=10),
+    st.just("x" * 200_000),
+    st.just(float("nan")),
+    st.just(-1),
+    st.just(-(10**6)),
+    st.builds(Weird),
     st.sampled_from(["serving", "removed", "stale", "failed", "capture", "warm", "op-1", "fz_dp0", "fz_dp0_dp0"]),
 )
 junk = st.recursive(
@@ -174,6 +283,7 @@ junk = st.recursive(
 
 def hostile(valid: Any) -> Any:
     """Records near a valid one: fields replaced by junk, removed, or junk keys added; or no mapping at all."""
+
     @st.composite
     def build(draw: Any) -> Any:
         base = dict(valid())
@@ -183,8 +293,16 @@ def hostile(valid: Any) -> Any:
         for k in draw(st.lists(st.sampled_from(keys), max_size=2, unique=True)):
             if draw(st.booleans()):
                 base.pop(k, None)
-        for k, v in draw(st.dictionaries(st.one_of(st.text(max_size=10), st.sampled_from(
-                ["received_at", "heartbeat_age_s", "seq", "duration_s", "detail", "plan"])), junk, max_size=3)).items():
+        for k, v in draw(
+            st.dictionaries(
+                st.one_of(
+                    st.text(max_size=10),
+                    st.sampled_from(["received_at", "heartbeat_age_s", "seq", "duration_s", "detail", "plan"]),
+                ),
+                junk,
+                max_size=3,
+            )
+        ).items():
             base[k] = v
         if draw(st.booleans()) and draw(st.booleans()):
             base[draw(st.sampled_from([1, None, (1, 2), 2.5]))] = draw(junk)
@@ -223,8 +341,14 @@ def _assert_state_valid(state: RegistryState) -> dict[str, Any]:
 
 
 def _contents(state: RegistryState) -> tuple[Any, ...]:
-    return (dict(state.ranks), dict(state.received_at), dict(state.ops), list(state.events), state.seq,
-            list(state.rejected))
+    return (
+        dict(state.ranks),
+        dict(state.received_at),
+        dict(state.ops),
+        list(state.events),
+        state.seq,
+        list(state.rejected),
+    )
 
 
 hostile_call = st.one_of(
@@ -257,17 +381,35 @@ def test_registry_intake_survives_hostile_records(calls: list[tuple[str, Any]]) 
     assert snap["ranks"]
 
 
-@pytest.mark.parametrize("record", [
-    None, 42, "status", [1, 2], {},
-    _valid_status(rank="x"), _valid_status(rank=float("nan")), _valid_status(rank=float("inf")),
-    _valid_status(rank=-3), _valid_status(requests_running="many"), _valid_status(requests_running=float("nan")),
-    _valid_status(state=["serving"]), _valid_status(instance_id={"a": 1}), _valid_status(engine_id=7),
-    _valid_status(workspace_bytes="1GB", workspace_locked=True, workspace_required_bytes=10),
-    _valid_status(capture_sizes="1,2"), _valid_status(x="y" * (2 << 20)), _valid_status(rank=True),
-    _valid_status(requests_running=2.0), _valid_status(requests_running="2"), _valid_status(extra_field=1),
-    _valid_status(kv_usage=0.5),  # a vLLM-only field on a reference rank
-    {**_valid_status(), (1, 2): "tuple key"}, _valid_status(nested={(1,): "tuple key inside"}),
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        None,
+        42,
+        "status",
+        [1, 2],
+        {},
+        _valid_status(rank="x"),
+        _valid_status(rank=float("nan")),
+        _valid_status(rank=float("inf")),
+        _valid_status(rank=-3),
+        _valid_status(requests_running="many"),
+        _valid_status(requests_running=float("nan")),
+        _valid_status(state=["serving"]),
+        _valid_status(instance_id={"a": 1}),
+        _valid_status(engine_id=7),
+        _valid_status(workspace_bytes="1GB", workspace_locked=True, workspace_required_bytes=10),
+        _valid_status(capture_sizes="1,2"),
+        _valid_status(x="y" * (2 << 20)),
+        _valid_status(rank=True),
+        _valid_status(requests_running=2.0),
+        _valid_status(requests_running="2"),
+        _valid_status(extra_field=1),
+        _valid_status(kv_usage=0.5),  # a vLLM-only field on a reference rank
+        {**_valid_status(), (1, 2): "tuple key"},
+        _valid_status(nested={(1,): "tuple key inside"}),
+    ],
+)
 def test_hostile_status_is_refused_with_value_or_type_error(record: Any) -> None:
     state = RegistryState("fz")
     with pytest.raises((ValueError, TypeError)):
@@ -275,12 +417,24 @@ def test_hostile_status_is_refused_with_value_or_type_error(record: Any) -> None
     assert state.snapshot()["ranks"] == []
 
 
-@pytest.mark.parametrize("record", [
-    None, "ev", {}, _valid_event(op_id=["x"]), _valid_event(rank="0"), _valid_event(start="1"),
-    _valid_event(end=float("nan")), _valid_event(phase={"p": 1}), _valid_event(detail="warm"),
-    _valid_event(rank=-2), _valid_event(seq=3), _valid_event(detail={"x": b"1" * (1 << 20)}),
-    _valid_event(detail={"k": Weird()}),
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        None,
+        "ev",
+        {},
+        _valid_event(op_id=["x"]),
+        _valid_event(rank="0"),
+        _valid_event(start="1"),
+        _valid_event(end=float("nan")),
+        _valid_event(phase={"p": 1}),
+        _valid_event(detail="warm"),
+        _valid_event(rank=-2),
+        _valid_event(seq=3),
+        _valid_event(detail={"x": b"1" * (1 << 20)}),
+        _valid_event(detail={"k": Weird()}),
+    ],
+)
 def test_hostile_event_is_refused(record: Any) -> None:
     state = RegistryState("fz")
     with pytest.raises((ValueError, TypeError)):
@@ -288,11 +442,24 @@ def test_hostile_event_is_refused(record: Any) -> None:
     assert state.events_for() == [] and state.seq == 0
 
 
-@pytest.mark.parametrize("record", [
-    None, [("op_id", "x")], {}, _valid_op(op_id=None), _valid_op(op_id=["x"]), _valid_op(started="yesterday"),
-    _valid_op(started=float("nan")), _valid_op(phase_durations="fast"), _valid_op(phase_durations={"warm": "1s"}),
-    _valid_op(state=3), {"op_id": "bare"}, _valid_op(surprise=1), _valid_op(finished=float("inf")),
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        None,
+        [("op_id", "x")],
+        {},
+        _valid_op(op_id=None),
+        _valid_op(op_id=["x"]),
+        _valid_op(started="yesterday"),
+        _valid_op(started=float("nan")),
+        _valid_op(phase_durations="fast"),
+        _valid_op(phase_durations={"warm": "1s"}),
+        _valid_op(state=3),
+        {"op_id": "bare"},
+        _valid_op(surprise=1),
+        _valid_op(finished=float("inf")),
+    ],
+)
 def test_hostile_operation_is_refused(record: Any) -> None:
     state = RegistryState("fz")
     with pytest.raises((ValueError, TypeError)):
@@ -306,11 +473,18 @@ def test_valid_records_accepted_with_their_documented_leniency() -> None:
     from engine_ext.protocol import RankState
 
     state = RegistryState("fz")
-    rec = _valid_status(0, state=RankState.SERVING, last_heartbeat=int(time.time()), node=None,
-                        last_capture_s=None, capture_sizes=(1, 2))
+    rec = _valid_status(
+        0,
+        state=RankState.SERVING,
+        last_heartbeat=int(time.time()),
+        node=None,
+        last_capture_s=None,
+        capture_sizes=(1, 2),
+    )
     assert state.report_status(rec) == {"accepted": True}
-    vllm = _valid_status(1, kind="vllm", kv_usage=0.25, hooks={"a": "active"},
-                         hook_calls={"m": {"calls": 2, "total_s": 0.5}})
+    vllm = _valid_status(
+        1, kind="vllm", kv_usage=0.25, hooks={"a": "active"}, hook_calls={"m": {"calls": 2, "total_s": 0.5}}
+    )
     assert state.report_status(vllm) == {"accepted": True}
     r0, r1 = state.snapshot()["ranks"]
     assert r0["state"] == "serving" and type(r0["state"]) is str and isinstance(r0["last_heartbeat"], float)
@@ -339,7 +513,6 @@ def test_refusals_say_what_is_wrong() -> None:
 @pytest.mark.ray
 def test_registry_actor_keeps_serving_after_hostile_reports(ray_cluster: dict) -> None:
     import ray
-
     from engine_ext.ray.registry import Registry
 
     if not ray.is_initialized():
@@ -349,13 +522,30 @@ def test_registry_actor_keeps_serving_after_hostile_reports(ray_cluster: dict) -
     try:
         ray.get(actor.report_status.remote(_valid_status(0)), timeout=60)
         samples = [
-            None, 1, "x", [1], {}, _valid_status(rank="x"), _valid_status(rank=float("nan")),
-            _valid_status(requests_running="many"), _valid_status(state=["serving"]), _valid_status(x="y" * 300_000),
-            _valid_status(rank=-5), {**_valid_status(), 3: "int key"}, _valid_status(nested={(1,): 2}),
+            None,
+            1,
+            "x",
+            [1],
+            {},
+            _valid_status(rank="x"),
+            _valid_status(rank=float("nan")),
+            _valid_status(requests_running="many"),
+            _valid_status(state=["serving"]),
+            _valid_status(x="y" * 300_000),
+            _valid_status(rank=-5),
+            {**_valid_status(), 3: "int key"},
+            _valid_status(nested={(1,): 2}),
             _valid_status(rank=1, instance_id="fz_dp0"),
         ]
-        events = [None, "e", [None], [_valid_event(detail="x")], [_valid_event(rank="0"), _valid_event(op_id="ok-2")],
-                  [_valid_event(start=float("inf"))], [{"op_id": ["x"]}]]
+        events = [
+            None,
+            "e",
+            [None],
+            [_valid_event(detail="x")],
+            [_valid_event(rank="0"), _valid_event(op_id="ok-2")],
+            [_valid_event(start=float("inf"))],
+            [{"op_id": ["x"]}],
+        ]
         ops = [None, {}, [1], _valid_op(op_id=None), _valid_op(started="x"), _valid_op(phase_durations={"w": "x"})]
         fire = []
         errors = 0

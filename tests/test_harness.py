@@ -42,8 +42,10 @@ def test_a_killed_processs_segment_is_removed_and_one_in_use_kept():
     here = Path(tempfile.mkdtemp(prefix="eeptest-", dir=SHM_DIR))
     dead, live, held, shared = (here / f"psm_{tag}" for tag in ("dead", "live", "held", "shared"))
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(dead)], stdout=subprocess.PIPE, text=True)
-    fds = [os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode) for p, mode in
-           ((live, 0o600), (held, 0o600), (shared, 0o644))]
+    fds = [
+        os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+        for p, mode in ((live, 0o600), (held, 0o600), (shared, 0o644))
+    ]
     try:
         for fd in fds:
             os.ftruncate(fd, 1 << 20)

@@ -51,8 +51,12 @@ class _Endpoint(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         if kind == "invalid":
-            err = {"message": "prompt + max_tokens exceeds max_model_len 128", "type": "invalid_request_error",
-                   "param": None, "code": 400}
+            err = {
+                "message": "prompt + max_tokens exceeds max_model_len 128",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": 400,
+            }
             self.wfile.write(f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode())
             return
         for i, tok in enumerate(TOKENS):
@@ -81,8 +85,9 @@ def server() -> Iterator[str]:
 def _send(urls: list[str], prompt: list[int] | None = None, **kw: Any) -> tuple[dict[str, Any], list[str], list[int]]:
     notes: list[str] = []
     streamed: list[int] = []
-    client = CompletionsClient(lambda: urls, None, "m", 3, 10.0, note=notes.append,
-                               on_token=lambda seq, tok: streamed.append(tok), **kw)
+    client = CompletionsClient(
+        lambda: urls, None, "m", 3, 10.0, note=notes.append, on_token=lambda seq, tok: streamed.append(tok), **kw
+    )
     with client.requests() as submit:
         return submit(prompt or [1, 2]).wait(10.0), notes, streamed
 

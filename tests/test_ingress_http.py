@@ -36,7 +36,8 @@ class _Rank(RankClient):
         if self.refuse is not None:
             raise self.refuse
         asyncio.get_running_loop().call_soon(
-            self.router.on_results, [dict(wire, output=OUTPUT[:wire["max_tokens"]])], self.rank)
+            self.router.on_results, [dict(wire, output=OUTPUT[: wire["max_tokens"]])], self.rank
+        )
 
     async def kill(self) -> None:
         return None
@@ -93,11 +94,13 @@ def _openai_error(body: Any, param: str | None, code: int | str = 400) -> dict[s
 
 def test_input_beyond_the_models_limits_is_a_400_before_any_rank_sees_it() -> None:
     ing = _Ingress(LIMITS)
-    cases = [({"prompt": [1, 2], "max_tokens": 200}, "max_tokens", "maximum context length is 128"),
-             ({"prompt": [1] * 60, "max_tokens": 70}, "max_tokens", "ask for 130"),
-             ({"prompt": [1, 256], "max_tokens": 4}, "prompt", "token id 256 is not in the vocabulary"),
-             ({"prompt": [[1, 2], [3, 999]], "max_tokens": 4}, "prompt", "prompt 1: token id 999"),
-             ({"prompt": [1] * 65, "max_tokens": 1}, "prompt", "at most 64 in one prompt")]
+    cases = [
+        ({"prompt": [1, 2], "max_tokens": 200}, "max_tokens", "maximum context length is 128"),
+        ({"prompt": [1] * 60, "max_tokens": 70}, "max_tokens", "ask for 130"),
+        ({"prompt": [1, 256], "max_tokens": 4}, "prompt", "token id 256 is not in the vocabulary"),
+        ({"prompt": [[1, 2], [3, 999]], "max_tokens": 4}, "prompt", "prompt 1: token id 999"),
+        ({"prompt": [1] * 65, "max_tokens": 1}, "prompt", "at most 64 in one prompt"),
+    ]
     for body, param, says in cases:
         for stream in (False, True):
             status, out, text = _post(ing, dict(body, stream=stream))
@@ -116,7 +119,7 @@ def test_a_ranks_refusal_of_the_input_is_final_a_400_at_once_never_parked() -> N
     status, out, text = _post(ing, {"prompt": [1, 2], "max_tokens": 200})
     assert status == 400 and _openai_error(out, None)["message"] == why, text
     status, _, text = _post(ing, {"prompt": [1, 2], "max_tokens": 200, "stream": True})
-    events = [json.loads(ln[len("data: "):]) for ln in text.splitlines() if ln.startswith("data: {")]
+    events = [json.loads(ln[len("data: ") :]) for ln in text.splitlines() if ln.startswith("data: {")]
     assert status == 200 and len(events) == 1 and _openai_error(events[0], None)["message"] == why, text
     assert text.rstrip().endswith("data: [DONE]"), text
     assert ing.router.parked == 0 and ing.router.failed == 2 and len(ing.rank.asked) == 2

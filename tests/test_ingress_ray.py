@@ -39,20 +39,40 @@ pytestmark = pytest.mark.ray
 API_KEY = "eepkey-" + "0c9d2b7e4f6a8c1d3e5f7a9b"
 
 
-def _up(name: str, dp: int, *, faults: list[str] | None = None, delay_s: float = 5.0,
-        api_key: str | None = None, ingress: int = 1, host: str = "0.0.0.0", port: int = 0) -> dict[str, Any]:
+def _up(
+    name: str,
+    dp: int,
+    *,
+    faults: list[str] | None = None,
+    delay_s: float = 5.0,
+    api_key: str | None = None,
+    ingress: int = 1,
+    host: str = "0.0.0.0",
+    port: int = 0,
+) -> dict[str, Any]:
     from eepctl import core
 
     engine = dict(SMALL_ENGINE, faults=faults or [], fault_delay_s=delay_s, step_timeout_s=4.0)
-    core.up(core.Target(name=name, namespace=NAMESPACE), dp=dp, max_dp=dp, engine=engine, cpus_per_rank=1.0,
-            gpus_per_rank=0.0, timeout_s=300, on_rank_failure="shrink", health_deadline_s=4.0, api_key=api_key,
-            ingress=ingress, host=host, port=port)
+    core.up(
+        core.Target(name=name, namespace=NAMESPACE),
+        dp=dp,
+        max_dp=dp,
+        engine=engine,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        on_rank_failure="shrink",
+        health_deadline_s=4.0,
+        api_key=api_key,
+        ingress=ingress,
+        host=host,
+        port=port,
+    )
     return serving_ranks(name, list(range(dp)))
 
 
 def _ingress_stats(name: str, index: int = 0) -> dict[str, Any]:
     import ray
-
     from engine_ext.ray.names import ingress_name
 
     return ray.get(ray.get_actor(ingress_name(name, index), namespace=NAMESPACE).stats.remote(), timeout=30)
@@ -72,16 +92,19 @@ def test_a_rank_that_dies_while_no_controller_is_up_is_served_after_the_restart(
     d = deployments("ing-noctl")
     snap = _up(d.name, 2, faults=["hold:step@1"], delay_s=3.0)
     cfg_d = snap["info"]["config"]
-    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "14", "--max-tokens", "16",
-                   "-o", "json")
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "14", "--max-tokens", "16", "-o", "json")
     wait_held(d.name, 1, "step", timeout=120)
     ctl = controller_pid(d.name)
     os.kill(ctl, signal.SIGSTOP)  # this test's own deployment's controller actor: no controller from here
     try:
         os.kill(pid_of(snap, 1), signal.SIGKILL)  # the rank actor of this test's own deployment
         t_kill = time.time()
-        held = wait_for(lambda: (s := _ingress_stats(d.name))["inflight"] + s["parked"] > 0 and s,
-                        timeout=30, interval=0.3, what="the ingress holding requests")
+        held = wait_for(
+            lambda: (s := _ingress_stats(d.name))["inflight"] + s["parked"] > 0 and s,
+            timeout=30,
+            interval=0.3,
+            what="the ingress holding requests",
+        )
         time.sleep(3.0)  # a while with no controller: nothing may recover, nothing may fail
         assert not [o for o in operations(d.name, "recover") if o["started"] > t_kill - 1]
         assert _ingress_stats(d.name)["failed"] == 0, held
@@ -93,8 +116,10 @@ def test_a_rank_that_dies_while_no_controller_is_up_is_served_after_the_restart(
     recovers = operations(d.name, "recover")
     assert recovers[-1]["dead_ranks"] == [1] and recovers[-1]["state"] == "succeeded", recovers
     assert status(d.name)["info"]["control"]["controller_restarts"] == 1
-    print(f"\n[ingress] held {held['inflight']} in flight + {held['parked']} parked with no controller; "
-          f"{res['completed']} of {len(res['records'])} served")
+    print(
+        f"\n[ingress] held {held['inflight']} in flight + {held['parked']} parked with no controller; "
+        f"{res['completed']} of {len(res['records'])} served"
+    )
 
 
 def _free_port() -> int:
@@ -106,13 +131,15 @@ def _free_port() -> int:
 def _actors_of(name: str) -> list[str]:
     """The deployment's actors in Ray's actor table (named ones: every actor it creates is)."""
     import ray
-
     from engine_ext.ray.names import controller_name, is_rank_actor, registry_name
 
     mine = (registry_name(name), controller_name(name))
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a.get("namespace") == NAMESPACE and (a["name"] in mine or is_rank_actor(name, a["name"])
-                                                           or a["name"].startswith(f"eep-ingress.{name}.")))
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == NAMESPACE
+        and (a["name"] in mine or is_rank_actor(name, a["name"]) or a["name"].startswith(f"eep-ingress.{name}."))
+    )
 
 
 def _a_taken_port_fails_up_and_leaves_nothing(name: str, port: int, address: str) -> None:
@@ -126,11 +153,24 @@ def _a_taken_port_fails_up_and_leaves_nothing(name: str, port: int, address: str
     with socket.socket() as held:
         held.bind(("127.0.0.1", port))
         held.listen()
-        res = eepctl("up", "--dp", "1", "--name", name, "--namespace", NAMESPACE, "--host", "127.0.0.1",
-                     "--port", str(port), timeout=240)
+        res = eepctl(
+            "up",
+            "--dp",
+            "1",
+            "--name",
+            name,
+            "--namespace",
+            NAMESPACE,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            timeout=240,
+        )
     assert res.returncode == 4 and res.stdout == "" and "Traceback" not in res.stderr, res
-    assert res.stderr.splitlines() == [f"eepctl: ingress 0 of {name!r}: cannot listen on 127.0.0.1:{port}: "
-                                       "Address already in use"], res.stderr
+    assert res.stderr.splitlines() == [
+        f"eepctl: ingress 0 of {name!r}: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ], res.stderr
     cluster.connect(address, NAMESPACE)
     assert _actors_of(name) == [] and saved_port(NAMESPACE, name, 0) == 0
 
@@ -182,24 +222,41 @@ def test_http_api_with_curl_and_the_openai_client(deployments, ray_cluster):
     assert code == 200 and json.loads(body)["data"][0]["id"] == d.name, body
 
     req = {"model": d.name, "prompt": prompt, "max_tokens": 8}
-    body, code = _body_and_code(_curl(*auth, "-H", "Content-Type: application/json", "-d", json.dumps(req),
-                                      f"{url}/v1/completions"))
+    body, code = _body_and_code(
+        _curl(*auth, "-H", "Content-Type: application/json", "-d", json.dumps(req), f"{url}/v1/completions")
+    )
     assert code == 200, body
     out = json.loads(body)
     assert out["choices"][0]["token_ids"] == want and out["usage"]["completion_tokens"] == 8, out
-    res = _curl("-N", *auth, "-H", "Content-Type: application/json", "-d", json.dumps(dict(req, stream=True)),
-                f"{url}/v1/completions")
-    events = [ln[len("data: "):] for ln in res.stdout.splitlines() if ln.startswith("data: ")]
+    res = _curl(
+        "-N",
+        *auth,
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        json.dumps(dict(req, stream=True)),
+        f"{url}/v1/completions",
+    )
+    events = [ln[len("data: ") :] for ln in res.stdout.splitlines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]", res.stdout
     streamed = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
     assert streamed == want and len(events) >= 3, events  # token by token as the rank streams them
-    body, code = _body_and_code(_curl(*auth, "-H", "Content-Type: application/json",
-                                      "-d", json.dumps(dict(req, prompt="a string")), f"{url}/v1/completions"))
+    body, code = _body_and_code(
+        _curl(
+            *auth,
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps(dict(req, prompt="a string")),
+            f"{url}/v1/completions",
+        )
+    )
     assert code == 400 and "token ids" in json.loads(body)["error"]["message"], body
     _input_the_model_cannot_serve_is_refused_at_once(d.name, url, auth, ray_cluster["address"])
     body, code = _body_and_code(_curl(*auth, f"{url}/metrics"))
-    assert code == 200 and f'eep_ingress_requests_total{{deployment="{d.name}",ingress="0",outcome="completed"}} ' \
-        in body, body
+    assert (
+        code == 200 and f'eep_ingress_requests_total{{deployment="{d.name}",ingress="0",outcome="completed"}} ' in body
+    ), body
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
     prompts = [[2, 7, 1, 8], [1, 4, 1, 4, 2]]
@@ -219,10 +276,11 @@ def test_http_api_with_curl_and_the_openai_client(deployments, ray_cluster):
     # streamed; no key is exit 3 and bad input the ingress refuses exit 2, one line each
     gen = eepctl("generate", "--name", d.name, "-p", "3,1,4,1,5", timeout=60, env={"EEPCTL_API_KEY": API_KEY})
     assert gen.returncode == 0 and gen.stdout.startswith(f"[3 1 4 1 5] -> {' '.join(map(str, want))}  ("), gen
-    for args, code, says in ((["-p", "1,2"], 3, "refused the API key (HTTP 401)"),
-                             (["--prompt-ids=-1,2", "--api-key", API_KEY], 2, "refused the request (HTTP 400)"),
-                             (["-p", "1,2", "--max-tokens", "200", "--api-key", API_KEY], 2,
-                              "maximum context length is 128 tokens")):
+    for args, code, says in (
+        (["-p", "1,2"], 3, "refused the API key (HTTP 401)"),
+        (["--prompt-ids=-1,2", "--api-key", API_KEY], 2, "refused the request (HTTP 400)"),
+        (["-p", "1,2", "--max-tokens", "200", "--api-key", API_KEY], 2, "maximum context length is 128 tokens"),
+    ):
         t0 = time.time()
         res = eepctl("generate", "--name", d.name, *args, timeout=60)
         assert res.returncode == code and res.stdout == "" and says in res.stderr, res
@@ -233,10 +291,18 @@ def test_http_api_with_curl_and_the_openai_client(deployments, ray_cluster):
 
     assert ReferenceDriver(d.name, None, None).endpoints() == [url]
     # the endpoint comes from the registry's light read path: generate is no Ray driver at all
-    code = ("import sys; from eepctl.main import run; rc = run(['generate', '--name', %r, '-p', '1,2', '-o', 'json']);"
-            " assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)" % d.name)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env=dict(os.environ, EEPCTL_API_KEY=API_KEY))
+    code = (
+        "import sys; from eepctl.main import run; rc = run(['generate', '--name', %r, '-p', '1,2', '-o', 'json']);"
+        " assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)" % d.name
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=dict(os.environ, EEPCTL_API_KEY=API_KEY),
+    )
     assert res.returncode == 0 and json.loads(res.stdout)["results"][0]["output"] == oracle(cfg_d, [1, 2], 8), res
     _a_restarted_ingress_waits_for_its_pinned_port(d.name, port)
 
@@ -246,7 +312,6 @@ def _a_restarted_ingress_waits_for_its_pinned_port(name: str, port: int) -> None
     it: the restarted ingress does not move elsewhere; it says why it does not listen (its stats,
     `eepctl status`) and listens on its port again once the port is free."""
     import ray
-
     from engine_ext.ray.names import ingress_name
     from tests.helpers import eepctl
 
@@ -267,12 +332,16 @@ def _a_restarted_ingress_waits_for_its_pinned_port(name: str, port: int) -> None
             s.close()
             return None
 
-    os.kill(ray.get(ray.get_actor(ingress_name(name, 0), namespace=NAMESPACE).pid.remote(), timeout=30),
-            signal.SIGKILL)  # this test's own deployment's ingress actor
+    os.kill(
+        ray.get(ray.get_actor(ingress_name(name, 0), namespace=NAMESPACE).pid.remote(), timeout=30), signal.SIGKILL
+    )  # this test's own deployment's ingress actor
     held = wait_for(take, timeout=30, interval=0.05, what=f"port {port} free after the kill")
     try:
-        st = wait_for(lambda: (s := stats()) and s["restarted"] and s["listen_error"] and s, timeout=90,
-                      what="the restarted ingress saying why it does not listen")
+        st = wait_for(
+            lambda: (s := stats()) and s["restarted"] and s["listen_error"] and s,
+            timeout=90,
+            what="the restarted ingress saying why it does not listen",
+        )
         assert st["listen_error"] == f"cannot listen on 127.0.0.1:{port}: Address already in use" and not st["url"]
         line = f"ingress 0: not listening: cannot listen on 127.0.0.1:{port}: Address already in use"
         wait_for(lambda: line in eepctl("status", "--name", name, timeout=60).stdout, timeout=30, what=line)
@@ -282,24 +351,32 @@ def _a_restarted_ingress_waits_for_its_pinned_port(name: str, port: int) -> None
     assert st["url"] == f"http://127.0.0.1:{port}" and st["listen_error"] == "", st
 
 
-def _input_the_model_cannot_serve_is_refused_at_once(name: str, url: str, auth: tuple[str, str],
-                                                     address: str) -> None:
+def _input_the_model_cannot_serve_is_refused_at_once(name: str, url: str, auth: tuple[str, str], address: str) -> None:
     """Beyond the model's limits (SMALL_ENGINE: vocabulary 256, max_model_len 128): the ingress
     answers 400 from the limits the controller told it, in OpenAI's error shape; a request that
     reaches a rank anyway (an actor call: no HTTP check) is refused there and answered at once,
     never parked for a world."""
     import ray
-
     from eepctl import cluster
     from engine_ext.ray.names import ingress_name
 
-    refused = (({"prompt": [1, 2], "max_tokens": 200}, "max_tokens", "maximum context length is 128"),
-               ({"prompt": [1, 300], "max_tokens": 4}, "prompt", "token id 300 is not in the vocabulary"))
+    refused = (
+        ({"prompt": [1, 2], "max_tokens": 200}, "max_tokens", "maximum context length is 128"),
+        ({"prompt": [1, 300], "max_tokens": 4}, "prompt", "token id 300 is not in the vocabulary"),
+    )
     for req, param, says in refused:
         for stream in (False, True):
             t0 = time.time()
-            body, code = _body_and_code(_curl(*auth, "-H", "Content-Type: application/json",
-                                              "-d", json.dumps(dict(req, stream=stream)), f"{url}/v1/completions"))
+            body, code = _body_and_code(
+                _curl(
+                    *auth,
+                    "-H",
+                    "Content-Type: application/json",
+                    "-d",
+                    json.dumps(dict(req, stream=stream)),
+                    f"{url}/v1/completions",
+                )
+            )
             err = json.loads(body)["error"]
             assert code == 400 and time.time() - t0 < 10 and says in err["message"], body
             assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, 400), err
@@ -336,7 +413,6 @@ def test_an_ingress_killed_under_load_is_restarted_and_its_requests_are_resent(d
     by `eepctl generate` from their prompts to the other ingress (their records say `resent`, a
     note on stderr says so), none fails, every output equals the oracle."""
     import ray
-
     from eepctl import cluster
     from engine_ext.ray.names import ingress_name
 
@@ -345,8 +421,7 @@ def test_an_ingress_killed_under_load_is_restarted_and_its_requests_are_resent(d
     snap = _up(d.name, 1, ingress=2, faults=["hold:step@0"], delay_s=2.0)
     cfg_d = snap["info"]["config"]
     url = snap["info"]["ingress"][0]["url"]
-    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "8", "--max-tokens", "16",
-                   "-o", "json")
+    load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "8", "--max-tokens", "16", "-o", "json")
     wait_held(d.name, 0, "step", timeout=120)  # requests mid-decode, half of them ingress 0's
     handle = ray.get_actor(ingress_name(d.name, 0), namespace=NAMESPACE)
     old = ray.get(handle.pid.remote(), timeout=30)
@@ -362,7 +437,16 @@ def test_an_ingress_killed_under_load_is_restarted_and_its_requests_are_resent(d
     assert ray.get(handle.pid.remote(), timeout=30) != old and st["url"] == url, st
     assert st["handed_back"] == {"resubmitted": 0, "dropped": 1}, st  # told, not lost: its predecessor's request
     assert _ingress_stats(d.name, 1)["handed_back"] == {"resubmitted": 1, "dropped": 0}
-    body, code = _body_and_code(_curl("-H", "Content-Type: application/json", "-d",
-                                      json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}), f"{url}/v1/completions"))
+    body, code = _body_and_code(
+        _curl(
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}),
+            f"{url}/v1/completions",
+        )
+    )
     assert code == 200 and json.loads(body)["choices"][0]["token_ids"] == oracle(cfg_d, [1, 2, 3], 4), body
-    print(f"\n[ingress] killed with requests: {len(resent)} re-sent, {res['completed']} of {len(res['records'])} served")
+    print(
+        f"\n[ingress] killed with requests: {len(resent)} re-sent, {res['completed']} of {len(res['records'])} served"
+    )

@@ -94,10 +94,10 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
     from eepctl.render import plan_text
     from eepctl.render_events import events_text
     from engine_ext.control import cost_model
-    from tests.helpers import cost_points, write_cost_model
     from engine_ext.elastic.precopy import expert_nbytes, spare_room
     from engine_ext.model.dense_oracle import reference_generate
     from tests.engine_helpers import oracle_mismatch
+    from tests.helpers import cost_points, write_cost_model
 
     cfg = EngineConfig(num_experts=16, slots_per_rank=8, commit_load_threads=3, capture_policy="recapture")
     prompts = [[1 + i, 2 + 2 * i, 3 + i] for i in range(6)]
@@ -114,8 +114,14 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
             plan = await dep.orch.plan(2, retire=[1])
             r2 = plan.precopy["per_rank"]["2"]
             assert "problem" not in plan.precopy, plan.precopy
-            assert (r2["precopied"], r2["in_commit"]) == (spare_room(cfg, 3) // per_expert, 8 - r2["precopied"]) == (5, 3), r2
-            assert (r2["receive"], r2["spare"], r2["commit_moved"]) == (3 * per_expert, 5 * per_expert, 3 * per_expert), r2
+            assert (
+                (r2["precopied"], r2["in_commit"]) == (spare_room(cfg, 3) // per_expert, 8 - r2["precopied"]) == (5, 3)
+            ), r2
+            assert (r2["receive"], r2["spare"], r2["commit_moved"]) == (
+                3 * per_expert,
+                5 * per_expert,
+                3 * per_expert,
+            ), r2
             # what `eepctl scale --dry-run` prints of it
             assert f"rank 2: 5 pre-copied ({5 * per_expert:,} B), 3 in the commit" in plan_text(plan.to_dict())
             assert plan.cost["pause_s"] > 0 and plan.cost["move_s"] > 0, plan.cost
@@ -124,22 +130,38 @@ def test_scale_whose_precopy_does_not_fit_moves_the_rest_in_the_commit(tmp_path,
             op = await dep.scale(2, retire=[1])
             assert op["state"] == "succeeded" and dep.orch.members == [0, 2], op
             assert op["plan"]["precopy"]["per_rank"]["2"] == r2, op["plan"]["precopy"]
-            loads = [e for e in dep.registry.events_for(op["op_id"]) if e["phase"] == "reshuffle" and e["rank"] == 2
-                     and "load_threads" in e["detail"]]
-            assert [(e["detail"]["load_threads"], e["detail"]["commit_copy_bytes"]) for e in loads] == [(3, 8 * per_expert)], loads
+            loads = [
+                e
+                for e in dep.registry.events_for(op["op_id"])
+                if e["phase"] == "reshuffle" and e["rank"] == 2 and "load_threads" in e["detail"]
+            ]
+            assert [(e["detail"]["load_threads"], e["detail"]["commit_copy_bytes"]) for e in loads] == [
+                (3, 8 * per_expert)
+            ], loads
             mm = op["move_memory"]["2"]
-            assert (mm["spare_bytes"], mm["commit_moved_bytes"], mm["freed_by"]) == (r2["spare"], r2["commit_moved"], "commit"), mm
+            assert (mm["spare_bytes"], mm["commit_moved_bytes"], mm["freed_by"]) == (
+                r2["spare"],
+                r2["commit_moved"],
+                "commit",
+            ), mm
             pred, got = op["cost"]["predicted"], op["cost"]["measured"]
             assert pred["per_rank"] == got["per_rank"], op["cost"]  # the bytes moved as planned
-            assert got["per_rank"]["2"] == {"moved_bytes": 5 * per_expert, "commit_bytes": 3 * per_expert,
-                                            "spare_bytes": 5 * per_expert}, got
+            assert got["per_rank"]["2"] == {
+                "moved_bytes": 5 * per_expert,
+                "commit_bytes": 3 * per_expert,
+                "spare_bytes": 5 * per_expert,
+            }, got
             assert got["pause_s"] == op["serving_pause_s"] > 0 and got["move_s"] > 0, got
             assert f"{op['op_id']} predicted vs measured: pause" in events_text({"operations": [op]})
             after = [await dep.generate(p, 6) for p in prompts[4:]]
-            got = list(enumerate(before)) + [(2 + i, r) for i, r in enumerate(await during)] + \
-                [(4 + i, r) for i, r in enumerate(after)]
+            got = (
+                list(enumerate(before))
+                + [(2 + i, r) for i, r in enumerate(await during)]
+                + [(4 + i, r) for i, r in enumerate(after)]
+            )
             assert oracle_mismatch(got, ref, logits=False) == ""
             assert all(dep.registry.ranks[r].move_bytes_held == 0 for r in (0, 2))
+
     run(scenario(), 120)
 
 
@@ -165,6 +187,7 @@ def test_scale_refused_when_the_moves_do_not_fit_even_in_the_commit():
             assert f"short by {held - commit_room(cfg, 3):,} B" in str(e.value), str(e.value)
             assert dep.orch.members == [0, 1, 2]
             assert "output" in await dep.generate([1, 2, 3], 4)
+
     run(scenario(), 120)
 
 
@@ -177,9 +200,15 @@ def test_a_scale_up_whose_balanced_layout_does_not_fit_keeps_the_members_experts
     from engine_ext.model.dense_oracle import reference_generate
     from tests.engine_helpers import oracle_mismatch
 
-    cfg = EngineConfig(num_layers=2, num_experts=8, hidden_size=64, slots_per_rank=4, expert_hidden=4096,
-                       num_blocks=768,  # the KV the MoE workspace leaves at DP 4 (as curves.py sizes it)
-                       capture_policy="recapture")
+    cfg = EngineConfig(
+        num_layers=2,
+        num_experts=8,
+        hidden_size=64,
+        slots_per_rank=4,
+        expert_hidden=4096,
+        num_blocks=768,  # the KV the MoE workspace leaves at DP 4 (as curves.py sizes it)
+        capture_policy="recapture",
+    )
     prompt = [5, 6, 7, 8]
     ref = reference_generate(cfg, [prompt], 6)
 
@@ -195,4 +224,5 @@ def test_a_scale_up_whose_balanced_layout_does_not_fit_keeps_the_members_experts
             assert op["state"] == "succeeded" and "balance_deferred" in op["plan"]["precopy"], op
             got += [(0, await dep.generate(prompt, 6)) for _ in range(2)]
             assert oracle_mismatch(got, ref, logits=False) == ""
+
     run(scenario(), 120)

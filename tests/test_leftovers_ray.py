@@ -20,13 +20,15 @@ pytestmark = pytest.mark.ray
 def _stale(name: str, actor_name: str | None = None, pg_name: str | None = None) -> None:
     """A detached actor and/or placement group under names of the deployment that no member holds
     (what a controller killed mid-launch leaves)."""
-    import ray
     from ray.util.placement_group import placement_group
+
+    import ray
 
     if pg_name:
         pg = placement_group([{"CPU": 0.01}], name=pg_name, lifetime="detached")
         ray.get(pg.ready(), timeout=30)
     if actor_name:
+
         @ray.remote(num_cpus=0)
         class Leftover:
             def ping(self) -> int:
@@ -49,8 +51,9 @@ def _noise() -> tuple[list, list]:
     """1,000 placement groups of no one's (0.001 CPU each) in the deployment's namespace and 1,000
     named actors in ten other namespaces (detached, asking for a resource no node has: they stay
     pending, so they cost Ray a record each and no process)."""
-    import ray
     from ray.util.placement_group import placement_group
+
+    import ray
 
     pgs = [placement_group([{"CPU": 0.001}], name=f"noise{i}-pg") for i in range(NOISE)]
     ray.get([pg.ready() for pg in pgs], timeout=300)
@@ -59,8 +62,10 @@ def _noise() -> tuple[list, list]:
     class Pending:
         pass
 
-    actors = [Pending.options(name=f"noise{i}", namespace=f"noise-{i % 10}", lifetime="detached").remote()
-              for i in range(NOISE)]
+    actors = [
+        Pending.options(name=f"noise{i}", namespace=f"noise-{i % 10}", lifetime="detached").remote()
+        for i in range(NOISE)
+    ]
     return pgs, actors
 
 
@@ -70,9 +75,9 @@ def _a_crowded_cluster_costs_the_loop_nothing(name: str) -> None:
     every namespace's actors, and runs in a thread: with 1,000 unrelated placement groups and
     1,000 unrelated actors in the cluster, an orphaned DP rank is still found, and every tick the
     controller records (sweeps included) stays within the loop's period."""
-    import ray
     from ray.util.placement_group import remove_placement_group
 
+    import ray
     from engine_ext.ray import leftovers
     from engine_ext.ray.names import controller_name
 
@@ -96,12 +101,17 @@ def _a_crowded_cluster_costs_the_loop_nothing(name: str) -> None:
         finally:
             util.placement_group_table, util.list_named_actors = table, listed
         assert found.names() == {f"{name}_dp0", f"{name}_dp0-pg"}, found
-        record = wait_for(lambda: (r := ray.get(controller.tick_record.remote(), timeout=30))["ticks"] >= since + 12
-                          and r, timeout=120, what="12 ticks (two sweeps) of the controller in the crowded cluster")
-        ticks = record["tick_s"][-(record["ticks"] - since):]
-        print(f"\n[leftovers] {NOISE} placement groups + {NOISE} actors of no one's: {len(ticks)} ticks, "
-              f"max {max(ticks) * 1000:.0f} ms, median {sorted(ticks)[len(ticks) // 2] * 1000:.0f} ms "
-              f"(period {record['period_s']:.1f} s)")
+        record = wait_for(
+            lambda: (r := ray.get(controller.tick_record.remote(), timeout=30))["ticks"] >= since + 12 and r,
+            timeout=120,
+            what="12 ticks (two sweeps) of the controller in the crowded cluster",
+        )
+        ticks = record["tick_s"][-(record["ticks"] - since) :]
+        print(
+            f"\n[leftovers] {NOISE} placement groups + {NOISE} actors of no one's: {len(ticks)} ticks, "
+            f"max {max(ticks) * 1000:.0f} ms, median {sorted(ticks)[len(ticks) // 2] * 1000:.0f} ms "
+            f"(period {record['period_s']:.1f} s)"
+        )
         assert max(ticks) < record["period_s"], ticks
     finally:
         for pg in pgs:
@@ -112,7 +122,6 @@ def _a_crowded_cluster_costs_the_loop_nothing(name: str) -> None:
 
 def _kill_controller(name: str) -> int:
     import ray
-
     from engine_ext.ray.names import controller_name
 
     pid = int(ray.get(ray.get_actor(controller_name(name), namespace=NAMESPACE).pid.remote(), timeout=30))
@@ -123,7 +132,6 @@ def _kill_controller(name: str) -> int:
 @pytest.mark.timeout(300)
 def test_take_over_launch_and_down_remove_what_no_member_holds(deployments, ray_cluster):
     import ray
-
     from eepctl import cluster, core
     from engine_ext.ray.durable import DurableState
     from engine_ext.ray.names import controller_name, registry_name
@@ -131,8 +139,16 @@ def test_take_over_launch_and_down_remove_what_no_member_holds(deployments, ray_
     d = deployments("lo")
     if ray.is_initialized():
         ray.shutdown()
-    core.up(core.Target(name=d.name, namespace=NAMESPACE), dp=1, max_dp=2, engine=SMALL_ENGINE, cpus_per_rank=1.0,
-            gpus_per_rank=0.0, timeout_s=300, health_deadline_s=3.0)
+    core.up(
+        core.Target(name=d.name, namespace=NAMESPACE),
+        dp=1,
+        max_dp=2,
+        engine=SMALL_ENGINE,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        health_deadline_s=3.0,
+    )
     cluster.connect(ray_cluster["address"], NAMESPACE)
     member = [f"{d.name}_dp0", f"{d.name}_dp0-pg"]
     assert _owned(d.name) == member
@@ -170,15 +186,29 @@ def test_take_over_launch_and_down_remove_what_no_member_holds(deployments, ray_
     # deployment, leftovers included; a second `down` finds nothing and changes nothing.
     for n in (controller_name(d.name), registry_name(d.name)):
         ray.kill(ray.get_actor(n, namespace=NAMESPACE), no_restart=True)
-    wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
-                          if a["name"] in (controller_name(d.name), registry_name(d.name))], timeout=30,
-             what="the control actors gone")
+    wait_for(
+        lambda: (
+            not [
+                a
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"] in (controller_name(d.name), registry_name(d.name))
+            ]
+        ),
+        timeout=30,
+        what="the control actors gone",
+    )
     _stale(d.name, actor_name=f"{d.name}_dp7", pg_name=f"{d.name}_dp5-pg")  # made now: no sweep ends them
     res = eepctl("down", "--name", d.name, "-o", "json", timeout=120)
     assert res.returncode == 0, res.stderr
     removed = json.loads(res.stdout.splitlines()[-1])["removed_by_name"]
-    assert sorted(removed) == sorted([f"actor {d.name}_dp0", f"actor {d.name}_dp7", f"placement group {d.name}_dp0-pg",
-                                      f"placement group {d.name}_dp5-pg"]), removed
+    assert sorted(removed) == sorted(
+        [
+            f"actor {d.name}_dp0",
+            f"actor {d.name}_dp7",
+            f"placement group {d.name}_dp0-pg",
+            f"placement group {d.name}_dp5-pg",
+        ]
+    ), removed
     assert _owned(d.name) == [] and DurableState(NAMESPACE, d.name).load() is None
     again = eepctl("down", "--name", d.name, timeout=120)
     assert again.returncode == 3 and "not found" in again.stderr, (again.returncode, again.stderr)
@@ -208,15 +238,15 @@ def test_repair_of_a_vllm_deployment_removes_orphaned_shared_memory(ray_cluster)
     import time
 
     import ray
-
     from eepctl import cluster
     from engine_ext.drivers.vllm import VllmDriver
     from engine_ext.protocol import UnreachableError
 
     if not ray.is_initialized():
         cluster.connect(ray_cluster["address"], NAMESPACE)
-    dead, live = (subprocess.Popen([sys.executable, "-c", SHM_CHILD], stdout=subprocess.PIPE, text=True)
-                  for _ in range(2))
+    dead, live = (
+        subprocess.Popen([sys.executable, "-c", SHM_CHILD], stdout=subprocess.PIPE, text=True) for _ in range(2)
+    )
     names: list[str] = []
     try:
         names += [p.stdout.readline().strip() for p in (dead, live)]  # type: ignore[union-attr]

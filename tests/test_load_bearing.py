@@ -12,11 +12,11 @@ import contextlib
 import pytest
 import torch
 
-from engine_ext.elastic.eplb import ExpertLayout
-from engine_ext.control.registry_state import RegistryState
 from engine_ext.config import EngineConfig
-from engine_ext.model.dense_oracle import reference_generate
+from engine_ext.control.registry_state import RegistryState
+from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
 from engine_ext.rank.warmup import WarmupIsolationError
 from tests.engine_helpers import OneRank, oracle_mismatch, run, wait_until
 
@@ -290,8 +290,9 @@ async def _start_and_view(cfg: EngineConfig, dp: int) -> tuple[list[dict], list[
     async with LocalDeployment(cfg, "ids", max_dp=dp) as dep:
         await dep.start(dp)
         # Every rank reported, listed or refused (a second claim of one identity is refused).
-        await wait_until(lambda: len(dep.registry.rank_views()) + len(dep.registry.rejected) >= dp, 10,
-                         "a status from every rank")
+        await wait_until(
+            lambda: len(dep.registry.rank_views()) + len(dep.registry.rejected) >= dp, 10, "a status from every rank"
+        )
         return dep.registry.rank_views(), dep.registry.violations()
 
 

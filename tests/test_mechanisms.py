@@ -12,12 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_ext.config import EngineConfig, KVTransferConfig
+from engine_ext.control.registry_state import RegistryState
 from engine_ext.elastic.eplb import EplbState, ExpertLayout, build_layout, plan_moves, transfer_pairs
 from engine_ext.elastic.graphs import GraphManager, GraphReleasedError, StaleGraphError
 from engine_ext.elastic.identity import apply_dp_identity_suffix, dp_suffixed, strip_dp_suffix
-from engine_ext.control.registry_state import RegistryState
 from engine_ext.elastic.workspace import WorkspaceLockedError, WorkspaceManager, WorkspaceSizeError, bytes_for
-from engine_ext.config import EngineConfig, KVTransferConfig
+from engine_ext.protocol import STALE_AFTER_S, Event, RankStatus, to_builtins
 from engine_ext.rank.scheduler import (
     BlockPool,
     NoFreeBlocksError,
@@ -27,7 +28,6 @@ from engine_ext.rank.scheduler import (
     Scheduler,
     SlotPool,
 )
-from engine_ext.protocol import STALE_AFTER_S, Event, RankStatus, to_builtins
 
 F64 = torch.float64
 
@@ -513,9 +513,16 @@ def test_eplb_recent_load_is_the_sum_over_the_window(steps, window):
 
 
 def _status(rank: int, instance_id: str | None = None, engine_id: str | None = None, **kw) -> dict:
-    st = RankStatus(deployment="d", rank=rank, instance_id=instance_id or f"m_dp{rank}",
-                    engine_id=engine_id or f"m-kv_dp{rank}", state="serving",
-                    workspace_locked=True, workspace_bytes=4096, workspace_required_bytes=4096)
+    st = RankStatus(
+        deployment="d",
+        rank=rank,
+        instance_id=instance_id or f"m_dp{rank}",
+        engine_id=engine_id or f"m-kv_dp{rank}",
+        state="serving",
+        workspace_locked=True,
+        workspace_bytes=4096,
+        workspace_required_bytes=4096,
+    )
     d = to_builtins(st)
     d.update(kw)
     return d
@@ -535,8 +542,7 @@ def test_registry_healthy_deployment_has_no_violations():
         assert reg.report_status(_status(r)) == {"accepted": True}
     reg.report_event(_event("op1", 0, "capture", 1.0))
     reg.report_event(_event("op1", 1, "capture", 1.0))
-    reg.report_event(_event("op1", 0, "warm", 0.5, slots_restored=True, live_kv_unchanged=True,
-                            eplb_unchanged=True))
+    reg.report_event(_event("op1", 0, "warm", 0.5, slots_restored=True, live_kv_unchanged=True, eplb_unchanged=True))
     assert reg.violations() == []
     assert [v["state"] for v in reg.rank_views()] == ["serving"] * 3
 
@@ -661,8 +667,7 @@ def test_registry_expects_capture_passes_from_the_policy_not_from_the_rank():
 
 def test_registry_flags_warmup_touching_serving_state():
     reg = RegistryState("d")
-    reg.report_event(_event("op1", 1, "warm", 5.0, slots_restored=True, live_kv_unchanged=False,
-                            eplb_unchanged=True))
+    reg.report_event(_event("op1", 1, "warm", 5.0, slots_restored=True, live_kv_unchanged=False, eplb_unchanged=True))
     v = reg.violations()
     assert [(x["invariant"], x["rank"]) for x in v] == [("I5", "1")]
     assert "live_kv_unchanged" in v[0]["message"]
@@ -706,8 +711,18 @@ def test_faults_name_known_variants_and_refuse_unknown_ones():
     with pytest.raises(ValueError, match="unknown fault"):
         Faults(["hold:lunch"], 0.0, rank=0)
     # Every variant the tests and benchmarks use is declared, each with a description.
-    for name in ("double_suffix", "skip_release", "skip_rewarm", "double_capture", "warmup_not_isolated",
-                 "slow_prepare", "no_stale_check", "eplb_not_suppressed", "no_warmup_check", "late_eplb_comm"):
+    for name in (
+        "double_suffix",
+        "skip_release",
+        "skip_rewarm",
+        "double_capture",
+        "warmup_not_isolated",
+        "slow_prepare",
+        "no_stale_check",
+        "eplb_not_suppressed",
+        "no_warmup_check",
+        "late_eplb_comm",
+    ):
         assert VARIANTS[name]
 
 
@@ -762,8 +777,9 @@ def test_rank_held_at_launch_says_so_while_held():
     reports: list[tuple[float, dict]] = []
     cfg = EngineConfig(faults=["hold:launch"], fault_delay_s=0.3)
     t0 = time.monotonic()
-    engine = RankEngine(cfg, "held", 0, build_layout(8, 8, 1),
-                        sink=lambda kind, payload: reports.append((time.monotonic(), payload)))
+    engine = RankEngine(
+        cfg, "held", 0, build_layout(8, 8, 1), sink=lambda kind, payload: reports.append((time.monotonic(), payload))
+    )
     assert time.monotonic() - t0 >= 0.3
     assert reports and reports[0][0] - t0 < 0.3, "the hold is announced before it waits"
     assert reports[0][1]["state_reason"] == "held in launch by a test fault"
@@ -773,8 +789,8 @@ def test_rank_held_at_launch_says_so_while_held():
 def test_rank_control_is_the_one_interface_both_sides_implement():
     import inspect
 
-    from engine_ext.rank.engine import RankEngine
     from engine_ext.control.rank_client import RANK_METHODS, RankClient, RankControl
+    from engine_ext.rank.engine import RankEngine
 
     assert RANK_METHODS == {n for n in vars(RankControl) if not n.startswith("_")}
     assert {"prepare", "begin_drain", "request_commit", "wait_op", "abort", "status"} <= RANK_METHODS
@@ -795,11 +811,19 @@ def test_transition_plan_roles_and_op_ids():
     from engine_ext.elastic.transition_plan import TransitionPlan, new_op_id
 
     old, new = build_layout(8, 4, 2), build_layout(8, 4, 3)
-    up = TransitionPlan(op_id="op-x", kind="scale_up", old_size=2, new_size=3, rdzv=Rendezvous("h", 1, "p"),
-                        old_layout=old, new_layout=new)
+    up = TransitionPlan(
+        op_id="op-x",
+        kind="scale_up",
+        old_size=2,
+        new_size=3,
+        rdzv=Rendezvous("h", 1, "p"),
+        old_layout=old,
+        new_layout=new,
+    )
     assert [up.role(r) for r in range(3)] == ["existing", "existing", "joining"]
-    down = TransitionPlan(op_id="op-y", kind="scale_down", old_size=3, new_size=2, rdzv=up.rdzv,
-                          old_layout=new, new_layout=old)
+    down = TransitionPlan(
+        op_id="op-y", kind="scale_down", old_size=3, new_size=2, rdzv=up.rdzv, old_layout=new, new_layout=old
+    )
     assert [down.role(r) for r in range(3)] == ["remaining", "remaining", "removing"]
     assert pickle.loads(pickle.dumps(up)) == up  # what Ray and the process pipe carry
     ids = {new_op_id() for _ in range(50)}
@@ -812,9 +836,11 @@ def test_controller_side_modules_never_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import engine_ext.control.orchestrator, engine_ext.control.router, "
-            "engine_ext.control.scale_plan, engine_ext.control.rank_client, engine_ext.elastic.transition_plan; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys; import engine_ext.control.orchestrator, engine_ext.control.router, "
+        "engine_ext.control.scale_plan, engine_ext.control.rank_client, engine_ext.elastic.transition_plan; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
 
@@ -836,6 +862,8 @@ def test_a_rank_that_moves_down_a_position_keeps_its_experts():
     from_leaver = lambda ms: [m for m in ms if m.dst_rank == 1 and m.src_rank == 1]  # noqa: E731
     only_leaver = {e for e in old.local_logical(1)} - {e for p in kept for e in old.local_logical(p)}
     # the harm: every slot whose expert the leaver also held is refilled over the network
-    assert len(from_leaver(by_position)) == len(set(new.local_logical(1)) & set(old.local_logical(1))) > len(only_leaver)
+    assert (
+        len(from_leaver(by_position)) == len(set(new.local_logical(1)) & set(old.local_logical(1))) > len(only_leaver)
+    )
     assert {m.logical for m in from_leaver(by_rank)} == only_leaver and 0 < len(only_leaver) < 8
     assert all(m.src_rank == 2 for m in by_rank if m.dst_rank == 1 and m.logical not in only_leaver)

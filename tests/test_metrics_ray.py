@@ -27,7 +27,7 @@ from tests.helpers import ROOT, STOP_GRACE_S, wait_for
 pytestmark = pytest.mark.ray
 
 ENGINE = ("--dtype", "float64", "--layers", "1", "--hidden", "32", "--capture-policy", "recapture")
-_SAMPLE = re.compile(r'^(\w+)\{([^}]*)\}\s+(\S+)$')
+_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\}\s+(\S+)$")
 
 
 def _free_port() -> int:
@@ -38,9 +38,16 @@ def _free_port() -> int:
 
 def _agent_missing() -> str | None:
     # Ray starts its agent --minimal (no metrics) unless ray.dashboard.optional_deps imports.
-    res = subprocess.run([sys.executable, "-c", "import ray.dashboard.optional_deps; "
-                          "import ray.dashboard.modules.reporter.reporter_agent"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import ray.dashboard.optional_deps; import ray.dashboard.modules.reporter.reporter_agent",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if res.returncode == 0:
         return None
     last = (res.stderr.strip().splitlines() or ["?"])[-1]
@@ -67,10 +74,25 @@ def metrics_cluster():
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     log = open(tmp / "head.log", "wb")
-    proc = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-                             "--disable-usage-stats", "--block", f"--metrics-export-port={mport}",
-                             f"--temp-dir={tmp / 'ray'}"], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--block",
+            f"--metrics-export-port={mport}",
+            f"--temp-dir={tmp / 'ray'}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 90
         while True:
@@ -96,8 +118,9 @@ def test_rank_and_transition_metrics_reach_the_ray_endpoint(metrics_cluster):
     env = dict(os.environ, RAY_ADDRESS=c["address"], EEPCTL_STATE_DIR=str(c["tmp"] / "state"), NO_COLOR="1")
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "eepctl", *args], capture_output=True, text=True, env=env,
-                              timeout=300, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, "-m", "eepctl", *args], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+        )
 
     name = "met-dep"
     try:
@@ -112,11 +135,21 @@ def test_rank_and_transition_metrics_reach_the_ray_endpoint(metrics_cluster):
         snap = json.loads(res.stdout.splitlines()[-1])
         ws = {str(r["rank"]): r["workspace_bytes"] for r in snap["ranks"]}
 
-        want = {"ray_eep_rank_requests_running", "ray_eep_rank_kv_blocks_used", "ray_eep_rank_kv_blocks_total",
-                "ray_eep_rank_workspace_bytes", "ray_eep_rank_state", "ray_eep_rank_graph_captures_total",
-                "ray_eep_rank_capture_seconds_count", "ray_eep_transition_phase_seconds_count",
-                "ray_eep_serving_pause_seconds_count", "ray_eep_transitions_total", "ray_eep_rank_steps_total",
-                "ray_eep_rank_ttft_p95_seconds", "ray_eep_rank_tpot_p95_seconds"}  # the autoscaler's SLO signals
+        want = {
+            "ray_eep_rank_requests_running",
+            "ray_eep_rank_kv_blocks_used",
+            "ray_eep_rank_kv_blocks_total",
+            "ray_eep_rank_workspace_bytes",
+            "ray_eep_rank_state",
+            "ray_eep_rank_graph_captures_total",
+            "ray_eep_rank_capture_seconds_count",
+            "ray_eep_transition_phase_seconds_count",
+            "ray_eep_serving_pause_seconds_count",
+            "ray_eep_transitions_total",
+            "ray_eep_rank_steps_total",
+            "ray_eep_rank_ttft_p95_seconds",
+            "ray_eep_rank_tpot_p95_seconds",
+        }  # the autoscaler's SLO signals
         samples: list = []
 
         def ready() -> bool:
@@ -151,7 +184,9 @@ def test_rank_and_transition_metrics_reach_the_ray_endpoint(metrics_cluster):
         assert value("ray_eep_transitions_total", state="succeeded") == 1
         assert value("ray_eep_serving_pause_seconds_count") == 1
         assert value("ray_eep_rank_steps_total", rank="0") > 0
-        print(f"\n[metrics] {len({s[0] for s in samples})} eep metric names, {len(samples)} samples; "
-              f"op {op['op_id']} pause {op.get('serving_pause_s')}s")
+        print(
+            f"\n[metrics] {len({s[0] for s in samples})} eep metric names, {len(samples)} samples; "
+            f"op {op['op_id']} pause {op.get('serving_pause_s')}s"
+        )
     finally:
         run("down", "--name", name)

@@ -59,7 +59,9 @@ def test_spread_balances_with_the_ranks_already_placed():
 
 def test_strict_spread_refuses_more_ranks_than_free_nodes():
     assert {n.node_id for n in choose_nodes("strict-spread", [A, B], Counter(), 2, 1.0, 0.0)} == {A.node_id, B.node_id}
-    with pytest.raises(PlacementError, match=r"one rank per node: 2 new rank\(s\) need 2 node\(s\).*2 alive node\(s\), 1 of them"):
+    with pytest.raises(
+        PlacementError, match=r"one rank per node: 2 new rank\(s\) need 2 node\(s\).*2 alive node\(s\), 1 of them"
+    ):
         choose_nodes("strict-spread", [A, B], Counter({A.node_id: 1}), 2, 1.0, 0.0)
 
 
@@ -141,8 +143,22 @@ def check_node_column(name: str, snap: dict[str, Any]) -> None:
 @pytest.mark.timeout(360)
 def test_spread_over_two_nodes_and_scale_under_load(md):
     d = md("mn-spread")
-    res = eepctl("up", "--dp", "2", "--max-dp", "4", "--dtype", "float64", "--placement", "spread",
-                 "--name", d.name, "-o", "json", timeout=240)
+    res = eepctl(
+        "up",
+        "--dp",
+        "2",
+        "--max-dp",
+        "4",
+        "--dtype",
+        "float64",
+        "--placement",
+        "spread",
+        "--name",
+        d.name,
+        "-o",
+        "json",
+        timeout=240,
+    )
     assert res.returncode == 0, f"up exited {res.returncode}: {res.stderr[-3000:]}"
     snap = serving_view(d.name, 2)
     where = nodes_of(snap)
@@ -193,11 +209,13 @@ def test_spread_over_two_nodes_and_scale_under_load(md):
 def _transports(name: str, n: int) -> dict[int, tuple[str, str, int]]:
     """rank -> (node IP, transport, ranks that mapped its shared memory), once all ``n`` report a
     group of ``n`` (a heartbeat after a switch)."""
+
     def ok() -> dict[int, tuple[str, str, int]] | None:
         snap = serving_view(name, n)
         if all(r["dp_size"] == n and r.get("transport") for r in snap["ranks"]):
             return {r["rank"]: (r["node_ip"], r["transport"], r["transport_attached"]) for r in snap["ranks"]}
         return None
+
     return wait_for(ok, timeout=30, interval=0.5, what=f"{n} ranks reporting their transport")
 
 
@@ -215,8 +233,22 @@ def test_the_transport_follows_the_world_onto_a_second_node_and_back(md):
     gloo; retiring it brings the two back to shared memory. Each world serves the oracle's tokens,
     and status shows each rank's transport."""
     d = md("mn-xport")
-    res = eepctl("up", "--dp", "2", "--max-dp", "3", "--dtype", "float64", "--cpus-per-rank", "3",
-                 "--name", d.name, "-o", "json", timeout=240)  # 3 of a node's 6 CPUs: two ranks fill one
+    res = eepctl(
+        "up",
+        "--dp",
+        "2",
+        "--max-dp",
+        "3",
+        "--dtype",
+        "float64",
+        "--cpus-per-rank",
+        "3",
+        "--name",
+        d.name,
+        "-o",
+        "json",
+        timeout=240,
+    )  # 3 of a node's 6 CPUs: two ranks fill one
     assert res.returncode == 0, f"up exited {res.returncode}: {res.stderr[-3000:]}"
     cfg_d = serving_view(d.name, 2)["info"]["config"]
     assert cfg_d["transport"] == "auto"
@@ -226,7 +258,9 @@ def test_the_transport_follows_the_world_onto_a_second_node_and_back(md):
     op = eepctl_json("scale", "--dp", "3", "--name", d.name, timeout=240)
     assert op["state"] == "succeeded", op
     mixed = _transports(d.name, 3)
-    assert len({ip for ip, _, _ in mixed.values()}) == 2 and {(t, a) for _, t, a in mixed.values()} == {("gloo", 0)}, mixed
+    assert len({ip for ip, _, _ in mixed.values()}) == 2 and {(t, a) for _, t, a in mixed.values()} == {("gloo", 0)}, (
+        mixed
+    )
     prep = [e for e in events(d.name, op["op_id"])["events"] if e["phase"] == "prepare" and e["rank"] >= 0]
     assert prep and {e["detail"].get("transport") for e in prep} == {"gloo"}, prep  # chosen in prepare
     _serves_the_oracle(d.name, cfg_d)
@@ -260,8 +294,23 @@ def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_
     4: `up` runs from the worker node's shell, and the control plane is still on the head (policy,
     not the caller's node)."""
     d = md("mn-partition")
-    up = two_nodes.eepctl_on_worker("up", "--name", d.name, "--dp", "2", "--max-dp", "4", "--dtype", "float64",
-                                    "--placement", "spread", "--on-rank-failure", "shrink", "-o", "json")
+    up = two_nodes.eepctl_on_worker(
+        "up",
+        "--name",
+        d.name,
+        "--dp",
+        "2",
+        "--max-dp",
+        "4",
+        "--dtype",
+        "float64",
+        "--placement",
+        "spread",
+        "--on-rank-failure",
+        "shrink",
+        "-o",
+        "json",
+    )
     assert up.returncode == 0, f"up from the worker node exited {up.returncode}: {up.stderr}"
     snap = serving_view(d.name, 2)
     where = nodes_of(snap)
@@ -290,8 +339,9 @@ def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_
         except AssertionError as e:  # say what the control plane saw and did
             s = last[0] if last else {}
             seen = [(r["rank"], r["state"], r.get("dp_size"), r.get("state_reason")) for r in s.get("ranks", [])]
-            raise AssertionError(f"{e}; ranks {seen}; operation {s.get('operation')}; "
-                                 f"control {s.get('info', {}).get('control')}") from e
+            raise AssertionError(
+                f"{e}; ranks {seen}; operation {s.get('operation')}; control {s.get('info', {}).get('control')}"
+            ) from e
     finally:
         two_nodes.set_link(True)
     link_up = time.time()
@@ -303,13 +353,16 @@ def test_worker_cut_off_under_load_is_fenced_and_never_heard_from_again(md, two_
     res = finish_load(load, cfg_d, stop=True)
     control = status(d.name)["info"]["control"]
     assert "silent for" in control["fenced"][str(cut_rank)]["reason"], control
-    recover = [o for o in eepctl_json("events", "--name", d.name, timeout=60)["operations"] if o.get("kind") == "recover"]
+    recover = [
+        o for o in eepctl_json("events", "--name", d.name, timeout=60)["operations"] if o.get("kind") == "recover"
+    ]
     assert recover and recover[-1]["state"] == "succeeded" and recover[-1]["dead_ranks"] == [cut_rank], recover
     assert res["failed"] == 0
 
 
 def _serving_at(name: str, dp: int, timeout: float = 60.0) -> dict[str, Any]:
     """Status (its ranks: the serving ones) once ``dp`` ranks serve at DP ``dp``."""
+
     def ok() -> dict[str, Any] | None:
         s = status(name)
         live = [r for r in s["ranks"] if r["state"] == "serving" and r["dp_size"] == dp]
@@ -330,10 +383,18 @@ def _store_host_on_worker(name: str) -> tuple[int, int]:
         return 1, 0
     print("\n[store-cut] rank 0 was placed on the head: moving the store to the worker's rank")
     os.kill(int(next(r for r in snap["ranks"] if r["rank"] == 0)["pid"]), signal.SIGKILL)
-    rec = wait_for(lambda: [o for o in events(name)["operations"] if o.get("kind") == "recover" and o.get("finished")],
-                   timeout=90, interval=0.5, what="the recovery of the killed store host")[-1]
+    rec = wait_for(
+        lambda: [o for o in events(name)["operations"] if o.get("kind") == "recover" and o.get("finished")],
+        timeout=90,
+        interval=0.5,
+        what="the recovery of the killed store host",
+    )[-1]
     assert rec["state"] == "succeeded" and rec["dead_ranks"] == [0], rec
-    regroup = [e for e in events(name, rec["op_id"])["events"] if e.get("phase") == "regroup" and "new_store_host" in (e.get("detail") or {})]
+    regroup = [
+        e
+        for e in events(name, rec["op_id"])["events"]
+        if e.get("phase") == "regroup" and "new_store_host" in (e.get("detail") or {})
+    ]
     assert regroup and regroup[0]["detail"]["new_store_host"] == 1, regroup
     serving_view(name, [1], timeout=60)
     assert scale_json(name, 2)["state"] == "succeeded"
@@ -345,8 +406,11 @@ def _store_host_on_worker(name: str) -> tuple[int, int]:
 
 @pytest.mark.ray
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("abandon", [True, pytest.param(False, marks=pytest.mark.harm("no_sleeper_abandon"))],
-                         ids=["abandon", "no_sleeper_abandon"])
+@pytest.mark.parametrize(
+    "abandon",
+    [True, pytest.param(False, marks=pytest.mark.harm("no_sleeper_abandon"))],
+    ids=["abandon", "no_sleeper_abandon"],
+)
 def test_store_host_cut_off_while_the_survivor_sleeps_on_it(md, two_nodes, abandon):
     """Issue 22 point 4, the store's host behind a downed link while the deployment is idle: the
     survivor's step thread sleeps in a wait on that store, which neither answers nor fails. The
@@ -355,36 +419,49 @@ def test_store_host_cut_off_while_the_survivor_sleeps_on_it(md, two_nodes, aband
     (``no_sleeper_abandon``) the halt waits for the sleeper in vain and the recovery fails: "the
     step loop did not stop"."""
     d = md("mn-storecut" if abandon else "mn-storecut-off")
-    up_with_faults(d.name, 2, 4, [] if abandon else ["no_sleeper_abandon"], 5.0, placement="spread",
-                   on_rank_failure="shrink")
+    up_with_faults(
+        d.name, 2, 4, [] if abandon else ["no_sleeper_abandon"], 5.0, placement="spread", on_rank_failure="shrink"
+    )
     head_rank, cut_rank = _store_host_on_worker(d.name)
     serving_view(d.name, sorted([head_rank, cut_rank]), timeout=30)  # idle: no request since the scale
     t_cut = time.time()
     two_nodes.set_link(False)
     try:
-        rec = wait_for(lambda: [o for o in events(d.name)["operations"] if o.get("kind") == "recover"
-                                and o["started"] >= t_cut and o.get("finished")],
-                       timeout=90, interval=0.5, what="the recovery without the cut-off store host")[-1]
+        rec = wait_for(
+            lambda: [
+                o
+                for o in events(d.name)["operations"]
+                if o.get("kind") == "recover" and o["started"] >= t_cut and o.get("finished")
+            ],
+            timeout=90,
+            interval=0.5,
+            what="the recovery without the cut-off store host",
+        )[-1]
         if abandon:
             alone = _serving_at(d.name, 1)
     finally:
         two_nodes.set_link(True)
-    print(f"\n[store-cut] {'abandon' if abandon else 'no_sleeper_abandon'}: store host rank {cut_rank} cut off, "
-          f"recovery {rec['state']} {rec['finished'] - t_cut:.1f}s after the cut: {rec.get('error') or 'ok'}")
+    print(
+        f"\n[store-cut] {'abandon' if abandon else 'no_sleeper_abandon'}: store host rank {cut_rank} cut off, "
+        f"recovery {rec['state']} {rec['finished'] - t_cut:.1f}s after the cut: {rec.get('error') or 'ok'}"
+    )
     assert rec["dead_ranks"] == [cut_rank], rec
     if not abandon:
         assert rec["state"] == "failed" and "did not stop" in (rec.get("error") or ""), rec
         return
     assert rec["state"] == "succeeded" and [r["rank"] for r in alone["ranks"]] == [head_rank], (rec, alone["ranks"])
-    abort = [e for e in events(d.name, rec["op_id"])["events"] if e.get("phase") == "abort" and e.get("rank") == head_rank]
+    abort = [
+        e for e in events(d.name, rec["op_id"])["events"] if e.get("phase") == "abort" and e.get("rank") == head_rank
+    ]
     assert any("left asleep" in str((e.get("detail") or {}).get("step_loop", "")) for e in abort), abort
     assert not alone.get("violations"), alone["violations"]
     gen = eepctl_json("generate", "--name", d.name, "--max-tokens", "8", timeout=90)
     assert gen["results"] and all(not r["error"] for r in gen["results"]), gen
 
 
-def _lost_ingress_served_again(name: str, load: dict[str, Any], head_url: str, lost_url: str,
-                               cfg_d: dict[str, Any]) -> None:
+def _lost_ingress_served_again(
+    name: str, load: dict[str, Any], head_url: str, lost_url: str, cfg_d: dict[str, Any]
+) -> None:
     """The ingress on the lost node: what it dropped was re-sent to the head's (the head's own
     requests never dropped), and Ray restarted it on the head, where it serves."""
     import httpx
@@ -417,12 +494,21 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
     # Each rank holds once in its first step with a request mid-decode: the worker's rank is
     # killed in that hold, so it certainly holds requests with tokens (the head's hold just delays;
     # when the worker's is rank 1, its hold comes once rank 0's ended).
-    up_with_faults(d.name, 2, 4, ["hold:step@0", "hold:step@1"], 6.0, placement="strict-spread",
-                   on_rank_failure="replace", ingress=2)
+    up_with_faults(
+        d.name,
+        2,
+        4,
+        ["hold:step@0", "hold:step@1"],
+        6.0,
+        placement="strict-spread",
+        on_rank_failure="replace",
+        ingress=2,
+    )
     snap = serving_view(d.name, 2)
     head_url, lost_url = (i["url"] for i in sorted(snap["info"]["ingress"], key=lambda i: i["index"]))
-    assert head_url.startswith(f"http://{multinode.HEAD_IP}:") and lost_url.startswith(f"http://{multinode.WORKER_IP}:"), \
-        snap["info"]["ingress"]
+    assert head_url.startswith(f"http://{multinode.HEAD_IP}:") and lost_url.startswith(
+        f"http://{multinode.WORKER_IP}:"
+    ), snap["info"]["ingress"]
     where = nodes_of(snap)
     assert sorted(where.values()) == sorted([multinode.HEAD_IP, multinode.WORKER_IP]), where
     head_rank = next(r for r, ip in where.items() if ip == multinode.HEAD_IP)
@@ -453,10 +539,13 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
 
     seen: list[Any] = []
     try:
-        after = wait_for(lambda: seen.append(0) or shrunk(), timeout=90, interval=0.5,
-                         what="the head rank serving alone at DP 1")
+        after = wait_for(
+            lambda: seen.append(0) or shrunk(), timeout=90, interval=0.5, what="the head rank serving alone at DP 1"
+        )
     except AssertionError as e:
-        raise AssertionError(f"{e}; {len(unavailable)}/{len(seen)} status calls failed, last: {unavailable[-1:]}") from e
+        raise AssertionError(
+            f"{e}; {len(unavailable)}/{len(seen)} status calls failed, last: {unavailable[-1:]}"
+        ) from e
     print(f"\n[node-loss] status failed {len(unavailable)} time(s) before recovery: {unavailable[:1]}")
     assert not after.get("violations"), after["violations"]
     res = finish_load(load, cfg_d)
@@ -472,7 +561,9 @@ def test_worker_node_lost_under_load_shrinks_to_head_rank(md, two_nodes):
     # rank's line may be gone: the reconciling line below says why it stays at DP 1)
     assert "DP 1 of desired 2" in text, text
     assert f"rank {lost_rank} dead: unknown cause" not in text, text
-    recover = [o for o in eepctl_json("events", "--name", d.name, timeout=60)["operations"] if o.get("kind") == "recover"]
+    recover = [
+        o for o in eepctl_json("events", "--name", d.name, timeout=60)["operations"] if o.get("kind") == "recover"
+    ]
     assert recover and recover[-1]["state"] == "succeeded" and recover[-1]["dead_ranks"] == [lost_rank], recover
 
     # Too little capacity to grow back: status says why, and the growth is retried, not dropped.

@@ -30,8 +30,15 @@ def run_in_pty(args: list[str], timeout: float = 240) -> tuple[int, str]:
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
     env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
-    proc = subprocess.Popen([sys.executable, "-m", "eepctl", *args], stdin=slave, stdout=slave, stderr=slave,
-                            env=env, cwd=ROOT, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eepctl", *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        cwd=ROOT,
+        close_fds=True,
+    )
     os.close(slave)
     chunks: list[bytes] = []
     deadline = time.time() + timeout
@@ -66,7 +73,7 @@ def test_scale_on_a_terminal_then_status_timeline_and_registry_restart(deploymen
     rc, screen = run_in_pty(["scale", "--dp", "3", "--name", d.name])
     assert rc == 0, screen[-3000:]
     print(f"\n[opview] the terminal after `eepctl scale` (last 2500 chars):\n{screen[-2500:]}")
-    final = screen[screen.rfind("ranks done"):]  # the last frame the live display left, and the summary
+    final = screen[screen.rfind("ranks done") :]  # the last frame the live display left, and the summary
     for phase in ("launch", "prepare", "commit", "warm", "capture", "cleanup"):
         assert phase in final, (phase, final)
     assert "ranks done" in screen and "slowest rank" in screen and "3/3" in final
@@ -101,7 +108,6 @@ def test_scale_on_a_terminal_then_status_timeline_and_registry_restart(deploymen
     assert [r["instance_id"] for r in light["ranks"]] == [r["instance_id"] for r in via_ray["ranks"]]
 
     import ray
-
     from eepctl import cluster
     from eepctl.readpath import events as readpath_events
     from eepctl.readpath import reader

@@ -12,8 +12,8 @@ import copy
 import pytest
 
 from engine_ext.config import EngineConfig
-from engine_ext.model.dense_oracle import reference_generate
 from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
 from tests.engine_helpers import oracle_mismatch, run
 
 MAX_TOKENS = 6
@@ -46,8 +46,11 @@ async def _serve_sizes(cfg: EngineConfig, sizes: list[int], name: str) -> dict[i
                 op = await dep.scale(dp, timeout_s=120)
                 assert op["state"] == "succeeded", (op.get("error"), op.get("phase_durations"), op.get("rank_states"))
                 # the new world's transport, chosen in prepare: what this run compares
-                kinds = {e["detail"].get("transport") for e in dep.registry.events_for(op["op_id"])
-                         if e["phase"] == "prepare" and e["rank"] >= 0}
+                kinds = {
+                    e["detail"].get("transport")
+                    for e in dep.registry.events_for(op["op_id"])
+                    if e["phase"] == "prepare" and e["rank"] >= 0
+                }
                 assert kinds == {"shm" if cfg.transport == "auto" else "gloo"}, kinds
             results = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS))
             out[dp] = (list(results), dep.orch.layout)
@@ -77,8 +80,9 @@ TRANSPORTS = ["auto", "gloo"]
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def served_8x8(request: pytest.FixtureRequest) -> dict[int, tuple[list[dict], object]]:
-    return run(_serve_sizes(_cfg(slots_per_rank=8, transport=request.param), [1, 2, 3, 4],
-                            f"oracle8-{request.param}"), 240)
+    return run(
+        _serve_sizes(_cfg(slots_per_rank=8, transport=request.param), [1, 2, 3, 4], f"oracle8-{request.param}"), 240
+    )
 
 
 @pytest.mark.timeout(270)

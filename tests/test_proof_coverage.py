@@ -42,7 +42,7 @@ def _harm_tests() -> dict[str, list[str]]:
     out = subprocess.run([sys.executable, "-c", _COLLECT], cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("HARMS ")), None)
     assert line is not None, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
-    got = json.loads(line[len("HARMS "):])
+    got = json.loads(line[len("HARMS ") :])
     assert got["exit"] == 0, f"collecting the suite failed (exit {got['exit']}): {out.stdout[-2000:]}"
     return got["by_variant"]
 
@@ -62,8 +62,11 @@ def _defined_test_names() -> set[str]:
     names: set[str] = set()
     for path in (ROOT / "tests").glob("*.py"):
         names.add(path.stem)
-        names.update(n.name for n in ast.walk(parse_source(path.read_text()))
-                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        names.update(
+            n.name
+            for n in ast.walk(parse_source(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        )
     return names
 
 
@@ -75,7 +78,7 @@ def test_every_test_the_docs_name_exists():
     for doc in sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]):
         text = doc.read_text()
         for m in re.finditer(r"\btest_\w+", text):
-            name, after = m.group(0), text[m.end():m.end() + 5]
+            name, after = m.group(0), text[m.end() : m.end() + 5]
             if after.startswith("*"):
                 ok = any(d.startswith(name) for d in defined)
             elif re.match(r"\.(log|json|csv|txt|svg)\b", after):

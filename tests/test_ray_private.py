@@ -47,8 +47,11 @@ def _private_uses(tree: ast.AST) -> list[str]:
             if private or any(a.name.startswith("_") for a in node.names):
                 found.append(f"line {node.lineno}: from {node.module} import ...")
         elif isinstance(node, ast.Import):
-            found += [f"line {node.lineno}: import {a.name}" for a in node.names
-                      if a.name.startswith("ray.") and any(p.startswith("_") for p in a.name.split(".")[1:])]
+            found += [
+                f"line {node.lineno}: import {a.name}"
+                for a in node.names
+                if a.name.startswith("ray.") and any(p.startswith("_") for p in a.name.split(".")[1:])
+            ]
         elif isinstance(node, ast.Attribute) and node.attr in names:
             found.append(f"line {node.lineno}: .{node.attr}")
     return found
@@ -67,6 +70,8 @@ def test_no_other_module_uses_rays_private_api() -> None:
 
 def test_the_scan_sees_each_kind_of_private_use() -> None:
     """The scan itself: an import from a private module, a private attribute, a private name."""
-    source = ("from ray._private.state import state\nfrom ray import _raylet\nh._actor_id.hex()\n"
-              "from ray.experimental import internal_kv\ninternal_kv._internal_kv_get(b'k')\n")
+    source = (
+        "from ray._private.state import state\nfrom ray import _raylet\nh._actor_id.hex()\n"
+        "from ray.experimental import internal_kv\ninternal_kv._internal_kv_get(b'k')\n"
+    )
     assert len(_private_uses(ast.parse(source))) == 4

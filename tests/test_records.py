@@ -16,15 +16,32 @@ from eepctl.render import to_json
 from engine_ext.records import Event, Operation, RankStatus, VllmRankStatus, from_builtins, to_builtins
 
 
-@pytest.mark.parametrize("record", [
-    RankStatus(deployment="d", rank=1, instance_id="d_dp1", engine_id="d_dp1", capture_sizes=[1, 2],
-               last_capture_s=0.25, eplb_logical_load=[1.0, 3.0]),
-    VllmRankStatus(deployment="d", rank=0, instance_id="d_dp0", engine_id="d_dp0", kv_usage=0.5,
-                   hook_calls={"m": {"calls": 3, "total_s": 0.5}}, hooks={"m": "active"}),
-    Event("op-1", -1, "plan", 10.0, 10.5, "ok", {"moves": [1, 2]}),
-    Operation("op-1", "d", 1, 2, phase_durations={"plan": 0.5}, plan={"layout": {"world_size": 2}}),
-    Operation("op-2", "d", 2, 1, deadline=99.0, rank_ops=["vllm-dp1-1"]),
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        RankStatus(
+            deployment="d",
+            rank=1,
+            instance_id="d_dp1",
+            engine_id="d_dp1",
+            capture_sizes=[1, 2],
+            last_capture_s=0.25,
+            eplb_logical_load=[1.0, 3.0],
+        ),
+        VllmRankStatus(
+            deployment="d",
+            rank=0,
+            instance_id="d_dp0",
+            engine_id="d_dp0",
+            kv_usage=0.5,
+            hook_calls={"m": {"calls": 3, "total_s": 0.5}},
+            hooks={"m": "active"},
+        ),
+        Event("op-1", -1, "plan", 10.0, 10.5, "ok", {"moves": [1, 2]}),
+        Operation("op-1", "d", 1, 2, phase_durations={"plan": 0.5}, plan={"layout": {"world_size": 2}}),
+        Operation("op-2", "d", 2, 1, deadline=99.0, rank_ops=["vllm-dp1-1"]),
+    ],
+)
 def test_records_survive_json_and_back(record: Any) -> None:
     """What a rank sends is what the registry reads: through JSON text and back, nothing changes."""
     data = json.loads(json.dumps(to_builtins(record)))
@@ -49,13 +66,19 @@ def test_scale_progress_json_lines_use_the_envelope(capsys: pytest.CaptureFixtur
         progress.on_event({**ev, "phase": "warm", "seq": 5})
     lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
     assert [(ln["schema"], ln["object"], ln["phase"], ln["seq"]) for ln in lines] == [
-        (1, "event", "transfer", 4), (1, "event", "warm", 5)]
+        (1, "event", "transfer", 4),
+        (1, "event", "warm", 5),
+    ]
     assert lines[0]["duration_s"] == 1.0 and "kind" not in lines[0]
 
 
 def test_every_json_line_object_is_named_by_the_envelope() -> None:
-    for kind, data in [("status", {"deployment": "d", "ranks": []}), ("event", {"op_id": "op-1"}),
-                       ("operation", {"op_id": "op-1"}), ("scale", {"op_id": "op-1"})]:
+    for kind, data in [
+        ("status", {"deployment": "d", "ranks": []}),
+        ("event", {"op_id": "op-1"}),
+        ("operation", {"op_id": "op-1"}),
+        ("scale", {"op_id": "op-1"}),
+    ]:
         line = to_json(kind, data)
         assert "\n" not in line
         assert json.loads(line) == {"schema": 1, "object": kind, **data}

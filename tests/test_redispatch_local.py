@@ -86,16 +86,24 @@ async def _scenario(cfg: EngineConfig) -> tuple[dict, list[dict], Counter, dict[
 
 @pytest.mark.timeout(240)
 def test_joiners_take_the_backlog_queued_on_the_old_rank() -> None:
-    cfg = EngineConfig(dtype="float64", max_num_seqs=1, capture_sizes=[1], capture_policy="recapture",
-                       faults=["hold:step@0"], fault_delay_s=HOLD_S)
+    cfg = EngineConfig(
+        dtype="float64",
+        max_num_seqs=1,
+        capture_sizes=[1],
+        capture_policy="recapture",
+        faults=["hold:step@0"],
+        fault_delay_s=HOLD_S,
+    )
     op, served, answers, counts = run(_scenario(cfg), 200)
     assert op["state"] == "succeeded", op
     # Every request was admitted to rank 0 before the scale: a joiner serves one only if rank 0 gave it back.
     by_rank = Counter(r["rank"] for r in served)
     joiners = by_rank[1] + by_rank[2]
     assert joiners > 0, f"the joiners served none of rank 0's backlog: {dict(by_rank)}"
-    assert 0 < op["redispatched_requests"] and joiners <= op["redispatched_requests"], (op["redispatched_requests"],
-                                                                                       dict(by_rank))
+    assert 0 < op["redispatched_requests"] and joiners <= op["redispatched_requests"], (
+        op["redispatched_requests"],
+        dict(by_rank),
+    )
     pairs = [(i % len(DISTINCT), res) for i, res in enumerate(served)]
     assert oracle_mismatch(pairs, reference_generate(cfg, DISTINCT, MAX_TOKENS)) == ""
     assert sorted(answers.values()) == [1] * len(PROMPTS), f"answered more than once: {answers.most_common(3)}"
@@ -109,5 +117,7 @@ def test_joiners_take_the_backlog_queued_on_the_old_rank() -> None:
 
     said = f"{op['op_id']} DP 1 -> 3, {op['redispatched_requests']} waiting request(s) re-dispatched"
     assert scale_outcome(op).startswith(said), "an autoscaler's decision record would not say it"
-    print(f"\n[redispatch] {op['op_id']}: {op['redispatched_requests']} re-dispatched; served per rank "
-          f"{dict(sorted(by_rank.items()))}; phases {op['phase_durations']}")
+    print(
+        f"\n[redispatch] {op['op_id']}: {op['redispatched_requests']} re-dispatched; served per rank "
+        f"{dict(sorted(by_rank.items()))}; phases {op['phase_durations']}"
+    )

@@ -40,13 +40,28 @@ pytestmark = pytest.mark.ray
 def _rank_status(deployment: str, rank: int, dp: int, rng: random.Random) -> dict[str, Any]:
     """A serving rank's status with varied load figures, as a RankActor reports it."""
     iid = f"{deployment}_dp{rank}"
-    return to_builtins(RankStatus(
-        deployment=deployment, rank=rank, instance_id=iid, engine_id=iid, node=f"node-{rank // 8}", pid=100000 + rank,
-        state=RankState.SERVING.value, dp_size=dp, requests_running=rng.randint(0, 8), slots_total=8,
-        kv_blocks_used=rng.randint(1, 127), kv_blocks_total=128, workspace_bytes=1 << 20, workspace_locked=True,
-        workspace_required_bytes=1 << 20, graphs_captured=rng.randint(1, 4), capture_sizes=[1, 2, 4, 8],
-        last_heartbeat=time.time(),
-    ))
+    return to_builtins(
+        RankStatus(
+            deployment=deployment,
+            rank=rank,
+            instance_id=iid,
+            engine_id=iid,
+            node=f"node-{rank // 8}",
+            pid=100000 + rank,
+            state=RankState.SERVING.value,
+            dp_size=dp,
+            requests_running=rng.randint(0, 8),
+            slots_total=8,
+            kv_blocks_used=rng.randint(1, 127),
+            kv_blocks_total=128,
+            workspace_bytes=1 << 20,
+            workspace_locked=True,
+            workspace_required_bytes=1 << 20,
+            graphs_captured=rng.randint(1, 4),
+            capture_sizes=[1, 2, 4, 8],
+            last_heartbeat=time.time(),
+        )
+    )
 
 
 def _driver(ray_cluster) -> None:
@@ -61,14 +76,16 @@ def test_status_with_256_ranks_is_whole(ray_cluster):
     """256 synthetic ranks reported through the registry's real intake; `eepctl status -o json`
     (a real CLI process) lists every one with every RankStatus field. Timing: benchmarks/status_at_scale.py."""
     import ray
-
     from engine_ext.ray.names import registry_name
     from engine_ext.ray.registry import Registry
 
     _driver(ray_cluster)
     name, n = "scale-256", 256
-    reg = ray.remote(Registry).options(name=registry_name(name), namespace=NAMESPACE, lifetime="detached",
-                                       num_cpus=0).remote(name)
+    reg = (
+        ray.remote(Registry)
+        .options(name=registry_name(name), namespace=NAMESPACE, lifetime="detached", num_cpus=0)
+        .remote(name)
+    )
     try:
         ray.get(reg.set_info.remote({"dp": n, "max_dp": n}))
         rng = random.Random(0)
@@ -98,7 +115,6 @@ def test_status_with_256_ranks_is_whole(ray_cluster):
 @pytest.mark.timeout(360)
 def test_registry_killed_and_recreated_while_serving(deployments, ray_cluster):
     import ray
-
     from engine_ext.ray.names import registry_name
 
     d = deployments("rel-registry")
@@ -107,9 +123,15 @@ def test_registry_killed_and_recreated_while_serving(deployments, ray_cluster):
     assert op["state"] == "succeeded", op
     before = serving_view(d.name, 2)
     cfg_d = before["info"]["config"]
-    held = wait_for(lambda: [e for e in events(d.name, op["op_id"])["events"] if e["rank"] >= 0 and e["phase"] == "warm"]
-                    if len({e["rank"] for e in events(d.name, op["op_id"])["events"] if e["rank"] >= 0}) == 2 else None,
-                    timeout=15, what="rank events of the scale")
+    held = wait_for(
+        lambda: (
+            [e for e in events(d.name, op["op_id"])["events"] if e["rank"] >= 0 and e["phase"] == "warm"]
+            if len({e["rank"] for e in events(d.name, op["op_id"])["events"] if e["rank"] >= 0}) == 2
+            else None
+        ),
+        timeout=15,
+        what="rank events of the scale",
+    )
     keys_before = {(e["op_id"], e["rank"], e["phase"], round(e["start"], 6)) for e in events(d.name)["events"]}
 
     load = d.popen("generate", "--name", d.name, "--rate", "4", "--duration", "20", "-o", "json")
@@ -157,8 +179,10 @@ def test_registry_killed_and_recreated_while_serving(deployments, ray_cluster):
     assert load.returncode == 0, err[-2000:]
     result = last_json(out)
     check_load(result, cfg_d)
-    print(f"\n[registry-kill] status whole again {recovered_s:.1f}s after the kill; {len(keys_before)} events "
-          f"before, {len(keys_after)} after; load sent {result['sent']} failed {result['failed']}")
+    print(
+        f"\n[registry-kill] status whole again {recovered_s:.1f}s after the kill; {len(keys_before)} events "
+        f"before, {len(keys_after)} after; load sent {result['sent']} failed {result['failed']}"
+    )
 
 
 # ---- a rank process killed while serving: see tests/test_selfheal_ray.py (the deployment recovers) ----
@@ -172,16 +196,35 @@ def test_soak_ten_random_transitions_under_load(ray_cluster):
     requests, whole after every transition."""
     name = "rel-soak"
     try:
-        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--transitions", "10", "--seed", "7",
-                              "--rate", "4", "--address", ray_cluster["address"], "--name", name],
-                             capture_output=True, text=True, timeout=520, cwd=ROOT)
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "soak.py"),
+                "--transitions",
+                "10",
+                "--seed",
+                "7",
+                "--rate",
+                "4",
+                "--address",
+                ray_cluster["address"],
+                "--name",
+                name,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=520,
+            cwd=ROOT,
+        )
     finally:
         eepctl("down", "--name", name, timeout=120)  # when the script died before its own down
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"soak printed no result (exit {res.returncode}): {res.stderr[-3000:]}"
     out = json.loads(lines[-1])
-    print(f"\n[soak] {out['transitions']} transitions in {out['elapsed_s']}s, {out['requests']} requests "
-          f"({out['moved']} moved), latency {out['latency_s']}, transition {out['transition_s']}")
+    print(
+        f"\n[soak] {out['transitions']} transitions in {out['elapsed_s']}s, {out['requests']} requests "
+        f"({out['moved']} moved), latency {out['latency_s']}, transition {out['transition_s']}"
+    )
     assert res.returncode == 0, (out, res.stderr[-2000:])
     assert out["transitions"] == 10
     assert not out["load_errors"], out["load_errors"]

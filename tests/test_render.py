@@ -69,8 +69,10 @@ def test_progress_after_the_end_shows_the_measured_pause_and_slowest_rank() -> N
     model = _progress_at(4.0)
     for ev in scale_events(64, OP)["events"]:
         model.on_event(ev)
-    model.on_operation({"op_id": OP, "from_size": 56, "to_size": 64, "state": "succeeded", "phase": "cleanup",
-                        "serving_pause_s": 1.0}, now=T0 + 4.0)
+    model.on_operation(
+        {"op_id": OP, "from_size": 56, "to_size": 64, "state": "succeeded", "phase": "cleanup", "serving_pause_s": 1.0},
+        now=T0 + 4.0,
+    )
     text = progress_text(model, now=T0 + 4.5)
     check_snapshot("progress_done.txt", text)
     assert "serving pause: 1000.0 ms" in text and "elapsed 4.0s" in text
@@ -82,11 +84,24 @@ def test_progress_phases_come_from_the_events_not_a_fixed_list() -> None:
     """A recovery's phases (another operation kind) show as they arrive."""
     model = ProgressModel(started=T0)
     for i, phase in enumerate(("detect", "abort", "regroup", "restore_experts")):
-        model.on_event({"op_id": "rec-1", "rank": -1, "phase": phase, "start": T0 + i, "end": T0 + i + 0.5,
-                        "outcome": "ok", "duration_s": 0.5})
+        model.on_event(
+            {
+                "op_id": "rec-1",
+                "rank": -1,
+                "phase": phase,
+                "start": T0 + i,
+                "end": T0 + i + 0.5,
+                "outcome": "ok",
+                "duration_s": 0.5,
+            }
+        )
     text = progress_text(model, now=T0 + 4.2)
-    assert [ln.split("│")[1].strip() for ln in text.splitlines() if "│" in ln] == \
-        ["detect", "abort", "regroup", "restore_experts"]
+    assert [ln.split("│")[1].strip() for ln in text.splitlines() if "│" in ln] == [
+        "detect",
+        "abort",
+        "regroup",
+        "restore_experts",
+    ]
     assert next(ln for ln in text.splitlines() if "restore_experts" in ln).startswith(">")
 
 
@@ -138,8 +153,10 @@ def test_no_load_shows_a_dash_not_zero() -> None:
 
 
 def test_capture_cell_for_each_kind() -> None:
-    assert render.capture_cell({"graph_kind": "cuda", "capture_sizes": [1, 2], "last_capture_pass_s": 0.012}) \
+    assert (
+        render.capture_cell({"graph_kind": "cuda", "capture_sizes": [1, 2], "last_capture_pass_s": 0.012})
         == "cuda 2 sizes 12 ms"
+    )
     assert render.capture_cell({"graph_kind": "none"}).startswith("n/a (eager vLLM")
     assert render.capture_cell({"graph_kind": "cpu-static", "capture_sizes": [1]}) == "cpu-static 1 sizes"
 
@@ -214,8 +231,10 @@ def test_events_rows_are_one_line_with_a_short_id_and_a_kind(utc: None, width: i
     assert [r.split("│")[1].strip() for r in rows] == ["a000", "a001", "a002", "a003", "a004", "a005"], text
     assert [r.split("│")[2].strip() for r in rows] == ["scale", "scale", "recovery", "grow", "rebuild", "scale"]
     assert all(len(ln) <= width for ln in text.splitlines() if ln.startswith(("┃", "│", "┏", "└"))), text
-    assert ("a005 rolled_back: rank 3 failed in prepare: RuntimeError: gloo connection reset by peer while receiving "
-            "expert 5 of layer 1 from rank 0") in " ".join(text.split())
+    assert (
+        "a005 rolled_back: rank 3 failed in prepare: RuntimeError: gloo connection reset by peer while receiving "
+        "expert 5 of layer 1 from rank 0"
+    ) in " ".join(text.split())
     if width in (80, 250):  # each phase a column where they fit
         assert ("prepare" in text.splitlines()[2]) == (width == 250), text
     if width == 160:
@@ -276,11 +295,28 @@ def test_status_rows_stay_one_line_wide_with_standby_ranks(width: int) -> None:
     for r in (0, 3, 4):
         state.report_status(rank_status(r, 3, instance_id=f"h4_dp{r}", engine_id=f"h4_dp{r}", **where))
     for n in (4, 5):
-        state.report_status(rank_status(100000 + n, 0, instance_id=f"h4_standby{n}", engine_id=f"h4_standby{n}",
-                                        state="standby", state_reason=f"standby {n}: launched ahead, in no DP group",
-                                        **where))
-    state.report_status(rank_status(6, 3, state="starting", state_reason="loading the model from the weight source",
-                                     instance_id="h4_dp6", engine_id="h4_dp6", **where))
+        state.report_status(
+            rank_status(
+                100000 + n,
+                0,
+                instance_id=f"h4_standby{n}",
+                engine_id=f"h4_standby{n}",
+                state="standby",
+                state_reason=f"standby {n}: launched ahead, in no DP group",
+                **where,
+            )
+        )
+    state.report_status(
+        rank_status(
+            6,
+            3,
+            state="starting",
+            state_reason="loading the model from the weight source",
+            instance_id="h4_dp6",
+            engine_id="h4_dp6",
+            **where,
+        )
+    )
     snap = state.snapshot()
     text = render.status_text(snap, width=width)
     rows = _table_rows(text)
@@ -311,8 +347,9 @@ def test_a_fence_shows_in_status_while_it_matters() -> None:
 
 # ---- scale progress off a terminal --------------------------------------------------------------------
 @pytest.mark.parametrize("verbose", [False, True])
-def test_scale_off_a_terminal_prints_rank_events_only_with_verbose(capsys: pytest.CaptureFixture[str],
-                                                                   verbose: bool) -> None:
+def test_scale_off_a_terminal_prints_rank_events_only_with_verbose(
+    capsys: pytest.CaptureFixture[str], verbose: bool
+) -> None:
     from eepctl.progress import ScaleProgress
 
     progress = ScaleProgress(json_lines=False, plain=True, verbose=verbose)
@@ -334,8 +371,10 @@ def test_a_scale_left_running_says_how_to_follow_it_with_its_target() -> None:
     assert flags == " --name prod --namespace team-a --address 10.0.0.1:6379"
     assert target_flags("moe", "eepctl", None) == " --name moe"
     text = render.scale_text({"op_id": "op-1", "state": "running"}, flags)
-    assert text == ("op-1 accepted; follow it with: eepctl events --name prod --namespace team-a "
-                    "--address 10.0.0.1:6379 --op op-1 --follow\n")
+    assert text == (
+        "op-1 accepted; follow it with: eepctl events --name prod --namespace team-a "
+        "--address 10.0.0.1:6379 --op op-1 --follow\n"
+    )
 
 
 def test_ranks_sharing_a_gpu_without_mps_are_named_in_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -353,13 +392,16 @@ def test_ranks_sharing_a_gpu_without_mps_are_named_in_status(tmp_path: Path, mon
     def snap(uuids: list[str], mps: bool) -> dict[str, Any]:
         state = RegistryState("gpu")
         for r, uuid in enumerate(uuids):
-            state.report_status(rank_status(r, len(uuids), device="cuda:0", device_uuid=uuid, mps=mps,
-                                            node_ip="10.0.0.1"))
+            state.report_status(
+                rank_status(r, len(uuids), device="cuda:0", device_uuid=uuid, mps=mps, node_ip="10.0.0.1")
+            )
         return state.snapshot()
 
     shared = [ln for ln in render.status_summary_lines(snap(["GPU-a"] * 3 + ["GPU-b"], False)) if "MPS" in ln]
-    assert shared == ["ranks 0,1,2 share one GPU (cuda:0 on 10.0.0.1) without MPS: their kernels take turns, so "
-                      "together they serve less than one rank; start `nvidia-cuda-mps-control -d` on that node "
-                      "before the ranks"], shared
+    assert shared == [
+        "ranks 0,1,2 share one GPU (cuda:0 on 10.0.0.1) without MPS: their kernels take turns, so "
+        "together they serve less than one rank; start `nvidia-cuda-mps-control -d` on that node "
+        "before the ranks"
+    ], shared
     assert not [ln for ln in render.status_summary_lines(snap(["GPU-a"] * 4, True)) if "MPS" in ln]
     assert not [ln for ln in render.status_summary_lines(snap(["GPU-a", "GPU-b"], False)) if "MPS" in ln]

@@ -35,8 +35,10 @@ async def _scenario(cfg: EngineConfig) -> tuple[dict, dict, list[dict], list[int
         await dep.start(4)
         busy = dep.orch.clients[3]  # work straight onto rank 3: the old rule (the last rank leaves) would move it
         for i in range(16):
-            await busy.add_request({"request_id": f"busy-{i}", "prompt": [(5 * i + j) % 256 for j in range(20)],
-                                    "max_tokens": 100}, timeout=30)
+            await busy.add_request(
+                {"request_id": f"busy-{i}", "prompt": [(5 * i + j) % 256 for j in range(20)], "max_tokens": 100},
+                timeout=30,
+            )
         plan = (await dep.orch.plan(3)).to_dict()
         with pytest.raises(PreconditionError, match="hosts the deployment's rendezvous store"):
             await dep.orch.plan(3, retire=[0])

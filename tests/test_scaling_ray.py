@@ -48,8 +48,15 @@ def up_inproc(d: Deployment, dp: int, max_dp: int, faults: list[str], fault_dela
     from eepctl import core
 
     engine = dict(SMALL_ENGINE, faults=list(faults), fault_delay_s=fault_delay_s)
-    return core.up(core.Target(name=d.name, namespace=NAMESPACE), dp=dp, max_dp=max_dp, engine=engine,
-                   cpus_per_rank=1.0, gpus_per_rank=0.0, timeout_s=300)
+    return core.up(
+        core.Target(name=d.name, namespace=NAMESPACE),
+        dp=dp,
+        max_dp=max_dp,
+        engine=engine,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+    )
 
 
 def op_events(name: str, op_id: str, ranks: int | list[int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -131,8 +138,10 @@ def test_scale_sequence_under_load(deployments):
         assert rec["op_id"] == op_id and rec["state"] == "succeeded", rec
         caps = rec["captures_per_rank"]
         assert sorted(caps) == sorted(str(r) for r in members) and set(caps.values()) == {1}, caps
-        print(f"\n[seq] {op_id} DP {op['from_size']}->{n}: {fmt_phases(rec)}; "
-              f"serving pause {rec['serving_pause_s'] * 1000:.0f}ms; captures {caps}")
+        print(
+            f"\n[seq] {op_id} DP {op['from_size']}->{n}: {fmt_phases(rec)}; "
+            f"serving pause {rec['serving_pause_s'] * 1000:.0f}ms; captures {caps}"
+        )
     elapsed = time.time() - t_start
     assert load_proc.poll() is None, f"the load ({duration}s) ended before the sequence did ({elapsed:.0f}s)"
     stop_sending(load_proc)
@@ -142,9 +151,11 @@ def test_scale_sequence_under_load(deployments):
     check_load(load, cfg_d)
     lat = load["latency_s"]
     moved = sum(1 for r in load["records"] if r["moved_from"])
-    print(f"[seq] sequence took {elapsed:.1f}s; load: sent {load['sent']} completed {load['completed']} "
-          f"failed {load['failed']} moved {moved}; latency p50 {lat['p50']}s p90 {lat['p90']}s p99 {lat['p99']}s "
-          f"max {lat['max']}s mean {lat['mean']}s")
+    print(
+        f"[seq] sequence took {elapsed:.1f}s; load: sent {load['sent']} completed {load['completed']} "
+        f"failed {load['failed']} moved {moved}; latency p50 {lat['p50']}s p90 {lat['p90']}s p99 {lat['p99']}s "
+        f"max {lat['max']}s mean {lat['mean']}s"
+    )
 
 
 # ---- 2. failures, refusals and edge cases ---------------------------------------------------------
@@ -198,8 +209,9 @@ def test_joining_rank_killed_in_prepare_rolls_back(deployments):
     t0 = time.time()
     res = eepctl("generate", "--name", d.name, "--timeout", "15", "-o", "json", timeout=90)
     if res.returncode != 0:
-        raise ServingStalled(f"generate after the rollback exited {res.returncode} after {time.time() - t0:.0f}s: "
-                             f"{res.stderr.strip()}")
+        raise ServingStalled(
+            f"generate after the rollback exited {res.returncode} after {time.time() - t0:.0f}s: {res.stderr.strip()}"
+        )
     gen = last_json(res.stdout)
     cfg_d = snap["info"]["config"]
     for r in gen["results"]:
@@ -213,8 +225,9 @@ def test_concurrent_scale_is_refused(deployments):
     d = deployments("fault-concurrent")
     up_inproc(d, 1, 4, ["slow_prepare"], fault_delay_s=6.0)
     first = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
-    running = wait_for(lambda: status(d.name).get("operation"), timeout=60, interval=0.3,
-                       what="an operation in progress")
+    running = wait_for(
+        lambda: status(d.name).get("operation"), timeout=60, interval=0.3, what="an operation in progress"
+    )
     res = eepctl("scale", "--dp", "4", "--name", d.name, timeout=120)
     assert res.returncode == 4, (res.returncode, res.stderr)
     named = re.findall(r"op-[A-Za-z0-9-]+", res.stderr)
@@ -269,8 +282,12 @@ def test_dry_run_prints_plan_and_changes_nothing(deployments):
     assert "predicted cost" in text and "moved per rank (0: " in text, text
     planned = time.time()
     # A status every rank reported after the dry run ended (heartbeats are about 1 s apart).
-    snap = wait_for(lambda: (s := status(d.name))["ranks"] and all(r["last_heartbeat"] > planned for r in s["ranks"])
-                    and s, timeout=10, interval=0.3, what="heartbeats newer than the dry run")
+    snap = wait_for(
+        lambda: (s := status(d.name))["ranks"] and all(r["last_heartbeat"] > planned for r in s["ranks"]) and s,
+        timeout=10,
+        interval=0.3,
+        what="heartbeats newer than the dry run",
+    )
     assert {r["rank"]: r["pid"] for r in snap["ranks"]} == pids
     assert snap["operation"] is None
     assert events(d.name)["operations"] == []
@@ -286,8 +303,11 @@ def test_scale_to_current_size_is_noop(deployments):
     data = events(d.name)
     for o in data["operations"]:
         assert o["from_size"] == o["to_size"] == 1, o
-    transitional = [e for e in data["events"]
-                    if e["op_id"] == op["op_id"] and e["phase"] in ("launch", "prepare", "commit", "warm", "capture")]
+    transitional = [
+        e
+        for e in data["events"]
+        if e["op_id"] == op["op_id"] and e["phase"] in ("launch", "prepare", "commit", "warm", "capture")
+    ]
     assert transitional == []
     snap = status(d.name)
     assert {r["rank"]: r["pid"] for r in snap["ranks"]} == pids
@@ -311,8 +331,10 @@ def test_scale_down_moves_inflight_requests(deployments):
     check_load(load, cfg_d)
     moved = [r for r in load["records"] if r["moved_from"]]
     assert all(r["moved_from"] == [2] for r in moved), moved
-    print(f"\n[scale-down] {op['op_id']}: {fmt_phases(op)}; records with moved_from: {len(moved)} of "
-          f"{len(load['records'])}; latency p50 {load['latency_s']['p50']}s p99 {load['latency_s']['p99']}s")
+    print(
+        f"\n[scale-down] {op['op_id']}: {fmt_phases(op)}; records with moved_from: {len(moved)} of "
+        f"{len(load['records'])}; latency p50 {load['latency_s']['p50']}s p99 {load['latency_s']['p99']}s"
+    )
     assert len(serving_view(d.name, 2)["ranks"]) == 2
 
 
@@ -371,8 +393,12 @@ def test_skip_rewarm_violates_i4(deployments):
     op = _failed_scale(d, 3)
     # The lock refuses a workspace not re-sized for the new world, naming held and needed bytes.
     assert op["state"] == "failed" and "WorkspaceSizeError" in op["error"] and "bytes" in op["error"], op
-    i4 = wait_for(lambda: [v for v in status(d.name)["violations"] if v["invariant"] == "I4"], timeout=10,
-                  interval=0.5, what="an I4 violation")
+    i4 = wait_for(
+        lambda: [v for v in status(d.name)["violations"] if v["invariant"] == "I4"],
+        timeout=10,
+        interval=0.5,
+        what="an I4 violation",
+    )
     print(f"\n[I4] {op['error'][:200]}; {i4[0]['message'][:160]}")
 
 
@@ -382,15 +408,23 @@ def test_warmup_not_isolated_violates_i5(deployments):
     up_inproc(d, 2, 3, ["warmup_not_isolated"])
     # Long requests in flight during the scale, so the warm-up runs next to live KV and slots.
     prompts = ["-p", "1,2,3", "-p", "4,5,6", "-p", "9,8,7,6", "-p", "100,101"]
-    load_proc = d.popen("generate", "--name", d.name, "--rate", "5", "--duration", "20", "--max-tokens", "40",
-                        *prompts, "-o", "json")
+    load_proc = d.popen(
+        "generate", "--name", d.name, "--rate", "5", "--duration", "20", "--max-tokens", "40", *prompts, "-o", "json"
+    )
     wait_serving_load(d.name)
     op = _failed_scale(d, 3)
     # The enforced isolation check fails the operation before serving resumes on touched state.
     assert op["state"] == "failed" and "WarmupIsolationError" in op["error"], op
-    snap = wait_for(lambda: (lambda s: s if any(v["invariant"] == "I5" and op["op_id"] in v["message"]
-                                                for v in s["violations"]) else None)(status(d.name)),
-                    timeout=10, interval=0.5, what="an I5 violation for the operation")
+    snap = wait_for(
+        lambda: (
+            lambda s: (
+                s if any(v["invariant"] == "I5" and op["op_id"] in v["message"] for v in s["violations"]) else None
+            )
+        )(status(d.name)),
+        timeout=10,
+        interval=0.5,
+        what="an I5 violation for the operation",
+    )
     stop_sending(load_proc)
     load_proc.communicate(timeout=240)
     print(f"\n[I5] {op['error'][:200]}; {[v['message'] for v in snap['violations'] if v['invariant'] == 'I5'][:2]}")

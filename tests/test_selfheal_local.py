@@ -14,8 +14,14 @@ import pytest
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import (kill_between_steps, oracle_mismatch, run, wait_decoding, wait_until,
-                                  watch_reported_states)
+from tests.engine_helpers import (
+    kill_between_steps,
+    oracle_mismatch,
+    run,
+    wait_decoding,
+    wait_until,
+    watch_reported_states,
+)
 from tests.helpers import moved_off
 
 MAX_TOKENS = 24
@@ -39,6 +45,7 @@ async def _kill_while_decoding(dep: LocalDeployment, victim: int) -> None:
 
 async def _load_with_kill(dep: LocalDeployment, victim: int, *, rate_per_s: float = 12.0) -> list[tuple[int, dict]]:
     """Open-loop arrivals; SIGKILL ``victim`` by pid while requests decode on it."""
+
     async def arrivals() -> list[tuple[int, asyncio.Task]]:
         tasks = []
         for i, p in enumerate(PROMPTS):
@@ -59,8 +66,7 @@ def _statuses(dep: LocalDeployment) -> dict[int, dict]:
 @pytest.mark.parametrize("victim", [1, 0], ids=["serving-rank", "store-host"])
 def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict], victim: int) -> None:
     async def scenario() -> None:
-        async with LocalDeployment(_cfg(slots_per_rank=6), f"heal{victim}", max_dp=4,
-                                   on_rank_failure="shrink") as dep:
+        async with LocalDeployment(_cfg(slots_per_rank=6), f"heal{victim}", max_dp=4, on_rank_failure="shrink") as dep:
             await dep.start(3)
             states = watch_reported_states(dep)
             results = await _load_with_kill(dep, victim)
@@ -74,16 +80,25 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
             ops = [op for op in dep.orch.history if op.get("kind") == "recover"]
             assert ops and ops[-1]["state"] == "succeeded", ops
             assert ops[-1]["dead_ranks"] == [victim]
-            regroup = [e for e in dep.registry.events_for(ops[-1]["op_id"])
-                       if e.get("phase") == "regroup" and e.get("rank") == -1]
+            regroup = [
+                e
+                for e in dep.registry.events_for(ops[-1]["op_id"])
+                if e.get("phase") == "regroup" and e.get("rank") == -1
+            ]
             # store re-hosting: only when the store's host died, a survivor hosts a new one
             assert [e["detail"]["new_store_host"] for e in regroup] == ([1] if victim == 0 else []), regroup
             assert set(ops[-1]["captures_per_rank"].values()) == {1}  # I4: exactly one capture
             assert dep.orch.router.rerouted >= 1, "the victim had requests in flight"
             moved_off([r for _, r in results], victim)  # ... which continued elsewhere with their tokens
             # The survivors serve, keep their identities (I1) and see the new DP size (I6).
-            await wait_until(lambda: all(s.state == "serving" and s.dp_size == 2 for s in _statuses(dep).values())
-                             and len(_statuses(dep)) == 2, 10, "survivors serving at DP 2")
+            await wait_until(
+                lambda: (
+                    all(s.state == "serving" and s.dp_size == 2 for s in _statuses(dep).values())
+                    and len(_statuses(dep)) == 2
+                ),
+                10,
+                "survivors serving at DP 2",
+            )
             for r, st in _statuses(dep).items():
                 assert st.instance_id.endswith(f"_dp{r}")
             # After recovery a normal scale up and down works.
@@ -94,6 +109,7 @@ def test_serving_rank_sigkill_recovers_with_no_request_lost(reference: list[dict
             assert oracle_mismatch(list(enumerate(again)), reference, logits=False) == ""
             down = await dep.scale(2)
             assert down["state"] == "succeeded", down
+
     run(scenario(), 220)
 
 
@@ -103,9 +119,11 @@ def test_without_token_streaming_moved_requests_restart_from_the_prompt(referenc
     """The fault no_token_stream switches the rank's token stream off: greedy outputs still equal
     the oracle (so an output check alone cannot see it), but the moved requests arrive on the
     survivor with no tokens (resumed_with 0), and ``moved_off`` fails, as the kill tests rely on."""
+
     async def scenario() -> None:
-        async with LocalDeployment(_cfg(slots_per_rank=6, faults=["no_token_stream"]), "heal-nostream", max_dp=4,
-                                   on_rank_failure="shrink") as dep:
+        async with LocalDeployment(
+            _cfg(slots_per_rank=6, faults=["no_token_stream"]), "heal-nostream", max_dp=4, on_rank_failure="shrink"
+        ) as dep:
             await dep.start(3)
             results = await _load_with_kill(dep, 1)
             assert oracle_mismatch(results, reference, logits=False) == ""
@@ -113,6 +131,7 @@ def test_without_token_streaming_moved_requests_restart_from_the_prompt(referenc
             assert moved and all(r["resumed_with"] == 0 for r in moved), moved
             with pytest.raises(AssertionError, match="restarted from their prompts"):
                 moved_off([r for _, r in results], 1)
+
     run(scenario(), 110)
 
 
@@ -123,9 +142,11 @@ def test_replace_policy_grows_back_to_desired_size(reference: list[dict]) -> Non
     ring (tests/engine_helpers.py::kill_between_steps); with a 60 s step timeout only the abort
     releases it within the recovery's 10 s halt, and the recovery succeeds (the harm without it:
     test_selfheal_mechanisms.py's no_group_abort)."""
+
     async def scenario() -> None:
-        async with LocalDeployment(_cfg(slots_per_rank=6, transport="gloo", step_timeout_s=60.0), "heal-replace",
-                                   max_dp=4) as dep:
+        async with LocalDeployment(
+            _cfg(slots_per_rank=6, transport="gloo", step_timeout_s=60.0), "heal-replace", max_dp=4
+        ) as dep:
             await dep.start(4)
             victim_pid = dep.processes[3].pid()
             results = await _load_with_kill(dep, 3)
@@ -146,6 +167,7 @@ def test_replace_policy_grows_back_to_desired_size(reference: list[dict]) -> Non
             await dep.orch.recovery.wait()
             ops = [op for op in dep.orch.history if op.get("kind") == "recover"]
             assert [(op["state"], op["dead_ranks"]) for op in ops] == [("succeeded", [3]), ("succeeded", [1])], ops
+
     run(scenario(), 220)
 
 
@@ -159,8 +181,9 @@ def test_expert_only_on_dead_rank_restored_from_weight_source() -> None:
             await dep.start(4)
             layout = dep.orch.layout
             victim = 1
-            only_there = [e for e in layout.local_logical(victim)
-                          if all(layout.rank_of(p) == victim for p in layout.replicas(e))]
+            only_there = [
+                e for e in layout.local_logical(victim) if all(layout.rank_of(p) == victim for p in layout.replicas(e))
+            ]
             assert only_there, "the test needs an expert whose only copy is on the victim"
             results = await _load_with_kill(dep, victim)
             assert oracle_mismatch(results, ref, logits=False) == ""
@@ -168,10 +191,10 @@ def test_expert_only_on_dead_rank_restored_from_weight_source() -> None:
             await dep.orch.recovery.wait()
             op = [op for op in dep.orch.history if op.get("kind") == "recover"][-1]
             assert op["state"] == "succeeded", op
-            events = [e for e in dep.registry.events_for(op["op_id"])
-                      if e.get("phase") == "rebuild"]
+            events = [e for e in dep.registry.events_for(op["op_id"]) if e.get("phase") == "rebuild"]
             restored = events[-1]["detail"]["restored_from_weight_source"]
             assert set(only_there) <= set(restored)
+
     run(scenario(), 220)
 
 
@@ -192,6 +215,7 @@ def test_two_ranks_killed_at_once(reference: list[dict]) -> None:
             assert dep.orch.members == [0, 3]
             ops = [op for op in dep.orch.history if op.get("kind") == "recover"]
             assert [op["state"] for op in ops] == ["succeeded"] and ops[0]["dead_ranks"] == [1, 2], ops
+
     run(scenario(), 220)
 
 
@@ -219,44 +243,56 @@ HELD = {
 }
 
 
-async def _kill_when_held(dep: LocalDeployment, rank: int, phase: str, *, scale: asyncio.Future | None = None,
-                          with_requests: bool = False) -> int:
+async def _kill_when_held(
+    dep: LocalDeployment, rank: int, phase: str, *, scale: asyncio.Future | None = None, with_requests: bool = False
+) -> int:
     """SIGKILL the process that reports itself as ``rank`` held in ``phase``, by the pid it
     reported (a standby being adopted is in no member table yet). Returns that pid.
     ``with_requests``: only once the held rank also owns a request that streamed tokens, read from
     the router every 2 ms (a heartbeat report, a second apart, misses requests that take tens of ms).
     A ``scale`` that ends before the hold is seen fails the test with its record."""
+
     def held() -> bool:
         st = dep.registry.ranks.get(rank)
         return (scale is not None and scale.done()) or (st is not None and f"held in {phase}" in st.state_reason)
 
     def says() -> str:  # what the rank and the router said last, for a failure's message
         st = dep.registry.ranks.get(rank)
-        return (f"rank {rank}: {st.state if st else None} {st.state_reason if st else ''!r}, "
-                f"{dep.orch.router.inflight.get(rank, 0)} request(s) in flight on it")
+        return (
+            f"rank {rank}: {st.state if st else None} {st.state_reason if st else ''!r}, "
+            f"{dep.orch.router.inflight.get(rank, 0)} request(s) in flight on it"
+        )
 
     try:
         await wait_until(held, 60, f"rank {rank} held in {phase}")
     except AssertionError as ex:
         raise AssertionError(f"{ex}; {says()}") from None
     if scale is not None and scale.done():
-        raise AssertionError(f"the scale ended before rank {rank} was held in {phase}: "
-                             f"{scale.exception() or scale.result()!r}; {says()}")
+        raise AssertionError(
+            f"the scale ended before rank {rank} was held in {phase}: {scale.exception() or scale.result()!r}; {says()}"
+        )
     seen = time.monotonic()
     pid = dep.registry.ranks[rank].pid
     if with_requests:
         # a hold outside PAUSED_PHASES is a timer (fault_delay_s from before it was seen): a kill after
         # it would land in a later phase and end the scale otherwise, so the moment must be inside it
         window = dep.cfg.fault_delay_s - 1.0
-        await wait_until(lambda: dep.orch.router.mid_decode(rank) > 0 or time.monotonic() - seen > window, 60,
-                         f"rank {rank} held in {phase} mid-decode", interval_s=0.002)
-        assert time.monotonic() - seen <= window, \
+        await wait_until(
+            lambda: dep.orch.router.mid_decode(rank) > 0 or time.monotonic() - seen > window,
+            60,
+            f"rank {rank} held in {phase} mid-decode",
+            interval_s=0.002,
+        )
+        assert time.monotonic() - seen <= window, (
             f"no request was mid-decode on rank {rank} in the {window:.0f}s its hold in {phase} had left: missed"
+        )
     os.kill(pid, signal.SIGKILL)
     return pid
 
 
-async def _steady_load(dep: LocalDeployment, stop: asyncio.Event, rate_per_s: float = 6.0) -> list[tuple[int, asyncio.Task]]:
+async def _steady_load(
+    dep: LocalDeployment, stop: asyncio.Event, rate_per_s: float = 6.0
+) -> list[tuple[int, asyncio.Task]]:
     """Open-loop arrivals cycling through PROMPTS until ``stop``: whenever a phase is reached, every
     serving rank holds requests, some mid-decode. Returns (prompt index, task) of each."""
     tasks: list[tuple[int, asyncio.Task]] = []
@@ -306,20 +342,24 @@ def test_rank_killed_while_held_in_a_scale_phase(reference: list[dict], case: st
             assert dep.orch.members == members
             recovers = [o for o in dep.orch.history if o.get("kind") == "recover"]
             # the records say what happened: who died, and that the world healed
-            assert [(o["state"], o["dead_ranks"]) for o in recovers] == [("succeeded", d) for d in recovered], \
-                [(o["state"], o["dead_ranks"], o.get("error"), o.get("started")) for o in recovers] + [op]
+            assert [(o["state"], o["dead_ranks"]) for o in recovers] == [("succeeded", d) for d in recovered], [
+                (o["state"], o["dead_ranks"], o.get("error"), o.get("started")) for o in recovers
+            ] + [op]
             if standby:  # the standby died in its adoption: the scale launched a fresh rank instead
                 assert dep.pool is not None and dep.pool.taken == 0
                 assert dep.processes[victim].pid() != killed
             again = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS[8:12]))
             assert oracle_mismatch([(8 + i, r) for i, r in enumerate(again)], reference, logits=False) == ""
+
     run(scenario(), 220)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("variant", [[], pytest.param(["precopy_into_live_slots"],
-                                                      marks=pytest.mark.harm("precopy_into_live_slots"))],
-                         ids=["spare-buffers", "into-live-slots"])
+@pytest.mark.parametrize(
+    "variant",
+    [[], pytest.param(["precopy_into_live_slots"], marks=pytest.mark.harm("precopy_into_live_slots"))],
+    ids=["spare-buffers", "into-live-slots"],
+)
 def test_sender_killed_mid_precopy_leaves_the_survivors_experts_whole(variant: list[str]) -> None:
     """DP 4 -> 3 retiring rank 3, which sends remaining rank 1 two experts in the pre-copy (16
     experts, 6 slots per rank): rank 3 is held after the first and SIGKILLed while rank 1 holds
@@ -330,8 +370,9 @@ def test_sender_killed_mid_precopy_leaves_the_survivors_experts_whole(variant: l
     base = _cfg(num_experts=16, slots_per_rank=6)
     ref = reference_generate(base, PROMPTS, MAX_TOKENS)
     # one move per exchange (move_batch_bytes=0): a hold after the first finds the second not yet received
-    cfg = _cfg(num_experts=16, slots_per_rank=6, faults=["hold:precopy@3", *variant], fault_delay_s=8.0,
-               move_batch_bytes=0)
+    cfg = _cfg(
+        num_experts=16, slots_per_rank=6, faults=["hold:precopy@3", *variant], fault_delay_s=8.0, move_batch_bytes=0
+    )
 
     async def scenario() -> None:
         async with LocalDeployment(cfg, "heal-precopy", max_dp=4, on_rank_failure="shrink") as dep:
@@ -344,9 +385,14 @@ def test_sender_killed_mid_precopy_leaves_the_survivors_experts_whole(variant: l
             load = asyncio.ensure_future(_steady_load(dep, stop))
             scale = asyncio.ensure_future(dep.scale(3, timeout_s=120, retire=[3]))
             # (received into live slots, rank 1 holds spare buffers for its local moves only)
-            await wait_until(lambda: "held in precopy" in dep.registry.ranks[3].state_reason
-                             and (bool(variant) or dep.registry.ranks[1].move_bytes_held == spare), 60,
-                             "rank 3 held mid pre-copy while rank 1 holds its spare buffers")
+            await wait_until(
+                lambda: (
+                    "held in precopy" in dep.registry.ranks[3].state_reason
+                    and (bool(variant) or dep.registry.ranks[1].move_bytes_held == spare)
+                ),
+                60,
+                "rank 3 held mid pre-copy while rank 1 holds its spare buffers",
+            )
             # served by the old world while the pre-copy is held half way (about 1.3 s for 8 here)
             during = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS[:8]))
             os.kill(dep.registry.ranks[3].pid, signal.SIGKILL)
@@ -359,15 +405,18 @@ def test_sender_killed_mid_precopy_leaves_the_survivors_experts_whole(variant: l
             recovers = [o for o in dep.orch.history if o.get("kind") == "recover"]
             assert [(o["state"], o["dead_ranks"]) for o in recovers] == [("succeeded", [3])]
             again = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS[8:12]))
-            mismatch = oracle_mismatch(list(enumerate(during)) + results + [(8 + i, r) for i, r in enumerate(again)],
-                                       ref, logits=False)
+            mismatch = oracle_mismatch(
+                list(enumerate(during)) + results + [(8 + i, r) for i, r in enumerate(again)], ref, logits=False
+            )
             if variant:  # the harm: the old world served experts moved into its live slots
                 assert mismatch != ""
                 return
             assert mismatch == ""
             # the abort gave the spare bytes back to the KV pool
-            await wait_until(lambda: all(dep.registry.ranks[r].move_bytes_held == 0 for r in (0, 1, 2)), 10,
-                             "spare buffers freed")
+            await wait_until(
+                lambda: all(dep.registry.ranks[r].move_bytes_held == 0 for r in (0, 1, 2)), 10, "spare buffers freed"
+            )
+
     run(scenario(), 220)
 
 
@@ -383,8 +432,9 @@ def test_second_death_during_a_recovery(reference: list[dict], report_delay_s: f
     cfg = _cfg(slots_per_rank=6, faults=["hold:regroup@2"], fault_delay_s=4.0)
 
     async def scenario() -> None:
-        async with LocalDeployment(cfg, "heal-second", max_dp=4, on_rank_failure="shrink",
-                                   death_report_delay_s=report_delay_s) as dep:
+        async with LocalDeployment(
+            cfg, "heal-second", max_dp=4, on_rank_failure="shrink", death_report_delay_s=report_delay_s
+        ) as dep:
             await dep.start(4)
             tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS]
             await asyncio.wait_for(wait_decoding(dep, 1), 60)  # every rank steps: rank 2's requests decode too
@@ -403,4 +453,5 @@ def test_second_death_during_a_recovery(reference: list[dict], report_delay_s: f
             assert "rank 2" in recovers[0]["error"], recovers[0]
             again = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS[:4]))
             assert oracle_mismatch(list(enumerate(again)), reference, logits=False) == ""
+
     run(scenario(), 220)

@@ -18,8 +18,14 @@ import pytest
 from engine_ext.config import EngineConfig
 from engine_ext.launcher import LocalDeployment
 from engine_ext.model.dense_oracle import reference_generate
-from tests.engine_helpers import (kill_between_steps, oracle_mismatch, run, wait_until, watch_reported_reasons,
-                                  watch_reported_states)
+from tests.engine_helpers import (
+    kill_between_steps,
+    oracle_mismatch,
+    run,
+    wait_until,
+    watch_reported_reasons,
+    watch_reported_states,
+)
 
 MAX_TOKENS = 24
 PROMPTS = [[(13 * i + 7 * j + 1) % 256 for j in range(3 + i % 9)] for i in range(12)]
@@ -37,8 +43,16 @@ VARIANTS = {
 }
 LOSES_REQUESTS = {"no_reroute", "no_store_rehost"}
 # The error types a failed rank names when what failed was a peer (engine_ext.rank.recovery.is_peer_failure)
-PEER_FAILURES = {"GroupError", "DistError", "DistNetworkError", "DistStoreError", "ConnectionError",
-                 "ConnectionResetError", "BrokenPipeError", "TimeoutError"}
+PEER_FAILURES = {
+    "GroupError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
+    "ConnectionError",
+    "ConnectionResetError",
+    "BrokenPipeError",
+    "TimeoutError",
+}
 
 
 def _cfg(variant: str) -> EngineConfig:
@@ -48,8 +62,14 @@ def _cfg(variant: str) -> EngineConfig:
     step_timeout_s = 60.0 if variant == "no_group_abort" else EngineConfig.step_timeout_s
     # gloo: on the shared-memory transport every rank watches every peer's process, so a survivor
     # is released by the dead peer itself and the abort is not what releases it.
-    return EngineConfig(dtype="float64", num_experts=experts, slots_per_rank=6, faults=[variant],
-                        step_timeout_s=step_timeout_s, transport="gloo")
+    return EngineConfig(
+        dtype="float64",
+        num_experts=experts,
+        slots_per_rank=6,
+        faults=[variant],
+        step_timeout_s=step_timeout_s,
+        transport="gloo",
+    )
 
 
 async def _kill_under_load(dep: LocalDeployment, victim: int, bound_s: float) -> tuple[list[dict | None], int]:
@@ -66,8 +86,9 @@ async def _kill_under_load(dep: LocalDeployment, victim: int, bound_s: float) ->
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.harm(v)) for v in sorted(VARIANTS)])
 def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
     experts, start, victim = VARIANTS[variant]
-    reference = reference_generate(EngineConfig(dtype="float64", num_experts=experts, slots_per_rank=6),
-                                   PROMPTS, MAX_TOKENS)
+    reference = reference_generate(
+        EngineConfig(dtype="float64", num_experts=experts, slots_per_rank=6), PROMPTS, MAX_TOKENS
+    )
 
     async def scenario() -> None:
         async with LocalDeployment(_cfg(variant), f"harm-{variant}", max_dp=4, on_rank_failure="shrink") as dep:
@@ -77,8 +98,9 @@ def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
             if variant == "no_group_abort":
                 results, held = await kill_between_steps(dep, victim, PROMPTS, MAX_TOKENS, ANSWER_BOUND_S), 0
             else:
-                results, held = await _kill_under_load(dep, victim, LOST_AFTER_S if variant in LOSES_REQUESTS
-                                                       else ANSWER_BOUND_S)
+                results, held = await _kill_under_load(
+                    dep, victim, LOST_AFTER_S if variant in LOSES_REQUESTS else ANSWER_BOUND_S
+                )
             lost = sum(r is None for r in results)
             failed = [r["error"] for r in results if r is not None and r.get("error")]
 
@@ -115,8 +137,11 @@ def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
                 ops = recovers()
                 assert ops and ops[0]["state"] == "failed" and "did not stop" in ops[0]["error"], ops
                 assert ops[0]["dead_ranks"] == [victim], ops
-                await wait_until(lambda: any(op.get("kind") == "rebuild" for op in dep.orch.history), 60,
-                                 "a rebuild of the whole world")
+                await wait_until(
+                    lambda: any(op.get("kind") == "rebuild" for op in dep.orch.history),
+                    60,
+                    "a rebuild of the whole world",
+                )
             else:  # no_weight_source_restore: the slot of the lost expert keeps another expert's weights
                 assert lost == 0
                 await dep.orch.recovery.wait()
@@ -124,4 +149,5 @@ def test_self_healing_mechanism_removed_shows_harm(variant: str) -> None:
                 assert ops and ops[-1]["state"] == "succeeded", ops
                 again = await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS))
                 assert "tokens" in oracle_mismatch(list(enumerate(again)), reference, logits=False)
+
     run(scenario(), 180)

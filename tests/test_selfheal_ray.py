@@ -19,9 +19,9 @@ from tests.helpers import (
     NAMESPACE,
     SMALL_ENGINE,
     eepctl,
-    finish_load,
     eepctl_json,
     events,
+    finish_load,
     last_json,
     moved_off,
     oracle,
@@ -40,6 +40,7 @@ def _serving(name: str, n: int, timeout: float = 60.0, gone: int | None = None) 
     """Status once ``n`` ranks serve at DP ``n`` and no operation runs; with ``gone`` (a killed
     rank's pid), once no rank of that process is listed either: right after a kill, status can
     still show the world from before it, whole and serving."""
+
     def ok() -> dict[str, Any] | None:
         res = eepctl("status", "--name", name, "-o", "json", timeout=60)
         if res.returncode == 3:  # the registry is being recreated (it was killed): ask again
@@ -49,8 +50,11 @@ def _serving(name: str, n: int, timeout: float = 60.0, gone: int | None = None) 
         live = [r for r in s["ranks"] if r["state"] not in ("stale", "removed")]
         if gone is not None and any(int(r.get("pid") or 0) == gone for r in live):
             return None
-        if (len(live) == n and all(r["state"] == "serving" and r["dp_size"] == n for r in live)
-                and not s.get("operation")):
+        if (
+            len(live) == n
+            and all(r["state"] == "serving" and r["dp_size"] == n for r in live)
+            and not s.get("operation")
+        ):
             return s
         return None
 
@@ -90,8 +94,10 @@ def test_serving_rank_killed_under_load_shrinks_and_serves(deployments):
     for phase in ("detect", "abort", "regroup", "restore_experts", "warm+capture", "resume"):
         assert phase in ops[0]["phase_durations"], ops[0]["phase_durations"]
     assert set(ops[0]["captures_per_rank"].values()) == {1}, ops[0]  # I4
-    print(f"\n[heal-shrink] serving at DP 2 {served_again_s:.1f}s after SIGKILL; "
-          f"recovery phases {ops[0]['phase_durations']}; load {res['sent']} sent, 0 failed")
+    print(
+        f"\n[heal-shrink] serving at DP 2 {served_again_s:.1f}s after SIGKILL; "
+        f"recovery phases {ops[0]['phase_durations']}; load {res['sent']} sent, 0 failed"
+    )
 
     # After recovery the dry run names the joiner the scale will use (3, after the survivors 0
     # and 2, on a node), and a normal scale up and down works and status is clean.
@@ -135,8 +141,16 @@ def test_rank_killed_while_held_in_commit_recovers_consistent_world(deployments)
 
     d = deployments("heal-commit")
     engine = dict(SMALL_ENGINE, faults=["hold:commit@1"], fault_delay_s=8.0)
-    core.up(core.Target(name=d.name, namespace=NAMESPACE), dp=2, max_dp=4, engine=engine, cpus_per_rank=1.0,
-            gpus_per_rank=0.0, timeout_s=300, on_rank_failure="shrink")
+    core.up(
+        core.Target(name=d.name, namespace=NAMESPACE),
+        dp=2,
+        max_dp=4,
+        engine=engine,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        on_rank_failure="shrink",
+    )
     snap = _serving(d.name, 2)
     cfg_d = snap["info"]["config"]
     # The load outlasts the joiner's launch on a busy box (ended once the scenario is over): the
@@ -144,10 +158,17 @@ def test_rank_killed_while_held_in_commit_recovers_consistent_world(deployments)
     load = d.popen("generate", "--name", d.name, "--rate", "3", "--duration", "90", "--max-tokens", "16", "-o", "json")
     wait_serving_load(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
-    wait_for(lambda: any(r["rank"] == 1 and "held in commit" in (r.get("state_reason") or "")
-                         and r.get("requests_running", 0) + r.get("requests_waiting", 0) > 0
-                         for r in status(d.name)["ranks"]), timeout=90, interval=0.3,
-             what="rank 1 held in commit with requests")
+    wait_for(
+        lambda: any(
+            r["rank"] == 1
+            and "held in commit" in (r.get("state_reason") or "")
+            and r.get("requests_running", 0) + r.get("requests_waiting", 0) > 0
+            for r in status(d.name)["ranks"]
+        ),
+        timeout=90,
+        interval=0.3,
+        what="rank 1 held in commit with requests",
+    )
     _kill(snap, 1)
     scale.communicate(timeout=120)
     assert scale.returncode == 5, scale.returncode  # the scale failed in commit (exit 5, not a crash) ...
@@ -165,7 +186,6 @@ def test_rank_killed_while_held_in_commit_recovers_consistent_world(deployments)
 @pytest.mark.timeout(300)
 def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, ray_cluster):
     import ray
-
     from eepctl import cluster
     from engine_ext.ray.names import registry_name
 
@@ -181,7 +201,11 @@ def test_registry_and_rank_killed_at_once_heals_and_repair_reports(deployments, 
     victim = _kill(held, 2)
     after = _serving(d.name, 3, timeout=120, gone=victim)  # policy replace: back at the desired DP 3
     moved_off(finish_load(load, cfg_d, stop=True)["records"], 2)
-    assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [0, 1, 2]  # the dead rank's number, free again
+    assert sorted(r["rank"] for r in after["ranks"] if r["state"] == "serving") == [
+        0,
+        1,
+        2,
+    ]  # the dead rank's number, free again
     assert wait_for(lambda: _recover_ops(d.name), timeout=20, what="the recover operation in the new registry")
     rep = eepctl("repair", "--name", d.name, timeout=120)
     assert rep.returncode == 0, rep.stderr
@@ -193,8 +217,16 @@ def _up_with_fault(name: str, fault: str, delay_s: float) -> dict[str, Any]:
     from eepctl import core
 
     engine = dict(SMALL_ENGINE, faults=[fault], fault_delay_s=delay_s)
-    core.up(core.Target(name=name, namespace=NAMESPACE), dp=2, max_dp=4, engine=engine, cpus_per_rank=1.0,
-            gpus_per_rank=0.0, timeout_s=300, on_rank_failure="shrink")
+    core.up(
+        core.Target(name=name, namespace=NAMESPACE),
+        dp=2,
+        max_dp=4,
+        engine=engine,
+        cpus_per_rank=1.0,
+        gpus_per_rank=0.0,
+        timeout_s=300,
+        on_rank_failure="shrink",
+    )
     return _serving(name, 2)
 
 
@@ -241,10 +273,17 @@ def test_member_killed_in_warm_of_scale_up_recovers_and_serves(deployments):
     wait_serving_load(d.name)
     scale = d.popen("scale", "--dp", "3", "--name", d.name, "-o", "json")
     held = wait_held(d.name, 1, "warm")
-    wait_for(lambda: any(r["rank"] == 1 and "held in warm" in (r.get("state_reason") or "")
-                         and r.get("requests_running", 0) + r.get("requests_waiting", 0) > 0
-                         for r in status(d.name)["ranks"]), timeout=90, interval=0.3,
-             what="rank 1 held in warm with requests")
+    wait_for(
+        lambda: any(
+            r["rank"] == 1
+            and "held in warm" in (r.get("state_reason") or "")
+            and r.get("requests_running", 0) + r.get("requests_waiting", 0) > 0
+            for r in status(d.name)["ranks"]
+        ),
+        timeout=90,
+        interval=0.3,
+        what="rank 1 held in warm with requests",
+    )
     _kill(held, 1)
     out_s, err_s = scale.communicate(timeout=120)
     assert scale.returncode == 5, out_s  # the scale failed in its commit ...

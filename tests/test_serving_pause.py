@@ -35,12 +35,17 @@ def test_a_joiners_wait_for_a_member_mid_step_is_not_a_pause() -> None:
             await dep.start(1)
             await wait_until(lambda: len(dep.pool.ready) == 1, 90, "the standby in the pool")
             request = asyncio.ensure_future(dep.generate([1, 2, 3], 4))
-            await wait_until(lambda: "held in step" in dep.registry.ranks[0].state_reason, 30,
-                             "rank 0 held in a decode step", interval_s=0.01)
+            await wait_until(
+                lambda: "held in step" in dep.registry.ranks[0].state_reason,
+                30,
+                "rank 0 held in a decode step",
+                interval_s=0.01,
+            )
             op = await dep.scale(2, timeout_s=60)
             assert op["state"] == "succeeded", op
-            commits = {e["rank"]: e for e in dep.registry.events_for(op["op_id"])
-                       if e["phase"] == "commit" and e["rank"] >= 0}
+            commits = {
+                e["rank"]: e for e in dep.registry.events_for(op["op_id"]) if e["phase"] == "commit" and e["rank"] >= 0
+            }
             assert set(commits) == {0, 1}, commits
             joiner = commits[1]
             waited = joiner["detail"]["parts_s"]["mapping"]
@@ -59,8 +64,11 @@ def _telemetry() -> tuple[RankTelemetry, list[tuple[str, str]]]:
     """A rank's telemetry whose sink keeps what it was sent: (kind, the event's phase or the state)."""
     shared = RankShared(0)
     sent: list[tuple[str, str]] = []
-    tel = RankTelemetry(shared, lambda kind, p: sent.append((kind, p.get("phase") or p.get("state", ""))),
-                        lambda: {"state": shared.state.value})
+    tel = RankTelemetry(
+        shared,
+        lambda kind, p: sent.append((kind, p.get("phase") or p.get("state", ""))),
+        lambda: {"state": shared.state.value},
+    )
     return tel, sent
 
 

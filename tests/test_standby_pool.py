@@ -14,13 +14,19 @@ import pytest
 
 from eepctl import render
 from engine_ext.config import EngineConfig
-from engine_ext.model.dense_oracle import reference_generate
-from engine_ext.launcher import LocalDeployment
 from engine_ext.elastic.identity import STANDBY_RANK_BASE
+from engine_ext.launcher import LocalDeployment
+from engine_ext.model.dense_oracle import reference_generate
 from tests.engine_helpers import oracle_mismatch, run, wait_until
 
-PROMPTS = [[7], [1, 2, 3], [200, 13, 99, 5, 5], [(11 * j + 3) % 256 for j in range(9)],
-           [(37 * j + 17) % 256 for j in range(14)], [255, 0, 128, 64, 32, 16, 8, 4]]
+PROMPTS = [
+    [7],
+    [1, 2, 3],
+    [200, 13, 99, 5, 5],
+    [(11 * j + 3) % 256 for j in range(9)],
+    [(37 * j + 17) % 256 for j in range(14)],
+    [255, 0, 128, 64, 32, 16, 8, 4],
+]
 MAX_TOKENS = 4
 
 
@@ -54,16 +60,18 @@ def test_scale_up_takes_joiners_from_the_pool_refills_and_replaces_a_killed_stan
             # Kill one standby: the pool replaces it; the serving ranks neither restart nor fail.
             victim_n = min(dep.pool.ready)
             os.kill(dep.pool.ready[victim_n].pid(), signal.SIGKILL)
-            await wait_until(lambda: victim_n not in dep.pool.ready and len(dep.pool.ready) == 2, 120,
-                             "the killed standby replaced")
+            await wait_until(
+                lambda: victim_n not in dep.pool.ready and len(dep.pool.ready) == 2, 120, "the killed standby replaced"
+            )
             out["serving_pids_same"] = all(dep.processes[r].pid() == p for r, p in pids.items())
             out["after_kill"] = list(await asyncio.gather(*(dep.generate(p, MAX_TOKENS) for p in PROMPTS)))
             out["states_after_kill"] = {r: s for r, (_, s) in _ids(dep).items() if r < 4}
             # Stop while the pool launches a replacement: the launch is cancelled, and its process
             # must go with the deployment (it belonged to nobody and lived as long as this process).
             os.kill(dep.pool.ready[min(dep.pool.ready)].pid(), signal.SIGKILL)
-            await wait_until(lambda: dep.pool.summary()["launching"] > 0, 30, "a replacement launching",
-                             interval_s=0.01)
+            await wait_until(
+                lambda: dep.pool.summary()["launching"] > 0, 30, "a replacement launching", interval_s=0.01
+            )
         left = lambda: [p.name for p in multiprocessing.active_children() if p.name.startswith("pool_")]  # noqa: E731
         for _ in range(100):  # a killed process is gone within moments; a leaked one stays
             if not left():
@@ -74,12 +82,18 @@ def test_scale_up_takes_joiners_from_the_pool_refills_and_replaces_a_killed_stan
 
     o = run(go(), 260)
     base = STANDBY_RANK_BASE
-    assert o["before"] == {0: ("pool_dp0", "serving"), 1: ("pool_dp1", "serving"),
-                           base: ("pool_standby0", "standby"), base + 1: ("pool_standby1", "standby")}
+    assert o["before"] == {
+        0: ("pool_dp0", "serving"),
+        1: ("pool_dp1", "serving"),
+        base: ("pool_standby0", "standby"),
+        base + 1: ("pool_standby1", "standby"),
+    }
     assert any(line.startswith("standby pool: 2 rank(s)") for line in o["status"]), o["status"]
     assert o["violations_before"] == [] and o["violations_after"] == []
     # --dry-run names the standbys the joiners come from.
-    assert "join   rank 2 as pool_dp2 (from the standby pool: pool_standby0, launch skipped)" in o["dry_run"], o["dry_run"]
+    assert "join   rank 2 as pool_dp2 (from the standby pool: pool_standby0, launch skipped)" in o["dry_run"], o[
+        "dry_run"
+    ]
     assert "rank 3 as pool_dp3 (from the standby pool: pool_standby1" in o["dry_run"]
     op = o["op"]
     assert op["state"] == "succeeded", op.get("error")

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import Deployment, eepctl, eepctl_json, finish_load, last_json, oracle, scale_json, status, up_cli, wait_for
+from tests.helpers import (
+    Deployment,
+    eepctl,
+    eepctl_json,
+    finish_load,
+    last_json,
+    oracle,
+    scale_json,
+    status,
+    up_cli,
+    wait_for,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -27,8 +38,9 @@ def test_scale_up_adopts_the_standby_actor_and_the_pool_refills(deployments):
     # The dry run names the rank the scale will use (2) and places it on the standby's node.
     plan = eepctl_json("scale", "--dp", "3", "--name", d.name, "--dry-run", timeout=60)
     assert [j["rank"] for j in plan["joining"]] == [2], plan["joining"]
-    assert [(p["rank"], p.get("from_standby"), p["node_id"]) for p in plan["placement"]["nodes"]] == \
-        [(2, 0, first[0]["node_id"])], plan["placement"]
+    assert [(p["rank"], p.get("from_standby"), p["node_id"]) for p in plan["placement"]["nodes"]] == [
+        (2, 0, first[0]["node_id"])
+    ], plan["placement"]
     op = scale_json(d.name, 3)
     assert op["state"] == "succeeded", op
     assert op["phase_durations"]["launch"] < 1.0, op["phase_durations"]
@@ -89,10 +101,10 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     assert [j.get("from_standby") for j in grow["plan"]["joining"]] == [spare["instance_id"]], grow["plan"]
     wait_for(lambda: _standbys(d.name), 90, what="the pool refilled")
     assert ops[-2]["rerouted_requests"] > 0, ops[-2]  # the baseline a restarted controller must not restore
-    import ray
     from ray.util import list_named_actors
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    import ray
     from engine_ext.ray.names import controller_name, is_rank_actor
 
     if not ray.is_initialized():
@@ -102,8 +114,15 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     ray.get(hog.ready(), timeout=30)
     try:
         assert eepctl("standby", "--count", "2", "--name", d.name, timeout=120).returncode == 0
-        line = wait_for(lambda: [ln for ln in eepctl("status", "--name", d.name, timeout=60).stdout.splitlines()
-                                 if "standby pool short: launching standby" in ln], 30, what="the launch error shown")
+        line = wait_for(
+            lambda: [
+                ln
+                for ln in eepctl("status", "--name", d.name, timeout=60).stdout.splitlines()
+                if "standby pool short: launching standby" in ln
+            ],
+            30,
+            what="the launch error shown",
+        )
         assert "no node" in line[0] or "CPU" in line[0], line
     finally:
         remove_placement_group(hog)
@@ -119,20 +138,29 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     before = {r["pid"] for r in _standbys(d.name)}
     ctl = ray.get_actor(controller_name(d.name), namespace="eepctl")
     os.kill(int(ray.get(ctl.pid.remote(), timeout=30)), signal.SIGKILL)  # this test's own controller
-    wait_for(lambda: (status(d.name)["info"].get("control") or {}).get("controller_restarts") == 1, 90,
-             interval=0.5, what="the controller restarted")
+    wait_for(
+        lambda: (status(d.name)["info"].get("control") or {}).get("controller_restarts") == 1,
+        90,
+        interval=0.5,
+        what="the controller restarted",
+    )
     try:
         # the product bounds a standby's launch at 60 s for its reservation and 120 s for its process:
         # a slow launch on a busy box (both test workers loaded) is not a failure to refill
-        after_restart = wait_for(lambda: [r for r in _standbys(d.name) if r["pid"] not in before], 200,
-                                 what="the pool refilled after the restart")
+        after_restart = wait_for(
+            lambda: [r for r in _standbys(d.name) if r["pid"] not in before],
+            200,
+            what="the pool refilled after the restart",
+        )
     except AssertionError as ex:  # what the restarted controller says of its pool, and Ray's free CPUs
         snap = status(d.name)
         info = snap["info"]
         rows = [(r["rank"], r["instance_id"], r["state"], r["pid"], r.get("stale")) for r in snap["ranks"]]
-        raise AssertionError(f"{ex}; pool: {info.get('standby_pool')}; control: {info.get('control')}; "
-                             f"free: {ray.available_resources().get('CPU')} CPU; registry ranks (rank, id, "
-                             f"state, pid, stale): {rows}; standbys before: {sorted(before)}") from None
+        raise AssertionError(
+            f"{ex}; pool: {info.get('standby_pool')}; control: {info.get('control')}; "
+            f"free: {ray.available_resources().get('CPU')} CPU; registry ranks (rank, id, "
+            f"state, pid, stale): {rows}; standbys before: {sorted(before)}"
+        ) from None
     number = int(after_restart[0]["instance_id"].rsplit("_standby", 1)[1])
     assert number not in used, (number, used)
     wait_for(lambda: status(d.name)["info"]["standby_pool"]["last_error"] is None, 10, what="no launch error")
@@ -151,7 +179,10 @@ def test_replace_policy_takes_the_replacement_from_the_pool(deployments):
     assert res.returncode == 0, res.stderr
 
     def left() -> list[str]:
-        return [a["name"] for a in list_named_actors(all_namespaces=True)
-                if a.get("namespace") == "eepctl" and (is_rank_actor(d.name, a["name"]) or d.name in a["name"])]
+        return [
+            a["name"]
+            for a in list_named_actors(all_namespaces=True)
+            if a.get("namespace") == "eepctl" and (is_rank_actor(d.name, a["name"]) or d.name in a["name"])
+        ]
 
     assert refilled and left() == [], left()

@@ -20,8 +20,11 @@ MAX_FUNCTION_LINES = 60
 
 def _modules() -> dict[str, ast.Module]:
     """Every first-party module's syntax tree, by its path relative to the repository."""
-    return {str(p.relative_to(ROOT)): parse_source(p.read_text(), str(p))
-            for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {
+        str(p.relative_to(ROOT)): parse_source(p.read_text(), str(p))
+        for pkg in PACKAGES
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+    }
 
 
 def test_import_contracts_hold():
@@ -50,12 +53,18 @@ def test_the_rank_actor_imports_the_rank_side_only_inside_functions():
     ignored = {i for c in contracts if "torch" in c.get("forbidden_modules", []) for i in c.get("ignore_imports", [])}
     assert ignored == {f"engine_ext.ray.rank_actor -> {m}" for m in sorted(RANK_ACTOR_CROSSINGS)}, ignored
     tree = parse_source((ROOT / "engine_ext" / "ray" / "rank_actor.py").read_text())
-    in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    for n in ast.walk(f)}
+    in_functions = {
+        id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(f)
+    }
     rank_side: list[tuple[ast.stmt, str]] = []
     for node in ast.walk(tree):
-        names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
-                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        names = (
+            [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
         rank_side += [(node, m) for m in names if m == "engine_ext.rank" or m.startswith("engine_ext.rank.")]
     outside = [f"line {n.lineno}: {m}" for n, m in rank_side if id(n) not in in_functions]
     assert not outside, f"rank_actor.py imports the rank side outside a function: {outside}"
@@ -84,8 +93,11 @@ def _is_stub(node: ast.AST) -> bool:
     if isinstance(node, ast.AnnAssign):
         return node.value is None
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-                                             and isinstance(b.value.value, str))]
+        body = [
+            b
+            for b in node.body
+            if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str))
+        ]
         return len(body) == 1 and isinstance(body[0], ast.Expr) and getattr(body[0].value, "value", None) is ...
     return False
 
@@ -101,8 +113,13 @@ def _private_definitions(tree: ast.Module) -> set[str]:
                 names.add(node.name)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and id(node) not in declared:
             names.add(node.id)
-        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and id(node) not in declared
-              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and id(node) not in declared
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
             names.add(node.attr)
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
@@ -113,15 +130,27 @@ def _foreign_private_uses(path: str, tree: ast.Module, owners: dict[str, set[str
     that uses a private name only its subclass or base in another module defines (a mixin) is
     coupled to that module's insides."""
     mine = _private_definitions(tree)
-    foreign = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-               for a in n.names if a.name.split(".")[0] not in PACKAGES}
-    foreign |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                and (n.module or "").split(".")[0] not in PACKAGES for a in n.names}
+    foreign = {
+        (a.asname or a.name).split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import)
+        for a in n.names
+        if a.name.split(".")[0] not in PACKAGES
+    }
+    foreign |= {
+        a.asname or a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] not in PACKAGES
+        for a in n.names
+    }
     found: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
-            found += [f"{path}:{node.lineno} imports {node.module}.{a.name}"
-                      for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            found += [
+                f"{path}:{node.lineno} imports {node.module}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             base = node.value
             if isinstance(base, ast.Name) and base.id in foreign:
@@ -148,12 +177,18 @@ def test_the_private_name_check_sees_a_mixins_reach_into_its_host():
     """A mixin that declares its host's private attributes as stubs still uses them: the check
     reports each use (a stub defines nothing), and none once the host is reached through public
     names (a collaborator with an interface, as engine_ext.ray.vllm_loop's ``LoopHost``)."""
-    mixin = ast.parse("class Loop:\n    _changed: object\n    def _call(self, m): ...\n"
-                      "    def tick(self):\n        with self._changed:\n            return self._call('x')\n")
-    host = ast.parse("class Controller(Loop):\n    def __init__(self):\n        self._changed = 1\n"
-                     "    def _call(self, m):\n        return m\n    def call(self, m):\n        return m\n")
-    collaborator = ast.parse("class Loop:\n    def __init__(self, host):\n        self.host = host\n"
-                             "    def tick(self):\n        return self.host.call('x')\n")
+    mixin = ast.parse(
+        "class Loop:\n    _changed: object\n    def _call(self, m): ...\n"
+        "    def tick(self):\n        with self._changed:\n            return self._call('x')\n"
+    )
+    host = ast.parse(
+        "class Controller(Loop):\n    def __init__(self):\n        self._changed = 1\n"
+        "    def _call(self, m):\n        return m\n    def call(self, m):\n        return m\n"
+    )
+    collaborator = ast.parse(
+        "class Loop:\n    def __init__(self, host):\n        self.host = host\n"
+        "    def tick(self):\n        return self.host.call('x')\n"
+    )
     owners: dict[str, set[str]] = defaultdict(set)
     for path, tree in (("mixin.py", mixin), ("host.py", host)):
         for name in _private_definitions(tree):
@@ -184,12 +219,12 @@ def test_the_lanes_split_ray_and_vllm_as_conftest_says():
 
     ray_starts = ("ray_cluster", "deployments", "pytest.mark.ray", "start_local", "import ray")
     vllm_starts = ("vllm_oracle", "vllm_checkpoint", "vllm_servers")
-    modules = {p.stem: p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py"))
-               if p.name != Path(__file__).name}  # this one names them
+    modules = {
+        p.stem: p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name != Path(__file__).name
+    }  # this one names them
     lanes = {m: _lane(_work_unit(m)) for m in modules}
     serves_vllm = sorted(m for m, text in modules.items() if any(s in text for s in vllm_starts))
     assert serves_vllm and all(m in VLLM_SERVER_MODULES and lanes[m] == 0 for m in serves_vllm), serves_vllm
-    ray_in_lane_1 = sorted(m for m, text in modules.items()
-                           if lanes[m] == 1 and any(s in text for s in ray_starts))
+    ray_in_lane_1 = sorted(m for m, text in modules.items() if lanes[m] == 1 and any(s in text for s in ray_starts))
     assert ray_in_lane_1 == sorted(WAITING_RAY), ray_in_lane_1
     assert sum(1 for v in lanes.values() if v == 1) > 20 and sum(1 for v in lanes.values() if v == 0) > 10, lanes

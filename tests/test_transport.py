@@ -18,9 +18,8 @@ import torch
 from engine_ext.config import EngineConfig
 from engine_ext.elastic.comm import GroupError, GroupFailure, StatelessGroup, host_store
 from engine_ext.elastic.rendezvous import Rendezvous
-from engine_ext.transport import cuda_ipc
+from engine_ext.transport import cuda_ipc, shm_files
 from engine_ext.transport import shm as shm_transport
-from engine_ext.transport import shm_files
 
 pytestmark = pytest.mark.skipif(not shm_transport.supported(), reason="the shm transport needs x86-64 store order")
 
@@ -31,8 +30,9 @@ def _segments() -> set[str]:
     return {n for n in os.listdir(shm_files.shm_dir()) if n.startswith("eepctl-")}
 
 
-def _collectives(rank: int, size: int, port: int, prefix: str, transport: str, node_ip: str, device: str,
-                 q: Any) -> None:
+def _collectives(
+    rank: int, size: int, port: int, prefix: str, transport: str, node_ip: str, device: str, q: Any
+) -> None:
     """Every collective the serving step uses, on float64 and int64, and the expert moves'
     point-to-point exchange, reported back."""
     from engine_ext.elastic import comm
@@ -40,8 +40,9 @@ def _collectives(rank: int, size: int, port: int, prefix: str, transport: str, n
     if node_ip:
         comm.configure_node(node_ip)
     dev = torch.device(device)
-    g = StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport=transport, shm_bytes=4096,
-                       device=dev)
+    g = StatelessGroup(
+        Rendezvous("127.0.0.1", port, prefix), rank, size, transport=transport, shm_bytes=4096, device=dev
+    )
     mx = g.all_reduce_max(torch.tensor([rank, 10 - rank, 3], dtype=torch.int64, device=dev)).tolist()
     sm = g.all_reduce_sum(torch.arange(4, dtype=torch.float64, device=dev) * (rank + 1)).tolist()
     outs = [torch.empty(3, dtype=torch.float64, device=dev) for _ in range(size)]
@@ -50,11 +51,15 @@ def _collectives(rank: int, size: int, port: int, prefix: str, transport: str, n
     g.reduce_scatter(out, list((torch.arange(2 * size, dtype=torch.float64, device=dev) + 100 * rank).chunk(size)))
     # The MoE dispatch's all-to-all: uneven rows (some none) to each rank, a second one back.
     counts = [(rank * j + j) % 3 for j in range(size)]
-    send = torch.tensor([[100 * rank + 10 * j + i, -1.0] for j in range(size) for i in range(counts[j])],
-                        dtype=torch.float64, device=dev).reshape(-1, 2)
+    send = torch.tensor(
+        [[100 * rank + 10 * j + i, -1.0] for j in range(size) for i in range(counts[j])],
+        dtype=torch.float64,
+        device=dev,
+    ).reshape(-1, 2)
     got: list[torch.Tensor] = []
-    rc = g.all_to_all_v(send, counts, lambda n: got.append(torch.empty(n, 2, dtype=torch.float64, device=dev))
-                        or got[-1])
+    rc = g.all_to_all_v(
+        send, counts, lambda n: got.append(torch.empty(n, 2, dtype=torch.float64, device=dev)) or got[-1]
+    )
     back = torch.empty_like(send)
     g.all_to_all_v(got[0] * 2, rc, lambda n: back[:n], counts)
     for _ in range(50):  # more generations than the two buffers: reuse must wait for the readers
@@ -63,12 +68,27 @@ def _collectives(rank: int, size: int, port: int, prefix: str, transport: str, n
     weights = torch.arange(1000, dtype=torch.float32, device=dev) + 1000 * rank
     for _ in range(2):  # a second exchange meets the second of the pair
         into = [torch.zeros(10, device=dev), torch.zeros(2, 25, device=dev)]
-        g.exchange([(weights[10:20], (rank + 1) % size, 7), (weights[100:150].view(2, 25), (rank + 1) % size, 8)],
-                   [(into[0], (rank - 1) % size, 7), (into[1], (rank - 1) % size, 8)])
+        g.exchange(
+            [(weights[10:20], (rank + 1) % size, 7), (weights[100:150].view(2, 25), (rank + 1) % size, 8)],
+            [(into[0], (rank - 1) % size, 7), (into[1], (rank - 1) % size, 8)],
+        )
         moved.append([into[0].tolist(), into[1][1].tolist()])
-    q.put({"rank": rank, "kind": g.transport_kind, "attached": g.transport_attached, "max": mx, "sum": sm,
-           "gather": [o.tolist() for o in outs], "rs": out.tolist(), "a2a": got[0][:, 0].tolist(), "a2a_counts": rc,
-           "a2a_back": torch.equal(back, send * 2), "moved": moved, "pid": os.getpid()})
+    q.put(
+        {
+            "rank": rank,
+            "kind": g.transport_kind,
+            "attached": g.transport_attached,
+            "max": mx,
+            "sum": sm,
+            "gather": [o.tolist() for o in outs],
+            "rs": out.tolist(),
+            "a2a": got[0][:, 0].tolist(),
+            "a2a_counts": rc,
+            "a2a_back": torch.equal(back, send * 2),
+            "moved": moved,
+            "pid": os.getpid(),
+        }
+    )
     g.barrier()
     g.destroy()
 
@@ -82,8 +102,9 @@ def _spawn(target: Any, size: int, extra: Any) -> tuple[list[Any], Any, Any]:
     return procs, q, store
 
 
-def _results(size: int, prefix: str, transport: str, node_ips: list[str] | None = None,
-             device: str = "cpu") -> list[dict]:
+def _results(
+    size: int, prefix: str, transport: str, node_ips: list[str] | None = None, device: str = "cpu"
+) -> list[dict]:
     procs, q, _store = _spawn(_collectives, size, lambda r: (prefix, transport, (node_ips or [""] * size)[r], device))
     got = sorted((q.get(timeout=120) for _ in range(size)), key=lambda d: d["rank"])
     for p in procs:
@@ -97,8 +118,9 @@ def test_shm_collectives_equal_gloo_and_leave_no_segment() -> None:
     assert [r["kind"] for r in shm] == ["shm"] * 3 and [r["attached"] for r in shm] == [3] * 3
     assert [r["kind"] for r in gloo] == ["gloo"] * 3 and [r["attached"] for r in gloo] == [0] * 3
     for a, b in zip(shm, gloo, strict=True):
-        assert {k: v for k, v in a.items() if k not in ("kind", "attached", "pid")} == \
-            {k: v for k, v in b.items() if k not in ("kind", "attached", "pid")}
+        assert {k: v for k, v in a.items() if k not in ("kind", "attached", "pid")} == {
+            k: v for k, v in b.items() if k not in ("kind", "attached", "pid")
+        }
     assert shm[0]["max"] == [2, 10, 3] and shm[1]["rs"] == [3 * 2 + 300, 3 * 3 + 300]
     assert shm[1]["a2a_counts"] == [1, 2, 0] and shm[1]["a2a"] == [10, 110, 111] and all(r["a2a_back"] for r in shm)
     prev = 1000 * 2  # rank 0's moves came from rank 2's "weights", through a shared-memory file each
@@ -117,8 +139,9 @@ def test_cuda_ipc_collectives_and_moves_equal_gloo_on_one_gpu(monkeypatch: pytes
     ipc, gloo = _results(3, "eq-ipc", "auto", device="cuda"), _results(3, "eq-gloo-ref", "gloo")
     assert [(r["kind"], r["attached"]) for r in ipc] == [("cuda_ipc", 3)] * 3
     for a, b in zip(ipc, gloo, strict=True):
-        assert {k: v for k, v in a.items() if k not in ("kind", "attached", "pid")} == \
-            {k: v for k, v in b.items() if k not in ("kind", "attached", "pid")}
+        assert {k: v for k, v in a.items() if k not in ("kind", "attached", "pid")} == {
+            k: v for k, v in b.items() if k not in ("kind", "attached", "pid")
+        }
     assert ipc[1]["a2a_counts"] == [1, 2, 0] and all(r["a2a_back"] for r in ipc)
 
 
@@ -284,8 +307,11 @@ def test_a_collective_larger_than_the_buffer_is_refused_with_its_sizes() -> None
     for p in procs:
         p.join(10)
     a2a = [m for m in msgs if m.startswith("a2a ")]
-    assert all(m.startswith("overflow ") and "does not fit the group's buffer" in m and "262148 bytes" in m
-               for m in msgs if m not in a2a), msgs
+    assert all(
+        m.startswith("overflow ") and "does not fit the group's buffer" in m and "262148 bytes" in m
+        for m in msgs
+        if m not in a2a
+    ), msgs
     assert len(a2a) == 2 and all(m.startswith("a2a overflow ") and "rank 0's 262208 bytes" in m for m in a2a), msgs
     assert [p.exitcode for p in procs] == [0, 0]  # the collectives after the refusals completed
 
@@ -331,8 +357,9 @@ def test_every_world_maps_a_new_segment_and_status_shows_it() -> None:
             op = await dep.scale(3, timeout_s=120)
             assert op["state"] == "succeeded", op
             prep = [e for e in dep.registry.events_for(op["op_id"]) if e["phase"] == "prepare" and e["rank"] >= 0]
-            assert prep and all(e["detail"].get("transport") == "shm" and e["detail"].get("transport_attached") == 3
-                                for e in prep), prep
+            assert prep and all(
+                e["detail"].get("transport") == "shm" and e["detail"].get("transport_attached") == 3 for e in prep
+            ), prep
             assert await serve(dep) == ""
             await asyncio.sleep(1.5)  # a heartbeat after the switch
             views = dep.registry.rank_views()
@@ -350,7 +377,6 @@ def test_every_world_maps_a_new_segment_and_status_shows_it() -> None:
             assert {v["transport"] for v in dep.registry.rank_views()} == {"gloo"}
 
     run(scenario(), 300)
-
 
 
 # ---- a transport mis-sized at a transition (faults: transport_sized_for_old_world) ----------------
@@ -406,8 +432,9 @@ def test_a_transport_sized_for_the_old_world_is_refused_in_prepare() -> None:
 def _worst_case_combine(rank: int, size: int, port: int, shm_bytes: int, rows: int, row: int, q: Any) -> None:
     """The combine of the routing's worst case in a ``size`` world: rank 0 received every pair of
     the world and sends each back (``rows`` of ``row`` bytes); the others send nothing."""
-    g = StatelessGroup(Rendezvous("127.0.0.1", port, "worst"), rank, size, transport="auto", shm_bytes=shm_bytes,
-                       timeout_s=5.0)
+    g = StatelessGroup(
+        Rendezvous("127.0.0.1", port, "worst"), rank, size, transport="auto", shm_bytes=shm_bytes, timeout_s=5.0
+    )
     n = rows if rank == 0 else 0
     counts = [n // size + (1 if j < n % size else 0) for j in range(size)]
     try:
@@ -460,8 +487,15 @@ def _held_in_setup(rank: int, size: int, port: int, prefix: str, held: Any, q: A
 
     faults = Faults(["hold:shm_setup@0"], 60.0, rank, on_hold=lambda phase: held.set())
     try:
-        StatelessGroup(Rendezvous("127.0.0.1", port, prefix), rank, size, transport="auto", shm_bytes=4096,
-                       timeout_s=30.0, on_setup=lambda: faults.hold("shm_setup"))
+        StatelessGroup(
+            Rendezvous("127.0.0.1", port, prefix),
+            rank,
+            size,
+            transport="auto",
+            shm_bytes=4096,
+            timeout_s=30.0,
+            on_setup=lambda: faults.hold("shm_setup"),
+        )
         q.put({"rank": rank, "code": "none"})
     except GroupError as ex:
         q.put({"rank": rank, "code": ex.code.value, "error": str(ex)})
@@ -497,7 +531,7 @@ def _sockets() -> dict[str, int]:
         except OSError:
             continue
         if link.startswith("socket:["):
-            inodes.add(link[len("socket:["):-1])
+            inodes.add(link[len("socket:[") : -1])
     out = {}
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         with open(table) as f:
@@ -518,8 +552,14 @@ def _mis_sized(rank: int, size: int, port: int, q: Any) -> None:
     store_client("127.0.0.1", port, purpose="wake")
     before = set(_sockets())
     try:
-        StatelessGroup(Rendezvous("127.0.0.1", port, "mis-sized"), rank, size, transport="auto",
-                       shm_bytes=4096 * (rank + 1), timeout_s=3.0)
+        StatelessGroup(
+            Rendezvous("127.0.0.1", port, "mis-sized"),
+            rank,
+            size,
+            transport="auto",
+            shm_bytes=4096 * (rank + 1),
+            timeout_s=3.0,
+        )
         q.put({"rank": rank, "error": "none"})
     except (GroupError, ValueError) as ex:
         kept = ex  # noqa: F841 - held, as a failed operation holds it: its frames reference the group

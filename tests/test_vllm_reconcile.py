@@ -34,8 +34,17 @@ from engine_ext.records import VllmRankStatus, to_builtins
 def _rank(rank: int, waiting: int, running: int, kv: float, state: str = "serving", age: float = 0.5) -> dict[str, Any]:
     """A rank record as the plugin's EngineCoreReporter sends it (kind vllm: vLLM's scheduler
     counts and ``get_kv_cache_usage()``; its block counts are derived from the usage)."""
-    return {"rank": rank, "kind": "vllm", "state": state, "heartbeat_age_s": age, "requests_waiting": waiting,
-            "requests_running": running, "kv_usage": kv, "kv_blocks_used": int(kv * 100), "kv_blocks_total": 100}
+    return {
+        "rank": rank,
+        "kind": "vllm",
+        "state": state,
+        "heartbeat_age_s": age,
+        "requests_waiting": waiting,
+        "requests_running": running,
+        "kv_usage": kv,
+        "kv_blocks_used": int(kv * 100),
+        "kv_blocks_total": 100,
+    }
 
 
 def _snap(ranks: list[dict[str, Any]], **info: Any) -> dict[str, Any]:
@@ -52,8 +61,9 @@ def test_vllm_figures_drive_the_shared_decision_core() -> None:
     """waiting + running per rank against --target-queue, vLLM's kv_usage against --target-kv;
     the largest recommendation wins; advisory acts on none."""
     host = AutoscaleHost("v", max_dp=4, persist=lambda st: None)
-    assert "error" not in host.set_autoscale(AutoscalePolicy(min_dp=2, max_dp=4, target_queue=2.0, target_kv=0.5,
-                                                             up_delay_s=0.0).to_dict())
+    assert "error" not in host.set_autoscale(
+        AutoscalePolicy(min_dp=2, max_dp=4, target_queue=2.0, target_kv=0.5, up_delay_s=0.0).to_dict()
+    )
     members, live = current_world(_snap([_rank(0, 3, 3, 0.4), _rank(1, 2, 2, 0.2)]))
     d = host.tick(live, members, now=1000.0)
     assert d is not None
@@ -86,8 +96,10 @@ def test_flag_watch_finds_a_flag_held_without_our_operation_past_the_bound() -> 
 
 
 def test_engines_finding_and_repair_plan() -> None:
-    body = {"total_engines": 3, "engines": [{"id": 0, "status": "healthy"}, {"id": 1, "status": "unhealthy"},
-                                            {"id": 2, "status": "dead"}]}
+    body = {
+        "total_engines": 3,
+        "engines": [{"id": 0, "status": "healthy"}, {"id": 1, "status": "unhealthy"}, {"id": 2, "status": "dead"}],
+    }
     found = engines_finding(body)
     assert found is not None and found["engines"] == {"1": "unhealthy", "2": "dead"}
     assert found["repair"] == "apply vLLM's 'retry' to engine(s) 1; none for dead engine(s) 2: restart the vLLM server"
@@ -145,17 +157,38 @@ def _loop(registry: Registry) -> tuple[VllmLoop, _Host]:
 
 def _report(registry: Registry, now: float, running: int, ranks: int = 2) -> None:
     for r in range(ranks):
-        registry.report_status(to_builtins(VllmRankStatus(
-            deployment="v", rank=r, instance_id=f"v_dp{r}", engine_id="", state="serving", requests_running=running,
-            requests_waiting=0, kv_usage=0.1, last_heartbeat=now)))
+        registry.report_status(
+            to_builtins(
+                VllmRankStatus(
+                    deployment="v",
+                    rank=r,
+                    instance_id=f"v_dp{r}",
+                    engine_id="",
+                    state="serving",
+                    requests_running=running,
+                    requests_waiting=0,
+                    kv_usage=0.1,
+                    last_heartbeat=now,
+                )
+            )
+        )
 
 
 def test_the_loop_writes_only_what_changed_and_finds_a_stuck_flag() -> None:
     registry = Registry("v", "vllm")
     loop, host = _loop(registry)
     now = time.time()
-    registry.set_info({"kind": "vllm", "dp": 2, "max_dp": 4, "min_dp": 1, "api_url": "http://127.0.0.1:9",
-                       "scaling": False, "api_heartbeat": now})
+    registry.set_info(
+        {
+            "kind": "vllm",
+            "dp": 2,
+            "max_dp": 4,
+            "min_dp": 1,
+            "api_url": "http://127.0.0.1:9",
+            "scaling": False,
+            "api_heartbeat": now,
+        }
+    )
     _report(registry, now, running=4)
     loop.tick(now)
     loop.tick(now + 2)
@@ -213,10 +246,21 @@ def test_the_loop_ends_an_orphaned_operation_in_the_registry() -> None:
     registry = Registry("v", "vllm")
     loop, _ = _loop(registry)
     now = time.time()
-    registry.set_info({"kind": "vllm", "dp": 3, "max_dp": 4, "api_url": "http://127.0.0.1:9", "scaling": False,
-                       "api_heartbeat": now})
-    registry.record_operation({"op_id": "op-orphan", "deployment": "v", "from_size": 2, "to_size": 3,
-                               "state": "running", "phase": "commit", "started": now - 20, "deadline": now + 300})
+    registry.set_info(
+        {"kind": "vllm", "dp": 3, "max_dp": 4, "api_url": "http://127.0.0.1:9", "scaling": False, "api_heartbeat": now}
+    )
+    registry.record_operation(
+        {
+            "op_id": "op-orphan",
+            "deployment": "v",
+            "from_size": 2,
+            "to_size": 3,
+            "state": "running",
+            "phase": "commit",
+            "started": now - 20,
+            "deadline": now + 300,
+        }
+    )
     assert registry.snapshot()["operation"]["op_id"] == "op-orphan"
     loop.tick(now)
     loop.tick(now + 3)
@@ -234,15 +278,29 @@ def test_a_dead_engine_core_names_its_rank_and_the_command_that_restarts_the_ser
     server's command line (never shown)."""
     from engine_ext.vllm.reporter import restart_command
 
-    cmd = restart_command(["python", "-m", "vllm.entrypoints.openai.api_server", "--api-key", "s3cret",
-                           "--model", "/m x", "--api-key=t0k"])
+    cmd = restart_command(
+        [
+            "python",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--api-key",
+            "s3cret",
+            "--model",
+            "/m x",
+            "--api-key=t0k",
+        ]
+    )
     assert "s3cret" not in cmd and "t0k" not in cmd and "--api-key $VLLM_API_KEY" in cmd and "'/m x'" in cmd
     now = 1000.0
-    ranks = [dict(_rank(0, 0, 0, 0.0, state="stale", age=20.0), pid=11), dict(_rank(1, 0, 0, 0.0, state="stale",
-                                                                                   age=20.0), pid=12)]
+    ranks = [
+        dict(_rank(0, 0, 0, 0.0, state="stale", age=20.0), pid=11),
+        dict(_rank(1, 0, 0, 0.0, state="stale", age=20.0), pid=12),
+    ]
     info = {"api_url": "http://h:1", "api_pid": 7, "api_heartbeat": now - 20.0, "api_command": cmd}
-    ends = {12: {"reason": "WORKER_DIED", "message": "worker died: SIGKILL", "end": now - 19.5},
-            11: {"reason": "RAY_KILL", "message": "killed by ray.kill", "end": now - 19.0}}
+    ends = {
+        12: {"reason": "WORKER_DIED", "message": "worker died: SIGKILL", "end": now - 19.5},
+        11: {"reason": "RAY_KILL", "message": "killed by ray.kill", "end": now - 19.0},
+    }
     down = server_down_finding(_snap(ranks, **info), now, ends, flag=None)
     assert down is not None and down["dead_rank"] == 1 and down["dead_pid"] == 12 and down["dead_ranks"] == [0, 1]
     assert "rank 1 (pid 12) died first (WORKER_DIED" in down["reason"] and "stopped rank(s) 0" in down["reason"]
@@ -264,10 +322,28 @@ def test_mode_on_hands_acting_decisions_to_the_controller_and_names_the_ranks_vl
     registry = Registry("v", "vllm")
     loop, host = _loop(registry)
     now = time.time()
-    registry.set_info({"kind": "vllm", "dp": 2, "max_dp": 4, "min_dp": 1, "api_url": "http://127.0.0.1:9",
-                       "scaling": False, "api_heartbeat": now, "api_patches": {"scale_orders": "unavailable: x"}})
-    policy = {"mode": "on", "min_dp": 2, "max_dp": 3, "target_queue": 1.0, "up_delay_s": 0.0, "down_delay_s": 0.0,
-              "cooldown_s": 0.0, "window_s": 1.0}
+    registry.set_info(
+        {
+            "kind": "vllm",
+            "dp": 2,
+            "max_dp": 4,
+            "min_dp": 1,
+            "api_url": "http://127.0.0.1:9",
+            "scaling": False,
+            "api_heartbeat": now,
+            "api_patches": {"scale_orders": "unavailable: x"},
+        }
+    )
+    policy = {
+        "mode": "on",
+        "min_dp": 2,
+        "max_dp": 3,
+        "target_queue": 1.0,
+        "up_delay_s": 0.0,
+        "down_delay_s": 0.0,
+        "cooldown_s": 0.0,
+        "window_s": 1.0,
+    }
     assert "scale_orders: unavailable: x" in loop.set_autoscale(policy)["error"]["message"]
     registry.set_info({"api_patches": {"scale_orders": "active"}})
     assert "error" not in loop.set_autoscale(policy)
@@ -282,8 +358,9 @@ def test_mode_on_hands_acting_decisions_to_the_controller_and_names_the_ranks_vl
     loop.tick(now + 0.5)  # no cooldown from the skipped one: acts at once
     up = decisions[-1]
     assert up.act and host.acted == [(3, False)], up
-    loop.record_outcome({"op_id": "op-1", "state": "succeeded", "from_size": 2, "to_size": 3,
-                         "plan": {"decision": up.id}})
+    loop.record_outcome(
+        {"op_id": "op-1", "state": "succeeded", "from_size": 2, "to_size": 3, "plan": {"decision": up.id}}
+    )
     assert up.action == "scaled: op-1 DP 2 -> 3"
     registry.set_info({"dp": 3, "api_heartbeat": now + 1})
     _report(registry, now + 1, running=0, ranks=3)

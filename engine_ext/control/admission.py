@@ -41,8 +41,7 @@ class Admitted:
 class Admission:
     """Admits scales to one deployment's world."""
 
-    def __init__(self, world: World, cfg: EngineConfig, spawner: Spawner, recovery: Recovery,
-                 max_dp: int) -> None:
+    def __init__(self, world: World, cfg: EngineConfig, spawner: Spawner, recovery: Recovery, max_dp: int) -> None:
         self.world = world
         self.cfg = cfg
         self.spawner = spawner
@@ -50,8 +49,16 @@ class Admission:
         self.max_dp = max_dp
         self.device = "cpu"  # the ranks' device kind: a cost model is only good for the one it was fitted on
 
-    async def admit(self, target: int, *, op_id: str | None = None, settle: bool = False,
-                    probe_ranks: bool = False, retire: list[int] | None = None, cause: str = "") -> Admitted:
+    async def admit(
+        self,
+        target: int,
+        *,
+        op_id: str | None = None,
+        settle: bool = False,
+        probe_ranks: bool = False,
+        retire: list[int] | None = None,
+        cause: str = "",
+    ) -> Admitted:
         """Admit a scale to ``target`` ranks, or raise. ``settle``: first wait for a recovery under
         way and heal a degraded world. ``probe_ranks``: refuse when a current rank does not answer
         (a transition needs every rank of the old world). ``retire``: the ranks a scale-down removes."""
@@ -64,8 +71,9 @@ class Admission:
             plan = await self.compose(target, op_id, retire)
             op = Operation(plan.op_id, self.world.name, plan.from_size, plan.to_size, plan=plan.to_dict(), cause=cause)
             if not plan.noop:
-                reason = self.spawner.check_capacity(max(0, target - self.world.size),
-                                                     [int(j["rank"]) for j in plan.joining])
+                reason = self.spawner.check_capacity(
+                    max(0, target - self.world.size), [int(j["rank"]) for j in plan.joining]
+                )
                 if reason:
                     raise PreconditionError(reason)
                 if plan.precopy.get("problem"):  # a rank's expert buffers exceed even the commit's room
@@ -105,8 +113,10 @@ class Admission:
         if any(r in self.recovery.dead for r in self.world.members):
             healed = await self.recovery.recover()
             if healed.get("state") not in (None, OpState.SUCCEEDED.value):
-                raise PreconditionError(f"cannot scale {self.world.name!r}: its recovery {healed.get('op_id')} "
-                                        f"failed ({healed.get('error')}); see `eepctl events`")
+                raise PreconditionError(
+                    f"cannot scale {self.world.name!r}: its recovery {healed.get('op_id')} "
+                    f"failed ({healed.get('error')}); see `eepctl events`"
+                )
 
     async def compose(self, target: int, op_id: str | None = None, retire: list[int] | None = None) -> ScalePlan:
         """The plan to ``target`` ranks (``target`` already checked), re-balanced by the measured
@@ -127,28 +137,53 @@ class Admission:
             # rebalance (in place, later) can still balance; the scale should not be refused for it.
             kept = self._plan(plan.op_id, target, [], leaving, work, retire)
             if not kept.precopy.get("problem"):
-                kept.precopy["balance_deferred"] = ("kept each member's experts: the load-balanced layout's moves "
-                                                    f"do not fit ({plan.precopy['problem']})")
+                kept.precopy["balance_deferred"] = (
+                    "kept each member's experts: the load-balanced layout's moves "
+                    f"do not fit ({plan.precopy['problem']})"
+                )
                 plan = kept
         mark_pool_joiners(plan, self.spawner.pool)
         if not plan.noop:
             model, why = load_model(self.device)
-            plan.cost = predict(plan.to_dict(), expert_nbytes(self.cfg), self.cfg.slots_per_rank,
-                                str(self.cfg.capture_policy), any(j.get("from_standby") for j in plan.joining),
-                                model, why)
+            plan.cost = predict(
+                plan.to_dict(),
+                expert_nbytes(self.cfg),
+                self.cfg.slots_per_rank,
+                str(self.cfg.capture_policy),
+                any(j.get("from_standby") for j in plan.joining),
+                model,
+                why,
+            )
         return plan
 
-    def _plan(self, op_id: str, target: int, loads: list[float], leaving: list[int],
-              work: dict[int, tuple[float, float]], retire: list[int] | None) -> ScalePlan:
+    def _plan(
+        self,
+        op_id: str,
+        target: int,
+        loads: list[float],
+        leaving: list[int],
+        work: dict[int, tuple[float, float]],
+        retire: list[int] | None,
+    ) -> ScalePlan:
         w = self.world
         assert w.layout is not None
-        plan = plan_scale(op_id, self.cfg.instance_id or w.name, w.layout, target, loads,
-                          w.members, max(w.members, default=-1) + 1, leaving)
+        plan = plan_scale(
+            op_id,
+            self.cfg.instance_id or w.name,
+            w.layout,
+            target,
+            loads,
+            w.members,
+            max(w.members, default=-1) + 1,
+            leaving,
+        )
         for j in plan.leaving:  # why each leaves, for the dry run and the operation record
             requests, kv = work.get(j["rank"], (None, None))
-            j.update(chosen_by="--retire" if retire else "least work",
-                     requests=requests if requests != float("inf") else None,
-                     kv_blocks_used=kv if kv != float("inf") else None)
+            j.update(
+                chosen_by="--retire" if retire else "least work",
+                requests=requests if requests != float("inf") else None,
+                kv_blocks_used=kv if kv != float("inf") else None,
+            )
         plan.capture_memory = policy_memory(self.cfg, target, self.max_dp)  # what reuse costs at the target
         if not plan.noop:
             self._precopy(plan)
@@ -163,8 +198,14 @@ class Admission:
         old = list(w.members)
         gone = {int(j["rank"]) for j in plan.leaving}
         new = [m for m in old if m not in gone] + [int(j["rank"]) for j in plan.joining]
-        per_rank, moves = split_moves(w.layout, ExpertLayout.from_dict(plan.layout), old, new,
-                                      expert_nbytes(self.cfg), spare_room(self.cfg, w.size))
+        per_rank, moves = split_moves(
+            w.layout,
+            ExpertLayout.from_dict(plan.layout),
+            old,
+            new,
+            expert_nbytes(self.cfg),
+            spare_room(self.cfg, w.size),
+        )
         plan.precopy = plan_summary(per_rank, moves)
         problem = precopy_fit_error(self.cfg, w.size, per_rank)
         if problem:
@@ -183,8 +224,10 @@ class Admission:
                 continue
             for e, v in enumerate(st.get("eplb_logical_load", [])):
                 total[e] += v
-            work[r] = (float(st.get("requests_running", 0) + st.get("requests_waiting", 0)),
-                       float(st.get("kv_blocks_used", 0)))
+            work[r] = (
+                float(st.get("requests_running", 0) + st.get("requests_waiting", 0)),
+                float(st.get("kv_blocks_used", 0)),
+            )
         return total, work
 
     async def check_ranks(self, timeout_s: float = 3.0) -> None:
@@ -197,7 +240,9 @@ class Admission:
         bad: list[str] = []
         for r, st in zip(ranks, probes):
             if not isinstance(st, dict):
-                why = "did not answer in time" if isinstance(st, asyncio.TimeoutError) else f"is dead ({short_error(st)})"
+                why = (
+                    "did not answer in time" if isinstance(st, asyncio.TimeoutError) else f"is dead ({short_error(st)})"
+                )
                 bad.append(f"rank {r} {why}")
             elif st.get("state") == "failed":
                 bad.append(f"rank {r} failed ({st.get('state_reason') or 'no reason given'})")
@@ -206,4 +251,5 @@ class Admission:
             raise PreconditionError(
                 f"cannot scale {name!r}: {'; '.join(bad)}; a transition needs every current rank. "
                 f"`eepctl repair --name {name}` rebuilds the world without it",
-                detail={"bad_ranks": bad})
+                detail={"bad_ranks": bad},
+            )

@@ -36,8 +36,10 @@ AUTO_DOWN_MIN_S, AUTO_DOWN_MAX_S = 2.0, 300.0
 AUTO_UP_MAX_S = 60.0
 AUTO_COOLDOWN_S = 1.0
 LAUNCHED_S = 0.05  # a launch phase longer than this launched a joiner (a pooled one takes ~0)
-SEEDS = {"reference": {"up_s": 0.7, "launch_s": 7.0, "down_s": 1.0},
-         "vllm": {"up_s": 30.0, "launch_s": 0.0, "down_s": 30.0}}
+SEEDS = {
+    "reference": {"up_s": 0.7, "launch_s": 7.0, "down_s": 1.0},
+    "vllm": {"up_s": 30.0, "launch_s": 0.0, "down_s": 30.0},
+}
 
 
 @dataclass
@@ -64,8 +66,13 @@ class ScaleCost:
     def observe(self, op: dict[str, Any]) -> bool:
         """Learn from a finished operation (a succeeded scale; anything else is ignored)."""
         op_id = str(op.get("op_id") or "")
-        if (op.get("kind", "scale") != "scale" or op.get("state") != "succeeded" or not op.get("finished")
-                or op_id in self.seen or op.get("from_size") == op.get("to_size")):
+        if (
+            op.get("kind", "scale") != "scale"
+            or op.get("state") != "succeeded"
+            or not op.get("finished")
+            or op_id in self.seen
+            or op.get("from_size") == op.get("to_size")
+        ):
             return False
         started = op.get("started")
         wall = max(0.0, float(op["finished"]) - float(op["finished"] if started is None else started))
@@ -114,8 +121,9 @@ class Timing:
         return asdict(self)
 
 
-def timing(up_delay: float | str, down_delay: float | str, cooldown: float | str, cost: ScaleCost,
-           joiners_pooled: bool) -> Timing:
+def timing(
+    up_delay: float | str, down_delay: float | str, cooldown: float | str, cost: ScaleCost, joiners_pooled: bool
+) -> Timing:
     """The delays: each given one as given, each ``auto`` one from ``cost``. ``joiners_pooled``:
     the standby pool holds the joiners of the next scale-up (no launch)."""
     up_s = cost.up(launched=not joiners_pooled)
@@ -129,6 +137,12 @@ def timing(up_delay: float | str, down_delay: float | str, cooldown: float | str
         auto.append(f"down-delay {down_delay:.1f}s = {DOWN_FACTOR:g} x (down {cost.down_s:.2f}s + up {up_s:.2f}s)")
     if cooldown == AUTO:
         cooldown = AUTO_COOLDOWN_S
-    why = (f"{'; '.join(auto)} ({cost.source()}" + (", joiners from the standby pool)" if joiners_pooled
-                                                     else ", joiners launched)")) if auto else ""
+    why = (
+        (
+            f"{'; '.join(auto)} ({cost.source()}"
+            + (", joiners from the standby pool)" if joiners_pooled else ", joiners launched)")
+        )
+        if auto
+        else ""
+    )
     return Timing(float(up_delay), float(down_delay), float(cooldown), round(up_s, 4), why)

@@ -67,24 +67,40 @@ class LoadTerms:
     terms: dict[str, Any] = field(default_factory=dict)
 
     def text(self) -> str:
-        return (f"ceil(({self.arrival_rps:.4g} req/s x {self.work_per_request:.4g} tok + {self.backlog_tokens:.4g} tok"
-                f" / {self.drain_s:g} s) / ({self.capacity_tps:.4g} tok/s x {self.target_utilization:g})) = "
-                f"ceil({self.need:.3g}) = {self.recommendation}")
+        return (
+            f"ceil(({self.arrival_rps:.4g} req/s x {self.work_per_request:.4g} tok + {self.backlog_tokens:.4g} tok"
+            f" / {self.drain_s:g} s) / ({self.capacity_tps:.4g} tok/s x {self.target_utilization:g})) = "
+            f"ceil({self.need:.3g}) = {self.recommendation}"
+        )
 
 
 def load_terms(load: LoadSignals, drain_s: float, target_utilization: float) -> LoadTerms:
     """The ranks the load needs: the formula above, each term kept."""
-    t = LoadTerms(load.arrival_rps or 0.0, load.work_per_request, load.backlog_tokens or 0.0, drain_s,
-                  load.capacity_tps, target_utilization, load.capacity_source)
+    t = LoadTerms(
+        load.arrival_rps or 0.0,
+        load.work_per_request,
+        load.backlog_tokens or 0.0,
+        drain_s,
+        load.capacity_tps,
+        target_utilization,
+        load.capacity_source,
+    )
     demand = t.arrival_rps * t.work_per_request + (t.backlog_tokens / drain_s if drain_s > 0 else 0.0)
     t.need = demand / max(1e-9, t.capacity_tps * target_utilization)
     t.recommendation = max(1, math.ceil(t.need - 1e-9))
-    t.terms = {"arrival_rps": round(t.arrival_rps, 4), "prompt_tps": None if load.prompt_tps is None
-               else round(load.prompt_tps, 3), "work_per_request": round(t.work_per_request, 3),
-               "backlog_tokens": round(t.backlog_tokens, 1), "drain_s": drain_s,
-               "demand_tps": round(demand, 3), "capacity_tps": round(t.capacity_tps, 3),
-               "capacity_source": t.capacity_source, "target_utilization": target_utilization,
-               "need": round(t.need, 4), "formula": t.text()}
+    t.terms = {
+        "arrival_rps": round(t.arrival_rps, 4),
+        "prompt_tps": None if load.prompt_tps is None else round(load.prompt_tps, 3),
+        "work_per_request": round(t.work_per_request, 3),
+        "backlog_tokens": round(t.backlog_tokens, 1),
+        "drain_s": drain_s,
+        "demand_tps": round(demand, 3),
+        "capacity_tps": round(t.capacity_tps, 3),
+        "capacity_source": t.capacity_source,
+        "target_utilization": target_utilization,
+        "need": round(t.need, 4),
+        "formula": t.text(),
+    }
     return t
 
 
@@ -113,8 +129,12 @@ class ArrivalWindow:
     def add(self, now: float, counts: dict[str, int] | None) -> None:
         if counts is None:
             return
-        row = (now, float(counts.get("requests", 0)), float(counts.get("prompt_tokens", 0)),
-               float(counts.get("output_tokens", 0)))
+        row = (
+            now,
+            float(counts.get("requests", 0)),
+            float(counts.get("prompt_tokens", 0)),
+            float(counts.get("output_tokens", 0)),
+        )
         if self.rows and row[1] < self.rows[-1][1]:
             self.rows.clear()  # a restarted router counts from 0 again: rates start over
         self.rows.append(row)
@@ -171,8 +191,9 @@ class CapacityLearner:
     def capacity(self, seed: float) -> tuple[float, str]:
         """(tokens/s per rank, where the figure comes from)."""
         if self.learned:
-            return float(self.learned["tokens_s"]), (f"learned: {self.learned['saturated_s']:.3g} rank-s of "
-                                                     "saturated steps")
+            return float(self.learned["tokens_s"]), (
+                f"learned: {self.learned['saturated_s']:.3g} rank-s of saturated steps"
+            )
         if seed > 0:
             return seed, "seed: --capacity"
         return DEFAULT_CAPACITY_TPS, "default seed (benchmarks/capacity.py, H100 host's 16 cores)"
@@ -183,8 +204,11 @@ def capacity_from_benchmark(result: dict[str, Any]) -> float:
     least over the DP sizes measured of output tokens/s per rank, in tokens computed (prompt and
     output). ValueError when the file holds no closed-loop figure."""
     tokens = float((result.get("args") or {}).get("tokens") or 16)
-    per_rank = [float(row["closed"]["tok_s"]) / int(row["dp"]) * (CAPACITY_PROMPT_TOKENS + tokens) / tokens
-                for row in result.get("load") or [] if (row.get("closed") or {}).get("tok_s") and row.get("dp")]
+    per_rank = [
+        float(row["closed"]["tok_s"]) / int(row["dp"]) * (CAPACITY_PROMPT_TOKENS + tokens) / tokens
+        for row in result.get("load") or []
+        if (row.get("closed") or {}).get("tok_s") and row.get("dp")
+    ]
     if not per_rank:
         raise ValueError("no closed-loop tok/s in it (run benchmarks/capacity.py with --parts closed)")
     return round(min(per_rank), 3)

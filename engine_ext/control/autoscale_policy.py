@@ -14,12 +14,26 @@ from engine_ext.config import AutoscaleMode
 from engine_ext.control.autoscale_cost import AUTO
 
 # Option names as ``eepctl autoscale`` spells them, for the errors.
-OPTION = {"min_dp": "--min-dp", "max_dp": "--max-dp", "mode": "--mode", "target_queue": "--target-queue",
-          "target_kv": "--target-kv", "slo_ttft_ms": "--slo-ttft-ms", "slo_tpot_ms": "--slo-tpot-ms",
-          "up_delay_s": "--up-delay", "down_delay_s": "--down-delay", "tolerance": "--tolerance",
-          "max_step": "--max-step", "cooldown_s": "--cooldown", "window_s": "--window",
-          "target_utilization": "--target-utilization", "drain_s": "--drain", "capacity_tokens_s": "--capacity",
-          "standby": "--standby", "burst": "--burst"}
+OPTION = {
+    "min_dp": "--min-dp",
+    "max_dp": "--max-dp",
+    "mode": "--mode",
+    "target_queue": "--target-queue",
+    "target_kv": "--target-kv",
+    "slo_ttft_ms": "--slo-ttft-ms",
+    "slo_tpot_ms": "--slo-tpot-ms",
+    "up_delay_s": "--up-delay",
+    "down_delay_s": "--down-delay",
+    "tolerance": "--tolerance",
+    "max_step": "--max-step",
+    "cooldown_s": "--cooldown",
+    "window_s": "--window",
+    "target_utilization": "--target-utilization",
+    "drain_s": "--drain",
+    "capacity_tokens_s": "--capacity",
+    "standby": "--standby",
+    "burst": "--burst",
+}
 DELAYS = ("up_delay_s", "down_delay_s", "cooldown_s")  # a number of seconds, or "auto" (from the scale's cost)
 
 
@@ -60,15 +74,28 @@ class AutoscalePolicy:
                 raise ValueError(f"{OPTION[name]} must be an integer >= 1, not {v!r}")
         if self.min_dp > self.max_dp:
             raise ValueError(f"--min-dp {self.min_dp} is over --max-dp {self.max_dp}")
-        for name in ("target_queue", "target_kv", "slo_ttft_ms", "slo_tpot_ms", "up_delay_s", "down_delay_s",
-                     "tolerance", "cooldown_s", "window_s", "target_utilization", "drain_s", "capacity_tokens_s"):
+        for name in (
+            "target_queue",
+            "target_kv",
+            "slo_ttft_ms",
+            "slo_tpot_ms",
+            "up_delay_s",
+            "down_delay_s",
+            "tolerance",
+            "cooldown_s",
+            "window_s",
+            "target_utilization",
+            "drain_s",
+            "capacity_tokens_s",
+        ):
             v = getattr(self, name)
             if name in DELAYS and isinstance(v, str) and v.strip().lower() == AUTO:
                 setattr(self, name, AUTO)
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
-                raise ValueError(f"{OPTION[name]} must be a number >= 0{' or auto' if name in DELAYS else ''}, "
-                                 f"not {v!r}")
+                raise ValueError(
+                    f"{OPTION[name]} must be a number >= 0{' or auto' if name in DELAYS else ''}, not {v!r}"
+                )
             setattr(self, name, float(v))
         for name in ("target_kv", "target_utilization"):
             if getattr(self, name) > 1.0:
@@ -85,10 +112,13 @@ class AutoscalePolicy:
             raise ValueError(f"--tolerance must be below 1 (0.10 is 10 %), not {self.tolerance!r}")
         if self.window_s <= 0:
             raise ValueError("--window must be > 0 seconds")
-        if self.mode != AutoscaleMode.OFF and not (self.target_queue or self.target_kv or self.slo_ttft_ms
-                                                   or self.slo_tpot_ms or self.target_utilization):
-            raise ValueError("give at least one target: --target-queue, --target-kv, --slo-ttft-ms, --slo-tpot-ms "
-                             "or --target-utilization")
+        if self.mode != AutoscaleMode.OFF and not (
+            self.target_queue or self.target_kv or self.slo_ttft_ms or self.slo_tpot_ms or self.target_utilization
+        ):
+            raise ValueError(
+                "give at least one target: --target-queue, --target-kv, --slo-ttft-ms, --slo-tpot-ms "
+                "or --target-utilization"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

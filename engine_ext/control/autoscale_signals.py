@@ -47,10 +47,18 @@ def kv_use(st: dict[str, Any]) -> float:
 
 def reading(now: float, st: dict[str, Any]) -> RankReading:
     held, queued = st.get("request_seconds"), st.get("tokens_queued")
-    return RankReading(now, int(st["rank"]), float((st.get("requests_waiting") or 0) + (st.get("requests_running") or 0)),
-                       kv_use(st), st.get("ttft_ms_p95"), st.get("tpot_ms_p95"),
-                       None if held is None else float(held), float(st.get("last_heartbeat") or 0.0),
-                       str(st.get("instance_id") or ""), None if queued is None else float(queued))
+    return RankReading(
+        now,
+        int(st["rank"]),
+        float((st.get("requests_waiting") or 0) + (st.get("requests_running") or 0)),
+        kv_use(st),
+        st.get("ttft_ms_p95"),
+        st.get("tpot_ms_p95"),
+        None if held is None else float(held),
+        float(st.get("last_heartbeat") or 0.0),
+        str(st.get("instance_id") or ""),
+        None if queued is None else float(queued),
+    )
 
 
 def mean_held(rows: list[RankReading], min_span_s: float = 0.5) -> float:
@@ -103,19 +111,45 @@ class SignalWindow:
         tps, source = self.capacity.capacity(capacity_seed)
         return LoadSignals(rps, prompt_tps, base_rps, per_request, sum(queued) if queued else None, tps, source)
 
-    def observed(self, now: float, members: list[int], *, busy: str | None = None, num_experts: int = 1,
-                 slots_per_rank: int = 1, standby_ready: int = 0, capacity: Callable[[int], str | None] | None = None,
-                 eplb_imbalance: float | None = None, capacity_seed: float = 0.0,
-                 cost: ScaleCost | None = None) -> Observed:
+    def observed(
+        self,
+        now: float,
+        members: list[int],
+        *,
+        busy: str | None = None,
+        num_experts: int = 1,
+        slots_per_rank: int = 1,
+        standby_ready: int = 0,
+        capacity: Callable[[int], str | None] | None = None,
+        eplb_imbalance: float | None = None,
+        capacity_seed: float = 0.0,
+        cost: ScaleCost | None = None,
+    ) -> Observed:
         """The tick's ``Observed``: per member, its mean load and KV use over the window and its
         TTFT/TPOT p95 readings."""
         ranks = []
         for r in members:
             rows = [x for x in self.readings if x.rank == r and x.at >= now - self.window_s]
             n = max(1, len(rows))
-            ranks.append(RankSignals(r, mean_held(rows), sum(x.kv_use for x in rows) / n,
-                                     [x.ttft_ms for x in rows if x.ttft_ms is not None],
-                                     [x.tpot_ms for x in rows if x.tpot_ms is not None]))
-        return Observed(dp=len(members), ranks=ranks, window_s=self.window_s, busy=busy, num_experts=num_experts,
-                        slots_per_rank=slots_per_rank, standby_ready=standby_ready, capacity=capacity,
-                        eplb_imbalance=eplb_imbalance, load=self.load(now, members, capacity_seed), cost=cost)
+            ranks.append(
+                RankSignals(
+                    r,
+                    mean_held(rows),
+                    sum(x.kv_use for x in rows) / n,
+                    [x.ttft_ms for x in rows if x.ttft_ms is not None],
+                    [x.tpot_ms for x in rows if x.tpot_ms is not None],
+                )
+            )
+        return Observed(
+            dp=len(members),
+            ranks=ranks,
+            window_s=self.window_s,
+            busy=busy,
+            num_experts=num_experts,
+            slots_per_rank=slots_per_rank,
+            standby_ready=standby_ready,
+            capacity=capacity,
+            eplb_imbalance=eplb_imbalance,
+            load=self.load(now, members, capacity_seed),
+            cost=cost,
+        )

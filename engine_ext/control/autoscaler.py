@@ -29,8 +29,16 @@ from engine_ext.control.autoscale_load import (
 )
 from engine_ext.control.autoscale_policy import AutoscalePolicy
 
-__all__ = ["AutoscaleMode", "AutoscalePolicy", "Autoscaler", "Decision", "Observed", "RankSignals",
-           "SignalReading", "p95"]
+__all__ = [
+    "AutoscaleMode",
+    "AutoscalePolicy",
+    "Autoscaler",
+    "Decision",
+    "Observed",
+    "RankSignals",
+    "SignalReading",
+    "p95",
+]
 
 CapacityCheck = Callable[[int], str | None]
 """The placement preflight: why ``n`` more ranks would not fit the cluster, or None."""
@@ -170,8 +178,7 @@ def load_reading(policy: AutoscalePolicy, obs: Observed) -> SignalReading | None
 class Autoscaler:
     """Decides one deployment's desired DP size, tick by tick; keeps its last decisions."""
 
-    def __init__(self, policy: AutoscalePolicy, decisions: list[dict[str, Any]] | None = None,
-                 keep: int = 500) -> None:
+    def __init__(self, policy: AutoscalePolicy, decisions: list[dict[str, Any]] | None = None, keep: int = 500) -> None:
         self.policy = policy.validated()
         self.decisions: deque[Decision] = deque((Decision.from_dict(d) for d in decisions or []), maxlen=keep)
         self.history: deque[tuple[float, int]] = deque(maxlen=4096)  # (at, raw recommendation)
@@ -186,15 +193,27 @@ class Autoscaler:
         p, obs = self.policy, observed
         sig = readings(p, obs)
         raw = max((s.recommendation for s in sig), default=obs.dp)  # the largest recommendation wins
-        self.timing = timing(p.up_delay_s, p.down_delay_s, p.cooldown_s, obs.cost or ScaleCost(),
-                             0 < obs.standby_ready >= raw - obs.dp)
+        self.timing = timing(
+            p.up_delay_s, p.down_delay_s, p.cooldown_s, obs.cost or ScaleCost(), 0 < obs.standby_ready >= raw - obs.dp
+        )
         self.history.append((now, raw))
         self._prune(now)
         panic = [s for s in sig if s.name in ("ttft", "tpot") and s.ratio >= 2.0]
-        d = Decision(id=f"as-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:4]}",
-                     at=now, mode=str(p.mode), current_dp=obs.dp, window_s=obs.window_s, signals=sig,
-                     raw_recommendation=raw, recommendation=obs.dp, rule="", action="", panic=bool(panic),
-                     eplb_imbalance=obs.eplb_imbalance, timing=self.timing.to_dict())
+        d = Decision(
+            id=f"as-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:4]}",
+            at=now,
+            mode=str(p.mode),
+            current_dp=obs.dp,
+            window_s=obs.window_s,
+            signals=sig,
+            raw_recommendation=raw,
+            recommendation=obs.dp,
+            rule="",
+            action="",
+            panic=bool(panic),
+            eplb_imbalance=obs.eplb_imbalance,
+            timing=self.timing.to_dict(),
+        )
         target, d.rule = self._stabilised(now, obs, raw, sig, panic)
         target = self._bounded(obs, target, d)
         d.recommendation = target
@@ -223,8 +242,9 @@ class Autoscaler:
             start = at
         return self.history[-1][0] - start, recs
 
-    def _stabilised(self, now: float, obs: Observed, raw: int, sig: list[SignalReading],
-                    panic: list[SignalReading]) -> tuple[int, str]:
+    def _stabilised(
+        self, now: float, obs: Observed, raw: int, sig: list[SignalReading], panic: list[SignalReading]
+    ) -> tuple[int, str]:
         """HPA's stabilisation: up to the smallest recommendation held for the up-delay (the
         newest when the load rule asks: it is a rate, not a level), down to the largest held for
         the down-delay; in panic (an SLO breached 2x) up at once. A load-rule ask is not chased
@@ -245,8 +265,11 @@ class Autoscaler:
         if held < delay:
             return current, f"{winner} asks {way} to DP {raw}; stabilising {_secs(held)}s of {_secs(delay)}s{formula}"
         up_by_load = winner == "load" and raw > current and obs.load is not None
-        late = (drains_before_scale(obs.load, current, t.scale_up_s, p.target_utilization)
-                if up_by_load and obs.load else None)
+        late = (
+            drains_before_scale(obs.load, current, t.scale_up_s, p.target_utilization)
+            if up_by_load and obs.load
+            else None
+        )
         if late:
             return current, f"load asks up to DP {raw}; not chased: {late}{formula}"
         target = raw if up_by_load else min(recs) if raw > current else max(recs)
@@ -262,11 +285,17 @@ class Autoscaler:
         lo, hi = max(p.min_dp, need), p.max_dp
         bounded = max(lo, min(hi, target))
         if bounded != target:
-            d.rule += f"; bounded to [{lo}, {hi}]" + (f" ({obs.num_experts} experts need {need})" if need > p.min_dp else "")
+            d.rule += f"; bounded to [{lo}, {hi}]" + (
+                f" ({obs.num_experts} experts need {need})" if need > p.min_dp else ""
+            )
         target = bounded
         pooled = current + obs.standby_ready
-        if (not d.panic and obs.standby_ready > 0 and current < pooled < target
-                and target <= math.ceil(pooled * (1 + p.tolerance))):
+        if (
+            not d.panic
+            and obs.standby_ready > 0
+            and current < pooled < target
+            and target <= math.ceil(pooled * (1 + p.tolerance))
+        ):
             d.rule += f"; DP {pooled} preferred (the standby pool serves it at once)"
             target = pooled
         return target
@@ -316,7 +345,7 @@ class Autoscaler:
     def cooldown_s(self) -> float:
         """The cooldown after an action; doubled per failed scale in a row (capped at the down-delay)."""
         base = self.timing.cooldown_s
-        return min(max(base, self.timing.down_delay_s), base * 2 ** self.failures) if self.failures else base
+        return min(max(base, self.timing.down_delay_s), base * 2**self.failures) if self.failures else base
 
     # ---- what the loop reports back --------------------------------------------------------------
     def record_outcome(self, decision_id: str, ok: bool, detail: str = "") -> None:
@@ -324,7 +353,9 @@ class Autoscaler:
         self.failures = 0 if ok else self.failures + 1
         for d in reversed(self.decisions):
             if d.id == decision_id:
-                d.outcome = "scaled" + (f": {detail}" if detail else "") if ok else f"failed: {detail or 'no reason given'}"
+                d.outcome = (
+                    "scaled" + (f": {detail}" if detail else "") if ok else f"failed: {detail or 'no reason given'}"
+                )
                 d.action = d.outcome
                 return
 

@@ -47,8 +47,12 @@ def host_identity(device: str = "cpu") -> dict[str, Any]:
     On a GPU host the GPU's name too: lent machines share a hostname and a CPU count, and an H100's
     fit priced an H200's scales (``nvidia-smi``: no CUDA context in this process)."""
     kind = device.split(":")[0]
-    return {"hostname": socket.gethostname(), "cpus": os.cpu_count() or 0, "device": kind,
-            "gpu": gpu_name() if kind == "cuda" else ""}
+    return {
+        "hostname": socket.gethostname(),
+        "cpus": os.cpu_count() or 0,
+        "device": kind,
+        "gpu": gpu_name() if kind == "cuda" else "",
+    }
 
 
 @functools.cache
@@ -58,8 +62,13 @@ def gpu_name() -> str:
     import subprocess
 
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.splitlines()[0].strip() if out.strip() else ""
@@ -68,8 +77,7 @@ def gpu_name() -> str:
 def same_host(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Hostname, CPU count, device kind and GPU name agree (a fit written before the GPU's name was
     kept has none: it matches only a host without a GPU)."""
-    return (all(a.get(k) == b.get(k) for k in ("hostname", "cpus", "device"))
-            and a.get("gpu", "") == b.get("gpu", ""))
+    return all(a.get(k) == b.get(k) for k in ("hostname", "cpus", "device")) and a.get("gpu", "") == b.get("gpu", "")
 
 
 def model_path() -> Path:
@@ -87,9 +95,11 @@ def load_model(device: str = "cpu") -> tuple[dict[str, Any] | None, str]:
         return None, f"no cost model fitted on this host ({path} unreadable: {e})"
     here, there = host_identity(device), model.get("host", {})
     if model.get("format") != FORMAT or not same_host(here, there):
-        return None, (f"no cost model fitted on this host ({here['hostname']}, {here['cpus']} CPUs, "
-                      f"{_device(here)}): {path} was fitted on {there.get('hostname')}, {there.get('cpus')} "
-                      f"CPUs, {_device(there)}")
+        return None, (
+            f"no cost model fitted on this host ({here['hostname']}, {here['cpus']} CPUs, "
+            f"{_device(here)}): {path} was fitted on {there.get('hostname')}, {there.get('cpus')} "
+            f"CPUs, {_device(there)}"
+        )
     return model | {"path": str(path)}, ""
 
 
@@ -102,8 +112,7 @@ def least_squares(xs: list[list[float]], ys: list[float]) -> list[float]:
     """Coefficients c minimising sum((x . c - y)^2): the normal equations, solved by Gaussian
     elimination with partial pivoting (a handful of columns; no numpy in the controller)."""
     n = len(xs[0])
-    a = [[sum(r[i] * r[j] for r in xs) for j in range(n)] + [sum(r[i] * y for r, y in zip(xs, ys))]
-         for i in range(n)]
+    a = [[sum(r[i] * r[j] for r in xs) for j in range(n)] + [sum(r[i] * y for r, y in zip(xs, ys))] for i in range(n)]
     for col in range(n):
         piv = max(range(col, n), key=lambda r: abs(a[r][col]))
         if abs(a[piv][col]) < 1e-300:
@@ -141,14 +150,19 @@ def fit_linear(points: list[dict[str, float]], features: list[str], target: str,
     fixed += negative
     fitted = [sum(c * v for c, v in zip(coef, r)) for r in rows]
     ratios = [y / f for f, y in zip(_left_out(points, features, target, loo), ys) if f > 0 and y > 0]
-    return {"intercept": coef[0], "coef": dict(zip(used, coef[1:])), "not_fitted": fixed, "negative": negative,
-            "points": len(points),
-            "range": {f: [min(p[f] for p in points), max(p[f] for p in points)] for f in features},
-            "max_rel_error": max((abs(f - y) / y for f, y in zip(fitted, ys) if y > 0), default=0.0),
-            # measured / predicted over the fit's points, each predicted by the fit of the others, least
-            # and most: how far a scale the fit did not see strayed on this host (on shared cores a
-            # pause of a few ms strays by tens of per cent; a price only two points had, more)
-            "spread": [min(ratios, default=1.0), max(ratios, default=1.0)]}
+    return {
+        "intercept": coef[0],
+        "coef": dict(zip(used, coef[1:])),
+        "not_fitted": fixed,
+        "negative": negative,
+        "points": len(points),
+        "range": {f: [min(p[f] for p in points), max(p[f] for p in points)] for f in features},
+        "max_rel_error": max((abs(f - y) / y for f, y in zip(fitted, ys) if y > 0), default=0.0),
+        # measured / predicted over the fit's points, each predicted by the fit of the others, least
+        # and most: how far a scale the fit did not see strayed on this host (on shared cores a
+        # pause of a few ms strays by tens of per cent; a price only two points had, more)
+        "spread": [min(ratios, default=1.0), max(ratios, default=1.0)],
+    }
 
 
 def _left_out(points: list[dict[str, float]], features: list[str], target: str, loo: bool) -> list[float]:
@@ -159,7 +173,7 @@ def _left_out(points: list[dict[str, float]], features: list[str], target: str, 
     out = []
     for i in range(len(points)):
         try:
-            part = fit_linear(points[:i] + points[i + 1:], features, target, loo=False)
+            part = fit_linear(points[:i] + points[i + 1 :], features, target, loo=False)
         except ValueError:
             out.append(0.0)
             continue
@@ -167,19 +181,27 @@ def _left_out(points: list[dict[str, float]], features: list[str], target: str, 
     return out
 
 
-def fit(points: list[dict[str, Any]], host: dict[str, Any], source: list[str],
-        copy_GBps: float | None = None) -> dict[str, Any]:
+def fit(
+    points: list[dict[str, Any]], host: dict[str, Any], source: list[str], copy_GBps: float | None = None
+) -> dict[str, Any]:
     """The model from curve points (``point``'s keys), with the host they were measured on.
     ``copy_GBps``: the copy rate measured beside them (the commit's loads into slots: host memory, or
     on a GPU the device's)."""
-    model: dict[str, Any] = {"format": FORMAT, "host": host, "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                                        time.gmtime()),
-                             "source": source, "move": fit_linear(points, MOVE_FEATURES, "move_s"), "pause": {},
-                             "load_s_per_byte": 1e-9 / copy_GBps if copy_GBps else 0.0}
+    model: dict[str, Any] = {
+        "format": FORMAT,
+        "host": host,
+        "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "source": source,
+        "move": fit_linear(points, MOVE_FEATURES, "move_s"),
+        "pause": {},
+        "load_s_per_byte": 1e-9 / copy_GBps if copy_GBps else 0.0,
+    }
     for policy in sorted({p["capture_policy"] for p in points}):
         mine = [p for p in points if p["capture_policy"] == policy]
         model["pause"][policy] = fit_linear(mine, PAUSE_FEATURES, "pause_s") | {
-            "capture_sizes": mine[0]["capture_sizes"], "joiners_from_pool": sorted({p["pool"] for p in mine})}
+            "capture_sizes": mine[0]["capture_sizes"],
+            "joiners_from_pool": sorted({p["pool"] for p in mine}),
+        }
     return model
 
 
@@ -192,15 +214,25 @@ def plan_features(plan: dict[str, Any], per_expert: int, slots_per_rank: int) ->
     ranks: dict[str, dict[str, int]] = {}
     for r, d in (plan.get("precopy") or {}).get("per_rank", {}).items():
         into = d["receive"] if int(r) in joiners else d["spare"]
-        ranks[r] = {"moved_bytes": into + d["send"],  # through the rank; sends: the commit's too (a bound)
-                    "commit_bytes": d["commit_moved"], "spare_bytes": d["spare"], "into": into}
+        ranks[r] = {
+            "moved_bytes": into + d["send"],  # through the rank; sends: the commit's too (a bound)
+            "commit_bytes": d["commit_moved"],
+            "spare_bytes": d["spare"],
+            "into": into,
+        }
     total = sum(v.pop("into") for v in ranks.values())
-    return {"per_rank": ranks, "moved_bytes": max((v["moved_bytes"] for v in ranks.values()), default=0),
-            "total_moved_bytes": total, "spare_total_bytes": sum(v["spare_bytes"] for v in ranks.values()),
-            "commit_bytes": max((v["commit_bytes"] for v in ranks.values()), default=0),
-            "commit_load_bytes": max((d.get("commit_copy", 0) for d in (plan.get("precopy") or {}).get("per_rank", {}).values()),
-                                     default=0),
-            "rank_expert_bytes": per_expert * slots_per_rank, "joiners": len(joiners)}
+    return {
+        "per_rank": ranks,
+        "moved_bytes": max((v["moved_bytes"] for v in ranks.values()), default=0),
+        "total_moved_bytes": total,
+        "spare_total_bytes": sum(v["spare_bytes"] for v in ranks.values()),
+        "commit_bytes": max((v["commit_bytes"] for v in ranks.values()), default=0),
+        "commit_load_bytes": max(
+            (d.get("commit_copy", 0) for d in (plan.get("precopy") or {}).get("per_rank", {}).values()), default=0
+        ),
+        "rank_expert_bytes": per_expert * slots_per_rank,
+        "joiners": len(joiners),
+    }
 
 
 def _linear(part: dict[str, Any], x: dict[str, Any]) -> float:
@@ -224,16 +256,28 @@ def pause_s(model: dict[str, Any], x: dict[str, Any], capture_policy: str) -> fl
     return max(0.0, _linear(pz, x) + x.get("commit_bytes", 0) * rate + load)
 
 
-def predict(plan: dict[str, Any], per_expert: int, slots_per_rank: int, capture_policy: str,
-            pool: bool, model: dict[str, Any] | None, why_none: str = "") -> dict[str, Any]:
+def predict(
+    plan: dict[str, Any],
+    per_expert: int,
+    slots_per_rank: int,
+    capture_policy: str,
+    pool: bool,
+    model: dict[str, Any] | None,
+    why_none: str = "",
+) -> dict[str, Any]:
     """The plan's predicted cost: always bytes per rank and extra memory (the plan's own); move
     time and serving pause only from a model fitted on this host, else ``no_model`` says why."""
     x = plan_features(plan, per_expert, slots_per_rank)
-    out: dict[str, Any] = {"per_rank": x["per_rank"], "moved_bytes": x["moved_bytes"],
-                           "commit_bytes": x["commit_bytes"], "rank_expert_bytes": x["rank_expert_bytes"],
-                           "commit_load_bytes": x["commit_load_bytes"], "total_moved_bytes": x["total_moved_bytes"],
-                           "spare_total_bytes": x["spare_total_bytes"],
-                           "extra_memory_bytes": max((v["spare_bytes"] for v in x["per_rank"].values()), default=0)}
+    out: dict[str, Any] = {
+        "per_rank": x["per_rank"],
+        "moved_bytes": x["moved_bytes"],
+        "commit_bytes": x["commit_bytes"],
+        "rank_expert_bytes": x["rank_expert_bytes"],
+        "commit_load_bytes": x["commit_load_bytes"],
+        "total_moved_bytes": x["total_moved_bytes"],
+        "spare_total_bytes": x["spare_total_bytes"],
+        "extra_memory_bytes": max((v["spare_bytes"] for v in x["per_rank"].values()), default=0),
+    }
     if model is None:
         return out | {"no_model": why_none}
     mv = model["move"]
@@ -245,8 +289,10 @@ def predict(plan: dict[str, Any], per_expert: int, slots_per_rank: int, capture_
     pz = model["pause"].get(capture_policy)
     if pz is None:
         fitted = ", ".join(sorted(model["pause"])) or "none"
-        out["pause_note"] = (f"no fit applies to capture policy {capture_policy}: the model has a pause fit for "
-                             f"{fitted} only (benchmarks/fit_cost.py fits one from curves run under {capture_policy})")
+        out["pause_note"] = (
+            f"no fit applies to capture policy {capture_policy}: the model has a pause fit for "
+            f"{fitted} only (benchmarks/fit_cost.py fits one from curves run under {capture_policy})"
+        )
     else:
         out["pause_s"] = pause_s(model, x, capture_policy)
         if "spread" in pz:
@@ -268,21 +314,29 @@ def measured(op: dict[str, Any], prepared: dict[str, dict[str, Any]]) -> dict[st
     for r, res in prepared.items():
         pc = res.get("precopy") or {}
         mm = (op.get("move_memory") or {}).get(r, {})
-        per_rank[r] = {"moved_bytes": max(pc.get("bytes_received", 0), pc.get("spare_bytes", 0)) + pc.get("bytes_sent", 0),
-                       "commit_bytes": int(mm.get("commit_moved_bytes", 0)),
-                       "spare_bytes": int(mm.get("spare_bytes", pc.get("spare_bytes", 0)))}
-    return {"pause_s": float(op.get("serving_pause_s", 0.0)),
-            "move_s": max(((res.get("precopy") or {}).get("s", 0.0) for res in prepared.values()), default=0.0),
-            "per_rank": per_rank, "moved_bytes": max((v["moved_bytes"] for v in per_rank.values()), default=0),
-            "commit_bytes": max((v["commit_bytes"] for v in per_rank.values()), default=0),
-            "extra_memory_bytes": max((v["spare_bytes"] for v in per_rank.values()), default=0)}
+        per_rank[r] = {
+            "moved_bytes": max(pc.get("bytes_received", 0), pc.get("spare_bytes", 0)) + pc.get("bytes_sent", 0),
+            "commit_bytes": int(mm.get("commit_moved_bytes", 0)),
+            "spare_bytes": int(mm.get("spare_bytes", pc.get("spare_bytes", 0))),
+        }
+    return {
+        "pause_s": float(op.get("serving_pause_s", 0.0)),
+        "move_s": max(((res.get("precopy") or {}).get("s", 0.0) for res in prepared.values()), default=0.0),
+        "per_rank": per_rank,
+        "moved_bytes": max((v["moved_bytes"] for v in per_rank.values()), default=0),
+        "commit_bytes": max((v["commit_bytes"] for v in per_rank.values()), default=0),
+        "extra_memory_bytes": max((v["spare_bytes"] for v in per_rank.values()), default=0),
+    }
 
 
 def relative_errors(predicted: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
     """(predicted - measured) / measured for each figure both have and the measurement is not 0."""
     keys = ("pause_s", "move_s", "moved_bytes", "commit_bytes", "extra_memory_bytes")
-    return {k: (float(predicted[k]) - float(got[k])) / float(got[k])
-            for k in keys if predicted.get(k) is not None and got.get(k)}
+    return {
+        k: (float(predicted[k]) - float(got[k])) / float(got[k])
+        for k in keys
+        if predicted.get(k) is not None and got.get(k)
+    }
 
 
 def within_range(predicted: dict[str, Any], got: dict[str, Any]) -> dict[str, bool]:

@@ -67,8 +67,11 @@ class Health:
 
     def failed(self, ranks: list[int]) -> dict[int, str]:
         """Members of ``ranks`` whose last answer reported ``failed``, with why."""
-        return {r: f"reported failed: {self.reported[r].get('reason', '')}"[:300]
-                for r in ranks if self.reported.get(r, {}).get("state") == "failed"}
+        return {
+            r: f"reported failed: {self.reported[r].get('reason', '')}"[:300]
+            for r in ranks
+            if self.reported.get(r, {}).get("state") == "failed"
+        }
 
     def silent(self, ranks: list[int]) -> dict[int, tuple[float, str]]:
         """Members of ``ranks`` silent past the deadline: how long, and what the last probe got."""
@@ -106,8 +109,9 @@ class Health:
         """Per member: heartbeat age and the reason it is unhealthy, for ``eepctl status``."""
         now = time.time()
         bad = self.unhealthy(ranks)
-        return {str(r): {"age_s": round(now - self.last_seen.get(r, now), 2), "unhealthy": bad.get(r, "")}
-                for r in ranks}
+        return {
+            str(r): {"age_s": round(now - self.last_seen.get(r, now), 2), "unhealthy": bad.get(r, "")} for r in ranks
+        }
 
 
 def probe_wait_s(deadline_s: float) -> float:

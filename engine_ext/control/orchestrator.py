@@ -111,16 +111,16 @@ class Orchestrator:
         try:
             w.move_store(await rank0.host_store(), 0)
             # the other ranks launch together: their start-ups (imports, engine build) overlap
-            rest = await asyncio.gather(*(self.spawner.spawn(r, layout, False) for r in range(1, size)),
-                                        return_exceptions=True)
+            rest = await asyncio.gather(
+                *(self.spawner.spawn(r, layout, False) for r in range(1, size)), return_exceptions=True
+            )
             clients.update({r: c for r, c in enumerate(rest, 1) if not isinstance(c, BaseException)})
             failed = next((c for c in rest if isinstance(c, BaseException)), None)
             if failed is not None:
                 raise failed
             rdzv = w.rendezvous(op_id)
             await World.call_all(clients, "join", lambda c: c.join(rdzv, size, timeout=timeout_s))
-            await World.call_all(clients, "warm_and_capture",
-                                 lambda c: c.warm_and_capture(op_id, timeout=timeout_s))
+            await World.call_all(clients, "warm_and_capture", lambda c: c.warm_and_capture(op_id, timeout=timeout_s))
             await World.call_all(clients, "serve", lambda c: c.serve(timeout=60))
         except BaseException:
             for c in clients.values():
@@ -134,14 +134,24 @@ class Orchestrator:
         self.check_target(target)
         return await self.admission.compose(target, op_id, retire)
 
-    async def admit(self, target: int, *, op_id: str | None = None, settle: bool = False,
-                    probe_ranks: bool = False, retire: list[int] | None = None, cause: str = "") -> Admitted:
+    async def admit(
+        self,
+        target: int,
+        *,
+        op_id: str | None = None,
+        settle: bool = False,
+        probe_ranks: bool = False,
+        retire: list[int] | None = None,
+        cause: str = "",
+    ) -> Admitted:
         """Admit a scale (engine_ext.control.admission); ``run`` it next, which releases the lock."""
-        return await self.admission.admit(target, op_id=op_id, settle=settle, probe_ranks=probe_ranks,
-                                          retire=retire, cause=cause)
+        return await self.admission.admit(
+            target, op_id=op_id, settle=settle, probe_ranks=probe_ranks, retire=retire, cause=cause
+        )
 
-    async def run(self, admitted: Admitted, *, drain_timeout_s: float = 30.0,
-                  timeout_s: float = 300.0) -> dict[str, Any]:
+    async def run(
+        self, admitted: Admitted, *, drain_timeout_s: float = 30.0, timeout_s: float = 300.0
+    ) -> dict[str, Any]:
         """Run an admitted scale to its end; the operation record says how it ended."""
         w, plan, op = self.world, admitted.plan, admitted.op
         try:
@@ -154,8 +164,9 @@ class Orchestrator:
             w.op = op
             w.record(op)
             try:
-                await ScaleRun(w, self.spawner, self.recovery, plan, op,
-                               drain_timeout_s=drain_timeout_s, timeout_s=timeout_s).execute()
+                await ScaleRun(
+                    w, self.spawner, self.recovery, plan, op, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s
+                ).execute()
             finally:
                 op.finished = time.time()
                 if op.state != OpState.SUCCEEDED.value:
@@ -167,8 +178,16 @@ class Orchestrator:
         finally:
             w.op_lock.release()
 
-    async def scale(self, target: int, *, drain_timeout_s: float = 30.0, timeout_s: float = 300.0,
-                    op_id: str | None = None, retire: list[int] | None = None, cause: str = "") -> dict[str, Any]:
+    async def scale(
+        self,
+        target: int,
+        *,
+        drain_timeout_s: float = 30.0,
+        timeout_s: float = 300.0,
+        op_id: str | None = None,
+        retire: list[int] | None = None,
+        cause: str = "",
+    ) -> dict[str, Any]:
         """Admit and run a scale to ``target`` ranks (``cause``: why the controller starts it, the
         operation record's); raises when it is not admitted."""
         admitted = await self.admit(target, op_id=op_id, retire=retire, cause=cause)
@@ -179,8 +198,13 @@ class Orchestrator:
         stopping, at the desired size, no serving rank, or another operation holds the lock)."""
         w = self.world
         target = min(self.desired, self.max_dp)
-        if (self.on_rank_failure != RankFailurePolicy.REPLACE or w.stopping or target <= w.size
-                or not w.router.clients or w.op_lock.locked()):
+        if (
+            self.on_rank_failure != RankFailurePolicy.REPLACE
+            or w.stopping
+            or target <= w.size
+            or not w.router.clients
+            or w.op_lock.locked()
+        ):
             return 0
         return target
 
@@ -210,8 +234,19 @@ class Orchestrator:
         epoch = w.fence(rank, reason)
         self.fenced_clients[rank] = client
         now = time.time()
-        w.emit(to_builtins(Event(w.op.op_id if w.op is not None else "", rank, "fence", now, now, "ok",
-                                 {"epoch": epoch, "reason": reason})))
+        w.emit(
+            to_builtins(
+                Event(
+                    w.op.op_id if w.op is not None else "",
+                    rank,
+                    "fence",
+                    now,
+                    now,
+                    "ok",
+                    {"epoch": epoch, "reason": reason},
+                )
+            )
+        )
         asyncio.ensure_future(quiet(client.fence(epoch, reason, timeout=2)))  # a hung rank never answers
         # Not awaited: a rank cut off by a partition dies only when its node is reachable again,
         # and the recovery without it must not wait for that.
@@ -238,8 +273,9 @@ class Orchestrator:
             size = max(self.desired, min_world_size(self.cfg.num_experts, self.cfg.slots_per_rank))
             size = min(size, self.max_dp)
             old = list(w.members)
-            op = Operation(new_op_id(), self.name, len(old), size, kind="rebuild", dead_ranks=old,
-                           plan={"reason": reason})
+            op = Operation(
+                new_op_id(), self.name, len(old), size, kind="rebuild", dead_ranks=old, plan={"reason": reason}
+            )
             w.op = op
             w.router.pause()
             w.router.reroute(set(old))  # what the old ranks held continues on the new world

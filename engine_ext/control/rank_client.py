@@ -71,7 +71,8 @@ class RankControl(Protocol):
 
 
 RANK_METHODS: frozenset[str] = frozenset(
-    name for name, value in vars(RankControl).items() if callable(value) and not name.startswith("_"))
+    name for name, value in vars(RankControl).items() if callable(value) and not name.startswith("_")
+)
 
 
 class MissingRank(Exception):
@@ -98,8 +99,9 @@ class RankClient(ABC):
         host, port = await self._invoke("host_store", timeout=timeout)
         return host, int(port)
 
-    async def join(self, rdzv: Rendezvous, world_size: int, timeout_s: float = 120.0, *,
-                   timeout: float | None = None) -> None:
+    async def join(
+        self, rdzv: Rendezvous, world_size: int, timeout_s: float = 120.0, *, timeout: float | None = None
+    ) -> None:
         await self._invoke("join", rdzv, world_size, timeout_s, timeout=timeout)
 
     async def warm_and_capture(self, op_id: str, *, timeout: float | None = None) -> dict[str, Any]:

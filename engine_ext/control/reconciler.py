@@ -43,10 +43,17 @@ _VARYING = re.compile(r"op-[0-9a-z-]+|'[0-9a-f]{16,}'|\d+(\.\d+)?")  # ids and n
 class Reconciler:
     """Drives one deployment's observed state towards its desired state."""
 
-    def __init__(self, orch: Orchestrator, *, deadline_s: float = DEFAULT_DEADLINE_S, tick_s: float = TICK_S,
-                 park_bound_s: float = PARK_BOUND_S, on_tick: Callable[[], None] | None = None,
-                 sweep: Callable[[], Awaitable[list[str]]] | None = None,
-                 autoscale: Callable[[], Awaitable[list[str]]] | None = None) -> None:
+    def __init__(
+        self,
+        orch: Orchestrator,
+        *,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        tick_s: float = TICK_S,
+        park_bound_s: float = PARK_BOUND_S,
+        on_tick: Callable[[], None] | None = None,
+        sweep: Callable[[], Awaitable[list[str]]] | None = None,
+        autoscale: Callable[[], Awaitable[list[str]]] | None = None,
+    ) -> None:
         self.orch = orch
         self.on_tick = on_tick or (lambda: None)  # after each tick: persist, publish
         self.sweep = sweep  # ends rank processes no world knows (a joiner launched by a dead controller)
@@ -117,19 +124,28 @@ class Reconciler:
         self._backoff_s = min(self.backoff_max_s, max(1.0, self._backoff_s * 2))
         if len(self._attempts) >= ESCALATE_AFTER:
             self._backoff_s = self.backoff_max_s  # retrying blind at once would only fail again: keep it cheap
-            self.escalated = {"action": action, "cause": text, "attempts": len(self._attempts),
-                              "tried": self._attempts[-ESCALATE_AFTER:], "operator": self._advice(action, text)}
+            self.escalated = {
+                "action": action,
+                "cause": text,
+                "attempts": len(self._attempts),
+                "tried": self._attempts[-ESCALATE_AFTER:],
+                "operator": self._advice(action, text),
+            }
         self._backoff_until = now + self._backoff_s
 
     def _advice(self, action: str, cause: str) -> str:
         """What the operator can do about an escalated action."""
         name = self.orch.name
         if "no capacity" in cause:
-            return (f"add nodes or free resources so the placement policy can place the ranks, or lower the "
-                    f"desired size (`eepctl scale --dp N --name {name}`)")
-        return (f"`eepctl events --name {name}` shows each attempt; `eepctl repair --name {name}` retries at "
-                f"once; if the cause persists, `eepctl down --name {name}` removes everything of the deployment "
-                f"(what a dead controller left included) and `eepctl up --name {name}` starts it afresh")
+            return (
+                f"add nodes or free resources so the placement policy can place the ranks, or lower the "
+                f"desired size (`eepctl scale --dp N --name {name}`)"
+            )
+        return (
+            f"`eepctl events --name {name}` shows each attempt; `eepctl repair --name {name}` retries at "
+            f"once; if the cause persists, `eepctl down --name {name}` removes everything of the deployment "
+            f"(what a dead controller left included) and `eepctl up --name {name}` starts it afresh"
+        )
 
     def reset_backoff(self) -> None:
         """An operator asked (``eepctl repair``): act now."""
@@ -225,29 +241,50 @@ class Reconciler:
         operation that did not succeed, and, when the deployment is still short of its desired
         state, the loop's last error (a grow with no capacity runs no operation)."""
         o = self.orch
-        failed = [f"{op.get('kind', 'scale')} {op['op_id']} {str(op.get('state')).replace('_', ' ')}: "
-                  f"{op.get('error') or 'no reason given'}"
-                  for op in o.world.history if float(op.get("started") or 0.0) >= since and op.get("finished")
-                  and op.get("state") != "succeeded"]
-        short = (o.recovery.failed_reason or any(r in o.recovery.dead for r in o.world.members)
-                 or (o.on_rank_failure == RankFailurePolicy.REPLACE and o.world.size < o.desired))
+        failed = [
+            f"{op.get('kind', 'scale')} {op['op_id']} {str(op.get('state')).replace('_', ' ')}: "
+            f"{op.get('error') or 'no reason given'}"
+            for op in o.world.history
+            if float(op.get("started") or 0.0) >= since and op.get("finished") and op.get("state") != "succeeded"
+        ]
+        short = (
+            o.recovery.failed_reason
+            or any(r in o.recovery.dead for r in o.world.members)
+            or (o.on_rank_failure == RankFailurePolicy.REPLACE and o.world.size < o.desired)
+        )
         err = self.last_error
         if short and not failed:
-            failed.append(f"{err['action']}: {err['error']}" if err and err["at"] >= since
-                          else f"the deployment is at DP {o.world.size} of desired {o.desired}")
+            failed.append(
+                f"{err['action']}: {err['error']}"
+                if err and err["at"] >= since
+                else f"the deployment is at DP {o.world.size} of desired {o.desired}"
+            )
         return [" ".join(f.split("\n")) for f in failed]
 
     def view(self) -> dict[str, Any]:
         """What ``eepctl status`` shows of the loop."""
         w = self.orch.world
         running = w.running_op()
-        live = (f"{running.kind} {running.op_id} in {running.phase}" if running is not None
-                else "recovery" if self.orch.recovery.running() else "")
-        return {"working_on": self.working_on or live, "last_error": self.last_error, "errors": self.errors,
-                "deadline_s": self.health.deadline_s, "health": self.health.view(list(w.members)),
-                "fenced": {str(r): f for r, f in w.fenced.items()}, "parked_requests": w.router.parked, "router_paused": w.router.paused,
-                "escalated": self.escalated,
-                "suspicion": self.suspicion.now, "last_suspicion": self.suspicion.last,
-                # absolute, not "seconds left" nor the tick count: an idle tick changes nothing
-                # here, so the controller writes and publishes nothing (engine_ext.ray.durable)
-                "retry_at": round(self._backoff_until, 1) if self._backoff_until > time.time() else None}
+        live = (
+            f"{running.kind} {running.op_id} in {running.phase}"
+            if running is not None
+            else "recovery"
+            if self.orch.recovery.running()
+            else ""
+        )
+        return {
+            "working_on": self.working_on or live,
+            "last_error": self.last_error,
+            "errors": self.errors,
+            "deadline_s": self.health.deadline_s,
+            "health": self.health.view(list(w.members)),
+            "fenced": {str(r): f for r, f in w.fenced.items()},
+            "parked_requests": w.router.parked,
+            "router_paused": w.router.paused,
+            "escalated": self.escalated,
+            "suspicion": self.suspicion.now,
+            "last_suspicion": self.suspicion.last,
+            # absolute, not "seconds left" nor the tick count: an idle tick changes nothing
+            # here, so the controller writes and publishes nothing (engine_ext.ray.durable)
+            "retry_at": round(self._backoff_until, 1) if self._backoff_until > time.time() else None,
+        }

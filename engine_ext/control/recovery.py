@@ -126,12 +126,12 @@ class Recovery:
             first_death = min([self.dead[r]["at"] for r in dead] or [time.time()])
             untrusted = tuple(survivors) if self.untrusted else ()
             self.rebuild_reason, self.untrusted = "", False
-            op = Operation(new_op_id(), o.name, len(o.members), len(survivors), kind="recover",
-                           dead_ranks=dead)
+            op = Operation(new_op_id(), o.name, len(o.members), len(survivors), kind="recover", dead_ranks=dead)
             op.rerouted_requests = o.router.rerouted - self.rerouted_base
             o.op = op
-            o.phase_done(op, "detect", first_death, time.time(), dead=dead,
-                         causes={str(r): self.dead[r]["cause"] for r in dead})
+            o.phase_done(
+                op, "detect", first_death, time.time(), dead=dead, causes={str(r): self.dead[r]["cause"] for r in dead}
+            )
             try:
                 await asyncio.wait_for(self._rebuild(op, survivors, untrusted), RANK_RECOVER_TIMEOUT_S + 30)
                 op.state = OpState.SUCCEEDED.value
@@ -170,8 +170,10 @@ class Recovery:
         assert o.layout is not None
         need = min_world_size(cfg.num_experts, cfg.slots_per_rank)
         if len(survivors) < need:
-            raise RuntimeError(f"{len(survivors)} surviving rank(s) cannot hold {cfg.num_experts} experts "
-                               f"({need} needed); `eepctl repair` or `eepctl up` again")
+            raise RuntimeError(
+                f"{len(survivors)} surviving rank(s) cannot hold {cfg.num_experts} experts "
+                f"({need} needed); `eepctl repair` or `eepctl up` again"
+            )
         old_members = list(o.members)
         for r in op.dead_ranks:
             await quiet(o.clients[r].kill())
@@ -184,10 +186,19 @@ class Recovery:
         kept = tuple(e for r in survivors for e in old.local_logical(old_members.index(r)))
         previous = ExpertLayout(old.num_logical, old.slots_per_rank, len(survivors), kept)
         new_layout = build_layout(old.num_logical, old.slots_per_rank, len(survivors), None, previous)
-        plan = TransitionPlan(op_id=op.op_id, kind="recover", old_size=len(old_members), new_size=len(survivors),
-                              rdzv=o.rendezvous(op.op_id), old_layout=old, new_layout=new_layout,
-                              timeout_s=RANK_RECOVER_TIMEOUT_S, old_members=tuple(old_members),
-                              new_members=tuple(survivors), untrusted=untrusted)
+        plan = TransitionPlan(
+            op_id=op.op_id,
+            kind="recover",
+            old_size=len(old_members),
+            new_size=len(survivors),
+            rdzv=o.rendezvous(op.op_id),
+            old_layout=old,
+            new_layout=new_layout,
+            timeout_s=RANK_RECOVER_TIMEOUT_S,
+            old_members=tuple(old_members),
+            new_members=tuple(survivors),
+            untrusted=untrusted,
+        )
         op.plan = {"members": survivors, "dead": op.dead_ranks, "layout": new_layout.to_dict()}
         t = time.time()
         clients = {r: o.clients[r] for r in survivors}
@@ -210,4 +221,3 @@ class Recovery:
         op.rerouted_requests = o.router.rerouted - self.rerouted_base
         await o.router.resume()
         o.phase_done(op, "resume", t, time.time(), rerouted=op.rerouted_requests)
-

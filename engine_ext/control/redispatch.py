@@ -39,8 +39,9 @@ async def redispatch(world: World, old: list[int], width: int) -> int:
     over = [r for r, n in sorted(waiting.items()) if n > keep]
     if not over:
         return 0
-    given = await asyncio.gather(*(quiet(world.clients[r].give_back_waiting(keep, timeout=GIVE_BACK_TIMEOUT_S))
-                                   for r in over))
+    given = await asyncio.gather(
+        *(quiet(world.clients[r].give_back_waiting(keep, timeout=GIVE_BACK_TIMEOUT_S)) for r in over)
+    )
     wires: list[dict[str, Any]] = [w for g in given if isinstance(g, list) for w in g]
     if wires:
         await world.router.resubmit(wires)

@@ -17,7 +17,6 @@ import msgspec
 
 from engine_ext.control.worker_records import merge as merge_worker
 from engine_ext.protocol import STALE_AFTER_S
-from engine_ext.transport import MAPPED
 from engine_ext.records import (
     DeploymentKind,
     Event,
@@ -31,6 +30,7 @@ from engine_ext.records import (
     rank_status_type,
     to_builtins,
 )
+from engine_ext.transport import MAPPED
 
 _MAX_EVENTS = 5000
 _TERMINAL = {RankState.REMOVED.value}
@@ -143,8 +143,9 @@ class RegistryState:
             age = max(0.0, now - self.received_at.get(rank, st.last_heartbeat))
             st = msgspec.structs.replace(st, heartbeat_age_s=round(age, 2))
             if age > STALE_AFTER_S and st.state not in _TERMINAL:
-                st = msgspec.structs.replace(st, state=RankState.STALE.value,
-                                             state_reason=f"no heartbeat for {age:.1f}s (was {st.state})")
+                st = msgspec.structs.replace(
+                    st, state=RankState.STALE.value, state_reason=f"no heartbeat for {age:.1f}s (was {st.state})"
+                )
             out.append(st)
         return out
 
@@ -173,9 +174,12 @@ class RegistryState:
         """The events of ``op_id`` (all without one); for a vLLM operation also its ranks' events,
         which carry the ids vLLM's ranks derive (``rank_ops``), while it ran."""
         ranks, (lo, hi) = self._rank_ops(op_id)
-        return [{**to_builtins(e), "seq": seq} for seq, e in self.events
-                if seq > since_seq and (op_id is None or e.op_id == op_id
-                                        or (e.op_id in ranks and e.end >= lo and e.start <= hi))]
+        return [
+            {**to_builtins(e), "seq": seq}
+            for seq, e in self.events
+            if seq > since_seq
+            and (op_id is None or e.op_id == op_id or (e.op_id in ranks and e.end >= lo and e.start <= hi))
+        ]
 
     def _rank_ops(self, op_id: str | None) -> tuple[set[str], tuple[float, float]]:
         op = self.ops.get(op_id) if op_id else None
@@ -192,9 +196,13 @@ class RegistryState:
         for v in (v for v in ranks if not _gone(v)):
             rank = str(v.rank)
             if v.instance_id in seen:
-                found.append({"invariant": "I1", "rank": rank,
-                              "message": f"duplicate identity {v.instance_id} "
-                                         f"(ranks {seen[v.instance_id]} and {v.rank})"})
+                found.append(
+                    {
+                        "invariant": "I1",
+                        "rank": rank,
+                        "message": f"duplicate identity {v.instance_id} (ranks {seen[v.instance_id]} and {v.rank})",
+                    }
+                )
             seen[v.instance_id] = v.rank
             # vLLM suffixes its identities only when it starts sibling DP engines (DP > 1).
             suffixed = v.kind != DeploymentKind.VLLM.value or v.dp_size > 1
@@ -202,21 +210,41 @@ class RegistryState:
                 continue
             for field, value in (("instance_id", v.instance_id), ("engine_id", v.engine_id)):
                 if value and ((suffixed and not value.endswith(f"_dp{v.rank}")) or _STACKED.search(value)):
-                    found.append({"invariant": "I1", "rank": rank,
-                                  "message": f"{field} {value!r} does not end in exactly one _dp{v.rank}"})
+                    found.append(
+                        {
+                            "invariant": "I1",
+                            "rank": rank,
+                            "message": f"{field} {value!r} does not end in exactly one _dp{v.rank}",
+                        }
+                    )
             if v.workspace_locked and v.workspace_required_bytes and v.workspace_bytes < v.workspace_required_bytes:
-                found.append({"invariant": "I4", "rank": rank,
-                              "message": f"workspace locked at {v.workspace_bytes} B below its bound "
-                                         f"{v.workspace_required_bytes} B"})
+                found.append(
+                    {
+                        "invariant": "I4",
+                        "rank": rank,
+                        "message": f"workspace locked at {v.workspace_bytes} B below its bound "
+                        f"{v.workspace_required_bytes} B",
+                    }
+                )
             if v.stale_replays_refused:
-                found.append({"invariant": "I3", "rank": rank,
-                              "message": f"{v.stale_replays_refused} replay(s) against a reallocated buffer refused"})
+                found.append(
+                    {
+                        "invariant": "I3",
+                        "rank": rank,
+                        "message": f"{v.stale_replays_refused} replay(s) against a reallocated buffer refused",
+                    }
+                )
             eager = {s: n for s, n in v.eager_since_switch.items() if int(s) in v.capture_sizes_expected}
             if eager:
                 sizes = ", ".join(f"{n} at batch size {s}" for s, n in eager.items())
-                found.append({"invariant": "I4", "rank": rank,
-                              "message": f"decode steps served eagerly since {v.switch_op or 'start-up'} "
-                                         f"({sizes}): no capture for a size the config captures"})
+                found.append(
+                    {
+                        "invariant": "I4",
+                        "rank": rank,
+                        "message": f"decode steps served eagerly since {v.switch_op or 'start-up'} "
+                        f"({sizes}): no capture for a size the config captures",
+                    }
+                )
         found.extend(self._event_violations())
         found.extend({"invariant": "I1", "rank": "-", "message": m} for m in self.rejected[-5:])
         return found
@@ -237,24 +265,47 @@ class RegistryState:
                 comm_formed.add(key)  # the groups and the EPLB communicator are formed
                 if e.detail.get("transport") in MAPPED and e.detail.get("transport_attached") != e.detail.get("world"):
                     # I2 for the transport: every member mapped the new world's shared memory in prepare
-                    found.append({"invariant": "I2", "rank": str(e.rank),
-                                  "message": f"shared memory of {e.op_id} prepared with "
-                                             f"{e.detail.get('transport_attached')} of {e.detail.get('world')} ranks"})
-                if e.detail.get("transport") in MAPPED and e.detail.get("transport_bytes", 0) < e.detail.get("transport_needed", 0):
-                    found.append({"invariant": "I2", "rank": str(e.rank),
-                                  "message": f"shared memory of {e.op_id} takes {e.detail['transport_bytes']} bytes "
-                                             f"per rank, the new world's exchanges need {e.detail['transport_needed']}"})
+                    found.append(
+                        {
+                            "invariant": "I2",
+                            "rank": str(e.rank),
+                            "message": f"shared memory of {e.op_id} prepared with "
+                            f"{e.detail.get('transport_attached')} of {e.detail.get('world')} ranks",
+                        }
+                    )
+                if e.detail.get("transport") in MAPPED and e.detail.get("transport_bytes", 0) < e.detail.get(
+                    "transport_needed", 0
+                ):
+                    found.append(
+                        {
+                            "invariant": "I2",
+                            "rank": str(e.rank),
+                            "message": f"shared memory of {e.op_id} takes {e.detail['transport_bytes']} bytes "
+                            f"per rank, the new world's exchanges need {e.detail['transport_needed']}",
+                        }
+                    )
             elif e.phase == "transfer" and key not in comm_formed:
                 # I2: the rank's report that it formed the communicator must arrive before its
                 # weight transfer's: the order of receipt, not timestamps the rank writes.
-                found.append({"invariant": "I2", "rank": str(e.rank),
-                              "message": f"weight transfer in {e.op_id} reported before the EPLB communicator was"})
+                found.append(
+                    {
+                        "invariant": "I2",
+                        "rank": str(e.rank),
+                        "message": f"weight transfer in {e.op_id} reported before the EPLB communicator was",
+                    }
+                )
             if e.phase == "warm":
-                broken = [k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged")
-                          if e.detail.get(k) is False]
+                broken = [
+                    k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged") if e.detail.get(k) is False
+                ]
                 if broken:
-                    found.append({"invariant": "I5", "rank": str(e.rank),
-                                  "message": f"warm-up in {e.op_id} touched serving state ({', '.join(broken)} false)"})
+                    found.append(
+                        {
+                            "invariant": "I5",
+                            "rank": str(e.rank),
+                            "message": f"warm-up in {e.op_id} touched serving state ({', '.join(broken)} false)",
+                        }
+                    )
         found.extend(self._capture_violations(passes, locks))
         return found
 
@@ -266,12 +317,15 @@ class RegistryState:
         if policy != "reuse":
             return 1
         since = max((s for s in self._left_at.get(rank, []) if s < lock_seq), default=0)
-        earlier = any(e.phase == "lock" and e.rank == rank and since < seq < lock_seq and e.outcome == "ok"
-                      for seq, e in self.events)
+        earlier = any(
+            e.phase == "lock" and e.rank == rank and since < seq < lock_seq and e.outcome == "ok"
+            for seq, e in self.events
+        )
         return 0 if earlier else 1
 
-    def _capture_violations(self, passes: dict[tuple[str, int], int],
-                            locks: dict[tuple[str, int], tuple[int, Event]]) -> list[dict[str, str]]:
+    def _capture_violations(
+        self, passes: dict[tuple[str, int], int], locks: dict[tuple[str, int], tuple[int, Event]]
+    ) -> list[dict[str, str]]:
         """I4: every rank that re-warmed and locked captured as many times as the registry expects,
         as its capture events show and as its own graph manager counted."""
         found: list[dict[str, str]] = []
@@ -281,19 +335,35 @@ class RegistryState:
             counted = lock.detail.get("capture_passes")
             expected = self._capture_passes_expected(rank, seq)
             if n != expected:
-                found.append({"invariant": "I4", "rank": str(rank),
-                              "message": f"{n} capture passes in one operation {op_id} (exactly {expected} expected"
-                                         f" under {policy})"})
+                found.append(
+                    {
+                        "invariant": "I4",
+                        "rank": str(rank),
+                        "message": f"{n} capture passes in one operation {op_id} (exactly {expected} expected"
+                        f" under {policy})",
+                    }
+                )
             elif counted != n:
-                found.append({"invariant": "I4", "rank": str(rank),
-                              "message": f"graph manager counted {counted} capture passes in {op_id}, events show {n}"})
+                found.append(
+                    {
+                        "invariant": "I4",
+                        "rank": str(rank),
+                        "message": f"graph manager counted {counted} capture passes in {op_id}, events show {n}",
+                    }
+                )
             if lock.outcome != "ok":
-                found.append({"invariant": "I4", "rank": str(rank),
-                              "message": f"workspace lock refused in {op_id}: {lock.detail.get('error', '')}"})
+                found.append(
+                    {
+                        "invariant": "I4",
+                        "rank": str(rank),
+                        "message": f"workspace lock refused in {op_id}: {lock.detail.get('error', '')}",
+                    }
+                )
         for (op_id, rank), n in passes.items():
             if n > 1 and (op_id, rank) not in locks:
-                found.append({"invariant": "I4", "rank": str(rank),
-                              "message": f"{n} capture passes in one operation {op_id}"})
+                found.append(
+                    {"invariant": "I4", "rank": str(rank), "message": f"{n} capture passes in one operation {op_id}"}
+                )
         return found
 
     def snapshot(self) -> dict[str, Any]:
@@ -308,9 +378,13 @@ class RegistryState:
             "kind": self.kind,
             "info": self.info,
             "ranks": [to_builtins(st) for st in live],
-            "summary": {"ranks": len(live), "by_state": dict(by_state), "standby": by_state.get("standby", 0),
-                        "requests_running": sum(st.requests_running for st in live),
-                        "requests_waiting": sum(st.requests_waiting for st in live)},
+            "summary": {
+                "ranks": len(live),
+                "by_state": dict(by_state),
+                "standby": by_state.get("standby", 0),
+                "requests_running": sum(st.requests_running for st in live),
+                "requests_waiting": sum(st.requests_waiting for st in live),
+            },
             "operation": self.current_op(),
             "violations": self.violations(live),
             "rebuilding": self.expected_ranks is not None,
@@ -322,7 +396,6 @@ class RegistryState:
 
 def _gone(st: RankStatus) -> bool:
     return st.state in _TERMINAL
-
 
 
 def eplb_balance(ranks: list[RankStatus]) -> dict[str, Any]:
@@ -343,6 +416,8 @@ def eplb_balance(ranks: list[RankStatus]) -> dict[str, Any]:
     if not load or whole <= 0:
         return {"imbalance": None, "rank_load": {}, "rank_share": {}}
     mean = whole / len(load)
-    return {"imbalance": round(max(load.values()) / mean, 4),
-            "rank_load": {str(r): round(v, 3) for r, v in sorted(load.items())},
-            "rank_share": {str(r): round(v / whole, 4) for r, v in sorted(load.items())}}
+    return {
+        "imbalance": round(max(load.values()) / mean, 4),
+        "rank_load": {str(r): round(v, 3) for r, v in sorted(load.items())},
+        "rank_share": {str(r): round(v / whole, 4) for r, v in sorted(load.items())},
+    }

@@ -37,8 +37,9 @@ class RequestIds:
         if refusal is not None:
             raise refusal
 
-    async def admit(self, request_id: str | None, target: int, admit: Callable[[], Awaitable[T]],
-                    hold_s: float = 0.0) -> T:
+    async def admit(
+        self, request_id: str | None, target: int, admit: Callable[[], Awaitable[T]], hold_s: float = 0.0
+    ) -> T:
         """Run ``admit`` with the id taken before its first await; ``end`` follows once the
         operation runs. ``hold_s``: a test's window for a retry (fault ``hold:admit``)."""
         if request_id:

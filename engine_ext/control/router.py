@@ -257,8 +257,11 @@ class Router:
         for wire in self._parked:
             if now - self._parked_at.get(wire["request_id"], now) > max_wait_s:
                 why = self._parked_why.get(wire["request_id"]) or reason
-                self._resolve(dict(wire, rank=-1, error=f"no rank accepted the request within {max_wait_s:.0f}s "
-                                                        f"({why}; {reason})"))
+                self._resolve(
+                    dict(
+                        wire, rank=-1, error=f"no rank accepted the request within {max_wait_s:.0f}s ({why}; {reason})"
+                    )
+                )
                 expired += 1
             else:
                 keep.append(wire)

@@ -30,17 +30,31 @@ class ScalePlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "op_id": self.op_id, "from_size": self.from_size, "to_size": self.to_size, "noop": self.noop,
-            "joining": self.joining, "leaving": self.leaving,
+            "op_id": self.op_id,
+            "from_size": self.from_size,
+            "to_size": self.to_size,
+            "noop": self.noop,
+            "joining": self.joining,
+            "leaving": self.leaving,
             "transfer_pairs": {str(k): v for k, v in self.transfer_pairs.items()},
-            "expert_moves": self.expert_moves, "layout": self.layout, "capture_memory": self.capture_memory,
-            "precopy": self.precopy, **({"cost": self.cost} if self.cost else {}),
+            "expert_moves": self.expert_moves,
+            "layout": self.layout,
+            "capture_memory": self.capture_memory,
+            "precopy": self.precopy,
+            **({"cost": self.cost} if self.cost else {}),
         }
 
 
-def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int,
-               loads: list[float], members: list[int] | None = None, next_rank: int | None = None,
-               leaving: list[int] | None = None) -> ScalePlan:
+def plan_scale(
+    op_id: str,
+    identity_base: str,
+    layout: ExpertLayout,
+    target: int,
+    loads: list[float],
+    members: list[int] | None = None,
+    next_rank: int | None = None,
+    leaving: list[int] | None = None,
+) -> ScalePlan:
     """The plan from ``layout``'s world to ``target`` ranks, re-balanced by the measured ``loads``.
 
     ``members`` are the current global ranks in position order (after a recovery they are not
@@ -56,15 +70,21 @@ def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int
     gone = set(leaving if leaving is not None and target < cur else members[target:])
     kept = [p for p, m in enumerate(members) if m not in gone]
     # Replicas stay where they were when loads tie: the kept ranks' slices, in their new positions.
-    previous = layout if target > cur else ExpertLayout(
-        layout.num_logical, layout.slots_per_rank, target, tuple(e for p in kept for e in layout.local_logical(p)))
+    previous = (
+        layout
+        if target > cur
+        else ExpertLayout(
+            layout.num_logical, layout.slots_per_rank, target, tuple(e for p in kept for e in layout.local_logical(p))
+        )
+    )
     new = build_layout(layout.num_logical, layout.slots_per_rank, target, loads, previous)
     old_pos: list[int | None] = [*kept, *[None] * (target - len(kept))]  # kept ranks, then joiners
     moves = plan_moves(layout, new, set(range(cur)), old_pos=old_pos)
     first = cur if next_rank is None else next_rank
     if target > cur:
-        plan.joining = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)}
-                        for r in range(first, first + target - cur)]
+        plan.joining = [
+            {"rank": r, "instance_id": dp_suffixed(identity_base, r)} for r in range(first, first + target - cur)
+        ]
         plan.transfer_pairs = transfer_pairs(cur, target)
     else:
         plan.leaving = [{"rank": r, "instance_id": dp_suffixed(identity_base, r)} for r in members if r in gone]
@@ -73,8 +93,13 @@ def plan_scale(op_id: str, identity_base: str, layout: ExpertLayout, target: int
     return plan
 
 
-def choose_leaving(members: list[int], target: int, load: dict[int, tuple[float, float]],
-                   retire: list[int] | None = None, keep: int | None = None) -> list[int]:
+def choose_leaving(
+    members: list[int],
+    target: int,
+    load: dict[int, tuple[float, float]],
+    retire: list[int] | None = None,
+    keep: int | None = None,
+) -> list[int]:
     """The members a scale-down to ``target`` removes, sorted.
 
     ``retire`` (``eepctl scale --retire``) names them: exactly as many as leave, each a member,
@@ -90,14 +115,16 @@ def choose_leaving(members: list[int], target: int, load: dict[int, tuple[float,
             raise ValueError(f"--retire names ranks to remove, but DP {len(members)} -> {target} removes none")
         strangers = sorted(set(retire) - set(members))
         if strangers:
-            raise ValueError(f"--retire: rank(s) {', '.join(map(str, strangers))} are not members "
-                             f"(members: {', '.join(map(str, members))})")
+            raise ValueError(
+                f"--retire: rank(s) {', '.join(map(str, strangers))} are not members "
+                f"(members: {', '.join(map(str, members))})"
+            )
         if len(set(retire)) != count:
-            raise ValueError(f"--retire names {len(set(retire))} rank(s) but DP {len(members)} -> {target} "
-                             f"removes {count}")
+            raise ValueError(
+                f"--retire names {len(set(retire))} rank(s) but DP {len(members)} -> {target} removes {count}"
+            )
         if keep in retire:
-            raise ValueError(f"--retire: rank {keep} hosts the deployment's rendezvous store and stays; "
-                             "retire others")
+            raise ValueError(f"--retire: rank {keep} hosts the deployment's rendezvous store and stays; retire others")
         return sorted(set(retire))
     if count <= 0:
         return []

@@ -27,8 +27,17 @@ if TYPE_CHECKING:
 class ScaleRun:
     """One scale from ``plan.from_size`` to ``plan.to_size`` ranks, recorded in ``op``."""
 
-    def __init__(self, world: World, spawner: Spawner, recovery: Recovery, plan: ScalePlan, op: Operation,
-                 *, drain_timeout_s: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        world: World,
+        spawner: Spawner,
+        recovery: Recovery,
+        plan: ScalePlan,
+        op: Operation,
+        *,
+        drain_timeout_s: float,
+        timeout_s: float,
+    ) -> None:
         self.world, self.spawner, self.recovery = world, spawner, recovery
         self.plan, self.op = plan, op
         self.drain_timeout_s, self.timeout_s = drain_timeout_s, timeout_s
@@ -38,8 +47,11 @@ class ScaleRun:
         # move, and numbers freed by a scale-down or a death are taken again (their actors are gone).
         self.new_ranks = [int(j["rank"]) for j in plan.joining] if self.growing else []
         self.leaving = [int(j["rank"]) for j in plan.leaving]  # the scale-down's choice (scale_plan.choose_leaving)
-        self.new_members = (self.old_members + self.new_ranks if self.growing
-                            else [m for m in self.old_members if m not in self.leaving])
+        self.new_members = (
+            self.old_members + self.new_ranks
+            if self.growing
+            else [m for m in self.old_members if m not in self.leaving]
+        )
         self.joiners: dict[int, RankClient] = {}  # ranks this run launched (the rollback stops them)
         self.prepared: dict[str, dict[str, Any]] = {}  # each rank's prepare answer: its pre-copy's seconds, bytes
         self.commit_started = False
@@ -65,12 +77,19 @@ class ScaleRun:
     def _transition_plan(self) -> TransitionPlan:
         w, plan = self.world, self.plan
         assert w.layout is not None
-        return TransitionPlan(op_id=plan.op_id, kind="scale_up" if self.growing else "scale_down",
-                              old_size=plan.from_size, new_size=plan.to_size, rdzv=w.rendezvous(plan.op_id),
-                              old_layout=w.layout, new_layout=ExpertLayout.from_dict(plan.layout),
-                              timeout_s=self.timeout_s, old_members=tuple(self.old_members),
-                              new_members=tuple(self.new_members),
-                              precopy_moves=tuple(plan.precopy["moves"]) if "moves" in plan.precopy else None)
+        return TransitionPlan(
+            op_id=plan.op_id,
+            kind="scale_up" if self.growing else "scale_down",
+            old_size=plan.from_size,
+            new_size=plan.to_size,
+            rdzv=w.rendezvous(plan.op_id),
+            old_layout=w.layout,
+            new_layout=ExpertLayout.from_dict(plan.layout),
+            timeout_s=self.timeout_s,
+            old_members=tuple(self.old_members),
+            new_members=tuple(self.new_members),
+            precopy_moves=tuple(plan.precopy["moves"]) if "moves" in plan.precopy else None,
+        )
 
     async def run(self) -> None:
         tplan = self._transition_plan()
@@ -92,15 +111,18 @@ class ScaleRun:
                 await self._drain(world)
             results = await self._commit(world)
         except RankCallFailed as e:
-            raise TransitionFailed(f"phase {self.op.phase} failed on rank {e.rank}: {short_error(e.error)}",
-                                   detail={"phase": self.op.phase, "rank": e.rank}) from None
+            raise TransitionFailed(
+                f"phase {self.op.phase} failed on rank {e.rank}: {short_error(e.error)}",
+                detail={"phase": self.op.phase, "rank": e.rank},
+            ) from None
         await self._adopt(world, results, tplan.new_layout, tplan.rdzv.epoch)
 
     async def _launch(self, layout: ExpertLayout) -> dict[int, RankClient]:
         self.world.enter_phase(self.op, Phase.LAUNCH.value)
         t = time.time()
-        spawned = await asyncio.gather(*(self.spawner.spawn(r, layout, True) for r in self.new_ranks),
-                                       return_exceptions=True)
+        spawned = await asyncio.gather(
+            *(self.spawner.spawn(r, layout, True) for r in self.new_ranks), return_exceptions=True
+        )
         # Keep every rank that did start (the rollback stops them) before failing on one that did not.
         self.joiners.update({r: c for r, c in zip(self.new_ranks, spawned) if not isinstance(c, BaseException)})
         for r, c in zip(self.new_ranks, spawned):
@@ -114,8 +136,11 @@ class ScaleRun:
         t = time.time()
         prepared = await World.call_all(world, "prepare", lambda c: c.prepare(tplan, timeout=self.timeout_s))
         # What each rank's expert pre-copy holds until the commit (or the rollback) frees it.
-        self.op.move_memory = {str(r): {"spare_bytes": int(res.get("spare_bytes", 0)), "held_since": t}
-                               for r, res in sorted(prepared.items()) if isinstance(res, dict)}
+        self.op.move_memory = {
+            str(r): {"spare_bytes": int(res.get("spare_bytes", 0)), "held_since": t}
+            for r, res in sorted(prepared.items())
+            if isinstance(res, dict)
+        }
         self.prepared = {str(r): res for r, res in prepared.items() if isinstance(res, dict)}
         self.world.phase_done(self.op, Phase.PREPARE.value, t)
 
@@ -148,8 +173,9 @@ class ScaleRun:
         self.world.phase_done(self.op, Phase.COMMIT.value, t)
         return results
 
-    async def _adopt(self, world: dict[int, RankClient], results: dict[int, Any], layout: ExpertLayout,
-                     epoch: int) -> None:
+    async def _adopt(
+        self, world: dict[int, RankClient], results: dict[int, Any], layout: ExpertLayout, epoch: int
+    ) -> None:
         """Commit succeeded everywhere: adopt the new world, re-submit moved requests, stop leavers."""
         op, w = self.op, self.world
         moved: list[dict[str, Any]] = []
@@ -176,8 +202,14 @@ class ScaleRun:
         for r, c in leaving.items():
             await quiet(c.kill())
             w.forget_rank(r)
-        w.phase_done(op, Phase.CLEANUP.value, t, removed=sorted(leaving), moved_requests=len(moved),
-                     redispatched_requests=op.redispatched_requests)
+        w.phase_done(
+            op,
+            Phase.CLEANUP.value,
+            t,
+            removed=sorted(leaving),
+            moved_requests=len(moved),
+            redispatched_requests=op.redispatched_requests,
+        )
 
     async def recover(self) -> None:
         """Before commit: roll back (drop joiners and standby groups, keep serving).

@@ -20,9 +20,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.control.rank_client import RankClient
 from engine_ext.control.world import short_error
+from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.identity import STANDBY_RANK_BASE
 
 RETRY_S = 10.0  # a failed launch is tried again after this long (by ``watch``)
@@ -31,10 +31,16 @@ RETRY_S = 10.0  # a failed launch is tried again after this long (by ``watch``)
 class StandbyPool:
     """Keeps ``size`` standby ranks ready; one pool per deployment, driven by its spawner."""
 
-    def __init__(self, size: int, launch: Callable[[int], Awaitable[RankClient]],
-                 alive: Callable[[RankClient], Awaitable[bool]], kill: Callable[[RankClient], Awaitable[None]],
-                 forget: Callable[[int], None], busy: Callable[[], bool],
-                 in_use: Callable[[], set[int]] = set) -> None:
+    def __init__(
+        self,
+        size: int,
+        launch: Callable[[int], Awaitable[RankClient]],
+        alive: Callable[[RankClient], Awaitable[bool]],
+        kill: Callable[[RankClient], Awaitable[None]],
+        forget: Callable[[int], None],
+        busy: Callable[[], bool],
+        in_use: Callable[[], set[int]] = set,
+    ) -> None:
         self.size = size
         self._launch, self._alive, self._kill, self._forget, self._busy = launch, alive, kill, forget, busy
         self._in_use = in_use  # standby numbers live ranks hold as their (unchangeable) names
@@ -59,8 +65,13 @@ class StandbyPool:
         await self.fill()
 
     def summary(self) -> dict[str, Any]:
-        return {"size": self.size, "ready": sorted(self.ready), "launching": self._launching, "taken": self.taken,
-                "last_error": self.last_error}
+        return {
+            "size": self.size,
+            "ready": sorted(self.ready),
+            "launching": self._launching,
+            "taken": self.taken,
+            "last_error": self.last_error,
+        }
 
     def _take_numbers(self, count: int) -> list[int]:
         used = self._in_use() | set(self.ready)
@@ -92,8 +103,7 @@ class StandbyPool:
             self._launching -= missing
         for n, c in zip(numbers, clients):
             if isinstance(c, BaseException):
-                self.last_error = {"at": time.time(), "standby": n,
-                                   "error": f"{type(c).__name__}: {short_error(c)}"}
+                self.last_error = {"at": time.time(), "standby": n, "error": f"{type(c).__name__}: {short_error(c)}"}
                 self._retry_at = time.time() + RETRY_S
             else:
                 self.ready[n] = c

@@ -93,8 +93,14 @@ class Verdict:
     suspicion: dict[str, Any] | None = None  # the observer is suspected: what status shows
 
 
-def judge(failed: dict[int, str], silent: dict[int, tuple[float, str]], members: int, deadline_s: float,
-          lag_s: float, load: tuple[float, int] | None = None) -> Verdict:
+def judge(
+    failed: dict[int, str],
+    silent: dict[int, tuple[float, str]],
+    members: int,
+    deadline_s: float,
+    lag_s: float,
+    load: tuple[float, int] | None = None,
+) -> Verdict:
     """The rule above. ``failed``: members that reported failed, with why; ``silent``: members
     silent past ``deadline_s``, with how long and what the last probe got; ``members``: how many
     live members there are; ``lag_s``: the controller's recent tick lag."""
@@ -109,13 +115,22 @@ def judge(failed: dict[int, str], silent: dict[int, tuple[float, str]], members:
     extended = f" extended to {ext:g}s: {len(quiet)} of {members} silent together, tick lag {lag_s:.1f}s"
     hung = HUNG_FACTOR * deadline_s
     hung_note = f"{extended}; past {hung:g}s a live process is no proof of a live engine"
-    verdict.fence.update({r: silent_for(age, deadline_s, why, hung_note) for r, (age, why) in quiet.items() if age > hung})
-    verdict.confirm = {r: silent_for(age, deadline_s, why, extended) for r, (age, why) in quiet.items()
-                       if ext < age <= hung}
-    verdict.suspicion = {"silent": sorted(quiet), "members": members,
-                         "silent_s": round(min(age for age, _ in quiet.values()), 1), "lag_s": round(lag_s, 1),
-                         "load": round(load[0], 1) if load else None, "cores": load[1] if load else None,
-                         "deadline_s": deadline_s, "extended_s": ext}
+    verdict.fence.update(
+        {r: silent_for(age, deadline_s, why, hung_note) for r, (age, why) in quiet.items() if age > hung}
+    )
+    verdict.confirm = {
+        r: silent_for(age, deadline_s, why, extended) for r, (age, why) in quiet.items() if ext < age <= hung
+    }
+    verdict.suspicion = {
+        "silent": sorted(quiet),
+        "members": members,
+        "silent_s": round(min(age for age, _ in quiet.values()), 1),
+        "lag_s": round(lag_s, 1),
+        "load": round(load[0], 1) if load else None,
+        "cores": load[1] if load else None,
+        "deadline_s": deadline_s,
+        "extended_s": ext,
+    }
     return verdict
 
 
@@ -137,5 +152,9 @@ class Suspicion:
             self.now = None
             return
         prev = self.now or {"since": round(t, 1), "longest_s": 0.0, "fenced": []}
-        self.now = {**found, "since": prev["since"], "longest_s": max(prev["longest_s"], found["silent_s"]),
-                    "fenced": sorted(prev["fenced"] + fenced)}
+        self.now = {
+            **found,
+            "since": prev["since"],
+            "longest_s": max(prev["longest_s"], found["silent_s"]),
+            "fenced": sorted(prev["fenced"] + fenced),
+        }

@@ -17,8 +17,10 @@ from engine_ext.protocol import (
     UsageError,
 )
 
-NOT_ELASTIC_HINT = ("this vLLM server was not started with --enable-elastic-ep and --data-parallel-backend ray, "
-                    "so it cannot change its DP size; its log has the cause")
+NOT_ELASTIC_HINT = (
+    "this vLLM server was not started with --enable-elastic-ep and --data-parallel-backend ray, "
+    "so it cannot change its DP size; its log has the cause"
+)
 
 
 class VllmApi:
@@ -39,11 +41,14 @@ class VllmApi:
         try:
             resp = httpx.get(self.base_url + "/v1/models", headers=self._headers, timeout=self.timeout_s)
         except httpx.HTTPError as e:
-            raise UnreachableError(f"vLLM API server at {self.base_url} is not reachable "
-                                   f"({type(e).__name__})") from None
+            raise UnreachableError(
+                f"vLLM API server at {self.base_url} is not reachable ({type(e).__name__})"
+            ) from None
         if resp.status_code in (401, 403):
-            raise UnreachableError(f"vLLM at {self.base_url} refused the API key (HTTP {resp.status_code}); "
-                                   "pass --api-key or set VLLM_API_KEY")
+            raise UnreachableError(
+                f"vLLM at {self.base_url} refused the API key (HTTP {resp.status_code}); "
+                "pass --api-key or set VLLM_API_KEY"
+            )
         try:
             return str(resp.json()["data"][0]["id"])
         except (ValueError, KeyError, IndexError, TypeError):
@@ -57,19 +62,23 @@ class VllmApi:
         """(HTTP status, decoded body). Raises UnreachableError when nothing answers."""
         return self._request("GET", path, None, timeout_s)
 
-    def _request(self, method: str, path: str, payload: dict[str, Any] | None,
-                 timeout_s: float | None) -> tuple[int, Any]:
+    def _request(
+        self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float | None
+    ) -> tuple[int, Any]:
         import httpx
 
         try:
-            resp = httpx.request(method, self.base_url + path, json=payload, headers=self._headers,
-                                 timeout=timeout_s or self.timeout_s)
+            resp = httpx.request(
+                method, self.base_url + path, json=payload, headers=self._headers, timeout=timeout_s or self.timeout_s
+            )
         except httpx.TimeoutException:
-            raise TransitionTimeout(f"vLLM at {self.base_url} did not answer {path} within "
-                                    f"{timeout_s or self.timeout_s:.0f}s") from None
+            raise TransitionTimeout(
+                f"vLLM at {self.base_url} did not answer {path} within {timeout_s or self.timeout_s:.0f}s"
+            ) from None
         except httpx.HTTPError as e:
-            raise UnreachableError(f"vLLM API server at {self.base_url} is not reachable "
-                                   f"({type(e).__name__})") from None
+            raise UnreachableError(
+                f"vLLM API server at {self.base_url} is not reachable ({type(e).__name__})"
+            ) from None
         try:
             body: Any = resp.json()
         except ValueError:
@@ -85,10 +94,12 @@ class VllmApi:
         if code == 503:
             return True
         if code in (401, 403):
-            raise UnreachableError(f"vLLM at {self.base_url} refused the API key (HTTP {code}); "
-                                   "pass --api-key or set VLLM_API_KEY")
-        raise TransitionFailed(f"vLLM at {self.base_url} answered /is_scaling_elastic_ep with HTTP {code}: "
-                               f"{message_of(body)}")
+            raise UnreachableError(
+                f"vLLM at {self.base_url} refused the API key (HTTP {code}); pass --api-key or set VLLM_API_KEY"
+            )
+        raise TransitionFailed(
+            f"vLLM at {self.base_url} answered /is_scaling_elastic_ep with HTTP {code}: {message_of(body)}"
+        )
 
     def fault_tolerance(self) -> dict[str, Any] | None:
         """vLLM's fault-tolerance status (``{"total_engines", "engines": [{"id", "status", ...}]}``),
@@ -99,18 +110,23 @@ class VllmApi:
         if code in (404, 405):
             return None
         if code in (401, 403):
-            raise UnreachableError(f"vLLM at {self.base_url} refused the API key (HTTP {code}); "
-                                   "pass --api-key or set VLLM_API_KEY")
+            raise UnreachableError(
+                f"vLLM at {self.base_url} refused the API key (HTTP {code}); pass --api-key or set VLLM_API_KEY"
+            )
         if code == 503:
             raise PreconditionError(f"vLLM at {self.base_url} answers 503 (scaling, or wedged: `eepctl status`)")
         if code != 200 or not isinstance(body, dict) or not isinstance(body.get("engines"), list):
-            raise TransitionFailed(f"vLLM at {self.base_url} answered /fault_tolerance/status with HTTP {code}: "
-                                   f"{message_of(body)}")
+            raise TransitionFailed(
+                f"vLLM at {self.base_url} answered /fault_tolerance/status with HTTP {code}: {message_of(body)}"
+            )
         return body
 
     def scale(self, new_size: int, drain_timeout_s: int, timeout_s: float) -> tuple[int, Any]:
-        return self.post("/scale_elastic_ep", {"new_data_parallel_size": new_size, "drain_timeout": drain_timeout_s},
-                         timeout_s=timeout_s)
+        return self.post(
+            "/scale_elastic_ep",
+            {"new_data_parallel_size": new_size, "drain_timeout": drain_timeout_s},
+            timeout_s=timeout_s,
+        )
 
 
 def message_of(body: Any) -> str:

@@ -21,8 +21,10 @@ def api_for(snap: dict[str, Any], api_key: str | None, timeout_s: float = 10.0) 
     """The API server the plugin registered for this deployment."""
     url = (snap.get("info") or {}).get("api_url")
     if not url:
-        raise UnreachableError(f"vLLM deployment {snap['deployment']!r} has not registered an API URL "
-                               "(is its API server running with EEPCTL_DEPLOYMENT set?)")
+        raise UnreachableError(
+            f"vLLM deployment {snap['deployment']!r} has not registered an API URL "
+            "(is its API server running with EEPCTL_DEPLOYMENT set?)"
+        )
     return VllmApi(url, api_key, timeout_s=timeout_s)
 
 
@@ -42,19 +44,26 @@ def bounds_problem(snap: dict[str, Any], target: int) -> str:
     if info.get("max_dp") and target > int(info["max_dp"]):
         return f"target DP {target} is over the deployment's max DP {info['max_dp']} (--elastic-ep-max-dp-size)"
     if info.get("min_dp") and target < int(info["min_dp"]):
-        return (f"target DP {target} is under DP {info['min_dp']}, the fewest ranks that hold "
-                f"{info.get('num_experts')} experts at this many slots per rank")
+        return (
+            f"target DP {target} is under DP {info['min_dp']}, the fewest ranks that hold "
+            f"{info.get('num_experts')} experts at this many slots per rank"
+        )
     return ""
 
 
 def wedged_message(name: str, wedge: dict[str, Any]) -> str:
     """One line: since when the deployment is wedged, in which phase, and the exact remedy."""
     since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(wedge.get("since") or 0)))
-    what = (f"a scale to DP {wedge['to_size']} failed in {wedge.get('phase')}" if wedge.get("to_size")
-            else str(wedge.get("cause") or "vLLM's scaling flag stays set"))
+    what = (
+        f"a scale to DP {wedge['to_size']} failed in {wedge.get('phase')}"
+        if wedge.get("to_size")
+        else str(wedge.get("cause") or "vLLM's scaling flag stays set")
+    )
     err = f" ({wedge['error']})" if wedge.get("error") else ""
-    return (f"vLLM deployment {name!r} is wedged since {since}: {what}{err} and vLLM kept its scaling flag set, "
-            f"so it answers 503 to every request; a scale cannot clear it. Remedy: {wedge.get('remedy')}")
+    return (
+        f"vLLM deployment {name!r} is wedged since {since}: {what}{err} and vLLM kept its scaling flag set, "
+        f"so it answers 503 to every request; a scale cannot clear it. Remedy: {wedge.get('remedy')}"
+    )
 
 
 def abandoned(op: dict[str, Any] | None) -> bool:
@@ -63,18 +72,22 @@ def abandoned(op: dict[str, Any] | None) -> bool:
     return bool(op) and float(op.get("deadline", float("inf"))) <= time.time()
 
 
-def settle_flag(op_id: str, flag: Callable[[], bool | None], error: EepError | None, answered: bool,
-                settle_s: float) -> EepError | None:
+def settle_flag(
+    op_id: str, flag: Callable[[], bool | None], error: EepError | None, answered: bool, settle_s: float
+) -> EepError | None:
     """vLLM's scaling flag at the end of a scale (``flag``: True, False or None when unreadable).
     Still set ``settle_s`` after vLLM answered: the deployment is wedged (503 to everything),
     whatever vLLM answered. Still set at the deadline with no answer: said in the timeout's reason."""
     settle = time.time() + (settle_s if answered else 0.0)
     while flag() is True:
         if time.time() >= settle:
-            why = ("vLLM's scaling flag is still set at the controller's deadline: it answers 503 to every "
-                   "request until its scale ends (or, wedged, until its API server restarts)" if not answered
-                   else f"vLLM's scaling flag is still set {settle_s:.0f}s after it answered, so it answers "
-                   "503 to every request (wedged; restart the vLLM API server)")
+            why = (
+                "vLLM's scaling flag is still set at the controller's deadline: it answers 503 to every "
+                "request until its scale ends (or, wedged, until its API server restarts)"
+                if not answered
+                else f"vLLM's scaling flag is still set {settle_s:.0f}s after it answered, so it answers "
+                "503 to every request (wedged; restart the vLLM API server)"
+            )
             if error is None:
                 return TransitionFailed(f"{op_id}: {why}")
             return type(error)(f"{error.message}; {why}")
@@ -121,13 +134,28 @@ def workspace(snap: dict[str, Any]) -> dict[str, int]:
     return {str(r["rank"]): int(r.get("workspace_bytes", 0) or 0) for r in snap.get("ranks", [])}
 
 
-def new_operation(snap: dict[str, Any], api_url: str, target: int, timeout_s: float, request_id: str | None,
-                  controller: str) -> dict[str, Any]:
+def new_operation(
+    snap: dict[str, Any], api_url: str, target: int, timeout_s: float, request_id: str | None, controller: str
+) -> dict[str, Any]:
     """A vLLM scale's record as its controller admits it (running, phase prepare)."""
     now = time.time()
-    return {"op_id": new_op_id(), "deployment": snap["deployment"], "from_size": current_size(snap),
-            "to_size": target, "state": OpState.RUNNING.value, "phase": "prepare", "started": now,
-            "finished": None, "error": "", "error_code": 0, "phase_durations": {}, "serving_pause_s": 0.0,
-            "captures_per_rank": {}, "workspace_before": workspace(snap), "workspace_after": {},
-            "rank_states": {}, "deadline": now + timeout_s,
-            "plan": {"kind": "vllm", "api_url": api_url, "request_id": request_id or "", "controller": controller}}
+    return {
+        "op_id": new_op_id(),
+        "deployment": snap["deployment"],
+        "from_size": current_size(snap),
+        "to_size": target,
+        "state": OpState.RUNNING.value,
+        "phase": "prepare",
+        "started": now,
+        "finished": None,
+        "error": "",
+        "error_code": 0,
+        "phase_durations": {},
+        "serving_pause_s": 0.0,
+        "captures_per_rank": {},
+        "workspace_before": workspace(snap),
+        "workspace_after": {},
+        "rank_states": {},
+        "deadline": now + timeout_s,
+        "plan": {"kind": "vllm", "api_url": api_url, "request_id": request_id or "", "controller": controller},
+    }

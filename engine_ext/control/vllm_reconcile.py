@@ -28,8 +28,13 @@ def current_world(snap: dict[str, Any], stale_after_s: float = INFO_FRESH_S) -> 
     ranks = [r for r in snap.get("ranks", []) if isinstance(r, dict) and "rank" in r]
     dp = int(info.get("dp") or len(ranks) or 1)
     members = list(range(dp))
-    live = [r for r in ranks if int(r["rank"]) < dp and r.get("state") not in ("stale", "stopped", "failed")
-            and float(r.get("heartbeat_age_s") or 0.0) <= stale_after_s]
+    live = [
+        r
+        for r in ranks
+        if int(r["rank"]) < dp
+        and r.get("state") not in ("stale", "stopped", "failed")
+        and float(r.get("heartbeat_age_s") or 0.0) <= stale_after_s
+    ]
     return members, live
 
 
@@ -71,10 +76,16 @@ class FlagWatch:
         held = now - self.since
         if held < self.bound_s:
             return None
-        return {"since": round(self.since, 3), "held_s": round(held, 1), "bound_s": self.bound_s,
-                "reason": (f"vLLM's scaling flag has been set for {held:.0f}s with no operation of eepctl's running "
-                           f"(bound {self.bound_s:.0f}s): vLLM answers 503 to every request"),
-                "repair": f"nothing eepctl can do: {RESTART_REMEDY}"}
+        return {
+            "since": round(self.since, 3),
+            "held_s": round(held, 1),
+            "bound_s": self.bound_s,
+            "reason": (
+                f"vLLM's scaling flag has been set for {held:.0f}s with no operation of eepctl's running "
+                f"(bound {self.bound_s:.0f}s): vLLM answers 503 to every request"
+            ),
+            "repair": f"nothing eepctl can do: {RESTART_REMEDY}",
+        }
 
 
 @dataclass
@@ -88,8 +99,9 @@ class OrphanWatch:
     settle_s: float = ORPHAN_SETTLE_S
     down_since: float | None = None
 
-    def observe(self, now: float, op: dict[str, Any] | None, ours: bool, flag: bool | None,
-                size: int) -> dict[str, Any] | None:
+    def observe(
+        self, now: float, op: dict[str, Any] | None, ours: bool, flag: bool | None, size: int
+    ) -> dict[str, Any] | None:
         """The ended record to write now, or None (not an orphan, vLLM still scaling, or settling)."""
         if not op or op.get("state") != "running" or ours or flag:
             self.down_since = None
@@ -103,13 +115,29 @@ class OrphanWatch:
         self.down_since = None
         why = "its controller died during the scale (Ray restarted it)"
         if size == int(op["to_size"]):
-            return dict(op, state="succeeded", finished=now, phase="commit",
-                        error=f"{why}; vLLM completed it: DP {size}", error_code=0)
+            return dict(
+                op,
+                state="succeeded",
+                finished=now,
+                phase="commit",
+                error=f"{why}; vLLM completed it: DP {size}",
+                error_code=0,
+            )
         if size == int(op["from_size"]):
-            return dict(op, state="rolled_back", finished=now, error_code=5,
-                        error=f"{why}; vLLM did not complete it: still DP {size}")
-        return dict(op, state="failed", finished=now, error_code=5,
-                    error=f"{why}; vLLM reports DP {size}, neither DP {op['from_size']} nor DP {op['to_size']}")
+            return dict(
+                op,
+                state="rolled_back",
+                finished=now,
+                error_code=5,
+                error=f"{why}; vLLM did not complete it: still DP {size}",
+            )
+        return dict(
+            op,
+            state="failed",
+            finished=now,
+            error_code=5,
+            error=f"{why}; vLLM reports DP {size}, neither DP {op['from_size']} nor DP {op['to_size']}",
+        )
 
 
 def engines_finding(body: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -129,12 +157,16 @@ def engines_finding(body: dict[str, Any] | None) -> dict[str, Any] | None:
         plan.append(f"apply vLLM's 'retry' to engine(s) {', '.join(unhealthy)}")
     if dead:
         plan.append(f"none for dead engine(s) {', '.join(dead)}: restart the vLLM server")
-    return {"engines": bad, "reason": "vLLM fault tolerance: " + ", ".join(f"engine {k} {v}" for k, v in sorted(bad.items())),
-            "repair": "; ".join(plan)}
+    return {
+        "engines": bad,
+        "reason": "vLLM fault tolerance: " + ", ".join(f"engine {k} {v}" for k, v in sorted(bad.items())),
+        "repair": "; ".join(plan),
+    }
 
 
-def server_down_finding(snap: dict[str, Any], now: float, ends: dict[int, dict[str, Any]],
-                        flag: bool | None) -> dict[str, Any] | None:
+def server_down_finding(
+    snap: dict[str, Any], now: float, ends: dict[int, dict[str, Any]], flag: bool | None
+) -> dict[str, Any] | None:
     """vLLM's API server gone: its info older than INFO_FRESH_S and its flag endpoint not
     answering (``flag`` None). ``ends`` is Ray's record of the engine-core actors that ended (pid
     -> ``reason``, ``message``, ``end``): the first to die that vLLM did not kill itself is the
@@ -154,13 +186,18 @@ def server_down_finding(snap: dict[str, Any], now: float, ends: dict[int, dict[s
         _, rank, pid, e = cause
         finding.update(dead_rank=rank, dead_pid=pid)
         killed = [r for _, r, _, x in dead if x is not e]
-        reason += (f": engine-core rank {rank} (pid {pid}) died first ({e.get('reason')}: "
-                   f"{str(e.get('message') or '').strip()[:160]})"
-                   + (f"; vLLM then stopped rank(s) {', '.join(map(str, killed))} and exited" if killed else ""))
+        reason += (
+            f": engine-core rank {rank} (pid {pid}) died first ({e.get('reason')}: "
+            f"{str(e.get('message') or '').strip()[:160]})"
+            + (f"; vLLM then stopped rank(s) {', '.join(map(str, killed))} and exited" if killed else "")
+        )
     command = info.get("api_command")
-    finding.update(reason=reason, repair="vLLM cannot go on without a rank (no elastic scale with a dead peer; "
-                   "its fault tolerance needs --enable-fault-tolerance with an external load balancer): "
-                   + (f"start the server again: {command}" if command else RESTART_REMEDY))
+    finding.update(
+        reason=reason,
+        repair="vLLM cannot go on without a rank (no elastic scale with a dead peer; "
+        "its fault tolerance needs --enable-fault-tolerance with an external load balancer): "
+        + (f"start the server again: {command}" if command else RESTART_REMEDY),
+    )
     return finding
 
 
@@ -169,7 +206,7 @@ def repair_plan(snap: dict[str, Any]) -> list[str]:
     findings first (a stuck flag blocks everything else: vLLM answers 503 to the fault-tolerance
     endpoints too)."""
     info = snap.get("info") or {}
-    found = ((info.get("control") or {}).get("vllm") or {})
+    found = (info.get("control") or {}).get("vllm") or {}
     plan = []
     if found.get("flag_stuck") or info.get("wedged"):
         plan.append(f"vLLM's scaling flag is stuck: {RESTART_REMEDY}; repair cannot lower it")

@@ -17,10 +17,28 @@ from engine_ext.protocol import STALE_AFTER_S
 from engine_ext.records import RankStatus, VllmRankStatus, VllmWorkerStatus
 
 # What only the worker knows; the engine core's own values are defaults.
-WORKER_FIELDS = ("workspace_available", "workspace_bytes", "workspace_locked", "workspace_note", "graph_kind",
-                 "graphs_captured", "capture_sizes", "capture_sizes_expected", "capture_times_s",
-                 "last_capture_pass_s", "captures_total", "captures_this_op", "warmups_total", "warmups_this_op",
-                 "last_warmup_s", "current_op", "last_op", "op_phase_s", "hook_calls", "hooks")
+WORKER_FIELDS = (
+    "workspace_available",
+    "workspace_bytes",
+    "workspace_locked",
+    "workspace_note",
+    "graph_kind",
+    "graphs_captured",
+    "capture_sizes",
+    "capture_sizes_expected",
+    "capture_times_s",
+    "last_capture_pass_s",
+    "captures_total",
+    "captures_this_op",
+    "warmups_total",
+    "warmups_this_op",
+    "last_warmup_s",
+    "current_op",
+    "last_op",
+    "op_phase_s",
+    "hook_calls",
+    "hooks",
+)
 # A worker started before its engine core belongs to an earlier process holding that rank number
 # (vLLM gives a rejoining rank the same identity); the worker starts after its engine core.
 STARTED_SLACK_S = 1.0
@@ -40,8 +58,12 @@ def merge(core: RankStatus, worker: VllmWorkerStatus | None, worker_age_s: float
         return core
     assert worker is not None
     changes: dict[str, Any] = {name: getattr(worker, name) for name in WORKER_FIELDS}
-    changes.update(worker_pid=worker.pid, worker_executor=worker.executor, worker_age_s=round(worker_age_s, 2),
-                   last_capture_s=worker.last_capture_pass_s)
+    changes.update(
+        worker_pid=worker.pid,
+        worker_executor=worker.executor,
+        worker_age_s=round(worker_age_s, 2),
+        last_capture_s=worker.last_capture_pass_s,
+    )
     if worker.device:
         changes["device"] = worker.device
     if worker.state and worker_age_s <= STALE_AFTER_S:

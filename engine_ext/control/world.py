@@ -47,9 +47,14 @@ class RankCallFailed(Exception):
 class World:
     """The ranks one deployment serves with, and the operation that changes them."""
 
-    def __init__(self, name: str, *, emit: EventSink | None = None,
-                 record_op: Callable[[dict[str, Any]], Any] | None = None,
-                 forget_rank: Callable[[int], Any] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        emit: EventSink | None = None,
+        record_op: Callable[[dict[str, Any]], Any] | None = None,
+        forget_rank: Callable[[int], Any] | None = None,
+    ) -> None:
         self.name = name
         # Global ranks (identities) in position order. A rank keeps its number while it lives;
         # a number freed by a scale-down or a death is given to the next joiner (its actor is gone).
@@ -115,8 +120,12 @@ class World:
                 for t in pending:
                     t.cancel()
                 first = min(failed, key=lambda t: tasks[t])
-                raise RankCallFailed(tasks[first], method, first.exception(),  # type: ignore[arg-type]
-                                     {tasks[t]: t.exception() for t in failed})  # type: ignore[misc]
+                raise RankCallFailed(
+                    tasks[first],
+                    method,
+                    first.exception(),  # type: ignore[arg-type]
+                    {tasks[t]: t.exception() for t in failed},
+                )  # type: ignore[misc]
         return {r: t.result() for t, r in tasks.items()}
 
     # ---- operations ----------------------------------------------------------------------------
@@ -145,8 +154,7 @@ class World:
         op.phase = phase
         self.record(op)
 
-    def phase_done(self, op: Operation, phase: str, start: float, end: float | None = None,
-                   **detail: Any) -> None:
+    def phase_done(self, op: Operation, phase: str, start: float, end: float | None = None, **detail: Any) -> None:
         """A phase of ``op`` ended: add its time, emit its event, record the operation."""
         end = time.time() if end is None else end
         op.phase_durations[phase] = round(op.phase_durations.get(phase, 0.0) + end - start, 6)

@@ -36,9 +36,18 @@ class Driver(Protocol):
         emptiest); changes nothing."""
         ...
 
-    def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-              on_event: EventSink, on_op: EventSink, request_id: str | None = None,
-              retire: list[int] | None = None) -> dict[str, Any]:
+    def scale(
+        self,
+        dp: int,
+        *,
+        drain_timeout_s: float,
+        timeout_s: float,
+        wait: bool,
+        on_event: EventSink,
+        on_op: EventSink,
+        request_id: str | None = None,
+        retire: list[int] | None = None,
+    ) -> dict[str, Any]:
         """Scale to ``dp``: the finished operation (``wait``) or the accepted one. ``on_op`` gets the
         operation as it runs where the engine reports it, ``on_event`` each rank event.
         ``request_id``: a retry with the same id is the same operation."""

@@ -62,9 +62,17 @@ class HttpPending:
 class CompletionsClient:
     """Prompts to the endpoints ``endpoints()`` names (looked up again when one drops a request)."""
 
-    def __init__(self, endpoints: Callable[[], list[str]], api_key: str | None, model: str, max_tokens: int,
-                 timeout_s: float, note: Callable[[str], None] = lambda s: None,
-                 on_token: TokenSink | None = None, retry_window_s: float = RETRY_WINDOW_S) -> None:
+    def __init__(
+        self,
+        endpoints: Callable[[], list[str]],
+        api_key: str | None,
+        model: str,
+        max_tokens: int,
+        timeout_s: float,
+        note: Callable[[str], None] = lambda s: None,
+        on_token: TokenSink | None = None,
+        retry_window_s: float = RETRY_WINDOW_S,
+    ) -> None:
         self._lookup, self.urls = endpoints, list(endpoints())
         self._looked_at = time.time()
         self._lock = threading.Lock()
@@ -119,19 +127,31 @@ class CompletionsClient:
                 return {"output": [], "error": str(e), "latency_s": round(time.time() - submitted, 4), "resent": resent}
             except Dropped as e:
                 if self._closed.is_set():  # the client closed its own streams: nothing to re-send or note
-                    return {"output": [], "error": "the client stopped reading", "resent": resent,
-                            "latency_s": round(time.time() - submitted, 4)}
+                    return {
+                        "output": [],
+                        "error": "the client stopped reading",
+                        "resent": resent,
+                        "latency_s": round(time.time() - submitted, 4),
+                    }
                 reached = reached or not str(e).startswith("not reachable")
                 first_drop = first_drop or time.time()
                 wait = min(2.0, 0.5 * 2 ** min(resent, 4))
                 if time.time() + wait >= min(deadline, first_drop + self.retry_window_s):
                     if not reached:
                         raise UnreachableError(f"{url}: {e}") from None
-                    return {"output": [], "error": f"{url}: {e} (sent {resent + 1} times)",
-                            "latency_s": round(time.time() - submitted, 4), "resent": resent}
+                    return {
+                        "output": [],
+                        "error": f"{url}: {e} (sent {resent + 1} times)",
+                        "latency_s": round(time.time() - submitted, 4),
+                        "resent": resent,
+                    }
                 if self._closed.wait(wait):
-                    return {"output": [], "error": "the client stopped reading", "resent": resent,
-                            "latency_s": round(time.time() - submitted, 4)}
+                    return {
+                        "output": [],
+                        "error": "the client stopped reading",
+                        "resent": resent,
+                        "latency_s": round(time.time() - submitted, 4),
+                    }
                 self._refresh()
                 at += 1
                 resent += 1
@@ -141,12 +161,23 @@ class CompletionsClient:
         """Send once and read the stream to its end: the output and where it was served."""
         import httpx
 
-        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True, "return_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+        }
         left = max(0.1, deadline - time.time())
         try:
-            with self.http.stream("POST", url + "/v1/completions", json=body, headers=self._headers,
-                                  timeout=httpx.Timeout(left, connect=min(left, CONNECT_TIMEOUT_S))) as resp:
+            with self.http.stream(
+                "POST",
+                url + "/v1/completions",
+                json=body,
+                headers=self._headers,
+                timeout=httpx.Timeout(left, connect=min(left, CONNECT_TIMEOUT_S)),
+            ) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     raise _refusal(url, resp.status_code, _decoded(resp.text))
@@ -164,11 +195,16 @@ class CompletionsClient:
         for line in lines:
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
-                return {"output": tokens, "error": None, "rank": where.get("rank"),
-                        "moved_from": where.get("moved_from") or [], "resumed_with": where.get("resumed_with") or 0,
-                        "ingress": where.get("ingress")}
+                return {
+                    "output": tokens,
+                    "error": None,
+                    "rank": where.get("rank"),
+                    "moved_from": where.get("moved_from") or [],
+                    "resumed_with": where.get("resumed_with") or 0,
+                    "ingress": where.get("ingress"),
+                }
             chunk = _decoded(data)
             if isinstance(chunk, dict) and chunk.get("error"):
                 err = chunk["error"] if isinstance(chunk["error"], dict) else {}

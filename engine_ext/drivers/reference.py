@@ -75,13 +75,23 @@ class ReferenceDriver:
         extra = [retire] if retire else []  # an older controller takes no retire argument
         return raise_if_error(_get(controller.plan.remote(dp, *extra), timeout=30))
 
-    def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-              on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None,
-              request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
+    def scale(
+        self,
+        dp: int,
+        *,
+        drain_timeout_s: float,
+        timeout_s: float,
+        wait: bool,
+        on_event: EventSink = lambda e: None,
+        on_op: EventSink = lambda o: None,
+        request_id: str | None = None,
+        retire: list[int] | None = None,
+    ) -> dict[str, Any]:
         controller = self._controller("the deployment cannot scale")
         extra = [request_id, retire] if retire else [request_id] if request_id else []
-        accepted = raise_if_error(_get(controller.scale.remote(dp, drain_timeout_s, timeout_s, False, *extra),
-                                       timeout=60))
+        accepted = raise_if_error(
+            _get(controller.scale.remote(dp, drain_timeout_s, timeout_s, False, *extra), timeout=60)
+        )
         op_id = accepted["op_id"]
         if not wait:
             return accepted
@@ -106,8 +116,10 @@ class ReferenceDriver:
                 return _get(controller.wait_op.remote(op_id, 0.25), timeout=30)
             except (UnreachableError, TransitionTimeout):
                 if time.time() > deadline:
-                    raise UnreachableError(f"the controller of {self.name!r} did not come back while {op_id} ran; "
-                                           f"`eepctl events --name {self.name} --op {op_id}` says how it ended") from None
+                    raise UnreachableError(
+                        f"the controller of {self.name!r} did not come back while {op_id} ran; "
+                        f"`eepctl events --name {self.name} --op {op_id}` says how it ended"
+                    ) from None
             time.sleep(0.5)  # Ray is restarting the controller: ask again
 
     def _follow(self, op_id: str, seq: int, on_event: EventSink) -> int:
@@ -134,8 +146,9 @@ class ReferenceDriver:
         return dict(result, phase_durations=merged[-1]["phase_durations"]) if merged else result
 
     def repair(self, *, timeout_s: float) -> dict[str, Any]:
-        controller = self._controller(f"recreate the deployment (`eepctl down --name {self.name}` then "
-                                      f"`eepctl up --name {self.name}`)")
+        controller = self._controller(
+            f"recreate the deployment (`eepctl down --name {self.name}` then `eepctl up --name {self.name}`)"
+        )
         return raise_if_error(_get(controller.repair.remote(), timeout=timeout_s))
 
     def set_autoscale(self, policy: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +166,6 @@ class ReferenceDriver:
     def ingresses(self) -> list[Any]:
         """The deployment's ingress actors (requests enter there, whether a controller is up or not)."""
         import ray
-
         from engine_ext.ray.names import ingress_name
 
         found: list[Any] = []
@@ -163,8 +175,10 @@ class ReferenceDriver:
             except ValueError:
                 break
         if not found:
-            raise UnreachableError(f"deployment {self.name!r} has no ingress: the deployment cannot serve requests "
-                                   f"(`eepctl down --name {self.name}` then `eepctl up` again)")
+            raise UnreachableError(
+                f"deployment {self.name!r} has no ingress: the deployment cannot serve requests "
+                f"(`eepctl down --name {self.name}` then `eepctl up` again)"
+            )
         return found
 
     def endpoints(self) -> list[str]:

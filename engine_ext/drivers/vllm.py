@@ -30,8 +30,9 @@ def with_health(snap: dict[str, Any]) -> dict[str, Any]:
 def refuse_retire(retire: list[int] | None) -> None:
     """vLLM's /scale_elastic_ep always removes the highest ranks: naming others is refused."""
     if retire:
-        raise PreconditionError("--retire is not available for a vLLM deployment: vLLM removes its highest "
-                                "ranks on a scale-down")
+        raise PreconditionError(
+            "--retire is not available for a vLLM deployment: vLLM removes its highest ranks on a scale-down"
+        )
 
 
 class VllmDriver:
@@ -51,18 +52,36 @@ class VllmDriver:
         refuse_retire(retire)
         return vllm_scale.plan(self.snap, dp, api_key=self._api_key)
 
-    def scale(self, dp: int, *, drain_timeout_s: float, timeout_s: float, wait: bool,
-              on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None,
-              request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
+    def scale(
+        self,
+        dp: int,
+        *,
+        drain_timeout_s: float,
+        timeout_s: float,
+        wait: bool,
+        on_event: EventSink = lambda e: None,
+        on_op: EventSink = lambda o: None,
+        request_id: str | None = None,
+        retire: list[int] | None = None,
+    ) -> dict[str, Any]:
         """Asked of the deployment's in-cluster controller, which runs and records it; ``on_op``
         gets the record as it stands there, ``on_event`` each rank event. A retry with the same
         ``request_id`` gets the same operation."""
         from engine_ext.drivers import vllm_scale
 
         refuse_retire(retire)
-        return vllm_scale.scale(self.registry, self.snap, dp, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s,
-                                wait=wait, api_key=self._api_key, request_id=request_id, on_event=on_event,
-                                on_op=on_op)
+        return vllm_scale.scale(
+            self.registry,
+            self.snap,
+            dp,
+            drain_timeout_s=drain_timeout_s,
+            timeout_s=timeout_s,
+            wait=wait,
+            api_key=self._api_key,
+            request_id=request_id,
+            on_event=on_event,
+            on_op=on_op,
+        )
 
     def repair(self, *, timeout_s: float) -> dict[str, Any]:
         """First the shared-memory segments killed vLLM processes left on the cluster's nodes
@@ -98,8 +117,9 @@ class VllmDriver:
         return self._autoscale_read("autoscale_show", {"deployment": self.name, "policy": None, "last": None})
 
     def autoscale_decisions(self, since: float = 0.0) -> dict[str, Any]:
-        return self._autoscale_read("autoscale_decisions", {"deployment": self.name, "policy": None, "decisions": []},
-                                    since)
+        return self._autoscale_read(
+            "autoscale_decisions", {"deployment": self.name, "policy": None, "decisions": []}, since
+        )
 
     def _autoscale_read(self, method: str, empty: dict[str, Any], *args: Any) -> dict[str, Any]:
         """A read: no controller running means no policy (reads create nothing)."""

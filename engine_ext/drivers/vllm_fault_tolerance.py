@@ -57,23 +57,44 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
     plan = repair_plan(snap)  # the controller's findings: a stuck flag blocks the rest (503 to everything)
     down = (((snap.get("info") or {}).get("control") or {}).get("vllm") or {}).get("server_down")
     if down:  # nothing answers any more: say what happened and the one command that brings it back
-        raise PreconditionError(f"repair of vLLM deployment {name!r}: {down['reason']}; {down['repair']}",
-                                detail={"plan": plan, "server_down": down})
+        raise PreconditionError(
+            f"repair of vLLM deployment {name!r}: {down['reason']}; {down['repair']}",
+            detail={"plan": plan, "server_down": down},
+        )
     if plan and plan[0].startswith("vLLM's scaling flag is stuck"):
         raise PreconditionError(f"repair of vLLM deployment {name!r}: {plan[0]}", detail={"plan": plan})
     before = status(snap, api_key=api_key)
     if before is None:
-        raise PreconditionError(f"vLLM deployment {name!r} runs without --enable-fault-tolerance: "
-                                "it has no recovery to apply (restart it to recover)")
-    op: dict[str, Any] = {"op_id": new_op_id(), "kind": "repair", "deployment": name, "instruction": INSTRUCTION,
-                          "from_size": size, "to_size": size, "state": OpState.RUNNING.value, "started": time.time(),
-                          "finished": None, "error": "", "error_code": 0, "request_id": "",
-                          "engines_before": engine_health(before), "engines_after": {}}
+        raise PreconditionError(
+            f"vLLM deployment {name!r} runs without --enable-fault-tolerance: "
+            "it has no recovery to apply (restart it to recover)"
+        )
+    op: dict[str, Any] = {
+        "op_id": new_op_id(),
+        "kind": "repair",
+        "deployment": name,
+        "instruction": INSTRUCTION,
+        "from_size": size,
+        "to_size": size,
+        "state": OpState.RUNNING.value,
+        "started": time.time(),
+        "finished": None,
+        "error": "",
+        "error_code": 0,
+        "request_id": "",
+        "engines_before": engine_health(before),
+        "engines_after": {},
+    }
     dead = [e for e in before["engines"] if e.get("status") == DEAD]
     if dead:
-        return _finish(op, before, PreconditionError(
-            f"engine(s) {', '.join(str(e.get('id')) for e in dead)} of {name!r} are dead: vLLM's "
-            f"{INSTRUCTION!r} cannot recover them; restart the vLLM server"))
+        return _finish(
+            op,
+            before,
+            PreconditionError(
+                f"engine(s) {', '.join(str(e.get('id')) for e in dead)} of {name!r} are dead: vLLM's "
+                f"{INSTRUCTION!r} cannot recover them; restart the vLLM server"
+            ),
+        )
     if not any(e.get("status") == UNHEALTHY for e in before["engines"]):
         op["message"] = "every engine is healthy; nothing to repair"
         op["actions"] = [op["message"]]
@@ -81,9 +102,11 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
     api = api_for(snap, api_key, min(timeout_s, 30.0))
     code, body = api.post("/fault_tolerance/apply", {"instruction": INSTRUCTION, "params": {}})
     if code != 202:
-        err: EepError = (UnreachableError(f"vLLM refused the API key (HTTP {code}); pass --api-key or set "
-                                          "VLLM_API_KEY") if code in (401, 403)
-                         else TransitionFailed(f"vLLM refused {INSTRUCTION!r}: HTTP {code} {message_of(body)}"))
+        err: EepError = (
+            UnreachableError(f"vLLM refused the API key (HTTP {code}); pass --api-key or set VLLM_API_KEY")
+            if code in (401, 403)
+            else TransitionFailed(f"vLLM refused {INSTRUCTION!r}: HTTP {code} {message_of(body)}")
+        )
         return _finish(op, before, err)
     op["request_id"] = request_id = str(body.get("request_id", "")) if isinstance(body, dict) else ""
     deadline = time.time() + timeout_s
@@ -94,21 +117,34 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
         engines = current["engines"]
         failed = [e for e in engines if e.get("ft_error") and e.get("last_ft_request_id") == request_id]
         if failed or any(e.get("status") == DEAD for e in engines):
-            why = "; ".join(f"engine {e.get('id')}: {e.get('ft_error') or e.get('status')}" for e in
-                            failed or [e for e in engines if e.get("status") == DEAD])
+            why = "; ".join(
+                f"engine {e.get('id')}: {e.get('ft_error') or e.get('status')}"
+                for e in failed or [e for e in engines if e.get("status") == DEAD]
+            )
             return _finish(op, current, TransitionFailed(f"vLLM's {INSTRUCTION!r} failed on {name!r}: {why}"))
         if all(e.get("status") == HEALTHY for e in engines):
             op["actions"] = [f"applied vLLM's {INSTRUCTION!r} (request {request_id}): every engine healthy"]
             return _finish(op, current, None)
-    return _finish(op, current, TransitionTimeout(
-        f"{op['op_id']}: vLLM's {INSTRUCTION!r} did not bring every engine of {name!r} back to healthy within "
-        f"{timeout_s:.0f}s (`eepctl status -n {name}`)"))
+    return _finish(
+        op,
+        current,
+        TransitionTimeout(
+            f"{op['op_id']}: vLLM's {INSTRUCTION!r} did not bring every engine of {name!r} back to healthy within "
+            f"{timeout_s:.0f}s (`eepctl status -n {name}`)"
+        ),
+    )
 
 
 def _finish(op: dict[str, Any], last: dict[str, Any], error: EepError | None) -> dict[str, Any]:
-    op.update(finished=time.time(), engines_after=engine_health(last),
-              state=OpState.SUCCEEDED.value if error is None else
-              OpState.TIMED_OUT.value if isinstance(error, TransitionTimeout) else OpState.FAILED.value)
+    op.update(
+        finished=time.time(),
+        engines_after=engine_health(last),
+        state=OpState.SUCCEEDED.value
+        if error is None
+        else OpState.TIMED_OUT.value
+        if isinstance(error, TransitionTimeout)
+        else OpState.FAILED.value,
+    )
     if error is not None:
         op.update(error=error.message, error_code=int(error.exit_code))
         raise type(error)(error.message, detail={"operation": op})

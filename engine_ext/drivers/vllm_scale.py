@@ -60,8 +60,13 @@ def plan(snap: dict[str, Any], target: int, api_key: str | None = None) -> dict[
     op = snap.get("operation")
     running = op["op_id"] + (" (abandoned)" if abandoned(op) else "") if op else ""
     out: dict[str, Any] = {
-        "op_id": "dry-run", "kind": KIND, "deployment": name, "api_url": api.base_url,
-        "from_size": cur, "to_size": target, "noop": target == cur,
+        "op_id": "dry-run",
+        "kind": KIND,
+        "deployment": name,
+        "api_url": api.base_url,
+        "from_size": cur,
+        "to_size": target,
+        "noop": target == cur,
         "elastic_ep": bool((snap.get("info") or {}).get("elastic_ep")),
         "joining": [{"rank": r, "instance_id": dp_suffixed(base, r)} for r in range(cur, target)],
         "leaving": [{"rank": r, "instance_id": dp_suffixed(base, r)} for r in range(target, cur)],
@@ -75,9 +80,19 @@ def plan(snap: dict[str, Any], target: int, api_key: str | None = None) -> dict[
     return out
 
 
-def scale(registry: Any, snap: dict[str, Any], target: int, *, drain_timeout_s: float, timeout_s: float,
-          wait: bool, api_key: str | None = None, request_id: str | None = None,
-          on_event: EventSink = lambda e: None, on_op: EventSink = lambda o: None) -> dict[str, Any]:
+def scale(
+    registry: Any,
+    snap: dict[str, Any],
+    target: int,
+    *,
+    drain_timeout_s: float,
+    timeout_s: float,
+    wait: bool,
+    api_key: str | None = None,
+    request_id: str | None = None,
+    on_event: EventSink = lambda e: None,
+    on_op: EventSink = lambda o: None,
+) -> dict[str, Any]:
     """Ask the deployment's in-cluster controller (engine_ext.ray.vllm_controller) to scale to
     ``target``: the accepted operation (not ``wait``) or the finished one, followed here while it
     runs there. Raises the exit-code table's error on a refusal or a failure (record in
@@ -87,8 +102,9 @@ def scale(registry: Any, snap: dict[str, Any], target: int, *, drain_timeout_s: 
 
     controller = controller_for(snap["deployment"])
     seq = _last_seq(registry)
-    accepted = raise_if_error(_call(controller.scale.remote(target, drain_timeout_s, timeout_s, request_id, api_key),
-                                    timeout=60))
+    accepted = raise_if_error(
+        _call(controller.scale.remote(target, drain_timeout_s, timeout_s, request_id, api_key), timeout=60)
+    )
     if not wait or accepted["state"] != OpState.RUNNING.value:
         return accepted if not wait else check_outcome(accepted)
     op_id = accepted["op_id"]
@@ -100,8 +116,10 @@ def scale(registry: Any, snap: dict[str, Any], target: int, *, drain_timeout_s: 
         if result["state"] != OpState.RUNNING.value:
             break
         if time.time() > deadline:
-            raise TransitionTimeout(f"{op_id} still running after {timeout_s:.0f}s; its controller did not end it "
-                                    f"(`eepctl events --op {op_id}`)")
+            raise TransitionTimeout(
+                f"{op_id} still running after {timeout_s:.0f}s; its controller did not end it "
+                f"(`eepctl events --op {op_id}`)"
+            )
     _follow(registry, seq, on_event)
     return check_outcome(result)
 

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from engine_ext.elastic.group_errors import GroupError, GroupFailure, failure_code
 from engine_ext.elastic.netaddr import interface_ip
 from engine_ext.elastic.rendezvous import Rendezvous
-from engine_ext.transport import TransportNotPrepared, host_key
-from engine_ext.transport import cuda_ipc, p2p
+from engine_ext.transport import TransportNotPrepared, cuda_ipc, host_key, p2p
 from engine_ext.transport import shm as shm_transport
 from engine_ext.transport.alltoall import gloo_all_to_all_v
 
@@ -81,7 +80,10 @@ def store_client(host: str, port: int, timeout_s: float = 60.0, purpose: str = "
     key = (host, port, purpose)
     if key not in _clients:
         _clients[key] = dist.TCPStore(
-            host, port, is_master=False, wait_for_workers=False,
+            host,
+            port,
+            is_master=False,
+            wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     return _clients[key]
@@ -112,6 +114,7 @@ def _collective(fn: _Op) -> _Op:
 def _pinned_like(t: torch.Tensor) -> torch.Tensor:
     """A page-locked host tensor shaped like ``t`` (the staging buffer of a device transfer)."""
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
 
 SHM_MIN_BYTES = 64 * 1024  # a group given no size (a barrier's, a header's exchanges) gets this
 
@@ -154,8 +157,9 @@ class StatelessGroup:
         self.stage_p2p_on_host = backend == "gloo" and self.device.type == "cuda"
         # A connection of its own per group: a rendezvous stuck on a dead peer (a prepare that
         # waits out its timeout) must not block the next operation's rendezvous (a recovery).
-        store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.TCPStore(
+            rdzv.host, rdzv.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         self.store: dist.PrefixStore | None = dist.PrefixStore(rdzv.prefix, store)
         # Wake-ups get connections of their own: the "groups" connection can sit for minutes in
         # a standby group's rendezvous (a joiner that died), and serving must not wait behind it.
@@ -163,8 +167,14 @@ class StatelessGroup:
         self.wake_store = dist.PrefixStore(rdzv.prefix, store_client(rdzv.host, rdzv.port, purpose="wake"))
         try:  # whatever fails in set-up (a peer gone, a timeout, a bad size), nothing of the group stays
             self.pg = self._backend_group(self.store, backend, timeout_s)
-            if (transport == "auto" and size > 1 and backend == "gloo" and shm_transport.supported()
-                    and (self.device.type == "cpu" or cuda_ipc.supported(self.device)) and self._one_host()):
+            if (
+                transport == "auto"
+                and size > 1
+                and backend == "gloo"
+                and shm_transport.supported()
+                and (self.device.type == "cpu" or cuda_ipc.supported(self.device))
+                and self._one_host()
+            ):
                 self._map_transport(self.store, shm_bytes or SHM_MIN_BYTES, on_setup)
         except shm_transport.ShmError as ex:
             self.destroy()
@@ -177,8 +187,11 @@ class StatelessGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "gloo":
             opts = gloo_options(timeout)
-            return (dist.ProcessGroupGloo(store, self.rank, self.size, timeout) if opts is None
-                    else dist.ProcessGroupGloo(store, self.rank, self.size, opts))
+            return (
+                dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
+                if opts is None
+                else dist.ProcessGroupGloo(store, self.rank, self.size, opts)
+            )
         if backend == "nccl":
             nccl = dist.ProcessGroupNCCL.Options()
             nccl._timeout = timeout
@@ -188,12 +201,19 @@ class StatelessGroup:
     def _map_transport(self, store: dist.PrefixStore, nbytes: int, on_setup: Callable[[], None] | None) -> None:
         """The members' shared memory (a segment on CPU, CUDA IPC buffers on a GPU) and the moves over it."""
         on_cpu = self.device.type == "cpu"
-        self.shm = (shm_transport.ShmCollectives(store, self.rank, self.size, nbytes, self.timeout_s, on_setup)
-                    if on_cpu else cuda_ipc.CudaIpcCollectives(store, self.rank, self.size, nbytes, self.timeout_s,
-                                                               self.device, on_setup))
+        self.shm = (
+            shm_transport.ShmCollectives(store, self.rank, self.size, nbytes, self.timeout_s, on_setup)
+            if on_cpu
+            else cuda_ipc.CudaIpcCollectives(store, self.rank, self.size, nbytes, self.timeout_s, self.device, on_setup)
+        )
         self.transport_kind = "shm" if on_cpu else "cuda_ipc"
-        self.moves = p2p.PeerMoves(self.shm, store, self.rank, self.device,
-                                   *((None, None) if on_cpu else (cuda_ipc.share_pieces, cuda_ipc.fetch_pieces)))
+        self.moves = p2p.PeerMoves(
+            self.shm,
+            store,
+            self.rank,
+            self.device,
+            *((None, None) if on_cpu else (cuda_ipc.share_pieces, cuda_ipc.fetch_pieces)),
+        )
 
     def _one_host(self) -> bool:
         """Every member's ``host_key`` through the group's store: the same answer on every rank. CUDA
@@ -224,11 +244,14 @@ class StatelessGroup:
         if self.shm is None:
             return
         if self.transport_attached != self.size:
-            raise TransportNotPrepared(f"shared memory of {self.rdzv.prefix}: {self.transport_attached} of "
-                                       f"{self.size} ranks mapped it")
+            raise TransportNotPrepared(
+                f"shared memory of {self.rdzv.prefix}: {self.transport_attached} of {self.size} ranks mapped it"
+            )
         if self.transport_bytes < needed_bytes:
-            raise TransportNotPrepared(f"shared memory of {self.rdzv.prefix} takes {self.transport_bytes} bytes "
-                                       f"per rank, the world's exchanges need {needed_bytes}")
+            raise TransportNotPrepared(
+                f"shared memory of {self.rdzv.prefix} takes {self.transport_bytes} bytes "
+                f"per rank, the world's exchanges need {needed_bytes}"
+            )
 
     def _pg(self) -> dist.ProcessGroup:
         if self.pg is None:
@@ -286,8 +309,13 @@ class StatelessGroup:
         pg.reduce_scatter([out], [inputs], dist.ReduceScatterOptions()).wait()
 
     @_collective
-    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int], recv_alloc: Callable[[int], torch.Tensor],
-                     recv_counts: list[int] | None = None) -> list[int]:
+    def all_to_all_v(
+        self,
+        send: torch.Tensor,
+        send_counts: list[int],
+        recv_alloc: Callable[[int], torch.Tensor],
+        recv_counts: list[int] | None = None,
+    ) -> list[int]:
         """Rows of ``send`` (by destination, ``send_counts`` per rank) to their ranks, received in
         rank order into ``recv_alloc(total)``; the rows from each rank returned. Shared memory:
         one exchange; gloo: the counts (unless ``recv_counts`` is known), then the rows."""

@@ -117,9 +117,12 @@ def build_layout(
     return ExpertLayout(num_logical, slots_per_rank, world_size, phys)
 
 
-def _keep_held(replicas: list[tuple[float, int]], held_before: list[set[int]], slots_per_rank: int,
-               deal: Callable[[list[list[int]], list[float], list[tuple[float, int]]], None],
-               ) -> tuple[list[list[int]], list[float]]:
+def _keep_held(
+    replicas: list[tuple[float, int]],
+    held_before: list[set[int]],
+    slots_per_rank: int,
+    deal: Callable[[list[list[int]], list[float], list[tuple[float, int]]], None],
+) -> tuple[list[list[int]], list[float]]:
     """Slots where each rank first keeps the replicas it held (heaviest first), the rest dealt."""
     kept: list[list[int]] = [[] for _ in held_before]
     load = [0.0] * len(held_before)
@@ -160,8 +163,14 @@ def old_positions(old_world: list[int] | tuple[int, ...], new_world: list[int] |
     return [old_world.index(r) if r in old_world else None for r in new_world]
 
 
-def plan_moves(old: ExpertLayout, new: ExpertLayout, alive_sources: set[int] | None = None,
-               *, missing_ok: bool = False, old_pos: list[int | None] | None = None) -> list[ExpertMove]:
+def plan_moves(
+    old: ExpertLayout,
+    new: ExpertLayout,
+    alive_sources: set[int] | None = None,
+    *,
+    missing_ok: bool = False,
+    old_pos: list[int | None] | None = None,
+) -> list[ExpertMove]:
     """Where each new physical slot gets its weights from. Local copies when possible: from the
     slots the same rank held, ``old_pos`` (``old_positions``) saying where it stood in the old world
     (by default at the same position). Without it a rank that moved down a position, after a

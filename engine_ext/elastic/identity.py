@@ -29,7 +29,7 @@ def apply_dp_identity_suffix(config: Any, global_rank: int) -> Any:
     Works on frozen dataclasses (returns a copy) and on mutable objects (updated in place
     and returned). An already-suffixed value is re-based, never stacked.
     """
-    instance_id = dp_suffixed(getattr(config, "instance_id"), global_rank)
+    instance_id = dp_suffixed(config.instance_id, global_rank)
     kv = getattr(config, "kv_transfer", None)
     engine_base = getattr(kv, "engine_id", None) if kv is not None else None
     new_kv = kv
@@ -59,12 +59,12 @@ def standby_number(base: str, name: str) -> int | None:
     """``n`` when ``name`` is the standby identity ``<base>_standby<n>`` (an adopted standby's Ray
     actor keeps that name), else None: the one reading of a standby's name."""
     head = f"{strip_dp_suffix(base)}_standby"
-    rest = name[len(head):]
+    rest = name[len(head) :]
     return int(rest) if name.startswith(head) and rest.isdigit() else None
 
 
 def dp_rank_of(base: str, name: str) -> int | None:
     """``r`` when ``name`` is the DP identity ``<base>_dp<r>``, else None."""
     head = f"{strip_dp_suffix(base)}_dp"
-    rest = name[len(head):]
+    rest = name[len(head) :]
     return int(rest) if name.startswith(head) and rest.isdigit() else None

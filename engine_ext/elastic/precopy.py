@@ -43,9 +43,14 @@ def commit_room(cfg: EngineConfig, world: int) -> int:
     return b["workspace_bytes"] + b["kv_blocks"] * b["block_bytes"]
 
 
-def split_moves(old: ExpertLayout, new: ExpertLayout, old_world: list[int] | tuple[int, ...],
-                new_world: list[int] | tuple[int, ...], per_expert: int,
-                room: int) -> tuple[dict[int, dict[str, int]], list[int]]:
+def split_moves(
+    old: ExpertLayout,
+    new: ExpertLayout,
+    old_world: list[int] | tuple[int, ...],
+    new_world: list[int] | tuple[int, ...],
+    per_expert: int,
+    room: int,
+) -> tuple[dict[int, dict[str, int]], list[int]]:
     """Per global rank what it sends, receives and holds, and the moves (indices into ``plan_moves``)
     the pre-copy makes. Into a joiner (new world only): every move, into its slots, nothing held. Into
     a member: received experts first, then its local moves between two of its own slots (a copy
@@ -94,35 +99,47 @@ def precopy_fit_error(cfg: EngineConfig, world: int, per_rank: dict[int, dict[st
     if not over:
         return None
     r = max(over, key=lambda k: over[k])
-    return (f"the expert moves do not fit: rank {r} must hold {per_rank[r]['commit_held']:,} B of expert "
-            f"buffers in the commit ({per_rank[r]['spare']:,} B pre-copied + {per_rank[r]['commit_moved']:,} B "
-            f"moved in the commit), its MoE workspace + KV pool at DP {world} hold {room:,} B: short by "
-            f"{over[r]:,} B" + (f" ({len(over)} ranks short)" if len(over) > 1 else "")
-            + "; raise num_blocks or lower expert_hidden")
+    return (
+        f"the expert moves do not fit: rank {r} must hold {per_rank[r]['commit_held']:,} B of expert "
+        f"buffers in the commit ({per_rank[r]['spare']:,} B pre-copied + {per_rank[r]['commit_moved']:,} B "
+        f"moved in the commit), its MoE workspace + KV pool at DP {world} hold {room:,} B: short by "
+        f"{over[r]:,} B"
+        + (f" ({len(over)} ranks short)" if len(over) > 1 else "")
+        + "; raise num_blocks or lower expert_hidden"
+    )
 
 
 def plan_summary(per_rank: dict[int, dict[str, int]], moves: list[int]) -> dict[str, Any]:
     """The plan's view: per rank (string keys, as JSON wants), the largest of each kind, and the
     pre-copied moves' indices (the ranks follow them)."""
-    return {"per_rank": {str(r): d for r, d in sorted(per_rank.items())}, "moves": moves,
-            **{f"max_{k}_bytes": max((d[k] for d in per_rank.values()), default=0)
-               for k in ("send", "receive", "spare", "commit_moved", "commit_copy")},
-            "experts_precopied": sum(d["precopied"] for d in per_rank.values()),
-            "experts_in_commit": sum(d["in_commit"] for d in per_rank.values())}
+    return {
+        "per_rank": {str(r): d for r, d in sorted(per_rank.items())},
+        "moves": moves,
+        **{
+            f"max_{k}_bytes": max((d[k] for d in per_rank.values()), default=0)
+            for k in ("send", "receive", "spare", "commit_moved", "commit_copy")
+        },
+        "experts_precopied": sum(d["precopied"] for d in per_rank.values()),
+        "experts_in_commit": sum(d["in_commit"] for d in per_rank.values()),
+    }
 
 
 def describe(summary: dict[str, Any]) -> list[str]:
     """The dry run's lines for a plan's pre-copy (``plan_summary``)."""
-    lines = [f"expert pre-copy (in prepare, while serving): {summary.get('experts_precopied', 0)} experts, up to "
-             f"{summary['max_receive_bytes']:,} B received per rank, {summary['max_spare_bytes']:,} B of spare "
-             f"buffers held per rank (out of its KV pool)",
-             f"moved in the commit (did not fit the pre-copy's room): {summary.get('experts_in_commit', 0)} experts, "
-             f"up to {summary.get('max_commit_moved_bytes', 0):,} B per rank; "
-             f"{summary['max_commit_copy_bytes']:,} B loaded into slots per rank"]
+    lines = [
+        f"expert pre-copy (in prepare, while serving): {summary.get('experts_precopied', 0)} experts, up to "
+        f"{summary['max_receive_bytes']:,} B received per rank, {summary['max_spare_bytes']:,} B of spare "
+        f"buffers held per rank (out of its KV pool)",
+        f"moved in the commit (did not fit the pre-copy's room): {summary.get('experts_in_commit', 0)} experts, "
+        f"up to {summary.get('max_commit_moved_bytes', 0):,} B per rank; "
+        f"{summary['max_commit_copy_bytes']:,} B loaded into slots per rank",
+    ]
     for r, d in summary.get("per_rank", {}).items():
         if d.get("in_commit"):
-            lines.append(f"  rank {r}: {d['precopied']} pre-copied ({d['spare']:,} B), {d['in_commit']} in the "
-                         f"commit ({d['commit_moved']:,} B)")
+            lines.append(
+                f"  rank {r}: {d['precopied']} pre-copied ({d['spare']:,} B), {d['in_commit']} in the "
+                f"commit ({d['commit_moved']:,} B)"
+            )
     if summary.get("balance_deferred"):
         lines.append(f"layout: {summary['balance_deferred']}")
     if summary.get("problem"):

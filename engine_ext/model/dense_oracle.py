@@ -30,10 +30,18 @@ class DenseOracle:
         dt = torch_dtype(cfg.dtype)
         self.w = dense_weights(cfg, cfg.seed, dt)
         # [layers][experts] stacked: every expert of every layer, logical order.
-        self.w1 = torch.stack([torch.stack([expert_weights(cfg, cfg.seed, l, e, dt)[0] for e in range(cfg.num_experts)])
-                               for l in range(cfg.num_layers)])
-        self.w2 = torch.stack([torch.stack([expert_weights(cfg, cfg.seed, l, e, dt)[1] for e in range(cfg.num_experts)])
-                               for l in range(cfg.num_layers)])
+        self.w1 = torch.stack(
+            [
+                torch.stack([expert_weights(cfg, cfg.seed, l, e, dt)[0] for e in range(cfg.num_experts)])
+                for l in range(cfg.num_layers)
+            ]
+        )
+        self.w2 = torch.stack(
+            [
+                torch.stack([expert_weights(cfg, cfg.seed, l, e, dt)[1] for e in range(cfg.num_experts)])
+                for l in range(cfg.num_layers)
+            ]
+        )
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """Logits at every position of ``tokens`` ([S, vocab])."""

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_ext.capture_memory import replica_table_width
+from engine_ext.config import EngineConfig
 from engine_ext.elastic.comm import StatelessGroup
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.workspace import WorkspaceManager, bytes_for
-from engine_ext.capture_memory import replica_table_width
-from engine_ext.config import EngineConfig
 from engine_ext.model.routed import RoutedMoE, routed_specs, row_bytes, worst_case
 from engine_ext.model.weights import dense_weights, expert_weights, torch_dtype
 from engine_ext.transport.p2p import shared_empty
@@ -80,8 +80,11 @@ class MoEModel:
         # Expert weights for this rank's physical slots: [layers][slots, ...], written in place.
         L = cfg.slots_per_rank
         # On CPU they live in memory the host's other ranks can map: an expert move reads them in place.
-        alloc = ((lambda *shape: shared_empty(shape, dt)) if device.type == "cpu"
-                 else (lambda *shape: torch.empty(*shape, dtype=dt, device=device)))
+        alloc = (
+            (lambda *shape: shared_empty(shape, dt))
+            if device.type == "cpu"
+            else (lambda *shape: torch.empty(*shape, dtype=dt, device=device))
+        )
         self.w1 = alloc(cfg.num_layers, L, H, cfg.expert_hidden)
         self.w2 = alloc(cfg.num_layers, L, cfg.expert_hidden, H)
         for s, e in enumerate(layout.local_logical(rank)):
@@ -89,8 +92,9 @@ class MoEModel:
                 a, b = expert_weights(cfg, seed, l, e, dt)
                 self.w1[l, s].copy_(a)
                 self.w2[l, s].copy_(b)
-        self.kv = torch.zeros(cfg.num_layers, cfg.num_blocks * cfg.block_size, 2, cfg.num_heads, cfg.head_dim,
-                              dtype=dt, device=device)
+        self.kv = torch.zeros(
+            cfg.num_layers, cfg.num_blocks * cfg.block_size, 2, cfg.num_heads, cfg.head_dim, dtype=dt, device=device
+        )
         # Per-slot request state: the block table of the request in each slot; the last row is the
         # null slot (all null blocks) that padding tokens name.
         self.null_slot = cfg.max_num_seqs
@@ -142,14 +146,31 @@ class MoEModel:
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Long-lived tensors a captured step reads; their storage must not change under it."""
-        return {"kv": self.kv, "w1": self.w1, "w2": self.w2, "replica_table": self.replica_table,
-                "replica_count": self.replica_count, "block_table": self.block_table,
-                "expert_load": self.expert_load, "position": self.position,
-                **{f"dense:{k}": v for k, v in self.dense.items()}}
+        return {
+            "kv": self.kv,
+            "w1": self.w1,
+            "w2": self.w2,
+            "replica_table": self.replica_table,
+            "replica_count": self.replica_count,
+            "block_table": self.block_table,
+            "expert_load": self.expert_load,
+            "position": self.position,
+            **{f"dense:{k}": v for k, v in self.dense.items()},
+        }
 
     def bind(self, workspace_views: list[torch.Tensor] | None = None) -> Bound:
-        return Bound(self.kv, self.w1, self.w2, dict(self.dense), self.replica_table, self.replica_count,
-                     self.block_table, self.expert_load, self.position, workspace_views)
+        return Bound(
+            self.kv,
+            self.w1,
+            self.w2,
+            dict(self.dense),
+            self.replica_table,
+            self.replica_count,
+            self.block_table,
+            self.expert_load,
+            self.position,
+            workspace_views,
+        )
 
     # ---- workspace sizing ----------------------------------------------------------------
     def moe_specs(self, gathered_tokens: int, slot_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -245,8 +266,9 @@ class MoEModel:
             bs = cfg.block_size
             ns["x"] = d["embed"][batch.token_ids] + d["pos_embed"][batch.positions]
             tables = b.block_table[batch.req_slots]  # [T, max_blocks]: read through the request slot
-            ns["slot_mapping"] = (torch.gather(tables, 1, (batch.positions // bs).unsqueeze(1)).squeeze(1) * bs
-                                  + batch.positions % bs)
+            ns["slot_mapping"] = (
+                torch.gather(tables, 1, (batch.positions // bs).unsqueeze(1)).squeeze(1) * bs + batch.positions % bs
+            )
             ns["ctx_slots"] = (tables.unsqueeze(-1) * bs + torch.arange(bs, device=self.device)).reshape(T, -1)
             ctx_pos = torch.arange(ns["ctx_slots"].shape[1], device=self.device)
             ns["mask"] = ctx_pos.unsqueeze(0) > batch.positions.unsqueeze(1)
@@ -261,15 +283,24 @@ class MoEModel:
         steps.append(("compute", finish))
         return steps, ns
 
-    def _layer_steps(self, l: int, batch: Batch, ns: dict[str, torch.Tensor], workspace: WorkspaceManager, b: Bound,
-                     group: StatelessGroup | None, record_load: bool,
-                     routed: RoutedMoE | None) -> list[tuple[str, Callable[[], None]]]:
+    def _layer_steps(
+        self,
+        l: int,
+        batch: Batch,
+        ns: dict[str, torch.Tensor],
+        workspace: WorkspaceManager,
+        b: Bound,
+        group: StatelessGroup | None,
+        record_load: bool,
+        routed: RoutedMoE | None,
+    ) -> list[tuple[str, Callable[[], None]]]:
         """One layer's steps: attention and routing, then the MoE exchange (routed or gathered)."""
         T = batch.num_tokens
         W = 1 if group is None else group.size
         N = W * T
         steps: list[tuple[str, Callable[[], None]]] = [
-            ("compute", lambda: self._attention_and_route(l, batch, ns, workspace, b, N, record_load, routed, W))]
+            ("compute", lambda: self._attention_and_route(l, batch, ns, workspace, b, N, record_load, routed, W))
+        ]
         if routed is not None:
             if group is not None:
                 steps.append(("comm", lambda: routed.dispatch(group, ns, l)))
@@ -286,8 +317,18 @@ class MoEModel:
         steps.append(("compute", lambda: self._residual(ns, group, T, l)))
         return steps
 
-    def _attention_and_route(self, l: int, batch: Batch, ns: dict[str, torch.Tensor], workspace: WorkspaceManager,
-                             b: Bound, N: int, record_load: bool, routed: RoutedMoE | None, W: int) -> None:
+    def _attention_and_route(
+        self,
+        l: int,
+        batch: Batch,
+        ns: dict[str, torch.Tensor],
+        workspace: WorkspaceManager,
+        b: Bound,
+        N: int,
+        record_load: bool,
+        routed: RoutedMoE | None,
+        W: int,
+    ) -> None:
         cfg, d = self.cfg, b.dense
         T, H, nh, hd, k = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.top_k
         x = ns["x"]
@@ -314,13 +355,27 @@ class MoEModel:
             return
         # Gathered buffers come from the workspace; views are taken here so collectives reuse them.
         gh, gi, gw, acc, _, _ = b.workspace if b.workspace is not None else workspace.get(self.moe_specs(N, 1))
-        ns.update({f"h{l}": h, f"top_w{l}": top_w, f"top_i{l}": top_i, f"gh{l}": gh, f"gi{l}": gi,
-                   f"gw{l}": gw, f"acc{l}": acc, f"moe_out{l}": torch.empty(T, H, dtype=h.dtype, device=h.device)})
+        ns.update(
+            {
+                f"h{l}": h,
+                f"top_w{l}": top_w,
+                f"top_i{l}": top_i,
+                f"gh{l}": gh,
+                f"gi{l}": gi,
+                f"gw{l}": gw,
+                f"acc{l}": acc,
+                f"moe_out{l}": torch.empty(T, H, dtype=h.dtype, device=h.device),
+            }
+        )
 
     @staticmethod
     def _dispatch(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int, l: int) -> None:
-        group.all_gather_many([(list(ns[f"{g}{l}"].chunk(W)), ns[f"{x}{l}"].contiguous())
-                               for g, x in (("gh", "h"), ("gi", "top_i"), ("gw", "top_w"))])
+        group.all_gather_many(
+            [
+                (list(ns[f"{g}{l}"].chunk(W)), ns[f"{x}{l}"].contiguous())
+                for g, x in (("gh", "h"), ("gi", "top_i"), ("gw", "top_w"))
+            ]
+        )
 
     def _experts(self, layer: int, ns: dict[str, torch.Tensor], b: Bound, N: int) -> None:
         """The gathered path (captured CUDA steps): every local slot over every gathered token,

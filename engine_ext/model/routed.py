@@ -41,13 +41,18 @@ def row_bytes(cfg: EngineConfig, dtype: torch.dtype) -> int:
     return ID_BYTES + -(-cfg.hidden_size * dtype.itemsize // 8) * 8
 
 
-def routed_specs(cfg: EngineConfig, dtype: torch.dtype, sent: int, received: int,
-                 slot_rows: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def routed_specs(
+    cfg: EngineConfig, dtype: torch.dtype, sent: int, received: int, slot_rows: int
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The routed path's workspace: send rows (then the returned outputs), received rows (then the
     outputs sent back), one slot's expert input and intermediate."""
     rb = row_bytes(cfg, dtype)
-    return [((sent, rb), torch.uint8), ((received, rb), torch.uint8),
-            ((slot_rows, cfg.hidden_size), dtype), ((slot_rows, cfg.expert_hidden), dtype)]
+    return [
+        ((sent, rb), torch.uint8),
+        ((received, rb), torch.uint8),
+        ((slot_rows, cfg.hidden_size), dtype),
+        ((slot_rows, cfg.expert_hidden), dtype),
+    ]
 
 
 def worst_case(cfg: EngineConfig, world: int, tokens: int) -> tuple[int, int, int]:
@@ -57,7 +62,7 @@ def worst_case(cfg: EngineConfig, world: int, tokens: int) -> tuple[int, int, in
 
 def hidden_of(rows: torch.Tensor, cfg: EngineConfig, dtype: torch.dtype) -> torch.Tensor:
     """The hidden-state part of routed rows, as ``dtype`` ([n, hidden])."""
-    return rows[:, ID_BYTES:ID_BYTES + cfg.hidden_size * dtype.itemsize].view(dtype)
+    return rows[:, ID_BYTES : ID_BYTES + cfg.hidden_size * dtype.itemsize].view(dtype)
 
 
 def slot_of(rows: torch.Tensor) -> torch.Tensor:
@@ -68,8 +73,9 @@ def slot_of(rows: torch.Tensor) -> torch.Tensor:
 class RoutedMoE:
     """The routed path of one forward plan: per-layer state lives in the plan's namespace."""
 
-    def __init__(self, cfg: EngineConfig, dtype: torch.dtype, workspace: WorkspaceManager,
-                 bound: list[torch.Tensor] | None) -> None:
+    def __init__(
+        self, cfg: EngineConfig, dtype: torch.dtype, workspace: WorkspaceManager, bound: list[torch.Tensor] | None
+    ) -> None:
         self.cfg, self.dtype, self.workspace = cfg, dtype, workspace
         self.bound = bound  # views carved once (captures: worst case for the capture's size) or None
 
@@ -80,8 +86,17 @@ class RoutedMoE:
         # parts keep their offsets and contents), the bound covers the worst case.
         return self.workspace.get(routed_specs(self.cfg, self.dtype, sent, received, slot_rows))
 
-    def route(self, ns: dict[str, Any], l: int, h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
-              valid: torch.Tensor, b: Any, world: int) -> None:
+    def route(
+        self,
+        ns: dict[str, Any],
+        l: int,
+        h: torch.Tensor,
+        top_i: torch.Tensor,
+        top_w: torch.Tensor,
+        valid: torch.Tensor,
+        b: Any,
+        world: int,
+    ) -> None:
         """Build the send rows of layer ``l``: valid tokens' pairs, ordered by destination rank."""
         cfg = self.cfg
         T, k, L = h.shape[0], cfg.top_k, cfg.slots_per_rank
@@ -96,13 +111,13 @@ class RoutedMoE:
         send = self._views(P, 0, 1)[0][:P]
         slot_of(send).copy_(phys[order] % L)
         hidden_of(send, cfg, self.dtype).copy_(h[order // k])
-        ns.update({f"send{l}": send, f"counts{l}": counts, f"tok{l}": order // k,
-                   f"gate{l}": top_w.reshape(-1)[order]})
+        ns.update({f"send{l}": send, f"counts{l}": counts, f"tok{l}": order // k, f"gate{l}": top_w.reshape(-1)[order]})
 
     def dispatch(self, group: Any, ns: dict[str, Any], l: int) -> None:
         P = ns[f"send{l}"].shape[0]
-        ns[f"recv_counts{l}"] = group.all_to_all_v(ns[f"send{l}"], ns[f"counts{l}"],
-                                                   lambda n: self._views(P, n, 1)[1][:n])
+        ns[f"recv_counts{l}"] = group.all_to_all_v(
+            ns[f"send{l}"], ns[f"counts{l}"], lambda n: self._views(P, n, 1)[1][:n]
+        )
 
     def experts(self, ns: dict[str, Any], l: int, w1: torch.Tensor, w2: torch.Tensor, group: Any) -> None:
         """Each local slot on its received rows; outputs overwrite the rows' hidden states."""
@@ -110,8 +125,9 @@ class RoutedMoE:
         P = ns[f"send{l}"].shape[0]
         R = P if group is None else sum(ns[f"recv_counts{l}"])  # one rank: it receives what it sends
         first = self._views(P, R, 1)
-        per_slot = torch.bincount(slot_of(first[0][:P] if group is None else first[1][:R]),
-                                  minlength=cfg.slots_per_rank).tolist()
+        per_slot = torch.bincount(
+            slot_of(first[0][:P] if group is None else first[1][:R]), minlength=cfg.slots_per_rank
+        ).tolist()
         views = self._views(P, R, max(per_slot + [1]))  # the buffer may grow: re-read through new views
         ns[f"send{l}"] = views[0][:P]
         ns[f"recv{l}"] = recv = views[0][:P] if group is None else views[1][:R]

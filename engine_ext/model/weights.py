@@ -9,7 +9,6 @@ import torch
 
 from engine_ext.config import EngineConfig
 
-
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,8 +29,10 @@ def dense_weights(cfg: EngineConfig, seed: int, dtype: torch.dtype) -> dict[str,
     H, V = cfg.hidden_size, cfg.vocab_size
     g = _gen(seed)
     dt = dtype
-    dense: dict[str, torch.Tensor] = {"embed": _rand(g, V, H, fan_in=1, dtype=dt) * 0.5,
-                                      "pos_embed": _rand(g, cfg.max_model_len, H, fan_in=1, dtype=dt) * 0.1}
+    dense: dict[str, torch.Tensor] = {
+        "embed": _rand(g, V, H, fan_in=1, dtype=dt) * 0.5,
+        "pos_embed": _rand(g, cfg.max_model_len, H, fan_in=1, dtype=dt) * 0.1,
+    }
     for l in range(cfg.num_layers):
         dense[f"l{l}.ln1"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
         dense[f"l{l}.wqkv"] = _rand(g, H, 3 * H, fan_in=H, dtype=dt)
@@ -43,8 +44,9 @@ def dense_weights(cfg: EngineConfig, seed: int, dtype: torch.dtype) -> dict[str,
     return dense
 
 
-def expert_weights(cfg: EngineConfig, seed: int, layer: int, logical: int,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_weights(
+    cfg: EngineConfig, seed: int, layer: int, logical: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(w1, w2) of one logical expert in one layer."""
     g = _gen(seed * 1_000_003 + layer * 10_007 + logical + 1)
     w1 = _rand(g, cfg.hidden_size, cfg.expert_hidden, fan_in=cfg.hidden_size, dtype=dtype)

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from engine_ext.faults import Faults
 
 
-
 class ReusedCaptureError(RuntimeError):
     """A reused capture whose buffers were sized for another world than the live one."""
 
@@ -105,23 +104,29 @@ class MaxWorldGroup:
             for outs, inp in items:
                 self.all_gather(outs, inp)
             return
-        g.all_gather_many([(outs[:g.size], inp) for outs, inp in items])
+        g.all_gather_many([(outs[: g.size], inp) for outs, inp in items])
         for outs, _ in items:
-            for t in outs[g.size:]:
+            for t in outs[g.size :]:
                 t.zero_()
 
-    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int], recv_alloc: Callable[[int], torch.Tensor],
-                     recv_counts: list[int] | None = None) -> list[int]:
+    def all_to_all_v(
+        self,
+        send: torch.Tensor,
+        send_counts: list[int],
+        recv_alloc: Callable[[int], torch.Tensor],
+        recv_counts: list[int] | None = None,
+    ) -> list[int]:
         """The live group's all-to-all (absent ranks send and receive nothing); detached, only
         the rows this rank routes to itself, as if alone."""
         g = self._group()
         if g is None:
             me = min(self.rank, len(send_counts) - 1)
             start, n = sum(send_counts[:me]), send_counts[me]
-            recv_alloc(n).copy_(send[start:start + n])
+            recv_alloc(n).copy_(send[start : start + n])
             return [n if j == me else 0 for j in range(len(send_counts))]
-        got = g.all_to_all_v(send, send_counts[:g.size], recv_alloc,
-                             None if recv_counts is None else recv_counts[:g.size])
+        got = g.all_to_all_v(
+            send, send_counts[: g.size], recv_alloc, None if recv_counts is None else recv_counts[: g.size]
+        )
         return got + [0] * (len(send_counts) - g.size)
 
     def reduce_scatter(self, out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
@@ -140,8 +145,7 @@ class CaptureReuse:
     """One rank's side of the ``reuse`` policy: the max-world handle its captures use, and the
     check a survivor's kept captures pass in a transition (a joiner's capture is ``Warmup``'s)."""
 
-    def __init__(self, handle: MaxWorldGroup, res: RankResources, shared: RankShared,
-                 telemetry: RankTelemetry) -> None:
+    def __init__(self, handle: MaxWorldGroup, res: RankResources, shared: RankShared, telemetry: RankTelemetry) -> None:
         self.handle = handle
         self.res = res
         self.shared = shared
@@ -170,7 +174,8 @@ class CaptureReuse:
         if world > self.capacity:
             raise ReusedCaptureError(
                 f"reused capture refused: its buffers are sized for a world of {self.capacity}, "
-                f"the new world has {world} ranks (size captures for max DP under reuse)")
+                f"the new world has {world} ranks (size captures for max DP under reuse)"
+            )
         for size in graphs.captured_sizes:
             graphs.check(size)  # StaleGraphError if any buffer it reads moved
         return graphs.captured_sizes
@@ -181,14 +186,24 @@ class CaptureReuse:
         workspace, graphs = self.res.workspace, self.res.graphs
         if self.res.faults.active("reuse_drops_captures"):
             graphs.release()  # the captures are not kept: the survivor serves its decodes eagerly
-        with self.telemetry.phase(op_id, "lock", capture_passes=graphs.passes_this_op, expected_passes=0,
-                                  capture_policy="reuse", required_bytes=workspace.nbytes) as d:
+        with self.telemetry.phase(
+            op_id,
+            "lock",
+            capture_passes=graphs.passes_this_op,
+            expected_passes=0,
+            capture_policy="reuse",
+            required_bytes=workspace.nbytes,
+        ) as d:
             d["reused_sizes"] = self.verify()
             d["workspace_bytes"] = workspace.nbytes
             d["capture_world"] = self.capacity
         self.shared.capture_passes = graphs.passes_this_op
-        return {"captures_this_op": graphs.passes_this_op, "capture_policy": "reuse",
-                "workspace_after": workspace.nbytes, "kv_blocks_after": self.res.sched.blocks.total}
+        return {
+            "captures_this_op": graphs.passes_this_op,
+            "capture_policy": "reuse",
+            "workspace_after": workspace.nbytes,
+            "kv_blocks_after": self.res.sched.blocks.total,
+        }
 
 
 def max_world_handle(cfg: EngineConfig, faults: Faults, shared: RankShared) -> MaxWorldGroup | None:

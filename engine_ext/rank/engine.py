@@ -33,12 +33,12 @@ from engine_ext.elastic.transition_plan import TransitionPlan
 from engine_ext.elastic.weight_source import WeightSource
 from engine_ext.elastic.workspace import WorkspaceManager
 from engine_ext.errors import RankRefused
+from engine_ext.faults import Faults
 from engine_ext.model.model import PLACEHOLDER_SEED_OFFSET, MoEModel
 from engine_ext.model.seeded_source import SeededWeightSource
 from engine_ext.protocol import RankState, RankStatus, to_builtins
 from engine_ext.rank.capture_reuse import CaptureReuse, max_world_handle
 from engine_ext.rank.device_info import device_uuid, mps_active
-from engine_ext.faults import Faults
 from engine_ext.rank.recovery import RankRecovery
 from engine_ext.rank.reshuffle import ExpertReshuffle
 from engine_ext.rank.scheduler import Request, RequestRejected, Scheduler
@@ -52,9 +52,14 @@ from engine_ext.records import Refusal
 
 # The states in which a rank takes no requests, and the code its refusal carries. A draining
 # rank still takes what reaches it (the router sends it nothing new).
-_REFUSING = {RankState.FAILED: Refusal.FAILED, RankState.REMOVED: Refusal.REMOVED,
-             RankState.REMOVING: Refusal.REMOVING, RankState.DEGRADED: Refusal.DEGRADED,
-             RankState.RECOVERING: Refusal.RECOVERING, RankState.FENCED: Refusal.FENCED}
+_REFUSING = {
+    RankState.FAILED: Refusal.FAILED,
+    RankState.REMOVED: Refusal.REMOVED,
+    RankState.REMOVING: Refusal.REMOVING,
+    RankState.DEGRADED: Refusal.DEGRADED,
+    RankState.RECOVERING: Refusal.RECOVERING,
+    RankState.FENCED: Refusal.FENCED,
+}
 
 
 def rank_identity(cfg: EngineConfig, deployment: str, rank: int, faults: Faults) -> EngineConfig:
@@ -110,22 +115,30 @@ class RankEngine:
         self._store_master: Any = None
         handle = max_world_handle(cfg, faults, shared)  # None under the default recapture policy
         # What a capture is bound to, set here once: the live group, or the max-world handle.
-        self.res = res = self._resources(cfg, layout, joining, faults,
-                                         handle.world_key if handle is not None else shared.world_key)
+        self.res = res = self._resources(
+            cfg, layout, joining, faults, handle.world_key if handle is not None else shared.world_key
+        )
         self.telemetry = telemetry = RankTelemetry(shared, sink, self.status)
         reuse = CaptureReuse(handle, res, shared, telemetry) if handle is not None else None
         self.warmup = Warmup(res, shared, telemetry, reuse)
         reshuffle = ExpertReshuffle(res, shared, weight_source or SeededWeightSource(cfg), self.warmup.kv_pool_blocks)
         self.loop = StepLoop(res, shared, telemetry)
         self.recovery = RankRecovery(res, shared, telemetry, self.loop, self.warmup, reshuffle)
-        self.transition = RankTransition(res, shared, telemetry, self.loop, self.warmup, reshuffle,
-                                         self.recovery.on_error)
+        self.transition = RankTransition(
+            res, shared, telemetry, self.loop, self.warmup, reshuffle, self.recovery.on_error
+        )
         self.loop.wire(commit=self.transition.commit, on_error=self.recovery.on_error)
         self.standby = StandbyIdentity(res, shared, telemetry)
         faults.hold("launch")
 
-    def _resources(self, cfg: EngineConfig, layout: ExpertLayout, joining: bool, faults: Faults,
-                   world_key: Callable[[], tuple[int, int]]) -> RankResources:
+    def _resources(
+        self,
+        cfg: EngineConfig,
+        layout: ExpertLayout,
+        joining: bool,
+        faults: Faults,
+        world_key: Callable[[], tuple[int, int]],
+    ) -> RankResources:
         """Model, workspace, graphs, scheduler and EPLB state of this rank (a joiner's model
         holds placeholder weights until its transition moves the real ones)."""
         rank, device = self.shared.rank, self.device
@@ -134,8 +147,16 @@ class RankEngine:
         workspace = WorkspaceManager(device)
         graphs = GraphManager(device, workspace, model.buffers, world_key)
         graphs.verify = not faults.active("no_stale_check")
-        return RankResources(cfg=cfg, device=device, model=model, workspace=workspace, graphs=graphs,
-                             sched=Scheduler(cfg), eplb=EplbState(layout, async_started=not joining), faults=faults)
+        return RankResources(
+            cfg=cfg,
+            device=device,
+            model=model,
+            workspace=workspace,
+            graphs=graphs,
+            sched=Scheduler(cfg),
+            eplb=EplbState(layout, async_started=not joining),
+            faults=faults,
+        )
 
     def _on_hold(self, phase: str) -> None:
         self.shared.state_reason = f"held in {phase} by a test fault"
@@ -193,37 +214,67 @@ class RankEngine:
         s, g, eplb = res.sched, res.graphs, res.eplb
         now = time.time()
         st = RankStatus(
-            deployment=self.deployment, rank=shared.rank, instance_id=self.instance_id, engine_id=self.engine_id,
-            kind=self.kind, node=f"{self.node}/{self.ip}", node_id=self.node_id, node_ip=self.ip,
-            pid=os.getpid(), device=str(self.device), device_uuid=self.device_uuid, mps=self.mps,
-            state=shared.state.value, state_reason=shared.state_reason, dp_size=shared.world_size,
-            requests_running=len(s.running), requests_waiting=len(s.waiting),
-            request_seconds=round(s.held.total(now), 6), slots_used=s.slots.used, slots_total=s.slots.total,
-            kv_blocks_used=s.blocks.used, kv_blocks_total=s.blocks.total,
-            workspace_bytes=res.workspace.nbytes, workspace_locked=res.workspace.locked,
-            workspace_required_bytes=shared.required_workspace, capture_policy=self.cfg.capture_policy,
+            deployment=self.deployment,
+            rank=shared.rank,
+            instance_id=self.instance_id,
+            engine_id=self.engine_id,
+            kind=self.kind,
+            node=f"{self.node}/{self.ip}",
+            node_id=self.node_id,
+            node_ip=self.ip,
+            pid=os.getpid(),
+            device=str(self.device),
+            device_uuid=self.device_uuid,
+            mps=self.mps,
+            state=shared.state.value,
+            state_reason=shared.state_reason,
+            dp_size=shared.world_size,
+            requests_running=len(s.running),
+            requests_waiting=len(s.waiting),
+            request_seconds=round(s.held.total(now), 6),
+            slots_used=s.slots.used,
+            slots_total=s.slots.total,
+            kv_blocks_used=s.blocks.used,
+            kv_blocks_total=s.blocks.total,
+            workspace_bytes=res.workspace.nbytes,
+            workspace_locked=res.workspace.locked,
+            workspace_required_bytes=shared.required_workspace,
+            capture_policy=self.cfg.capture_policy,
             workspace_recapture_bytes=res.model.moe_workspace_bound(shared.world_size),
-            graphs_captured=len(g.captured_sizes), capture_sizes=g.captured_sizes, graph_kind=g.kind,
-            graph_replays=g.stats.replays, last_capture_s=g.stats.last_capture_s,
+            graphs_captured=len(g.captured_sizes),
+            capture_sizes=g.captured_sizes,
+            graph_kind=g.kind,
+            graph_replays=g.stats.replays,
+            last_capture_s=g.stats.last_capture_s,
             capture_times_s={str(k): round(v, 6) for k, v in sorted(g.stats.capture_durations.items())},
-            last_capture_pass_s=(round(sum(g.stats.capture_durations.values()), 6)
-                                 if g.stats.capture_durations else None),
-            captures_this_op=shared.capture_passes, current_op=shared.current_op,
-            eplb_step=eplb.step, eplb_imbalance=eplb.imbalance(),
-            physical_experts=eplb.layout.num_physical, logical_experts=eplb.layout.num_logical,
-            steps=shared.steps, last_heartbeat=now, epoch=shared.epoch,
+            last_capture_pass_s=(
+                round(sum(g.stats.capture_durations.values()), 6) if g.stats.capture_durations else None
+            ),
+            captures_this_op=shared.capture_passes,
+            current_op=shared.current_op,
+            eplb_step=eplb.step,
+            eplb_imbalance=eplb.imbalance(),
+            physical_experts=eplb.layout.num_physical,
+            logical_experts=eplb.layout.num_logical,
+            steps=shared.steps,
+            last_heartbeat=now,
+            epoch=shared.epoch,
             transport=getattr(shared.group, "transport_kind", ""),
             transport_attached=getattr(shared.group, "transport_attached", 0),
-            stale_replays_refused=shared.stale_replays_refused, eplb_logical_load=list(eplb.logical_load),
-            switch_op=g.window.op_id, replays_since_switch={str(k): v for k, v in sorted(g.window.replays.items())},
+            stale_replays_refused=shared.stale_replays_refused,
+            eplb_logical_load=list(eplb.logical_load),
+            switch_op=g.window.op_id,
+            replays_since_switch={str(k): v for k, v in sorted(g.window.replays.items())},
             eager_since_switch={str(k): v for k, v in sorted(g.window.eager.items())},
-            eager_fallbacks=g.stats.eager_fallbacks, capture_sizes_expected=list(self.cfg.capture_sizes),
+            eager_fallbacks=g.stats.eager_fallbacks,
+            capture_sizes_expected=list(self.cfg.capture_sizes),
             captured_in={str(k): v for k, v in g.captured_in.items()},
             eplb_recent_load=eplb.recent_load(),
             eplb_slots=eplb.layout.local_logical(res.model.rank),  # the layout slice at the model's position
             move_bytes_held=shared.move_bytes_held,
             **s.latency.summary(),  # windowed TTFT/TPOT p50/p95 (engine_ext/rank/latency.py)
-            **s.served.summary(), tokens_queued=s.tokens_queued(),  # the autoscaler's load and capacity signals
+            **s.served.summary(),
+            tokens_queued=s.tokens_queued(),  # the autoscaler's load and capacity signals
         )
         return to_builtins(st)
 
@@ -242,9 +293,18 @@ class RankEngine:
         return self.ip, int(self._store_master.port)
 
     def join(self, rdzv: Rendezvous, world_size: int, timeout_s: float = 120.0) -> None:
-        self.shared.set_group(StatelessGroup(rdzv.child("dp"), self.rank, world_size, timeout_s=timeout_s,
-                                             backend=self.cfg.backend, device=self.device, transport=self.cfg.transport,
-                                             shm_bytes=self.res.model.exchange_bound(world_size)))
+        self.shared.set_group(
+            StatelessGroup(
+                rdzv.child("dp"),
+                self.rank,
+                world_size,
+                timeout_s=timeout_s,
+                backend=self.cfg.backend,
+                device=self.device,
+                transport=self.cfg.transport,
+                shm_bytes=self.res.model.exchange_bound(world_size),
+            )
+        )
         self.res.eplb.layout = self.res.model.layout
 
     def warm_and_capture(self, op_id: str) -> dict[str, Any]:
@@ -270,8 +330,11 @@ class RankEngine:
                 except RequestRejected as e:  # beyond the model's limits: final, on every rank
                     raise RankRefused(str(e), Refusal.INVALID) from None
         if code is not None:
-            raise RankRefused(f"rank {shared.rank} is {code.value} and takes no requests"
-                              + (f": {shared.state_reason}" if shared.state_reason else ""), code)
+            raise RankRefused(
+                f"rank {shared.rank} is {code.value} and takes no requests"
+                + (f": {shared.state_reason}" if shared.state_reason else ""),
+                code,
+            )
         self.loop.poke()
 
     def give_back_waiting(self, keep: int) -> list[dict[str, Any]]:

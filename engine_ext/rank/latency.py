@@ -73,8 +73,9 @@ class RequestSeconds:
             return self._total + self._held * max(0.0, now - self._since)
 
 
-def request_latency(arrival: float, first_token_at: float | None, finished_at: float,
-                    tokens: int) -> tuple[float | None, float | None]:
+def request_latency(
+    arrival: float, first_token_at: float | None, finished_at: float, tokens: int
+) -> tuple[float | None, float | None]:
     """(TTFT ms, TPOT ms) of one finished request; None where it cannot be measured here."""
     if first_token_at is None:
         return None, None
@@ -105,5 +106,8 @@ class ServedTokens:
     def summary(self) -> dict[str, float | int]:
         """``tokens_served``, ``saturated_tokens``, ``saturated_s``: one consistent reading."""
         with self._lock:
-            return {"tokens_served": self.tokens, "saturated_tokens": self.saturated_tokens,
-                    "saturated_s": round(self.saturated_s, 6)}
+            return {
+                "tokens_served": self.tokens,
+                "saturated_tokens": self.saturated_tokens,
+                "saturated_s": round(self.saturated_s, 6),
+            }

@@ -46,8 +46,12 @@ class OpState:
             return {}
         pc.release()
         now = time.time()
-        self.result["move_memory"] = info = {"spare_bytes": pc.nbytes, "held_s": round(now - pc.since, 6),
-                                             "freed_at": now, "freed_by": why}
+        self.result["move_memory"] = info = {
+            "spare_bytes": pc.nbytes,
+            "held_s": round(now - pc.since, 6),
+            "freed_at": now,
+            "freed_by": why,
+        }
         return info
 
     def drop_groups(self) -> None:

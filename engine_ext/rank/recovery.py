@@ -45,8 +45,15 @@ def is_peer_failure(ex: BaseException) -> bool:
 class RankRecovery:
     """Degrade on a peer's death; rebuild the world on the controller's recovery plan."""
 
-    def __init__(self, res: RankResources, shared: RankShared, telemetry: RankTelemetry, loop: StepLoop,
-                 warmup: Warmup, reshuffle: ExpertReshuffle) -> None:
+    def __init__(
+        self,
+        res: RankResources,
+        shared: RankShared,
+        telemetry: RankTelemetry,
+        loop: StepLoop,
+        warmup: Warmup,
+        reshuffle: ExpertReshuffle,
+    ) -> None:
         self.res = res
         self.shared = shared
         self.telemetry = telemetry
@@ -116,11 +123,24 @@ class RankRecovery:
     def _regroup(self, op: OpState, pos: int) -> None:
         """The survivors' DP group and EPLB communicator, ready before any weight moves (I2)."""
         plan, res = op.plan, self.res
-        op.standby = StatelessGroup(plan.rdzv.child("dp"), pos, plan.new_size, timeout_s=plan.timeout_s,
-                                    backend=res.cfg.backend, device=res.device, transport=res.cfg.transport,
-                                    shm_bytes=res.model.exchange_bound(plan.new_size))
-        op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), pos, plan.new_size, timeout_s=plan.timeout_s,
-                                      device=res.device, transport=res.cfg.transport)
+        op.standby = StatelessGroup(
+            plan.rdzv.child("dp"),
+            pos,
+            plan.new_size,
+            timeout_s=plan.timeout_s,
+            backend=res.cfg.backend,
+            device=res.device,
+            transport=res.cfg.transport,
+            shm_bytes=res.model.exchange_bound(plan.new_size),
+        )
+        op.eplb_comm = StatelessGroup(
+            plan.rdzv.child("eplb"),
+            pos,
+            plan.new_size,
+            timeout_s=plan.timeout_s,
+            device=res.device,
+            transport=res.cfg.transport,
+        )
         op.eplb_comm.barrier()
 
     def recover(self, plan: TransitionPlan) -> dict[str, Any]:

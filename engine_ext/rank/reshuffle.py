@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from engine_ext.elastic.eplb import ExpertMove, old_positions, plan_moves
-from engine_ext.elastic.workspace import bytes_for
 from engine_ext.elastic.weight_source import WeightSource
+from engine_ext.elastic.workspace import bytes_for
 from engine_ext.rank.operation import OpState, PreCopy, comm_members
 from engine_ext.rank.shared import RankResources, RankShared
 
@@ -30,8 +30,13 @@ class ExpertReshuffle:
     """Moves expert weights into an operation's new layout over its EPLB communicator; experts
     whose every copy died come from the weight source (a checkpoint loader in production)."""
 
-    def __init__(self, res: RankResources, shared: RankShared, weight_source: WeightSource,
-                 pool_blocks: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self,
+        res: RankResources,
+        shared: RankShared,
+        weight_source: WeightSource,
+        pool_blocks: Callable[[int], int] | None = None,
+    ) -> None:
         self.res = res
         self.shared = shared
         self.weight_source = weight_source
@@ -49,12 +54,17 @@ class ExpertReshuffle:
             return [w[l, slot] for l in range(layers) for w in (w1, w2)]
         n1 = w1[0, 0].numel()
         a = flat[: layers * n1].view(layers, *w1.shape[2:])
-        b = flat[layers * n1:].view(layers, *w2.shape[2:])
+        b = flat[layers * n1 :].view(layers, *w2.shape[2:])
         return [t[l] for l in range(layers) for t in (a, b)]
 
-    def _schedule(self, op: OpState, moves: list[ExpertMove], into_storage: bool,
-                  take: Callable[[int], bool] = lambda i: True,
-                  new_buffer: Callable[[], torch.Tensor] | None = None) -> tuple[list, list, list, list, list]:
+    def _schedule(
+        self,
+        op: OpState,
+        moves: list[ExpertMove],
+        into_storage: bool,
+        take: Callable[[int], bool] = lambda i: True,
+        new_buffer: Callable[[], torch.Tensor] | None = None,
+    ) -> tuple[list, list, list, list, list]:
         """(sends, recvs, local copies, weight-source restores, landing buffers) of this rank's moves
         whose index ``take`` accepts; buffers from ``new_buffer`` (default: fresh memory)."""
         plan, model, me = op.plan, self.res.model, self.shared.rank
@@ -96,10 +106,14 @@ class ExpertReshuffle:
         """This rank's sends, receives, local copies and restores of ``op``'s expert moves."""
         plan, model = op.plan, self.res.model
         old_w, new_w = plan.old_world, plan.new_world
-        alive = {p for p, m in enumerate(old_w)
-                 if plan.kind != "recover" or (m in new_w and m not in plan.untrusted)}
-        moves = plan_moves(plan.old_layout, plan.new_layout, alive, missing_ok=plan.kind == "recover",
-                           old_pos=old_positions(old_w, new_w))
+        alive = {p for p, m in enumerate(old_w) if plan.kind != "recover" or (m in new_w and m not in plan.untrusted)}
+        moves = plan_moves(
+            plan.old_layout,
+            plan.new_layout,
+            alive,
+            missing_ok=plan.kind == "recover",
+            old_pos=old_positions(old_w, new_w),
+        )
         comm = op.eplb_comm
         assert comm is not None
         t0 = time.perf_counter()
@@ -122,16 +136,24 @@ class ExpertReshuffle:
         assert self.res.cfg.slots_per_rank == plan.new_layout.slots_per_rank
         t_load = time.perf_counter()
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        return {"moves_total": len(moves), "sent": len(sends) // per_move, "received": len(recvs) // per_move,
-                "local": len(local), "received_into_storage": into_storage,
-                "bytes_sent": nbytes(t for t, _, _ in sends), "bytes_received": nbytes(t for t, _, _ in recvs),
-                "restored_from_weight_source": sorted({m.logical for m in restored}),
-                # where the time goes (benchmarks/curves.py): clone_s is 0 since the storage is no
-                # longer snapshot; pack_s is the local moves' copies and a member's landing
-                # buffers (sends go from the storage), then the gloo exchange, and loading the
-                # landed and local experts into their slots
-                "clone_s": t_clone - t0, "pack_s": t_pack - t_clone, "exchange_s": t_exchange - t_pack,
-                "load_s": t_load - t_exchange}
+        return {
+            "moves_total": len(moves),
+            "sent": len(sends) // per_move,
+            "received": len(recvs) // per_move,
+            "local": len(local),
+            "received_into_storage": into_storage,
+            "bytes_sent": nbytes(t for t, _, _ in sends),
+            "bytes_received": nbytes(t for t, _, _ in recvs),
+            "restored_from_weight_source": sorted({m.logical for m in restored}),
+            # where the time goes (benchmarks/curves.py): clone_s is 0 since the storage is no
+            # longer snapshot; pack_s is the local moves' copies and a member's landing
+            # buffers (sends go from the storage), then the gloo exchange, and loading the
+            # landed and local experts into their slots
+            "clone_s": t_clone - t0,
+            "pack_s": t_pack - t_clone,
+            "exchange_s": t_exchange - t_pack,
+            "load_s": t_load - t_exchange,
+        }
 
     def from_weight_source(self, logical: int) -> torch.Tensor:
         """One expert's (w1, w2) of every layer, flattened as ``load_expert_vector`` wants it."""
@@ -149,8 +171,12 @@ class ExpertReshuffle:
         the plan's order (every rank walks the same order, so none waits on a move its peer has
         not reached); ``hold:precopy`` keeps a rank after its first of several (mid pre-copy)."""
         plan, res, model = op.plan, self.res, self.res.model
-        moves = plan_moves(plan.old_layout, plan.new_layout, set(range(plan.old_size)),
-                           old_pos=old_positions(plan.old_world, plan.new_world))
+        moves = plan_moves(
+            plan.old_layout,
+            plan.new_layout,
+            set(range(plan.old_size)),
+            old_pos=old_positions(plan.old_world, plan.new_world),
+        )
         comm = op.eplb_comm
         assert comm is not None
         per_move = 2 * model.w1.shape[0]
@@ -175,11 +201,20 @@ class ExpertReshuffle:
                 res.faults.hold("precopy")
         t_exchange = time.perf_counter()
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        return {"moves_total": len(moves), "sent": len(sends) // per_move, "received": len(recvs) // per_move,
-                "local": len(local), "received_into_storage": into_storage, "exchanges": len(batches),
-                "bytes_sent": nbytes(t for t, _, _ in sends), "bytes_received": nbytes(t for t, _, _ in recvs),
-                "spare_bytes": spare, "pack_s": t_pack - t0, "exchange_s": t_exchange - t_pack,
-                **{f"move_{part}": peer.seconds[part] - s for part, s in before.items()}}
+        return {
+            "moves_total": len(moves),
+            "sent": len(sends) // per_move,
+            "received": len(recvs) // per_move,
+            "local": len(local),
+            "received_into_storage": into_storage,
+            "exchanges": len(batches),
+            "bytes_sent": nbytes(t for t, _, _ in sends),
+            "bytes_received": nbytes(t for t, _, _ in recvs),
+            "spare_bytes": spare,
+            "pack_s": t_pack - t0,
+            "exchange_s": t_exchange - t_pack,
+            **{f"move_{part}": peer.seconds[part] - s for part, s in before.items()},
+        }
 
     @staticmethod
     def _in_precopy(plan: Any) -> Callable[[int], bool]:
@@ -234,8 +269,12 @@ class ExpertReshuffle:
         if k == 0:
             k = len(os.sched_getaffinity(0)) // comm.size if getattr(comm, "transport_kind", "") == "shm" else 1
             granted = os.environ.get("OMP_NUM_THREADS", "")
-            k = min(k, int(granted) if granted.isdigit() else k, 8,
-                    sum(buf.numel() * buf.element_size() for _, buf in loaded) // (8 << 20))
+            k = min(
+                k,
+                int(granted) if granted.isdigit() else k,
+                8,
+                sum(buf.numel() * buf.element_size() for _, buf in loaded) // (8 << 20),
+            )
         return max(1, min(k, slots))
 
     def apply(self, op: OpState) -> dict[str, Any]:
@@ -246,12 +285,17 @@ class ExpertReshuffle:
         comm = op.eplb_comm
         assert comm is not None
         in_pre = self._in_precopy(plan)
-        moves = plan_moves(plan.old_layout, plan.new_layout, set(range(plan.old_size)),
-                           old_pos=old_positions(plan.old_world, plan.new_world))
+        moves = plan_moves(
+            plan.old_layout,
+            plan.new_layout,
+            set(range(plan.old_size)),
+            old_pos=old_positions(plan.old_world, plan.new_world),
+        )
         t0 = time.perf_counter()
         new_buffer, extra = self._commit_buffers()
-        sends, recvs, local, _, landing = self._schedule(op, moves, op.role == "joining",
-                                                         lambda i: not in_pre(i), new_buffer)
+        sends, recvs, local, _, landing = self._schedule(
+            op, moves, op.role == "joining", lambda i: not in_pre(i), new_buffer
+        )
         pc = op.precopy
         if extra():  # what the workspace could not hold comes out of the KV pool too, for the pause
             self._account((pc.nbytes if pc is not None else 0) + extra())
@@ -281,16 +325,26 @@ class ExpertReshuffle:
             _release_off_pause(loaded)
         # the operation record's move_memory: what was held, and what of the move the commit made
         op.result["move_memory"] = freed = {**freed, "commit_moved_bytes": moved, "commit_extra_bytes": extra()}
-        return {"commit_copy_bytes": copied, "commit_moved_bytes": moved, "commit_moves": commit_moves,
-                "load_threads": threads, "commit_bytes_sent": sent, "commit_bytes_received": received,
-                "commit_extra_bytes": extra(),
-                "pack_s": t_pack - t0, "exchange_s": t_exchange - t_pack, "load_s": t_load - t_exchange, **freed}
+        return {
+            "commit_copy_bytes": copied,
+            "commit_moved_bytes": moved,
+            "commit_moves": commit_moves,
+            "load_threads": threads,
+            "commit_bytes_sent": sent,
+            "commit_bytes_received": received,
+            "commit_extra_bytes": extra(),
+            "pack_s": t_pack - t0,
+            "exchange_s": t_exchange - t_pack,
+            "load_s": t_load - t_exchange,
+            **freed,
+        }
 
 
 def _load(model: Any, loaded: list[tuple[Any, torch.Tensor]], threads: int) -> None:
     """Copy each landed expert into its slot; with ``threads`` > 1 the slots are dealt round-robin
     to that many threads (a torch copy releases the GIL; one slot's loads stay on one thread, in
     order)."""
+
     def load_part(part: list[tuple[Any, torch.Tensor]]) -> None:
         for m, buf in part:
             model.load_expert_vector(m.dst_slot, buf)
@@ -324,4 +378,3 @@ def _batches(sends: list, recvs: list, per_move: int, moves_per_batch: int) -> l
         for item in items:
             by_batch.setdefault((item[2] - TAG_BASE) // per_move // moves_per_batch, ([], []))[side].append(item)
     return [by_batch[b] for b in sorted(by_batch)]
-

@@ -122,16 +122,29 @@ class Request:
         return len(self.output) >= self.max_tokens
 
     def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "prompt": list(self.prompt), "max_tokens": self.max_tokens,
-                "output": list(self.output), "logits": list(self.logits), "moved_from": list(self.moved_from),
-                "resumed_with": self.resumed_with}
+        return {
+            "request_id": self.request_id,
+            "prompt": list(self.prompt),
+            "max_tokens": self.max_tokens,
+            "output": list(self.output),
+            "logits": list(self.logits),
+            "moved_from": list(self.moved_from),
+            "resumed_with": self.resumed_with,
+        }
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Request:
         """The request as this rank takes it: ``resumed_with`` counts the tokens it arrives with."""
         output = list(d.get("output", []))
-        return cls(d["request_id"], list(d["prompt"]), int(d["max_tokens"]), output,
-                   list(d.get("logits", [])), moved_from=list(d.get("moved_from", [])), resumed_with=len(output))
+        return cls(
+            d["request_id"],
+            list(d["prompt"]),
+            int(d["max_tokens"]),
+            output,
+            list(d.get("logits", [])),
+            moved_from=list(d.get("moved_from", [])),
+            resumed_with=len(output),
+        )
 
 
 @dataclass
@@ -180,9 +193,9 @@ class Scheduler:
         output still to come (whole until its prefill ran). Read from copies of the queues (taken
         whole under the GIL), so the status thread needs no lock the step thread holds."""
         waiting, running = list(self.waiting), list(self.running)
-        return (sum(len(r.prompt) + r.max_tokens for r in waiting)
-                + sum(r.max_tokens - len(r.output) if r.num_computed else len(r.prompt) + r.max_tokens
-                      for r in running))
+        return sum(len(r.prompt) + r.max_tokens for r in waiting) + sum(
+            r.max_tokens - len(r.output) if r.num_computed else len(r.prompt) + r.max_tokens for r in running
+        )
 
     @property
     def has_work(self) -> bool:

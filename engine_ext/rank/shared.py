@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from engine_ext.elastic.eplb import EplbState
     from engine_ext.elastic.graphs import GraphManager
     from engine_ext.elastic.workspace import WorkspaceManager
-    from engine_ext.model.model import MoEModel
     from engine_ext.faults import Faults
+    from engine_ext.model.model import MoEModel
     from engine_ext.rank.operation import OpState
     from engine_ext.rank.scheduler import Scheduler
 

@@ -97,8 +97,9 @@ class StepLoop:
         return not holds and time.monotonic() - op.commit_held_since < self.res.cfg.group_timeout_s
 
     def _running(self) -> bool:
-        return (not self.shared.stopping and not self.shared.halting.is_set()
-                and threading.current_thread() is self.thread)
+        return (
+            not self.shared.stopping and not self.shared.halting.is_set() and threading.current_thread() is self.thread
+        )
 
     def run(self) -> None:
         shared = self.shared
@@ -176,8 +177,12 @@ class StepLoop:
         req_slots += [model.null_slot] * pad
         valid += [False] * pad
         dev = self.res.device
-        return Batch(torch.tensor(tok, device=dev), torch.tensor(pos, device=dev),
-                     torch.tensor(req_slots, dtype=torch.int64, device=dev), torch.tensor(valid, device=dev))
+        return Batch(
+            torch.tensor(tok, device=dev),
+            torch.tensor(pos, device=dev),
+            torch.tensor(req_slots, dtype=torch.int64, device=dev),
+            torch.tensor(valid, device=dev),
+        )
 
     def step(self, items: list[ScheduledItem], hdr: torch.Tensor, began: float | None = None) -> None:
         """One step of ``items``; ``began``: when its scheduling started (monotonic), so the
@@ -206,9 +211,11 @@ class StepLoop:
         res.sched.served.add(sum(len(it.feed) + (it.start == 0) for it in items), time.monotonic() - began, saturated)
         # Stream this step's tokens (fire-and-forget): the router re-submits a request with them
         # if this rank dies, so it continues where it was (the fault no_token_stream switches it off).
-        streamed = {it.request.request_id: [it.request.output[-1], it.request.logits[-1],
-                                            len(it.request.output) - 1]
-                    for it in items if not it.request.done}
+        streamed = {
+            it.request.request_id: [it.request.output[-1], it.request.logits[-1], len(it.request.output) - 1]
+            for it in items
+            if not it.request.done
+        }
         if streamed and not res.faults.active("no_token_stream"):
             self.telemetry.send("tokens", {"tokens": streamed})
         if finished:
@@ -234,8 +241,9 @@ class StepLoop:
                     self.res.sched.finish(req)
                     out = req.to_wire()
                     out["rank"] = self.shared.rank
-                    out["ttft_ms"], out["tpot_ms"] = request_latency(req.arrival, req.first_token_at, now,
-                                                                     len(req.output))
+                    out["ttft_ms"], out["tpot_ms"] = request_latency(
+                        req.arrival, req.first_token_at, now, len(req.output)
+                    )
                     self.res.sched.latency.add(out["ttft_ms"], out["tpot_ms"], now)
                     finished.append(out)
         return finished

@@ -102,14 +102,36 @@ class RankTelemetry:
             detail["error"] = f"{type(e).__name__}: {e}"
             raise
         finally:
-            self.event(to_builtins(Event(op_id=op_id, rank=self.shared.rank, phase=phase, start=start, end=time.time(),
-                             outcome=outcome, detail=detail)))
+            self.event(
+                to_builtins(
+                    Event(
+                        op_id=op_id,
+                        rank=self.shared.rank,
+                        phase=phase,
+                        start=start,
+                        end=time.time(),
+                        outcome=outcome,
+                        detail=detail,
+                    )
+                )
+            )
 
     def failure(self, op_id: str, e: BaseException) -> None:
         now = time.time()
         detail = {"error": str(e), "traceback": traceback.format_exc()[-2000:]}
-        self.event(to_builtins(Event(op_id=op_id, rank=self.shared.rank, phase="failure", start=now, end=now,
-                         outcome="error", detail=detail)))
+        self.event(
+            to_builtins(
+                Event(
+                    op_id=op_id,
+                    rank=self.shared.rank,
+                    phase="failure",
+                    start=now,
+                    end=now,
+                    outcome="error",
+                    detail=detail,
+                )
+            )
+        )
 
     def recent_events(self) -> list[dict[str, Any]]:
         return list(self.events)

@@ -26,7 +26,6 @@ from engine_ext.rank.step_loop import StepLoop
 from engine_ext.rank.telemetry import RankTelemetry
 from engine_ext.rank.warmup import Warmup
 
-
 DENSE_TAG = 100  # dense tensor j travels with tag DENSE_TAG + j, below the reshuffle's TAG_BASE
 
 
@@ -35,8 +34,16 @@ class RankTransition:
     ``RankShared.op`` (recovery abandons it there when a peer dies); ``on_error`` is
     RankRecovery's verdict on a failed commit."""
 
-    def __init__(self, res: RankResources, shared: RankShared, telemetry: RankTelemetry, loop: StepLoop,
-                 warmup: Warmup, reshuffle: ExpertReshuffle, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        res: RankResources,
+        shared: RankShared,
+        telemetry: RankTelemetry,
+        loop: StepLoop,
+        warmup: Warmup,
+        reshuffle: ExpertReshuffle,
+        on_error: Callable[[BaseException], None],
+    ) -> None:
         self.res = res
         self.shared = shared
         self.telemetry = telemetry
@@ -77,8 +84,12 @@ class RankTransition:
         op.prepared.set()
         if role == "joining":
             self.loop.start(self._join_commit_then_serve, name="joiner")
-        return {"rank": shared.rank, "role": role,
-                "spare_bytes": op.precopy.nbytes if op.precopy is not None else 0, "precopy": precopy}
+        return {
+            "rank": shared.rank,
+            "role": role,
+            "spare_bytes": op.precopy.nbytes if op.precopy is not None else 0,
+            "precopy": precopy,
+        }
 
     def _form_groups(self, op: OpState) -> None:
         """The new world's DP group (standby until commit) and the EPLB communicator: on a
@@ -90,21 +101,38 @@ class RankTransition:
                 needed = res.model.exchange_bound(plan.new_size)
                 # The broken variant sizes the new world's shared memory for the old world's exchanges.
                 sized_for = plan.old_size if res.faults.active("transport_sized_for_old_world") else plan.new_size
-                op.standby = StatelessGroup(plan.rdzv.child("dp"), plan.new_pos(me), plan.new_size, timeout_s=t,
-                                            backend=res.cfg.backend, device=res.device, transport=res.cfg.transport,
-                                            shm_bytes=res.model.exchange_bound(sized_for),
-                                            on_setup=lambda: res.faults.hold("shm_setup"))
+                op.standby = StatelessGroup(
+                    plan.rdzv.child("dp"),
+                    plan.new_pos(me),
+                    plan.new_size,
+                    timeout_s=t,
+                    backend=res.cfg.backend,
+                    device=res.device,
+                    transport=res.cfg.transport,
+                    shm_bytes=res.model.exchange_bound(sized_for),
+                    on_setup=lambda: res.faults.hold("shm_setup"),
+                )
                 # The new world's transport, prepared (every member mapped its shared memory, sized
                 # for the new world's exchanges) here, before any weight moves or warm-up
                 # collective: I2's evidence for the transport, checked before the transfer.
-                d.update(transport=op.standby.transport_kind, transport_attached=op.standby.transport_attached,
-                         world=plan.new_size, transport_bytes=op.standby.transport_bytes, transport_needed=needed)
+                d.update(
+                    transport=op.standby.transport_kind,
+                    transport_attached=op.standby.transport_attached,
+                    world=plan.new_size,
+                    transport_bytes=op.standby.transport_bytes,
+                    transport_needed=needed,
+                )
                 if not res.faults.active("no_transport_check"):
                     op.standby.check_transport(needed)
             comm_world = comm_members(plan)
-            op.eplb_comm = StatelessGroup(plan.rdzv.child("eplb"), comm_world.index(me), len(comm_world),
-                                          timeout_s=t, device=res.device,
-                                          transport=res.cfg.transport)
+            op.eplb_comm = StatelessGroup(
+                plan.rdzv.child("eplb"),
+                comm_world.index(me),
+                len(comm_world),
+                timeout_s=t,
+                device=res.device,
+                transport=res.cfg.transport,
+            )
 
     def _transfer_phase(self, op: OpState) -> None:
         """A scale-up sends the non-expert weights to the joiners over the EPLB communicator."""
@@ -142,7 +170,10 @@ class RankTransition:
         t0 = time.perf_counter()
         with self.telemetry.phase(op.plan.op_id, "precopy", role=op.role) as d:
             d.update(self.reshuffle.precopy(op))
-        return {"s": time.perf_counter() - t0, **{k: d.get(k, 0) for k in ("bytes_received", "bytes_sent", "spare_bytes")}}
+        return {
+            "s": time.perf_counter() - t0,
+            **{k: d.get(k, 0) for k in ("bytes_received", "bytes_sent", "spare_bytes")},
+        }
 
     # ---- drain, commit request, abort -------------------------------------------------------------
     def _prepared_op(self, op_id: str) -> OpState:
@@ -180,8 +211,9 @@ class RankTransition:
         if op is None:
             raise RuntimeError(f"no operation {op_id} on rank {shared.rank}")
         if not op.done.wait(timeout_s):
-            raise TimeoutError(f"rank {shared.rank} did not finish {op_id} in {timeout_s:.0f}s "
-                               f"(state {shared.state.value})")
+            raise TimeoutError(
+                f"rank {shared.rank} did not finish {op_id} in {timeout_s:.0f}s (state {shared.state.value})"
+            )
         if op.error:
             raise RuntimeError(op.error)
         return op.result

@@ -30,8 +30,9 @@ class Warmup:
     """Warm-up and capture of one rank, run in lockstep on every rank of its group, under either
     capture policy (``reuse`` is None under ``recapture``)."""
 
-    def __init__(self, res: RankResources, shared: RankShared, telemetry: RankTelemetry,
-                 reuse: CaptureReuse | None) -> None:
+    def __init__(
+        self, res: RankResources, shared: RankShared, telemetry: RankTelemetry, reuse: CaptureReuse | None
+    ) -> None:
         self.res = res
         self.shared = shared
         self.telemetry = telemetry
@@ -104,8 +105,14 @@ class Warmup:
             self._capture_pass(op_id)
         self.shared.capture_passes = graphs.passes_this_op
         # The lock admits only the size this world needs: a skipped re-warm fails here, both ways.
-        with telemetry.phase(op_id, "lock", capture_passes=graphs.passes_this_op, required_bytes=bound,
-                             capture_policy=res.cfg.capture_policy, expected_passes=1) as d:
+        with telemetry.phase(
+            op_id,
+            "lock",
+            capture_passes=graphs.passes_this_op,
+            required_bytes=bound,
+            capture_policy=res.cfg.capture_policy,
+            expected_passes=1,
+        ) as d:
             d["workspace_bytes"] = workspace.nbytes
             workspace.lock(None if faults.active("no_lock_check") else bound)
         report["workspace_after"] = workspace.nbytes
@@ -141,8 +148,11 @@ class Warmup:
             group = self.shared.group
             anyone = bool(group.all_reduce_max(flag)[0]) if group is not None else bool(broken)
             if anyone and not faults.active("no_warmup_check"):
-                where = (f"{', '.join(broken)} false; live KV checksum {d['live_kv_checksum']} -> "
-                         f"{d['live_kv_after']}") if broken else "on another rank of the group"
+                where = (
+                    (f"{', '.join(broken)} false; live KV checksum {d['live_kv_checksum']} -> {d['live_kv_after']}")
+                    if broken
+                    else "on another rank of the group"
+                )
                 raise WarmupIsolationError(f"warm-up touched serving state ({where})")
             return dict(d)
 
@@ -153,7 +163,7 @@ class Warmup:
         if op_id != "startup":
             res.faults.hold("capture")
         res.graphs.begin_pass()
-        with telemetry.phase(op_id, "capture") as d, (reuse.detached() if reuse else nullcontext()):
+        with telemetry.phase(op_id, "capture") as d, reuse.detached() if reuse else nullcontext():
             t0 = time.perf_counter()
             for size in res.cfg.capture_sizes:
                 self.capture(size)
@@ -180,13 +190,23 @@ class Warmup:
                 self.capture(size)
             d.update(sizes=list(res.cfg.capture_sizes), total_s=time.perf_counter() - t0, graph_kind=res.graphs.kind)
         self.shared.capture_passes = res.graphs.passes_this_op
-        with telemetry.phase(op_id, "lock", capture_passes=res.graphs.passes_this_op, expected_passes=1,
-                             capture_policy="reuse", required_bytes=bound) as d:
+        with telemetry.phase(
+            op_id,
+            "lock",
+            capture_passes=res.graphs.passes_this_op,
+            expected_passes=1,
+            capture_policy="reuse",
+            required_bytes=bound,
+        ) as d:
             d["workspace_bytes"] = res.workspace.nbytes
             res.workspace.lock(bound)
             d["reused_sizes"] = reuse.verify()
-        return {"captures_this_op": res.graphs.passes_this_op, "capture_policy": "reuse",
-                "workspace_after": res.workspace.nbytes, "kv_blocks_after": res.sched.blocks.total}
+        return {
+            "captures_this_op": res.graphs.passes_this_op,
+            "capture_policy": "reuse",
+            "workspace_after": res.workspace.nbytes,
+            "kv_blocks_after": res.sched.blocks.total,
+        }
 
     def capture_in_pool(self) -> dict[str, Any] | None:
         """A standby under reuse: size the workspace for the capacity, warm up and take its one
@@ -210,9 +230,15 @@ class Warmup:
                 self.capture(size)
         t2 = time.perf_counter()
         res.workspace.lock(bound)
-        self.pool = {"warm_s": round(t1 - t0, 6), "capture_s": round(t2 - t1, 6), "sizes": list(res.cfg.capture_sizes),
-                     "per_size_s": {str(k): round(v, 6) for k, v in graphs.stats.capture_durations.items()},
-                     "graph_kind": graphs.kind, "warmup_tokens": warm["warmup_tokens"], "at": time.time()}
+        self.pool = {
+            "warm_s": round(t1 - t0, 6),
+            "capture_s": round(t2 - t1, 6),
+            "sizes": list(res.cfg.capture_sizes),
+            "per_size_s": {str(k): round(v, 6) for k, v in graphs.stats.capture_durations.items()},
+            "graph_kind": graphs.kind,
+            "warmup_tokens": warm["warmup_tokens"],
+            "at": time.time(),
+        }
         return self.pool
 
     def _join_with_pool_capture(self, op_id: str, reuse: CaptureReuse) -> dict[str, Any]:
@@ -226,17 +252,35 @@ class Warmup:
         telemetry.set_state(RankState.CAPTURING)
         res.graphs.credit_pool_pass()
         with telemetry.phase(op_id, "capture", capture_policy="reuse", in_pool=True) as d:
-            d.update(sizes=pool["sizes"], total_s=0.0, pool_capture_s=pool["capture_s"], pool_warm_s=pool["warm_s"],
-                     per_size_s=pool["per_size_s"], graph_kind=pool["graph_kind"])
+            d.update(
+                sizes=pool["sizes"],
+                total_s=0.0,
+                pool_capture_s=pool["capture_s"],
+                pool_warm_s=pool["warm_s"],
+                per_size_s=pool["per_size_s"],
+                graph_kind=pool["graph_kind"],
+            )
         self.shared.capture_passes = res.graphs.passes_this_op
-        with telemetry.phase(op_id, "lock", capture_passes=res.graphs.passes_this_op, expected_passes=1,
-                             capture_policy="reuse", required_bytes=bound, capture_in_pool=True) as d:
+        with telemetry.phase(
+            op_id,
+            "lock",
+            capture_passes=res.graphs.passes_this_op,
+            expected_passes=1,
+            capture_policy="reuse",
+            required_bytes=bound,
+            capture_in_pool=True,
+        ) as d:
             d["workspace_bytes"] = res.workspace.nbytes
             res.workspace.lock(bound)
             d["reused_sizes"] = reuse.verify()
-        return {"captures_this_op": res.graphs.passes_this_op, "capture_policy": "reuse", "capture_in_pool": True,
-                "pool_capture_s": pool["capture_s"], "workspace_after": res.workspace.nbytes,
-                "kv_blocks_after": res.sched.blocks.total}
+        return {
+            "captures_this_op": res.graphs.passes_this_op,
+            "capture_policy": "reuse",
+            "capture_in_pool": True,
+            "pool_capture_s": pool["capture_s"],
+            "workspace_after": res.workspace.nbytes,
+            "kv_blocks_after": res.sched.blocks.total,
+        }
 
     def isolated_warmup(self) -> dict[str, Any]:
         """A max_num_tokens batch through the real slot, block-table and KV path, touching no
@@ -260,8 +304,9 @@ class Warmup:
             # run sharing the serving request state): live requests then read the dummy's KV.
             taken = list(range(cfg.max_num_seqs))
             for i, s in enumerate(taken):
-                model.set_slot_blocks(s, [live[(i + j) % len(live)] for j in range(cfg.max_blocks_per_seq)]
-                                      if live else [])
+                model.set_slot_blocks(
+                    s, [live[(i + j) % len(live)] for j in range(cfg.max_blocks_per_seq)] if live else []
+                )
         else:
             taken = [sched.slots.allocate() for _ in range(max(0, min(min_free, cfg.max_num_seqs)))]
             for s in taken:
@@ -271,9 +316,12 @@ class Warmup:
         req_slots = [taken[i // per] if taken else model.null_slot for i in range(n)]
         positions = [i % per for i in range(n)]
         g = torch.Generator().manual_seed(1234 + self.shared.rank)
-        batch = Batch(torch.randint(0, cfg.vocab_size, (n,), generator=g).to(dev),
-                      torch.tensor(positions, device=dev), torch.tensor(req_slots, dtype=torch.int64, device=dev),
-                      torch.ones(n, dtype=torch.bool, device=dev))
+        batch = Batch(
+            torch.randint(0, cfg.vocab_size, (n,), generator=g).to(dev),
+            torch.tensor(positions, device=dev),
+            torch.tensor(req_slots, dtype=torch.int64, device=dev),
+            torch.ones(n, dtype=torch.bool, device=dev),
+        )
         try:
             model.forward(batch, group, res.workspace, record_load=record_load)
         finally:  # a warm-up that fails (a peer lost, an overflow) must not keep the slots it took
@@ -309,7 +357,12 @@ class Warmup:
         group = self.shared.group if self.reuse is None else self.reuse.handle  # reuse: sized for max DP
         # CUDA: the gathered, shape-static MoE path (a routed exchange's sizes follow the routing,
         # which a graph cannot); CPU replays run Python and take the routed path.
-        steps, ns = model.plan(batch, group, res.workspace, dense_moe=dev.type == "cuda",  # type: ignore[arg-type]
-                               bind_workspace=True)
+        steps, ns = model.plan(
+            batch,
+            group,
+            res.workspace,
+            dense_moe=dev.type == "cuda",  # type: ignore[arg-type]
+            bind_workspace=True,
+        )
         steps = [*steps, ("compute", lambda: output.copy_(ns["logits"]))]
         res.graphs.capture(size, inputs, output, steps)

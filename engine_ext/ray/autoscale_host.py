@@ -36,8 +36,9 @@ Persist = Callable[[dict[str, Any]], None]
 class AutoscaleHost:
     """One deployment's autoscaler as the controller holds it."""
 
-    def __init__(self, deployment: str, max_dp: int, persist: Persist, saved: dict[str, Any] | None = None,
-                 metrics: Any = None) -> None:
+    def __init__(
+        self, deployment: str, max_dp: int, persist: Persist, saved: dict[str, Any] | None = None, metrics: Any = None
+    ) -> None:
         self.deployment = deployment
         self.max_dp = max_dp
         self.persist = persist
@@ -71,8 +72,12 @@ class AutoscaleHost:
 
     def _live_state(self) -> dict[str, Any]:
         a = self.autoscaler
-        return {"policy": a.policy.to_dict() if a else None, "decisions": a.recent(200) if a else [],
-                "capacity": self.window.capacity.learned, "cost": self.cost.to_dict()}
+        return {
+            "policy": a.policy.to_dict() if a else None,
+            "decisions": a.recent(200) if a else [],
+            "capacity": self.window.capacity.learned,
+            "cost": self.cost.to_dict(),
+        }
 
     def period(self, idle_s: float) -> float:
         """How long the controller's loop waits for its next tick: ``FAST_TICK_S`` while a policy
@@ -88,8 +93,10 @@ class AutoscaleHost:
         now = time.time() if now is None else now
         a = self.autoscaler
         last = a.decisions[-1] if a and a.decisions else None
-        key = (repr(a.policy.to_dict()) if a else None,
-               (last.current_dp, last.recommendation, last.action, last.rule, last.mode) if last else None)
+        key = (
+            repr(a.policy.to_dict()) if a else None,
+            (last.current_dp, last.recommendation, last.action, last.rule, last.mode) if last else None,
+        )
         if self._shown is None or self._shown[0] != key or now - self._shown[1] >= PERSIST_QUIET_S:
             self._shown = (key, now, self.autoscale_show())
         return self._shown[2]
@@ -103,8 +110,12 @@ class AutoscaleHost:
         except ValueError as e:
             return error_record(UsageError(str(e)))
         if policy.max_dp > self.max_dp:
-            return error_record(PreconditionError(f"--max-dp {policy.max_dp} is over the deployment's max DP "
-                                                  f"{self.max_dp} (set at `eepctl up --max-dp`)"))
+            return error_record(
+                PreconditionError(
+                    f"--max-dp {policy.max_dp} is over the deployment's max DP "
+                    f"{self.max_dp} (set at `eepctl up --max-dp`)"
+                )
+            )
         if self.autoscaler is None:
             self.autoscaler = Autoscaler(policy)
         else:
@@ -123,14 +134,27 @@ class AutoscaleHost:
         """Decisions taken after ``since`` (a time), oldest first, at most ``limit``."""
         a = self.autoscaler
         rows = [d.to_dict() for d in (a.decisions if a else []) if d.at > since]
-        return {"deployment": self.deployment, "policy": a.policy.to_dict() if a else None,
-                "decisions": rows[-max(1, limit):]}
+        return {
+            "deployment": self.deployment,
+            "policy": a.policy.to_dict() if a else None,
+            "decisions": rows[-max(1, limit) :],
+        }
 
     # ---- what the reconcile loop calls -------------------------------------------------------
-    def tick(self, statuses: list[dict[str, Any]], members: list[int], *, now: float | None = None,
-             busy: str | None = None, num_experts: int = 1, slots_per_rank: int = 1, standby_ready: int = 0,
-             capacity: Callable[[int], str | None] | None = None, admissions: dict[str, int] | None = None,
-             ops: list[dict[str, Any]] | None = None) -> Decision | None:
+    def tick(
+        self,
+        statuses: list[dict[str, Any]],
+        members: list[int],
+        *,
+        now: float | None = None,
+        busy: str | None = None,
+        num_experts: int = 1,
+        slots_per_rank: int = 1,
+        standby_ready: int = 0,
+        capacity: Callable[[int], str | None] | None = None,
+        admissions: dict[str, int] | None = None,
+        ops: list[dict[str, Any]] | None = None,
+    ) -> Decision | None:
         """One round: record the ranks' signals, the router's ``admissions`` counters and what the
         finished scales in ``ops`` cost, and decide (None: no policy set). The loop scales to
         ``decision.recommendation`` when ``decision.act``, then calls ``record_outcome``."""
@@ -143,17 +167,26 @@ class AutoscaleHost:
         after = self.window.arrivals.rows[-1][1] if self.window.arrivals.rows else None
         self.loaded = (before is not None and after is not None and after > before) or any(
             isinstance(s, dict) and ((s.get("requests_waiting") or 0) + (s.get("requests_running") or 0)) > 0
-            for s in statuses)
+            for s in statuses
+        )
         for op in ops or []:
             self.cost.observe(op)
         self.cost.seed(next((str(s.get("kind")) for s in statuses if isinstance(s, dict) and s.get("kind")), ""))
         if self.autoscaler is None:
             return None
         imbalance = max((float(s.get("eplb_imbalance") or 0.0) for s in statuses if isinstance(s, dict)), default=None)
-        obs = self.window.observed(now, list(members), busy=busy, num_experts=num_experts,
-                                   slots_per_rank=slots_per_rank, standby_ready=standby_ready, capacity=capacity,
-                                   eplb_imbalance=imbalance, capacity_seed=self.autoscaler.policy.capacity_tokens_s,
-                                   cost=self.cost)
+        obs = self.window.observed(
+            now,
+            list(members),
+            busy=busy,
+            num_experts=num_experts,
+            slots_per_rank=slots_per_rank,
+            standby_ready=standby_ready,
+            capacity=capacity,
+            eplb_imbalance=imbalance,
+            capacity_seed=self.autoscaler.policy.capacity_tokens_s,
+            cost=self.cost,
+        )
         decision = self.autoscaler.decide(now, obs)
         if self.metrics is not None:
             self.metrics.on_decision(decision)
@@ -208,9 +241,14 @@ def busy_reason(orch: Orchestrator) -> str | None:
     return f"recovery of rank(s) {', '.join(map(str, dead))}" if dead else None
 
 
-async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | None = None,
-                          now: float | None = None, statuses: list[dict[str, Any]] | None = None,
-                          standby: Standby | None = None) -> Decision | None:
+async def autoscale_round(
+    host: AutoscaleHost,
+    orch: Orchestrator,
+    act: Act | None = None,
+    now: float | None = None,
+    statuses: list[dict[str, Any]] | None = None,
+    standby: Standby | None = None,
+) -> Decision | None:
     """One autoscaling round of a controller's loop over ``orch``'s world: decide from the
     members' status records, and when the decision acts, ``act`` on it and record the outcome.
     Without ``act`` the decision is only returned (the loop acts later and calls
@@ -218,18 +256,30 @@ async def autoscale_round(host: AutoscaleHost, orch: Orchestrator, act: Act | No
     tick (``Health.statuses``), so a tick asks each rank once; None asks every member here.
     ``standby``: resizes the standby pool to what a ``--standby auto`` decision asks (no operation running)."""
     if statuses is None:
-        answers = await asyncio.gather(*(c.status(timeout=3) for c in orch.clients.values()),
-                                       return_exceptions=True)
+        answers = await asyncio.gather(*(c.status(timeout=3) for c in orch.clients.values()), return_exceptions=True)
         statuses = [a for a in answers if isinstance(a, dict)]
     pool = orch.spawner.pool
-    decision = host.tick(statuses, list(orch.members), now=now, busy=busy_reason(orch),
-                         num_experts=orch.cfg.num_experts, slots_per_rank=orch.cfg.slots_per_rank,
-                         standby_ready=len(pool.ready) if pool is not None else 0,
-                         capacity=orch.spawner.check_capacity, admissions=orch.world.router.admissions(),
-                         ops=orch.history[-5:])
+    decision = host.tick(
+        statuses,
+        list(orch.members),
+        now=now,
+        busy=busy_reason(orch),
+        num_experts=orch.cfg.num_experts,
+        slots_per_rank=orch.cfg.slots_per_rank,
+        standby_ready=len(pool.ready) if pool is not None else 0,
+        capacity=orch.spawner.check_capacity,
+        admissions=orch.world.router.admissions(),
+        ops=orch.history[-5:],
+    )
     size = pool.size if pool is not None else 0
-    if decision is not None and decision.standby is not None and standby is not None and decision.standby != size \
-            and not busy_reason(orch) and (host.resizing is None or host.resizing.done()):
+    if (
+        decision is not None
+        and decision.standby is not None
+        and standby is not None
+        and decision.standby != size
+        and not busy_reason(orch)
+        and (host.resizing is None or host.resizing.done())
+    ):
         host.resizing = asyncio.ensure_future(standby(decision.standby))  # the pool the next burst wants
     if decision is None or not decision.act or act is None:
         return decision
@@ -249,8 +299,9 @@ def scale_outcome(op: dict[str, Any]) -> str:
     if op.get("state") != "succeeded":
         return f"{op.get('op_id', '')} {op.get('state')}: {op.get('error')}"
     moved = int(op.get("redispatched_requests") or 0)
-    return (f"{op.get('op_id', '')} DP {op.get('from_size')} -> {op.get('to_size')}"
-            + (f", {moved} waiting request(s) re-dispatched over the new width" if moved else ""))
+    return f"{op.get('op_id', '')} DP {op.get('from_size')} -> {op.get('to_size')}" + (
+        f", {moved} waiting request(s) re-dispatched over the new width" if moved else ""
+    )
 
 
 def autoscaler_metrics(deployment: str) -> Any:

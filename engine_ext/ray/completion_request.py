@@ -20,8 +20,14 @@ LIMIT_KEYS = ("vocab_size", "max_model_len", "max_num_tokens")
 class BadRequest(ValueError):
     """A request the deployment will not serve: its HTTP status and OpenAI's error fields."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: int | str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: int | str | None = None,
+    ) -> None:
         super().__init__(message)
         self.param, self.status, self.kind = param, status, kind
         self.code = status if code is None else code
@@ -46,12 +52,17 @@ def parse_completion(body: Any) -> tuple[list[list[int]], int, bool]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
-                                                     for p in prompt):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt)
+    ):
         prompts = prompt
     else:
-        raise BadRequest("prompt must be a non-empty list of token ids (or a list of them): "
-                         "the reference model has no tokenizer", "prompt")
+        raise BadRequest(
+            "prompt must be a non-empty list of token ids (or a list of them): the reference model has no tokenizer",
+            "prompt",
+        )
     if any(t < 0 for p in prompts for t in p):
         raise BadRequest("token ids must not be negative", "prompt")
     max_tokens = body.get("max_tokens", MAX_TOKENS_DEFAULT)
@@ -68,8 +79,9 @@ def served_model(body: dict[str, Any], served: str) -> str:
     asked = body.get("model")
     if not asked or asked == served:
         return served
-    raise BadRequest(f"The model `{asked}` does not exist. Valid aliases: {served}.", "model",
-                     status=404, code="model_not_found")
+    raise BadRequest(
+        f"The model `{asked}` does not exist. Valid aliases: {served}.", "model", status=404, code="model_not_found"
+    )
 
 
 def check_limits(prompts: list[list[int]], max_tokens: int, limits: dict[str, int] | None) -> None:
@@ -84,8 +96,12 @@ def check_limits(prompts: list[list[int]], max_tokens: int, limits: dict[str, in
         if bad is not None:
             raise BadRequest(f"{which}token id {bad} is not in the vocabulary (ids 0..{vocab - 1})", "prompt")
         if len(p) > max_prompt:
-            raise BadRequest(f"{which}the prompt has {len(p)} tokens; this model takes at most {max_prompt} "
-                             "in one prompt", "prompt")
+            raise BadRequest(
+                f"{which}the prompt has {len(p)} tokens; this model takes at most {max_prompt} in one prompt", "prompt"
+            )
         if len(p) + max_tokens > max_len:
-            raise BadRequest(f"{which}this model's maximum context length is {max_len} tokens; the prompt's "
-                             f"{len(p)} and max_tokens {max_tokens} ask for {len(p) + max_tokens}", "max_tokens")
+            raise BadRequest(
+                f"{which}this model's maximum context length is {max_len} tokens; the prompt's "
+                f"{len(p)} and max_tokens {max_tokens} ask for {len(p) + max_tokens}",
+                "max_tokens",
+            )

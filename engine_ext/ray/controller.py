@@ -16,7 +16,6 @@ from collections import deque
 from typing import Any
 
 import ray
-
 from engine_ext.config import EngineConfig
 from engine_ext.control.orchestrator import Orchestrator
 from engine_ext.control.reconciler import TICK_S, Reconciler
@@ -25,9 +24,9 @@ from engine_ext.faults import controller_holds
 from engine_ext.protocol import EepError, PreconditionError, UnreachableError, error_record
 from engine_ext.ray import placement
 from engine_ext.ray.autoscale_host import AutoscaleHost, autoscale_round, autoscaler_metrics
+from engine_ext.ray.completion_request import model_limits
 from engine_ext.ray.controller_memory import forget_unheld_ranks, snapshot, sweep_orphans, take_over
 from engine_ext.ray.durable import DurableState
-from engine_ext.ray.completion_request import model_limits
 from engine_ext.ray.ingress_link import IngressLink
 from engine_ext.ray.registry_keeper import RegistryKeeper
 from engine_ext.ray.spawner import RaySpawner
@@ -35,35 +34,75 @@ from engine_ext.ray.standby import make_pool
 
 
 class Controller:
-    def __init__(self, deployment: str, namespace: str, cfg_d: dict[str, Any], max_dp: int,
-                 cpus_per_rank: float, gpus_per_rank: float, placement_d: dict[str, Any] | None = None,
-                 on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0,
-                 ingress: int = 1) -> None:
+    def __init__(
+        self,
+        deployment: str,
+        namespace: str,
+        cfg_d: dict[str, Any],
+        max_dp: int,
+        cpus_per_rank: float,
+        gpus_per_rank: float,
+        placement_d: dict[str, Any] | None = None,
+        on_rank_failure: str = "replace",
+        standby: int = 0,
+        health_deadline_s: float = 5.0,
+        ingress: int = 1,
+    ) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = EngineConfig.from_dict(cfg_d)
-        self.keeper = RegistryKeeper(deployment, namespace, expected_ranks=lambda: len(self.orch.clients),
-                                     restore=lambda: (self._info, list(self.orch.history), list(self._emitted)))
-        self.spawner = RaySpawner(deployment, namespace, self.cfg, cpus_per_rank, gpus_per_rank,
-                                  placement.PlacementSpec.from_dict(placement_d))
-        self.orch = Orchestrator(deployment, self.cfg, self.spawner, max_dp=max_dp,
-                                 emit=self._emit, record_op=self._record_op, forget_rank=self._forget_rank,
-                                 on_rank_failure=on_rank_failure)
+        self.keeper = RegistryKeeper(
+            deployment,
+            namespace,
+            expected_ranks=lambda: len(self.orch.clients),
+            restore=lambda: (self._info, list(self.orch.history), list(self._emitted)),
+        )
+        self.spawner = RaySpawner(
+            deployment,
+            namespace,
+            self.cfg,
+            cpus_per_rank,
+            gpus_per_rank,
+            placement.PlacementSpec.from_dict(placement_d),
+        )
+        self.orch = Orchestrator(
+            deployment,
+            self.cfg,
+            self.spawner,
+            max_dp=max_dp,
+            emit=self._emit,
+            record_op=self._record_op,
+            forget_rank=self._forget_rank,
+            on_rank_failure=on_rank_failure,
+        )
         self.spawner.on_death = self._on_death
         self.orch.admission.device = "cuda" if gpus_per_rank > 0 else "cpu"  # the cost model's host check
-        self.orch.world.router = IngressLink(deployment, namespace, ingress, fenced=lambda: {  # type: ignore[assignment]
-            r: int(f["epoch"]) for r, f in self.orch.world.fenced.items()},
+        self.orch.world.router = IngressLink(
+            deployment,
+            namespace,
+            ingress,
+            fenced=lambda: {  # type: ignore[assignment]
+                r: int(f["epoch"]) for r, f in self.orch.world.fenced.items()
+            },
             seen=lambda r, at: self.reconciler.health.heard(r, at),
-            limits=model_limits(self.cfg))
+            limits=model_limits(self.cfg),
+        )
         self._tasks: dict[str, asyncio.Task] = {}
-        self.spawner.pool = make_pool(self.spawner, self.orch.world, self._forget_rank, standby) if standby > 0 else None
+        self.spawner.pool = (
+            make_pool(self.spawner, self.orch.world, self._forget_rank, standby) if standby > 0 else None
+        )
         self._pool_watch: asyncio.Task | None = None
         self.started_at = time.time()
         # Registry recreation: what a new registry must be given back (info, ops, own events).
         self._info: dict[str, Any] = {}
         self._emitted: deque[dict[str, Any]] = deque(maxlen=2000)
-        self.reconciler = Reconciler(self.orch, deadline_s=health_deadline_s, on_tick=self._persist,
-                                     sweep=self._sweep_orphans, autoscale=self._autoscale)
+        self.reconciler = Reconciler(
+            self.orch,
+            deadline_s=health_deadline_s,
+            on_tick=self._persist,
+            sweep=self._sweep_orphans,
+            autoscale=self._autoscale,
+        )
         self.durable = DurableState(namespace, deployment)
         self.restarts = 0
         self.requests = RequestIds()  # `scale --request-id`
@@ -72,8 +111,13 @@ class Controller:
         self.info_sent = 0  # set_info calls (only when what status shows changed)
         self._ready = asyncio.Event()  # set once started, or once a restarted controller took over
         saved = self.durable.load()
-        self.autoscale_host = AutoscaleHost(deployment, max_dp, persist=lambda st: self._persist(),
-                                            saved=(saved or {}).get("autoscale"), metrics=autoscaler_metrics(deployment))
+        self.autoscale_host = AutoscaleHost(
+            deployment,
+            max_dp,
+            persist=lambda st: self._persist(),
+            saved=(saved or {}).get("autoscale"),
+            metrics=autoscaler_metrics(deployment),
+        )
         if saved is not None and saved.get("started"):
             self._resuming = asyncio.get_event_loop().create_task(self._take_over(saved))
         try:
@@ -151,14 +195,20 @@ class Controller:
 
     async def info(self) -> dict[str, Any]:
         self._info_dead()
-        return {"deployment": self.deployment, "dp": self.orch.size, "max_dp": self.orch.max_dp,
-                "desired_dp": self.orch.desired, "on_rank_failure": str(self.orch.on_rank_failure),
-                "dead": self._dead_shown(),
-                "ranks": {str(r): c.pid() for r, c in self.orch.clients.items()},
-                "running_op": self.orch.busy(),
-                "layout": self.orch.layout.to_dict() if self.orch.layout else None,
-                "config": self.cfg.to_dict(), "history": self.orch.history[-20:],
-                "control": self._info.get("control", {})}
+        return {
+            "deployment": self.deployment,
+            "dp": self.orch.size,
+            "max_dp": self.orch.max_dp,
+            "desired_dp": self.orch.desired,
+            "on_rank_failure": str(self.orch.on_rank_failure),
+            "dead": self._dead_shown(),
+            "ranks": {str(r): c.pid() for r, c in self.orch.clients.items()},
+            "running_op": self.orch.busy(),
+            "layout": self.orch.layout.to_dict() if self.orch.layout else None,
+            "config": self.cfg.to_dict(),
+            "history": self.orch.history[-20:],
+            "control": self._info.get("control", {}),
+        }
 
     async def stop(self) -> None:
         self.reconciler.stop()
@@ -197,14 +247,23 @@ class Controller:
         control = self.reconciler.view()
         for h in control["health"].values():
             h.pop("age_s", None)  # the registry shows heartbeat ages itself; this changes every tick
-        extra = {"desired_dp": self.orch.desired, "on_rank_failure": str(self.orch.on_rank_failure),
-                 "members": list(self.orch.members), "dead": self._dead_shown(), "control_node": _this_node(),
-                 "standby_pool": self.spawner.pool.summary() if self.spawner.pool is not None else None,
-                 "control": {**control, "controller_restarts": self.restarts, "took_over": self.took_over,
-                             "stale_removed": self.spawner.stale_removed,
-                             "fenced_messages_dropped": self.orch.router.fenced_dropped,
-                             "stale_messages_dropped": self.orch.router.stale_dropped},
-                 "ingress": self.orch.router.shown() or self._info.get("ingress", [])}
+        extra = {
+            "desired_dp": self.orch.desired,
+            "on_rank_failure": str(self.orch.on_rank_failure),
+            "members": list(self.orch.members),
+            "dead": self._dead_shown(),
+            "control_node": _this_node(),
+            "standby_pool": self.spawner.pool.summary() if self.spawner.pool is not None else None,
+            "control": {
+                **control,
+                "controller_restarts": self.restarts,
+                "took_over": self.took_over,
+                "stale_removed": self.spawner.stale_removed,
+                "fenced_messages_dropped": self.orch.router.fenced_dropped,
+                "stale_messages_dropped": self.orch.router.stale_dropped,
+            },
+            "ingress": self.orch.router.shown() or self._info.get("ingress", []),
+        }
         self._info.update(extra)
         if self._info == self._published:
             return
@@ -220,12 +279,19 @@ class Controller:
         if not self._ready.is_set() or self.orch.world.stopping:
             return  # nothing to take over before start; `down` deletes it
         pool = self.spawner.pool
-        self.durable.save(snapshot(self.orch, started=True, restarts=self.restarts, info=self._info,
-                                   autoscale=self.autoscale_host.state(),
-                                   standby=pool.size if pool is not None else 0,
-                                   standby_next=pool.next_number if pool is not None else 0,
-                                   requests=self.requests.recent(),
-                                   events=list(self._emitted)[-300:]))
+        self.durable.save(
+            snapshot(
+                self.orch,
+                started=True,
+                restarts=self.restarts,
+                info=self._info,
+                autoscale=self.autoscale_host.state(),
+                standby=pool.size if pool is not None else 0,
+                standby_next=pool.next_number if pool is not None else 0,
+                requests=self.requests.recent(),
+                events=list(self._emitted)[-300:],
+            )
+        )
         self._info_dead()
 
     async def _autoscale(self) -> list[str]:
@@ -239,9 +305,13 @@ class Controller:
         async def act(decision: Any) -> dict[str, Any]:
             return await self.orch.scale(int(decision.recommendation), cause="autoscale")
 
-        d = await autoscale_round(host, self.orch, act,  # the probe's answers: one status call per rank a tick
-                                  statuses=self.reconciler.health.statuses(list(self.orch.members)),
-                                  standby=self.set_standby)
+        d = await autoscale_round(
+            host,
+            self.orch,
+            act,  # the probe's answers: one status call per rank a tick
+            statuses=self.reconciler.health.statuses(list(self.orch.members)),
+            standby=self.set_standby,
+        )
         self._info["autoscale"] = host.shown()  # changes when what status says does
         self.reconciler.tick_s = host.period(TICK_S)
         return [f"autoscale {d.id}: {d.action}"] if d is not None and d.act else []
@@ -260,9 +330,17 @@ class Controller:
         except Exception as e:  # noqa: BLE001 - the loop rebuilds what could not be taken over
             self.reconciler.failed("take over", e)
         self.took_over += await forget_unheld_ranks(self.keeper.handle, set(self.orch.members))
-        self._emit({"op_id": "", "rank": -1, "phase": "controller_restarted", "start": time.time(),
-                    "end": time.time(), "outcome": "ok",
-                    "detail": {"restarts": self.restarts, "actions": self.took_over}})
+        self._emit(
+            {
+                "op_id": "",
+                "rank": -1,
+                "phase": "controller_restarted",
+                "start": time.time(),
+                "end": time.time(),
+                "outcome": "ok",
+                "detail": {"restarts": self.restarts, "actions": self.took_over},
+            }
+        )
         self._ready.set()
         self._persist()
         self.keeper.start()
@@ -291,8 +369,10 @@ class Controller:
         await self.orch.recovery.wait()
         op = await self.orch.recovery.recover()
         if op:
-            done.append(f"recovered without rank(s) {op.get('dead_ranks')}: {op.get('state')}"
-                        + (f" ({op.get('error')})" if op.get("error") else ""))
+            done.append(
+                f"recovered without rank(s) {op.get('dead_ranks')}: {op.get('state')}"
+                + (f" ({op.get('error')})" if op.get("error") else "")
+            )
         for _ in range(3):
             self.reconciler.reset_backoff()
             actions = await self.reconciler.tick()
@@ -301,24 +381,37 @@ class Controller:
             if not actions:
                 break
         self._info_dead()
-        return {"deployment": self.deployment, "actions": done or ["nothing to repair"],
-                "dp": self.orch.size, "desired_dp": self.orch.desired, "failed": self.reconciler.failures_since(t0)}
+        return {
+            "deployment": self.deployment,
+            "actions": done or ["nothing to repair"],
+            "dp": self.orch.size,
+            "desired_dp": self.orch.desired,
+            "failed": self.reconciler.failures_since(t0),
+        }
 
     # ---- scaling -------------------------------------------------------------------------------
     async def plan(self, target: int, retire: list[int] | None = None) -> dict[str, Any]:
         try:
             plan = (await self.orch.plan(target, retire=retire)).to_dict()
             plan["running_op"] = self.orch.busy()
-            reason = self.orch.spawner.check_capacity(max(0, target - self.orch.size),
-                                                      [int(j["rank"]) for j in plan["joining"]])
+            reason = self.orch.spawner.check_capacity(
+                max(0, target - self.orch.size), [int(j["rank"]) for j in plan["joining"]]
+            )
             plan["capacity_problem"] = reason
             plan["placement"] = {"policy": self.spawner.spec.policy, "nodes": self.spawner.predicted()}
             return plan
         except EepError as e:
             return error_record(e)
 
-    async def scale(self, target: int, drain_timeout_s: float, timeout_s: float, wait: bool,
-                    request_id: str | None = None, retire: list[int] | None = None) -> dict[str, Any]:
+    async def scale(
+        self,
+        target: int,
+        drain_timeout_s: float,
+        timeout_s: float,
+        wait: bool,
+        request_id: str | None = None,
+        retire: list[int] | None = None,
+    ) -> dict[str, Any]:
         """Admit a scale (a recovery under way finishes first; a degraded deployment heals first;
         every rank must answer), then run it in a task that outlives this call (``--no-wait``).
         A scale-down removes ``retire``, else the ranks with the least work. The controller
@@ -330,13 +423,18 @@ class Controller:
             if request_id and request_id in self.requests.ops:
                 return await self._same_request(request_id, target, wait)
             hold_s = self.cfg.fault_delay_s if controller_holds(self.cfg.faults, "admit") else 0.0
-            admitted = await self.requests.admit(request_id, target, lambda: self.orch.admit(
-                target, settle=True, probe_ranks=True, retire=retire), hold_s)
+            admitted = await self.requests.admit(
+                request_id,
+                target,
+                lambda: self.orch.admit(target, settle=True, probe_ranks=True, retire=retire),
+                hold_s,
+            )
         except EepError as e:
             return error_record(e)
         op_id = admitted.op.op_id
-        self._tasks[op_id] = asyncio.ensure_future(self.orch.run(admitted, drain_timeout_s=drain_timeout_s,
-                                                                 timeout_s=timeout_s))
+        self._tasks[op_id] = asyncio.ensure_future(
+            self.orch.run(admitted, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)
+        )
         self.requests.end(request_id, op_id=op_id)
         self._persist()
         if not wait:
@@ -347,12 +445,20 @@ class Controller:
         op_id = self.requests.ops[request_id]
         known = next((op for op in reversed(self.orch.history) if op["op_id"] == op_id), None)
         if known is not None and known.get("to_size") != target:
-            return error_record(PreconditionError(
-                f"request id {request_id!r} was used for {op_id} "
-                f"(DP {known.get('from_size')}->{known.get('to_size')}), not DP {target}"))
+            return error_record(
+                PreconditionError(
+                    f"request id {request_id!r} was used for {op_id} "
+                    f"(DP {known.get('from_size')}->{known.get('to_size')}), not DP {target}"
+                )
+            )
         if not wait or op_id not in self._tasks:
-            return {**(known or {"op_id": op_id}), "op_id": op_id, "accepted": True, "repeated": True,
-                    **({} if known is None or known.get("finished") else {"state": "running"})}
+            return {
+                **(known or {"op_id": op_id}),
+                "op_id": op_id,
+                "accepted": True,
+                "repeated": True,
+                **({} if known is None or known.get("finished") else {"state": "running"}),
+            }
         return await self.wait_op(op_id, 1e9)
 
     async def wait_op(self, op_id: str, timeout_s: float) -> dict[str, Any]:
@@ -370,8 +476,11 @@ class Controller:
             return await asyncio.wait_for(asyncio.shield(task), timeout_s)
         except asyncio.TimeoutError:
             op = self.orch.running_op()  # its current phase and sizes, for eepctl's live display
-            where = ({"phase": op.phase, "from_size": op.from_size, "to_size": op.to_size}
-                     if op is not None and op.op_id == op_id else {})
+            where = (
+                {"phase": op.phase, "from_size": op.from_size, "to_size": op.to_size}
+                if op is not None and op.op_id == op_id
+                else {}
+            )
             return {"op_id": op_id, "state": "running", **where}
 
 

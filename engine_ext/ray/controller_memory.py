@@ -39,12 +39,19 @@ def snapshot(orch: Orchestrator, **extra: Any) -> dict[str, Any]:
     w = orch.world
     running = w.running_op()
     return {
-        "version": STATE_VERSION, "desired": orch.desired, "members": list(w.members),
+        "version": STATE_VERSION,
+        "desired": orch.desired,
+        "members": list(w.members),
         "actors": {str(r): getattr(c, "actor_name", "") for r, c in w.clients.items()},
-        "epoch": w.epoch, "serving_epoch": w.serving_epoch, "store": list(w.store) if w.store else None,
-        "store_host": w.store_host, "layout": w.layout.to_dict() if w.layout else None,
-        "fenced": {str(r): f for r, f in w.fenced.items()}, "history": w.history[-100:],
-        "running": running.op_id if running is not None else None, **extra,
+        "epoch": w.epoch,
+        "serving_epoch": w.serving_epoch,
+        "store": list(w.store) if w.store else None,
+        "store_host": w.store_host,
+        "layout": w.layout.to_dict() if w.layout else None,
+        "fenced": {str(r): f for r, f in w.fenced.items()},
+        "history": w.history[-100:],
+        "running": running.op_id if running is not None else None,
+        **extra,
     }
 
 
@@ -74,8 +81,9 @@ async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, An
             clients[r] = client
     if state.get("layout"):
         w.adopt(clients, ExpertLayout.from_dict(state["layout"]), w.serving_epoch)
-    done.append(f"re-attached to rank(s) {sorted(set(clients) - set(gone))}"
-                + (f"; rank(s) {gone} gone" if gone else ""))
+    done.append(
+        f"re-attached to rank(s) {sorted(set(clients) - set(gone))}" + (f"; rank(s) {gone} gone" if gone else "")
+    )
     # Not what the dead controller remembered: a joiner's group reserved before its actor
     # existed, a dead member's group, a standby (the pool refills) are all found by name, in a
     # thread (the whole placement group table is read once: a reservation may have no actor).
@@ -87,8 +95,10 @@ async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, An
         if kind == "actor" and (n := standby_number(spawner.deployment, name)) is not None:
             w.forget_rank(STANDBY_RANK_BASE + n)
     if removed:
-        done.append(f"removed what no member holds: {', '.join(removed)}"
-                    + (f" (still held: {', '.join(left)})" if left else ""))
+        done.append(
+            f"removed what no member holds: {', '.join(removed)}"
+            + (f" (still held: {', '.join(left)})" if left else "")
+        )
     done += await _settle(orch, state)
     for r in gone:
         orch.recovery.on_death(r, "gone when the controller restarted")
@@ -118,8 +128,10 @@ async def _settle(orch: Orchestrator, state: dict[str, Any]) -> list[str]:
         action = f"rolled back {op.op_id} (interrupted in {phase})"
     else:
         op.state, op.error_code = OpState.FAILED.value, 5
-        op.error = (f"the controller restarted while the {op.kind} was in phase {phase}: the world is "
-                    "rebuilt by a recovery (every expert restored from the weight source)")
+        op.error = (
+            f"the controller restarted while the {op.kind} was in phase {phase}: the world is "
+            "rebuilt by a recovery (every expert restored from the weight source)"
+        )
         orch.recovery.rebuild(f"{op.op_id} interrupted by a controller restart in {phase}", untrusted=True)
         action = f"recovering after {op.op_id} (interrupted in {phase})"
     op.finished = time.time()
@@ -136,8 +148,9 @@ async def sweep_orphans(orch: Orchestrator, spawner: RaySpawner, namespace: str,
     kept = [n for c in orch.clients.values() if (n := getattr(c, "actor_name", ""))]
     # Looked up by the deployment's names only (its namespace's named actors, their placement
     # groups by name), in a thread: the controller's loop never waits on Ray's state.
-    removed = await asyncio.to_thread(leftovers.remove_unheld, namespace, deployment, kept, standbys=False,
-                                      everything=False)
+    removed = await asyncio.to_thread(
+        leftovers.remove_unheld, namespace, deployment, kept, standbys=False, everything=False
+    )
     return [f"removed orphaned {r}" for r in removed]
 
 

@@ -36,16 +36,19 @@ class DeploymentHandles:
 
 def call(ref: Any, timeout: float | None = 30.0) -> Any:
     """``ray.get`` with Ray's failures turned into the exit-code table's errors."""
-    import ray
     from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+    import ray
 
     try:
         return ray.get(ref, timeout=timeout)
     except GetTimeoutError:
         raise TransitionTimeout(f"the cluster did not answer within {timeout:.0f}s") from None
     except ActorUnavailableError as e:  # a controller being restarted by Ray: the call may be retried
-        raise UnreachableError("an actor of the deployment is being restarted by Ray; retry in a few seconds",
-                               detail={"retriable": True, "ray": str(e).splitlines()[0]}) from None
+        raise UnreachableError(
+            "an actor of the deployment is being restarted by Ray; retry in a few seconds",
+            detail={"retriable": True, "ray": str(e).splitlines()[0]},
+        ) from None
     except RayActorError as e:
         raise UnreachableError(f"an actor of the deployment is gone: {str(e).splitlines()[0]}") from None
 
@@ -65,15 +68,31 @@ def list_deployments(namespace: str) -> list[str]:
     from ray.util import list_named_actors
 
     names = list_named_actors(all_namespaces=True)
-    return sorted(a["name"][len(REGISTRY_PREFIX):] for a in names
-                  if a.get("namespace") == namespace and a["name"].startswith(REGISTRY_PREFIX))
+    return sorted(
+        a["name"][len(REGISTRY_PREFIX) :]
+        for a in names
+        if a.get("namespace") == namespace and a["name"].startswith(REGISTRY_PREFIX)
+    )
 
 
-def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, max_dp: int, cpus: float,
-                      gpus: float, timeout_s: float, placement: dict[str, Any] | None = None,
-                      on_rank_failure: str = "replace", standby: int = 0, health_deadline_s: float = 5.0,
-                      ingress: int = 1, api_key_sha256: str = "", host: str = "0.0.0.0",
-                      port: int = 0) -> tuple[DeploymentHandles, dict[str, Any]]:
+def create_deployment(
+    name: str,
+    namespace: str,
+    cfg: dict[str, Any],
+    dp: int,
+    max_dp: int,
+    cpus: float,
+    gpus: float,
+    timeout_s: float,
+    placement: dict[str, Any] | None = None,
+    on_rank_failure: str = "replace",
+    standby: int = 0,
+    health_deadline_s: float = 5.0,
+    ingress: int = 1,
+    api_key_sha256: str = "",
+    host: str = "0.0.0.0",
+    port: int = 0,
+) -> tuple[DeploymentHandles, dict[str, Any]]:
     """Create the registry, ``ingress`` ingresses (listening on ``host``; ingress i at ``port`` + i,
     or any free port with ``port`` 0) and the controller (detached, named) and start ``dp`` ranks.
 
@@ -82,7 +101,6 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     before the error is raised, so a failed ``up`` leaves nothing behind and the next one starts
     clean."""
     import ray
-
     from engine_ext.capture_memory import size_captures
     from engine_ext.config import EngineConfig
     from engine_ext.ray.durable import DurableState
@@ -99,17 +117,45 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     control = on_node(control_nodes()[0], soft=False)
     handles = DeploymentHandles(None, None)
     try:
-        handles.registry = ray.remote(Registry).options(
-            name=registry_name(name), namespace=namespace, lifetime="detached", num_cpus=0,
-            scheduling_strategy=control).remote(name)
-        info = {"dp": dp, "max_dp": max_dp, "created": time.time(), "cpus_per_rank": cpus,
-                "gpus_per_rank": gpus, "config": cfg, "placement": placement or {}, "desired_dp": dp,
-                "on_rank_failure": on_rank_failure}
+        handles.registry = (
+            ray.remote(Registry)
+            .options(
+                name=registry_name(name),
+                namespace=namespace,
+                lifetime="detached",
+                num_cpus=0,
+                scheduling_strategy=control,
+            )
+            .remote(name)
+        )
+        info = {
+            "dp": dp,
+            "max_dp": max_dp,
+            "created": time.time(),
+            "cpus_per_rank": cpus,
+            "gpus_per_rank": gpus,
+            "config": cfg,
+            "placement": placement or {},
+            "desired_dp": dp,
+            "on_rank_failure": on_rank_failure,
+        }
         ingresses = create_ingresses(name, namespace, ingress, api_key_sha256, host=host, port=port)
         info["ingress"] = [ready(h) for h in ingresses]
         call(handles.registry.set_info.remote(info))
-        handles.controller = _controller(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure,
-                                         standby, health_deadline_s, ingress, control)
+        handles.controller = _controller(
+            name,
+            namespace,
+            cfg,
+            max_dp,
+            cpus,
+            gpus,
+            placement,
+            on_rank_failure,
+            standby,
+            health_deadline_s,
+            ingress,
+            control,
+        )
         result = call(handles.controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)
         if isinstance(result, dict) and isinstance(result.get("error"), dict):
             raise error_from_record(result["error"])
@@ -127,21 +173,42 @@ def create_deployment(name: str, namespace: str, cfg: dict[str, Any], dp: int, m
     return handles, {**result, "ingress": info["ingress"]}  # where each ingress listens, as it answered
 
 
-def _controller(name: str, namespace: str, cfg: dict[str, Any], max_dp: int, cpus: float, gpus: float,
-                placement: dict[str, Any] | None, on_rank_failure: str, standby: int, health_deadline_s: float,
-                ingress: int, control: Any) -> Any:
+def _controller(
+    name: str,
+    namespace: str,
+    cfg: dict[str, Any],
+    max_dp: int,
+    cpus: float,
+    gpus: float,
+    placement: dict[str, Any] | None,
+    on_rank_failure: str,
+    standby: int,
+    health_deadline_s: float,
+    ingress: int,
+    control: Any,
+) -> Any:
     """The controller actor. Restarted by Ray whenever it dies (its state is durable:
     engine_ext.ray.durable); calls in flight at its death fail, and are not retried, so a scale
     is never sent twice."""
     import ray
-
     from engine_ext.ray.controller import Controller
 
-    return ray.remote(Controller).options(
-        name=controller_name(name), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
-        scheduling_strategy=control, max_restarts=-1, max_task_retries=0,
-    ).remote(name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby, health_deadline_s,
-             ingress)
+    return (
+        ray.remote(Controller)
+        .options(
+            name=controller_name(name),
+            namespace=namespace,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=1000,
+            scheduling_strategy=control,
+            max_restarts=-1,
+            max_task_retries=0,
+        )
+        .remote(
+            name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby, health_deadline_s, ingress
+        )
+    )
 
 
 def ready(ingress: Any, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -156,8 +223,9 @@ def ready(ingress: Any, timeout_s: float = 60.0) -> dict[str, Any]:
 INGRESS_PLACE_TRIES = 5  # an ingress Ray started on another node than asked is made again, this often
 
 
-def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str = "", *, host: str = "0.0.0.0",
-                     port: int = 0) -> list[Any]:
+def create_ingresses(
+    name: str, namespace: str, count: int, api_key_sha256: str = "", *, host: str = "0.0.0.0", port: int = 0
+) -> list[Any]:
     """``count`` ingress actors (engine_ext.ray.ingress), restarted by Ray when they die, listening
     on ``host`` (ingress i at ``port`` + i; any free port with ``port`` 0); spread
     over the alive nodes, the head node first (placement.control_nodes): held to the head (its loss
@@ -183,17 +251,27 @@ def create_ingresses(name: str, namespace: str, count: int, api_key_sha256: str 
     return handles
 
 
-def _ingress(name: str, namespace: str, index: int, api_key_sha256: str, node: Any, soft: bool, host: str,
-             port: int) -> Any:
+def _ingress(
+    name: str, namespace: str, index: int, api_key_sha256: str, node: Any, soft: bool, host: str, port: int
+) -> Any:
     import ray
-
     from engine_ext.ray.ingress import Ingress
     from engine_ext.ray.placement import on_node
 
-    return ray.remote(Ingress).options(
-        name=ingress_name(name, index), namespace=namespace, lifetime="detached", num_cpus=0, max_concurrency=1000,
-        max_restarts=-1, max_task_retries=0, scheduling_strategy=on_node(node, soft=soft),
-    ).remote(name, namespace, index, api_key_sha256, port, host)
+    return (
+        ray.remote(Ingress)
+        .options(
+            name=ingress_name(name, index),
+            namespace=namespace,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=1000,
+            max_restarts=-1,
+            max_task_retries=0,
+            scheduling_strategy=on_node(node, soft=soft),
+        )
+        .remote(name, namespace, index, api_key_sha256, port, host)
+    )
 
 
 def _remove_named(handle: Any, actor_name: str, namespace: str, wait_s: float = 10.0) -> None:
@@ -215,8 +293,11 @@ def ingress_names(name: str, namespace: str) -> list[str]:
     from ray.util import list_named_actors
 
     prefix = ingress_name(name, 0)[:-1]
-    return sorted(a["name"] for a in list_named_actors(all_namespaces=True)
-                  if a.get("namespace") == namespace and a["name"].startswith(prefix) and a["name"][len(prefix):].isdigit())
+    return sorted(
+        a["name"]
+        for a in list_named_actors(all_namespaces=True)
+        if a.get("namespace") == namespace and a["name"].startswith(prefix) and a["name"][len(prefix) :].isdigit()
+    )
 
 
 def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wait_s: float = 30.0) -> list[str]:
@@ -226,9 +307,9 @@ def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wa
     the registry and the controller, the durable state and the registry's endpoint. Works with no
     controller at all, and a second run finds nothing. Waits until the names are gone, so that
     returning means stopped. Returns what had to be removed by name (no controller held it)."""
-    import ray
     from ray.util import list_named_actors
 
+    import ray
     from engine_ext.ray import leftovers
 
     if handles.controller is not None:
@@ -252,14 +333,18 @@ def destroy_deployment(name: str, namespace: str, handles: DeploymentHandles, wa
     names = {registry_name(name), controller_name(name), vllm_controller_name(name), *ingresses}
     deadline = time.time() + wait_s
     while True:
-        alive = {a["name"] for a in list_named_actors(all_namespaces=True)
-                 if a.get("namespace") == namespace and a["name"] in names}
+        alive = {
+            a["name"]
+            for a in list_named_actors(all_namespaces=True)
+            if a.get("namespace") == namespace and a["name"] in names
+        }
         alive |= set(leftovers.still_held(namespace, name, removed))
         if not alive:
             return removed
         if time.time() > deadline:
-            raise TransitionTimeout(f"deployment {name!r} did not stop within {wait_s:.0f}s "
-                                    f"(still alive: {sorted(alive)})")
+            raise TransitionTimeout(
+                f"deployment {name!r} did not stop within {wait_s:.0f}s (still alive: {sorted(alive)})"
+            )
         time.sleep(0.2)
 
 
@@ -283,8 +368,12 @@ def has_leftovers(name: str, namespace: str) -> bool:
     from engine_ext.ray.durable import DurableState
     from engine_ext.ray.registry import KV_NAMESPACE, endpoint_key
 
-    if (leftovers.owned(namespace, name).names() or actor(vllm_controller_name(name), namespace) is not None
-            or ingress_names(name, namespace)):
+    if (
+        leftovers.owned(namespace, name).names()
+        or actor(vllm_controller_name(name), namespace) is not None
+        or ingress_names(name, namespace)
+    ):
         return True
     return DurableState(namespace, name).load() is not None or bool(
-        ray_private.kv_get(endpoint_key(namespace, name), KV_NAMESPACE))
+        ray_private.kv_get(endpoint_key(namespace, name), KV_NAMESPACE)
+    )

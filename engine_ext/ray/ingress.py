@@ -24,7 +24,6 @@ import uuid
 from typing import Any
 
 import ray
-
 from engine_ext.control.router import Router
 from engine_ext.ray import ray_private
 from engine_ext.ray.names import controller_name, request_prefix
@@ -38,8 +37,15 @@ LISTEN_RETRY_S = 1.0  # a restarted ingress whose pinned port is taken tries it 
 class Ingress:
     """One ingress: the router, the world as the controller last said, and the request API."""
 
-    def __init__(self, deployment: str, namespace: str, index: int, api_key_sha256: str = "", port: int = 0,
-                 host: str = "0.0.0.0") -> None:
+    def __init__(
+        self,
+        deployment: str,
+        namespace: str,
+        index: int,
+        api_key_sha256: str = "",
+        port: int = 0,
+        host: str = "0.0.0.0",
+    ) -> None:
         self.deployment, self.namespace, self.index = deployment, namespace, index
         self.api_key_sha256 = api_key_sha256  # the deployment's API key, hashed (HTTP wants the key)
         self.router = Router()
@@ -90,17 +96,26 @@ class Ingress:
         except ListenError as e:
             return error_record(PreconditionError(f"ingress {self.index} of {self.deployment!r}: {e}"))
         except Exception as e:  # noqa: BLE001 - the HTTP server's own failure, reported whole
-            return error_record(TransitionFailed(f"ingress {self.index} of {self.deployment!r} could not start "
-                                                 f"its HTTP server: {type(e).__name__}: {e}"))
+            return error_record(
+                TransitionFailed(
+                    f"ingress {self.index} of {self.deployment!r} could not start "
+                    f"its HTTP server: {type(e).__name__}: {e}"
+                )
+            )
         return {**self.where(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def where(self) -> dict[str, Any]:
         """How clients reach it: the URL, the address it listens on, whether requests need a key,
         why its port changed or why it does not listen."""
         http = self.http
-        return {"index": self.index, "url": self.url, "listen": getattr(http, "listen", ""),
-                "key_required": bool(self.api_key_sha256), "note": getattr(http, "note", ""),
-                "listen_error": self.listen_error}
+        return {
+            "index": self.index,
+            "url": self.url,
+            "listen": getattr(http, "listen", ""),
+            "key_required": bool(self.api_key_sha256),
+            "note": getattr(http, "note", ""),
+            "listen_error": self.listen_error,
+        }
 
     # ---- the world, as the controller says ---------------------------------------------------
     def set_world(self, world: dict[str, Any]) -> None:
@@ -214,13 +229,25 @@ class Ingress:
 
     def stats(self) -> dict[str, Any]:
         r = self.router
-        return {"index": self.index, "version": self.version, "url": self.url, "parked": r.parked,
-                "paused": r.paused, "completed": r.completed, "failed": r.failed, "rerouted": r.rerouted,
-                "stale_dropped": r.stale_dropped, "fenced_dropped": self.fenced_dropped,
-                "inflight": sum(r.inflight.values()), "members": sorted(r.clients), "restarted": self.restarted,
-                "heard": {str(k): t for k, t in self.heard.items()},
-                "admitted": r.admissions(),  # the autoscaler's arrival signal
-                "handed_back": dict(self.handed_back), **self.where()}
+        return {
+            "index": self.index,
+            "version": self.version,
+            "url": self.url,
+            "parked": r.parked,
+            "paused": r.paused,
+            "completed": r.completed,
+            "failed": r.failed,
+            "rerouted": r.rerouted,
+            "stale_dropped": r.stale_dropped,
+            "fenced_dropped": self.fenced_dropped,
+            "inflight": sum(r.inflight.values()),
+            "members": sorted(r.clients),
+            "restarted": self.restarted,
+            "heard": {str(k): t for k, t in self.heard.items()},
+            "admitted": r.admissions(),  # the autoscaler's arrival signal
+            "handed_back": dict(self.handed_back),
+            **self.where(),
+        }
 
     def pid(self) -> int:
         import os

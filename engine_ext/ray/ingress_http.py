@@ -44,12 +44,18 @@ class IngressHost(Protocol):
 
     def new_request_id(self) -> str: ...
 
+
 def _choice(index: int, tokens: list[int], finish: str | None, res: dict[str, Any] | None = None) -> dict[str, Any]:
     """One choice; the last one of a request adds ``eep``: the rank that answered, the ranks it
     moved off and the tokens it continued with there (an extension OpenAI clients ignore;
     `eepctl generate` reports it)."""
-    choice = {"index": index, "text": "".join(f" {t}" for t in tokens), "token_ids": tokens,
-              "logprobs": None, "finish_reason": finish}
+    choice = {
+        "index": index,
+        "text": "".join(f" {t}" for t in tokens),
+        "token_ids": tokens,
+        "logprobs": None,
+        "finish_reason": finish,
+    }
     if res is not None:
         choice["eep"] = {k: res.get(k) for k in ("rank", "moved_from", "resumed_with", "ingress")}
     return choice
@@ -78,9 +84,9 @@ class IngressHttp:
     async def start(self, host: str, port: int) -> str:
         """Listen on ``host`` at ``port`` (0: the port this ingress had before a restart, else any
         free one: engine_ext.ray.ingress_listen); the URL, once the server listens."""
-        import ray
         import uvicorn
 
+        import ray
         from engine_ext.ray import ingress_listen
 
         ing = self.ingress
@@ -128,8 +134,12 @@ class IngressHttp:
 
         @app.get("/v1/models")
         async def models() -> Any:
-            return {"object": "list", "data": [{"id": ing.deployment, "object": "model",
-                                                "created": int(ing.started_at), "owned_by": "eepctl"}]}
+            return {
+                "object": "list",
+                "data": [
+                    {"id": ing.deployment, "object": "model", "created": int(ing.started_at), "owned_by": "eepctl"}
+                ],
+            }
 
         @app.get("/metrics")
         async def metrics() -> Any:
@@ -163,9 +173,14 @@ class IngressHttp:
         out = [r["output"] for r in results]
         n_prompt = sum(len(p) for p in prompts)
         n_out = sum(len(o) for o in out)
-        return {"id": f"cmpl-{results[0]['request_id']}", "object": "text_completion", "created": int(time.time()),
-                "model": model, "choices": [_choice(i, r["output"], "length", r) for i, r in enumerate(results)],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+        return {
+            "id": f"cmpl-{results[0]['request_id']}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [_choice(i, r["output"], "length", r) for i, r in enumerate(results)],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+        }
 
     async def _stream(self, prompts: list[list[int]], max_tokens: int, model: str) -> AsyncIterator[str]:
         """One SSE chunk per token as it arrives (any prompt's), then ``[DONE]``. A request that
@@ -193,11 +208,14 @@ class IngressHttp:
                     continue
                 open_ -= 1
                 if res.get("error"):
-                    refused = BadRequest(str(res["error"])) if res.get("rejected") else BadRequest(
-                        str(res["error"]), status=503, kind="service_unavailable")
+                    refused = (
+                        BadRequest(str(res["error"]))
+                        if res.get("rejected")
+                        else BadRequest(str(res["error"]), status=503, kind="service_unavailable")
+                    )
                     yield f"data: {json.dumps(refused.body())}\n\n"
                     continue
-                rest = res["output"][sent[i]:]  # tokens not streamed (a rank that streams none)
+                rest = res["output"][sent[i] :]  # tokens not streamed (a rank that streams none)
                 yield _sse(cid, model, [_choice(i, rest, "length", dict(res, ingress=self.ingress.index))])
             yield "data: [DONE]\n\n"
         finally:
@@ -222,14 +240,28 @@ def prometheus_text(ing: IngressHost) -> str:
     """The ingress's counters in Prometheus' text format (names in docs/operations.md)."""
     st = ing.stats()
     labels = f'deployment="{ing.deployment}",ingress="{ing.index}"'
-    rows = [("eep_ingress_requests_total", "counter", "Requests this ingress answered, by outcome",
-             [(f'{labels},outcome="completed"', st["completed"]), (f'{labels},outcome="failed"', st["failed"])]),
-            ("eep_ingress_requests_in_flight", "gauge", "Requests on a rank now", [(labels, st["inflight"])]),
-            ("eep_ingress_requests_parked", "gauge", "Requests waiting for a world that can serve them",
-             [(labels, st["parked"])]),
-            ("eep_ingress_rerouted_total", "counter", "Requests moved off a dead rank", [(labels, st["rerouted"])]),
-            ("eep_ingress_stale_messages_dropped_total", "counter", "Tokens and results from a non-owner or a "
-             "fenced world", [(labels, st["stale_dropped"] + st["fenced_dropped"])])]
+    rows = [
+        (
+            "eep_ingress_requests_total",
+            "counter",
+            "Requests this ingress answered, by outcome",
+            [(f'{labels},outcome="completed"', st["completed"]), (f'{labels},outcome="failed"', st["failed"])],
+        ),
+        ("eep_ingress_requests_in_flight", "gauge", "Requests on a rank now", [(labels, st["inflight"])]),
+        (
+            "eep_ingress_requests_parked",
+            "gauge",
+            "Requests waiting for a world that can serve them",
+            [(labels, st["parked"])],
+        ),
+        ("eep_ingress_rerouted_total", "counter", "Requests moved off a dead rank", [(labels, st["rerouted"])]),
+        (
+            "eep_ingress_stale_messages_dropped_total",
+            "counter",
+            "Tokens and results from a non-owner or a fenced world",
+            [(labels, st["stale_dropped"] + st["fenced_dropped"])],
+        ),
+    ]
     out = []
     for name, kind, help_, samples in rows:
         out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]

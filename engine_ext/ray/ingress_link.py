@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-
 from engine_ext.control.rank_client import RankClient
 from engine_ext.ray import ray_private
 from engine_ext.ray.names import ingress_name, owner_of
@@ -33,9 +32,15 @@ HAND_BACK_RETRY_S = 0.5
 class IngressLink:
     """Stands where the controller's router stood (``World.router``)."""
 
-    def __init__(self, deployment: str, namespace: str, count: int,
-                 fenced: Callable[[], dict[int, int]], seen: Callable[[int, float], None] = lambda r, at: None,
-                 limits: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        deployment: str,
+        namespace: str,
+        count: int,
+        fenced: Callable[[], dict[int, int]],
+        seen: Callable[[int, float], None] = lambda r, at: None,
+        limits: dict[str, int] | None = None,
+    ) -> None:
         self.deployment, self.namespace, self.count = deployment, namespace, count
         self.limits = limits  # the model's (vocabulary, max_model_len, prompt): each ingress checks requests
         self._fenced = fenced  # rank -> the epoch it is fenced at (the world's)
@@ -105,9 +110,15 @@ class IngressLink:
         for r, c in self.clients.items():
             handle = getattr(c, "handle", None)
             members[str(r)] = [getattr(c, "actor_name", ""), ray_private.actor_id(handle) if handle is not None else ""]
-        return {"members": members, "excluded": sorted(self.excluded),
-                "paused": self._paused, "unhealthy": self._unhealthy, "closed": self._closed,
-                "fenced": {str(r): e for r, e in self._fenced().items()}, "limits": self.limits}
+        return {
+            "members": members,
+            "excluded": sorted(self.excluded),
+            "paused": self._paused,
+            "unhealthy": self._unhealthy,
+            "closed": self._closed,
+            "fenced": {str(r): e for r, e in self._fenced().items()},
+            "limits": self.limits,
+        }
 
     def _push(self, only: int | None = None) -> None:
         """Send the world to every ingress when it changed (or to one, as it is). Never an empty
@@ -241,6 +252,17 @@ class IngressLink:
 
     def shown(self) -> list[dict[str, Any]]:
         """Each ingress as `eepctl status` shows it."""
-        keys = ("index", "url", "parked", "completed", "failed", "inflight", "restarted", "listen", "key_required",
-                "note", "listen_error")
+        keys = (
+            "index",
+            "url",
+            "parked",
+            "completed",
+            "failed",
+            "inflight",
+            "restarted",
+            "listen",
+            "key_required",
+            "note",
+            "listen_error",
+        )
         return [{k: s.get(k) for k in keys} for _, s in sorted(self.stats.items())]

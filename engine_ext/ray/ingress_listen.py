@@ -73,8 +73,9 @@ async def serve_started(server: Any, listener: Listener, timeout_s: float = STAR
         if time.monotonic() > deadline:
             server.should_exit = True
             task.cancel()
-            raise TimeoutError(f"the HTTP server did not listen on {listener.host}:{listener.port} "
-                               f"within {timeout_s:.0f}s")
+            raise TimeoutError(
+                f"the HTTP server did not listen on {listener.host}:{listener.port} within {timeout_s:.0f}s"
+            )
         await asyncio.sleep(0.02)
     return task
 

@@ -42,8 +42,9 @@ class Owned:
 def _actor_names(namespace: str, deployment: str) -> list[str]:
     """The deployment's live rank actors: the named actors Ray lists in ``namespace`` (asked of the
     GCS for that namespace alone where this process runs in it), filtered by name."""
-    import ray
     from ray.util import list_named_actors
+
+    import ray
 
     if ray.get_runtime_context().namespace == namespace:
         names = list_named_actors()
@@ -68,7 +69,7 @@ def _rank_pg_names(deployment: str) -> set[str]:
     from ray.util import placement_group_table
 
     names = {str(info.get("name") or "") for info in placement_group_table().values() if info.get("state") != "REMOVED"}
-    return {n for n in names if n.endswith(PG_SUFFIX) and is_rank_actor(deployment, n[:-len(PG_SUFFIX)])}
+    return {n for n in names if n.endswith(PG_SUFFIX) and is_rank_actor(deployment, n[: -len(PG_SUFFIX)])}
 
 
 def owned(namespace: str, deployment: str, *, everything: bool = True) -> Owned:
@@ -121,8 +122,9 @@ def _kill_actor(namespace: str, name: str) -> None:
 
 
 def _remove_pg(pg_id: str) -> None:
-    import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    import ray
 
     try:
         remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
@@ -130,8 +132,9 @@ def _remove_pg(pg_id: str) -> None:
         pass
 
 
-def remove_unheld(namespace: str, deployment: str, keep: Collection[str], *, standbys: bool = True,
-                  everything: bool = True) -> list[str]:
+def remove_unheld(
+    namespace: str, deployment: str, keep: Collection[str], *, standbys: bool = True, everything: bool = True
+) -> list[str]:
     """End every rank actor and remove every rank placement group of ``deployment`` that the
     actors named in ``keep`` do not hold (``standbys`` False: leave the standby pool's, which may
     be launching one; ``everything`` as :func:`owned`). Returns what it removed ("actor X",
@@ -145,7 +148,7 @@ def remove_unheld(namespace: str, deployment: str, keep: Collection[str], *, sta
             _kill_actor(namespace, name)
             removed.append(f"actor {name}")
     for name, pg_id in found.placement_groups.items():
-        if name not in held and (standbys or standby_number(deployment, name[:-len(PG_SUFFIX)]) is None):
+        if name not in held and (standbys or standby_number(deployment, name[: -len(PG_SUFFIX)]) is None):
             _remove_pg(pg_id)
             removed.append(f"placement group {name}")
     return removed
@@ -198,6 +201,8 @@ async def free_identity(namespace: str, deployment: str, identity: str, wait_s: 
     removed = await asyncio.to_thread(remove)
     left = await wait_gone(namespace, deployment, removed, wait_s)
     if left:
-        raise EepError(f"the name(s) {', '.join(left)} of a stale resource of this deployment are still taken "
-                       f"{wait_s:.0f}s after it was removed")
+        raise EepError(
+            f"the name(s) {', '.join(left)} of a stale resource of this deployment are still taken "
+            f"{wait_s:.0f}s after it was removed"
+        )
     return removed

@@ -33,8 +33,10 @@ RANK_GAUGES: dict[str, tuple[str, str]] = {
     "eep_rank_workspace_locked": ("workspace_locked", "1 when the workspace is locked (serving)."),
     "eep_rank_graphs_captured": ("graphs_captured", "Captured graph sizes currently held."),
     "eep_rank_dp_size": ("dp_size", "DP world size the rank serves in."),
-    "eep_rank_eplb_imbalance": ("eplb_imbalance",
-                                "EPLB load imbalance: max/mean rank load (1.0 = perfectly balanced; 0 before any load)."),
+    "eep_rank_eplb_imbalance": (
+        "eplb_imbalance",
+        "EPLB load imbalance: max/mean rank load (1.0 = perfectly balanced; 0 before any load).",
+    ),
     "eep_rank_last_capture_seconds": ("last_capture_s", "Duration of the rank's last capture pass."),
 }
 # gauge name -> (status field in ms, description): set in seconds (the autoscaler's SLO signals)
@@ -49,8 +51,19 @@ RANK_COUNTERS: dict[str, tuple[str, str]] = {
     "eep_rank_steps_total": ("steps", "Forward steps run by the rank."),
     "eep_rank_graph_replays_total": ("graph_replays", "Graph replays (CUDA graphs or CPU static replays)."),
 }
-STATES = ("starting", "serving", "preparing", "committing", "warming", "capturing", "draining", "removing",
-          "removed", "failed", "stale")
+STATES = (
+    "starting",
+    "serving",
+    "preparing",
+    "committing",
+    "warming",
+    "capturing",
+    "draining",
+    "removing",
+    "removed",
+    "failed",
+    "stale",
+)
 
 
 class RankMetrics:
@@ -64,22 +77,38 @@ class RankMetrics:
         self._gauges = {n: Gauge(n, description=d, tag_keys=RANK_TAGS) for n, (_, d) in RANK_GAUGES.items()}
         self._counters = {n: Counter(n, description=d, tag_keys=RANK_TAGS) for n, (_, d) in RANK_COUNTERS.items()}
         self._latency = {n: Gauge(n, description=d, tag_keys=RANK_TAGS) for n, (_, d) in RANK_LATENCY_GAUGES.items()}
-        self._state = Gauge("eep_rank_state", description="1 for the rank's current state, 0 for the others.",
-                            tag_keys=(*RANK_TAGS, "state"))
-        self._captures = Counter("eep_rank_graph_captures_total", description="Graph capture passes (one per "
-                                 "transition per rank when healthy).", tag_keys=RANK_TAGS)
-        self._capture_s = Histogram("eep_rank_capture_seconds", description="Duration of a rank's capture pass.",
-                                    boundaries=CAPTURE_BOUNDS, tag_keys=RANK_TAGS)
-        self._phase_s = Histogram("eep_transition_phase_seconds", description="Duration of one transition phase "
-                                  "on one rank (rank -1: the controller).", boundaries=PHASE_BOUNDS,
-                                  tag_keys=(*RANK_TAGS, "phase", "outcome"))
+        self._state = Gauge(
+            "eep_rank_state",
+            description="1 for the rank's current state, 0 for the others.",
+            tag_keys=(*RANK_TAGS, "state"),
+        )
+        self._captures = Counter(
+            "eep_rank_graph_captures_total",
+            description="Graph capture passes (one per transition per rank when healthy).",
+            tag_keys=RANK_TAGS,
+        )
+        self._capture_s = Histogram(
+            "eep_rank_capture_seconds",
+            description="Duration of a rank's capture pass.",
+            boundaries=CAPTURE_BOUNDS,
+            tag_keys=RANK_TAGS,
+        )
+        self._phase_s = Histogram(
+            "eep_transition_phase_seconds",
+            description="Duration of one transition phase on one rank (rank -1: the controller).",
+            boundaries=PHASE_BOUNDS,
+            tag_keys=(*RANK_TAGS, "phase", "outcome"),
+        )
         self._last: dict[str, float] = {}
         self._last_state = ""
         self._ident = ""
 
     def _tags(self, st: dict[str, Any]) -> dict[str, str]:
-        return {"deployment": self.deployment, "rank": str(st.get("rank", "")),
-                "identity": str(st.get("instance_id", ""))}
+        return {
+            "deployment": self.deployment,
+            "rank": str(st.get("rank", "")),
+            "identity": str(st.get("instance_id", "")),
+        }
 
     def on_status(self, st: dict[str, Any]) -> None:
         try:
@@ -111,8 +140,7 @@ class RankMetrics:
     def on_event(self, ev: dict[str, Any]) -> None:
         try:
             with self._lock:
-                tags = {"deployment": self.deployment, "rank": str(ev.get("rank", "")),
-                        "identity": self._identity(ev)}
+                tags = {"deployment": self.deployment, "rank": str(ev.get("rank", "")), "identity": self._identity(ev)}
                 dur = max(0.0, float(ev.get("end", 0.0)) - float(ev.get("start", 0.0)))
                 phase = str(ev.get("phase", ""))
                 self._phase_s.observe(dur, tags=dict(tags, phase=phase, outcome=str(ev.get("outcome", "ok"))))
@@ -137,19 +165,37 @@ class DeploymentMetrics:
 
         self.deployment = deployment
         self._seen: set[str] = set()
-        self._pause = Histogram("eep_serving_pause_seconds", description="Forward-pass pause of a transition "
-                                "(a joiner's wait for the members to stop is not counted).", boundaries=PAUSE_BOUNDS,
-                                tag_keys=("deployment",))
-        self._ops = Counter("eep_transitions_total", description="Finished scale operations by outcome.",
-                            tag_keys=("deployment", "state"))
-        self._dp = Gauge("eep_deployment_dp_size", description="DP size after the last operation.",
-                         tag_keys=("deployment",))
-        self._duration = Histogram("eep_transition_seconds", description="Wall time of a scale operation.",
-                                   boundaries=PHASE_BOUNDS, tag_keys=("deployment", "state"))
-        self._recovery = Histogram("eep_recovery_seconds", description="From a rank's death to serving again "
-                                   "(a recover operation).", boundaries=PHASE_BOUNDS, tag_keys=("deployment", "state"))
-        self._rerouted = Counter("eep_rerouted_requests_total", description="Requests of dead ranks re-submitted "
-                                 "to survivors.", tag_keys=("deployment",))
+        self._pause = Histogram(
+            "eep_serving_pause_seconds",
+            description="Forward-pass pause of a transition (a joiner's wait for the members to stop is not counted).",
+            boundaries=PAUSE_BOUNDS,
+            tag_keys=("deployment",),
+        )
+        self._ops = Counter(
+            "eep_transitions_total",
+            description="Finished scale operations by outcome.",
+            tag_keys=("deployment", "state"),
+        )
+        self._dp = Gauge(
+            "eep_deployment_dp_size", description="DP size after the last operation.", tag_keys=("deployment",)
+        )
+        self._duration = Histogram(
+            "eep_transition_seconds",
+            description="Wall time of a scale operation.",
+            boundaries=PHASE_BOUNDS,
+            tag_keys=("deployment", "state"),
+        )
+        self._recovery = Histogram(
+            "eep_recovery_seconds",
+            description="From a rank's death to serving again (a recover operation).",
+            boundaries=PHASE_BOUNDS,
+            tag_keys=("deployment", "state"),
+        )
+        self._rerouted = Counter(
+            "eep_rerouted_requests_total",
+            description="Requests of dead ranks re-submitted to survivors.",
+            tag_keys=("deployment",),
+        )
 
     def on_operation(self, op: dict[str, Any], dp_size: int) -> None:
         try:
@@ -160,8 +206,9 @@ class DeploymentMetrics:
             state = str(op.get("state", ""))
             self._ops.inc(1.0, tags=dict(tags, state=state))
             self._dp.set(float(dp_size), tags=tags)
-            self._duration.observe(max(0.0, float(op["finished"]) - float(op.get("started", op["finished"]))),
-                                   tags=dict(tags, state=state))
+            self._duration.observe(
+                max(0.0, float(op["finished"]) - float(op.get("started", op["finished"]))), tags=dict(tags, state=state)
+            )
             if op.get("serving_pause_s"):
                 self._pause.observe(float(op["serving_pause_s"]), tags=tags)
             if op.get("kind") == "recover":
@@ -188,23 +235,39 @@ class AutoscalerMetrics:
         self.deployment = deployment
         tags = ("deployment",)
         sig = ("deployment", "signal")
-        self._value = Gauge("eep_autoscaler_signal_value", description="A signal's aggregate over the window "
-                            "(queue: requests per rank; kv: 0..1; ttft/tpot: p95 ms).", tag_keys=sig)
-        self._target = Gauge("eep_autoscaler_signal_target", description="The policy's target for the signal.",
-                             tag_keys=sig)
-        self._ratio = Gauge("eep_autoscaler_signal_ratio", description="Signal / target (1.0 = on target).",
-                            tag_keys=sig)
-        self._per_signal = Gauge("eep_autoscaler_signal_recommended_dp", description="The DP size the signal "
-                                 "alone recommends.", tag_keys=sig)
+        self._value = Gauge(
+            "eep_autoscaler_signal_value",
+            description="A signal's aggregate over the window (queue: requests per rank; kv: 0..1; ttft/tpot: p95 ms).",
+            tag_keys=sig,
+        )
+        self._target = Gauge(
+            "eep_autoscaler_signal_target", description="The policy's target for the signal.", tag_keys=sig
+        )
+        self._ratio = Gauge(
+            "eep_autoscaler_signal_ratio", description="Signal / target (1.0 = on target).", tag_keys=sig
+        )
+        self._per_signal = Gauge(
+            "eep_autoscaler_signal_recommended_dp", description="The DP size the signal alone recommends.", tag_keys=sig
+        )
         self._current = Gauge("eep_autoscaler_current_dp", description="DP size the autoscaler saw.", tag_keys=tags)
-        self._recommended = Gauge("eep_autoscaler_recommended_dp", description="DP size recommended after "
-                                  "stabilisation, step and bounds.", tag_keys=tags)
-        self._panic = Gauge("eep_autoscaler_panic", description="1 while an SLO is breached 2x (panic mode).",
-                            tag_keys=tags)
-        self._decisions = Counter("eep_autoscaler_decisions_total", description="Decisions by what was done "
-                                  "(none, advisory, scale, blocked, off).", tag_keys=("deployment", "action"))
-        self._outcomes = Counter("eep_autoscaler_scales_total", description="Scales the autoscaler asked for, by "
-                                 "outcome.", tag_keys=("deployment", "outcome"))
+        self._recommended = Gauge(
+            "eep_autoscaler_recommended_dp",
+            description="DP size recommended after stabilisation, step and bounds.",
+            tag_keys=tags,
+        )
+        self._panic = Gauge(
+            "eep_autoscaler_panic", description="1 while an SLO is breached 2x (panic mode).", tag_keys=tags
+        )
+        self._decisions = Counter(
+            "eep_autoscaler_decisions_total",
+            description="Decisions by what was done (none, advisory, scale, blocked, off).",
+            tag_keys=("deployment", "action"),
+        )
+        self._outcomes = Counter(
+            "eep_autoscaler_scales_total",
+            description="Scales the autoscaler asked for, by outcome.",
+            tag_keys=("deployment", "outcome"),
+        )
 
     def on_decision(self, d: Any) -> None:
         try:

@@ -57,8 +57,9 @@ class Node:
         return f"{self.node_id[:8]}/{self.ip}"
 
 
-def choose_nodes(policy: str, nodes: list[Node], held: Counter[str], count: int, cpus: float,
-                 gpus: float) -> list[Node]:
+def choose_nodes(
+    policy: str, nodes: list[Node], held: Counter[str], count: int, cpus: float, gpus: float
+) -> list[Node]:
     """The node of each of ``count`` new ranks. ``held`` counts this deployment's ranks per node id.
 
     pack: the node already holding most ranks first; spread: the node holding fewest;
@@ -85,17 +86,20 @@ def choose_nodes(policy: str, nodes: list[Node], held: Counter[str], count: int,
     return chosen
 
 
-def _why(policy: str, nodes: list[Node], held: Counter[str], count: int, placed: int, cpus: float,
-         gpus: float) -> str:
+def _why(policy: str, nodes: list[Node], held: Counter[str], count: int, placed: int, cpus: float, gpus: float) -> str:
     need = f"{cpus:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
     if policy == "strict-spread":
         empty = sum(1 for n in nodes if held[n.node_id] == 0) + placed
-        return (f"placement strict-spread puts one rank per node: {count} new rank(s) need {count} node(s) "
-                f"without a rank of this deployment ({need} free each); the cluster has {len(nodes)} alive "
-                f"node(s), {empty} of them without one")
+        return (
+            f"placement strict-spread puts one rank per node: {count} new rank(s) need {count} node(s) "
+            f"without a rank of this deployment ({need} free each); the cluster has {len(nodes)} alive "
+            f"node(s), {empty} of them without one"
+        )
     free = ", ".join(f"{n.label()}: {n.cpus:g} CPU" + (f" {n.gpus:g} GPU" if gpus else "") for n in nodes)
-    return (f"placement {policy}: {count} new rank(s) need {need} each; only {placed} fit on the cluster's "
-            f"{len(nodes)} alive node(s) (free: {free or 'none'})")
+    return (
+        f"placement {policy}: {count} new rank(s) need {need} each; only {placed} fit on the cluster's "
+        f"{len(nodes)} alive node(s) (free: {free or 'none'})"
+    )
 
 
 def after_pending(nodes: list[Node], pending: list[dict[str, float]]) -> list[Node]:
@@ -122,14 +126,17 @@ def pending_bundles() -> list[dict[str, float]]:
     """The bundles of every placement group Ray has not placed yet."""
     from ray.util import placement_group_table
 
-    return [dict(b) for pg in placement_group_table().values() if pg.get("state") == "PENDING"
-            for b in (pg.get("bundles") or {}).values()]
+    return [
+        dict(b)
+        for pg in placement_group_table().values()
+        if pg.get("state") == "PENDING"
+        for b in (pg.get("bundles") or {}).values()
+    ]
 
 
 def cluster_nodes() -> list[Node]:
     """Alive nodes with what is free on them once the pending placement groups are placed."""
     import ray
-
     from engine_ext.ray import ray_private
 
     avail = ray_private.available_resources_per_node()
@@ -154,8 +161,9 @@ def bundle(node: Node, cpus: float, gpus: float) -> dict[str, float]:
     return {k: v for k, v in b.items() if v > 0}
 
 
-async def reserve(node: Node, cpus: float, gpus: float, policy: str, name: str, timeout_s: float = 60.0,
-                  check_s: float = 1.0) -> Any:
+async def reserve(
+    node: Node, cpus: float, gpus: float, policy: str, name: str, timeout_s: float = 60.0, check_s: float = 1.0
+) -> Any:
     """A ready placement group of one bundle pinned to ``node``; removed again if it is not ready
     in time (someone else took its resources) or as soon as Ray marks ``node`` dead (checked every
     ``check_s``): a bundle pinned to a lost node never becomes ready, and a growth tried just
@@ -212,8 +220,9 @@ def on_this_node() -> Any:
     """Pin an actor to the node of the calling process. The control plane (registry, controller)
     lives where `eepctl up` ran, normally the head node: left to Ray, a zero-CPU actor may land on
     a worker node and die with it, and then nothing is left to heal the ranks."""
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    import ray
 
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 

@@ -11,17 +11,26 @@ import time
 from typing import Any
 
 import ray
-
 from engine_ext.ray import ray_private
 from engine_ext.ray.names import ingress_name, owner_of, registry_name
 from engine_ext.records import RankState
 
 
 class RankActor:
-    def __init__(self, cfg_d: dict[str, Any], deployment: str, namespace: str, rank: int,
-                 layout_d: dict[str, Any], joining: bool, device: str, ifname: str = "", standby: int = -1) -> None:
-        from engine_ext.elastic.eplb import ExpertLayout
+    def __init__(
+        self,
+        cfg_d: dict[str, Any],
+        deployment: str,
+        namespace: str,
+        rank: int,
+        layout_d: dict[str, Any],
+        joining: bool,
+        device: str,
+        ifname: str = "",
+        standby: int = -1,
+    ) -> None:
         from engine_ext.config import EngineConfig
+        from engine_ext.elastic.eplb import ExpertLayout
         from engine_ext.rank.engine import RankEngine
 
         self.deployment = deployment
@@ -37,10 +46,18 @@ class RankActor:
             self._metrics: Any = RankMetrics(deployment)
         except Exception:  # noqa: BLE001
             self._metrics = None
-        self.engine = RankEngine(EngineConfig.from_dict(cfg_d), deployment, rank, ExpertLayout.from_dict(layout_d),
-                                 joining=joining, device=device, sink=self._sink,
-                                 node_id=ray.get_runtime_context().get_node_id(),
-                                 node_ip=ray.util.get_node_ip_address(), ifname=ifname)
+        self.engine = RankEngine(
+            EngineConfig.from_dict(cfg_d),
+            deployment,
+            rank,
+            ExpertLayout.from_dict(layout_d),
+            joining=joining,
+            device=device,
+            sink=self._sink,
+            node_id=ray.get_runtime_context().get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            ifname=ifname,
+        )
         if standby >= 0:  # launched ahead for the standby pool (engine_ext/rank/standby.py)
             from engine_ext.rank.standby import enter_standby
 
@@ -62,8 +79,9 @@ class RankActor:
         h = self._ingresses.get(index)
         if h is None:
             try:
-                h = self._ingresses[index] = ray.get_actor(ingress_name(self.deployment, index),
-                                                           namespace=self.namespace)
+                h = self._ingresses[index] = ray.get_actor(
+                    ingress_name(self.deployment, index), namespace=self.namespace
+                )
             except ValueError:
                 return None
         return h

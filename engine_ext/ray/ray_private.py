@@ -33,8 +33,11 @@ CATALOGUE: list[tuple[str, str, tuple[str, ...]]] = [
     ("ray.experimental.internal_kv", "_internal_kv_put", ("key", "value", "overwrite", "namespace")),
     ("ray.experimental.internal_kv", "_internal_kv_del", ("key", "del_by_prefix", "namespace")),
     ("ray._private.authentication.grpc_authentication_client_interceptor", "_get_authentication_metadata_tuple", ()),
-    ("ray._private.authentication.authentication_token_setup", "maybe_enable_token_auth_if_token_available",
-     ("warn_if_disabled",)),
+    (
+        "ray._private.authentication.authentication_token_setup",
+        "maybe_enable_token_auth_if_token_available",
+        ("warn_if_disabled",),
+    ),
 ]
 
 

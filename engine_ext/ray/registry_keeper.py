@@ -11,15 +11,20 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-
 from engine_ext.ray.names import registry_name
 
 
 class RegistryKeeper:
     """One deployment's registry, as its controller reaches it and keeps it alive."""
 
-    def __init__(self, deployment: str, namespace: str, *, expected_ranks: Callable[[], int],
-                 restore: Callable[[], tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]]) -> None:
+    def __init__(
+        self,
+        deployment: str,
+        namespace: str,
+        *,
+        expected_ranks: Callable[[], int],
+        restore: Callable[[], tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]],
+    ) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.expected_ranks = expected_ranks
@@ -66,9 +71,17 @@ class RegistryKeeper:
             except ValueError:
                 pass
             try:
-                reg = ray.remote(Registry).options(name=name, namespace=self.namespace, lifetime="detached",
-                                                   num_cpus=0, scheduling_strategy=on_this_node()).remote(
-                    self.deployment, expected_ranks=self.expected_ranks())
+                reg = (
+                    ray.remote(Registry)
+                    .options(
+                        name=name,
+                        namespace=self.namespace,
+                        lifetime="detached",
+                        num_cpus=0,
+                        scheduling_strategy=on_this_node(),
+                    )
+                    .remote(self.deployment, expected_ranks=self.expected_ranks())
+                )
             except ValueError:  # the old name is not released yet, or someone else recreated it
                 continue
             # What the controller knows now, submitted before anything else can reach the new

@@ -15,20 +15,25 @@ def _remove_here(since: float, min_age_s: float) -> list[dict[str, Any]]:
     return [{"name": o.path.name, "bytes": o.bytes} for o in remove_orphan_segments(since, min_age_s)]
 
 
-def remove_orphan_segments_on_nodes(since: float = 0.0, min_age_s: float | None = None,
-                                    timeout_s: float = 60.0) -> list[str]:
+def remove_orphan_segments_on_nodes(
+    since: float = 0.0, min_age_s: float | None = None, timeout_s: float = 60.0
+) -> list[str]:
     """Remove the orphaned segments of every alive node; one line per segment removed
     ("orphaned shared memory <name> (<MiB>) on <node address>"). A node whose task does not
     answer within ``timeout_s`` is named instead."""
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    import ray
     from engine_ext.shm_orphans import MIN_AGE_S
 
     task = ray.remote(num_cpus=0, max_retries=0)(_remove_here)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-            .remote(since, MIN_AGE_S if min_age_s is None else min_age_s) for n in nodes]
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            since, MIN_AGE_S if min_age_s is None else min_age_s
+        )
+        for n in nodes
+    ]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     done: list[str] = []
     for node, ref in zip(nodes, refs):
@@ -36,6 +41,8 @@ def remove_orphan_segments_on_nodes(since: float = 0.0, min_age_s: float | None 
         if ref not in ready:
             done.append(f"orphaned shared memory on {where}: not checked (no answer in {timeout_s:.0f}s)")
             continue
-        done += [f"removed orphaned shared memory {s['name']} ({s['bytes'] / 2**20:.0f} MiB) on {where}"
-                 for s in ray.get(ref)]
+        done += [
+            f"removed orphaned shared memory {s['name']} ({s['bytes'] / 2**20:.0f} MiB) on {where}"
+            for s in ray.get(ref)
+        ]
     return done

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-
 from engine_ext.config import EngineConfig
 from engine_ext.control.rank_client import RankClient
 from engine_ext.control.standby_pool import StandbyPool
@@ -27,8 +26,15 @@ from engine_ext.ray.rank_actor import RankActor
 class RayRankClient(RankClient):
     """A rank actor, called through its ``call`` method (checked against RANK_METHODS there)."""
 
-    def __init__(self, rank: int, handle: Any, pid: int, release: Callable[[], None] | None = None,
-                 actor_name: str = "", node_id: str = "") -> None:
+    def __init__(
+        self,
+        rank: int,
+        handle: Any,
+        pid: int,
+        release: Callable[[], None] | None = None,
+        actor_name: str = "",
+        node_id: str = "",
+    ) -> None:
         self.rank = rank
         self.handle = handle
         self.actor_name = actor_name  # a restarted controller finds the rank by it
@@ -44,6 +50,7 @@ class RayRankClient(RankClient):
 
     def watch(self, on_death: Any) -> None:
         """Call ``on_death(rank, cause)`` the moment the actor dies (its pending ``until_dead`` raises)."""
+
         async def wait() -> None:
             try:
                 await self.handle.until_dead.remote()
@@ -84,8 +91,15 @@ class RaySpawner:
     """Launches rank actors, each in a placement group of its own on the node the deployment's
     placement policy picks (engine_ext/ray/placement.py)."""
 
-    def __init__(self, deployment: str, namespace: str, cfg: EngineConfig, cpus: float, gpus: float,
-                 spec: placement.PlacementSpec | None = None) -> None:
+    def __init__(
+        self,
+        deployment: str,
+        namespace: str,
+        cfg: EngineConfig,
+        cpus: float,
+        gpus: float,
+        spec: placement.PlacementSpec | None = None,
+    ) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.cfg = cfg
@@ -115,7 +129,7 @@ class RaySpawner:
             ranks = list(range(first, first + new_ranks))
         ready = sorted(self.pool.ready) if self.pool is not None else []
         self._pooled = {r: (n, self.rank_nodes.get(STANDBY_RANK_BASE + n)) for r, n in zip(ranks, ready)}
-        fresh = ranks[len(self._pooled):]
+        fresh = ranks[len(self._pooled) :]
         if not fresh:
             return None
         try:
@@ -130,8 +144,14 @@ class RaySpawner:
         standby's own node for a joiner taken from the pool."""
         rows = [{"rank": r, "node_id": n.node_id, "node_ip": n.ip} for r, n in self._planned.items()]
         for r, (n, node) in self._pooled.items():
-            rows.append({"rank": r, "node_id": node.node_id if node else None, "node_ip": node.ip if node else None,
-                         "from_standby": n})
+            rows.append(
+                {
+                    "rank": r,
+                    "node_id": node.node_id if node else None,
+                    "node_ip": node.ip if node else None,
+                    "from_standby": n,
+                }
+            )
         return sorted(rows, key=lambda row: row["rank"])
 
     def adopt_standby(self, client: RayRankClient, rank: int) -> RayRankClient:
@@ -184,12 +204,27 @@ class RaySpawner:
             raise
         self._pgs[rank] = pg
         actor = ray.remote(RankActor).options(
-            name=identity, namespace=self.namespace, lifetime="detached", num_cpus=self.cpus,
-            num_gpus=self.gpus, max_concurrency=64, max_restarts=0, scheduling_strategy=placement.scheduling(pg),
+            name=identity,
+            namespace=self.namespace,
+            lifetime="detached",
+            num_cpus=self.cpus,
+            num_gpus=self.gpus,
+            max_concurrency=64,
+            max_restarts=0,
+            scheduling_strategy=placement.scheduling(pg),
         )
         try:
-            handle = actor.remote(self.cfg.to_dict(), self.deployment, self.namespace, rank, layout.to_dict(),
-                                  joining, device, self.spec.ifname, standby)
+            handle = actor.remote(
+                self.cfg.to_dict(),
+                self.deployment,
+                self.namespace,
+                rank,
+                layout.to_dict(),
+                joining,
+                device,
+                self.spec.ifname,
+                standby,
+            )
         except ValueError as e:  # the name is taken: refuse a duplicate identity (I1)
             self.forget(rank)
             raise EepError(f"identity {identity} is already taken by a live actor: {e}") from None
@@ -199,8 +234,9 @@ class RaySpawner:
             ray.kill(handle, no_restart=True)
             self.forget(rank)
             raise
-        client = RayRankClient(rank, handle, pid, release=lambda: self.forget(rank), actor_name=identity,
-                               node_id=node.node_id)
+        client = RayRankClient(
+            rank, handle, pid, release=lambda: self.forget(rank), actor_name=identity, node_id=node.node_id
+        )
         client.watch(lambda r, cause: self.on_death(r, cause))
         return client
 
@@ -221,7 +257,8 @@ class RaySpawner:
             self._pgs[rank] = get_placement_group(f"{actor_name}-pg")
         except Exception:  # noqa: BLE001 - an adopted standby's group has its standby name
             pass
-        client = RayRankClient(rank, handle, pid, release=lambda: self.forget(rank), actor_name=actor_name,
-                               node_id=node.node_id)
+        client = RayRankClient(
+            rank, handle, pid, release=lambda: self.forget(rank), actor_name=actor_name, node_id=node.node_id
+        )
         client.watch(lambda r, cause: self.on_death(r, cause))
         return client

@@ -32,6 +32,7 @@ async def _kill(client: RankClient) -> None:
 def make_pool(spawner: RaySpawner, world: World, forget: Callable[[int], None], size: int) -> StandbyPool:
     """A deployment's pool: launches through its spawner for the world's layout, refills when no
     operation runs; ``forget`` drops a standby's record from the registry."""
+
     async def launch(n: int) -> RankClient:
         assert world.layout is not None
         return await spawner.launch_standby(n, world.layout)

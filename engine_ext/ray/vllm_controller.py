@@ -21,9 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-
 from engine_ext.control.vllm_api import VllmApi, engine_health, error_for, fault_tolerance_health, message_of
-from engine_ext.control.vllm_reconcile import FLAG_STUCK_S, published_flag
 from engine_ext.control.vllm_deployment import (
     abandoned,
     api_for,
@@ -36,6 +34,7 @@ from engine_ext.control.vllm_deployment import (
     wedged_message,
     workspace,
 )
+from engine_ext.control.vllm_reconcile import FLAG_STUCK_S, published_flag
 from engine_ext.protocol import (
     EepError,
     OpState,
@@ -60,9 +59,15 @@ class VllmController:
     """One per vLLM deployment; holds the operations it runs, the registry holds the history.
     Its loop (``VllmLoop``) reaches it through ``call``, ``record``, ``running_op`` and ``owns_op``."""
 
-    def __init__(self, deployment: str, namespace: str, flag_bound_s: float = FLAG_STUCK_S,
-                 tick_s: float = TICK_S, flag_settle_s: float = FLAG_SETTLE_S,
-                 orphan_settle_s: float | None = None) -> None:
+    def __init__(
+        self,
+        deployment: str,
+        namespace: str,
+        flag_bound_s: float = FLAG_STUCK_S,
+        tick_s: float = TICK_S,
+        flag_settle_s: float = FLAG_SETTLE_S,
+        orphan_settle_s: float | None = None,
+    ) -> None:
         self.deployment = deployment
         self.namespace = namespace
         self.started_at = time.time()
@@ -153,20 +158,40 @@ class VllmController:
                 snap = self.call("snapshot")
                 api = api_for(snap, None)  # its URL for the record; never called with a key here
                 self._admit(snap, api, target, scaling=scaling)
-                op = new_operation(snap, api.base_url, target, AUTOSCALE_TIMEOUT_S, None,
-                                   vllm_controller_name(self.deployment))
-                op["plan"].update(by="autoscaler", decision=decision.id, retiring=list(range(target, op["from_size"])),
-                                  carried_out_by="the engine_ext plugin in vLLM's API server (no API key)")
+                op = new_operation(
+                    snap, api.base_url, target, AUTOSCALE_TIMEOUT_S, None, vllm_controller_name(self.deployment)
+                )
+                op["plan"].update(
+                    by="autoscaler",
+                    decision=decision.id,
+                    retiring=list(range(target, op["from_size"])),
+                    carried_out_by="the engine_ext plugin in vLLM's API server (no API key)",
+                )
                 seq, self._running = last_seq(self.call), op["op_id"]
         except EepError as e:
             return e.message
         self.record(op)
-        order = {"op_id": op["op_id"], "to_size": target, "drain_timeout_s": AUTOSCALE_DRAIN_S,
-                 "deadline": op["deadline"]}
-        threading.Thread(target=self._run, args=(op, api, AUTOSCALE_DRAIN_S, AUTOSCALE_TIMEOUT_S, seq,
-                                                  snap.get("info") or {}, lambda: self.orders.carried_out(order),
-                                                  self._published_flag),
-                         name=f"eep-vllm-autoscale-{op['op_id']}", daemon=True).start()
+        order = {
+            "op_id": op["op_id"],
+            "to_size": target,
+            "drain_timeout_s": AUTOSCALE_DRAIN_S,
+            "deadline": op["deadline"],
+        }
+        threading.Thread(
+            target=self._run,
+            args=(
+                op,
+                api,
+                AUTOSCALE_DRAIN_S,
+                AUTOSCALE_TIMEOUT_S,
+                seq,
+                snap.get("info") or {},
+                lambda: self.orders.carried_out(order),
+                self._published_flag,
+            ),
+            name=f"eep-vllm-autoscale-{op['op_id']}",
+            daemon=True,
+        ).start()
         return None
 
     def _published_flag(self) -> bool | None:
@@ -177,8 +202,14 @@ class VllmController:
             return None
 
     # ---- what clients call -------------------------------------------------------------------
-    def scale(self, target: int, drain_timeout_s: float, timeout_s: float, request_id: str | None = None,
-              api_key: str | None = None) -> dict[str, Any]:
+    def scale(
+        self,
+        target: int,
+        drain_timeout_s: float,
+        timeout_s: float,
+        request_id: str | None = None,
+        api_key: str | None = None,
+    ) -> dict[str, Any]:
         """Admit a scale to ``target`` and start it; the accepted operation (or, for a retry of
         ``request_id``, that request's operation), or an error record."""
         self.loop.remember_key(api_key)
@@ -190,8 +221,9 @@ class VllmController:
                 snap = self.call("snapshot")
                 api = api_for(snap, api_key, timeout_s=10.0)
                 self._admit(snap, api, target)
-                op = new_operation(snap, api.base_url, target, timeout_s, request_id,
-                                   vllm_controller_name(self.deployment))
+                op = new_operation(
+                    snap, api.base_url, target, timeout_s, request_id, vllm_controller_name(self.deployment)
+                )
                 if op["to_size"] == op["from_size"]:  # vLLM answers at once and does nothing
                     return self._noop(op, api, max(1, round(drain_timeout_s)), timeout_s, snap)
                 seq = last_seq(self.call)
@@ -199,9 +231,12 @@ class VllmController:
                 if request_id:
                     self._by_request[request_id] = op["op_id"]
             self.record(op)
-            threading.Thread(target=self._run, args=(op, api, max(1, round(drain_timeout_s)), timeout_s, seq,
-                                                      snap.get("info") or {}),
-                             name=f"eep-vllm-scale-{op['op_id']}", daemon=True).start()
+            threading.Thread(
+                target=self._run,
+                args=(op, api, max(1, round(drain_timeout_s)), timeout_s, seq, snap.get("info") or {}),
+                name=f"eep-vllm-scale-{op['op_id']}",
+                daemon=True,
+            ).start()
             return dict(op)
         except EepError as e:
             return error_record(e)
@@ -218,8 +253,7 @@ class VllmController:
                     break
                 self._changed.wait(left)
             if op_id not in self._ops:
-                return error_record(UnreachableError(f"no operation {op_id} in the controller of "
-                                                     f"{self.deployment!r}"))
+                return error_record(UnreachableError(f"no operation {op_id} in the controller of {self.deployment!r}"))
             return dict(self._ops[op_id])
 
     def _predecessors_op(self, op_id: str, deadline: float) -> dict[str, Any]:
@@ -228,8 +262,7 @@ class VllmController:
         while True:
             op = self._known_op(op_id)
             if op is None:
-                return error_record(UnreachableError(f"no operation {op_id} in the controller of "
-                                                     f"{self.deployment!r}"))
+                return error_record(UnreachableError(f"no operation {op_id} in the controller of {self.deployment!r}"))
             if op["state"] != OpState.RUNNING.value or time.time() >= deadline:
                 return op
             time.sleep(min(0.5, max(0.0, deadline - time.time())))
@@ -254,9 +287,16 @@ class VllmController:
 
     def info(self) -> dict[str, Any]:
         with self._changed:
-            return {"deployment": self.deployment, "started_at": self.started_at, "running": self._running,
-                    "operations": len(self._ops), "ticks": self.loop.ticks, "findings": dict(self.loop.findings),
-                    "flag_bound_s": self.loop.flag_watch.bound_s, "last_error": self.loop.last_error}
+            return {
+                "deployment": self.deployment,
+                "started_at": self.started_at,
+                "running": self._running,
+                "operations": len(self._ops),
+                "ticks": self.loop.ticks,
+                "findings": dict(self.loop.findings),
+                "flag_bound_s": self.loop.flag_watch.bound_s,
+                "last_error": self.loop.last_error,
+            }
 
     # ---- admission ---------------------------------------------------------------------------
     def _same_request(self, request_id: str | None, target: int) -> dict[str, Any] | None:
@@ -267,8 +307,10 @@ class VllmController:
         if op is None:  # its record is gone everywhere (past DURABLE_OPS): a new operation
             return None
         if op["to_size"] != target:
-            raise PreconditionError(f"request id {request_id!r} already asked for DP {op['to_size']} "
-                                    f"({op['op_id']}, {op['state']}); use a new id for another target")
+            raise PreconditionError(
+                f"request id {request_id!r} already asked for DP {op['to_size']} "
+                f"({op['op_id']}, {op['state']}); use a new id for another target"
+            )
         return dict(op)
 
     def _admit(self, snap: dict[str, Any], api: VllmApi, target: int, scaling: bool | None = None) -> None:
@@ -280,13 +322,22 @@ class VllmController:
         if mine is not None and mine["state"] != OpState.RUNNING.value:
             running = None  # ended here; the registry has not taken the final record yet
         if running and mine is None and abandoned(running):
-            self.record(dict(running, state=OpState.FAILED.value, finished=time.time(), error_code=5,
-                              error="abandoned: the client that started it stopped before vLLM answered"))
+            self.record(
+                dict(
+                    running,
+                    state=OpState.FAILED.value,
+                    finished=time.time(),
+                    error_code=5,
+                    error="abandoned: the client that started it stopped before vLLM answered",
+                )
+            )
             running = None
         if running or self._running:
             op = self._ops.get(self._running or "") or running
-            raise PreconditionError(f"{op['op_id']} is running on {self.deployment!r} (DP {op['from_size']} -> "
-                                    f"{op['to_size']}); one scale at a time")
+            raise PreconditionError(
+                f"{op['op_id']} is running on {self.deployment!r} (DP {op['from_size']} -> "
+                f"{op['to_size']}); one scale at a time"
+            )
         if api.is_scaling() if scaling is None else scaling:
             wedge = (snap.get("info") or {}).get("wedged")
             if wedge:
@@ -299,8 +350,9 @@ class VllmController:
         if problem:
             raise PreconditionError(problem)
 
-    def _noop(self, op: dict[str, Any], api: VllmApi, drain: int, timeout_s: float,
-              snap: dict[str, Any]) -> dict[str, Any]:
+    def _noop(
+        self, op: dict[str, Any], api: VllmApi, drain: int, timeout_s: float, snap: dict[str, Any]
+    ) -> dict[str, Any]:
         """A scale to the current size: vLLM answers 200 and does nothing; nothing is recorded."""
         code, body = api.scale(op["to_size"], drain, timeout_s)
         if code != 200:
@@ -308,9 +360,17 @@ class VllmController:
         return dict(op, op_id="-", state=OpState.SUCCEEDED.value, finished=time.time(), message=message_of(body))
 
     # ---- the run -----------------------------------------------------------------------------
-    def _run(self, op: dict[str, Any], api: VllmApi, drain: int, timeout_s: float, seq: int,
-             info: dict[str, Any], ask: Callable[[], tuple[int, Any]] | None = None,
-             flag: Callable[[], bool | None] | None = None) -> None:
+    def _run(
+        self,
+        op: dict[str, Any],
+        api: VllmApi,
+        drain: int,
+        timeout_s: float,
+        seq: int,
+        info: dict[str, Any],
+        ask: Callable[[], tuple[int, Any]] | None = None,
+        flag: Callable[[], bool | None] | None = None,
+    ) -> None:
         """Ask vLLM for the scale on a thread (``ask``: the POST, or the autoscaler's order to the
         plugin; answered when the transition has ended), follow vLLM's flag (``flag``: the
         endpoint, or the published one) and the ranks' events until then or the deadline, then
@@ -336,8 +396,10 @@ class VllmController:
                 op["phase"] = "commit"
         error: EepError | None
         if poster.is_alive():
-            error = TransitionTimeout(f"{op['op_id']}: vLLM did not finish the scale to DP {op['to_size']} within "
-                                      f"{timeout_s:.0f}s (the controller's deadline)")
+            error = TransitionTimeout(
+                f"{op['op_id']}: vLLM did not finish the scale to DP {op['to_size']} within "
+                f"{timeout_s:.0f}s (the controller's deadline)"
+            )
         elif "error" in answer:
             error = answer["error"]
         else:
@@ -348,8 +410,7 @@ class VllmController:
         follow_events(self.call, seq, events)
         self._finish(op, api, events, error)
 
-    def _finish(self, op: dict[str, Any], api: VllmApi, events: list[dict[str, Any]],
-                error: EepError | None) -> None:
+    def _finish(self, op: dict[str, Any], api: VllmApi, events: list[dict[str, Any]], error: EepError | None) -> None:
         phases, captures, warmups = phase_summary(events)
         try:
             snap = self.call("snapshot")
@@ -359,10 +420,18 @@ class VllmController:
                 op["plan"] = dict(op["plan"], engines_after=engine_health(fault_tolerance_health(api)))
         except EepError:
             pass
-        op.update(phase_durations=phases, captures_per_rank=captures, warmups_per_rank=warmups,
-                  rank_ops=sorted({ev["op_id"] for ev in events}), finished=time.time(),
-                  state=OpState.SUCCEEDED.value if error is None else
-                  OpState.TIMED_OUT.value if isinstance(error, TransitionTimeout) else OpState.FAILED.value)
+        op.update(
+            phase_durations=phases,
+            captures_per_rank=captures,
+            warmups_per_rank=warmups,
+            rank_ops=sorted({ev["op_id"] for ev in events}),
+            finished=time.time(),
+            state=OpState.SUCCEEDED.value
+            if error is None
+            else OpState.TIMED_OUT.value
+            if isinstance(error, TransitionTimeout)
+            else OpState.FAILED.value,
+        )
         if error is not None:
             op.update(error=error.message, error_code=int(error.exit_code))
         self.record(op)
@@ -382,10 +451,21 @@ def controller_for(deployment: str, namespace: str | None = None) -> Any:
     bound = float(os.environ.get(FLAG_BOUND_ENV) or FLAG_STUCK_S)
     settle = float(os.environ.get(FLAG_SETTLE_ENV) or FLAG_SETTLE_S)
     orphan = float(os.environ[ORPHAN_SETTLE_ENV]) if os.environ.get(ORPHAN_SETTLE_ENV) else None
-    return ray.remote(VllmController).options(
-        name=vllm_controller_name(deployment), namespace=namespace, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_concurrency=32, scheduling_strategy=on_this_node(), max_restarts=-1, max_task_retries=0,
-    ).remote(deployment, namespace, bound, TICK_S, settle, orphan)
+    return (
+        ray.remote(VllmController)
+        .options(
+            name=vllm_controller_name(deployment),
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=32,
+            scheduling_strategy=on_this_node(),
+            max_restarts=-1,
+            max_task_retries=0,
+        )
+        .remote(deployment, namespace, bound, TICK_S, settle, orphan)
+    )
 
 
 def existing_controller(deployment: str) -> Any:

@@ -38,9 +38,11 @@ from engine_ext.ray.durable import DurableState
 
 TICK_S = 2.0  # the loop's period: the plugin refreshes the API server's info every 2 s, rank records every 1 s
 FT_EVERY_S = 10.0  # vLLM's fault-tolerance status is read at most this often (an HTTP call to the server)
-MODE_ON_NEEDS = ("--mode on needs the engine_ext plugin in vLLM's API server to carry out the scales (it holds "
-                 "the engine client: no API key is used); this server's plugin reports scale_orders: {why}; "
-                 "use --mode advisory and act with `eepctl scale`")
+MODE_ON_NEEDS = (
+    "--mode on needs the engine_ext plugin in vLLM's API server to carry out the scales (it holds "
+    "the engine client: no API key is used); this server's plugin reports scale_orders: {why}; "
+    "use --mode advisory and act with `eepctl scale`"
+)
 
 
 class LoopHost(Protocol):
@@ -73,8 +75,9 @@ class LoopHost(Protocol):
 class VllmLoop:
     """The loop's state and its autoscaler (``set_autoscale`` checks a policy against vLLM's bounds)."""
 
-    def __init__(self, host: LoopHost, namespace: str, flag_bound_s: float = FLAG_STUCK_S,
-                 tick_s: float = TICK_S) -> None:
+    def __init__(
+        self, host: LoopHost, namespace: str, flag_bound_s: float = FLAG_STUCK_S, tick_s: float = TICK_S
+    ) -> None:
         self.host = host
         self.deployment = host.deployment
         self.tick_s = tick_s
@@ -93,8 +96,9 @@ class VllmLoop:
             saved = {}
         self.saved: dict[str, Any] = dict(saved)  # what a restarted controller restores (operations, request ids)
         self._saving = threading.Lock()  # the loop's thread and the controller's scale threads save parts
-        self.autoscale_host = AutoscaleHost(self.deployment, max_dp=1 << 16, persist=self._persist,
-                                            saved=saved.get("autoscale"))
+        self.autoscale_host = AutoscaleHost(
+            self.deployment, max_dp=1 << 16, persist=self._persist, saved=saved.get("autoscale")
+        )
         self._stop = threading.Event()
         self._ticking = threading.Lock()  # the loop's tick and a tick asked by set_autoscale
         self._thread: threading.Thread | None = None  # not started: its owner ticks it (a test)
@@ -138,12 +142,16 @@ class VllmLoop:
             autoscale.max_dp = int(info.get("max_dp") or info.get("dp") or autoscale.max_dp)
             hi = changes.get("max_dp", autoscale.policy.max_dp if autoscale.policy else 8)
             if isinstance(hi, int) and hi > autoscale.max_dp:
-                raise PreconditionError(f"--max-dp {hi} is over {self.deployment!r}'s max DP {autoscale.max_dp} "
-                                        "(vLLM's --elastic-ep-max-dp-size)")
+                raise PreconditionError(
+                    f"--max-dp {hi} is over {self.deployment!r}'s max DP {autoscale.max_dp} "
+                    "(vLLM's --elastic-ep-max-dp-size)"
+                )
             lo = changes.get("min_dp", autoscale.policy.min_dp if autoscale.policy else 1)
             if info.get("min_dp") and isinstance(lo, int) and lo < int(info["min_dp"]):
-                raise PreconditionError(f"--min-dp {lo} is under DP {info['min_dp']}, the fewest ranks of "
-                                        f"{self.deployment!r} that hold its {info.get('num_experts')} experts")
+                raise PreconditionError(
+                    f"--min-dp {lo} is under DP {info['min_dp']}, the fewest ranks of "
+                    f"{self.deployment!r} that hold its {info.get('num_experts')} experts"
+                )
         except EepError as e:
             return error_record(e)
         res = autoscale.set_autoscale(changes)
@@ -227,8 +235,9 @@ class VllmLoop:
             self._ends = (now, {**self._ends[1], **actor_ends(pids)})
         return self._ends[1]
 
-    def _autoscale(self, snap: dict[str, Any], now: float, flag: bool | None,
-                   running: str | None) -> dict[str, Any] | None:
+    def _autoscale(
+        self, snap: dict[str, Any], now: float, flag: bool | None, running: str | None
+    ) -> dict[str, Any] | None:
         """One decision of the shared core on vLLM's figures; one that acts goes to the controller.
         A scale-down's record says which ranks vLLM retires: always its highest, not the emptiest."""
         autoscale = self.autoscale_host
@@ -242,8 +251,11 @@ class VllmLoop:
                 leaving = ", ".join(map(str, range(decision.recommendation, decision.current_dp)))
                 decision.rule += f"; vLLM retires its highest rank(s): {leaving} (not the emptiest)"
             if decision is not None and decision.act:
-                why = ("vLLM's scaling flag is unknown (the API server's info is stale)" if flag is None
-                       else self.host.act_on(decision, flag))
+                why = (
+                    "vLLM's scaling flag is unknown (the API server's info is stale)"
+                    if flag is None
+                    else self.host.act_on(decision, flag)
+                )
                 if why:  # another scale got there first, or vLLM cannot be asked now: next tick decides again
                     autoscale.record_skip(decision.id, why)
         return autoscale.shown(now)
@@ -253,8 +265,12 @@ class VllmLoop:
         ok = op["state"] == "succeeded"
         with self._ticking:
             self.autoscale_host.record_outcome(
-                op["plan"]["decision"], ok, f"{op['op_id']} DP {op['from_size']} -> {op['to_size']}" if ok
-                else f"{op['op_id']} {op['state']}: {op.get('error', '')}"[:300])
+                op["plan"]["decision"],
+                ok,
+                f"{op['op_id']} DP {op['from_size']} -> {op['to_size']}"
+                if ok
+                else f"{op['op_id']} {op['state']}: {op.get('error', '')}"[:300],
+            )
 
     def _publish(self, info: dict[str, Any], findings: dict[str, Any], shown: dict[str, Any] | None) -> None:
         """What status shows, into the registry's info, only when it differs from what is there
@@ -283,8 +299,12 @@ def actor_ends(pids: set[int]) -> dict[int, dict[str, Any]]:
         ctx = a["DeathCause"].actor_died_error_context
         pid = int(a.get("Pid") or ctx.pid or 0)
         if pid in pids:
-            out[pid] = {"reason": reasons.Name(ctx.reason), "message": ctx.error_message,
-                        "end": float(a.get("EndTime") or 0) / 1000.0 or None, "class": a.get("ActorClassName")}
+            out[pid] = {
+                "reason": reasons.Name(ctx.reason),
+                "message": ctx.error_message,
+                "end": float(a.get("EndTime") or 0) / 1000.0 or None,
+                "class": a.get("ActorClassName"),
+            }
     return out
 
 

@@ -63,8 +63,10 @@ class ScaleOrders:
             took = self._changed.wait_for(lambda: op_id in self._taken, timeout=self.take_within_s)
             if not took:
                 self._pending = None
-                raise TransitionFailed(f"{op_id}: no vLLM API server took the autoscaler's scale within "
-                                       f"{self.take_within_s:.0f}s (is the engine_ext plugin loaded in it?)")
+                raise TransitionFailed(
+                    f"{op_id}: no vLLM API server took the autoscaler's scale within "
+                    f"{self.take_within_s:.0f}s (is the engine_ext plugin loaded in it?)"
+                )
             left = float(order["deadline"]) - time.time()
             answered = self._changed.wait_for(lambda: op_id in self._answers, timeout=max(0.0, left))
             self._taken.discard(op_id)  # a late answer is refused, not kept

@@ -9,8 +9,13 @@ import torch
 import torch.distributed as dist
 
 
-def gloo_all_to_all_v(pg: dist.ProcessGroup, send: torch.Tensor, send_counts: list[int],
-                      recv_alloc: Callable[[int], torch.Tensor], recv_counts: list[int] | None) -> list[int]:
+def gloo_all_to_all_v(
+    pg: dist.ProcessGroup,
+    send: torch.Tensor,
+    send_counts: list[int],
+    recv_alloc: Callable[[int], torch.Tensor],
+    recv_counts: list[int] | None,
+) -> list[int]:
     """Counts first (one int64 per peer, unless the caller knows them), then the rows."""
     if recv_counts is None:
         mine = torch.tensor(send_counts, dtype=torch.int64)

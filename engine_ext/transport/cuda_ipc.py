@@ -85,8 +85,16 @@ def fetch_pieces(descriptor: tuple[Any, ...]) -> dict[int, torch.Tensor]:
 class CudaIpcCollectives(ShmCollectives):
     """``ShmCollectives`` whose device tensors go through IPC-mapped device buffers."""
 
-    def __init__(self, store: Any, rank: int, size: int, capacity: int, timeout_s: float,
-                 device: torch.device, on_setup: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        capacity: int,
+        timeout_s: float,
+        device: torch.device,
+        on_setup: Callable[[], None] | None = None,
+    ) -> None:
         self.device = device
         super().__init__(store, rank, size, capacity, timeout_s, on_setup)
 
@@ -97,8 +105,10 @@ class CudaIpcCollectives(ShmCollectives):
         mine = torch.empty((2, self.capacity), dtype=torch.uint8, device=self.device)
         store.set(f"ipc/buf/{self.rank}", pickle.dumps(_share(mine)))
         torch.cuda.synchronize(self.device)  # the allocation is complete before a peer maps it
-        return [mine if j == self.rank else _open(pickle.loads(store.get(f"ipc/buf/{j}"))).view(2, self.capacity)
-                for j in range(self.size)]
+        return [
+            mine if j == self.rank else _open(pickle.loads(store.get(f"ipc/buf/{j}"))).view(2, self.capacity)
+            for j in range(self.size)
+        ]
 
     def _sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()

@@ -87,8 +87,19 @@ class StagedSender:
         for t, tag in items:
             r = _region_of(t)
             if r is not None:
-                in_place.append((tag, os.getpid(), r[2], os.fstat(r[2]).st_ino, r[1], t.dtype, tuple(t.shape),
-                                 tuple(t.stride()), (t.data_ptr() - r[0]) // t.element_size()))
+                in_place.append(
+                    (
+                        tag,
+                        os.getpid(),
+                        r[2],
+                        os.fstat(r[2]).st_ino,
+                        r[1],
+                        t.dtype,
+                        tuple(t.shape),
+                        tuple(t.stride()),
+                        (t.data_ptr() - r[0]) // t.element_size(),
+                    )
+                )
         if len(in_place) == len(items):
             self.path = ""
             self.descriptor = ("shm", "", 0, [], in_place)
@@ -104,8 +115,13 @@ class StagedSender:
                 part = torch.frombuffer(mm, dtype=torch.uint8, offset=off, count=n)
                 part.copy_(t.contiguous().view(-1).view(torch.uint8))
         del mm  # the receiver maps the file by name
-        self.descriptor = ("shm", self.path, max(end, 1),
-                           [(tag, off, t.dtype, tuple(t.shape)) for (t, tag), off in zip(items, offsets)], [])
+        self.descriptor = (
+            "shm",
+            self.path,
+            max(end, 1),
+            [(tag, off, t.dtype, tuple(t.shape)) for (t, tag), off in zip(items, offsets)],
+            [],
+        )
 
     def unlink(self) -> None:
         if self.path:  # normally the receiver removed it once mapped
@@ -143,17 +159,27 @@ def fetch_staged(descriptor: tuple[Any, ...]) -> dict[int, torch.Tensor]:
         os.close(fd)
         remove_file(path)
     buf = torch.frombuffer(mm, dtype=torch.uint8)
-    out.update({tag: buf[off:off + torch.empty((), dtype=dtype).element_size() * math.prod(shape)].view(dtype)
-                .view(shape) for tag, off, dtype, shape in pieces})
+    out.update(
+        {
+            tag: buf[off : off + torch.empty((), dtype=dtype).element_size() * math.prod(shape)].view(dtype).view(shape)
+            for tag, off, dtype, shape in pieces
+        }
+    )
     return out
 
 
 class PeerMoves:
     """``exchange`` of one group's point-to-point moves through memory its ranks share."""
 
-    def __init__(self, flags: ShmCollectives, store: Any, rank: int, device: torch.device,
-                 share: Callable[[list[tuple[torch.Tensor, int]]], tuple[Any, ...]] | None = None,
-                 fetch: Callable[[tuple[Any, ...]], dict[int, torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        flags: ShmCollectives,
+        store: Any,
+        rank: int,
+        device: torch.device,
+        share: Callable[[list[tuple[torch.Tensor, int]]], tuple[Any, ...]] | None = None,
+        fetch: Callable[[tuple[Any, ...]], dict[int, torch.Tensor]] | None = None,
+    ) -> None:
         self.flags, self.store, self.rank, self.device = flags, store, rank, device
         self.share, self.fetch = share, fetch  # device moves (CUDA IPC); None: staged in shared memory
         self._seq: dict[tuple[int, int], int] = {}

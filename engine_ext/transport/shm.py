@@ -89,8 +89,15 @@ class ShmCollectives:
     ``on_setup`` runs once this rank has mapped the segment, before it counts as attached (the
     fault seam's hold in group set-up)."""
 
-    def __init__(self, store: Any, rank: int, size: int, capacity: int, timeout_s: float,
-                 on_setup: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        capacity: int,
+        timeout_s: float,
+        on_setup: Callable[[], None] | None = None,
+    ) -> None:
         self.rank, self.size = rank, size
         self.capacity = _align(max(64, capacity))
         self.timeout_s = timeout_s
@@ -105,8 +112,9 @@ class ShmCollectives:
         try:
             self._mm = self._map_segment(store, total)
             self._ctrl = np.frombuffer(self._mm, dtype=np.int64, count=size * LINE).reshape(size, LINE)
-            host = torch.frombuffer(self._mm, dtype=torch.uint8, offset=ctrl_bytes,
-                                    count=size * 2 * self.host_capacity).view(size, 2, self.host_capacity)
+            host = torch.frombuffer(
+                self._mm, dtype=torch.uint8, offset=ctrl_bytes, count=size * 2 * self.host_capacity
+            ).view(size, 2, self.host_capacity)
             self._host: list[torch.Tensor] = [host[j] for j in range(size)]  # each rank's two buffers
             self._device: list[torch.Tensor] | None = self._map_device(store)
             self._ctrl[rank, PID] = os.getpid()
@@ -163,8 +171,12 @@ class ShmCollectives:
         for _ in range(SPIN):
             if column.min() >= target:
                 return
-        self._until(lambda: column.min() >= target, lambda: [int(j) for j in np.nonzero(column < target)[0]],
-                    what, _flag_pause())
+        self._until(
+            lambda: column.min() >= target,
+            lambda: [int(j) for j in np.nonzero(column < target)[0]],
+            what,
+            _flag_pause(),
+        )
 
     def wait_peer(self, ready: Callable[[], bool], peers: list[int], what: str) -> None:
         """Wait until ``ready()`` (a condition outside the segment: a store key) as a collective
@@ -176,8 +188,9 @@ class ShmCollectives:
         add up to a millisecond to each handshake of a 2-3 ms expert move)."""
         self._until(ready, lambda: list(peers), what, lambda elapsed: time.sleep(min(MAX_SLEEP_S, elapsed / 20)))
 
-    def _until(self, ready: Callable[[], bool], missing: Callable[[], list[int]], what: str,
-               pause: Callable[[float], None]) -> None:
+    def _until(
+        self, ready: Callable[[], bool], missing: Callable[[], list[int]], what: str, pause: Callable[[float], None]
+    ) -> None:
         """The one wait: until ``ready()``, failing on an abort, on a rank of ``missing()`` (those
         not there yet) that left the group or whose process is gone (looked for every ``PROBE_S``),
         and after ``timeout_s``; ``pause(elapsed)`` between looks."""
@@ -221,8 +234,11 @@ class ShmCollectives:
     def _begin(self, nbytes: int, what: str, bufs: list[torch.Tensor], cap: int) -> tuple[int, torch.Tensor]:
         self.check_usable(what)
         if nbytes > cap:  # every member sizes alike, so all refuse the same collective
-            raise ShmError("overflow", f"shm {what} of {nbytes} bytes does not fit the group's buffer of "
-                           f"{cap} bytes (sized for a smaller exchange)")
+            raise ShmError(
+                "overflow",
+                f"shm {what} of {nbytes} bytes does not fit the group's buffer of "
+                f"{cap} bytes (sized for a smaller exchange)",
+            )
         self._gen += 1
         g = self._gen
         if g > 2:  # the buffer about to be written (of either set) was last read at g - 2
@@ -238,7 +254,7 @@ class ShmCollectives:
     @staticmethod
     def _part(bufs: list[torch.Tensor], j: int, g: int, offset: int, like: torch.Tensor) -> torch.Tensor:
         n = like.numel() * like.element_size()
-        return bufs[j][g % 2, offset:offset + n].view(like.dtype).view(like.shape)
+        return bufs[j][g % 2, offset : offset + n].view(like.dtype).view(like.shape)
 
     def _end(self, g: int, on_device: bool) -> None:
         if on_device:
@@ -248,7 +264,7 @@ class ShmCollectives:
     @staticmethod
     def _put(buf: torch.Tensor, offset: int, t: torch.Tensor) -> int:
         n = t.numel() * t.element_size()
-        buf[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+        buf[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
         return offset + n
 
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
@@ -304,8 +320,9 @@ class ShmCollectives:
             out.add_(self._part(bufs, j, g, offsets[self.rank], mine))
         self._end(g, dev)
 
-    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int],
-                     recv_alloc: Callable[[int], torch.Tensor]) -> list[int]:
+    def all_to_all_v(
+        self, send: torch.Tensor, send_counts: list[int], recv_alloc: Callable[[int], torch.Tensor]
+    ) -> list[int]:
         """Rows of ``send`` (ordered by destination, ``send_counts[j]`` rows for rank ``j``) to
         their ranks in one exchange: this rank's counts (a 64-byte-aligned header), then its rows.
         The rows for this rank land in rank order in ``recv_alloc(total rows)``; returns how
@@ -318,18 +335,21 @@ class ShmCollectives:
         bufs, cap, dev = self._buffers(send)
         g, buf = self._begin(head, "all_to_all", bufs, cap)  # the header alone: every member sizes it alike
         if nbytes > cap:  # only this rank knows: its header tells the others (all refuse)
-            buf[:W * 8].view(torch.int64).fill_(-nbytes)
+            buf[: W * 8].view(torch.int64).fill_(-nbytes)
         else:
-            buf[:W * 8].view(torch.int64).copy_(torch.tensor(send_counts, dtype=torch.int64))
+            buf[: W * 8].view(torch.int64).copy_(torch.tensor(send_counts, dtype=torch.int64))
             if send.shape[0]:
                 buf[head:nbytes].copy_(send.contiguous().view(-1).view(torch.uint8))
         self._publish_and_wait(g, "all_to_all", dev)
-        headers = torch.stack([bufs[j][g % 2, :W * 8].view(torch.int64) for j in range(W)]).cpu()
-        if (over := [j for j in range(W) if int(headers[j, 0]) < 0]):
+        headers = torch.stack([bufs[j][g % 2, : W * 8].view(torch.int64) for j in range(W)]).cpu()
+        if over := [j for j in range(W) if int(headers[j, 0]) < 0]:
             sizes = ", ".join(f"rank {j}'s {-int(headers[j, 0])} bytes" for j in over)
             self._end(g, dev)
-            raise ShmError("overflow", f"shm all_to_all of {sizes} does not fit the group's buffer of "
-                           f"{cap} bytes (sized for a smaller exchange)")
+            raise ShmError(
+                "overflow",
+                f"shm all_to_all of {sizes} does not fit the group's buffer of "
+                f"{cap} bytes (sized for a smaller exchange)",
+            )
         counts = [int(c) for c in headers[:, me]]
         starts = [int(c) for c in headers[:, :me].sum(1)]
         out = recv_alloc(sum(counts)).view(-1).view(torch.uint8)
@@ -338,7 +358,7 @@ class ShmCollectives:
             n = counts[j] * row
             if n:
                 src = head + starts[j] * row
-                out[at:at + n].copy_(bufs[j][g % 2, src:src + n])
+                out[at : at + n].copy_(bufs[j][g % 2, src : src + n])
                 at += n
         self._end(g, dev)
         return counts

@@ -34,8 +34,10 @@ AUTH_MODULE = "vllm.entrypoints.serve.middleware.authenticate"
 SCALING_MODULE = "vllm.entrypoints.serve.elastic_ep.middleware"
 # Paths vLLM 0.32 serves without its API-key check (#55536); guarded by prefix, as vLLM does.
 UNGUARDED_PATHS = ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/collective_rpc", "/fault_tolerance/")
-REMEDY = ("restart the vLLM API server (stop it and start it again with the same arguments); vLLM keeps "
-          "answering 503 until then (vLLM #50778, #53947). Then `eepctl status` shows the ranks again")
+REMEDY = (
+    "restart the vLLM API server (stop it and start it again with the same arguments); vLLM keeps "
+    "answering 503 until then (vLLM #50778, #53947). Then `eepctl status` shows the ranks again"
+)
 
 # name -> "active" or "unavailable: <why>", for the deployment info.
 _status: dict[str, str] = {}
@@ -151,8 +153,12 @@ class ScaleWatch:
         # with the flag still up is a failed commit.
         phase = "commit" if scaling_flag() else "prepare/drain"
         with self._lock:
-            self.last_failure = {"at": time.time(), "phase": phase, "to_size": int(target),
-                                 "error": f"{type(error).__name__}: {error}"[:300]}
+            self.last_failure = {
+                "at": time.time(),
+                "phase": phase,
+                "to_size": int(target),
+                "error": f"{type(error).__name__}: {error}"[:300],
+            }
 
     def wedge(self, now: float | None = None) -> dict[str, Any] | None:
         """The wedged state, or None: vLLM's flag up and no transition in flight, either right
@@ -168,14 +174,25 @@ class ScaleWatch:
                 return None
             failure = self.last_failure
             if failure is not None and failure["phase"] == "commit":
-                return {"since": failure["at"], "phase": failure["phase"], "to_size": failure["to_size"],
-                        "error": failure["error"], "cause": "a scale failed after vLLM raised its scaling flag",
-                        "remedy": REMEDY}
+                return {
+                    "since": failure["at"],
+                    "phase": failure["phase"],
+                    "to_size": failure["to_size"],
+                    "error": failure["error"],
+                    "cause": "a scale failed after vLLM raised its scaling flag",
+                    "remedy": REMEDY,
+                }
             if now - since < self.wedged_after_s:
                 return None
-            return {"since": since, "phase": "unknown", "to_size": None, "error": "",
-                    "cause": f"vLLM's scaling flag has been set for over {self.wedged_after_s:.0f}s with no "
-                             "scale in flight in this API server", "remedy": REMEDY}
+            return {
+                "since": since,
+                "phase": "unknown",
+                "to_size": None,
+                "error": "",
+                "cause": f"vLLM's scaling flag has been set for over {self.wedged_after_s:.0f}s with no "
+                "scale in flight in this API server",
+                "remedy": REMEDY,
+            }
 
 
 def scaling_flag() -> bool:
@@ -209,6 +226,5 @@ def arm_commit_fault(engine_client: Any) -> bool:
 
     core.prepare_elastic_ep, core.commit_elastic_ep = prepare_elastic_ep, commit_elastic_ep
     core.__eepctl_fault__ = True
-    log.warning("engine_ext: %s is set: scale commits fail while %s exists (test hook)", DEBUG_FAIL_COMMIT_ENV,
-                trigger)
+    log.warning("engine_ext: %s is set: scale commits fail while %s exists (test hook)", DEBUG_FAIL_COMMIT_ENV, trigger)
     return True

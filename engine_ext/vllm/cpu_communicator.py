@@ -63,7 +63,7 @@ def gatherv(comm: Any, t: Any, sizes: list[int] | None) -> Any:
     padded[: t.shape[0]] = t
     out = t.new_empty((world * most,) + tuple(t.shape[1:]))
     dist.all_gather_into_tensor(out, padded.contiguous(), group=comm.device_group)
-    return torch.cat([out[r * most: r * most + n] for r, n in enumerate(sizes)])
+    return torch.cat([out[r * most : r * most + n] for r, n in enumerate(sizes)])
 
 
 def reduce_scatterv(comm: Any, input_: Any, dim: int, sizes: list[int] | None) -> Any:
@@ -81,7 +81,7 @@ def reduce_scatterv(comm: Any, input_: Any, dim: int, sizes: list[int] | None) -
     total = moved.to(torch.float32).contiguous()
     dist.all_reduce(total, group=comm.device_group)
     start = sum(chunks[: comm.rank_in_group])
-    mine = total[start: start + chunks[comm.rank_in_group]].to(input_.dtype)
+    mine = total[start : start + chunks[comm.rank_in_group]].to(input_.dtype)
     return mine.movedim(0, dim).contiguous()
 
 
@@ -107,16 +107,25 @@ def batch_isend_irecv(comm: Any, p2p_ops: list) -> None:
         w.wait()
 
 
-def _init_stateless(comm: Any, cpu_group: Any, device: Any, device_group: Any, unique_name: str,
-                    global_ranks: list[int] | None, global_world_size: int | None, tcp_store_group: Any,
-                    use_all2all: bool) -> None:
+def _init_stateless(
+    comm: Any,
+    cpu_group: Any,
+    device: Any,
+    device_group: Any,
+    unique_name: str,
+    global_ranks: list[int] | None,
+    global_world_size: int | None,
+    tcp_store_group: Any,
+    use_all2all: bool,
+) -> None:
     """Set up over a stateless group (unknown to torch.distributed): no shared-memory fast path
     (it needs the group's ranks from torch), vLLM's CPU all2all manager over it."""
     import torch.distributed as dist
     from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
 
-    DeviceCommunicatorBase.__init__(comm, cpu_group, device, device_group, unique_name, global_ranks,
-                                    global_world_size, use_all2all=use_all2all)
+    DeviceCommunicatorBase.__init__(
+        comm, cpu_group, device, device_group, unique_name, global_ranks, global_world_size, use_all2all=use_all2all
+    )
     comm.dist_module = dist
     comm.supports_tensor_dict = False
     if comm.use_all2all:
@@ -132,15 +141,32 @@ def _build() -> type:
         """vLLM's CPU communicator plus variable-size gather/reduce-scatter and batched p2p, also
         over elastic EP's stateless groups (which vLLM builds only with ``CudaCommunicator``)."""
 
-        def __init__(self, cpu_group: Any, device: Any = None, device_group: Any = None, unique_name: str = "",
-                     global_ranks: list[int] | None = None, global_world_size: int | None = None,
-                     tcp_store_group: Any = None, use_all2all: bool = False) -> None:
+        def __init__(
+            self,
+            cpu_group: Any,
+            device: Any = None,
+            device_group: Any = None,
+            unique_name: str = "",
+            global_ranks: list[int] | None = None,
+            global_world_size: int | None = None,
+            tcp_store_group: Any = None,
+            use_all2all: bool = False,
+        ) -> None:
             from torch.distributed.distributed_c10d import _world
 
             self.stateless = _world.pg_map.get(cpu_group) is None
             if self.stateless:
-                _init_stateless(self, cpu_group, device, device_group, unique_name, global_ranks,
-                                global_world_size, tcp_store_group, use_all2all)
+                _init_stateless(
+                    self,
+                    cpu_group,
+                    device,
+                    device_group,
+                    unique_name,
+                    global_ranks,
+                    global_world_size,
+                    tcp_store_group,
+                    use_all2all,
+                )
             else:
                 super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
 

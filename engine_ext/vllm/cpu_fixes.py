@@ -41,10 +41,14 @@ def map_to_physical_and_record(original: Callable[..., Any]) -> Callable[..., An
     kernel (``base_router.py:18-95``), in torch."""
     import torch
 
-    def eplb_map_to_physical_and_record(topk_ids: torch.Tensor, expert_load_view: torch.Tensor,
-                                        logical_to_physical_map: torch.Tensor,
-                                        logical_replica_count: torch.Tensor, record_enabled: torch.Tensor,
-                                        num_unpadded_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def eplb_map_to_physical_and_record(
+        topk_ids: torch.Tensor,
+        expert_load_view: torch.Tensor,
+        logical_to_physical_map: torch.Tensor,
+        logical_replica_count: torch.Tensor,
+        record_enabled: torch.Tensor,
+        num_unpadded_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if topk_ids.numel() == 0:
             return topk_ids
         ids = topk_ids.long()
@@ -189,8 +193,12 @@ def eplb_moves_logged(original: Callable[..., Any]) -> Callable[..., Any]:
 
     log = logging.getLogger("vllm.engine_ext")
 
-    def rearrange(self: Any, is_profile: bool = False, rank_mapping: dict[int, int] | None = None,
-                  use_last_expert_load: bool = False) -> Any:
+    def rearrange(
+        self: Any,
+        is_profile: bool = False,
+        rank_mapping: dict[int, int] | None = None,
+        use_last_expert_load: bool = False,
+    ) -> Any:
         before = {k: m.physical_to_logical_map.clone() for k, m in self.model_states.items()}
         result = original(self, is_profile, rank_mapping, use_last_expert_load)
         for key, state in self.model_states.items():
@@ -198,8 +206,12 @@ def eplb_moves_logged(original: Callable[..., Any]) -> Callable[..., Any]:
             if old is None or old.shape != after.shape or is_profile:
                 continue
             moved = int((old != after).sum())
-            log.info("engine_ext: EPLB rearrangement moved %d of %d expert slots; physical_to_logical %s",
-                     moved, after.numel(), after.tolist())
+            log.info(
+                "engine_ext: EPLB rearrangement moved %d of %d expert slots; physical_to_logical %s",
+                moved,
+                after.numel(),
+                after.tolist(),
+            )
         return result
 
     return rearrange
@@ -222,8 +234,7 @@ def stateless_host_eplb_communicator(original: Callable[..., Any]) -> Callable[.
     group's own send/recv: torch cannot resolve ranks of a group it does not know)."""
     from engine_ext.vllm.cpu_communicator import host_eplb_communicator
 
-    def create_eplb_communicator(group_coordinator: Any, backend: str, expert_weights: Any,
-                                 expert_buffer: Any) -> Any:
+    def create_eplb_communicator(group_coordinator: Any, backend: str, expert_weights: Any, expert_buffer: Any) -> Any:
         from vllm.distributed.stateless_coordinator import StatelessGroupCoordinator
 
         first = expert_weights[0] if expert_weights else []

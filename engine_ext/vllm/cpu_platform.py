@@ -123,8 +123,10 @@ def _build() -> type:
                 log.info("engine_ext: workers of each DP rank run as processes (mp), not Ray actors")
                 parallel.distributed_executor_backend = "mp"
             if parallel.enable_eplb and parallel.eplb_config.use_async:
-                log.warning("engine_ext: EPLB on CPU runs synchronously (use_async=False): its async "
-                            "worker needs an accelerator stream")
+                log.warning(
+                    "engine_ext: EPLB on CPU runs synchronously (use_async=False): its async "
+                    "worker needs an accelerator stream"
+                )
                 parallel.eplb_config.use_async = False
 
     EepCpuPlatform.__module__ = __name__

@@ -52,10 +52,16 @@ def _node_and_no_devices(self: Any) -> tuple[str, list[int]]:
 def _build_proc() -> type:
     from vllm.v1.executor.ray_executor_v2 import RayWorkerProc
 
-    cls = type("EepCpuRayWorkerProc", (RayWorkerProc,), {
-        "__doc__": "vLLM's Ray worker process, answering its accelerator ids on a CPU rank.",
-        "__module__": __name__, "__qualname__": "EepCpuRayWorkerProc",
-        "get_node_and_physical_gpu_ids": _node_and_no_devices})
+    cls = type(
+        "EepCpuRayWorkerProc",
+        (RayWorkerProc,),
+        {
+            "__doc__": "vLLM's Ray worker process, answering its accelerator ids on a CPU rank.",
+            "__module__": __name__,
+            "__qualname__": "EepCpuRayWorkerProc",
+            "get_node_and_physical_gpu_ids": _node_and_no_devices,
+        },
+    )
     return cls
 
 

@@ -68,8 +68,14 @@ class PatchSpec:
 
 
 CATALOGUE: tuple[PatchSpec, ...] = (
-    PatchSpec(_ELASTIC, _EXECUTOR, "prepare_reconfiguration", ("self", "reconfig_request", "use_all2all"),
-              "prepare", state="preparing"),
+    PatchSpec(
+        _ELASTIC,
+        _EXECUTOR,
+        "prepare_reconfiguration",
+        ("self", "reconfig_request", "use_all2all"),
+        "prepare",
+        state="preparing",
+    ),
     PatchSpec(_ELASTIC, _EXECUTOR, "_prepare_eplb_communicator", ("self", "eplb_group"), "eplb_communicator"),
     PatchSpec(_ELASTIC, _EXECUTOR, "transfer_weights", ("self", "old_dp_size", "new_dp_size"), "transfer"),
     PatchSpec(_ELASTIC, _EXECUTOR, "prepare_new_worker", ("self",), "transfer", state="preparing"),
@@ -77,22 +83,72 @@ CATALOGUE: tuple[PatchSpec, ...] = (
     PatchSpec(_ELASTIC, _EXECUTOR, "_release_cuda_graphs", ("self",), "release_graphs"),
     PatchSpec(_ELASTIC, _EXECUTOR, "_perform_eplb_reshuffle", ("self", "rank_mapping", "async_op"), "reshuffle"),
     PatchSpec(_ELASTIC, _EXECUTOR, "warm_and_capture", ("self",), "warm", state="warming"),
-    PatchSpec(_ELASTIC, _EXECUTOR, "commit_scale_up", ("self", "is_existing_worker"), "commit",
-              state="committing", ends_op=True),
-    PatchSpec(_ELASTIC, _EXECUTOR, "commit_scale_down", ("self", "new_dp_size", "removing"), "commit",
-              state="committing", ends_op=True),
+    PatchSpec(
+        _ELASTIC,
+        _EXECUTOR,
+        "commit_scale_up",
+        ("self", "is_existing_worker"),
+        "commit",
+        state="committing",
+        ends_op=True,
+    ),
+    PatchSpec(
+        _ELASTIC,
+        _EXECUTOR,
+        "commit_scale_down",
+        ("self", "new_dp_size", "removing"),
+        "commit",
+        state="committing",
+        ends_op=True,
+    ),
     PatchSpec(_ELASTIC, _EXECUTOR, "switch_and_remove", ("self",), "remove", state="removing", ends_op=True),
-    PatchSpec("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model", ("self",), "warmup",
-              state="warming", role="warmup"),
-    PatchSpec("vllm.v1.worker.cpu_worker", "CPUWorker", "compile_or_warm_up_model", ("self",), "warmup",
-              state="warming", role="warmup"),
-    PatchSpec(_RUNNER, "GPUModelRunner", "capture_model", ("self",), "capture", state="capturing", role="capture",
-              sized=True),
-    PatchSpec(_RUNNER, "GPUModelRunner", "_warmup_and_capture", ("self", "desc", "cudagraph_runtime_mode",
-              "profile_seq_lens", "allow_microbatching", "num_warmups", "profiler"), "capture_size",
-              role="capture_size"),
-    PatchSpec("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "capture_model", ("self", "profile_only"),
-              "capture", state="capturing", role="capture", name="GPUModelRunnerV2.capture_model"),
+    PatchSpec(
+        "vllm.v1.worker.gpu_worker",
+        "Worker",
+        "compile_or_warm_up_model",
+        ("self",),
+        "warmup",
+        state="warming",
+        role="warmup",
+    ),
+    PatchSpec(
+        "vllm.v1.worker.cpu_worker",
+        "CPUWorker",
+        "compile_or_warm_up_model",
+        ("self",),
+        "warmup",
+        state="warming",
+        role="warmup",
+    ),
+    PatchSpec(
+        _RUNNER, "GPUModelRunner", "capture_model", ("self",), "capture", state="capturing", role="capture", sized=True
+    ),
+    PatchSpec(
+        _RUNNER,
+        "GPUModelRunner",
+        "_warmup_and_capture",
+        (
+            "self",
+            "desc",
+            "cudagraph_runtime_mode",
+            "profile_seq_lens",
+            "allow_microbatching",
+            "num_warmups",
+            "profiler",
+        ),
+        "capture_size",
+        role="capture_size",
+    ),
+    PatchSpec(
+        "vllm.v1.worker.gpu.model_runner",
+        "GPUModelRunner",
+        "capture_model",
+        ("self", "profile_only"),
+        "capture",
+        state="capturing",
+        role="capture",
+        name="GPUModelRunnerV2.capture_model",
+    ),
 )
 
 # The patch state of this process: key -> "active" or "unavailable: <why>".
@@ -160,6 +216,7 @@ def make_wrapper(spec: PatchSpec, original: Callable[..., Any], sink: Any) -> Ca
         return (args[0], args[1:]) if bound and args else (None, args)
 
     if inspect.iscoroutinefunction(original):
+
         @functools.wraps(original)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
             token = sink.enter(spec, *split(args), kwargs)
@@ -171,6 +228,7 @@ def make_wrapper(spec: PatchSpec, original: Callable[..., Any], sink: Any) -> Ca
             sink.exit(token, None)
             return result
     else:
+
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             token = sink.enter(spec, *split(args), kwargs)
@@ -206,8 +264,13 @@ def apply(sink: Any, specs: tuple[PatchSpec, ...] = CATALOGUE) -> dict[str, str]
     with _lock:
         version = vllm_version()
         if version not in TESTED_VLLM_VERSIONS:
-            _warn_once("version", "engine_ext: vLLM %s is not a release the plugin was checked against (%s); "
-                       "each hook is still checked by signature", version, ", ".join(TESTED_VLLM_VERSIONS))
+            _warn_once(
+                "version",
+                "engine_ext: vLLM %s is not a release the plugin was checked against (%s); "
+                "each hook is still checked by signature",
+                version,
+                ", ".join(TESTED_VLLM_VERSIONS),
+            )
         for spec in specs:
             owner, original, why = resolve(spec)
             if original is None:

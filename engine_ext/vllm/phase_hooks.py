@@ -44,44 +44,108 @@ WORKER_HOOKS: tuple[PatchSpec, ...] = (
     PatchSpec("vllm.v1.worker.cpu_worker", "CPUWorker", "init_device", ("self",), "groups", role="phase"),
     PatchSpec(_GPU_WORKER, "Worker", "init_device", ("self",), "groups", role="phase"),
     PatchSpec(_GPU_WORKER, "Worker", "load_model", ("self", "load_dummy_weights"), "load_model", role="phase"),
-    PatchSpec(_GPU_WORKER, "Worker", "initialize_from_config", ("self", "kv_cache_config"), "kv_cache",
-              role="phase"),
-    PatchSpec("vllm.distributed.elastic_ep.standby_state", "", "create_standby_groups",
-              ("new_dp_size", "new_world_size_across_dp", "master_ip", "coord_store_port", "use_all2all",
-               "enable_eplb", "backend"), "groups", role="phase", kind="function", seen_in=_ELASTIC),
-    PatchSpec(_ELASTIC, "ElasticEPScalingExecutor", "_warm_target_groups", ("self", "dp_group", "ep_group"),
-              "prepare_warm_groups", role="phase"),
+    PatchSpec(_GPU_WORKER, "Worker", "initialize_from_config", ("self", "kv_cache_config"), "kv_cache", role="phase"),
+    PatchSpec(
+        "vllm.distributed.elastic_ep.standby_state",
+        "",
+        "create_standby_groups",
+        (
+            "new_dp_size",
+            "new_world_size_across_dp",
+            "master_ip",
+            "coord_store_port",
+            "use_all2all",
+            "enable_eplb",
+            "backend",
+        ),
+        "groups",
+        role="phase",
+        kind="function",
+        seen_in=_ELASTIC,
+    ),
+    PatchSpec(
+        _ELASTIC,
+        "ElasticEPScalingExecutor",
+        "_warm_target_groups",
+        ("self", "dp_group", "ep_group"),
+        "prepare_warm_groups",
+        role="phase",
+    ),
 )
 
 # Applied in every engine-core process, into its PhaseSink (``engine_where``). Not a method of the
 # engine-core classes themselves: Ray shadows an actor class's methods with its tracing wrappers,
 # which hold vLLM's originals, before the plugin loads in that process.
 ENGINE_HOOKS: tuple[PatchSpec, ...] = (
-    PatchSpec("vllm.v1.executor.ray_executor_v2", "RayExecutorV2", "_init_executor", ("self",), "workers",
-              role="phase"),
-    PatchSpec("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "_init_executor", ("self",), "workers",
-              role="phase"),
+    PatchSpec(
+        "vllm.v1.executor.ray_executor_v2", "RayExecutorV2", "_init_executor", ("self",), "workers", role="phase"
+    ),
+    PatchSpec(
+        "vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "_init_executor", ("self",), "workers", role="phase"
+    ),
     PatchSpec(_STATE, "ElasticEPScalingState", "run_pre_kv_init_states", ("self",), "join", role="phase"),
     PatchSpec(_STATE, "ElasticEPScalingState", "_init_new_dp_group", ("self",), "groups", role="phase"),
 )
 
 # Applied in the API server, into its PhaseSink (``api_where``).
 API_HOOKS: tuple[PatchSpec, ...] = (
-    PatchSpec(_UTILS, "CoreEngineActorManager", "add_dp_placement_groups",
-              ("old_vllm_config", "new_data_parallel_size"), "placement", role="phase", kind="static"),
-    PatchSpec(_UTILS, "CoreEngineActorManager", "scale_up_elastic_ep",
-              ("self", "cur_vllm_config", "new_data_parallel_size", "num_redundant_experts"), "launch",
-              role="phase"),
-    PatchSpec(_CLIENT, "DPLBAsyncMPClient", "_prepare_scale_up_elastic_ep",
-              ("self", "new_data_parallel_size", "num_redundant_experts"), "api_prepare", role="phase"),
-    PatchSpec(_CLIENT, "DPLBAsyncMPClient", "_prepare_scale_down_elastic_ep", ("self", "new_data_parallel_size"),
-              "api_prepare", role="phase"),
-    PatchSpec(_CLIENT, "DPLBAsyncMPClient", "_commit_scale_up_elastic_ep", ("self", "new_data_parallel_size"),
-              "api_commit", role="phase"),
-    PatchSpec(_CLIENT, "DPLBAsyncMPClient", "_commit_scale_down_elastic_ep", ("self", "new_data_parallel_size"),
-              "api_commit", role="phase"),
-    PatchSpec("vllm.v1.engine.async_llm", "AsyncLLM", "_drain_requests_for_elastic_ep", ("self", "drain_timeout"),
-              "drain", role="phase"),
+    PatchSpec(
+        _UTILS,
+        "CoreEngineActorManager",
+        "add_dp_placement_groups",
+        ("old_vllm_config", "new_data_parallel_size"),
+        "placement",
+        role="phase",
+        kind="static",
+    ),
+    PatchSpec(
+        _UTILS,
+        "CoreEngineActorManager",
+        "scale_up_elastic_ep",
+        ("self", "cur_vllm_config", "new_data_parallel_size", "num_redundant_experts"),
+        "launch",
+        role="phase",
+    ),
+    PatchSpec(
+        _CLIENT,
+        "DPLBAsyncMPClient",
+        "_prepare_scale_up_elastic_ep",
+        ("self", "new_data_parallel_size", "num_redundant_experts"),
+        "api_prepare",
+        role="phase",
+    ),
+    PatchSpec(
+        _CLIENT,
+        "DPLBAsyncMPClient",
+        "_prepare_scale_down_elastic_ep",
+        ("self", "new_data_parallel_size"),
+        "api_prepare",
+        role="phase",
+    ),
+    PatchSpec(
+        _CLIENT,
+        "DPLBAsyncMPClient",
+        "_commit_scale_up_elastic_ep",
+        ("self", "new_data_parallel_size"),
+        "api_commit",
+        role="phase",
+    ),
+    PatchSpec(
+        _CLIENT,
+        "DPLBAsyncMPClient",
+        "_commit_scale_down_elastic_ep",
+        ("self", "new_data_parallel_size"),
+        "api_commit",
+        role="phase",
+    ),
+    PatchSpec(
+        "vllm.v1.engine.async_llm",
+        "AsyncLLM",
+        "_drain_requests_for_elastic_ep",
+        ("self", "drain_timeout"),
+        "drain",
+        role="phase",
+    ),
 )
 
 ALL_HOOKS = WORKER_HOOKS + ENGINE_HOOKS + API_HOOKS
@@ -130,9 +194,14 @@ def imports_event(vllm_config: Any, process: str, op: str | None = None) -> dict
     if created is None:
         return None
     now = time.time()
-    ev = Event(op_id=op or launch_op(vllm_config), rank=dp_rank(vllm_config), phase="imports",
-               start=min(created, now), end=now, detail={"method": "process start -> plugin", "process": process,
-                                                          "pid": os.getpid()})
+    ev = Event(
+        op_id=op or launch_op(vllm_config),
+        rank=dp_rank(vllm_config),
+        phase="imports",
+        start=min(created, now),
+        end=now,
+        detail={"method": "process start -> plugin", "process": process, "pid": os.getpid()},
+    )
     return to_builtins(ev)
 
 
@@ -142,8 +211,9 @@ def engine_where(spec: PatchSpec, obj: Any, args: tuple, kwargs: dict) -> Where:
     cfg = getattr(obj, "vllm_config", None)
     new_pc = getattr(obj, "new_parallel_config", None)
     if new_pc is not None:
-        return op_id(getattr(new_pc, "data_parallel_size", None), getattr(new_pc, "_coord_store_port", None)), \
-            [dp_rank(cfg)]
+        return op_id(getattr(new_pc, "data_parallel_size", None), getattr(new_pc, "_coord_store_port", None)), [
+            dp_rank(cfg)
+        ]
     return launch_op(cfg), [dp_rank(cfg)]
 
 
@@ -167,8 +237,9 @@ class PhaseSink:
     """The per-process sink of an engine core's or the API server's hooks; ``enter``/``exit``
     never raise. ``where`` names a finished call's operation and ranks (one event per rank)."""
 
-    def __init__(self, where: Callable[[PatchSpec, Any, tuple, dict], Where], process: str,
-                 max_events: int = 2000) -> None:
+    def __init__(
+        self, where: Callable[[PatchSpec, Any, tuple, dict], Where], process: str, max_events: int = 2000
+    ) -> None:
         self._where = where
         self.process = process  # "engine core" or "API server": in each event's detail
         self._lock = threading.Lock()
@@ -210,9 +281,19 @@ class PhaseSink:
             t["errors"] += error is not None
             t["total_s"] = round(t["total_s"] + duration, 6)
             for rank in ranks:
-                self._events.append(to_builtins(Event(
-                    op_id=self.last_op or "vllm-unknown", rank=rank, phase=spec.phase, start=start,
-                    end=start + duration, outcome="ok" if error is None else "error", detail=dict(detail))))
+                self._events.append(
+                    to_builtins(
+                        Event(
+                            op_id=self.last_op or "vllm-unknown",
+                            rank=rank,
+                            phase=spec.phase,
+                            start=start,
+                            end=start + duration,
+                            outcome="ok" if error is None else "error",
+                            detail=dict(detail),
+                        )
+                    )
+                )
 
     def note(self, event: dict[str, Any] | None) -> None:
         """An event timed outside a hook (a process's ``imports``)."""

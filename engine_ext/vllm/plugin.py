@@ -38,8 +38,11 @@ log = logging.getLogger("vllm.engine_ext")
 _lock = threading.Lock()
 _done = False
 _sink: Any = None  # this process's VllmTelemetry once active
-API_MAIN_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main",
-                    "vllm.entrypoints.launchers.api_server.entry")
+API_MAIN_MODULES = (
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.cli.main",
+    "vllm.entrypoints.launchers.api_server.entry",
+)
 
 
 def register() -> None:
@@ -243,8 +246,7 @@ def _patch_build_and_serve(settings: Any) -> None:
         return
 
     @functools.wraps(original)
-    async def build_and_serve(engine_client: Any, listen_address: str, sock: Any, args: Any, *a: Any,
-                              **kw: Any) -> Any:
+    async def build_and_serve(engine_client: Any, listen_address: str, sock: Any, args: Any, *a: Any, **kw: Any) -> Any:
         try:
             _api_serving(settings, engine_client, listen_address, args)
         except Exception as e:  # noqa: BLE001
@@ -270,8 +272,9 @@ def _api_serving(settings: Any, engine_client: Any, listen_address: str, args: A
     phases = phase_hooks.PhaseSink(phase_hooks.api_where, "API server")  # placement, launch, prepare, drain, commit
     patches.apply(phases, phase_hooks.API_HOOKS)
     held = _held_prepare(engine_client, watch)
-    ApiServerReporter(settings, engine_client.vllm_config, url, key_required, watch=watch, phases=phases,
-                      standby=held).start()
+    ApiServerReporter(
+        settings, engine_client.vllm_config, url, key_required, watch=watch, phases=phases, standby=held
+    ).start()
     from engine_ext.vllm.scale_orders import OrderTaker, usable
 
     why = usable(engine_client)  # the autoscaler's scales, carried out in this process

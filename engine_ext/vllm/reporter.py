@@ -62,16 +62,19 @@ class RegistryLink:
             return True
         try:
             import ray
-
             from engine_ext.ray.names import registry_name
             from engine_ext.ray.registry import Registry
 
             if not ray.is_initialized():
                 ray.init(address=self.settings.address, logging_level=logging.ERROR, log_to_driver=False)
             name = registry_name(self.settings.deployment)
-            handle = ray.remote(Registry).options(
-                name=name, namespace=self.settings.namespace, lifetime="detached", num_cpus=0,
-                get_if_exists=True).remote(self.settings.deployment, KIND)
+            handle = (
+                ray.remote(Registry)
+                .options(
+                    name=name, namespace=self.settings.namespace, lifetime="detached", num_cpus=0, get_if_exists=True
+                )
+                .remote(self.settings.deployment, KIND)
+            )
             kind = ray.get(handle.snapshot.remote(), timeout=30).get("kind")
             if kind != KIND:
                 self.disabled = f"registry {name} belongs to a {kind!r} deployment"
@@ -83,8 +86,13 @@ class RegistryLink:
             log.info("engine_ext: reporting to %s in namespace %s", name, self.settings.namespace)
             return True
         except Exception as e:  # noqa: BLE001 - the registry is optional for serving
-            self._warn_once("connect", "engine_ext: registry of %s not reachable yet (%s: %s); retrying",
-                            self.settings.deployment, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self._warn_once(
+                "connect",
+                "engine_ext: registry of %s not reachable yet (%s: %s); retrying",
+                self.settings.deployment,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
             self._handle = None
             return False
 
@@ -157,8 +165,15 @@ class EngineCoreReporter(threading.Thread):
     """One per engine-core process (one per DP rank): the rank's RankStatus as the engine core sees
     it. Its worker reports its own part (engine_ext.vllm.worker_reporter); the registry merges them."""
 
-    def __init__(self, settings: Settings, core_ref: Any, vllm_config: Any, started: float,
-                 interval_s: float = 1.0, phases: Any = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        core_ref: Any,
+        vllm_config: Any,
+        started: float,
+        interval_s: float = 1.0,
+        phases: Any = None,
+    ) -> None:
         super().__init__(name="eepctl-vllm-reporter", daemon=True)
         self.phases = phases  # the engine core's timed phases (engine_ext.vllm.phase_hooks.PhaseSink)
         self.settings = settings
@@ -211,17 +226,33 @@ class EngineCoreReporter(threading.Thread):
         state = RankState.SERVING.value if scheduler is not None else RankState.STARTING.value
         if scheduler is not None and _prepared_ahead(core):
             state = RankState.STANDBY.value  # a new rank of a prepared scale: not serving until its commit
-        return to_builtins(VllmRankStatus(
-            deployment=self.settings.deployment, rank=rank, instance_id=instance_id, engine_id=engine_id,
-            kind=KIND, node=self.node, pid=os.getpid(), device=_platform_device(), state=state, dp_size=dp_size,
-            requests_running=int(running), requests_waiting=int(waiting),
-            slots_used=int(running), slots_total=int(getattr(sched_cfg, "max_num_seqs", 0) or 0),
-            kv_blocks_used=int(round(usage * blocks_total)), kv_blocks_total=blocks_total,
-            graph_kind="none", last_heartbeat=time.time(), kv_usage=round(usage, 6),
-            workspace_note="no report from this rank's worker yet",
-            dp_backend=str(getattr(pc, "data_parallel_backend", "") or ""),
-            elastic_ep=bool(getattr(pc, "enable_elastic_ep", False)), started=self.started_at,
-        ))
+        return to_builtins(
+            VllmRankStatus(
+                deployment=self.settings.deployment,
+                rank=rank,
+                instance_id=instance_id,
+                engine_id=engine_id,
+                kind=KIND,
+                node=self.node,
+                pid=os.getpid(),
+                device=_platform_device(),
+                state=state,
+                dp_size=dp_size,
+                requests_running=int(running),
+                requests_waiting=int(waiting),
+                slots_used=int(running),
+                slots_total=int(getattr(sched_cfg, "max_num_seqs", 0) or 0),
+                kv_blocks_used=int(round(usage * blocks_total)),
+                kv_blocks_total=blocks_total,
+                graph_kind="none",
+                last_heartbeat=time.time(),
+                kv_usage=round(usage, 6),
+                workspace_note="no report from this rank's worker yet",
+                dp_backend=str(getattr(pc, "data_parallel_backend", "") or ""),
+                elastic_ep=bool(getattr(pc, "enable_elastic_ep", False)),
+                started=self.started_at,
+            )
+        )
 
 
 def _prepared_ahead(core: Any) -> bool:
@@ -264,25 +295,36 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watc
     """What eepctl needs about a vLLM deployment. Never the API key: only whether one is set."""
     pc = getattr(vllm_config, "parallel_config", None)
     mc = getattr(vllm_config, "model_config", None)
-    info: dict[str, Any] = {"kind": KIND, "api_url": api_url, "api_pid": os.getpid(), "api_node": node_name(),
-                            "api_heartbeat": time.time(),
-                            # vLLM's base identity; it gives DP rank r of a DP > 1 deployment "<base>_dp<r>"
-                            "instance_id": str(getattr(vllm_config, "instance_id", "") or "")}
+    info: dict[str, Any] = {
+        "kind": KIND,
+        "api_url": api_url,
+        "api_pid": os.getpid(),
+        "api_node": node_name(),
+        "api_heartbeat": time.time(),
+        # vLLM's base identity; it gives DP rank r of a DP > 1 deployment "<base>_dp<r>"
+        "instance_id": str(getattr(vllm_config, "instance_id", "") or ""),
+    }
     if pc is not None:
         dp = int(getattr(pc, "data_parallel_size", 1) or 1)
-        info.update({"dp": dp, "max_dp": int(getattr(pc, "elastic_ep_max_dp_size", None) or dp),
-                     "elastic_ep": bool(getattr(pc, "enable_elastic_ep", False)),
-                     "dp_backend": str(getattr(pc, "data_parallel_backend", "") or ""),
-                     "expert_parallel": bool(getattr(pc, "enable_expert_parallel", False)),
-                     "eplb": bool(getattr(pc, "enable_eplb", False)),
-                     "fault_tolerance": bool(getattr(pc, "enable_fault_tolerance", False))})
+        info.update(
+            {
+                "dp": dp,
+                "max_dp": int(getattr(pc, "elastic_ep_max_dp_size", None) or dp),
+                "elastic_ep": bool(getattr(pc, "enable_elastic_ep", False)),
+                "dp_backend": str(getattr(pc, "data_parallel_backend", "") or ""),
+                "expert_parallel": bool(getattr(pc, "enable_expert_parallel", False)),
+                "eplb": bool(getattr(pc, "enable_eplb", False)),
+                "fault_tolerance": bool(getattr(pc, "enable_fault_tolerance", False)),
+            }
+        )
         try:
             experts = int(mc.get_num_experts()) if mc is not None else 0
             redundant = int(getattr(getattr(pc, "eplb_config", None), "num_redundant_experts", 0) or 0)
             if experts:
                 physical = experts + redundant
-                info.update({"num_experts": experts, "num_redundant_experts": redundant,
-                             "min_dp": -(-experts * dp // physical)})
+                info.update(
+                    {"num_experts": experts, "num_redundant_experts": redundant, "min_dp": -(-experts * dp // physical)}
+                )
         except Exception:  # noqa: BLE001
             pass
     if mc is not None:
@@ -292,8 +334,12 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watc
     if watch is not None:  # the wedged state (None when healthy) and the scales this server ran
         from engine_ext.vllm import api_patches
 
-        info.update(wedged=watch.wedge(), scaling=api_patches.scaling_flag(), scale_calls=watch.calls,
-                    api_patches=api_patches.status())
+        info.update(
+            wedged=watch.wedge(),
+            scaling=api_patches.scaling_flag(),
+            scale_calls=watch.calls,
+            api_patches=api_patches.status(),
+        )
     try:
         import vllm
 
@@ -336,8 +382,17 @@ def restart_command(cmdline: list[str] | None = None) -> str:
 class ApiServerReporter(threading.Thread):
     """The API-server process: keeps the deployment's info (kind, URL, DP bounds) in the registry."""
 
-    def __init__(self, settings: Settings, vllm_config: Any, api_url: str, api_key_required: bool,
-                 interval_s: float = 2.0, watch: Any = None, phases: Any = None, standby: Any = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        vllm_config: Any,
+        api_url: str,
+        api_key_required: bool,
+        interval_s: float = 2.0,
+        watch: Any = None,
+        phases: Any = None,
+        standby: Any = None,
+    ) -> None:
         super().__init__(name="eepctl-vllm-api-reporter", daemon=True)
         self.standby = standby  # engine_ext.vllm.standby.HeldPrepare, with EEPCTL_VLLM_STANDBY=N
         self.phases = phases  # the API server's timed phases of a scale (engine_ext.vllm.phase_hooks.PhaseSink)
@@ -375,6 +430,9 @@ class ApiServerReporter(threading.Thread):
             controller_for(self.link.settings.deployment, self.link.settings.namespace)
             return True
         except Exception as e:  # noqa: BLE001 - serving never depends on it
-            log.warning("engine_ext: vLLM controller not started (%s: %s); eepctl starts it when asked",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            log.warning(
+                "engine_ext: vLLM controller not started (%s: %s); eepctl starts it when asked",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
             return True  # not retried every 2 s

@@ -28,7 +28,7 @@ PARAMS = ("new_data_parallel_size", "drain_timeout")  # AsyncLLM.scale_elastic_e
 
 
 def usable(engine_client: Any) -> str:
-    """"active" when the engine client's ``scale_elastic_ep`` is the coroutine this module calls,
+    """ "active" when the engine client's ``scale_elastic_ep`` is the coroutine this module calls,
     else "unavailable: <why>" (then ``--mode on`` is refused for the deployment)."""
     import inspect
 
@@ -69,8 +69,11 @@ class OrderTaker(threading.Thread):
                     controller.order_done.remote(order["op_id"], self.carry_out(order))
             except Exception as e:  # noqa: BLE001 - a restarting controller; serving never depends on it
                 if not warned:
-                    log.warning("engine_ext: scale orders not taken now (%s: %s); retrying", type(e).__name__,
-                                str(e).splitlines()[0] if str(e) else "")
+                    log.warning(
+                        "engine_ext: scale orders not taken now (%s: %s); retrying",
+                        type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "",
+                    )
                     warned = True
                 time.sleep(RETRY_S)
 

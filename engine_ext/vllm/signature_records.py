@@ -59,8 +59,9 @@ def verified(version: str) -> dict[str, bool]:
     """Per hook or CPU patch (CATALOGUE key / patch name): does its check hold on ``version``'s record?"""
     data = json.loads((RECORDS_DIR / f"vllm-{version}.json").read_text())
     symbols, snippets = data["symbols"], data.get("snippets", {})
-    out = {s.key: (symbols.get(f"{s.module}:{s.qualname}") or {}).get("params") == list(s.params)
-           for s in wrapped_hooks()}
+    out = {
+        s.key: (symbols.get(f"{s.module}:{s.qualname}") or {}).get("params") == list(s.params) for s in wrapped_hooks()
+    }
     for p in cpu_patches.CATALOGUE:
         ok = p.params is None or (symbols.get(f"{p.module}:{p.qualname}") or {}).get("params") == list(p.params)
         out[p.name] = ok and all(snippets.get(p.name, {}).get(sn) == n for sn, n in p.source)
@@ -77,8 +78,12 @@ def recorded_snippets(version: str) -> dict[str, dict[str, int]]:
 
 
 def render(version: str, source: str, read: Callable[[str], str | None]) -> str:
-    body = {"vllm": version, "source": source, "symbols": signatures.extract(read, plugin_symbols()),
-            "snippets": snippet_counts(read)}
+    body = {
+        "vllm": version,
+        "source": source,
+        "symbols": signatures.extract(read, plugin_symbols()),
+        "snippets": snippet_counts(read),
+    }
     return json.dumps(body, indent=1, sort_keys=True) + "\n"
 
 

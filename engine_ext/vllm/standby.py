@@ -82,9 +82,11 @@ def install_engine_side(process: str) -> str:
     try:
         if process == "engine":
             from vllm.v1.engine.core import DPEngineCoreProc as owner
+
             name, fn = DROP_ENGINE, _drop_engine
         else:
             from vllm.distributed.elastic_ep.elastic_execute import ElasticEPScalingExecutor as owner
+
             name, fn = DROP_WORKER, _drop_worker
     except Exception as e:  # noqa: BLE001
         return f"unavailable: {type(e).__name__}: {e}"
@@ -105,17 +107,27 @@ class HeldPrepare:
         self.watch = watch  # engine_ext.vllm.api_patches.ScaleWatch: no prepare while a scale runs
         self.interval_s = interval_s
         self.refresh_s = float(os.environ.get(REFRESH_ENV) or 1500)
-        self.state: dict[str, Any] = {"count": count, "target": None, "state": "idle", "since": None,
-                                      "prepare_s": None, "drops": 0, "drop_s": None, "error": ""}
+        self.state: dict[str, Any] = {
+            "count": count,
+            "target": None,
+            "state": "idle",
+            "since": None,
+            "prepare_s": None,
+            "drops": 0,
+            "drop_s": None,
+            "error": "",
+        }
 
     def usable(self) -> str:
-        """"active", or why vLLM's engine client does not offer what this needs."""
+        """ "active", or why vLLM's engine client does not offer what this needs."""
         lock = getattr(self.client, "_elastic_ep_lock", None)
         manager = getattr(getattr(self.core, "resources", None), "engine_manager", None)
-        needs = (("engine client's _elastic_ep_lock", lock is not None),
-                 ("prepare_elastic_ep", hasattr(self.core, "prepare_elastic_ep")),
-                 ("_prepared_elastic_ep", hasattr(self.core, "_prepared_elastic_ep")),
-                 ("remove_run_refs_for_scale_down", hasattr(manager, "remove_run_refs_for_scale_down")))
+        needs = (
+            ("engine client's _elastic_ep_lock", lock is not None),
+            ("prepare_elastic_ep", hasattr(self.core, "prepare_elastic_ep")),
+            ("_prepared_elastic_ep", hasattr(self.core, "_prepared_elastic_ep")),
+            ("remove_run_refs_for_scale_down", hasattr(manager, "remove_run_refs_for_scale_down")),
+        )
         missing = [name for name, ok in needs if not ok]
         return f"unavailable: no {', '.join(missing)}" if missing else "active"
 
@@ -156,8 +168,9 @@ class HeldPrepare:
             t0 = time.perf_counter()
             await self.core.prepare_elastic_ep(target)
             self.state.update(state="prepared", prepare_s=round(time.perf_counter() - t0, 3), since=time.time())
-        log.info("engine_ext: %d engine core(s) prepared for DP %d in %.1fs", self.count, target,
-                 self.state["prepare_s"])
+        log.info(
+            "engine_ext: %d engine core(s) prepared for DP %d in %.1fs", self.count, target, self.state["prepare_s"]
+        )
 
     async def before_scale(self, target: int) -> None:
         """Inside vLLM's scale (its lock held): a held prepare for another size is dropped first."""
@@ -178,7 +191,13 @@ class HeldPrepare:
             manager.scale_down_elastic_ep(total, existing)
         await asyncio.gather(*(self.core._call_utility_async(DROP_ENGINE, engine=e) for e in self.core.core_engines))
         held, self.core._prepared_elastic_ep = self.prepared(), None
-        self.state.update(state="idle", target=None, since=time.time(), drops=self.state["drops"] + 1,
-                          drop_s=round(time.perf_counter() - t0, 3))
-        log.info("engine_ext: the prepare held for DP %s was dropped (%d engine core(s) stopped)", held,
-                 total - existing)
+        self.state.update(
+            state="idle",
+            target=None,
+            since=time.time(),
+            drops=self.state["drops"] + 1,
+            drop_s=round(time.perf_counter() - t0, 3),
+        )
+        log.info(
+            "engine_ext: the prepare held for DP %s was dropped (%d engine core(s) stopped)", held, total - existing
+        )

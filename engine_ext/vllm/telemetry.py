@@ -36,13 +36,19 @@ def read_workspace() -> dict[str, Any]:
         return {"workspace_available": False, "workspace_note": f"vllm.v1.worker.workspace: {type(e).__name__}"}
     try:
         if not ws.is_workspace_manager_initialized():
-            return {"workspace_available": False,
-                    "workspace_note": "no WorkspaceManager in this worker (vLLM's CPU worker never creates one)"}
+            return {
+                "workspace_available": False,
+                "workspace_note": "no WorkspaceManager in this worker (vLLM's CPU worker never creates one)",
+            }
         manager = ws.current_workspace_manager()
         buffers = list(getattr(manager, "_current_workspaces", []) or [])
         size = sum(int(manager._workspace_size_bytes(t)) for t in buffers)
-        return {"workspace_available": True, "workspace_bytes": size, "workspace_locked": bool(manager.is_locked()),
-                "workspace_note": ""}
+        return {
+            "workspace_available": True,
+            "workspace_bytes": size,
+            "workspace_locked": bool(manager.is_locked()),
+            "workspace_note": "",
+        }
     except Exception as e:  # noqa: BLE001 - private fields may move between releases
         return {"workspace_available": False, "workspace_note": f"unreadable: {type(e).__name__}: {e}"}
 
@@ -143,9 +149,20 @@ class VllmTelemetry:
             if spec.role == "elastic":
                 self._start_op(spec, obj, args, kwargs, worker, detail)
             token = next(self._ids)
-            self._calls[token] = _Call(spec.key, spec.phase, spec.state, spec.role, spec.ends_op, time.time(),
-                                       time.perf_counter(), self._op.op_id, worker, counted, detail,
-                                       sized=bool(getattr(spec, "sized", False)))
+            self._calls[token] = _Call(
+                spec.key,
+                spec.phase,
+                spec.state,
+                spec.role,
+                spec.ends_op,
+                time.time(),
+                time.perf_counter(),
+                self._op.op_id,
+                worker,
+                counted,
+                detail,
+                sized=bool(getattr(spec, "sized", False)),
+            )
         if first and self.on_worker is not None:
             self.on_worker(worker)
         if spec.role != "capture_size":
@@ -157,8 +174,9 @@ class VllmTelemetry:
         op = self._op
         if op.op_id == STARTUP_OP or op.ended or (key is not None and key != op.op_id):
             if op.op_id != STARTUP_OP and not op.ended:
-                log.warning("engine_ext: operation %s never committed; %s starts %s",
-                            op.op_id, spec.key, key or "a new one")
+                log.warning(
+                    "engine_ext: operation %s never committed; %s starts %s", op.op_id, spec.key, key or "a new one"
+                )
             self._op = _Op(key or f"vllm-{os.getpid()}-{next(self._op_numbers)}")
         if spec.attr == "transfer_weights":
             # I2: the EPLB communicator over the standby group exists before weights move.
@@ -195,21 +213,30 @@ class VllmTelemetry:
                 op.ended = True
             if emit:
                 rank = _dp_rank(call.worker or self.worker())  # a module function's call: the worker seen before
-                ev = Event(op_id=call.op_id, rank=rank, phase=call.phase, start=call.start, end=call.start + duration,
-                           outcome="ok" if error is None else "error", detail=detail)
+                ev = Event(
+                    op_id=call.op_id,
+                    rank=rank,
+                    phase=call.phase,
+                    start=call.start,
+                    end=call.start + duration,
+                    outcome="ok" if error is None else "error",
+                    detail=detail,
+                )
                 self._events.append(to_builtins(ev))
         self._changed()
 
     def _size_done(self, call: _Call, duration: float, error: BaseException | None) -> None:
         """One size captured: its seconds go to the capture pass running in this thread."""
-        outer = next((c for c in sorted(self._calls.values(), key=lambda c: -c.t0)
-                      if c.role == "capture" and c.counted), None)
+        outer = next(
+            (c for c in sorted(self._calls.values(), key=lambda c: -c.t0) if c.role == "capture" and c.counted), None
+        )
         if outer is not None and error is None:
             size = call.detail.get("size", "?")
             outer.sizes[size] = round(outer.sizes.get(size, 0.0) + duration, 6)
 
-    def _pass_done(self, call: _Call, op: _Op | None, duration: float, error: BaseException | None,
-                   detail: dict[str, Any]) -> bool:
+    def _pass_done(
+        self, call: _Call, op: _Op | None, duration: float, error: BaseException | None, detail: dict[str, Any]
+    ) -> bool:
         """Count a finished warm-up or capture pass; False for a capture pass that captured nothing."""
         if call.role == "warmup" and error is None:
             self._warmups_total += 1
@@ -355,5 +382,9 @@ def _graph_facts(worker: Any, captured: list[int]) -> dict[str, Any]:
     if not captured and (not device.startswith("cuda") or eager):
         return {"graph_kind": "none", "graphs_captured": 0, "capture_sizes": [], "capture_sizes_expected": []}
     expected = list(getattr(getattr(cfg, "compilation_config", None), "cudagraph_capture_sizes", None) or [])
-    return {"graph_kind": "cuda", "capture_sizes": captured, "graphs_captured": len(captured),
-            "capture_sizes_expected": expected}
+    return {
+        "graph_kind": "cuda",
+        "capture_sizes": captured,
+        "graphs_captured": len(captured),
+        "capture_sizes_expected": expected,
+    }

@@ -48,6 +48,7 @@ class WorkerReporter(threading.Thread):
     @classmethod
     def attach(cls, settings: Settings, sink: Any) -> None:
         """Start one when the sink first sees its worker (only the driver worker of a DP rank)."""
+
         def first_seen(worker: Any) -> None:
             if not getattr(worker, "is_driver_worker", True):
                 return
