@@ -7,7 +7,6 @@ directly, and a new registry rebuilds it from the ranks' next reports. It stores
 
 from __future__ import annotations
 
-import re
 import time
 from collections import defaultdict, deque
 from collections.abc import Mapping
@@ -15,10 +14,10 @@ from typing import Any
 
 import msgspec
 
+from engine_ext.control.invariants import TERMINAL, event_violations, gone, rank_violations
 from engine_ext.control.worker_records import merge as merge_worker
 from engine_ext.protocol import STALE_AFTER_S
 from engine_ext.records import (
-    DeploymentKind,
     Event,
     Operation,
     OpState,
@@ -30,12 +29,9 @@ from engine_ext.records import (
     rank_status_type,
     to_builtins,
 )
-from engine_ext.transport import MAPPED
 
 _MAX_EVENTS = 5000
-_TERMINAL = {RankState.REMOVED.value}
 _RANK_PHASES = {"transfer", "precopy", "reshuffle", "warm", "capture"}
-_STACKED = re.compile(r"_dp\d+_dp\d+$")
 _MAX_RECORD_BYTES = 1 << 20
 
 
@@ -92,7 +88,7 @@ class RegistryState:
             self.fenced_reports += 1
             return {"accepted": False, "reason": f"rank {st.rank} was fenced at epoch {fenced.get('epoch')}"}
         for other in self.ranks.values():
-            if other.rank != st.rank and other.instance_id == st.instance_id and not _gone(other):
+            if other.rank != st.rank and other.instance_id == st.instance_id and not gone(other):
                 msg = f"duplicate identity {st.instance_id!r}: ranks {other.rank} and {st.rank}"
                 if msg not in self.rejected:
                     self.rejected.append(msg)
@@ -142,7 +138,7 @@ class RegistryState:
                 st = merge_worker(st, worker, max(0.0, now - received))
             age = max(0.0, now - self.received_at.get(rank, st.last_heartbeat))
             st = msgspec.structs.replace(st, heartbeat_age_s=round(age, 2))
-            if age > STALE_AFTER_S and st.state not in _TERMINAL:
+            if age > STALE_AFTER_S and st.state not in TERMINAL:
                 st = msgspec.structs.replace(
                     st, state=RankState.STALE.value, state_reason=f"no heartbeat for {age:.1f}s (was {st.state})"
                 )
@@ -189,185 +185,16 @@ class RegistryState:
         return set(rank_ops), (op.started, (op.finished or time.time()) + 5.0)
 
     def violations(self, ranks: list[RankStatus] | None = None) -> list[dict[str, str]]:
-        """Invariants the registry can see broken from telemetry alone."""
+        """Invariants the registry can see broken from telemetry alone (engine_ext.control.invariants)."""
         ranks = ranks if ranks is not None else self._rank_records()
-        found: list[dict[str, str]] = []
-        seen: dict[str, int] = {}
-        for v in (v for v in ranks if not _gone(v)):
-            rank = str(v.rank)
-            if v.instance_id in seen:
-                found.append(
-                    {
-                        "invariant": "I1",
-                        "rank": rank,
-                        "message": f"duplicate identity {v.instance_id} (ranks {seen[v.instance_id]} and {v.rank})",
-                    }
-                )
-            seen[v.instance_id] = v.rank
-            # vLLM suffixes its identities only when it starts sibling DP engines (DP > 1).
-            suffixed = v.kind != DeploymentKind.VLLM.value or v.dp_size > 1
-            if v.state == "standby":  # named <base>_standby<N> until a scale-up adopts it (standby_rank)
-                continue
-            for field, value in (("instance_id", v.instance_id), ("engine_id", v.engine_id)):
-                if value and ((suffixed and not value.endswith(f"_dp{v.rank}")) or _STACKED.search(value)):
-                    found.append(
-                        {
-                            "invariant": "I1",
-                            "rank": rank,
-                            "message": f"{field} {value!r} does not end in exactly one _dp{v.rank}",
-                        }
-                    )
-            if v.workspace_locked and v.workspace_required_bytes and v.workspace_bytes < v.workspace_required_bytes:
-                found.append(
-                    {
-                        "invariant": "I4",
-                        "rank": rank,
-                        "message": f"workspace locked at {v.workspace_bytes} B below its bound "
-                        f"{v.workspace_required_bytes} B",
-                    }
-                )
-            if v.stale_replays_refused:
-                found.append(
-                    {
-                        "invariant": "I3",
-                        "rank": rank,
-                        "message": f"{v.stale_replays_refused} replay(s) against a reallocated buffer refused",
-                    }
-                )
-            eager = {s: n for s, n in v.eager_since_switch.items() if int(s) in v.capture_sizes_expected}
-            if eager:
-                sizes = ", ".join(f"{n} at batch size {s}" for s, n in eager.items())
-                found.append(
-                    {
-                        "invariant": "I4",
-                        "rank": rank,
-                        "message": f"decode steps served eagerly since {v.switch_op or 'start-up'} "
-                        f"({sizes}): no capture for a size the config captures",
-                    }
-                )
-        found.extend(self._event_violations())
+        policy = (self.info.get("config") or {}).get("capture_policy", "recapture")
+        found = rank_violations(ranks)
+        found.extend(event_violations(self.events, policy, self._left_at))
         found.extend({"invariant": "I1", "rank": "-", "message": m} for m in self.rejected[-5:])
         return found
 
-    def _event_violations(self) -> list[dict[str, str]]:
-        """I2, I4 and I5 from the ranks' phase events of each operation, in the order received."""
-        found: list[dict[str, str]] = []
-        passes: dict[tuple[str, int], int] = defaultdict(int)
-        locks: dict[tuple[str, int], tuple[int, Event]] = {}
-        comm_formed: set[tuple[str, int]] = set()
-        for seq, e in self.events:
-            key = (e.op_id, e.rank)
-            if e.phase == "capture" and e.outcome == "ok":
-                passes[key] += 1  # one event per pass, sent where the pass runs
-            elif e.phase == "lock":
-                locks[key] = (seq, e)
-            elif e.phase == "prepare" and e.outcome == "ok":
-                comm_formed.add(key)  # the groups and the EPLB communicator are formed
-                if e.detail.get("transport") in MAPPED and e.detail.get("transport_attached") != e.detail.get("world"):
-                    # I2 for the transport: every member mapped the new world's shared memory in prepare
-                    found.append(
-                        {
-                            "invariant": "I2",
-                            "rank": str(e.rank),
-                            "message": f"shared memory of {e.op_id} prepared with "
-                            f"{e.detail.get('transport_attached')} of {e.detail.get('world')} ranks",
-                        }
-                    )
-                if e.detail.get("transport") in MAPPED and e.detail.get("transport_bytes", 0) < e.detail.get(
-                    "transport_needed", 0
-                ):
-                    found.append(
-                        {
-                            "invariant": "I2",
-                            "rank": str(e.rank),
-                            "message": f"shared memory of {e.op_id} takes {e.detail['transport_bytes']} bytes "
-                            f"per rank, the new world's exchanges need {e.detail['transport_needed']}",
-                        }
-                    )
-            elif e.phase == "transfer" and key not in comm_formed:
-                # I2: the rank's report that it formed the communicator must arrive before its
-                # weight transfer's: the order of receipt, not timestamps the rank writes.
-                found.append(
-                    {
-                        "invariant": "I2",
-                        "rank": str(e.rank),
-                        "message": f"weight transfer in {e.op_id} reported before the EPLB communicator was",
-                    }
-                )
-            if e.phase == "warm":
-                broken = [
-                    k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged") if e.detail.get(k) is False
-                ]
-                if broken:
-                    found.append(
-                        {
-                            "invariant": "I5",
-                            "rank": str(e.rank),
-                            "message": f"warm-up in {e.op_id} touched serving state ({', '.join(broken)} false)",
-                        }
-                    )
-        found.extend(self._capture_violations(passes, locks))
-        return found
-
-    def _capture_passes_expected(self, rank: int, lock_seq: int) -> int:
-        """I4's expectation, from the deployment's capture policy (the controller's record) and the
-        rank's history here: under ``reuse`` a rank that locked an earlier world since it last
-        (re)joined keeps its captures (0 passes); every other rank captures exactly once."""
-        policy = (self.info.get("config") or {}).get("capture_policy", "recapture")
-        if policy != "reuse":
-            return 1
-        since = max((s for s in self._left_at.get(rank, []) if s < lock_seq), default=0)
-        earlier = any(
-            e.phase == "lock" and e.rank == rank and since < seq < lock_seq and e.outcome == "ok"
-            for seq, e in self.events
-        )
-        return 0 if earlier else 1
-
-    def _capture_violations(
-        self, passes: dict[tuple[str, int], int], locks: dict[tuple[str, int], tuple[int, Event]]
-    ) -> list[dict[str, str]]:
-        """I4: every rank that re-warmed and locked captured as many times as the registry expects,
-        as its capture events show and as its own graph manager counted."""
-        found: list[dict[str, str]] = []
-        policy = (self.info.get("config") or {}).get("capture_policy", "recapture")
-        for (op_id, rank), (seq, lock) in locks.items():
-            n = passes.get((op_id, rank), 0)
-            counted = lock.detail.get("capture_passes")
-            expected = self._capture_passes_expected(rank, seq)
-            if n != expected:
-                found.append(
-                    {
-                        "invariant": "I4",
-                        "rank": str(rank),
-                        "message": f"{n} capture passes in one operation {op_id} (exactly {expected} expected"
-                        f" under {policy})",
-                    }
-                )
-            elif counted != n:
-                found.append(
-                    {
-                        "invariant": "I4",
-                        "rank": str(rank),
-                        "message": f"graph manager counted {counted} capture passes in {op_id}, events show {n}",
-                    }
-                )
-            if lock.outcome != "ok":
-                found.append(
-                    {
-                        "invariant": "I4",
-                        "rank": str(rank),
-                        "message": f"workspace lock refused in {op_id}: {lock.detail.get('error', '')}",
-                    }
-                )
-        for (op_id, rank), n in passes.items():
-            if n > 1 and (op_id, rank) not in locks:
-                found.append(
-                    {"invariant": "I4", "rank": str(rank), "message": f"{n} capture passes in one operation {op_id}"}
-                )
-        return found
-
     def snapshot(self) -> dict[str, Any]:
-        live = [st for st in self._rank_records() if not _gone(st)]
+        live = [st for st in self._rank_records() if not gone(st)]
         by_state: dict[str, int] = defaultdict(int)
         for st in live:
             by_state[st.state] += 1
@@ -392,10 +219,6 @@ class RegistryState:
             "registry_age_s": round(time.time() - self.started, 2),
             "eplb": eplb_balance(live),
         }
-
-
-def _gone(st: RankStatus) -> bool:
-    return st.state in _TERMINAL
 
 
 def eplb_balance(ranks: list[RankStatus]) -> dict[str, Any]:
