@@ -139,7 +139,8 @@ class Recovery:
                 self.last_recovery_s = time.time() - first_death
             except Exception as e:  # noqa: BLE001 - reported in the operation record
                 op.state, op.error_code = OpState.FAILED.value, 5
-                op.error = f"recovery failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+                last_line = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
+                op.error = f"recovery failed: {type(e).__name__}: {last_line}"
                 # A survivor that died in it may not be reported yet (its pipe or actor's end
                 # arrives after the call that failed on it): without this probe the failure read
                 # as "no healthy world" and the whole world was rebuilt to the desired size.
