@@ -276,7 +276,7 @@ def test_a_dead_engine_core_names_its_rank_and_the_command_that_restarts_the_ser
     engine core with ray.kill and exits the server), with the edges: a fresh server, a server that
     still answers its flag endpoint, ranks that vLLM killed itself only, and an API key on the
     server's command line (never shown)."""
-    from engine_ext.vllm.reporter import restart_command
+    from engine_ext.vllm.deployment_info import restart_command
 
     cmd = restart_command(
         [

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine_ext.control.registry_state import RegistryState
 from engine_ext.vllm import patches
-from engine_ext.vllm.reporter import Settings
+from engine_ext.vllm.registry_link import Settings
 from engine_ext.vllm.telemetry import VllmTelemetry
 from engine_ext.vllm.worker_reporter import WorkerReporter, executor_name
 

@@ -51,6 +51,27 @@ def bounds_problem(snap: dict[str, Any], target: int) -> str:
     return ""
 
 
+def admission_problem(
+    name: str, snap: dict[str, Any], target: int, running: dict[str, Any] | None, scaling: bool, stuck: Any
+) -> str:
+    """Why a scale of deployment ``name`` to ``target`` is refused before vLLM is asked, or "":
+    ``running``, the operation in flight; ``scaling``, vLLM's flag (a wedge in the snapshot's info,
+    or ``stuck``, the loop's finding that the flag stays up, says why); a target out of bounds."""
+    if running:
+        return (
+            f"{running['op_id']} is running on {name!r} (DP {running['from_size']} -> "
+            f"{running['to_size']}); one scale at a time"
+        )
+    if scaling:
+        wedge = (snap.get("info") or {}).get("wedged")
+        if wedge:
+            return wedged_message(name, wedge)
+        if stuck:
+            return f"vLLM deployment {name!r}: {stuck['reason']}; {stuck['repair']}"
+        return f"vLLM reports a scale of {name!r} in progress; one scale at a time"
+    return bounds_problem(snap, target)
+
+
 def wedged_message(name: str, wedge: dict[str, Any]) -> str:
     """One line: since when the deployment is wedged, in which phase, and the exact remedy."""
     since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(wedge.get("since") or 0)))

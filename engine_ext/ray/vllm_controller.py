@@ -2,11 +2,12 @@
 
 vLLM runs a DP transition itself; what it lacks is an owner of the operation. Here the scale is
 admitted, posted to ``/scale_elastic_ep``, followed (vLLM's ``/is_scaling_elastic_ep`` and the
-plugin's rank events in the registry) and recorded in the cluster, so an eepctl killed after asking
-leaves a running operation that still ends, and its deadline is enforced here, not by the waiting
-client. What vLLM reports at the end is reconciled into the record: a scaling flag still set (the
-wedge of vLLM #53947) and each engine's fault-tolerance health where the server has it. Clients
-reach it through ``engine_ext.drivers.vllm_scale``; the API key rides in each call, never in a record.
+plugin's rank events in the registry: engine_ext.ray.vllm_run) and recorded in the cluster, so an
+eepctl killed after asking leaves a running operation that still ends, and its deadline is
+enforced here, not by the waiting client. What vLLM reports at the end is reconciled into the
+record: a scaling flag still set (the wedge of vLLM #53947) and each engine's fault-tolerance
+health where the server has it. Clients reach it through ``engine_ext.drivers.vllm_scale``; the
+API key rides in each call, never in a record.
 Between operations its loop (engine_ext.ray.vllm_loop, a collaborator it owns and serves as
 ``LoopHost``) reconciles what vLLM reports and runs the shared autoscaler; a decision that acts
 becomes an operation here, carried out by the plugin inside the API server (``act_on``, no key).
@@ -17,35 +18,17 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
-from engine_ext.control.vllm_api import VllmApi, engine_health, error_for, fault_tolerance_health, message_of
-from engine_ext.control.vllm_deployment import (
-    abandoned,
-    api_for,
-    bounds_problem,
-    follow_events,
-    last_seq,
-    new_operation,
-    phase_summary,
-    settle_flag,
-    wedged_message,
-    workspace,
-)
+from engine_ext.control.vllm_api import VllmApi, error_for, message_of
+from engine_ext.control.vllm_deployment import abandoned, admission_problem, api_for, last_seq, new_operation
 from engine_ext.control.vllm_reconcile import FLAG_STUCK_S, published_flag
-from engine_ext.protocol import (
-    EepError,
-    OpState,
-    PreconditionError,
-    TransitionTimeout,
-    UnreachableError,
-    error_record,
-)
+from engine_ext.protocol import EepError, OpState, PreconditionError, UnreachableError, error_record
 from engine_ext.ray.names import registry_name, vllm_controller_name
-from engine_ext.ray.vllm_loop import TICK_S, VllmLoop, read_flag
+from engine_ext.ray.vllm_loop import TICK_S, VllmLoop
 from engine_ext.ray.vllm_orders import ScaleOrders
+from engine_ext.ray.vllm_run import run_scale
 
 FLAG_SETTLE_S = 10.0  # how long vLLM may take to lower its scaling flag after it answered
 DURABLE_OPS = 100  # operations and request ids kept in the GCS KV, as the reference controller keeps them
@@ -332,21 +315,9 @@ class VllmController:
                 )
             )
             running = None
-        if running or self._running:
-            op = self._ops.get(self._running or "") or running
-            raise PreconditionError(
-                f"{op['op_id']} is running on {self.deployment!r} (DP {op['from_size']} -> "
-                f"{op['to_size']}); one scale at a time"
-            )
-        if api.is_scaling() if scaling is None else scaling:
-            wedge = (snap.get("info") or {}).get("wedged")
-            if wedge:
-                raise PreconditionError(wedged_message(self.deployment, wedge))
-            stuck = self.loop.findings.get("flag_stuck")
-            if stuck:
-                raise PreconditionError(f"vLLM deployment {self.deployment!r}: {stuck['reason']}; {stuck['repair']}")
-            raise PreconditionError(f"vLLM reports a scale of {self.deployment!r} in progress; one scale at a time")
-        problem = bounds_problem(snap, target)
+        busy = (self._ops.get(self._running or "") or running) if running or self._running else None
+        flag = False if busy else (api.is_scaling() if scaling is None else scaling)
+        problem = admission_problem(self.deployment, snap, target, busy, flag, self.loop.findings.get("flag_stuck"))
         if problem:
             raise PreconditionError(problem)
 
@@ -360,81 +331,10 @@ class VllmController:
         return dict(op, op_id="-", state=OpState.SUCCEEDED.value, finished=time.time(), message=message_of(body))
 
     # ---- the run -----------------------------------------------------------------------------
-    def _run(
-        self,
-        op: dict[str, Any],
-        api: VllmApi,
-        drain: int,
-        timeout_s: float,
-        seq: int,
-        info: dict[str, Any],
-        ask: Callable[[], tuple[int, Any]] | None = None,
-        flag: Callable[[], bool | None] | None = None,
-    ) -> None:
-        """Ask vLLM for the scale on a thread (``ask``: the POST, or the autoscaler's order to the
-        plugin; answered when the transition has ended), follow vLLM's flag (``flag``: the
-        endpoint, or the published one) and the ranks' events until then or the deadline, then
-        reconcile and record."""
-        answer: dict[str, Any] = {}
-        ask = ask or (lambda: api.scale(op["to_size"], drain, timeout_s))
-        flag = flag or (lambda: read_flag(api))
-
-        def post() -> None:
-            try:
-                answer["reply"] = ask()
-            except EepError as e:
-                answer["error"] = e
-
-        poster = threading.Thread(target=post, name="eep-vllm-post", daemon=True)
-        poster.start()
-        events: list[dict[str, Any]] = []
-        while poster.is_alive() and time.time() < op["deadline"]:
-            poster.join(0.5)
-            seq = follow_events(self.call, seq, events)
-            if poster.is_alive() and op["phase"] != "commit" and flag():
-                self.record(dict(op, phase="commit"))  # vLLM raises its flag once prepare is done
-                op["phase"] = "commit"
-        error: EepError | None
-        if poster.is_alive():
-            error = TransitionTimeout(
-                f"{op['op_id']}: vLLM did not finish the scale to DP {op['to_size']} within "
-                f"{timeout_s:.0f}s (the controller's deadline)"
-            )
-        elif "error" in answer:
-            error = answer["error"]
-        else:
-            code, body = answer["reply"]
-            error = None if code == 200 else error_for(code, body, op["to_size"], info)
-        error = settle_flag(op["op_id"], flag, error, not poster.is_alive(), self.flag_settle_s)
-        time.sleep(0.3)  # the ranks' last reports
-        follow_events(self.call, seq, events)
-        self._finish(op, api, events, error)
-
-    def _finish(self, op: dict[str, Any], api: VllmApi, events: list[dict[str, Any]], error: EepError | None) -> None:
-        phases, captures, warmups = phase_summary(events)
-        try:
-            snap = self.call("snapshot")
-            op["workspace_after"] = workspace(snap)
-            op["rank_states"] = {str(r["rank"]): r["state"] for r in snap.get("ranks", [])}
-            if (snap.get("info") or {}).get("fault_tolerance"):
-                op["plan"] = dict(op["plan"], engines_after=engine_health(fault_tolerance_health(api)))
-        except EepError:
-            pass
-        op.update(
-            phase_durations=phases,
-            captures_per_rank=captures,
-            warmups_per_rank=warmups,
-            rank_ops=sorted({ev["op_id"] for ev in events}),
-            finished=time.time(),
-            state=OpState.SUCCEEDED.value
-            if error is None
-            else OpState.TIMED_OUT.value
-            if isinstance(error, TransitionTimeout)
-            else OpState.FAILED.value,
-        )
-        if error is not None:
-            op.update(error=error.message, error_code=int(error.exit_code))
-        self.record(op)
+    def _run(self, op: dict[str, Any], *args: Any) -> None:
+        """Follow ``op`` to its end and record it (engine_ext.ray.vllm_run.run_scale, with its
+        arguments); an autoscaler's scale also gives its decision the outcome."""
+        run_scale(self, op, *args)
         if op["plan"].get("by") == "autoscaler":  # the decision's outcome: "scaled: ..." or "failed: ..."
             self.loop.record_outcome(op)
 

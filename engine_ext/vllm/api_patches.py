@@ -73,7 +73,7 @@ def _guard() -> str:
         return f"unavailable: {AUTH_MODULE} cannot be imported ({type(e).__name__})"
     prefix = getattr(auth, "GUARDED_PREFIX", None)
     middleware = getattr(auth, "AuthenticationMiddleware", None)
-    call = getattr(middleware, "__call__", None)
+    call = middleware.__call__ if callable(middleware) else None
     if not (isinstance(prefix, tuple) and all(isinstance(p, str) for p in prefix)):
         return f"unavailable: {AUTH_MODULE}.GUARDED_PREFIX is not a tuple of paths"
     if call is None or "GUARDED_PREFIX" not in getattr(getattr(call, "__code__", None), "co_names", ()):

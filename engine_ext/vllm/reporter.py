@@ -2,152 +2,24 @@
 
 Everything here runs off vLLM's hot paths: one thread per process wakes a few times a second,
 reads what vLLM already exposes (the scheduler's request counts and KV usage, the live
-parallel config, the worker's telemetry) and sends it fire-and-forget to the registry actor.
-Ray is imported and connected only in these threads, and only after vLLM has started its
-own child processes.
+parallel config, the worker's telemetry) and sends it fire-and-forget to the registry actor
+through a RegistryLink (engine_ext.vllm.registry_link). Ray is imported and connected only in
+these threads, and only after vLLM has started its own child processes.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import socket
-import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-from engine_ext.records import DeploymentKind, RankState, VllmRankStatus, to_builtins
+from engine_ext.records import RankState, VllmRankStatus, to_builtins
+from engine_ext.vllm.deployment_info import deployment_info
+from engine_ext.vllm.registry_link import KIND, RegistryLink, Settings, node_name
 
 log = logging.getLogger("vllm.engine_ext")
-
-KIND = DeploymentKind.VLLM.value
-
-
-@dataclass(frozen=True)
-class Settings:
-    deployment: str
-    namespace: str
-    address: str
-
-
-class RegistryLink:
-    """Fire-and-forget calls to ``eep-registry.<deployment>``; created (kind "vllm") if missing.
-
-    A lost registry is recreated on the next call and given the recent events again (it drops
-    duplicates), so it rebuilds the picture from the ranks as the reference registry does.
-    """
-
-    def __init__(self, settings: Settings, resend: int = 500) -> None:
-        self.settings = settings
-        self._handle: Any = None
-        self._pending: Any = None
-        self._recent: deque[dict[str, Any]] = deque(maxlen=resend)
-        self.disabled = ""
-        self._warned: set[str] = set()
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(msg, *args)
-
-    def connect(self) -> bool:
-        if self.disabled:
-            return False
-        if self._handle is not None:
-            return True
-        try:
-            import ray
-            from engine_ext.ray.names import registry_name
-            from engine_ext.ray.registry import Registry
-
-            if not ray.is_initialized():
-                ray.init(address=self.settings.address, logging_level=logging.ERROR, log_to_driver=False)
-            name = registry_name(self.settings.deployment)
-            handle = (
-                ray.remote(Registry)
-                .options(
-                    name=name, namespace=self.settings.namespace, lifetime="detached", num_cpus=0, get_if_exists=True
-                )
-                .remote(self.settings.deployment, KIND)
-            )
-            kind = ray.get(handle.snapshot.remote(), timeout=30).get("kind")
-            if kind != KIND:
-                self.disabled = f"registry {name} belongs to a {kind!r} deployment"
-                log.warning("engine_ext: %s; this vLLM process does not report to it", self.disabled)
-                return False
-            self._handle = handle
-            if self._recent:
-                handle.report_events.remote(list(self._recent))
-            log.info("engine_ext: reporting to %s in namespace %s", name, self.settings.namespace)
-            return True
-        except Exception as e:  # noqa: BLE001 - the registry is optional for serving
-            self._warn_once(
-                "connect",
-                "engine_ext: registry of %s not reachable yet (%s: %s); retrying",
-                self.settings.deployment,
-                type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
-            )
-            self._handle = None
-            return False
-
-    def _call(self, method: str, *args: Any) -> Any:
-        if not self.connect():
-            return None
-        try:
-            return getattr(self._handle, method).remote(*args)
-        except Exception as e:  # noqa: BLE001
-            log.debug("engine_ext: %s failed (%s); reconnecting", method, e)
-            self._handle = None
-            return None
-
-    def report_status(self, status: dict[str, Any]) -> None:
-        self._check_pending()
-        self._pending = self._call("report_status", status)
-
-    def report_worker(self, record: dict[str, Any]) -> None:
-        self._check_pending()  # a dead registry is noticed here, as for report_status
-        self._pending = self._call("report_worker", record)
-
-    def report_events(self, events: list[dict[str, Any]]) -> None:
-        if events:
-            self._recent.extend(events)
-            self._call("report_events", events)
-
-    def set_info(self, info: dict[str, Any]) -> None:
-        self._call("set_info", info)
-
-    def _check_pending(self) -> None:
-        """Look at the previous status report's answer without waiting for it."""
-        ref, self._pending = self._pending, None
-        if ref is None:
-            return
-        try:
-            import ray
-
-            ready, _ = ray.wait([ref], timeout=0)
-            if not ready:
-                return
-            answer = ray.get(ready[0], timeout=1)
-            if isinstance(answer, dict) and not answer.get("accepted", True):
-                self._warn_once("dup", "engine_ext: registry refused this rank: %s", answer.get("reason"))
-        except Exception as e:  # noqa: BLE001 - the actor died: recreate it on the next call
-            log.debug("engine_ext: registry call failed (%s); reconnecting", e)
-            self._handle = None
-
-
-def node_name() -> str:
-    host = socket.gethostname()
-    try:
-        ip = socket.gethostbyname(host)
-    except OSError:
-        ip = ""
-    return f"{host}/{ip}" if ip else host
 
 
 def identity(vllm_config: Any) -> tuple[str, str]:
@@ -272,111 +144,6 @@ def _platform_device() -> str:
         return str(current_platform.device_type or "cpu")
     except Exception:  # noqa: BLE001
         return "unknown"
-
-
-def public_url(listen_address: str) -> str:
-    """The API server's URL as another host reaches it (a wildcard bind becomes this node's IP)."""
-    override = os.environ.get("EEPCTL_VLLM_API_URL")
-    if override:
-        return override
-    parts = urlsplit(listen_address)
-    host = parts.hostname or ""
-    if host in ("", "0.0.0.0", "::"):
-        try:
-            host = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            host = "127.0.0.1"
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        return urlunsplit((parts.scheme, netloc, "", "", ""))
-    return urlunsplit((parts.scheme, parts.netloc, "", "", ""))
-
-
-def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watch: Any = None) -> dict[str, Any]:
-    """What eepctl needs about a vLLM deployment. Never the API key: only whether one is set."""
-    pc = getattr(vllm_config, "parallel_config", None)
-    mc = getattr(vllm_config, "model_config", None)
-    info: dict[str, Any] = {
-        "kind": KIND,
-        "api_url": api_url,
-        "api_pid": os.getpid(),
-        "api_node": node_name(),
-        "api_heartbeat": time.time(),
-        # vLLM's base identity; it gives DP rank r of a DP > 1 deployment "<base>_dp<r>"
-        "instance_id": str(getattr(vllm_config, "instance_id", "") or ""),
-    }
-    if pc is not None:
-        dp = int(getattr(pc, "data_parallel_size", 1) or 1)
-        info.update(
-            {
-                "dp": dp,
-                "max_dp": int(getattr(pc, "elastic_ep_max_dp_size", None) or dp),
-                "elastic_ep": bool(getattr(pc, "enable_elastic_ep", False)),
-                "dp_backend": str(getattr(pc, "data_parallel_backend", "") or ""),
-                "expert_parallel": bool(getattr(pc, "enable_expert_parallel", False)),
-                "eplb": bool(getattr(pc, "enable_eplb", False)),
-                "fault_tolerance": bool(getattr(pc, "enable_fault_tolerance", False)),
-            }
-        )
-        try:
-            experts = int(mc.get_num_experts()) if mc is not None else 0
-            redundant = int(getattr(getattr(pc, "eplb_config", None), "num_redundant_experts", 0) or 0)
-            if experts:
-                physical = experts + redundant
-                info.update(
-                    {"num_experts": experts, "num_redundant_experts": redundant, "min_dp": -(-experts * dp // physical)}
-                )
-        except Exception:  # noqa: BLE001
-            pass
-    if mc is not None:
-        info["model"] = str(getattr(mc, "served_model_name", None) or getattr(mc, "model", ""))
-    info["api_key_required"] = api_key_required
-    info["api_command"] = restart_command()
-    if watch is not None:  # the wedged state (None when healthy) and the scales this server ran
-        from engine_ext.vllm import api_patches
-
-        info.update(
-            wedged=watch.wedge(),
-            scaling=api_patches.scaling_flag(),
-            scale_calls=watch.calls,
-            api_patches=api_patches.status(),
-        )
-    try:
-        import vllm
-
-        info["vllm_version"] = str(vllm.__version__)
-    except Exception:  # noqa: BLE001
-        pass
-    return info
-
-
-@functools.lru_cache(maxsize=1)
-def _own_cmdline() -> list[str]:
-    """This process's command line as it was started (read once: the info is refreshed every 2 s)."""
-    try:
-        with open("/proc/self/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return [sys.executable, *sys.argv]
-
-
-def restart_command(cmdline: list[str] | None = None) -> str:
-    """The API server's own command line, for the operator to run again after vLLM exited (a dead
-    engine core takes the whole server down), with any API key replaced by ``$VLLM_API_KEY``."""
-    import shlex
-
-    if cmdline is None:
-        cmdline = _own_cmdline()
-    out: list[str] = []
-    hide = False
-    for arg in cmdline:
-        if hide:
-            out.append("$VLLM_API_KEY")
-        elif arg.startswith("--api-key="):
-            out.append("--api-key=$VLLM_API_KEY")
-        else:
-            out.append(shlex.quote(arg))
-        hide = arg == "--api-key"
-    return " ".join(out)
 
 
 class ApiServerReporter(threading.Thread):

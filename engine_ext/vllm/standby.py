@@ -68,7 +68,7 @@ def _drop_engine(engine: Any) -> str:
 def _drop_worker(executor: Any) -> None:
     from vllm.distributed.elastic_ep.standby_state import pop_standby_groups
 
-    for name, group in pop_standby_groups().items():
+    for group in pop_standby_groups().values():
         if group is not None and hasattr(group, "destroy"):
             group.destroy()
     executor._prepared_eplb_communicator = None

@@ -19,7 +19,7 @@ import logging
 import threading
 from typing import Any
 
-from engine_ext.vllm.reporter import RegistryLink, Settings, node_name
+from engine_ext.vllm.registry_link import RegistryLink, Settings, node_name
 
 log = logging.getLogger("vllm.engine_ext")
 
