@@ -137,7 +137,7 @@ def _profile_rank(
 def profile(dps: list[int], tokens: int, steps: int, device: str, transport: str) -> list[dict[str, Any]]:
     import multiprocessing as mp
 
-    from engine_ext.elastic.comm import host_store
+    from engine_ext.elastic.stores import host_store
 
     ctx = mp.get_context("spawn")
     rows = []

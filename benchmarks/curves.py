@@ -85,8 +85,9 @@ def _link_peer(
     address for gloo (two nodes: each side of the link binds its end)."""
     import torch
 
-    from engine_ext.elastic.comm import StatelessGroup, configure_node
+    from engine_ext.elastic.comm import StatelessGroup
     from engine_ext.elastic.rendezvous import Rendezvous
+    from engine_ext.elastic.stores import configure_node
 
     if node_ip:
         configure_node(node_ip)
@@ -209,7 +210,7 @@ def link_curve(
     nodes: in the worker's network namespace) and returning something with ``wait``."""
     import multiprocessing as mp
 
-    from engine_ext.elastic.comm import host_store
+    from engine_ext.elastic.stores import host_store
 
     st = host_store(host)
     ctx = mp.get_context("spawn")

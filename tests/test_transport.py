@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from engine_ext.config import EngineConfig
-from engine_ext.elastic.comm import GroupError, GroupFailure, StatelessGroup, host_store
+from engine_ext.elastic.comm import GroupError, GroupFailure, StatelessGroup
 from engine_ext.elastic.rendezvous import Rendezvous
+from engine_ext.elastic.stores import host_store
 from engine_ext.transport import cuda_ipc, shm_files
 from engine_ext.transport import shm as shm_transport
 
@@ -35,10 +36,10 @@ def _collectives(
 ) -> None:
     """Every collective the serving step uses, on float64 and int64, and the expert moves'
     point-to-point exchange, reported back."""
-    from engine_ext.elastic import comm
+    from engine_ext.elastic import stores
 
     if node_ip:
-        comm.configure_node(node_ip)
+        stores.configure_node(node_ip)
     dev = torch.device(device)
     g = StatelessGroup(
         Rendezvous("127.0.0.1", port, prefix), rank, size, transport=transport, shm_bytes=4096, device=dev
@@ -546,7 +547,7 @@ def _mis_sized(rank: int, size: int, port: int, q: Any) -> None:
     """Rank 1 sizes the segment unlike rank 0: its set-up fails with a ValueError (not a ShmError)
     after its gloo group connected. It keeps the error (as an operation records its failure) and
     reports the sockets it still holds besides the store's."""
-    from engine_ext.elastic.comm import store_client
+    from engine_ext.elastic.stores import store_client
 
     store_client("127.0.0.1", port, purpose="wait")  # the process-wide wake-up connections, made up front
     store_client("127.0.0.1", port, purpose="wake")

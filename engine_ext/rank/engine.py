@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from engine_ext.config import EngineConfig
-from engine_ext.elastic.comm import StatelessGroup, configure_node, host_store
+from engine_ext.elastic.comm import StatelessGroup
 from engine_ext.elastic.eplb import EplbState, ExpertLayout
 from engine_ext.elastic.graphs import GraphManager
 from engine_ext.elastic.identity import apply_dp_identity_suffix
 from engine_ext.elastic.netaddr import local_ip
 from engine_ext.elastic.rendezvous import Rendezvous
+from engine_ext.elastic.stores import configure_node, host_store
 from engine_ext.elastic.transition_plan import TransitionPlan
 from engine_ext.elastic.weight_source import WeightSource
 from engine_ext.elastic.workspace import WorkspaceManager
