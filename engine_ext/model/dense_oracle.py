@@ -32,14 +32,14 @@ class DenseOracle:
         # [layers][experts] stacked: every expert of every layer, logical order.
         self.w1 = torch.stack(
             [
-                torch.stack([expert_weights(cfg, cfg.seed, l, e, dt)[0] for e in range(cfg.num_experts)])
-                for l in range(cfg.num_layers)
+                torch.stack([expert_weights(cfg, cfg.seed, layer, e, dt)[0] for e in range(cfg.num_experts)])
+                for layer in range(cfg.num_layers)
             ]
         )
         self.w2 = torch.stack(
             [
-                torch.stack([expert_weights(cfg, cfg.seed, l, e, dt)[1] for e in range(cfg.num_experts)])
-                for l in range(cfg.num_layers)
+                torch.stack([expert_weights(cfg, cfg.seed, layer, e, dt)[1] for e in range(cfg.num_experts)])
+                for layer in range(cfg.num_layers)
             ]
         )
 
@@ -51,18 +51,20 @@ class DenseOracle:
         ids = torch.tensor(tokens, dtype=torch.int64)
         x = w["embed"][ids] + w["pos_embed"][:S]
         causal = torch.ones(S, S, dtype=torch.bool).triu(1)
-        for l in range(cfg.num_layers):
-            h = _rms(x, w[f"l{l}.ln1"])
-            q, k, v = (h @ w[f"l{l}.wqkv"]).view(S, 3, nh, hd).unbind(1)
+        for layer in range(cfg.num_layers):
+            h = _rms(x, w[f"l{layer}.ln1"])
+            q, k, v = (h @ w[f"l{layer}.wqkv"]).view(S, 3, nh, hd).unbind(1)
             scores = torch.einsum("shd,thd->hst", q, k) / math.sqrt(hd)
             scores = scores.masked_fill(causal, float("-inf"))
             attn = torch.einsum("hst,thd->shd", torch.softmax(scores, dim=-1), v).reshape(S, H)
-            x = x + attn @ w[f"l{l}.wo"]
-            h = _rms(x, w[f"l{l}.ln2"])
-            probs = torch.softmax(h @ w[f"l{l}.router"], dim=-1)
+            x = x + attn @ w[f"l{layer}.wo"]
+            h = _rms(x, w[f"l{layer}.ln2"])
+            probs = torch.softmax(h @ w[f"l{layer}.router"], dim=-1)
             top_w, top_i = torch.topk(probs, cfg.top_k, dim=-1)
             mix = torch.zeros_like(probs).scatter(1, top_i, top_w / top_w.sum(-1, keepdim=True))  # [S, E]
-            every = torch.einsum("seh,eho->seo", torch.relu(torch.einsum("sh,ehi->sei", h, self.w1[l])), self.w2[l])
+            every = torch.einsum(
+                "seh,eho->seo", torch.relu(torch.einsum("sh,ehi->sei", h, self.w1[layer])), self.w2[layer]
+            )
             x = x + torch.einsum("se,seo->so", mix, every)
         return _rms(x, w["final_norm"]) @ w["lm_head"]
 

@@ -17,6 +17,7 @@ from engine_ext.config import EngineConfig
 from engine_ext.elastic.comm import StatelessGroup
 from engine_ext.elastic.eplb import ExpertLayout
 from engine_ext.elastic.workspace import WorkspaceManager, bytes_for
+from engine_ext.model.gathered import GatheredMoE, gathered_specs
 from engine_ext.model.routed import RoutedMoE, routed_specs, row_bytes, worst_case
 from engine_ext.model.weights import dense_weights, expert_weights, torch_dtype
 from engine_ext.transport.p2p import shared_empty
@@ -88,10 +89,10 @@ class MoEModel:
         self.w1 = alloc(cfg.num_layers, L, H, cfg.expert_hidden)
         self.w2 = alloc(cfg.num_layers, L, cfg.expert_hidden, H)
         for s, e in enumerate(layout.local_logical(rank)):
-            for l in range(cfg.num_layers):
-                a, b = expert_weights(cfg, seed, l, e, dt)
-                self.w1[l, s].copy_(a)
-                self.w2[l, s].copy_(b)
+            for layer in range(cfg.num_layers):
+                a, b = expert_weights(cfg, seed, layer, e, dt)
+                self.w1[layer, s].copy_(a)
+                self.w2[layer, s].copy_(b)
         self.kv = torch.zeros(
             cfg.num_layers, cfg.num_blocks * cfg.block_size, 2, cfg.num_heads, cfg.head_dim, dtype=dt, device=device
         )
@@ -173,18 +174,6 @@ class MoEModel:
         )
 
     # ---- workspace sizing ----------------------------------------------------------------
-    def moe_specs(self, gathered_tokens: int, slot_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        cfg, dt = self.cfg, self.dtype
-        k = cfg.top_k
-        return [
-            ((gathered_tokens, cfg.hidden_size), dt),  # gathered hidden states
-            ((gathered_tokens, k), torch.int64),  # gathered expert ids
-            ((gathered_tokens, k), dt),  # gathered routing weights
-            ((gathered_tokens, cfg.hidden_size), dt),  # combine accumulator
-            ((slot_tokens, cfg.hidden_size), dt),  # expert input rows
-            ((slot_tokens, cfg.expert_hidden), dt),  # expert intermediate
-        ]
-
     def moe_workspace_bound(self, world_size: int) -> int:
         """Worst case over all routings at max_num_tokens, over both MoE paths: the routed path
         (every pair of every rank on one rank, ``engine_ext.model.routed``) and the gathered one
@@ -192,7 +181,7 @@ class MoEModel:
         cfg = self.cfg
         T = cfg.max_num_tokens
         routed = bytes_for(routed_specs(cfg, self.dtype, *worst_case(cfg, world_size, T)))
-        return max(routed, bytes_for(self.moe_specs(world_size * T, 1)))
+        return max(routed, bytes_for(gathered_specs(cfg, self.dtype, world_size * T, 1)))
 
     def exchange_bound(self, world_size: int) -> int:
         """Bytes one rank puts into the largest per-step collective of a ``world_size`` world: the
@@ -255,9 +244,17 @@ class MoEModel:
         N = W * T
         # The routed path (engine_ext.model.routed) serves eager steps and CPU captures; the
         # gathered, dense one stays for CUDA captures: its shapes do not depend on the routing.
-        specs = self.moe_specs(N, 1) if dense_moe else routed_specs(cfg, self.dtype, *worst_case(cfg, W, T))
+        specs = (
+            gathered_specs(cfg, self.dtype, N, 1)
+            if dense_moe
+            else routed_specs(cfg, self.dtype, *worst_case(cfg, W, T))
+        )
         b = self.bind(workspace.get(specs) if bind_workspace else None)
-        routed = None if dense_moe else RoutedMoE(cfg, self.dtype, workspace, b.workspace)
+        moe = (
+            GatheredMoE(cfg, self.dtype, workspace, b, group)
+            if dense_moe
+            else RoutedMoE(cfg, self.dtype, workspace, b.workspace)
+        )
         d = b.dense
         ns: dict[str, torch.Tensor] = {}
         steps: list[tuple[str, Callable[[], None]]] = []
@@ -274,8 +271,8 @@ class MoEModel:
             ns["mask"] = ctx_pos.unsqueeze(0) > batch.positions.unsqueeze(1)
 
         steps.append(("compute", start))
-        for l in range(cfg.num_layers):
-            steps += self._layer_steps(l, batch, ns, workspace, b, group, record_load, routed)
+        for layer in range(cfg.num_layers):
+            steps += self._layer_steps(layer, batch, ns, b, group, record_load, moe)
 
         def finish() -> None:
             ns["logits"] = self._rms(ns["x"], d["final_norm"]) @ d["lm_head"]
@@ -285,56 +282,51 @@ class MoEModel:
 
     def _layer_steps(
         self,
-        l: int,
+        layer: int,
         batch: Batch,
         ns: dict[str, torch.Tensor],
-        workspace: WorkspaceManager,
         b: Bound,
         group: StatelessGroup | None,
         record_load: bool,
-        routed: RoutedMoE | None,
+        moe: RoutedMoE | GatheredMoE,
     ) -> list[tuple[str, Callable[[], None]]]:
         """One layer's steps: attention and routing, then the MoE exchange (routed or gathered)."""
-        T = batch.num_tokens
         W = 1 if group is None else group.size
-        N = W * T
         steps: list[tuple[str, Callable[[], None]]] = [
-            ("compute", lambda: self._attention_and_route(l, batch, ns, workspace, b, N, record_load, routed, W))
+            ("compute", lambda: self._attention_and_route(layer, batch, ns, b, record_load, moe, W))
         ]
-        if routed is not None:
+        if isinstance(moe, RoutedMoE):
             if group is not None:
-                steps.append(("comm", lambda: routed.dispatch(group, ns, l)))
-            steps.append(("compute", lambda: routed.experts(ns, l, b.w1[l], b.w2[l], group)))
+                steps.append(("comm", lambda: moe.dispatch(group, ns, layer)))
+            steps.append(("compute", lambda: moe.experts(ns, layer, b.w1[layer], b.w2[layer], group)))
             if group is not None:
-                steps.append(("comm", lambda: routed.combine(group, ns, l)))
-            steps.append(("compute", lambda: routed.residual(ns, l)))
+                steps.append(("comm", lambda: moe.combine(group, ns, layer)))
+            steps.append(("compute", lambda: moe.residual(ns, layer)))
             return steps
         if group is not None:
-            steps.append(("comm", lambda: self._dispatch(group, ns, W, l)))
-        steps.append(("compute", lambda: self._experts(l, ns, b, N)))
+            steps.append(("comm", lambda: moe.dispatch(ns, layer)))
+        steps.append(("compute", lambda: moe.experts(ns, layer)))
         if group is not None:
-            steps.append(("comm", lambda: self._combine(group, ns, W, l)))
-        steps.append(("compute", lambda: self._residual(ns, group, T, l)))
+            steps.append(("comm", lambda: moe.combine(ns, layer)))
+        steps.append(("compute", lambda: moe.residual(ns, layer)))
         return steps
 
     def _attention_and_route(
         self,
-        l: int,
+        layer: int,
         batch: Batch,
         ns: dict[str, torch.Tensor],
-        workspace: WorkspaceManager,
         b: Bound,
-        N: int,
         record_load: bool,
-        routed: RoutedMoE | None,
+        moe: RoutedMoE | GatheredMoE,
         W: int,
     ) -> None:
         cfg, d = self.cfg, b.dense
         T, H, nh, hd, k = batch.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.top_k
         x = ns["x"]
-        h = self._rms(x, d[f"l{l}.ln1"])
-        q, kk, v = (h @ d[f"l{l}.wqkv"]).view(T, 3, nh, hd).unbind(1)
-        cache = b.kv[l]
+        h = self._rms(x, d[f"l{layer}.ln1"])
+        q, kk, v = (h @ d[f"l{layer}.wqkv"]).view(T, 3, nh, hd).unbind(1)
+        cache = b.kv[layer]
         cache[ns["slot_mapping"], 0] = kk
         cache[ns["slot_mapping"], 1] = v
         keys = cache[ns["ctx_slots"], 0]  # [T, C, nh, hd]
@@ -342,77 +334,15 @@ class MoEModel:
         scores = torch.einsum("thd,tchd->thc", q, keys) / math.sqrt(hd)
         scores = scores.masked_fill(ns["mask"].unsqueeze(1), float("-inf"))
         attn = torch.einsum("thc,tchd->thd", torch.softmax(scores, dim=-1), vals).reshape(T, H)
-        x = x + attn @ d[f"l{l}.wo"]
+        x = x + attn @ d[f"l{layer}.wo"]
         ns["x"] = x
-        h = self._rms(x, d[f"l{l}.ln2"])
-        probs = torch.softmax(h @ d[f"l{l}.router"], dim=-1)
+        h = self._rms(x, d[f"l{layer}.ln2"])
+        probs = torch.softmax(h @ d[f"l{layer}.router"], dim=-1)
         top_w, top_i = torch.topk(probs, k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
         if record_load:  # EPLB statistics, recorded in the forward pass; shape-static and sync-free
             b.expert_load.scatter_add_(0, top_i.reshape(-1), batch.valid.to(torch.int64).repeat_interleave(k))
-        if routed is not None:
-            routed.route(ns, l, h, top_i, top_w, batch.valid, b, W)
-            return
-        # Gathered buffers come from the workspace; views are taken here so collectives reuse them.
-        gh, gi, gw, acc, _, _ = b.workspace if b.workspace is not None else workspace.get(self.moe_specs(N, 1))
-        ns.update(
-            {
-                f"h{l}": h,
-                f"top_w{l}": top_w,
-                f"top_i{l}": top_i,
-                f"gh{l}": gh,
-                f"gi{l}": gi,
-                f"gw{l}": gw,
-                f"acc{l}": acc,
-                f"moe_out{l}": torch.empty(T, H, dtype=h.dtype, device=h.device),
-            }
-        )
-
-    @staticmethod
-    def _dispatch(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int, l: int) -> None:
-        group.all_gather_many(
-            [
-                (list(ns[f"{g}{l}"].chunk(W)), ns[f"{x}{l}"].contiguous())
-                for g, x in (("gh", "h"), ("gi", "top_i"), ("gw", "top_w"))
-            ]
-        )
-
-    def _experts(self, layer: int, ns: dict[str, torch.Tensor], b: Bound, N: int) -> None:
-        """The gathered path (captured CUDA steps): every local slot over every gathered token,
-        weighted by the routing (zero where another rank's slot serves it): shape-static."""
-        cfg = self.cfg
-        k, L = cfg.top_k, cfg.slots_per_rank
-        l = layer
-        gh, gi, gw, acc = ns[f"gh{l}"], ns[f"gi{l}"], ns[f"gw{l}"], ns[f"acc{l}"]
-        if N == ns[f"h{l}"].shape[0]:  # one rank: the "gathered" tensors are the local ones
-            gh.copy_(ns[f"h{l}"])
-            gi.copy_(ns[f"top_i{l}"])
-            gw.copy_(ns[f"top_w{l}"])
-        # Which physical replica serves each (token, choice): a fixed function of the gathered
-        # token index, so every rank agrees without communicating.
-        token_idx = torch.arange(N, device=gh.device).unsqueeze(1).expand(N, k)
-        choice = token_idx % b.replica_count[gi]
-        phys = torch.gather(b.replica_table[gi], 2, choice.unsqueeze(-1)).squeeze(-1)  # [N, k]
-        local = (phys // L) == b.position
-        local_slot = phys % L
-        acc.zero_()
-        for s in range(L):
-            wsel = (gw * (local & (local_slot == s))).sum(-1, keepdim=True)  # [N, 1]
-            y = torch.relu(gh @ b.w1[layer, s]) @ b.w2[layer, s]
-            acc.add_(y * wsel)
-
-    @staticmethod
-    def _combine(group: StatelessGroup, ns: dict[str, torch.Tensor], W: int, l: int) -> None:
-        acc, out = ns[f"acc{l}"], ns[f"moe_out{l}"]
-        if not group.reduce_scatters_on_device:
-            # reduce_scatter of device tensors is not among gloo's CUDA collectives: all-reduce
-            # the accumulator and keep this rank's chunk.
-            group.all_reduce_sum(acc)
-            out.copy_(acc.chunk(W)[group.rank])
+        if isinstance(moe, RoutedMoE):
+            moe.route(ns, layer, h, top_i, top_w, batch.valid, b, W)
         else:
-            group.reduce_scatter(out, list(acc.chunk(W)))
-
-    @staticmethod
-    def _residual(ns: dict[str, torch.Tensor], group: StatelessGroup | None, T: int, l: int) -> None:
-        out = ns[f"acc{l}"][:T] if group is None else ns[f"moe_out{l}"]
-        ns["x"] = ns["x"] + out
+            moe.route(ns, layer, h, top_i, top_w)

@@ -89,7 +89,7 @@ class RoutedMoE:
     def route(
         self,
         ns: dict[str, Any],
-        l: int,
+        layer: int,
         h: torch.Tensor,
         top_i: torch.Tensor,
         top_w: torch.Tensor,
@@ -97,7 +97,7 @@ class RoutedMoE:
         b: Any,
         world: int,
     ) -> None:
-        """Build the send rows of layer ``l``: valid tokens' pairs, ordered by destination rank."""
+        """Build the send rows of layer ``layer``: valid tokens' pairs, ordered by destination rank."""
         cfg = self.cfg
         T, k, L = h.shape[0], cfg.top_k, cfg.slots_per_rank
         token_idx = (b.position * T + torch.arange(T, device=h.device)).unsqueeze(1).expand(T, k)
@@ -111,26 +111,33 @@ class RoutedMoE:
         send = self._views(P, 0, 1)[0][:P]
         slot_of(send).copy_(phys[order] % L)
         hidden_of(send, cfg, self.dtype).copy_(h[order // k])
-        ns.update({f"send{l}": send, f"counts{l}": counts, f"tok{l}": order // k, f"gate{l}": top_w.reshape(-1)[order]})
-
-    def dispatch(self, group: Any, ns: dict[str, Any], l: int) -> None:
-        P = ns[f"send{l}"].shape[0]
-        ns[f"recv_counts{l}"] = group.all_to_all_v(
-            ns[f"send{l}"], ns[f"counts{l}"], lambda n: self._views(P, n, 1)[1][:n]
+        ns.update(
+            {
+                f"send{layer}": send,
+                f"counts{layer}": counts,
+                f"tok{layer}": order // k,
+                f"gate{layer}": top_w.reshape(-1)[order],
+            }
         )
 
-    def experts(self, ns: dict[str, Any], l: int, w1: torch.Tensor, w2: torch.Tensor, group: Any) -> None:
+    def dispatch(self, group: Any, ns: dict[str, Any], layer: int) -> None:
+        P = ns[f"send{layer}"].shape[0]
+        ns[f"recv_counts{layer}"] = group.all_to_all_v(
+            ns[f"send{layer}"], ns[f"counts{layer}"], lambda n: self._views(P, n, 1)[1][:n]
+        )
+
+    def experts(self, ns: dict[str, Any], layer: int, w1: torch.Tensor, w2: torch.Tensor, group: Any) -> None:
         """Each local slot on its received rows; outputs overwrite the rows' hidden states."""
         cfg = self.cfg
-        P = ns[f"send{l}"].shape[0]
-        R = P if group is None else sum(ns[f"recv_counts{l}"])  # one rank: it receives what it sends
+        P = ns[f"send{layer}"].shape[0]
+        R = P if group is None else sum(ns[f"recv_counts{layer}"])  # one rank: it receives what it sends
         first = self._views(P, R, 1)
         per_slot = torch.bincount(
             slot_of(first[0][:P] if group is None else first[1][:R]), minlength=cfg.slots_per_rank
         ).tolist()
         views = self._views(P, R, max(per_slot + [1]))  # the buffer may grow: re-read through new views
-        ns[f"send{l}"] = views[0][:P]
-        ns[f"recv{l}"] = recv = views[0][:P] if group is None else views[1][:R]
+        ns[f"send{layer}"] = views[0][:P]
+        ns[f"recv{layer}"] = recv = views[0][:P] if group is None else views[1][:R]
         slots = slot_of(recv)
         x = hidden_of(recv, cfg, self.dtype)
         xin, mid = views[2], views[3]
@@ -144,13 +151,13 @@ class RoutedMoE:
             ms.relu_()
             x.index_copy_(0, rows, ms @ w2[s])
 
-    def combine(self, group: Any, ns: dict[str, Any], l: int) -> None:
-        send = ns[f"send{l}"]
-        group.all_to_all_v(ns[f"recv{l}"], ns[f"recv_counts{l}"], lambda n: send[:n], ns[f"counts{l}"])
+    def combine(self, group: Any, ns: dict[str, Any], layer: int) -> None:
+        send = ns[f"send{layer}"]
+        group.all_to_all_v(ns[f"recv{layer}"], ns[f"recv_counts{layer}"], lambda n: send[:n], ns[f"counts{layer}"])
 
-    def residual(self, ns: dict[str, Any], l: int) -> None:
+    def residual(self, ns: dict[str, Any], layer: int) -> None:
         """``x += sum over pairs of gate x expert output``, accumulated in the send order."""
-        y = hidden_of(ns[f"send{l}"], self.cfg, self.dtype)
+        y = hidden_of(ns[f"send{layer}"], self.cfg, self.dtype)
         out = torch.zeros_like(ns["x"])
-        out.index_add_(0, ns[f"tok{l}"], y * ns[f"gate{l}"].unsqueeze(-1))
+        out.index_add_(0, ns[f"tok{layer}"], y * ns[f"gate{layer}"].unsqueeze(-1))
         ns["x"] = ns["x"] + out

@@ -33,12 +33,12 @@ def dense_weights(cfg: EngineConfig, seed: int, dtype: torch.dtype) -> dict[str,
         "embed": _rand(g, V, H, fan_in=1, dtype=dt) * 0.5,
         "pos_embed": _rand(g, cfg.max_model_len, H, fan_in=1, dtype=dt) * 0.1,
     }
-    for l in range(cfg.num_layers):
-        dense[f"l{l}.ln1"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
-        dense[f"l{l}.wqkv"] = _rand(g, H, 3 * H, fan_in=H, dtype=dt)
-        dense[f"l{l}.wo"] = _rand(g, H, H, fan_in=H, dtype=dt)
-        dense[f"l{l}.ln2"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
-        dense[f"l{l}.router"] = _rand(g, H, cfg.num_experts, fan_in=H, dtype=dt) * 4.0
+    for layer in range(cfg.num_layers):
+        dense[f"l{layer}.ln1"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
+        dense[f"l{layer}.wqkv"] = _rand(g, H, 3 * H, fan_in=H, dtype=dt)
+        dense[f"l{layer}.wo"] = _rand(g, H, H, fan_in=H, dtype=dt)
+        dense[f"l{layer}.ln2"] = torch.ones(H, dtype=dt) + _rand(g, H, fan_in=100, dtype=dt)
+        dense[f"l{layer}.router"] = _rand(g, H, cfg.num_experts, fan_in=H, dtype=dt) * 4.0
     dense["final_norm"] = torch.ones(H, dtype=dt)
     dense["lm_head"] = _rand(g, H, V, fan_in=H, dtype=dt) * 4.0
     return dense
