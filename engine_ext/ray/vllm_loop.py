@@ -29,6 +29,7 @@ from engine_ext.control.vllm_reconcile import (
     OrphanWatch,
     current_world,
     engines_finding,
+    prepared_dp,
     published_flag,
     server_down_finding,
 )
@@ -246,7 +247,7 @@ class VllmLoop:
         if str(autoscale.policy.mode) != "off":
             members, statuses = current_world(snap)
             busy = running or ("vLLM's own scale (its scaling flag is set)" if flag else None)
-            decision = autoscale.tick(statuses, members, now=now, busy=busy)
+            decision = autoscale.tick(statuses, members, now=now, busy=busy, prepared_dp=prepared_dp(snap, now))
             if decision is not None and decision.recommendation < decision.current_dp:
                 leaving = ", ".join(map(str, range(decision.recommendation, decision.current_dp)))
                 decision.rule += f"; vLLM retires its highest rank(s): {leaving} (not the emptiest)"
