@@ -12,44 +12,47 @@ import typer
 from eepctl.options import Address, Name, Namespace, Output, OutputOpt, emit, target, width
 from engine_ext.protocol import DEFAULT_DEPLOYMENT, DEFAULT_NAMESPACE, UsageError
 
+Op = Annotated[
+    str | None,
+    typer.Option("--op", help="Only this operation (its full id or the short one the table shows), with every event."),
+]
+Follow = Annotated[
+    bool, typer.Option("--follow", "-f", help="Keep printing new events (until the operation ends, with --op).")
+]
+Timeline = Annotated[
+    bool,
+    typer.Option(
+        "--timeline",
+        help="A per-rank Gantt of an operation's phases (--op; default: the last operation; -o json: the spans).",
+    ),
+]
+Autoscaler = Annotated[
+    bool,
+    typer.Option(
+        "--autoscaler", help="The autoscaler's decisions instead: signals, rule fired, recommendation, action."
+    ),
+]
+Last = Annotated[
+    int | None,
+    typer.Option(
+        "--last", help="Only the last N operations (default 20 in the table; all with -o json).", show_default=False
+    ),
+]
+Verbose = Annotated[
+    bool,
+    typer.Option(
+        "--verbose", "-v", help="Also every event of the controller and of each rank (--op: that operation's)."
+    ),
+]
+
 
 def events(
-    op: Annotated[
-        str | None,
-        typer.Option(
-            "--op", help="Only this operation (its full id or the short one the table shows), with every event."
-        ),
-    ] = None,
-    follow: Annotated[
-        bool, typer.Option("--follow", "-f", help="Keep printing new events (until the operation ends, with --op).")
-    ] = False,
-    timeline: Annotated[
-        bool,
-        typer.Option(
-            "--timeline",
-            help="A per-rank Gantt of an operation's phases (--op; default: the last operation; -o json: the spans).",
-        ),
-    ] = False,
-    autoscaler: Annotated[
-        bool,
-        typer.Option(
-            "--autoscaler", help="The autoscaler's decisions instead: signals, rule fired, recommendation, action."
-        ),
-    ] = False,
-    last: Annotated[
-        int | None,
-        typer.Option(
-            "--last", help="Only the last N operations (default 20 in the table; all with -o json).", show_default=False
-        ),
-    ] = None,
-    verbose: Annotated[
-        bool,
-        typer.Option(
-            "--verbose",
-            "-v",
-            help="Also every event of the controller and of each rank (--op: that operation's).",
-        ),
-    ] = False,
+    op: Op = None,
+    follow: Follow = False,
+    timeline: Timeline = False,
+    autoscaler: Autoscaler = False,
+    last: Last = None,
+    verbose: Verbose = False,
     name: Name = DEFAULT_DEPLOYMENT,
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,

@@ -94,40 +94,12 @@ def open_loop(
     ``stop`` set: no more requests are sent (``stopped_early`` in the result); those sent are awaited.
     Each request gets ``timeout_s`` from its own sending, so a long load does not eat the last ones'.
     ``note`` gets `SENDING` as the sending begins (a caller's SIGINT handler is in place by then)."""
-    rng = random.Random(seed)
     stop = stop or threading.Event()
-    n = max(1, int(rate * duration_s))
     t0 = time.time()
-    sent: list[tuple[int, float, Pending]] = []
     note(SENDING.format(rate=rate, duration=duration_s))
-    for i in range(n):
-        delay = t0 + i / rate - time.time()
-        if delay > 0:
-            stop.wait(delay)
-        if stop.is_set() and sent:
-            break
-        idx = rng.randrange(len(prompts))
-        sent.append((idx, time.time(), submit(prompts[idx])))
+    sent = _send_paced(submit, prompts, rate, max(1, int(rate * duration_s)), random.Random(seed), stop, t0)
     n = len(sent)
-    records = []
-    for idx, sent_at, pending in sent:
-        try:
-            r = pending.wait(max(1.0, timeout_s - (time.time() - sent_at)))
-        except EepError as e:
-            r = {"error": e.message}
-        records.append(
-            {
-                "prompt_index": idx,
-                "output": r.get("output", []),
-                "error": error_text(r),
-                "latency_s": r.get("latency_s"),
-                "rank": r.get("rank"),
-                "moved_from": r.get("moved_from", []),
-                "resumed_with": r.get("resumed_with", 0),
-                "sent_at": round(sent_at, 3),
-                "resent": r.get("resent", 0),
-            }
-        )
+    records = [_answer_record(idx, sent_at, pending, timeout_s) for idx, sent_at, pending in sent]
     lat = sorted(r["latency_s"] for r in records if not r["error"] and r["latency_s"] is not None)
     return {
         "sent": n,
@@ -139,6 +111,48 @@ def open_loop(
         "latency_s": percentiles(lat),
         "prompts": prompts,
         "records": records,
+    }
+
+
+def _send_paced(
+    submit: Submit,
+    prompts: list[list[int]],
+    rate: float,
+    n: int,
+    rng: random.Random,
+    stop: threading.Event,
+    t0: float,
+) -> list[tuple[int, float, Pending]]:
+    """Up to ``n`` prompts drawn with ``rng``, the i-th sent at ``t0 + i / rate`` whatever the
+    answers do; ``stop`` set ends the sending once one was sent. Each: (prompt index, sent at, pending)."""
+    sent: list[tuple[int, float, Pending]] = []
+    for i in range(n):
+        delay = t0 + i / rate - time.time()
+        if delay > 0:
+            stop.wait(delay)
+        if stop.is_set() and sent:
+            break
+        idx = rng.randrange(len(prompts))
+        sent.append((idx, time.time(), submit(prompts[idx])))
+    return sent
+
+
+def _answer_record(idx: int, sent_at: float, pending: Pending, timeout_s: float) -> dict[str, Any]:
+    """A sent request's outcome, awaited ``timeout_s`` from its own sending (at least a second)."""
+    try:
+        r = pending.wait(max(1.0, timeout_s - (time.time() - sent_at)))
+    except EepError as e:
+        r = {"error": e.message}
+    return {
+        "prompt_index": idx,
+        "output": r.get("output", []),
+        "error": error_text(r),
+        "latency_s": r.get("latency_s"),
+        "rank": r.get("rank"),
+        "moved_from": r.get("moved_from", []),
+        "resumed_with": r.get("resumed_with", 0),
+        "sent_at": round(sent_at, 3),
+        "resent": r.get("resent", 0),
     }
 
 

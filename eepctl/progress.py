@@ -189,7 +189,7 @@ def progress_view(
 
 def progress_text(model: ProgressModel, now: float, *, verbose: bool = False, width: int = 100) -> str:
     """The display as plain text (no spinner animation): what the snapshot tests compare."""
-    from eepctl.render import rich_text
+    from eepctl.render_text import rich_text
 
     return rich_text([progress_view(model, now, verbose=verbose, spinner=False)], width)
 

@@ -96,13 +96,13 @@ def cost_lines(ops: list[dict[str, Any]]) -> list[str]:
             if pred.get("pause_s") is not None
             else f"not predicted vs {_s(got.get('pause_s'))}"
         )
+        move = _pair(pred.get("move_s"), got.get("move_s"), _s, err.get("move_s"), inside.get("move_s"))
+        moved = _pair(pred.get("moved_bytes"), got.get("moved_bytes"), _b, err.get("moved_bytes"))
+        commit = _pair(pred.get("commit_bytes"), got.get("commit_bytes"), _b, err.get("commit_bytes"))
+        extra = _pair(pred.get("extra_memory_bytes"), got.get("extra_memory_bytes"), _b, None)
         out.append(
-            f"{op['op_id']} predicted vs measured: pause {pause}, move "
-            f"{_pair(pred.get('move_s'), got.get('move_s'), _s, err.get('move_s'), inside.get('move_s'))}, moved per rank "
-            f"{_pair(pred.get('moved_bytes'), got.get('moved_bytes'), _b, err.get('moved_bytes'))}, in the "
-            f"commit {_pair(pred.get('commit_bytes'), got.get('commit_bytes'), _b, err.get('commit_bytes'))}, "
-            f"extra memory {_pair(pred.get('extra_memory_bytes'), got.get('extra_memory_bytes'), _b, None)}"
-            + (f" [{pred['no_model']}]" if pred.get("no_model") else "")
+            f"{op['op_id']} predicted vs measured: pause {pause}, move {move}, moved per rank {moved}, in the "
+            f"commit {commit}, extra memory {extra}" + (f" [{pred['no_model']}]" if pred.get("no_model") else "")
         )
     return out
 

@@ -52,7 +52,7 @@ def fence_lines(events: list[dict[str, Any]], short: dict[str, str]) -> list[str
 
 
 def _span(per_rank: dict[str, int]) -> str:
-    from eepctl.render import human_bytes
+    from eepctl.render_text import human_bytes
 
     if not per_rank:
         return "-"
@@ -134,8 +134,8 @@ def ops_table(ops: list[dict[str, Any]], short: dict[str, str], level: str) -> A
 def events_text(data: dict[str, Any], width: int = 160, verbose: bool = False) -> str:
     """The table with the most columns that fit ``width``, then the lines under it (each error in
     full, the requests a scale-up re-dispatched, costs, fences); every event with ``verbose``."""
-    from eepctl.render import natural_width, rich_text
     from eepctl.render_cost import cost_lines
+    from eepctl.render_text import natural_width, rich_text
 
     ops, evs = data.get("operations", []), data.get("events", [])
     short = data.get("short_ids") or {o["op_id"]: o["op_id"] for o in ops}

@@ -234,6 +234,6 @@ def _pause_bar(pause: dict[str, Any], total: float, width: int) -> Text:
 
 
 def timeline_text(tl: dict[str, Any], width: int = 120) -> str:
-    from eepctl.render import rich_text
+    from eepctl.render_text import rich_text
 
     return rich_text(timeline_renderables(tl, width), width)

@@ -1,10 +1,12 @@
 """The house as a contract: the layering (import-linter, pyproject's [tool.importlinter]) and the
-one crossing it ignores, module and function sizes, and no reach into another module's private
-names. Each check reads the source only: it runs in a second and needs no cluster."""
+one crossing it ignores, module and function sizes, no reach into another module's private names,
+and ruff's lint and format (pyproject's [tool.ruff]). Each check reads the source only: it runs in
+a second and needs no cluster."""
 
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -200,14 +202,45 @@ def test_the_private_name_check_sees_a_mixins_reach_into_its_host():
 
 
 def test_the_cli_core_never_asks_which_engine_it_drives():
-    """eepctl.core talks to every deployment through the driver seam (engine_ext.drivers): no
-    "is it vLLM" branch, no import of an engine's driver module."""
-    source = (ROOT / "eepctl" / "core.py").read_text()
-    tree = ast.parse(source)
-    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not [m for m in imported if "vllm" in m], sorted(imported)
-    assert "vllm" not in source.lower(), [ln for ln in source.splitlines() if "vllm" in ln.lower()]
+    """eepctl.core (every module of the package) talks to every deployment through the driver seam
+    (engine_ext.drivers): no "is it vLLM" branch, no import of an engine's driver module."""
+    modules = sorted((ROOT / "eepctl" / "core").glob("*.py"))
+    assert len(modules) > 1 and (ROOT / "eepctl" / "core" / "__init__.py") in modules, modules
+    for path in modules:
+        source = path.read_text()
+        tree = ast.parse(source)
+        imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not [m for m in imported if "vllm" in m], (path.name, sorted(imported))
+        assert "vllm" not in source.lower(), (path.name, [ln for ln in source.splitlines() if "vllm" in ln.lower()])
+
+
+def _ruff(*args: str) -> subprocess.CompletedProcess:
+    """ruff (pinned in the test extra) run over the repository with pyproject's [tool.ruff]; no cache
+    written into the tree."""
+    exe = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert exe, "ruff is not installed (it is in the test extra)"
+    pinned = re.search(r'"ruff==([^"]+)"', (ROOT / "pyproject.toml").read_text())
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout.split()[-1]
+    assert pinned and version == pinned[1], f"ruff {version} is not the test extra's {pinned and pinned[1]}"
+    return subprocess.run([exe, *args, "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_ruff_finds_nothing():
+    """The lint rules pyproject's [tool.ruff] selects hold over the whole tree: pycodestyle (lines of
+    at most 120 characters), pyflakes, bugbear and the import order."""
+    res = _ruff("check", "--output-format", "concise")
+    assert res.returncode == 0, (
+        f"`ruff check .` finds (`ruff check --fix <files>` fixes some):\n{res.stdout[-6000:]}{res.stderr[-2000:]}"
+    )
+
+
+def test_the_tree_is_formatted_by_ruff():
+    """Every file is as `ruff format` (line length 120) writes it."""
+    res = _ruff("format", "--check")
+    assert res.returncode == 0, (
+        f"`ruff format --check .` would change (`ruff format <files>` does):\n{res.stdout[-6000:]}{res.stderr[-2000:]}"
+    )
 
 
 def test_the_lanes_split_ray_and_vllm_as_conftest_says():
