@@ -45,6 +45,7 @@ from engine_ext.rank.reshuffle import ExpertReshuffle
 from engine_ext.rank.scheduler import Request, RequestRejected, Scheduler
 from engine_ext.rank.shared import RankResources, RankShared
 from engine_ext.rank.standby import StandbyIdentity
+from engine_ext.rank.status_fields import eplb_fields, graph_fields, scheduler_fields
 from engine_ext.rank.step_loop import StepLoop
 from engine_ext.rank.telemetry import RankTelemetry, Sink
 from engine_ext.rank.transition import RankTransition
@@ -212,7 +213,6 @@ class RankEngine:
     # ---- RankControl: telemetry ---------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         shared, res = self.shared, self.res
-        s, g, eplb = res.sched, res.graphs, res.eplb
         now = time.time()
         st = RankStatus(
             deployment=self.deployment,
@@ -230,52 +230,24 @@ class RankEngine:
             state=shared.state.value,
             state_reason=shared.state_reason,
             dp_size=shared.world_size,
-            requests_running=len(s.running),
-            requests_waiting=len(s.waiting),
-            request_seconds=round(s.held.total(now), 6),
-            slots_used=s.slots.used,
-            slots_total=s.slots.total,
-            kv_blocks_used=s.blocks.used,
-            kv_blocks_total=s.blocks.total,
             workspace_bytes=res.workspace.nbytes,
             workspace_locked=res.workspace.locked,
             workspace_required_bytes=shared.required_workspace,
             capture_policy=self.cfg.capture_policy,
             workspace_recapture_bytes=res.model.moe_workspace_bound(shared.world_size),
-            graphs_captured=len(g.captured_sizes),
-            capture_sizes=g.captured_sizes,
-            graph_kind=g.kind,
-            graph_replays=g.stats.replays,
-            last_capture_s=g.stats.last_capture_s,
-            capture_times_s={str(k): round(v, 6) for k, v in sorted(g.stats.capture_durations.items())},
-            last_capture_pass_s=(
-                round(sum(g.stats.capture_durations.values()), 6) if g.stats.capture_durations else None
-            ),
             captures_this_op=shared.capture_passes,
             current_op=shared.current_op,
-            eplb_step=eplb.step,
-            eplb_imbalance=eplb.imbalance(),
-            physical_experts=eplb.layout.num_physical,
-            logical_experts=eplb.layout.num_logical,
             steps=shared.steps,
             last_heartbeat=now,
             epoch=shared.epoch,
             transport=getattr(shared.group, "transport_kind", ""),
             transport_attached=getattr(shared.group, "transport_attached", 0),
             stale_replays_refused=shared.stale_replays_refused,
-            eplb_logical_load=list(eplb.logical_load),
-            switch_op=g.window.op_id,
-            replays_since_switch={str(k): v for k, v in sorted(g.window.replays.items())},
-            eager_since_switch={str(k): v for k, v in sorted(g.window.eager.items())},
-            eager_fallbacks=g.stats.eager_fallbacks,
             capture_sizes_expected=list(self.cfg.capture_sizes),
-            captured_in={str(k): v for k, v in g.captured_in.items()},
-            eplb_recent_load=eplb.recent_load(),
-            eplb_slots=eplb.layout.local_logical(res.model.rank),  # the layout slice at the model's position
             move_bytes_held=shared.move_bytes_held,
-            **s.latency.summary(),  # windowed TTFT/TPOT p50/p95 (engine_ext/rank/latency.py)
-            **s.served.summary(),
-            tokens_queued=s.tokens_queued(),  # the autoscaler's load and capacity signals
+            **scheduler_fields(res.sched, now),
+            **graph_fields(res.graphs),
+            **eplb_fields(res.eplb, res.model.rank),  # the layout slice at the model's position
         )
         return to_builtins(st)
 

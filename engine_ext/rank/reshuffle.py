@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,11 +51,11 @@ class ExpertReshuffle:
         w1, w2 = self.res.model.w1, self.res.model.w2
         layers = w1.shape[0]
         if flat is None:
-            return [w[l, slot] for l in range(layers) for w in (w1, w2)]
+            return [w[layer, slot] for layer in range(layers) for w in (w1, w2)]
         n1 = w1[0, 0].numel()
         a = flat[: layers * n1].view(layers, *w1.shape[2:])
         b = flat[layers * n1 :].view(layers, *w2.shape[2:])
-        return [t[l] for l in range(layers) for t in (a, b)]
+        return [t[layer] for layer in range(layers) for t in (a, b)]
 
     def _schedule(
         self,
@@ -277,6 +277,23 @@ class ExpertReshuffle:
             )
         return max(1, min(k, slots))
 
+    def _pack_commit(
+        self, op: OpState, moves: list[ExpertMove], take: Callable[[int], bool]
+    ) -> tuple[list, list, list, list, Callable[[], int]]:
+        """(sends, recvs, local copies, landing buffers, extra) of the commit's moves ``take``
+        accepts, into the commit's buffers. What the workspace could not hold (``extra()`` bytes)
+        comes out of the KV pool too, for the pause: accounted here, given back by the pre-copy's
+        release (the commit's load, or a failed commit's abort)."""
+        new_buffer, extra = self._commit_buffers()
+        sends, recvs, local, _, landing = self._schedule(op, moves, op.role == "joining", take, new_buffer)
+        pc = op.precopy
+        if extra():
+            self._account((pc.nbytes if pc is not None else 0) + extra())
+            if pc is None:
+                op.precopy = pc = PreCopy([], 0, time.time(), lambda: None)
+            pc.release = lambda: self._account(0)
+        return sends, recvs, local, landing, extra
+
     def apply(self, op: OpState) -> dict[str, Any]:
         """At the commit: move what the pre-copy left (the plan's split: received into buffers and
         local copies, as a recovery's move), then copy every buffer, pre-copied or not, into the slot
@@ -292,28 +309,19 @@ class ExpertReshuffle:
             old_pos=old_positions(plan.old_world, plan.new_world),
         )
         t0 = time.perf_counter()
-        new_buffer, extra = self._commit_buffers()
-        sends, recvs, local, _, landing = self._schedule(
-            op, moves, op.role == "joining", lambda i: not in_pre(i), new_buffer
-        )
+        sends, recvs, local, landing, extra = self._pack_commit(op, moves, lambda i: not in_pre(i))
         pc = op.precopy
-        if extra():  # what the workspace could not hold comes out of the KV pool too, for the pause
-            self._account((pc.nbytes if pc is not None else 0) + extra())
-            if pc is None:
-                op.precopy = pc = PreCopy([], 0, time.time(), lambda: None)
-            pc.release = lambda: self._account(0)  # the commit's load, or a failed commit's abort
         t_pack = time.perf_counter()
         comm.exchange(sends, recvs)
         t_exchange = time.perf_counter()
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        sent, received = nbytes(t for t, _, _ in sends), nbytes(t for t, _, _ in recvs)
+        sent, received = _nbytes(t for t, _, _ in sends), _nbytes(t for t, _, _ in recvs)
         sends.clear()
         recvs.clear()  # (views of the landing buffers, which are freed off the pause below)
         loaded = [*(pc.held if pc is not None else []), *local, *landing]
         threads = self._load_threads(comm, loaded)
         _load(model, loaded, threads)
-        copied = sum(buf.numel() * buf.element_size() for _, buf in loaded)
-        moved = sum(buf.numel() * buf.element_size() for _, buf in local + landing)
+        copied = _nbytes(buf for _, buf in loaded)
+        moved = _nbytes(buf for _, buf in local + landing)
         commit_moves = len(local) + len(landing)
         t_load = time.perf_counter()
         freed = op.free_precopy("commit")
@@ -338,6 +346,10 @@ class ExpertReshuffle:
             "load_s": t_load - t_exchange,
             **freed,
         }
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _load(model: Any, loaded: list[tuple[Any, torch.Tensor]], threads: int) -> None:
