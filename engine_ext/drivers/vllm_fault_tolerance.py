@@ -50,41 +50,10 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
     PreconditionError (4) without fault tolerance or for a dead engine, TransitionFailed (5)
     when vLLM reports the recovery failed, TransitionTimeout (6) past ``timeout_s``,
     UnreachableError (3) when nothing answers; the record rides in ``detail["operation"]``."""
-    from engine_ext.control.vllm_reconcile import repair_plan
-
     name = snap["deployment"]
     size = int((snap.get("info") or {}).get("dp") or max(1, len(snap.get("ranks", []))))
-    plan = repair_plan(snap)  # the controller's findings: a stuck flag blocks the rest (503 to everything)
-    down = (((snap.get("info") or {}).get("control") or {}).get("vllm") or {}).get("server_down")
-    if down:  # nothing answers any more: say what happened and the one command that brings it back
-        raise PreconditionError(
-            f"repair of vLLM deployment {name!r}: {down['reason']}; {down['repair']}",
-            detail={"plan": plan, "server_down": down},
-        )
-    if plan and plan[0].startswith("vLLM's scaling flag is stuck"):
-        raise PreconditionError(f"repair of vLLM deployment {name!r}: {plan[0]}", detail={"plan": plan})
-    before = status(snap, api_key=api_key)
-    if before is None:
-        raise PreconditionError(
-            f"vLLM deployment {name!r} runs without --enable-fault-tolerance: "
-            "it has no recovery to apply (restart it to recover)"
-        )
-    op: dict[str, Any] = {
-        "op_id": new_op_id(),
-        "kind": "repair",
-        "deployment": name,
-        "instruction": INSTRUCTION,
-        "from_size": size,
-        "to_size": size,
-        "state": OpState.RUNNING.value,
-        "started": time.time(),
-        "finished": None,
-        "error": "",
-        "error_code": 0,
-        "request_id": "",
-        "engines_before": engine_health(before),
-        "engines_after": {},
-    }
+    before = _recoverable_status(snap, name, api_key)
+    op = _operation(name, size, before)
     dead = [e for e in before["engines"] if e.get("status") == DEAD]
     if dead:
         return _finish(
@@ -108,7 +77,61 @@ def repair(snap: dict[str, Any], *, api_key: str | None, timeout_s: float) -> di
             else TransitionFailed(f"vLLM refused {INSTRUCTION!r}: HTTP {code} {message_of(body)}")
         )
         return _finish(op, before, err)
-    op["request_id"] = request_id = str(body.get("request_id", "")) if isinstance(body, dict) else ""
+    op["request_id"] = str(body.get("request_id", "")) if isinstance(body, dict) else ""
+    return _follow(op, snap, api_key, before, timeout_s)
+
+
+def _recoverable_status(snap: dict[str, Any], name: str, api_key: str | None) -> dict[str, Any]:
+    """vLLM's fault-tolerance status, once nothing stands in the way of its recovery instruction:
+    PreconditionError when the server is down, vLLM's scaling flag is stuck (503 to everything),
+    or the server runs without fault tolerance."""
+    from engine_ext.control.vllm_reconcile import repair_plan
+
+    plan = repair_plan(snap)  # the controller's findings: a stuck flag blocks the rest (503 to everything)
+    down = (((snap.get("info") or {}).get("control") or {}).get("vllm") or {}).get("server_down")
+    if down:  # nothing answers any more: say what happened and the one command that brings it back
+        raise PreconditionError(
+            f"repair of vLLM deployment {name!r}: {down['reason']}; {down['repair']}",
+            detail={"plan": plan, "server_down": down},
+        )
+    if plan and plan[0].startswith("vLLM's scaling flag is stuck"):
+        raise PreconditionError(f"repair of vLLM deployment {name!r}: {plan[0]}", detail={"plan": plan})
+    before = status(snap, api_key=api_key)
+    if before is None:
+        raise PreconditionError(
+            f"vLLM deployment {name!r} runs without --enable-fault-tolerance: "
+            "it has no recovery to apply (restart it to recover)"
+        )
+    return before
+
+
+def _operation(name: str, size: int, before: dict[str, Any]) -> dict[str, Any]:
+    """The repair's operation-like record, running."""
+    return {
+        "op_id": new_op_id(),
+        "kind": "repair",
+        "deployment": name,
+        "instruction": INSTRUCTION,
+        "from_size": size,
+        "to_size": size,
+        "state": OpState.RUNNING.value,
+        "started": time.time(),
+        "finished": None,
+        "error": "",
+        "error_code": 0,
+        "request_id": "",
+        "engines_before": engine_health(before),
+        "engines_after": {},
+    }
+
+
+def _follow(
+    op: dict[str, Any], snap: dict[str, Any], api_key: str | None, before: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """Poll the status until the instruction ``op["request_id"]`` ends: every engine healthy, an
+    engine's ``ft_error`` for it or an engine dead (TransitionFailed), or ``timeout_s`` passed
+    (TransitionTimeout)."""
+    name, request_id = op["deployment"], op["request_id"]
     deadline = time.time() + timeout_s
     current = before
     while time.time() < deadline:
