@@ -237,7 +237,7 @@ def test_ruff_finds_nothing():
 
 def test_the_tree_is_formatted_by_ruff():
     """Every file is as `ruff format` (line length 120) writes it."""
-    res = _ruff("format", "--check")
+    res = _ruff("format", "--check", "--output-format", "concise")
     assert res.returncode == 0, (
         f"`ruff format --check .` would change (`ruff format <files>` does):\n{res.stdout[-6000:]}{res.stderr[-2000:]}"
     )
