@@ -677,15 +677,18 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     if "link" in a.parts:
         res["link"] = link_curve(link_sizes, 1 if a.quick else 3, dev)
         print(
-            "| MiB per transfer | raw socket GB/s | gloo direct GB/s | ratio | packed + fresh buffer (reshuffle before 12-04) GB/s | ratio |"
+            "| MiB per transfer | raw socket GB/s | gloo direct GB/s | ratio "
+            "| packed + fresh buffer (reshuffle before 12-04) GB/s | ratio |"
         )
         print("|---|---|---|---|---|---|")
         for r in res["link"]:
             print(
-                f"| {r['bytes'] / MIB:.0f} | {r['raw_GBps']:.2f} | {r['gloo_direct_GBps']:.2f} | {r['ratio_direct']:.2f} "
+                f"| {r['bytes'] / MIB:.0f} | {r['raw_GBps']:.2f} | {r['gloo_direct_GBps']:.2f} "
+                f"| {r['ratio_direct']:.2f} "
                 f"| {r['gloo_staged_GBps']:.2f} | {r['ratio_staged']:.2f} |"
                 + (
-                    f" device->device staged through host: {r['gloo_device_GBps']:.2f} GB/s, ratio {r['ratio_device']:.2f}"
+                    f" device->device staged through host: {r['gloo_device_GBps']:.2f} GB/s, "
+                    f"ratio {r['ratio_device']:.2f}"
                     if "gloo_device" in r
                     else ""
                 )
@@ -756,7 +759,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         for r in res["bytes"]:
             copied = max((p.get("commit_copy_bytes", 0) for p in r["reshuffle_parts_by_rank"].values()), default=0)
             print(
-                f"| {r['expert_MiB']:.0f} | {r['expert_MiB'] / 8:.2f} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | "
+                f"| {r['expert_MiB']:.0f} | {r['expert_MiB'] / 8:.2f} | {_f(r['wall_s'], 2)} | "
+                f"{_f(r['launch_s'], 2)} | "
                 f"{_f(r['phases'].get('prepare'), 2)} | {_f(r.get('precopy_s'), 2)} | "
                 f"{_f(r['pause_s'])} | {_f(r['phases'].get('commit'))} | {_f(r['transfer_s'])} | "
                 f"{_f(r['transfer_GBps_per_joiner'], 2)} | {_f(r.get('move_GBps_per_joiner'), 2)} | {copied:,} | "
@@ -824,7 +828,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             ph = r["phases"]
             print(
                 f"| {r['from']}->{r['to']} | {_f(r['wall_s'], 2)} | {_f(r['launch_s'], 2)} | {_f(r['pause_s'])} | "
-                f"{_f(ph.get('prepare'))} | {_f(r['transfer_s'])} | {_f(ph.get('commit'))} | {_f(ph.get('reshuffle'))} | "
+                f"{_f(ph.get('prepare'))} | {_f(r['transfer_s'])} | {_f(ph.get('commit'))} | "
+                f"{_f(ph.get('reshuffle'))} | "
                 f"{_f(ph.get('warm'))} | {_f(ph.get('capture'))} | {r['pause_s'] / p0:.2f} |",
                 flush=True,
             )

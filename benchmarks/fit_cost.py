@@ -66,8 +66,10 @@ def fit_and_write(paths: list[str], out: str) -> dict[str, Any]:
     print(f"wrote {out}: {len(pts)} points from {runs[0]['host']}")
     print(
         f"  move: {mv['intercept']:.4f} s + {mv['coef'].get('total_moved_bytes', 0.0) * 2**30:.3f} s/GiB moved + "
-        f"{mv['coef'].get('spare_total_bytes', 0.0) * 2**30:.3f} s/GiB into spare buffers (not fitted: {mv['not_fitted']}) "
-        f"(max error on its points {mv['max_rel_error']:.0%}, spread x{mv['spread'][0]:.2f}..x{mv['spread'][1]:.2f}); "
+        f"{mv['coef'].get('spare_total_bytes', 0.0) * 2**30:.3f} s/GiB into spare buffers "
+        f"(not fitted: {mv['not_fitted']}) "
+        f"(max error on its points {mv['max_rel_error']:.0%}, "
+        f"spread x{mv['spread'][0]:.2f}..x{mv['spread'][1]:.2f}); "
         f"the commit's loads at "
         f"{min(rates) if rates else 0:.1f} GB/s (the copy rate measured beside the curves)"
     )
@@ -75,10 +77,40 @@ def fit_and_write(paths: list[str], out: str) -> dict[str, Any]:
         print(
             f"  pause ({policy}): {pz['intercept']:.4f} s + {pz['coef'].get('rank_expert_bytes', 0.0) * 2**30:.4f} "
             f"s/GiB held per rank + {pz['coef'].get('commit_load_bytes', 0.0) * 2**30:.4f} s/GiB loaded in the "
-            f"commit (max error on its points {pz['max_rel_error']:.0%}, spread x{pz['spread'][0]:.2f}..x{pz['spread'][1]:.2f}; "
+            f"commit (max error on its points {pz['max_rel_error']:.0%}, "
+            f"spread x{pz['spread'][0]:.2f}..x{pz['spread'][1]:.2f}; "
             f"not fitted: {pz['not_fitted']})"
         )
     return model
+
+
+def _seconds(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def _error_cell(err: dict[str, float], inside: dict[str, bool], k: str) -> str:
+    """The error of part ``k``, and whether the measurement fell inside the predicted range."""
+    where = "" if k not in inside else " in" if inside[k] else " **out**"
+    return (f"{err[k]:+.0%}" if k in err else "-") + where
+
+
+def _range_cell(pred: dict[str, Any], k: str) -> str:
+    return f" ({pred[k][0]:.4f}-{pred[k][1]:.4f})" if pred.get(k) else ""
+
+
+def _report_row(
+    mib: float, pred: dict[str, Any], got: dict[str, Any], err: dict[str, float], inside: dict[str, bool]
+) -> str:
+    """One scale's row of the report: predicted (range), measured and error of the pause and the move."""
+    pause = (
+        f"{_seconds(pred.get('pause_s'))}{_range_cell(pred, 'pause_range_s')} | {_seconds(got.get('pause_s'))} "
+        f"| {_error_cell(err, inside, 'pause_s')}"
+    )
+    move = (
+        f"{_seconds(pred.get('move_s'))}{_range_cell(pred, 'move_range_s')} | {_seconds(got.get('move_s'))} "
+        f"| {_error_cell(err, inside, 'move_s')}"
+    )
+    return f"| {mib:.0f} | {pause} | {move} |" + (f" {pred['no_model']}" if pred.get("no_model") else "")
 
 
 def report(paths: list[str]) -> None:
@@ -86,7 +118,8 @@ def report(paths: list[str]) -> None:
     the error of the median of the repeats of each size (one scale's pause strays; the median of
     its repeats says whether the model is off)."""
     print(
-        "| expert MiB | pause predicted s (range) | measured s | error | move predicted s (range) | measured s | error |"
+        "| expert MiB | pause predicted s (range) | measured s | error "
+        "| move predicted s (range) | measured s | error |"
     )
     print("|---|---|---|---|---|---|---|")
     by_plan: dict[tuple[Any, ...], list[tuple[dict[str, Any], dict[str, Any]]]] = {}  # repeats of one plan
@@ -100,25 +133,7 @@ def report(paths: list[str]) -> None:
             mib = r.get("expert_MiB", 1.0)
             key = (mib, *(pred.get(f) for f in ("total_moved_bytes", "spare_total_bytes", "commit_load_bytes")))
             by_plan.setdefault(key, []).append((pred, got))
-            inside = within_range(pred, got)
-            f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-            e = lambda k: (
-                (f"{err[k]:+.0%}" if k in err else "-")
-                + (
-                    ""
-                    if k not in inside
-                    # noqa: E731
-                    else " in"
-                    if inside[k]
-                    else " **out**"
-                )
-            )
-            rg = lambda k: f" ({pred[k][0]:.4f}-{pred[k][1]:.4f})" if pred.get(k) else ""  # noqa: E731
-            print(
-                f"| {mib:.0f} | {f(pred.get('pause_s'))}{rg('pause_range_s')} | {f(got.get('pause_s'))} | {e('pause_s')} "
-                f"| {f(pred.get('move_s'))}{rg('move_range_s')} | {f(got.get('move_s'))} | {e('move_s')} |"
-                + (f" {pred['no_model']}" if pred.get("no_model") else "")
-            )
+            print(_report_row(mib, pred, got, err, within_range(pred, got)))
     for k in ("pause_s", "move_s"):
         pairs = [(pr, g) for rows in by_plan.values() for pr, g in rows if pr.get(k) is not None and g.get(k)]
         if not pairs:
@@ -177,7 +192,8 @@ if __name__ == "__main__":
         report(a.curves)
     elif a.leave_one_size_out:
         print(
-            "| expert MiB | loaded in commit MiB | pause predicted s | measured s | error | move predicted s | measured s | error |"
+            "| expert MiB | loaded in commit MiB | pause predicted s | measured s | error "
+            "| move predicted s | measured s | error |"
         )
         print("|---|---|---|---|---|---|---|---|")
         leave_one_size_out(a.curves)

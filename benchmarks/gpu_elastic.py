@@ -138,7 +138,8 @@ async def main(device: str, out: str, cases: list[str]) -> None:
         ratio = f"{r['wall_s'] / cold:.2f}" if cold else "-"
         print(
             f"| {r['case']} | {r['wall_s']:.2f} | {ratio} | {r['launch_s'] if r['launch_s'] is not None else '-'} | "
-            f"{round(r['pause_s'], 3) if r['pause_s'] is not None else '-'} | {caps} | {ws} | {mib} | {r['failed']} | {r['wrong']} |"
+            f"{round(r['pause_s'], 3) if r['pause_s'] is not None else '-'} | {caps} | {ws} | {mib} | "
+            f"{r['failed']} | {r['wrong']} |"
         )
 
 

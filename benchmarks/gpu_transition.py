@@ -170,7 +170,8 @@ def main() -> None:
     with open(os.path.join(args.out, f"gpu_transition{args.tag}.json"), "w") as f:
         json.dump({"device": device_name, "torch": torch.__version__, "results": results}, f, indent=1, default=str)
     print(
-        "\nvariant        op    state      pause_ms  commit_s  warm_s(max) capture_s(max) passes  stale_refused  wrong/failed"
+        "\nvariant        op    state      pause_ms  commit_s  warm_s(max) capture_s(max) passes  "
+        "stale_refused  wrong/failed"
     )
     for r in results:
         for op in r["ops"]:

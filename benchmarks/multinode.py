@@ -3,15 +3,16 @@
 Builds the two-node cluster of tests/multinode.py (root: the head on 10.213.0.1; a network
 namespace: the second node on 10.213.0.2; needs root), then for each placement runs DP 1->2->4->2
 under open-loop load: `pack` keeps every rank on one node, `spread` puts them on both, so weight
-transfers to joiners on the other node cross the veth link (1->2 always does under spread). Prints a markdown report: wall time, serving pause,
-weight-transfer bytes and throughput per joiner (with whether it crossed nodes), load outcomes.
+transfers to joiners on the other node cross the veth link (1->2 always does under spread). Prints a
+markdown report: wall time, serving pause, weight-transfer bytes and throughput per joiner (with
+whether it crossed nodes), load outcomes.
 
 ``--curve``: issue 25's two-node point of the world curve, sized as benchmarks/curves.py sizes its
 model (``--expert-hidden``, default 32768 = 256 MiB of experts): the raw link across the veth (a
 TCP stream and gloo storage to storage, between a process on the head and one in the worker's
 namespace), then 2->4 under spread and under pack on the same cluster, with each joiner's
-expert bytes (the pre-copy's and the commit's reshuffle's), exchange seconds and rate, how much of it crossed the link, and the rate as a
-ratio to the raw veth stream. Writes ``--out``/multinode_curve.json.
+expert bytes (the pre-copy's and the commit's reshuffle's), exchange seconds and rate, how much of
+it crossed the link, and the rate as a ratio to the raw veth stream. Writes ``--out``/multinode_curve.json.
 
 Usage (as root): .venv/bin/python benchmarks/multinode.py [--rate R] [--hidden H]
                  .venv/bin/python benchmarks/multinode.py --curve [--expert-hidden E] [--out DIR]

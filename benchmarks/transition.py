@@ -122,11 +122,12 @@ def main() -> None:
         )
     print("\n| load window | sent | completed | failed | p50 ms | p90 ms | p99 ms | max ms |")
     print("|---|---|---|---|---|---|---|---|")
-    for label, l in loads.items():
-        lat = l["latency_s"]
+    for label, window in loads.items():
+        lat = window["latency_s"]
         ms = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731
         print(
-            f"| {label} | {l['sent']} | {l['completed']} | {l['failed']} | {ms(lat['p50'])} | {ms(lat['p90'])} | "
+            f"| {label} | {window['sent']} | {window['completed']} | {window['failed']} | "
+            f"{ms(lat['p50'])} | {ms(lat['p90'])} | "
             f"{ms(lat['p99'])} | {ms(lat['max'])} |"
         )
 
