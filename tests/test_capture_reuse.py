@@ -1,8 +1,9 @@
 """The ``reuse`` capture policy on the process launcher: captures sized once for max DP serve
 2 -> 4 -> 3 -> 2 with zero capture passes on the survivors and the dense oracle's tokens (one
 2 -> 4 joiner adopted from a standby pool that captured there, before adoption; the 4 -> 3
-retires rank 1 from the middle, so two survivors replay at a new position), the survivors replay their pre-transition captures after each switch (counted per batch size since
-the switch, none served eagerly), the registry reports no I4 violation for those zero passes,
+retires rank 1 from the middle, so two survivors replay at a new position), the survivors replay
+their pre-transition captures after each switch (counted per batch size since the switch, none
+served eagerly), the registry reports no I4 violation for those zero passes,
 survivors that drop their captures are flagged, and a capture sized for the launch world instead
 of max DP is refused on the scale-up. The default policy, ``auto``, takes reuse where the KV budget
 holds its workspace beside every request slot's KV, and then no rank that stays re-warms in a scale."""

