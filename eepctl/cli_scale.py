@@ -133,14 +133,11 @@ def standby(
     address: Address = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     output: OutputOpt = Output.table,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait until they are ready.")] = 600.0,
 ) -> None:
-    """Keep COUNT ranks launched ahead in the standby pool (a scale-up takes its joiners there first)."""
+    """Keep COUNT ranks launched ahead (on vLLM: engine cores prepared); a scale-up takes them first."""
     from eepctl import core, render
+    from eepctl.render_standby import standby_text
 
-    res = core.standby(target(address, namespace, name), count)
-    emit(
-        render.to_json("standby", res) + "\n"
-        if output == Output.json
-        else f"standby pool of {name}: {len(res['ready'])} of {res['size']} ready (standby numbers {res['ready']}), "
-        f"{res['taken']} adopted so far\n"
-    )
+    res = core.standby(target(address, namespace, name), count, timeout)
+    emit(render.to_json("standby", res) + "\n" if output == Output.json else standby_text(name, res))

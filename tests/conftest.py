@@ -36,7 +36,6 @@ VLLM_SERVER_MODULES = (
     "test_vllm_cpu_ep",
     "test_vllm_plugin",
     "test_vllm_amx",
-    "test_vllm_standby",
 )
 RAY_UNITS = ("test_fuzz", "test_completions")  # with every ``*_ray`` module: they start the session's Ray head
 WAITING_RAY = ("test_multinode_ray", "test_control_plane_ray", "test_cli_ray")  # gw1's Ray modules

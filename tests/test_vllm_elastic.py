@@ -73,6 +73,7 @@ def deployment(
         "RAY_ADDRESS": ray_head,
         "EEPCTL_VLLM_ORPHAN_SETTLE_S": "3",  # the controller's settle for an orphan (6 s): > the 2 s info period
         "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH",
+        "EEPCTL_VLLM_STANDBY": "0",  # prepared engine cores on, none until `eepctl standby` asks
     }  # this checkout's engine_ext in the engine actors
     elastic = start(
         vllm_checkpoint,
@@ -453,6 +454,103 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
     assert run_prompts(server, PROMPTS) == expected
     _check_operations(address, done["op_id"])
     print(f"eepctl calls (s): {CLI_SECONDS}")
+
+
+@pytest.mark.timeout(1500)
+def test_eepctl_standby_prepares_a_core_the_scale_up_commits_and_count_0_drops_it(deployment: dict[str, Any]) -> None:
+    """Engine cores prepared ahead (engine_ext.vllm.standby), asked of the running server by `eepctl
+    standby`: with 1 the plugin holds vLLM's prepare for DP 3 open; the prepared rank 2 shows in `eepctl
+    status` as ``standby`` with its own pid and ``<base>_dp2`` while DP 2 serves the oracle's tokens;
+    `eepctl scale --dp 3` is then the commit alone (no ``launch`` event after it started) and DP 3
+    serves the oracle's tokens. The plugin then holds DP 4; its prepared core SIGKILLed, the server
+    serves on and the prepare is made again with a new core; `eepctl standby --count 0` drops it (the
+    prepared core's process and its Ray actor gone) and `eepctl scale --dp 2` is vLLM's own."""
+    server: Server = deployment["elastic"]
+    address, expected = deployment["address"], deployment["expected"]
+    server.wait_healthy()
+    info = _snapshot_now()["info"]
+    assert info["dp"] == 2 and info["standby"]["count"] == 0 and info["standby"]["prepared"] is None, info
+    res = _cli(address, "standby", "--count", "1", "-o", "json", "--timeout", "900", timeout=960)
+    assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
+    held = json.loads(res.stdout)
+    assert (held["kind"], held["prepared_dp"], held["ready"], held["state"]) == ("vllm", 3, [2], "prepared"), held
+    snap = _status(address)
+    base, ranks = snap["info"]["instance_id"], {r["rank"]: r for r in snap["ranks"]}
+    assert [ranks[r]["state"] for r in (0, 1, 2)] == ["serving", "serving", "standby"] and snap["info"]["dp"] == 2
+    assert ranks[2]["instance_id"] == f"{base}_dp2" and ranks[2]["pid"] not in (ranks[0]["pid"], ranks[1]["pid"])
+    text = _cli(address, "status", timeout=120)
+    assert text.returncode == 0 and "standby" in text.stdout, text.stdout
+    assert run_prompts(server, PROMPTS) == expected  # DP 2 serves while DP 3 is prepared
+    up = _scale_json(address, 3)
+    assert (up["from_size"], up["to_size"], up["state"]) == (2, 3, "succeeded"), up
+    assert not [e for e in _op_events(up) if e["phase"] == "launch" and e["start"] >= up["started"]]  # launched before
+    wait_for(lambda: _snapshot_now()["info"].get("dp") == 3, timeout=30, what="DP 3 in the API server's info")
+    assert run_prompts(server, PROMPTS) == expected
+    ranks = {r["rank"]: r for r in _held(4)["ranks"]}  # the next size is prepared in turn
+    killed = int(ranks[3]["pid"])
+    assert ranks[3]["state"] == "standby" and _alive(killed) and killed in _actor_pids(), ranks
+    os.kill(killed, 9)  # SIGKILL, by pid: the held core dies; the server serves on, the prepare is made again
+    ranks = {r["rank"]: r for r in _held(4, replacing=killed)["ranks"]}
+    prepared = int(ranks[3]["pid"])
+    assert _snapshot_now()["info"]["standby"]["died"] == 1 and server.proc.poll() is None
+    assert run_prompts(server, PROMPTS) == expected and prepared in _actor_pids() and killed not in _actor_pids()
+    res = _cli(address, "standby", "--count", "0", "-o", "json", timeout=700)
+    assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
+    dropped = json.loads(res.stdout)
+    assert (dropped["prepared_dp"], dropped["ready"], dropped["dp"]) == (None, [], 3) and dropped["drops"] >= 1, dropped
+    wait_for(
+        lambda: not _alive(prepared) and prepared not in _actor_pids(),
+        timeout=120,
+        what="the prepared engine core's process and Ray actor gone",
+    )
+    down = _scale_json(address, 2)
+    assert (down["from_size"], down["to_size"], down["state"]) == (3, 2, "succeeded"), down
+    assert run_prompts(server, PROMPTS) == expected
+    print(
+        f"standby: 2 -> 3 in {up['finished'] - up['started']:.2f}s with DP 3 prepared ahead "
+        f"(prepare {held['prepare_s']}s), 3 -> 2 in {down['finished'] - down['started']:.2f}s after count 0 "
+        f"dropped DP 4's prepare in {dropped['drop_s']}s"
+    )
+
+
+def _scale_json(address: str, dp: int) -> dict[str, Any]:
+    res = _cli(address, "scale", "--dp", str(dp), "-o", "json", "--timeout", "600", timeout=700)
+    assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _op_events(op: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in _registry("events", None, 0)["events"] if e["op_id"] in op["rank_ops"]]
+
+
+def _held(size: int, timeout: float = 600, replacing: int = 0) -> dict[str, Any]:
+    """The snapshot once the API server holds the prepare for ``size`` and its new rank reports standby
+    (a process other than ``replacing``)."""
+
+    def ready() -> dict[str, Any] | None:
+        snap = _snapshot_now()
+        held = (snap.get("info") or {}).get("standby") or {}
+        new = next((r for r in snap["ranks"] if r["rank"] == size - 1), None)
+        ok = held.get("state") == "prepared" and held.get("prepared") == size and new and new["state"] == "standby"
+        return snap if ok and int(new["pid"]) != replacing else None
+
+    return wait_for(ready, timeout=timeout, interval=1.0, what=f"a prepare held for DP {size}")
+
+
+def _alive(pid: int) -> bool:
+    """Is the process (an engine core on this host) still there?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _actor_pids() -> set[int]:
+    """The pids of the live actors in Ray's actor table (this test process is connected to the head)."""
+    from engine_ext.ray.ray_private import alive_actors
+
+    return {int(a.get("Pid") or 0) for a in alive_actors()}
 
 
 def _check_operations(address: str, killed_op: str) -> None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from eepctl.core.target import Target, connect, deployment_actors, driver
-from engine_ext.protocol import UnreachableError, UsageError
-from engine_ext.ray.deployment import call
+from eepctl.core.target import Target, driver
+from engine_ext.protocol import UsageError
 
 
 def check_retire(retire: list[int] | None) -> list[int] | None:
@@ -61,13 +60,10 @@ def scale(
     )
 
 
-def standby(t: Target, count: int) -> dict[str, Any]:
-    """Resize the deployment's standby pool; returns its summary once the pool is filled."""
+def standby(t: Target, count: int, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Resize the deployment's standby (ranks launched ahead, or engine cores prepared, as its driver
+    keeps them); returns its summary once it is filled."""
     t.validated()
     if count < 0:
         raise UsageError(f"--count must be >= 0, got {count}")
-    connect(t)
-    _, controller = deployment_actors(t)
-    if controller is None:
-        raise UnreachableError(f"the controller of {t.name!r} is gone")
-    return call(controller.set_standby.remote(count), timeout=600)
+    return driver(t, None).standby(count, timeout_s=timeout_s)

@@ -53,6 +53,11 @@ class Driver(Protocol):
         ``request_id``: a retry with the same id is the same operation."""
         ...
 
+    def standby(self, count: int, *, timeout_s: float) -> dict[str, Any]:
+        """Keep ``count`` ranks launched ahead (0: none), for a scale-up to take instead of launching;
+        the summary once they are ready: ``size``, ``ready`` (their numbers), ``taken`` (adopted so far)."""
+        ...
+
     def repair(self, *, timeout_s: float) -> dict[str, Any]:
         """Recover what self-healing could not; the record of what was done."""
         ...

@@ -1,7 +1,8 @@
 """The reference engine's driver: its controller and registry actors on Ray.
 
-The controller admits and runs scales and repairs (requests never pass it: they go to the
-ingresses' HTTP endpoints, engine_ext.drivers.completions); the registry holds the ranks' events and adds their phase timings to a finished operation. Either handle may be None
+The controller admits and runs scales and repairs and keeps the standby pool (requests never pass
+it: they go to the ingresses' HTTP endpoints, engine_ext.drivers.completions); the registry holds
+the ranks' events and adds their phase timings to a finished operation. Either handle may be None
 (its actor is gone); each method says what is lost then.
 """
 
@@ -74,6 +75,11 @@ class ReferenceDriver:
         controller = self._controller("there is nothing to plan with")
         extra = [retire] if retire else []  # an older controller takes no retire argument
         return raise_if_error(_get(controller.plan.remote(dp, *extra), timeout=30))
+
+    def standby(self, count: int, *, timeout_s: float) -> dict[str, Any]:
+        """The controller's standby pool of launched ranks, resized; its summary once filled."""
+        controller = self._controller("there is no standby pool to resize")
+        return raise_if_error(_get(controller.set_standby.remote(count), timeout=timeout_s))
 
     def scale(
         self,

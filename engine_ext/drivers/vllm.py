@@ -83,6 +83,13 @@ class VllmDriver:
             on_op=on_op,
         )
 
+    def standby(self, count: int, *, timeout_s: float) -> dict[str, Any]:
+        """vLLM's prepare for DP + ``count`` held open by the plugin in the API server (needs a server
+        started with ``EEPCTL_VLLM_STANDBY``); asked through the registry (engine_ext.drivers.vllm_standby)."""
+        from engine_ext.drivers import vllm_standby
+
+        return vllm_standby.set_count(self.registry, self.snap, count, timeout_s=timeout_s)
+
     def repair(self, *, timeout_s: float) -> dict[str, Any]:
         """First the shared-memory segments killed vLLM processes left on the cluster's nodes
         (engine_ext.ray.shm_sweep), then vLLM's own recovery; what was removed is among the

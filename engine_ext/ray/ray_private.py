@@ -61,6 +61,13 @@ def dead_actors() -> list[dict[str, Any]]:
     return list((state.actor_table(None, actor_state_name="DEAD") or {}).values())
 
 
+def alive_actors() -> list[dict[str, Any]]:
+    """Ray's records of the cluster's live actors (``Pid`` among their fields); needs no dashboard."""
+    from ray._private.state import state
+
+    return list((state.actor_table(None, actor_state_name="ALIVE") or {}).values())
+
+
 def available_resources_per_node() -> dict[str, dict[str, float]]:
     """Node id -> its resources free now."""
     from ray._private.state import available_resources_per_node as per_node

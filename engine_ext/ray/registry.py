@@ -93,6 +93,11 @@ class Registry:
         with self._lock:
             self.state.set_info(info)
 
+    def info_value(self, key: str) -> Any:
+        """One entry of the deployment's info (the vLLM API server reads its desired standby count)."""
+        with self._lock:
+            return self.state.info.get(key)
+
     def report_status(self, status: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             return self.state.report_status(status)

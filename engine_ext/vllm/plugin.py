@@ -180,10 +180,10 @@ def _register() -> None:
 
 
 def _standby_side(process: str) -> None:
-    """With ``EEPCTL_VLLM_STANDBY=N``: what dropping a held prepare runs in this process."""
+    """With ``EEPCTL_VLLM_STANDBY=N`` (0 included): what dropping a held prepare runs in this process."""
     from engine_ext.vllm import standby
 
-    if standby.requested():
+    if standby.enabled():
         log.info("engine_ext: prepared-core drop in pid %d: %s", os.getpid(), standby.install_engine_side(process))
 
 
@@ -198,15 +198,16 @@ def _worker_sink(vllm_config: Any, process: str) -> Any:
 
 
 def _held_prepare(engine_client: Any, watch: Any) -> Any:
-    """With ``EEPCTL_VLLM_STANDBY=N``: vLLM's prepare for DP + N kept open (engine_ext.vllm.standby)."""
+    """With ``EEPCTL_VLLM_STANDBY=N`` (0 included): vLLM's prepare for DP + N kept open, N changed by
+    `eepctl standby` (engine_ext.vllm.standby)."""
     import asyncio
 
     from engine_ext.vllm import standby
     from engine_ext.vllm.api_patches import mark
 
-    count = standby.requested()
-    if not count:
+    if not standby.enabled():
         return None
+    count = standby.requested()
     held = standby.HeldPrepare(engine_client, count, watch)
     why = held.usable()
     mark("standby", why)

@@ -114,13 +114,6 @@ class RegistryLink:
     def set_info(self, info: dict[str, Any]) -> None:
         self._call("set_info", info)
 
-    def ask(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
-        """A registry method's answer (None without a registry now)."""
-        import ray
-
-        ref = self._call(method, *args)
-        return None if ref is None else ray.get(ref, timeout=timeout_s)
-
     def _check_pending(self) -> None:
         """Look at the previous status report's answer without waiting for it."""
         ref, self._pending = self._pending, None

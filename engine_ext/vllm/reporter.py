@@ -129,10 +129,10 @@ class EngineCoreReporter(threading.Thread):
 
 def _prepared_ahead(core: Any) -> bool:
     """A new rank of a prepare the plugin holds open (``EEPCTL_VLLM_STANDBY``), not yet committed."""
-    from engine_ext.vllm.standby import held_rank, requested
+    from engine_ext.vllm.standby import enabled, held_rank
 
     try:
-        return bool(requested()) and held_rank(core)
+        return enabled() and held_rank(core)
     except Exception:  # noqa: BLE001
         return False
 
@@ -177,7 +177,7 @@ class ApiServerReporter(threading.Thread):
                 # Rebuilt each time: the DP size lives in the config vLLM updates after a scale.
                 info = deployment_info(self.vllm_config, self.api_url, self.api_key_required, self.watch)
                 if self.standby is not None:
-                    info["standby"] = dict(self.standby.state, prepared=self.standby.prepared())
+                    info["standby"] = self.standby.report(self.link)  # and the count eepctl asked, applied
                 self.link.set_info(info)
                 if self.phases is not None:
                     self.link.report_events(self.phases.drain_events())

@@ -1,4 +1,5 @@
-"""Engine cores prepared ahead (opt-in, ``EEPCTL_VLLM_STANDBY=N``): vLLM's own prepare, held open.
+"""Engine cores prepared ahead (opt-in, ``EEPCTL_VLLM_STANDBY=N``, N >= 0; `eepctl standby --count`
+changes N on the running server through the registry): vLLM's own prepare, held open.
 
 vLLM 0.32 splits a scale in its engine client. ``prepare_elastic_ep(size)`` starts the new engine
 cores (``CoreEngineActorManager.scale_up_elastic_ep``: placement group, actor, imports, workers,
@@ -27,16 +28,24 @@ import os
 import time
 from typing import Any
 
+from engine_ext.control.vllm_standby import STANDBY_ENV
+from engine_ext.vllm.held_cores import HeldCores
+
 log = logging.getLogger("vllm.engine_ext")
 
-STANDBY_ENV = "EEPCTL_VLLM_STANDBY"
 REFRESH_ENV = "EEPCTL_VLLM_STANDBY_REFRESH_S"
 DROP_ENGINE = "eepctl_drop_prepared_elastic_ep"  # added to vLLM's DPEngineCoreProc (utility call)
 DROP_WORKER = "eepctl_drop_prepared"  # added to vLLM's ElasticEPScalingExecutor (elastic_ep_execute)
 
 
+def enabled(env: dict[str, str] | None = None) -> bool:
+    """Is the feature on: ``EEPCTL_VLLM_STANDBY`` a whole number >= 0 ("0" included: nothing prepared
+    until `eepctl standby --count N` asks)? Unset or anything else: off, vLLM untouched."""
+    return (os.environ if env is None else env).get(STANDBY_ENV, "").strip().isdigit()
+
+
 def requested(env: dict[str, str] | None = None) -> int:
-    """How many engine cores to keep prepared (0: off, also for anything but a whole number >= 0)."""
+    """How many engine cores to keep prepared at the server's start (0 where off)."""
     raw = (os.environ if env is None else env).get(STANDBY_ENV, "").strip()
     return int(raw) if raw.isdigit() else 0
 
@@ -107,8 +116,14 @@ class HeldPrepare:
         self.watch = watch  # engine_ext.vllm.api_patches.ScaleWatch: no prepare while a scale runs
         self.interval_s = interval_s
         self.refresh_s = float(os.environ.get(REFRESH_ENV) or 1500)
+        self.started = time.time()  # a count eepctl asked before this server started is not applied
+        self._registry: Any = None  # the deployment's registry actor, where `eepctl standby` writes the count
+        self.cores = HeldCores()  # the held prepare's new cores, out of vLLM's liveness watch while held
         self.state: dict[str, Any] = {
             "count": count,
+            "asked": None,  # the id of the `eepctl standby` request applied (engine_ext.control.vllm_standby)
+            "adopted": 0,
+            "died": 0,  # held prepares dropped because a prepared core had died (prepared again after)
             "target": None,
             "state": "idle",
             "since": None,
@@ -127,6 +142,8 @@ class HeldPrepare:
             ("prepare_elastic_ep", hasattr(self.core, "prepare_elastic_ep")),
             ("_prepared_elastic_ep", hasattr(self.core, "_prepared_elastic_ep")),
             ("remove_run_refs_for_scale_down", hasattr(manager, "remove_run_refs_for_scale_down")),
+            ("engine manager's run refs", all(hasattr(manager, a) for a in ("run_refs", "actor_run_ref_dict"))),
+            ("placement_group_is_local", hasattr(manager, "placement_group_is_local")),
         )
         missing = [name for name, ok in needs if not ok]
         return f"unavailable: no {', '.join(missing)}" if missing else "active"
@@ -134,6 +151,49 @@ class HeldPrepare:
     def prepared(self) -> int | None:
         held = getattr(self.core, "_prepared_elastic_ep", None)
         return int(held[0]) if held else None
+
+    def report(self, link: Any) -> dict[str, Any]:
+        """From the API server's reporter thread, every 2 s: apply a count `eepctl standby` wrote into
+        the registry (``link``: the reporter's RegistryLink, connected), return the state to publish."""
+        from engine_ext.control.vllm_standby import DESIRED_KEY
+
+        try:
+            self.apply(self._asked_count(link, DESIRED_KEY))
+        except Exception:  # noqa: BLE001 - no registry now: the count stays
+            self._registry = None
+        return self.published()
+
+    def apply(self, record: Any) -> None:
+        """The registry's desired-count record (engine_ext.control.vllm_standby), applied once."""
+        from engine_ext.control.vllm_standby import to_apply
+
+        asked = to_apply(record, self.state["asked"], self.started)
+        if asked is not None:
+            self.resize(*asked)
+
+    def published(self) -> dict[str, Any]:
+        """What the API server's info carries under ``standby``."""
+        return dict(self.state, prepared=self.prepared())
+
+    def _asked_count(self, link: Any, key: str) -> Any:
+        import ray
+        from engine_ext.ray.names import registry_name
+
+        if not ray.is_initialized():
+            return None
+        if self._registry is None:
+            settings = link.settings
+            self._registry = ray.get_actor(registry_name(settings.deployment), namespace=settings.namespace)
+        return ray.get(self._registry.info_value.remote(key), timeout=5)
+
+    def resize(self, count: int, asked: str | None = None) -> None:
+        """Keep ``count`` engine cores prepared from the next tick on (a held prepare for another
+        size is dropped there); a failure is forgotten, so the new count is tried at once."""
+        self.count = count
+        if self.state["state"] == "failed":
+            self.state.update(state="idle", error="")
+        self.state.update(count=count, asked=asked)
+        log.info("engine_ext: %d engine core(s) to keep prepared (eepctl standby)", count)
 
     async def run(self) -> None:
         while True:
@@ -143,7 +203,9 @@ class HeldPrepare:
             except Exception as e:  # noqa: BLE001 - serving never depends on it
                 self.state.update(state="failed", error=f"{type(e).__name__}: {e}"[:300], since=time.time())
                 log.warning("engine_ext: prepared engine cores: %s", self.state["error"])
-                await asyncio.sleep(30)
+                asked, until = self.state["asked"], time.time() + 30
+                while time.time() < until and self.state["asked"] == asked:  # a new count is tried at once
+                    await asyncio.sleep(1)
 
     async def tick(self) -> None:
         from engine_ext.vllm.api_patches import scaling_flag
@@ -151,6 +213,11 @@ class HeldPrepare:
         if self.watch is not None and self.watch.in_flight or scaling_flag():
             return
         held = self.prepared()
+        if held is not None and self.cores.dead():
+            async with self.client._elastic_ep_lock:
+                if self.prepared() is not None and self.cores.dead():
+                    await self.drop_dead()  # never adopted dead; the next tick prepares again
+            return
         if held is not None and self.state["since"] and time.time() - self.state["since"] > self.refresh_s:
             async with self.client._elastic_ep_lock:
                 await self.drop()  # before the new cores' gloo wait times out; the next tick prepares again
@@ -159,14 +226,20 @@ class HeldPrepare:
             self.state.update(state="idle", target=None)  # committed by a scale
         pc = self.client.vllm_config.parallel_config
         target = int(pc.data_parallel_size) + self.count
-        if held is not None or target > int(pc.elastic_ep_max_dp_size or 0):
+        if held is not None and (not self.count or held != target):  # the count changed
+            async with self.client._elastic_ep_lock:
+                if self.prepared() is not None and not scaling_flag():
+                    await self.drop()
+            return
+        if held is not None or not self.count or target > int(pc.elastic_ep_max_dp_size or 0):
             return
         async with self.client._elastic_ep_lock:
-            if self.prepared() is not None or int(pc.data_parallel_size) + self.count != target:
+            if self.prepared() is not None or int(pc.data_parallel_size) + self.count != target or not self.count:
                 return
             self.state.update(state="preparing", target=target, since=time.time(), error="")
             t0 = time.perf_counter()
             await self.core.prepare_elastic_ep(target)
+            self.cores.detach(self.core.resources.engine_manager, self._new_cores())
             self.state.update(state="prepared", prepare_s=round(time.perf_counter() - t0, 3), since=time.time())
         log.info(
             "engine_ext: %d engine core(s) prepared for DP %d in %.1fs", self.count, target, self.state["prepare_s"]
@@ -175,10 +248,24 @@ class HeldPrepare:
     async def before_scale(self, target: int) -> None:
         """Inside vLLM's scale (its lock held): a held prepare for another size is dropped first."""
         held = self.prepared()
-        if held is not None and held != target:
+        if held == target and self.cores.dead():
+            await self.drop_dead()  # vLLM's scale then starts its own cores
+        elif held is not None and held != target:
             await self.drop()
         elif held == target:
-            self.state.update(state="committing")
+            self.cores.reattach(self.core.resources.engine_manager)  # vLLM's watch again, as it made them
+            self.state.update(state="committing", adopted=self.state["adopted"] + 1)
+
+    def _new_cores(self) -> int:
+        manager = self.core.resources.engine_manager
+        return len(manager.local_engine_actors) + len(manager.remote_engine_actors) - len(self.core.core_engines)
+
+    async def drop_dead(self) -> None:
+        """A held prepare whose core died: dropped, its death counted and said in the state's error."""
+        dead = self.cores.dead()
+        await self.drop()
+        self.state.update(died=self.state["died"] + 1, error=f"{dead} prepared engine core(s) died; dropped")
+        log.warning("engine_ext: %d prepared engine core(s) died; their prepare was dropped", dead)
 
     async def drop(self) -> None:
         """Leave the held prepare: new cores stopped, existing engines back to their serving state."""
@@ -187,7 +274,8 @@ class HeldPrepare:
         existing = len(self.core.core_engines)
         total = len(manager.local_engine_actors) + len(manager.remote_engine_actors)
         if total > existing:  # out of vLLM's liveness watch first: a killed core must not stop the server
-            manager.remove_run_refs_for_scale_down(total - existing)
+            if not self.cores.forget():
+                manager.remove_run_refs_for_scale_down(total - existing)
             manager.scale_down_elastic_ep(total, existing)
         await asyncio.gather(*(self.core._call_utility_async(DROP_ENGINE, engine=e) for e in self.core.core_engines))
         held, self.core._prepared_elastic_ep = self.prepared(), None
