@@ -100,34 +100,10 @@ def create_deployment(
     ingress that cannot listen included), everything it created is removed again and gone
     before the error is raised, so a failed ``up`` leaves nothing behind and the next one starts
     clean."""
-    import ray
-    from engine_ext.capture_memory import size_captures
-    from engine_ext.config import EngineConfig
-    from engine_ext.ray.durable import DurableState
-    from engine_ext.ray.placement import control_nodes, on_node
-    from engine_ext.ray.registry import Registry
-
-    DurableState(namespace, name).delete()  # a new deployment takes nothing over from an old one
-    engine_cfg = EngineConfig.from_dict(cfg)
-    size_captures(engine_cfg, max_dp)  # resolves capture policy auto before any rank starts
-    cfg = engine_cfg.to_dict()
-    # The control plane's place is the policy's (the head node, docs/operations.md), never the
-    # caller's. Hard: Ray's soft affinity put a zero-CPU actor on another node (1 of 3 tries on the
-    # two-node test cluster), and the head's loss is the cluster's anyway.
-    control = on_node(control_nodes()[0], soft=False)
+    cfg, control = _prepare(name, namespace, cfg, max_dp)
     handles = DeploymentHandles(None, None)
     try:
-        handles.registry = (
-            ray.remote(Registry)
-            .options(
-                name=registry_name(name),
-                namespace=namespace,
-                lifetime="detached",
-                num_cpus=0,
-                scheduling_strategy=control,
-            )
-            .remote(name)
-        )
+        handles.registry = _registry(name, namespace, control)
         info = {
             "dp": dp,
             "max_dp": max_dp,
@@ -142,54 +118,81 @@ def create_deployment(
         ingresses = create_ingresses(name, namespace, ingress, api_key_sha256, host=host, port=port)
         info["ingress"] = [ready(h) for h in ingresses]
         call(handles.registry.set_info.remote(info))
-        handles.controller = _controller(
-            name,
-            namespace,
-            cfg,
-            max_dp,
-            cpus,
-            gpus,
-            placement,
-            on_rank_failure,
-            standby,
-            health_deadline_s,
-            ingress,
-            control,
-        )
+        handles.controller = _controller(name, namespace, info, placement, standby, health_deadline_s, ingress, control)
         result = call(handles.controller.start.remote(dp, timeout_s), timeout=timeout_s + 30)
         if isinstance(result, dict) and isinstance(result.get("error"), dict):
             raise error_from_record(result["error"])
-    except Exception:
-        try:
-            destroy_deployment(name, namespace, handles)  # what the deployment owns, found by name
-        except Exception:  # noqa: BLE001 - the start's error is the one to report; `eepctl down` removes the rest
-            pass
+    except BaseException as e:
+        _remove_created(name, namespace, handles, quick=not isinstance(e, Exception))
         raise
-    except BaseException:  # an interrupt: the quick part only (`eepctl down` removes the rest)
+    return handles, {**result, "ingress": info["ingress"]}  # where each ingress listens, as it answered
+
+
+def _prepare(name: str, namespace: str, cfg: dict[str, Any], max_dp: int) -> tuple[dict[str, Any], Any]:
+    """The deployment's config with its capture policy resolved, and the control plane's place;
+    a durable state an old deployment of this name left is deleted (nothing is taken over)."""
+    from engine_ext.capture_memory import size_captures
+    from engine_ext.config import EngineConfig
+    from engine_ext.ray.durable import DurableState
+    from engine_ext.ray.placement import control_nodes, on_node
+
+    DurableState(namespace, name).delete()  # a new deployment takes nothing over from an old one
+    engine_cfg = EngineConfig.from_dict(cfg)
+    size_captures(engine_cfg, max_dp)  # resolves capture policy auto before any rank starts
+    # The control plane's place is the policy's (the head node, docs/operations.md), never the
+    # caller's. Hard: Ray's soft affinity put a zero-CPU actor on another node (1 of 3 tries on the
+    # two-node test cluster), and the head's loss is the cluster's anyway.
+    return engine_cfg.to_dict(), on_node(control_nodes()[0], soft=False)
+
+
+def _registry(name: str, namespace: str, control: Any) -> Any:
+    """The registry actor (detached, named, zero CPUs, on the control plane's node)."""
+    import ray
+    from engine_ext.ray.registry import Registry
+
+    return (
+        ray.remote(Registry)
+        .options(
+            name=registry_name(name),
+            namespace=namespace,
+            lifetime="detached",
+            num_cpus=0,
+            scheduling_strategy=control,
+        )
+        .remote(name)
+    )
+
+
+def _remove_created(name: str, namespace: str, handles: DeploymentHandles, quick: bool) -> None:
+    """A start that failed: remove everything the deployment owns (found by name) and wait until it
+    is gone. ``quick`` (an interrupt): kill the actors only; `eepctl down` removes the rest."""
+    import ray
+
+    if quick:
         for h in (handles.controller, handles.registry, *(actor(n, namespace) for n in ingress_names(name, namespace))):
             if h is not None:
                 ray.kill(h, no_restart=True)
-        raise
-    return handles, {**result, "ingress": info["ingress"]}  # where each ingress listens, as it answered
+        return
+    try:
+        destroy_deployment(name, namespace, handles)
+    except Exception:  # noqa: BLE001 - the start's error is the one to report; `eepctl down` removes the rest
+        pass
 
 
 def _controller(
     name: str,
     namespace: str,
-    cfg: dict[str, Any],
-    max_dp: int,
-    cpus: float,
-    gpus: float,
+    info: dict[str, Any],
     placement: dict[str, Any] | None,
-    on_rank_failure: str,
     standby: int,
     health_deadline_s: float,
     ingress: int,
     control: Any,
 ) -> Any:
-    """The controller actor. Restarted by Ray whenever it dies (its state is durable:
-    engine_ext.ray.durable); calls in flight at its death fail, and are not retried, so a scale
-    is never sent twice."""
+    """The controller actor, made with what the registry was told at creation (``info``: config,
+    sizes, resources per rank, failure policy). Restarted by Ray whenever it dies (its state is
+    durable: engine_ext.ray.durable); calls in flight at its death fail, and are not retried, so a
+    scale is never sent twice."""
     import ray
     from engine_ext.ray.controller import Controller
 
@@ -206,7 +209,17 @@ def _controller(
             max_task_retries=0,
         )
         .remote(
-            name, namespace, cfg, max_dp, cpus, gpus, placement, on_rank_failure, standby, health_deadline_s, ingress
+            name,
+            namespace,
+            info["config"],
+            info["max_dp"],
+            info["cpus_per_rank"],
+            info["gpus_per_rank"],
+            placement,
+            info["on_rank_failure"],
+            standby,
+            health_deadline_s,
+            ingress,
         )
     )
 
