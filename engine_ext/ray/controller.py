@@ -83,13 +83,18 @@ class Controller:
         self.took_over: list[str] = []  # what a restarted controller did first
         self._ready = asyncio.Event()  # set once started, or once a restarted controller took over
         self.scales = ScaleRequests(self.cfg, self.orch, self.spawner, self._ready, self._persist)
-        saved = self.durable.load()
+        self._resume(self.durable.load(), max_dp)
+
+    def _resume(self, saved: dict[str, Any] | None, max_dp: int) -> None:
+        """The autoscaler with its policy and decisions as saved and, when Ray restarted this
+        controller (the saved state says the deployment started), the take-over, scheduled on the
+        actor's loop."""
         self.autoscale_host = AutoscaleHost(
-            deployment,
+            self.deployment,
             max_dp,
             persist=lambda st: self._persist(),
             saved=(saved or {}).get("autoscale"),
-            metrics=autoscaler_metrics(deployment),
+            metrics=autoscaler_metrics(self.deployment),
         )
         if saved is not None and saved.get("started"):
             self._resuming = asyncio.get_event_loop().create_task(self._take_over(saved))
