@@ -25,7 +25,9 @@ from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 # Lanes (EEPCTL_TEST_LANES unset or 1): worker gw0 runs the Ray modules that do the most (every
 # ``*_ray`` module, ``RAY_UNITS``), one after another, and the vLLM unit last; gw1 runs the Ray modules
 # that mostly wait (``WAITING_RAY``: a node's loss, a partition, a controller's restart, each a wait
-# of seconds) and then every unit that starts neither Ray nor vLLM. Each worker's session starts its
+# of seconds) and then every unit that starts neither Ray nor vLLM; a worker whose lane is all dealt
+# takes the other lane's next unit (the vLLM unit, the busiest Ray modules), so neither idles while the
+# other has a queue. Each worker's session starts its
 # own Ray head on a free port when a test asks for one. The suite waits on detection bounds,
 # start-ups and restarts about a third of its time (on one worker); two CPU-heavy streams (the vLLM
 # unit beside the busiest Ray modules) made each take 2-3x longer and load-sensitive tests fail
@@ -91,7 +93,8 @@ if importlib.util.find_spec("xdist") is not None:
 
         class WorkUnits(LoadScopeScheduling):
             """Whole work units (``_work_unit``) to a worker, in collection order; with lanes,
-            gw0 takes only lane 0's units and gw1 only lane 1's (``_lane``)."""
+            gw0 takes lane 0's units and gw1 lane 1's (``_lane``) while its lane has any left, then
+            the other lane's next: a lane that ran short evens out the two."""
 
             def _split_scope(self, nodeid: str) -> str:
                 return _work_unit(nodeid)
@@ -103,18 +106,13 @@ if importlib.util.find_spec("xdist") is not None:
             def _assign_work_unit(self, node: Any) -> None:
                 if not _lanes():
                     return super()._assign_work_unit(node)
-                pick = next((u for u in self.workqueue if _lane(u) == self._lane_of(node)), None)
-                if pick is None:  # nothing left for this lane: it ends once its tests ran
+                own = next((u for u in self.workqueue if _lane(u) == self._lane_of(node)), None)
+                pick = own if own is not None else next(iter(self.workqueue), None)  # else the other lane's next
+                if pick is None:  # nothing left to deal: it ends once its tests ran
                     node.shutdown()
                     return None
                 self.workqueue.move_to_end(pick, last=False)
                 return super()._assign_work_unit(node)
-
-            def _reschedule(self, node: Any) -> None:
-                if _lanes() and not node.shutting_down and all(_lane(u) != self._lane_of(node) for u in self.workqueue):
-                    node.shutdown()  # this lane's units are all dealt: it ends once its tests ran
-                    return None
-                return super()._reschedule(node)
 
         config.option.loadscopereorder = False  # our order, not by number of tests
         return WorkUnits(config, log)

@@ -361,4 +361,6 @@ def test_a_report_interrupted_while_the_reader_lags_comes_out_whole(how: str) ->
     if how == "emit":
         assert cut == [], f"reports cut at {cut} bytes"
     else:
-        assert cut and all(n % 65536 == 0 for n in cut), cut  # the harm: cut at the pipe's capacity
+        # the harm: reports cut short (at the pipe's capacity, 64 KiB, or a little past it on a loaded
+        # box where the reader began before the writer was interrupted)
+        assert len(cut) == 3, cut

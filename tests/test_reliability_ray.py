@@ -190,10 +190,10 @@ def test_registry_killed_and_recreated_while_serving(deployments, ray_cluster):
 
 # ---- soak (CI size) ------------------------------------------------------------------------------------
 @pytest.mark.timeout(540)
-def test_soak_ten_random_transitions_under_load(ray_cluster):
-    """benchmarks/soak.py at CI size, run as the script it is against the session's cluster: 10
+def test_soak_random_transitions_under_load(ray_cluster):
+    """benchmarks/soak.py at CI size, run as the script it is against the session's cluster: 5
     random transitions between DP 1 and 4 under continuous load; zero failed or wrong (oracle)
-    requests, whole after every transition."""
+    requests, whole after every transition (longer soaks: the script itself, docs/benchmarks.md)."""
     name = "rel-soak"
     try:
         res = subprocess.run(
@@ -201,7 +201,7 @@ def test_soak_ten_random_transitions_under_load(ray_cluster):
                 sys.executable,
                 str(ROOT / "benchmarks" / "soak.py"),
                 "--transitions",
-                "10",
+                "5",
                 "--seed",
                 "7",
                 "--rate",
@@ -226,8 +226,8 @@ def test_soak_ten_random_transitions_under_load(ray_cluster):
         f"({out['moved']} moved), latency {out['latency_s']}, transition {out['transition_s']}"
     )
     assert res.returncode == 0, (out, res.stderr[-2000:])
-    assert out["transitions"] == 10
+    assert out["transitions"] == 5
     assert not out["load_errors"], out["load_errors"]
     assert out["failed"] == 0, out["first_failures"]
     assert out["wrong"] == 0
-    assert out["requests"] >= 40, out["requests"]
+    assert out["requests"] >= 20, out["requests"]

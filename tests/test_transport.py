@@ -597,6 +597,7 @@ def test_shared_allocations_are_released_with_their_tensors() -> None:
                 pass
         return n
 
+    gc.collect()  # earlier tests' allocations in this worker are closed now, not in the middle of the count
     before = memfds()
     w = shared_empty((4, 1024), torch.float32)
     view = w[1:3].view(-1)  # a view keeps the allocation
