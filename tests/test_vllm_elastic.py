@@ -503,6 +503,7 @@ def test_eepctl_standby_prepares_a_core_the_scale_up_commits_and_count_0_drops_i
         timeout=120,
         what="the prepared engine core's process and Ray actor gone",
     )
+    wait_for(lambda: 3 not in {r["rank"] for r in _snapshot_now()["ranks"]}, timeout=30, what="rank 3 gone from status")
     down = _scale_json(address, 2)
     assert (down["from_size"], down["to_size"], down["state"]) == (3, 2, "succeeded"), down
     assert run_prompts(server, PROMPTS) == expected
@@ -903,7 +904,7 @@ def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_comman
     address, expected = deployment["address"], deployment["expected"]
     server.wait_healthy()
     snap = _status(address)
-    victim = max(snap["ranks"], key=lambda r: r["rank"])
+    victim = max((r for r in snap["ranks"] if r["state"] == "serving"), key=lambda r: r["rank"])  # not a stale one
     with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
         flying = [ex.submit(server.complete, p, 40) for p in PROMPTS]
         time.sleep(0.3)

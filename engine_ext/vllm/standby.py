@@ -119,6 +119,7 @@ class HeldPrepare:
         self.started = time.time()  # a count eepctl asked before this server started is not applied
         self._registry: Any = None  # the deployment's registry actor, where `eepctl standby` writes the count
         self.cores = HeldCores()  # the held prepare's new cores, out of vLLM's liveness watch while held
+        self.gone: list[tuple[int, float]] = []  # (rank, when) of dropped cores, to forget in the registry
         self.state: dict[str, Any] = {
             "count": count,
             "asked": None,  # the id of the `eepctl standby` request applied (engine_ext.control.vllm_standby)
@@ -159,9 +160,19 @@ class HeldPrepare:
 
         try:
             self.apply(self._asked_count(link, DESIRED_KEY))
+            self._forget_gone()
         except Exception:  # noqa: BLE001 - no registry now: the count stays
             self._registry = None
         return self.published()
+
+    def _forget_gone(self, settle_s: float = 4.0) -> None:
+        """The dropped cores' ranks out of the registry once their last reports have landed: a dropped
+        core sends no final report (its process is killed), so its record would stay, shown stale."""
+        now = time.time()
+        for gone in list(self.gone):
+            if now - gone[1] >= settle_s and self._registry is not None:
+                self.gone.remove(gone)
+                self._registry.forget_rank.remote(gone[0])
 
     def apply(self, record: Any) -> None:
         """The registry's desired-count record (engine_ext.control.vllm_standby), applied once."""
@@ -277,6 +288,7 @@ class HeldPrepare:
             if not self.cores.forget():
                 manager.remove_run_refs_for_scale_down(total - existing)
             manager.scale_down_elastic_ep(total, existing)
+            self.gone.extend((rank, time.time()) for rank in range(existing, total))
         await asyncio.gather(*(self.core._call_utility_async(DROP_ENGINE, engine=e) for e in self.core.core_engines))
         held, self.core._prepared_elastic_ep = self.prepared(), None
         self.state.update(
