@@ -97,6 +97,8 @@ VARIANTS: dict[str, str] = {
 # ``shm_setup`` holds a rank inside the set-up of a prepare's new DP group on shared memory, once it has
 # mapped the segment and before it counts as attached: a window to kill a peer in group set-up.
 # ``warm`` and ``capture`` hold in a transition or a recovery, not in the deployment's start-up.
+# ``give_back`` holds a rank after it took its waiting requests out for a scale-up's re-dispatch and
+# before it answers: the window where the caller's answer comes late.
 # "step" holds once per process, at the first step where a request it serves already has output
 # tokens: a window to kill a rank that certainly holds requests with tokens to continue with. Only a
 # rank started with the deployment holds there: its replacement (a joiner) would otherwise stall its
@@ -116,6 +118,7 @@ HOLD_PHASES = (
     "capture",
     "regroup",
     "step",
+    "give_back",
 )
 ONCE_PHASES = frozenset({"step"})
 # Phases of a transition's commit, where forward passes are paused. A hold in one of them on a member

@@ -2,7 +2,8 @@
 launcher, real gloo, real requests): a backlog queued on DP 1 (one request slot: all requests but one
 wait), scaled 1 -> 3; the old rank gives back its waiting requests beyond the fair share, the
 joiners serve them, every output equals the dense oracle and every request is answered exactly
-once. On one rank: the give-back takes the rank's lock, so a request is given back or run, never both."""
+once, also when rank 0's answer to the give-back comes late (``hold:give_back``). On one rank: the
+give-back takes the rank's lock, so a request is given back or run, never both."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_give_back_takes_the_rank_lock_so_a_request_is_given_back_or_run_never_b
     assert rank.status()["requests_waiting"] == 1 and rank.status()["requests_running"] == 2
 
 
-async def _scenario(cfg: EngineConfig) -> tuple[dict, list[dict], Counter, dict[str, int]]:
+async def _scenario(cfg: EngineConfig, answer_wait_s: float = 120) -> tuple[dict, list[dict], Counter, dict[str, int]]:
     async with LocalDeployment(cfg, "redispatch", max_dp=3) as dep:
         await dep.start(1)
         router = dep.orch.router
@@ -80,18 +81,21 @@ async def _scenario(cfg: EngineConfig) -> tuple[dict, list[dict], Counter, dict[
         pending = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS]
         await wait_until(lambda: router.inflight.get(0) == len(PROMPTS), 30, "every request admitted to rank 0")
         op = await dep.scale(3, timeout_s=120)
-        served = await asyncio.wait_for(asyncio.gather(*pending), 120)
+        done, _ = await asyncio.wait(pending, timeout=answer_wait_s)
+        served = [p.result() if p in done else {"rank": None, "unanswered": True} for p in pending]
         return op, served, answers, {"completed": router.completed, "stale": router.stale_dropped}
 
 
 @pytest.mark.timeout(240)
 def test_joiners_take_the_backlog_queued_on_the_old_rank() -> None:
+    """Rank 0 answers the give-back HOLD_S late: its requests were already out of its queue, and the
+    re-dispatch waits for the answer however late (the next test bounds the wait and loses them)."""
     cfg = EngineConfig(
         dtype="float64",
         max_num_seqs=1,
         capture_sizes=[1],
         capture_policy="recapture",
-        faults=["hold:step@0"],
+        faults=["hold:step@0", "hold:give_back@0"],  # rank 0 answers the give-back HOLD_S late
         fault_delay_s=HOLD_S,
     )
     op, served, answers, counts = run(_scenario(cfg), 200)
@@ -121,3 +125,25 @@ def test_joiners_take_the_backlog_queued_on_the_old_rank() -> None:
         f"\n[redispatch] {op['op_id']}: {op['redispatched_requests']} re-dispatched; served per rank "
         f"{dict(sorted(by_rank.items()))}; phases {op['phase_durations']}"
     )
+
+
+@pytest.mark.timeout(240)
+def test_a_bounded_wait_for_a_late_give_back_leaves_its_requests_unanswered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harm the unbounded wait prevents: with the give-back's answer given up on after 0.5 s
+    (rank 0 answers HOLD_S late), the requests rank 0 took out of its queue are answered by nobody."""
+    from engine_ext.control import redispatch
+
+    monkeypatch.setattr(redispatch, "GIVE_BACK_TIMEOUT_S", 0.5)
+    cfg = EngineConfig(
+        dtype="float64",
+        max_num_seqs=1,
+        capture_sizes=[1],
+        capture_policy="recapture",
+        faults=["hold:step@0", "hold:give_back@0"],
+        fault_delay_s=HOLD_S,
+    )
+    op, served, _, _ = run(_scenario(cfg, answer_wait_s=30), 200)
+    assert op["state"] == "succeeded" and op["redispatched_requests"] == 0, op
+    lost = [r for r in served if r.get("unanswered")]
+    assert lost, "every request was answered although the give-back's answer was given up on"
+    print(f"\n[redispatch] bounded wait: {len(lost)} of {len(served)} requests never answered")

@@ -175,6 +175,14 @@ class Router:
                 self.inflight[old] = max(0, self.inflight.get(old, 0) - 1)
             await self._send(wire)
 
+    async def resubmit_from(self, rank: int, given: list[dict[str, Any]]) -> int:
+        """Requests ``rank`` gave back continue through the normal pick; one the router no longer
+        routes to ``rank`` (re-routed with its death or fencing while the answer was on its way) is
+        not sent twice. How many were sent on."""
+        mine = [w for w in given if self._owner.get(w["request_id"]) == rank]
+        await self.resubmit(mine)
+        return len(mine)
+
     def on_tokens(self, tokens: dict[str, list[float]], rank: int | None = None) -> None:
         """Tokens ``rank`` produced this step: ``{request_id: [token, logit, index]}``, ``index``
         the token's place in the request's output. A token counts only from the request's owner

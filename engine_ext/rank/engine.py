@@ -320,6 +320,8 @@ class RankEngine:
             if shared.state is not RankState.SERVING or shared.stopping:
                 return []
             given = self.res.sched.give_back(keep)
+        if given:
+            self.res.faults.hold("give_back")
         return [r.to_wire() for r in given]
 
     # ---- RankControl: transitions -------------------------------------------------------------------
