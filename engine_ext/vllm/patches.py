@@ -206,6 +206,33 @@ def _unwrap(current: Any) -> Any:
     return getattr(current, "__eepctl_original__", current)
 
 
+class GuardedSink:
+    """What a wrapper reports to: ``enter`` and ``exit`` never raise into vLLM (a sink that fails
+    leaves the call untimed, logged at debug level). Subclasses implement ``_enter`` (a token, or
+    None for a call not followed) and ``_exit``."""
+
+    def enter(self, spec: PatchSpec, obj: Any, args: tuple, kwargs: dict) -> int | None:
+        try:
+            return self._enter(spec, obj, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - never break vLLM
+            log.debug("engine_ext: enter %s failed: %s", getattr(spec, "key", spec), e)
+            return None
+
+    def exit(self, token: int | None, error: BaseException | None) -> None:
+        if token is None:
+            return
+        try:
+            self._exit(token, error)
+        except Exception as e:  # noqa: BLE001
+            log.debug("engine_ext: exit failed: %s", e)
+
+    def _enter(self, spec: PatchSpec, obj: Any, args: tuple, kwargs: dict) -> int | None:
+        raise NotImplementedError
+
+    def _exit(self, token: int, error: BaseException | None) -> None:
+        raise NotImplementedError
+
+
 def make_wrapper(spec: PatchSpec, original: Callable[..., Any], sink: Any) -> Callable[..., Any]:
     """A function that records ``spec``'s calls in ``sink`` and otherwise is ``original`` (a
     coroutine function stays one). ``sink.enter`` gets the bound object (None for a static or

@@ -18,7 +18,6 @@ of engine_ext.vllm.reporter send what they collect).
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import threading
 import time
@@ -27,9 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine_ext.records import Event, to_builtins
-from engine_ext.vllm.patches import PatchSpec
-
-log = logging.getLogger("vllm.engine_ext")
+from engine_ext.vllm.patches import GuardedSink, PatchSpec
 
 STARTUP_OP = "startup"
 SCALE_UP_LAUNCH_ENV = "VLLM_ELASTIC_EP_SCALE_UP_LAUNCH"  # vLLM sets it for the engine cores a scale-up starts
@@ -233,9 +230,9 @@ def api_where(spec: PatchSpec, obj: Any, args: tuple, kwargs: dict) -> Where:
     return op_id(new, getattr(pc, "_coord_store_port", None)), [-1]
 
 
-class PhaseSink:
-    """The per-process sink of an engine core's or the API server's hooks; ``enter``/``exit``
-    never raise. ``where`` names a finished call's operation and ranks (one event per rank)."""
+class PhaseSink(GuardedSink):
+    """The per-process sink of an engine core's or the API server's hooks (``enter``/``exit``
+    never raise: GuardedSink). ``where`` names a finished call's operation and ranks (one event per rank)."""
 
     def __init__(
         self, where: Callable[[PatchSpec, Any, tuple, dict], Where], process: str, max_events: int = 2000
@@ -249,22 +246,11 @@ class PhaseSink:
         self.last_op = ""
         self.calls: dict[str, dict[str, float]] = {}
 
-    def enter(self, spec: PatchSpec, obj: Any, args: tuple, kwargs: dict) -> int | None:
-        try:
-            token = next(self._ids)
-            with self._lock:
-                self._calls[token] = (spec, obj, args, kwargs, time.time(), time.perf_counter())
-            return token
-        except Exception:  # noqa: BLE001 - never break vLLM
-            return None
-
-    def exit(self, token: int | None, error: BaseException | None) -> None:
-        if token is None:
-            return
-        try:
-            self._exit(token, error)
-        except Exception as e:  # noqa: BLE001
-            log.debug("engine_ext: phase exit failed: %s", e)
+    def _enter(self, spec: PatchSpec, obj: Any, args: tuple, kwargs: dict) -> int | None:
+        token = next(self._ids)
+        with self._lock:
+            self._calls[token] = (spec, obj, args, kwargs, time.time(), time.perf_counter())
+        return token
 
     def _exit(self, token: int, error: BaseException | None) -> None:
         with self._lock:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_ext.records import Event, to_builtins
+from engine_ext.vllm.patches import GuardedSink
 
 log = logging.getLogger("vllm.engine_ext")
 
@@ -81,7 +82,7 @@ class _Call:
     sizes: dict[str, float] = field(default_factory=dict)  # a capture pass: seconds per captured size
 
 
-class VllmTelemetry:
+class VllmTelemetry(GuardedSink):
     """The per-process sink of the wrappers. Thread-safe; ``enter``/``exit`` never raise.
 
     Roles (``PatchSpec.role``): "elastic" (a step of a transition), "warmup" (the worker's
@@ -110,22 +111,7 @@ class VllmTelemetry:
         self.on_worker: Callable[[Any], None] | None = None  # called once, when the worker is first seen
         self.on_change: Callable[[], None] | None = None  # at every phase boundary (wakes the reporter)
 
-    # ---- the wrappers' side ---------------------------------------------------------------
-    def enter(self, spec: Any, obj: Any, args: tuple, kwargs: dict) -> int | None:
-        try:
-            return self._enter(spec, obj, args, kwargs)
-        except Exception as e:  # noqa: BLE001 - never break vLLM
-            log.debug("engine_ext: enter %s failed: %s", getattr(spec, "key", spec), e)
-            return None
-
-    def exit(self, token: int | None, error: BaseException | None) -> None:
-        if token is None:
-            return
-        try:
-            self._exit(token, error)
-        except Exception as e:  # noqa: BLE001
-            log.debug("engine_ext: exit failed: %s", e)
-
+    # ---- the wrappers' side (GuardedSink's enter/exit call these) --------------------------
     def _depths(self) -> dict[str, int]:
         d = getattr(self._local, "depths", None)
         if d is None:
