@@ -15,6 +15,11 @@ TERMINAL = {RankState.REMOVED.value}
 _STACKED = re.compile(r"_dp\d+_dp\d+$")
 
 
+def violation(invariant: str, rank: str, message: str) -> dict[str, str]:
+    """One broken invariant as the snapshot's ``violations`` lists it."""
+    return {"invariant": invariant, "rank": rank, "message": message}
+
+
 def gone(st: RankStatus) -> bool:
     """The rank left the deployment: its last report is history, not a live rank's."""
     return st.state in TERMINAL
@@ -28,11 +33,7 @@ def rank_violations(ranks: Iterable[RankStatus]) -> list[dict[str, str]]:
         rank = str(v.rank)
         if v.instance_id in seen:
             found.append(
-                {
-                    "invariant": "I1",
-                    "rank": rank,
-                    "message": f"duplicate identity {v.instance_id} (ranks {seen[v.instance_id]} and {v.rank})",
-                }
+                violation("I1", rank, f"duplicate identity {v.instance_id} (ranks {seen[v.instance_id]} and {v.rank})")
             )
         seen[v.instance_id] = v.rank
         # vLLM suffixes its identities only when it starts sibling DP engines (DP > 1).
@@ -41,40 +42,29 @@ def rank_violations(ranks: Iterable[RankStatus]) -> list[dict[str, str]]:
             continue
         for field, value in (("instance_id", v.instance_id), ("engine_id", v.engine_id)):
             if value and ((suffixed and not value.endswith(f"_dp{v.rank}")) or _STACKED.search(value)):
-                found.append(
-                    {
-                        "invariant": "I1",
-                        "rank": rank,
-                        "message": f"{field} {value!r} does not end in exactly one _dp{v.rank}",
-                    }
-                )
+                found.append(violation("I1", rank, f"{field} {value!r} does not end in exactly one _dp{v.rank}"))
         if v.workspace_locked and v.workspace_required_bytes and v.workspace_bytes < v.workspace_required_bytes:
             found.append(
-                {
-                    "invariant": "I4",
-                    "rank": rank,
-                    "message": f"workspace locked at {v.workspace_bytes} B below its bound "
-                    f"{v.workspace_required_bytes} B",
-                }
+                violation(
+                    "I4",
+                    rank,
+                    f"workspace locked at {v.workspace_bytes} B below its bound {v.workspace_required_bytes} B",
+                )
             )
         if v.stale_replays_refused:
             found.append(
-                {
-                    "invariant": "I3",
-                    "rank": rank,
-                    "message": f"{v.stale_replays_refused} replay(s) against a reallocated buffer refused",
-                }
+                violation("I3", rank, f"{v.stale_replays_refused} replay(s) against a reallocated buffer refused")
             )
         eager = {s: n for s, n in v.eager_since_switch.items() if int(s) in v.capture_sizes_expected}
         if eager:
             sizes = ", ".join(f"{n} at batch size {s}" for s, n in eager.items())
             found.append(
-                {
-                    "invariant": "I4",
-                    "rank": rank,
-                    "message": f"decode steps served eagerly since {v.switch_op or 'start-up'} "
+                violation(
+                    "I4",
+                    rank,
+                    f"decode steps served eagerly since {v.switch_op or 'start-up'} "
                     f"({sizes}): no capture for a size the config captures",
-                }
+                )
             )
     return found
 
@@ -96,48 +86,41 @@ def event_violations(
             locks[key] = (seq, e)
         elif e.phase == "prepare" and e.outcome == "ok":
             comm_formed.add(key)  # the groups and the EPLB communicator are formed
-            if e.detail.get("transport") in MAPPED and e.detail.get("transport_attached") != e.detail.get("world"):
-                # I2 for the transport: every member mapped the new world's shared memory in prepare
-                found.append(
-                    {
-                        "invariant": "I2",
-                        "rank": str(e.rank),
-                        "message": f"shared memory of {e.op_id} prepared with "
-                        f"{e.detail.get('transport_attached')} of {e.detail.get('world')} ranks",
-                    }
-                )
-            if e.detail.get("transport") in MAPPED and e.detail.get("transport_bytes", 0) < e.detail.get(
-                "transport_needed", 0
-            ):
-                found.append(
-                    {
-                        "invariant": "I2",
-                        "rank": str(e.rank),
-                        "message": f"shared memory of {e.op_id} takes {e.detail['transport_bytes']} bytes "
-                        f"per rank, the new world's exchanges need {e.detail['transport_needed']}",
-                    }
-                )
+            found.extend(_transport_violations(e))
         elif e.phase == "transfer" and key not in comm_formed:
             # I2: the rank's report that it formed the communicator must arrive before its
             # weight transfer's: the order of receipt, not timestamps the rank writes.
             found.append(
-                {
-                    "invariant": "I2",
-                    "rank": str(e.rank),
-                    "message": f"weight transfer in {e.op_id} reported before the EPLB communicator was",
-                }
+                violation("I2", str(e.rank), f"weight transfer in {e.op_id} reported before the EPLB communicator was")
             )
         if e.phase == "warm":
             broken = [k for k in ("slots_restored", "live_kv_unchanged", "eplb_unchanged") if e.detail.get(k) is False]
             if broken:
                 found.append(
-                    {
-                        "invariant": "I5",
-                        "rank": str(e.rank),
-                        "message": f"warm-up in {e.op_id} touched serving state ({', '.join(broken)} false)",
-                    }
+                    violation(
+                        "I5", str(e.rank), f"warm-up in {e.op_id} touched serving state ({', '.join(broken)} false)"
+                    )
                 )
     found.extend(_capture_violations(events, capture_policy, left_at, passes, locks))
+    return found
+
+
+def _transport_violations(e: Event) -> list[dict[str, str]]:
+    """I2 for a shared-memory transport, from a rank's prepare: every member mapped the new world's
+    segment, and it is as large as the new world's exchanges need."""
+    d = e.detail
+    if d.get("transport") not in MAPPED:
+        return []
+    found = []
+    if d.get("transport_attached") != d.get("world"):
+        message = f"shared memory of {e.op_id} prepared with {d.get('transport_attached')} of {d.get('world')} ranks"
+        found.append(violation("I2", str(e.rank), message))
+    if d.get("transport_bytes", 0) < d.get("transport_needed", 0):
+        message = (
+            f"shared memory of {e.op_id} takes {d['transport_bytes']} bytes per rank, "
+            f"the new world's exchanges need {d['transport_needed']}"
+        )
+        found.append(violation("I2", str(e.rank), message))
     return found
 
 
@@ -172,32 +155,23 @@ def _capture_violations(
         expected = _capture_passes_expected(events, policy, left_at, rank, seq)
         if n != expected:
             found.append(
-                {
-                    "invariant": "I4",
-                    "rank": str(rank),
-                    "message": f"{n} capture passes in one operation {op_id} (exactly {expected} expected"
-                    f" under {policy})",
-                }
+                violation(
+                    "I4",
+                    str(rank),
+                    f"{n} capture passes in one operation {op_id} (exactly {expected} expected under {policy})",
+                )
             )
         elif counted != n:
             found.append(
-                {
-                    "invariant": "I4",
-                    "rank": str(rank),
-                    "message": f"graph manager counted {counted} capture passes in {op_id}, events show {n}",
-                }
+                violation(
+                    "I4", str(rank), f"graph manager counted {counted} capture passes in {op_id}, events show {n}"
+                )
             )
         if lock.outcome != "ok":
             found.append(
-                {
-                    "invariant": "I4",
-                    "rank": str(rank),
-                    "message": f"workspace lock refused in {op_id}: {lock.detail.get('error', '')}",
-                }
+                violation("I4", str(rank), f"workspace lock refused in {op_id}: {lock.detail.get('error', '')}")
             )
     for (op_id, rank), n in passes.items():
         if n > 1 and (op_id, rank) not in locks:
-            found.append(
-                {"invariant": "I4", "rank": str(rank), "message": f"{n} capture passes in one operation {op_id}"}
-            )
+            found.append(violation("I4", str(rank), f"{n} capture passes in one operation {op_id}"))
     return found
