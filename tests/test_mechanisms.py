@@ -645,6 +645,11 @@ def test_registry_flags_weight_transfer_received_before_the_eplb_communicator():
     reg2.report_event(_event("op1", 1, "transfer", 5.0))
     reg2.report_event(_event("op1", 1, "prepare", 1.0))  # an earlier start time does not excuse it
     assert [(x["invariant"], x["rank"]) for x in reg2.violations()] == [("I2", "1")]
+    # A vLLM deployment's new engine core receives its weights (``prepare_new_worker``, phase
+    # transfer) and never runs the existing workers' ``prepare_reconfiguration``: not an I2 break.
+    vllm = RegistryState("d", kind="vllm")
+    vllm.report_event(_event("op1", 2, "transfer", 1.02))
+    assert vllm.violations() == []
 
 
 def test_registry_expects_capture_passes_from_the_policy_not_from_the_rank():

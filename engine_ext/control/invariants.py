@@ -70,10 +70,16 @@ def rank_violations(ranks: Iterable[RankStatus]) -> list[dict[str, str]]:
 
 
 def event_violations(
-    events: Sequence[tuple[int, Event]], capture_policy: str, left_at: Mapping[int, list[int]]
+    events: Sequence[tuple[int, Event]],
+    capture_policy: str,
+    left_at: Mapping[int, list[int]],
+    kind: str = DeploymentKind.REFERENCE.value,
 ) -> list[dict[str, str]]:
     """I2, I4 and I5 from the ranks' phase events of each operation, in the order received
-    (``events`` as ``(seq, event)``; ``left_at``: each rank's seqs at which it left)."""
+    (``events`` as ``(seq, event)``; ``left_at``: each rank's seqs at which it left). On a vLLM
+    deployment the events are the plugin's hooks of vLLM's methods: a new engine core receives its
+    weights in ``prepare_new_worker`` (phase ``transfer``) and never runs ``prepare_reconfiguration``
+    (phase ``prepare``), so the communicator-before-transfer order is the reference engine's only."""
     found: list[dict[str, str]] = []
     passes: dict[tuple[str, int], int] = defaultdict(int)
     locks: dict[tuple[str, int], tuple[int, Event]] = {}
@@ -87,7 +93,7 @@ def event_violations(
         elif e.phase == "prepare" and e.outcome == "ok":
             comm_formed.add(key)  # the groups and the EPLB communicator are formed
             found.extend(_transport_violations(e))
-        elif e.phase == "transfer" and key not in comm_formed:
+        elif e.phase == "transfer" and key not in comm_formed and kind == DeploymentKind.REFERENCE.value:
             # I2: the rank's report that it formed the communicator must arrive before its
             # weight transfer's: the order of receipt, not timestamps the rank writes.
             found.append(

@@ -189,7 +189,7 @@ class RegistryState:
         ranks = ranks if ranks is not None else self._rank_records()
         policy = (self.info.get("config") or {}).get("capture_policy", "recapture")
         found = rank_violations(ranks)
-        found.extend(event_violations(self.events, policy, self._left_at))
+        found.extend(event_violations(self.events, policy, self._left_at, self.kind))
         found.extend({"invariant": "I1", "rank": "-", "message": m} for m in self.rejected[-5:])
         return found
 
