@@ -312,7 +312,7 @@ def test_autoscaler_advisory_band_step_kill_and_down_on_ray(deployments) -> None
         what="the autoscaler's scale-up",
     )[0]
     # One jump to the width the load needs (bounded by --max-dp 3), past --max-step 1.
-    assert (up["from_size"], up["to_size"], up["state"]) == (1, 3, "succeeded"), up
+    assert (up["from_size"], up["to_size"], up["state"]) == (1, 3, "succeeded"), (up.get("error"), up)
     trail = _decisions(dep.name)
     jump = next(d for d in _acted(trail) if d["at"] >= rec["finished"])
     load = next(s for s in jump["signals"] if s["name"] == "load")

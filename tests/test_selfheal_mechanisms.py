@@ -42,6 +42,7 @@ VARIANTS = {
     "no_group_abort": (8, 4, 1),  # in the step header's ring all-reduce rank 3 hears only from rank 2
 }
 LOSES_REQUESTS = {"no_reroute", "no_store_rehost"}
+HOLD_STEP_S = 5.0  # no_reroute's victim held in a decode step this long (it is killed in the hold)
 # The error types a failed rank names when what failed was a peer (engine_ext.rank.recovery.is_peer_failure)
 PEER_FAILURES = {
     "GroupError",
@@ -62,20 +63,33 @@ def _cfg(variant: str) -> EngineConfig:
     step_timeout_s = 60.0 if variant == "no_group_abort" else EngineConfig.step_timeout_s
     # gloo: on the shared-memory transport every rank watches every peer's process, so a survivor
     # is released by the dead peer itself and the abort is not what releases it.
+    # no_reroute: the victim is killed while held in a decode step (``hold:step``), so the requests it
+    # holds are certainly mid-decode (killed on an in-flight count instead, a loaded box had finished
+    # all 4 before the kill: nothing to lose).
+    held = [f"hold:step@{VARIANTS[variant][2]}"] if variant == "no_reroute" else []
     return EngineConfig(
         dtype="float64",
         num_experts=experts,
         slots_per_rank=6,
-        faults=[variant],
+        faults=[variant, *held],
+        fault_delay_s=HOLD_STEP_S,
         step_timeout_s=step_timeout_s,
         transport="gloo",
     )
 
 
 async def _kill_under_load(dep: LocalDeployment, victim: int, bound_s: float) -> tuple[list[dict | None], int]:
-    """Submit every prompt, SIGKILL ``victim`` once it holds requests; each result answered within
-    ``bound_s`` (None: still open), and how many requests the victim held."""
+    """Submit every prompt, SIGKILL ``victim`` once it holds requests (once it is held in a decode
+    step where its config holds it there); each result answered within ``bound_s`` (None: still
+    open), and how many requests the victim held."""
     tasks = [asyncio.ensure_future(dep.generate(p, MAX_TOKENS)) for p in PROMPTS]
+    if dep.cfg.faults and any(f.startswith("hold:step") for f in dep.cfg.faults):
+        await wait_until(
+            lambda: "held in step" in (getattr(dep.registry.ranks.get(victim), "state_reason", "") or ""),
+            60,
+            f"rank {victim} held in a decode step",
+            interval_s=0.01,
+        )
     held = await wait_until(lambda: dep.orch.router.inflight.get(victim, 0), 30, f"requests on rank {victim}")
     os.kill(dep.processes[victim].pid(), signal.SIGKILL)
     _, pending = await asyncio.wait(tasks, timeout=bound_s)

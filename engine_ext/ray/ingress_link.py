@@ -169,6 +169,12 @@ class IngressLink:
             self._handing.add(task)
             task.add_done_callback(self._handing.discard)
 
+    async def resubmit_from(self, rank: int, given: list[dict[str, Any]]) -> int:
+        """Requests ``rank`` gave back (a scale-up's re-dispatch) go to their ingresses as a removing
+        rank's do; each ingress's router sends them on. How many were handed on."""
+        await self.resubmit(given)
+        return len(given)
+
     async def hand_back(self, index: int, wires: list[dict[str, Any]], within_s: float = HAND_BACK_S) -> bool:
         """Give ``wires`` to ingress ``index`` until it answers: a call to an ingress Ray is
         restarting fails at once, and a request sent nowhere would wait in its ingress forever.
