@@ -22,16 +22,16 @@ from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 # share the session's oracle server). (xdist's own ``loadgroup`` does not group on pytest 9.2,
 # which no longer reads the node id xdist rewrites: a scheduler of ours.)
 #
-# Lanes (EEPCTL_TEST_LANES unset or 1): worker gw0 runs the vLLM unit first, then the Ray modules
-# that do the most (every ``*_ray`` module, ``RAY_UNITS``), one after another; gw1 runs the Ray modules
+# Lanes (EEPCTL_TEST_LANES unset or 1): worker gw0 runs the Ray modules that do the most (every
+# ``*_ray`` module, ``RAY_UNITS``), one after another, and the vLLM unit last; gw1 runs the Ray modules
 # that mostly wait (``WAITING_RAY``: a node's loss, a partition, a controller's restart, each a wait
 # of seconds) and then every unit that starts neither Ray nor vLLM; a worker whose lane is all dealt
-# takes the other lane's next unit (the busiest Ray modules), so neither idles while the
+# takes the other lane's next unit (the vLLM unit, the busiest Ray modules), so neither idles while the
 # other has a queue. Each worker's session starts its
 # own Ray head on a free port when a test asks for one. The suite waits on detection bounds,
 # start-ups and restarts about a third of its time (on one worker); two CPU-heavy streams (the vLLM
-# unit beside the busiest Ray modules) made each take 2-3x longer and load-sensitive tests fail, so
-# the vLLM unit runs beside the Ray modules that mostly wait (docs/testing.md, "Two lanes").
+# unit beside the busiest Ray modules) made each take 2-3x longer and load-sensitive tests fail
+# (docs/testing.md, "Two lanes").
 # EEPCTL_TEST_LANES=0: free dealing, the longest units first (``LONGEST_FIRST``).
 VLLM_SERVER_MODULES = (
     "test_vllm_elastic",
@@ -41,17 +41,8 @@ VLLM_SERVER_MODULES = (
 )
 RAY_UNITS = ("test_fuzz", "test_completions")  # with every ``*_ray`` module: they start the session's Ray head
 WAITING_RAY = ("test_multinode_ray", "test_control_plane_ray", "test_cli_ray")  # gw1's Ray modules
-# gw0 starts with the vLLM unit, beside gw1's Ray modules that mostly wait; last, it ran alone for
-# its whole length (about a third of a CI run) once gw1 had finished.
-LANE_FIRST = (
-    "vllm",
-    "test_multinode_ray",
-    "test_control_plane_ray",
-    "test_cli_ray",
-    "test_scaling_ray",
-    "test_selfheal_ray",
-)
-LANE_LAST: tuple[str, ...] = ()
+LANE_FIRST = ("test_scaling_ray", "test_multinode_ray", "test_selfheal_ray", "test_control_plane_ray", "test_cli_ray")
+LANE_LAST = ("vllm",)  # gw0 ends with it, once gw1 has (about) finished
 LONGEST_FIRST = (
     "vllm",
     "test_multinode_ray",
