@@ -121,9 +121,21 @@ def up_text(res: dict[str, Any]) -> str:
 
 
 def down_text(res: dict[str, Any]) -> str:
-    msg = f"deployment {res['deployment']} stopped"
+    msg = f"deployment {res['deployment']} stopped" + released_text(res.get("released"))
     if res.get("cluster_stopped"):
         msg += "; the local Ray cluster eepctl started was stopped"
     elif res.get("cluster_note"):
         msg += f"; {res['cluster_note']}"
     return msg + "\n"
+
+
+def released_text(released: dict[str, Any] | None) -> str:
+    """What `down` gave back first: vLLM's engine cores held prepared, or why they are still held."""
+    if not released:
+        return ""
+    if released.get("dropped"):
+        return f"; the engine core(s) vLLM held prepared for DP {released.get('prepared_dp')} dropped"
+    return (
+        f"; the vLLM server still holds engine core(s) prepared for DP {released.get('prepared_dp')} "
+        f"({released.get('error')}): they go when it stops"
+    )

@@ -405,3 +405,15 @@ def test_ranks_sharing_a_gpu_without_mps_are_named_in_status(tmp_path: Path, mon
     ], shared
     assert not [ln for ln in render.status_summary_lines(snap(["GPU-a"] * 4, True)) if "MPS" in ln]
     assert not [ln for ln in render.status_summary_lines(snap(["GPU-a", "GPU-b"], False)) if "MPS" in ln]
+
+
+def test_down_says_what_it_gave_back_of_vllms_held_prepare() -> None:
+    base = {"deployment": "d", "stopped": True, "cluster_stopped": False, "removed_by_name": []}
+    assert render.down_text(dict(base, released=None)) == "deployment d stopped\n"
+    dropped = {"prepared_dp": 4, "dropped": True, "drop_s": 0.8}
+    assert render.down_text(dict(base, released=dropped)) == (
+        "deployment d stopped; the engine core(s) vLLM held prepared for DP 4 dropped\n"
+    )
+    held = {"prepared_dp": 3, "dropped": False, "error": "did not hold 0 engine core(s) prepared within 120s"}
+    text = render.down_text(dict(base, released=held))
+    assert "still holds engine core(s) prepared for DP 3 (did not hold 0" in text and text.count("\n") == 1

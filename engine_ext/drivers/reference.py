@@ -81,6 +81,10 @@ class ReferenceDriver:
         controller = self._controller("there is no standby pool to resize")
         return raise_if_error(_get(controller.set_standby.remote(count), timeout=timeout_s))
 
+    def release(self, *, timeout_s: float) -> dict[str, Any] | None:
+        """Nothing: the standby pool's ranks are the deployment's actors, which `down` removes."""
+        return None
+
     def scale(
         self,
         dp: int,

@@ -90,6 +90,13 @@ class VllmDriver:
 
         return vllm_standby.set_count(self.registry, self.snap, count, timeout_s=timeout_s)
 
+    def release(self, *, timeout_s: float) -> dict[str, Any] | None:
+        """The engine cores the API server holds prepared, dropped (count 0): the server outlives `down`
+        and would keep them otherwise."""
+        from engine_ext.drivers import vllm_standby
+
+        return vllm_standby.release_for_down(self.registry, timeout_s=timeout_s)
+
     def repair(self, *, timeout_s: float) -> dict[str, Any]:
         """First the shared-memory segments killed vLLM processes left on the cluster's nodes
         (engine_ext.ray.shm_sweep), then vLLM's own recovery; what was removed is among the

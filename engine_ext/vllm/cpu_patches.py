@@ -172,6 +172,14 @@ CATALOGUE: tuple[CpuPatch, ...] = (
         source=(("kernel_warmup(self.worker, process_local_only=True)", 1),),
     ),
     CpuPatch(
+        "elastic_release_only_what_is_held",
+        _ELASTIC,
+        "ElasticEPScalingExecutor._release_cuda_graphs",
+        ("self",),
+        cpu_fixes.release_only_what_is_held,
+        source=(("self._release_cuda_graphs()", 3), ("gc.collect()", 1)),
+    ),
+    CpuPatch(
         "elastic_live_linear_weights",
         "vllm.model_executor.layers.utils",
         "dispatch_cpu_unquantized_gemm",
