@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.vllm import patches, scale_orders, signatures
+from engine_ext.vllm import held_symbols, patches, scale_orders, signatures
 from engine_ext.vllm import signature_records as records
 
 WHEEL_CACHE = Path(os.environ.get("EEPCTL_WHEEL_CACHE", Path.home() / ".cache" / "eepctl" / "wheels"))
@@ -54,6 +54,7 @@ def test_every_hook_matches_each_supported_release(version: str) -> None:
     assert version in patches.TESTED_VLLM_VERSIONS
     ok = records.verified(version)
     assert all(ok[s.key] for s in records.wrapped_hooks()), ok  # every wrapped hook, in both releases
+    assert ok["held_prepare"] and held_symbols.check(rec) == "active"  # all the held prepare uses, in both
     from engine_ext.vllm import cpu_patches
 
     if version in cpu_patches.VERIFIED_VERSIONS:
@@ -82,6 +83,70 @@ def test_installed_vllm_reproduces_its_record_and_ast_agrees_with_inspect() -> N
         assert params == rec["params"] and inspect.iscoroutinefunction(obj) is rec["async"], symbol
         checked += 1
     assert checked >= len(records.wrapped_hooks()) + 3
+
+
+_SOURCE = """
+class Manager:
+    LIMIT = 3
+
+    def __init__(self, n):
+        self.run_refs = []
+        self.pairs, (self.left, *self.rest) = {}, (1, 2)
+        self.resources.engine_manager = None
+
+    def grow(self):
+        self.later = 1
+"""
+
+
+def test_an_attribute_a_class_assigns_in_its_methods_is_recorded_with_where() -> None:
+    read = {"m.py": _SOURCE}.get
+    names = ("run_refs", "pairs", "left", "rest", "later", "engine_manager", "resources", "LIMIT", "grow", "gone")
+    got = signatures.extract(read, tuple(f"m:Manager.{n}" for n in names))
+    kinds = {n: (got[f"m:Manager.{n}"] or {}).get("assigned_in") for n in names}
+    assert kinds == dict.fromkeys(("run_refs", "pairs", "left", "rest"), ["__init__"]) | {
+        "later": ["grow"],
+        "engine_manager": None,  # assigned on another object, not on self
+        "resources": None,
+        "LIMIT": None,  # a class-body value: its own record
+        "grow": None,  # a method: its own record
+        "gone": None,
+    }
+    assert got["m:Manager.LIMIT"]["kind"] == "value" and got["m:Manager.grow"]["kind"] == "function"
+    gone = signatures.extract({"m.py": _SOURCE.replace("self.run_refs = []", "pass")}.get, ("m:Manager.run_refs",))
+    assert gone == {"m:Manager.run_refs": None}
+
+
+def test_the_held_prepare_is_refused_when_a_vllm_internal_it_uses_is_gone_or_changed() -> None:
+    rec = records.record("0.32.0")
+    run_refs = "vllm.v1.engine.utils:CoreEngineActorManager.run_refs"
+    assert held_symbols.check(rec) == "active"
+    gone = dict(rec, **{run_refs: None})
+    assert held_symbols.check(gone) == "unavailable: vLLM's source lacks or changed CoreEngineActorManager.run_refs"
+    elsewhere = dict(rec, **{run_refs: {"kind": "attribute", "assigned_in": ["scale_up_elastic_ep"]}})
+    assert "CoreEngineActorManager.run_refs" in held_symbols.check(elsewhere)  # no longer set in __init__
+    drop = "vllm.v1.engine.utils:CoreEngineActorManager.remove_run_refs_for_scale_down"
+    renamed = dict(rec, **{drop: dict(rec[drop], params=["self", "count"])})
+    assert held_symbols.check(renamed).endswith("CoreEngineActorManager.remove_run_refs_for_scale_down")
+    prepare = "vllm.v1.engine.core_client:DPLBAsyncMPClient.prepare_elastic_ep"
+    assert "prepare_elastic_ep" in held_symbols.check(dict(rec, **{prepare: dict(rec[prepare], **{"async": False})}))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_the_api_server_refuses_the_held_prepare_on_a_vllm_source_without_the_run_refs() -> None:
+    from engine_ext.vllm import standby
+
+    read, _ = signatures.installed_reader()
+    utils = "vllm/v1/engine/utils.py"
+    assert "        self.run_refs = []\n" in read(utils)
+
+    def edited(path: str) -> str | None:  # the installed vLLM, its manager no longer keeping run_refs
+        text = read(path)
+        return text.replace("        self.run_refs = []\n", "") if path == utils else text
+
+    assert held_symbols.check_source() == "active"
+    why = standby.HeldPrepare(None, 1).usable(edited)
+    assert why == "unavailable: vLLM's source lacks or changed CoreEngineActorManager.run_refs"
 
 
 def _download(version: str) -> Path:

@@ -1,8 +1,8 @@
 """The vLLM symbols the plugin touches, and their committed records for each supported release.
 
 ``plugin_symbols`` lists every symbol (the wrapped hooks of engine_ext.vllm.patches and
-engine_ext.vllm.phase_hooks, the API-side
-symbols, the CPU patches of engine_ext.vllm.cpu_patches); the record of a release holds, per symbol,
+engine_ext.vllm.phase_hooks, the API-side symbols, the CPU patches of engine_ext.vllm.cpu_patches,
+what the held prepare reads and calls: engine_ext.vllm.held_symbols); the record of a release holds, per symbol,
 what engine_ext.vllm.signatures reads from its source, plus each CPU patch's source-snippet counts.
 Records are committed beside this module (``signatures/vllm-<version>.json``), written by
 ``python -m engine_ext.vllm.signature_records [--wheel PATH] --write``. Why committed: CI checks
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine_ext.vllm import cpu_patches, patches, phase_hooks, signatures
+from engine_ext.vllm import cpu_patches, held_symbols, patches, phase_hooks, signatures
 
 RECORDS_DIR = Path(__file__).with_name("signatures")
 SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
@@ -40,10 +40,10 @@ def wrapped_hooks() -> tuple[patches.PatchSpec, ...]:
 
 
 def plugin_symbols() -> tuple[str, ...]:
-    """Every symbol the plugin checks, as "module:qualname" (catalogue first)."""
+    """Every symbol the plugin checks, as "module:qualname" (catalogue first, the held prepare's last)."""
     wrapped = tuple(f"{s.module}:{s.qualname}" for s in wrapped_hooks())
     cpu = tuple(f"{p.module}:{p.qualname}" for p in cpu_patches.CATALOGUE if p.params is not None)
-    return wrapped + cpu + EXTRA_SYMBOLS
+    return wrapped + cpu + EXTRA_SYMBOLS + held_symbols.SYMBOLS
 
 
 def snippet_counts(read: Callable[[str], str | None]) -> dict[str, dict[str, int]]:
@@ -56,7 +56,8 @@ def snippet_counts(read: Callable[[str], str | None]) -> dict[str, dict[str, int
 
 
 def verified(version: str) -> dict[str, bool]:
-    """Per hook or CPU patch (CATALOGUE key / patch name): does its check hold on ``version``'s record?"""
+    """Per hook or CPU patch (CATALOGUE key / patch name), and ``held_prepare`` (every symbol of
+    engine_ext.vllm.held_symbols): does its check hold on ``version``'s record?"""
     data = json.loads((RECORDS_DIR / f"vllm-{version}.json").read_text())
     symbols, snippets = data["symbols"], data.get("snippets", {})
     out = {
@@ -65,6 +66,7 @@ def verified(version: str) -> dict[str, bool]:
     for p in cpu_patches.CATALOGUE:
         ok = p.params is None or (symbols.get(f"{p.module}:{p.qualname}") or {}).get("params") == list(p.params)
         out[p.name] = ok and all(snippets.get(p.name, {}).get(sn) == n for sn, n in p.source)
+    out["held_prepare"] = held_symbols.check(symbols) == "active"
     return out
 
 

@@ -41,8 +41,35 @@ def _flat(body: list[ast.stmt]) -> list[ast.stmt]:
     return out
 
 
+def _self_attrs(target: ast.expr) -> list[str]:
+    """The names ``X`` a target assigns as ``self.X`` (through tuple and starred targets)."""
+    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+        return [target.attr]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [a for t in target.elts for a in _self_attrs(t)]
+    return _self_attrs(target.value) if isinstance(target, ast.Starred) else []
+
+
+def _assigned_in(scope: list[ast.stmt], attr: str) -> list[str]:
+    """The methods of a class body that assign ``self.<attr>`` (an instance attribute, e.g. set in ``__init__``)."""
+    out = []
+    for fn in scope:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                targets = [node.target]
+            if any(attr in _self_attrs(t) for t in targets):
+                out.append(fn.name)
+                break
+    return sorted(out)
+
+
 def _find(tree: ast.Module, qualname: str) -> dict | None:
-    """The record of ``qualname`` in a parsed module, or None where it is not defined."""
+    """The record of ``qualname`` in a parsed module, or None where it is not defined. A name that a
+    class body does not define but its methods assign as ``self.<name>`` is an instance attribute:
+    its record says which methods assign it (``assigned_in``)."""
     scope: list[ast.stmt] = _flat(tree.body)
     *outer, last = qualname.split(".")
     for part in outer:
@@ -50,6 +77,14 @@ def _find(tree: ast.Module, qualname: str) -> dict | None:
         if cls is None:
             return None
         scope = _flat(cls.body)
+    found = _defined(scope, last)
+    if found is None and outer and (methods := _assigned_in(scope, last)):
+        return {"kind": "attribute", "assigned_in": methods}
+    return found
+
+
+def _defined(scope: list[ast.stmt], last: str) -> dict | None:
+    """The record of the last definition of ``last`` in a scope's statements, or None."""
     for node in reversed(scope):  # the last definition wins, as at run time
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == last:
             names = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)})

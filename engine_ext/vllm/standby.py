@@ -59,7 +59,7 @@ def held_rank(core: Any) -> bool:
 # ---- the engine-core and worker side: what a drop runs there ----------------------------------------
 def _drop_engine(engine: Any) -> str:
     """An existing engine's held prepare, dropped: its workers' standby groups, its new DP group, its state."""
-    from vllm.distributed import stateless_destroy_torch_distributed_process_group
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
 
     state = engine.eep_scaling_state
     if state is None:
@@ -134,8 +134,14 @@ class HeldPrepare:
             "error": "",
         }
 
-    def usable(self) -> str:
-        """ "active", or why vLLM's engine client does not offer what this needs."""
+    def usable(self, read: Any = None) -> str:
+        """ "active", or why not: vLLM's source lacks or changed something the held prepare uses
+        (engine_ext.vllm.held_symbols; ``read``: a source reader, default the installed vLLM's), or
+        this engine client does not offer it."""
+        from engine_ext.vllm.held_symbols import check_source
+
+        if (why := check_source(read)) != "active":
+            return why
         lock = getattr(self.client, "_elastic_ep_lock", None)
         manager = getattr(getattr(self.core, "resources", None), "engine_manager", None)
         needs = (
