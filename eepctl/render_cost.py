@@ -26,6 +26,13 @@ def _host(model: dict[str, Any]) -> str:
     return f"{h.get('hostname')}, {h.get('cpus')} CPUs, {h.get('device')}{gpu}, {model.get('fitted_at')}"
 
 
+def _fitted_by(model: dict[str, Any]) -> str:
+    """Which model priced a plan: the deployment's own fit (its scales) or one fitted on a host."""
+    if model.get("learned"):
+        return f"fitted on this deployment's own {model['learned']} scale(s), last at {model.get('fitted_at')}"
+    return f"model fitted on {_host(model)}"
+
+
 def plan_cost_lines(plan: dict[str, Any]) -> list[str]:
     """The dry run's expert pre-copy (what moves while serving, what in the commit) and its
     predicted cost."""
@@ -49,7 +56,7 @@ def predicted_lines(cost: dict[str, Any] | None) -> list[str]:
     if cost.get("no_model"):
         return [f"predicted cost: {cost['no_model']}", f"  {sizes}"]
     move = f"move time {_s(cost.get('move_s'))}{_range(cost.get('move_range_s'))} (pre-copy, while serving)"
-    head = f"predicted cost (model fitted on {_host(cost.get('model') or {})}): "
+    head = f"predicted cost ({_fitted_by(cost.get('model') or {})}): "
     if cost.get("pause_s") is None:  # the move is predicted, the pause is not: say so, and why
         lines = [
             head + move,

@@ -2,7 +2,8 @@
 round by round as the controller's loop drives it (``autoscale_round``): a load step recorded but
 not acted on in advisory mode, acted on in mode on (up by the max step while requests are in
 flight, none failing; the new world serves the oracle's tokens), then down after the down-delay, the
-emptiest ranks leaving, and no move while the load stays gone."""
+emptiest ranks leaving, and no move while the load stays gone. The two scales' measured costs
+become the points of the deployment's own cost model (engine_ext.control.cost_learn)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ async def _scenario(cfg: EngineConfig) -> tuple[list[dict], list[dict], list[dic
         while time.time() < t_end:  # load gone: down after the down-delay, then nothing moves
             await autoscale_round(host, dep.orch, act)
             await asyncio.sleep(0.25)
+        learned = dep.orch.admission.learned  # the cost model learns from the deployment's own scales
+        scales = [op for op in dep.orch.history if op.get("cost")]
+        assert [p["op_id"] for p in learned.points] == [op["op_id"] for op in scales] and len(scales) == 2, scales
+        for p, op in zip(learned.points, scales):
+            assert p["total_moved_bytes"] == op["cost"]["predicted"]["total_moved_bytes"], (p, op["cost"])
+            assert (p["move_s"], p["pause_s"]) == (op["cost"]["measured"]["move_s"], op["serving_pause_s"]), p
+        # 2 scales: no fit of its own yet (asked as a GPU deployment would: the shipped CPU fit does not apply)
+        assert learned.fit is None and "learning (" in learned.choose("cuda")[1]
         return served, results, host.autoscale_decisions()["decisions"], list(dep.orch.members), ops_in_advisory
 
 

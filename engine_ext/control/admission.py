@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from engine_ext.capture_memory import kv_budget, kv_budget_error, policy_memory
 from engine_ext.config import EngineConfig
-from engine_ext.control.cost_model import load_model, predict
+from engine_ext.control.cost_learn import LearnedCost
+from engine_ext.control.cost_model import predict
 from engine_ext.control.scale_plan import ScalePlan, choose_leaving, plan_scale
 from engine_ext.control.spawner import Spawner
 from engine_ext.control.standby_pool import mark_pool_joiners
@@ -48,6 +49,7 @@ class Admission:
         self.recovery = recovery
         self.max_dp = max_dp
         self.device = "cpu"  # the ranks' device kind: a cost model is only good for the one it was fitted on
+        self.learned = LearnedCost()  # the cost model learned from this deployment's own scales
 
     async def admit(
         self,
@@ -144,7 +146,7 @@ class Admission:
                 plan = kept
         mark_pool_joiners(plan, self.spawner.pool)
         if not plan.noop:
-            model, why = load_model(self.device)
+            model, why = self.learned.choose(self.device)
             plan.cost = predict(
                 plan.to_dict(),
                 expert_nbytes(self.cfg),

@@ -19,10 +19,11 @@ scale's pause of a few milliseconds strays by tens of per cent where ranks share
 says by how much on this host.
 
 Bytes per rank and extra memory come from the plan itself (``engine_ext.elastic.precopy``); the
-model only prices them. It is read from ``$EEPCTL_COST_MODEL`` or the file shipped beside this
-module, and used only on the host it was fitted on (hostname, CPU count, device kind, GPU name):
-elsewhere the prediction says so and predicts nothing. Torch-free; plain Python (the controller
-imports it).
+model only prices them. A deployment fits its own model, in this form, from its own finished scales
+(engine_ext.control.cost_learn) and uses it once it has one; until then the model read from
+``$EEPCTL_COST_MODEL`` or the file shipped beside this module, only on the host it was fitted on
+(hostname, CPU count, device kind, GPU name): elsewhere the prediction says so and predicts nothing.
+Torch-free; plain Python (the controller imports it).
 """
 
 from __future__ import annotations
@@ -285,6 +286,8 @@ def predict(
     if "spread" in mv:  # (a model written before the spread was kept has none)
         out["move_range_s"] = [out["move_s"] * mv["spread"][0], out["move_s"] * mv["spread"][1]]
     out["model"] = {"path": model.get("path"), "host": model["host"], "fitted_at": model.get("fitted_at")}
+    if model.get("learned"):  # the deployment's own fit (engine_ext.control.cost_learn): its number of scales
+        out["model"]["learned"] = model["learned"]
     outside = [f for f, (lo, hi) in mv["range"].items() if not lo <= x[f] <= hi]
     pz = model["pause"].get(capture_policy)
     if pz is None:

@@ -174,6 +174,8 @@ class Orchestrator:
                     # retry, after the recovery, a size that has just failed.
                     self.desired = desired_before
                 w.record(op)
+                # what it cost teaches the deployment's own cost model (engine_ext.control.cost_learn)
+                self.admission.learned.observe(to_builtins(op), str(self.cfg.capture_policy), self.admission.device)
             return to_builtins(op)
         finally:
             w.op_lock.release()

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from engine_ext.config import EngineConfig
+from engine_ext.control.cost_learn import LearnedCost
 from engine_ext.control.orchestrator import Orchestrator
 from engine_ext.control.reconciler import TICK_S, Reconciler
 from engine_ext.control.request_ids import RequestIds
@@ -86,9 +87,9 @@ class Controller:
         self._resume(self.durable.load(), max_dp)
 
     def _resume(self, saved: dict[str, Any] | None, max_dp: int) -> None:
-        """The autoscaler with its policy and decisions as saved and, when Ray restarted this
-        controller (the saved state says the deployment started), the take-over, scheduled on the
-        actor's loop."""
+        """The autoscaler with its policy and decisions as saved, the cost model's points learned from
+        the deployment's scales and, when Ray restarted this controller (the saved state says the
+        deployment started), the take-over, scheduled on the actor's loop."""
         self.autoscale_host = AutoscaleHost(
             self.deployment,
             max_dp,
@@ -96,6 +97,8 @@ class Controller:
             saved=(saved or {}).get("autoscale"),
             metrics=autoscaler_metrics(self.deployment),
         )
+        # the cost model learned from the deployment's own scales (engine_ext.control.cost_learn)
+        self.orch.admission.learned = LearnedCost.from_dict((saved or {}).get("cost_fit"))
         if saved is not None and saved.get("started"):
             self._resuming = asyncio.get_event_loop().create_task(self._take_over(saved))
 
@@ -227,6 +230,7 @@ class Controller:
                 restarts=self.restarts,
                 info=self.publisher.info,
                 autoscale=self.autoscale_host.state(),
+                cost_fit=self.orch.admission.learned.to_dict(),
                 standby=pool.size if pool is not None else 0,
                 standby_next=pool.next_number if pool is not None else 0,
                 requests=self.scales.requests.recent(),

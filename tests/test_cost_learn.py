@@ -1,0 +1,147 @@
+"""The cost model a deployment learns from its own scales (engine_ext/control/cost_learn.py): from
+operation records it fits the shipped model's form, exactly the offline fit of the same records;
+it keeps and restores its points with the deployment's durable state; a host with no fit says so,
+and how far the learning is, until it has one. Pure: no deployment (the reference engine's
+scales feed it in tests/test_autoscale_local.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eepctl import render
+from engine_ext.control import cost_model as cm
+from engine_ext.control.cost_learn import MIN_SCALES, LearnedCost
+from tests.helpers import ROOT, SPARE_S_PER_B, cost_points, write_cost_model
+
+MIB = 2**20
+
+
+def _op(i: int, cost: dict[str, Any], pool: bool = True, **kw: Any) -> dict[str, Any]:
+    """A finished scale's record as the controller keeps it (the fields the learner reads)."""
+    return {
+        "op_id": f"op-{i}",
+        "kind": "scale",
+        "state": "succeeded",
+        "from_size": 2,
+        "to_size": 4,
+        "finished": 1_700_000_000.0 + i,
+        "plan": {"joining": [{"rank": 2, "from_standby": pool}, {"rank": 3, "from_standby": pool}]},
+        "cost": cost,
+        **kw,
+    }
+
+
+def _synthetic_ops() -> list[dict[str, Any]]:
+    """Records whose measurements lie exactly on known prices (tests.helpers.cost_points)."""
+    ops = []
+    for i, p in enumerate(cost_points((0.004, 2.5e-9), (0.018, 3.0e-11))):
+        pred = {f: p[f] for f in cm.MOVE_FEATURES + cm.PAUSE_FEATURES} | {"commit_bytes": 0, "moved_bytes": 1}
+        ops.append(_op(i, {"predicted": pred, "measured": {"move_s": p["move_s"], "pause_s": p["pause_s"]}}))
+    return ops
+
+
+def _plan() -> dict[str, Any]:
+    """2 -> 4: joiners 2 and 3 each receive 2 experts of 1 MiB; nothing in the commit."""
+    pr = {
+        "0": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
+        "1": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
+        "2": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
+        "3": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
+    }
+    return {
+        "op_id": "op-9",
+        "from_size": 2,
+        "to_size": 4,
+        "joining": [{"rank": 2, "instance_id": "d_dp2"}, {"rank": 3, "instance_id": "d_dp3"}],
+        "precopy": {"per_rank": pr, "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0},
+    }
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped model is one fitted on another host (999 CPUs): it predicts nothing here."""
+    model = cm.fit(cost_points((0.004, 2.5e-9), (0.018, 3e-11)), cm.host_identity() | {"cpus": 999}, ["x"])
+    monkeypatch.setenv(cm.ENV, str(write_cost_model(tmp_path, model)))
+
+
+def test_a_host_without_a_fit_says_so_learns_and_then_predicts_from_its_own_scales(elsewhere: None) -> None:
+    learned, ops = LearnedCost(), _synthetic_ops()
+    for op in ops[: MIN_SCALES - 1]:
+        assert learned.observe(op, "reuse")
+    model, why = learned.choose("cpu")
+    assert model is None and why.startswith(
+        f"no cost model fitted on this host yet: learning ({MIN_SCALES - 1} of {MIN_SCALES} scales that moved "
+        "experts measured); the shipped model is not for this host ("
+    ), why
+    text = render.plan_text(_plan() | {"cost": cm.predict(_plan(), MIB, 4, "reuse", True, model, why)})
+    assert "predicted cost: no cost model fitted on this host yet: learning (3 of 4" in text, text
+    assert "move time" not in text  # no time is guessed
+    assert learned.observe(ops[MIN_SCALES - 1], "reuse")
+    model, why = learned.choose("cpu")
+    assert model is not None and why == ""
+    mv, pz = model["move"], model["pause"]["reuse"]
+    assert mv["intercept"] == pytest.approx(0.004, rel=1e-9)
+    assert mv["coef"]["total_moved_bytes"] == pytest.approx(2.5e-9, rel=1e-9)
+    assert mv["coef"]["spare_total_bytes"] == pytest.approx(SPARE_S_PER_B, rel=1e-9)
+    assert pz["intercept"] == pytest.approx(0.018, rel=1e-9)
+    assert pz["coef"]["rank_expert_bytes"] == pytest.approx(3.0e-11, rel=1e-9)
+    cost = cm.predict(_plan(), MIB, 4, "reuse", True, model, why)
+    assert cost["move_s"] == pytest.approx(0.004 + 2.5e-9 * 4 * MIB, rel=1e-9)
+    assert cost["model"]["learned"] == MIN_SCALES
+    text = render.plan_text(_plan() | {"cost": cost})
+    assert "predicted cost (fitted on this deployment's own 4 scale(s), last at 2023-11-14 22:13:23 UTC)" in text
+
+
+def test_only_succeeded_scales_with_a_recorded_cost_teach_it_and_each_once() -> None:
+    learned, op = LearnedCost(), _synthetic_ops()[1]
+    assert not learned.observe(op | {"state": "rolled_back"}, "reuse")
+    assert not learned.observe(op | {"kind": "recover"}, "reuse")
+    assert not learned.observe(op | {"cost": {}}, "reuse")  # a no-op scale records no cost
+    assert learned.observe(op, "reuse") and not learned.observe(op, "reuse")
+    assert len(learned.points) == 1 and learned.points[0]["pool"] is True
+    assert learned.points[0]["total_moved_bytes"] == op["cost"]["predicted"]["total_moved_bytes"]
+
+
+def _h100_ops() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The scales of a real CUDA bytes curve on an H100 (tests/data: 9 scales, 5 sizes), as the
+    operation records they came from: each row's ``cost`` is its operation's."""
+    res = json.loads((ROOT / "tests/data/h100_cuda_fit_curves.json").read_text())
+    return res, [_op(i, r["cost"], pool=r["pool"]) for i, r in enumerate(res["bytes"])]
+
+
+def test_learned_from_a_real_curves_scales_it_is_the_offline_fit_of_them(elsewhere: None) -> None:
+    """A fresh host (no shipped fit applies) that made the H100 curve's scales itself has the fit
+    benchmarks/fit_cost.py makes of the same scales: the same coefficients, the same spread."""
+    from benchmarks import fit_cost
+
+    res, ops = _h100_ops()
+    learned = LearnedCost()
+    for op in ops:
+        learned.observe(op, "reuse", device="cpu")
+    offline = cm.fit(fit_cost.points(res), res["host"], ["x"])
+    got, _ = learned.choose("cpu")
+    assert got is not None and got["learned"] == len(ops) == 9
+    for part, want in (("move", offline["move"]), ("pause", offline["pause"]["reuse"])):
+        have = got["move"] if part == "move" else got["pause"]["reuse"]
+        assert have["intercept"] == pytest.approx(want["intercept"], rel=1e-9), part
+        assert have["coef"].keys() == want["coef"].keys(), part
+        for f, c in want["coef"].items():
+            assert have["coef"][f] == pytest.approx(c, rel=1e-9), (part, f)
+        assert have["spread"] == pytest.approx(want["spread"], rel=1e-9), part
+        assert have["not_fitted"] == want["not_fitted"], part
+
+
+def test_the_points_persist_and_a_restored_learner_has_the_same_fit(elsewhere: None) -> None:
+    """What the controller writes into its durable state (JSON) brings the fit back after a restart."""
+    _, ops = _h100_ops()
+    learned = LearnedCost()
+    for op in ops:
+        learned.observe(op, "reuse")
+    restored = LearnedCost.from_dict(json.loads(json.dumps(learned.to_dict())))
+    assert restored.fit == learned.fit and restored.fit is not None
+    assert not restored.observe(ops[0], "reuse")  # learned from once, also across the restart
+    assert LearnedCost.from_dict(None).choose("cpu")[0] is None
