@@ -145,3 +145,27 @@ def test_the_points_persist_and_a_restored_learner_has_the_same_fit(elsewhere: N
     assert restored.fit == learned.fit and restored.fit is not None
     assert not restored.observe(ops[0], "reuse")  # learned from once, also across the restart
     assert LearnedCost.from_dict(None).choose("cpu")[0] is None
+
+
+def test_the_controllers_durable_state_keeps_the_points_and_a_restarted_controller_restores_them(
+    elsewhere: None,
+) -> None:
+    """What the Ray controller writes into the GCS KV (``controller_memory.snapshot`` of its
+    orchestrator, JSON) and what a restarted one restores from it (``restore_learned``): the same
+    points, the same fit. No cluster: the orchestrator is the real one, with no ranks."""
+    from types import SimpleNamespace
+
+    from engine_ext.config import EngineConfig
+    from engine_ext.control.orchestrator import Orchestrator
+    from engine_ext.ray.controller_memory import restore_learned, snapshot
+
+    _, ops = _h100_ops()
+    before = Orchestrator("d", EngineConfig(), SimpleNamespace(pool=None), max_dp=4)  # type: ignore[arg-type]
+    for op in ops:
+        before.admission.learned.observe(op, "reuse")
+    saved = json.loads(json.dumps(snapshot(before, started=True)))
+    after = Orchestrator("d", EngineConfig(), SimpleNamespace(pool=None), max_dp=4)  # type: ignore[arg-type]
+    assert after.admission.learned.choose("cpu")[0] is None  # a fresh controller knows nothing yet
+    restore_learned(after, saved)
+    assert after.admission.learned.points == before.admission.learned.points and len(ops) == 9
+    assert after.admission.learned.choose("cpu")[0] == before.admission.learned.fit is not None

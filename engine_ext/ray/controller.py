@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 from engine_ext.config import EngineConfig
-from engine_ext.control.cost_learn import LearnedCost
 from engine_ext.control.orchestrator import Orchestrator
 from engine_ext.control.reconciler import TICK_S, Reconciler
 from engine_ext.control.request_ids import RequestIds
@@ -23,7 +22,7 @@ from engine_ext.protocol import EepError, error_record
 from engine_ext.ray import placement
 from engine_ext.ray.autoscale_host import AutoscaleHost, autoscale_round, autoscaler_metrics
 from engine_ext.ray.completion_request import model_limits
-from engine_ext.ray.controller_memory import forget_unheld_ranks, snapshot, sweep_orphans, take_over
+from engine_ext.ray.controller_memory import forget_unheld_ranks, restore_learned, snapshot, sweep_orphans, take_over
 from engine_ext.ray.durable import DurableState
 from engine_ext.ray.ingress_link import IngressLink
 from engine_ext.ray.registry_keeper import RegistryKeeper
@@ -97,8 +96,7 @@ class Controller:
             saved=(saved or {}).get("autoscale"),
             metrics=autoscaler_metrics(self.deployment),
         )
-        # the cost model learned from the deployment's own scales (engine_ext.control.cost_learn)
-        self.orch.admission.learned = LearnedCost.from_dict((saved or {}).get("cost_fit"))
+        restore_learned(self.orch, saved)  # the cost model learned from the deployment's own scales
         if saved is not None and saved.get("started"):
             self._resuming = asyncio.get_event_loop().create_task(self._take_over(saved))
 
@@ -230,7 +228,6 @@ class Controller:
                 restarts=self.restarts,
                 info=self.publisher.info,
                 autoscale=self.autoscale_host.state(),
-                cost_fit=self.orch.admission.learned.to_dict(),
                 standby=pool.size if pool is not None else 0,
                 standby_next=pool.next_number if pool is not None else 0,
                 requests=self.scales.requests.recent(),

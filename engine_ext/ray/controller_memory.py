@@ -2,13 +2,13 @@
 
 ``snapshot`` is the durable state (engine_ext.ray.durable): the desired spec, the members with
 their actor names and the world's epoch, the store, the layout, the fenced ranks, the operation
-log with the running operation's last recorded phase, the idempotency keys and the controller's
-own events. ``take_over`` is the restarted controller's first act: re-attach to the live rank
-actors by name, remove every rank actor and placement group of the deployment that no member
-holds (a joiner of the interrupted scale, its reservation, a dead member's, a standby: the pool
-refills), then settle the interrupted operation — one
-that had not begun commit is rolled back; one that had is driven to a consistent world by a
-recovery that restores every expert from the weight source.
+log with the running operation's last recorded phase, the idempotency keys, the controller's
+own events and the points of the cost model learned from the deployment's scales. ``take_over``
+is the restarted controller's first act: re-attach to the live rank actors by name, remove every
+rank actor and placement group of the deployment that no member holds (a joiner of the
+interrupted scale, its reservation, a dead member's, a standby: the pool refills), then settle the
+interrupted operation — one that had not begun commit is rolled back; one that had is driven to a
+consistent world by a recovery that restores every expert from the weight source.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from engine_ext.control.cost_learn import LearnedCost
 from engine_ext.control.rank_client import GoneRankClient, RankClient
 from engine_ext.control.world import quiet
 from engine_ext.elastic.eplb import ExpertLayout
@@ -51,8 +52,14 @@ def snapshot(orch: Orchestrator, **extra: Any) -> dict[str, Any]:
         "fenced": {str(r): f for r, f in w.fenced.items()},
         "history": w.history[-100:],
         "running": running.op_id if running is not None else None,
+        "cost_fit": orch.admission.learned.to_dict(),  # the points of the deployment's own cost model
         **extra,
     }
+
+
+def restore_learned(orch: Orchestrator, state: dict[str, Any] | None) -> None:
+    """The cost model the deployment learned from its own scales, as the durable state kept it."""
+    orch.admission.learned = LearnedCost.from_dict((state or {}).get("cost_fit"))
 
 
 async def take_over(orch: Orchestrator, spawner: RaySpawner, state: dict[str, Any]) -> list[str]:
