@@ -150,6 +150,9 @@ class _Host:
         self.acted.append((decision.recommendation, scaling))
         return None
 
+    def finished_ops(self) -> list[dict[str, Any]]:
+        return [dict(op) for op in self.ops.values() if op["state"] != "running"][-5:]
+
 
 def _loop(registry: Registry) -> tuple[VllmLoop, _Host]:
     """The loop, not started: the test ticks it by hand."""
@@ -469,3 +472,55 @@ def test_scale_orders_hand_one_order_to_one_taker_and_its_answer_back() -> None:
     with pytest.raises(TransitionTimeout):
         orders.carried_out(late)
     assert orders.answer("op-2", {"code": 200}) is False  # too late: nobody waits for it
+
+
+def test_the_loop_feeds_each_finished_vllm_scale_to_the_autoscalers_cost_learner() -> None:
+    """Each vLLM scale the controller finished (its record made as the controller makes it:
+    admitted by ``new_operation``, ended by ``vllm_run.finish_scale``) teaches the autoscaler's scale
+    cost at the loop's next tick, once: a scale-up to the size vLLM held prepared at admission is the
+    commit alone (``up_s``), one without a prepare pays the engine cores' start too (``launch_s``:
+    what it took beyond the commit), a scale-down its wall time (``down_s``). The next decision's
+    delays come from them, and they persist with the policy."""
+    from engine_ext.control.autoscale_cost import LEARN_RATE, SEEDS
+    from engine_ext.control.vllm_api import VllmApi
+    from engine_ext.control.vllm_deployment import new_operation
+    from engine_ext.ray.vllm_run import finish_scale
+
+    def moved(old: float, new: float) -> float:  # each measurement moves the figure halfway
+        return old + LEARN_RATE * (new - old)
+
+    loop, host, now = _autoscaled({"state": "prepared", "prepared": 3, "count": 1, "target": 3})
+    cost, seed = loop.autoscale_host.cost, SEEDS["vllm"]
+    loop.tick(now)
+    assert cost.measured == 0 and cost.up_s == seed["up_s"]  # vLLM's seeds until a scale finished
+
+    def scale(target: int, wall_s: float) -> dict[str, Any]:
+        op = new_operation(host.registry.snapshot(), "http://127.0.0.1:9", target, 600.0, None, "ctl")
+        op["started"] = time.time() - wall_s  # the scale took wall_s
+        host.record(op)
+        finish_scale(host, op, VllmApi("http://127.0.0.1:9", None), [], None)
+        return op
+
+    prepared = scale(3, 2.0)
+    assert prepared["plan"]["prepared_dp"] == 3 and prepared["state"] == "succeeded", prepared
+    loop.tick(now + 0.5)
+    up_s = moved(seed["up_s"], time.time() - prepared["started"])
+    assert cost.measured == 1 and cost.up_s == pytest.approx(up_s, abs=0.05), cost
+    assert cost.launch_s == seed["launch_s"]  # adopted prepared engine cores: no launch
+    host.registry.set_info({"dp": 3, "standby": None, "api_heartbeat": time.time()})
+    cold = scale(4, 40.0)
+    assert cold["plan"]["prepared_dp"] is None, cold
+    loop.tick(now + 1.0)
+    assert cost.measured == 2 and cost.up_s == pytest.approx(up_s, abs=0.05), cost
+    assert cost.launch_s == pytest.approx(moved(seed["launch_s"], 40.0 - up_s), abs=0.05), cost
+    host.registry.set_info({"dp": 4, "api_heartbeat": time.time()})
+    scale(2, 12.0)
+    loop.tick(now + 1.5)
+    loop.tick(now + 2.0)  # each scale is learned once
+    assert cost.measured == 3 and cost.down_s == pytest.approx(moved(seed["down_s"], 12.0), abs=0.05), cost
+    assert (
+        loop.autoscale_host.autoscaler.decisions[-1]
+        .timing["why"]
+        .endswith("(learned from 3 scale(s), joiners launched)")
+    )
+    assert loop.saved["autoscale"]["cost"]["measured"] == 3  # persisted with the policy (GCS KV)

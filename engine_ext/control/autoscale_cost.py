@@ -3,7 +3,10 @@
 A scale's cost here is its wall time, start to the new world serving, as the deployment's own
 finished scales measured it: a scale-up's without its launch phase, the launch of a joiner
 (none when it already runs: the standby pool holds it, or vLLM's engine cores were prepared for
-that size ahead), a scale-down's. Each new measurement moves the figure halfway (``LEARN_RATE``).
+that size ahead), a scale-down's. A vLLM scale has no launch phase of its own: a scale-up to the
+size vLLM held prepared at admission is the commit alone, any other pays what it took beyond the
+commit as its launch. Both controllers hand their finished scales to the autoscaler at its tick.
+Each new measurement moves the figure halfway (``LEARN_RATE``).
 Until the deployment has scaled, seeds (docs/benchmarks.md, "Scaling on CPU", the 2-core box): a
 reference scale-up from the standby pool 0.7 s (0.61 s on Ray, 0.66 s on the process launcher), a
 joiner's launch 7 s more (6.94 s on Ray, 3.17 s on the launcher), a scale-down 1.0 s (Ray, 4 -> 2:
@@ -81,7 +84,7 @@ class ScaleCost:
             return False
         started = op.get("started")
         wall = max(0.0, float(op["finished"]) - float(op["finished"] if started is None else started))
-        launch = float((op.get("phase_durations") or {}).get("launch", 0.0))
+        launch = self._launch_part(op, wall)
         if int(op.get("to_size") or 0) > int(op.get("from_size") or 0):
             self.up_s = _moved(self.up_s, wall - launch)
             if launch > LAUNCHED_S:
@@ -91,6 +94,18 @@ class ScaleCost:
         self.measured += 1
         self.seen = (*self.seen, op_id)[-20:]
         return True
+
+    def _launch_part(self, op: dict[str, Any], wall: float) -> float:
+        """The seconds of a scale spent launching its joiners: the reference engine's ``launch``
+        phase; for a vLLM scale-up (no launch phase: vLLM starts its engine cores itself) none when
+        it went to the size whose engine cores were prepared at admission (``plan.prepared_dp``: the
+        commit alone), else what it took beyond the commit (the learned ``up_s``)."""
+        plan = op.get("plan") or {}
+        if plan.get("kind") != "vllm":
+            return float((op.get("phase_durations") or {}).get("launch", 0.0))
+        if plan.get("prepared_dp") is not None and int(plan["prepared_dp"]) == int(op.get("to_size") or 0):
+            return 0.0
+        return max(0.0, wall - self.up_s)
 
     def source(self) -> str:
         return f"learned from {self.measured} scale(s)" if self.measured else f"seed ({self.kind})"

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine_ext.control.vllm_api import VllmApi
+from engine_ext.control.vllm_reconcile import prepared_dp
 from engine_ext.elastic.transition_plan import new_op_id
 from engine_ext.protocol import DeploymentKind, EepError, OpState, TransitionFailed, UnreachableError
 
@@ -178,5 +179,12 @@ def new_operation(
         "workspace_after": {},
         "rank_states": {},
         "deadline": now + timeout_s,
-        "plan": {"kind": "vllm", "api_url": api_url, "request_id": request_id or "", "controller": controller},
+        "plan": {
+            "kind": "vllm",
+            "api_url": api_url,
+            "request_id": request_id or "",
+            "controller": controller,
+            # the size whose engine cores vLLM held prepared at admission: a scale-up to it is the commit alone
+            "prepared_dp": prepared_dp(snap, now),
+        },
     }

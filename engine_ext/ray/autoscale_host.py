@@ -171,8 +171,7 @@ class AutoscaleHost:
             isinstance(s, dict) and ((s.get("requests_waiting") or 0) + (s.get("requests_running") or 0)) > 0
             for s in statuses
         )
-        for op in ops or []:
-            self.cost.observe(op)
+        learned = [op for op in ops or [] if self.cost.observe(op)]  # each finished scale's wall time, once
         self.cost.seed(next((str(s.get("kind")) for s in statuses if isinstance(s, dict) and s.get("kind")), ""))
         if self.autoscaler is None:
             return None
@@ -193,7 +192,7 @@ class AutoscaleHost:
         decision = self.autoscaler.decide(now, obs)
         if self.metrics is not None:
             self.metrics.on_decision(decision)
-        if decision.action != "none" or now - self._persisted_at >= PERSIST_QUIET_S:
+        if learned or decision.action != "none" or now - self._persisted_at >= PERSIST_QUIET_S:
             self._persist()  # a quiet tick is not worth a write; one in PERSIST_QUIET_S keeps the trail
             self._persisted_at = now
         return decision

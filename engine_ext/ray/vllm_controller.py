@@ -40,7 +40,8 @@ AUTOSCALE_DRAIN_S, AUTOSCALE_TIMEOUT_S = 30, 600.0  # an autoscaler's scale: `ee
 
 class VllmController:
     """One per vLLM deployment; holds the operations it runs, the registry holds the history.
-    Its loop (``VllmLoop``) reaches it through ``call``, ``record``, ``running_op`` and ``owns_op``."""
+    Its loop (``VllmLoop``) reaches it through ``call``, ``record``, ``running_op``, ``owns_op`` and
+    ``finished_ops``."""
 
     def __init__(
         self,
@@ -109,6 +110,13 @@ class VllmController:
     def owns_op(self, op_id: str) -> bool:
         with self._changed:
             return op_id in self._ops
+
+    def finished_ops(self) -> list[dict[str, Any]]:
+        """The last scales this controller ran to their end. Not one the loop ended for a dead
+        controller: its record says why in ``error``, and its wall time is not the scale's."""
+        with self._changed:
+            ended = [op for op in self._ops.values() if op["state"] != OpState.RUNNING.value and not op.get("error")]
+        return [dict(op) for op in ended[-5:]]
 
     # ---- autoscaling: the loop's AutoscaleHost answers ------------------------------------------
     def set_autoscale(self, changes: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:

@@ -5,7 +5,8 @@ Every TICK_S (an Event wait: no tick of its own making in between) the loop read
 once, watches vLLM's scaling flag as the plugin publishes it (the endpoint only when that is
 stale), ends an operation whose controller died mid-scale once vLLM's flag is down, reads vLLM's
 fault-tolerance status at most every FT_EVERY_S on a server that has it, and runs one decision of
-the shared core (engine_ext.ray.autoscale_host); a decision that acts (``--mode on``) is handed
+the shared core (engine_ext.ray.autoscale_host), which learns what a scale costs from the
+controller's finished scales; a decision that acts (``--mode on``) is handed
 to the controller (``LoopHost.act_on``), which runs it as an operation carried out by the plugin in
 vLLM's API server, under the same single flight as ``eepctl scale``. What status shows goes into the
 registry's info only when it differs from what is there; the policy and the decisions persist in
@@ -70,6 +71,10 @@ class LoopHost(Protocol):
     def act_on(self, decision: Any, scaling: bool) -> str | None:
         """Start the scale an acting decision asks for (one scale at a time; ``scaling``: vLLM's
         flag): None once it runs, else why it was not started."""
+        ...
+
+    def finished_ops(self) -> list[dict[str, Any]]:
+        """The last scales the controller ran to their end (what they cost teaches the autoscaler)."""
         ...
 
 
@@ -247,7 +252,14 @@ class VllmLoop:
         if str(autoscale.policy.mode) != "off":
             members, statuses = current_world(snap)
             busy = running or ("vLLM's own scale (its scaling flag is set)" if flag else None)
-            decision = autoscale.tick(statuses, members, now=now, busy=busy, prepared_dp=prepared_dp(snap, now))
+            decision = autoscale.tick(
+                statuses,
+                members,
+                now=now,
+                busy=busy,
+                prepared_dp=prepared_dp(snap, now),
+                ops=self.host.finished_ops(),  # each finished scale's wall time, learned once
+            )
             if decision is not None and decision.recommendation < decision.current_dp:
                 leaving = ", ".join(map(str, range(decision.recommendation, decision.current_dp)))
                 decision.rule += f"; vLLM retires its highest rank(s): {leaving} (not the emptiest)"
