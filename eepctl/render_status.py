@@ -64,17 +64,20 @@ def eplb_share(snap: dict[str, Any], rank: int) -> str:
 
 def status_text(snap: dict[str, Any], width: int = 160, max_rows: int | None = None) -> str:
     """The per-rank table, ranks needing attention first and one line each: every column where
-    they fit in ``width``, else a compact set (the states' reasons are listed under the table).
+    they fit in ``width``, else every one but the memory, else a compact set (the states' reasons are
+    listed under the table).
     ``max_rows`` (watch mode: the screen's height) cuts the table and says how many are left out."""
     ranks = attention_order(snap["ranks"])
     shown = ranks if max_rows is None else ranks[: max(1, max_rows)]
     table = _status_table(snap, shown, compact=False)
+    if natural_width(table) > width:  # the memory column is the first to go, then the compact set
+        table = _status_table(snap, shown, compact=False, memory=False)
     if natural_width(table) > width:
         table = _status_table(snap, shown, compact=True)
     return rich_text([table, *status_summary_lines(snap, left_out=len(ranks) - len(shown))], width)
 
 
-def _status_table(snap: dict[str, Any], ranks: list[dict[str, Any]], compact: bool) -> Any:
+def _status_table(snap: dict[str, Any], ranks: list[dict[str, Any]], compact: bool, memory: bool = True) -> Any:
     from rich.table import Table
 
     table = Table(title=f"deployment {snap['deployment']} ({snap.get('kind', 'reference')})", title_justify="left")
@@ -89,6 +92,7 @@ def _status_table(snap: dict[str, Any], ranks: list[dict[str, Any]], compact: bo
             "run/wait",
             "slots",
             "kv",
+            "mem",
             "workspace",
             "graphs",
             "replays",
@@ -96,6 +100,8 @@ def _status_table(snap: dict[str, Any], ranks: list[dict[str, Any]], compact: bo
             "hb",
         )
     )
+    if not memory:
+        cols = tuple(c for c in cols if c != "mem")
     for col in cols:
         table.add_column(col, no_wrap=True, overflow="ellipsis")
     for r in ranks:
@@ -109,29 +115,43 @@ def _status_table(snap: dict[str, Any], ranks: list[dict[str, Any]], compact: bo
             graphs = f"{r.get('graphs_captured', 0)} {kind}"
             table.add_row(str(r["rank"]), r["instance_id"], r["state"], run_wait, kv, ws, graphs, age)
         else:
-            table.add_row(
-                str(r["rank"]),
-                r["instance_id"],
-                node_label(r),
-                r["state"],
-                run_wait,
-                f"{r['slots_used']}/{r['slots_total']}",
-                kv,
-                ws,
-                capture_cell(r),
-                replays_cell(r),
-                eplb_share(snap, r["rank"]),
-                age,
-            )
+            cells = [str(r["rank"]), r["instance_id"], node_label(r), r["state"], run_wait]
+            cells += [f"{r['slots_used']}/{r['slots_total']}", kv] + ([memory_cell(r)] if memory else [])
+            table.add_row(*cells, ws, capture_cell(r), replays_cell(r), eplb_share(snap, r["rank"]), age)
     return table
+
+
+def memory_cell(r: dict[str, Any]) -> str:
+    """What the rank's processes hold resident (a vLLM rank: engine core and worker); – where not reported."""
+    return "–" if r.get("memory_bytes") is None else human_bytes(r["memory_bytes"])
+
+
+def standby_line(snap: dict[str, Any]) -> str:
+    """The standby ranks: a reference standby pool's launched ranks, or the engine cores of the
+    prepare a vLLM server holds open; with what they hold resident where they report it."""
+    s = snap["summary"]
+    n, held, kv = s["standby"], s.get("standby_memory_bytes"), s.get("standby_kv_cache_bytes")
+    holds = (
+        "" if held is None else f"; they hold {human_bytes(held)}" + (f" (KV cache {human_bytes(kv)})" if kv else "")
+    )
+    if snap.get("kind") == "vllm":
+        dp = ((snap.get("info") or {}).get("standby") or {}).get("prepared")
+        commit = f"a scale to DP {dp} is its commit" if dp else "a scale to the prepared size is its commit"
+        return f"standby: {n} engine core(s) prepared ahead (vLLM's prepare held open; {commit}){holds}"
+    return (
+        f"standby pool: {n} rank(s) launched ahead, in no DP group (not counted in DP); "
+        f"a scale-up adopts them as _dp<rank>{holds}"
+    )
 
 
 def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
     """The lines under the table; each concern appends its own (kept apart so they merge)."""
     s = snap["summary"]
     states = ", ".join(f"{n} {k}" for k, n in sorted(s["by_state"].items())) or "no ranks"
+    held = "" if s.get("memory_bytes") is None else f"; memory held {human_bytes(s['memory_bytes'])}"
     lines = [
         f"{s['ranks']} rank(s): {states}; requests running {s['requests_running']}, waiting {s['requests_waiting']}"
+        + held
     ]
     lines += _selfheal_lines(snap)
     lines += control_lines(snap) + ingress_lines(snap)
@@ -143,10 +163,7 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
     elif per_node:
         lines.append("ranks per node: " + ", ".join(f"{node} {n}" for node, n in per_node.items()))
     if s.get("standby"):
-        lines.append(
-            f"standby pool: {s['standby']} rank(s) launched ahead, in no DP group (not counted in DP); "
-            "a scale-up adopts them as _dp<rank>"
-        )
+        lines.append(standby_line(snap))
     reuse = [r for r in snap["ranks"] if r.get("capture_policy") == "reuse"]
     if reuse:  # what the reuse capture policy costs against recapture at this world
         held, right = reuse[0].get("workspace_bytes", 0), reuse[0].get("workspace_recapture_bytes", 0)

@@ -24,6 +24,10 @@ def _workspace(r: dict[str, Any]) -> str:
     return f"workspace {human_bytes(r.get('workspace_bytes'))} {'locked' if r.get('workspace_locked') else 'unlocked'}"
 
 
+def _rss(r: dict[str, Any]) -> str:
+    return "" if r.get("worker_rss_bytes") is None else f", resident {human_bytes(r['worker_rss_bytes'])}"
+
+
 def _captures(r: dict[str, Any]) -> str:
     text = f"capture passes {r.get('captures_total', 0)} ({r.get('captures_this_op', 0)} in {r.get('last_op') or '-'})"
     sizes = r.get("capture_times_s") or {}
@@ -44,7 +48,7 @@ def worker_lines(snap: dict[str, Any]) -> list[str]:
             continue
         out.append(
             f"rank {r['rank']} worker: {r['worker_executor']} pid {r.get('worker_pid')} "
-            f"({float(r.get('worker_age_s') or 0):.1f}s ago); {_workspace(r)}; warm-ups "
+            f"({float(r.get('worker_age_s') or 0):.1f}s ago){_rss(r)}; {_workspace(r)}; warm-ups "
             f"{r.get('warmups_total', 0)} ({r.get('warmups_this_op', 0)} in {r.get('last_op') or '-'}), "
             f"last {_ms(r.get('last_warmup_s'))}; {_captures(r)}"
         )

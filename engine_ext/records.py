@@ -182,6 +182,12 @@ class RankStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     saturated_tokens: int = 0
     saturated_s: FiniteFloat = 0.0
     tokens_queued: int | None = None
+    # Memory: the rank's process resident set (VmRSS; a vLLM rank's engine-core process), what the
+    # rank's processes hold together (a vLLM rank: its engine core and, in a process of its own, its
+    # worker), and its KV cache's bytes where the engine says them. None: not reported.
+    rss_bytes: int | None = None
+    memory_bytes: int | None = None
+    kv_cache_bytes: int | None = None
 
 
 class VllmRankStatus(RankStatus, kw_only=True, forbid_unknown_fields=True):
@@ -206,6 +212,7 @@ class VllmRankStatus(RankStatus, kw_only=True, forbid_unknown_fields=True):
     warmups_total: int = 0
     warmups_this_op: int = 0
     last_warmup_s: FiniteFloat | None = None
+    worker_rss_bytes: int | None = None  # the worker's process resident set (its record's rss_bytes)
 
 
 class VllmWorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -243,6 +250,7 @@ class VllmWorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     op_phase_s: dict[str, FiniteFloat] = {}
     hook_calls: dict[str, dict[str, int | FiniteFloat]] = {}
     hooks: dict[str, str] = {}
+    rss_bytes: int | None = None  # the worker's process resident set (VmRSS)
 
 
 def rank_status_type(kind: Any) -> type[RankStatus]:

@@ -32,6 +32,8 @@ def rank_status(rank: int, dp: int, **over: Any) -> dict[str, Any]:
         kv_blocks_used=rank % 100,
         kv_blocks_total=128,
         workspace_bytes=1 << 20,
+        rss_bytes=(3 << 29) + (rank % 8) * (1 << 20),
+        memory_bytes=(3 << 29) + (rank % 8) * (1 << 20),
         workspace_locked=True,
         workspace_required_bytes=1 << 20,
         graphs_captured=4,

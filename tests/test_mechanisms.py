@@ -788,7 +788,8 @@ def test_rank_held_at_launch_says_so_while_held():
     assert time.monotonic() - t0 >= 0.3
     assert reports and reports[0][0] - t0 < 0.3, "the hold is announced before it waits"
     assert reports[0][1]["state_reason"] == "held in launch by a test fault"
-    assert engine.status()["state"] == "starting"
+    st = engine.status()
+    assert st["state"] == "starting" and st["memory_bytes"] == st["rss_bytes"] > 0  # one process: its resident set
 
 
 def test_rank_control_is_the_one_interface_both_sides_implement():

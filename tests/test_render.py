@@ -13,6 +13,7 @@ import pytest
 
 from eepctl import render
 from eepctl.progress import ProgressModel, progress_text
+from eepctl.render_text import human_bytes
 from eepctl.timeline import rank_ranges, timeline, timeline_text
 from engine_ext.control.registry_state import RegistryState
 from tests.render_records import T0, big_status, history, rank_status, scale_events
@@ -325,6 +326,9 @@ def test_status_rows_stay_one_line_wide_with_standby_ranks(width: int) -> None:
     assert "rank 6 starting: loading the model from the weight source" in text
     pool = "standby pool: 2 rank(s) launched ahead, in no DP group"
     assert pool in text and "launched ahead, in no DP group" not in text.replace(pool, "")
+    held = snap["summary"]["standby_memory_bytes"]  # render_records' standby ranks hold 1.5 GiB and a few MiB each
+    assert held == sum(r["memory_bytes"] for r in snap["ranks"] if r["state"] == "standby") > 3 << 30
+    assert f"a scale-up adopts them as _dp<rank>; they hold {human_bytes(held)}" in " ".join(text.split())  # wrapped
 
 
 def test_a_fence_shows_in_status_while_it_matters() -> None:

@@ -10,6 +10,7 @@ other as vLLM's do, so the sink's counting is driven exactly as on a GPU worker.
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -233,3 +234,57 @@ def test_a_vllm_operation_shows_its_ranks_events_while_it_ran() -> None:
     tl = timeline(data, "op-20261207-000000-abcd")
     assert {s["rank"] for s in tl["spans"]} == {-1, 0, 2} and tl["duration_s"] == 3.0
     assert len(state.events_for("vllm-dp3-4242")) == 6  # the ranks' own id: everything under it
+
+
+def test_a_held_ranks_memory_counts_in_status_with_its_workers_and_kv_cache() -> None:
+    """The engine core's and its worker's resident sets (the worker's only where it is a process of its
+    own), the KV cache, per rank and for the standby ranks of a prepare the API server holds open."""
+    gib, mib = 1 << 30, 1 << 20
+    state = RegistryState("v", kind="vllm")
+    state.set_info({"standby": {"state": "prepared", "prepared": 3}})
+    t0 = time.time()
+    state.report_status(_core(0, t0, rss_bytes=2 * gib, memory_bytes=2 * gib, kv_cache_bytes=512 * mib))
+    state.report_status(_core(1, t0, rss_bytes=300 * mib, memory_bytes=300 * mib))
+    state.report_status(_core(2, t0, state="standby", rss_bytes=300 * mib, memory_bytes=300 * mib, kv_cache_bytes=gib))
+    state.report_worker(_worker(0, t0 + 1, executor="uni", pid=100, rss_bytes=2 * gib))  # the engine core's process
+    state.report_worker(_worker(2, t0 + 1, rss_bytes=1600 * mib))  # a Ray worker: a process of its own
+    snap = state.snapshot()
+    r0, r1, r2 = snap["ranks"]
+    assert (r0["memory_bytes"], r0["worker_rss_bytes"]) == (2 * gib, 2 * gib)  # one process, counted once
+    assert (r1["memory_bytes"], r1["worker_rss_bytes"]) == (300 * mib, None)  # no worker record yet
+    assert (r2["memory_bytes"], r2["worker_rss_bytes"], r2["kv_cache_bytes"]) == (1900 * mib, 1600 * mib, gib)
+    s = snap["summary"]
+    assert (s["memory_bytes"], s["standby_memory_bytes"], s["standby_kv_cache_bytes"]) == (
+        2 * gib + 2200 * mib,
+        1900 * mib,
+        gib,
+    )
+    from eepctl.render import status_text, to_json
+
+    text = status_text(snap, width=240)
+    line = "standby: 1 engine core(s) prepared ahead (vLLM's prepare held open; a scale to DP 3 is its commit)"
+    assert f"{line}; they hold 1.9 GiB (KV cache 1.0 GiB)" in text, text
+    assert "; memory held 4.1 GiB" in text and "rank 2 worker: ray pid 202 (" in text and ", resident 1.6 GiB;" in text
+    row = next(ln for ln in text.splitlines() if "i_dp2" in ln)
+    assert [c.strip() for c in row.split("│")][4:9] == ["standby", "0/0", "0/0", "0/0", "1.9 GiB"], row
+    assert [c.strip() for c in next(ln for ln in text.splitlines() if "i_dp1" in ln).split("│")][8] == "300.0 MiB"
+    data = json.loads(to_json("status", snap))
+    assert data["ranks"][2]["memory_bytes"] == 1900 * mib and data["summary"]["standby_kv_cache_bytes"] == gib
+    state.report_status(_core(3, t0))  # a rank that reports no memory (an older plugin): a dash, not 0
+    row = next(ln for ln in status_text(state.snapshot(), width=240).splitlines() if "i_dp3" in ln)
+    assert [c.strip() for c in row.split("│")][8] == "–", row
+
+
+def test_the_process_memory_and_kv_cache_bytes_a_rank_reports(tmp_path: Any) -> None:
+    from engine_ext.rank.status_fields import process_rss_bytes
+    from engine_ext.vllm.reporter import kv_cache_bytes
+
+    assert process_rss_bytes() > 10 << 20  # this interpreter, read from /proc/self/status
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  9000 kB\nVmRSS:\t  2048 kB\nThreads:\t4\n")
+    assert process_rss_bytes(status) == 2 << 20
+    assert process_rss_bytes(tmp_path / "absent") is None
+    tensor = SimpleNamespace  # vLLM's KVCacheTensor: every one places its layers in one backing allocation
+    cfg = SimpleNamespace(kv_cache_tensors=[tensor(size=3 << 20, layers=["a"]), tensor(size=3 << 20, layers=["b"])])
+    assert kv_cache_bytes(cfg) == 3 << 20 and kv_cache_bytes(None) is None
+    assert kv_cache_bytes(SimpleNamespace(kv_cache_tensors=[])) is None

@@ -211,6 +211,7 @@ class RegistryState:
                 "standby": by_state.get("standby", 0),
                 "requests_running": sum(st.requests_running for st in live),
                 "requests_waiting": sum(st.requests_waiting for st in live),
+                **memory_summary(live),
             },
             "operation": self.current_op(),
             "violations": self.violations(live),
@@ -219,6 +220,23 @@ class RegistryState:
             "registry_age_s": round(time.time() - self.started, 2),
             "eplb": eplb_balance(live),
         }
+
+
+def _total(values: list[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def memory_summary(ranks: list[RankStatus]) -> dict[str, int | None]:
+    """What the ranks hold resident (their ``memory_bytes``), all of them and the standby ones (a
+    reference standby pool's, a vLLM prepare held open), with the standby ranks' KV cache; None
+    where no rank of them reports it."""
+    standby = [st for st in ranks if st.state == "standby"]
+    return {
+        "memory_bytes": _total([st.memory_bytes for st in ranks]),
+        "standby_memory_bytes": _total([st.memory_bytes for st in standby]),
+        "standby_kv_cache_bytes": _total([st.kv_cache_bytes for st in standby]),
+    }
 
 
 def eplb_balance(ranks: list[RankStatus]) -> dict[str, Any]:

@@ -63,9 +63,20 @@ def merge(core: RankStatus, worker: VllmWorkerStatus | None, worker_age_s: float
         worker_executor=worker.executor,
         worker_age_s=round(worker_age_s, 2),
         last_capture_s=worker.last_capture_pass_s,
+        worker_rss_bytes=worker.rss_bytes,
+        memory_bytes=held_bytes(core, worker),
     )
     if worker.device:
         changes["device"] = worker.device
     if worker.state and worker_age_s <= STALE_AFTER_S:
         changes["state"] = worker.state
     return msgspec.structs.replace(core, **changes)
+
+
+def held_bytes(core: RankStatus, worker: VllmWorkerStatus) -> int | None:
+    """What the rank's processes hold resident: its engine core's and, where the worker runs in a
+    process of its own (``mp``, ``ray``), the worker's; None where neither says."""
+    if worker.pid == core.pid:  # ``uni``: the worker runs in the engine core's process
+        return core.rss_bytes if core.rss_bytes is not None else worker.rss_bytes
+    known = [b for b in (core.rss_bytes, worker.rss_bytes) if b is not None]
+    return sum(known) if known else None

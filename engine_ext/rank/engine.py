@@ -45,7 +45,7 @@ from engine_ext.rank.reshuffle import ExpertReshuffle
 from engine_ext.rank.scheduler import Request, RequestRejected, Scheduler
 from engine_ext.rank.shared import RankResources, RankShared
 from engine_ext.rank.standby import StandbyIdentity
-from engine_ext.rank.status_fields import eplb_fields, graph_fields, scheduler_fields
+from engine_ext.rank.status_fields import eplb_fields, graph_fields, process_rss_bytes, scheduler_fields
 from engine_ext.rank.step_loop import StepLoop
 from engine_ext.rank.telemetry import RankTelemetry, Sink
 from engine_ext.rank.transition import RankTransition
@@ -214,6 +214,7 @@ class RankEngine:
     def status(self) -> dict[str, Any]:
         shared, res = self.shared, self.res
         now = time.time()
+        rss = process_rss_bytes()
         st = RankStatus(
             deployment=self.deployment,
             rank=shared.rank,
@@ -245,6 +246,8 @@ class RankEngine:
             stale_replays_refused=shared.stale_replays_refused,
             capture_sizes_expected=list(self.cfg.capture_sizes),
             move_bytes_held=shared.move_bytes_held,
+            rss_bytes=rss,
+            memory_bytes=rss,  # the rank is one process
             **scheduler_fields(res.sched, now),
             **graph_fields(res.graphs),
             **eplb_fields(res.eplb, res.model.rank),  # the layout slice at the model's position

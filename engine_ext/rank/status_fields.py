@@ -1,9 +1,11 @@
 """The parts of a rank's status record (engine_ext.records.RankStatus) that its components
 report: the scheduler's requests, slots, KV blocks and latency; the graph manager's captures and
-replays; the EPLB state's layout and load. The engine adds its identity, state and world."""
+replays; the EPLB state's layout and load; the process's resident memory. The engine adds its
+identity, state and world."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -60,3 +62,17 @@ def eplb_fields(eplb: EplbState, position: int) -> dict[str, Any]:
         eplb_recent_load=eplb.recent_load(),
         eplb_slots=eplb.layout.local_logical(position),
     )
+
+
+def process_rss_bytes(status: Path = Path("/proc/self/status")) -> int | None:
+    """This process's resident set (``VmRSS`` of /proc/self/status, one small read), or None where
+    there is no such file (not Linux). Pages shared with other processes count in each one's."""
+    try:
+        text = status.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            value, unit = line.split()[1:3]
+            return int(value) * 1024 if unit == "kB" else int(value)
+    return None

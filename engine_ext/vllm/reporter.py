@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from engine_ext.rank.status_fields import process_rss_bytes
 from engine_ext.records import RankState, VllmRankStatus, to_builtins
 from engine_ext.vllm.deployment_info import deployment_info
 from engine_ext.vllm.registry_link import KIND, RegistryLink, Settings, node_name
@@ -82,6 +83,7 @@ class EngineCoreReporter(threading.Thread):
         instance_id, engine_id = identity(self.vllm_config)
         scheduler = getattr(core, "scheduler", None)
         running = waiting = blocks_total = 0
+        kv_cfg = None
         usage = 0.0
         if scheduler is not None:
             try:
@@ -94,6 +96,7 @@ class EngineCoreReporter(threading.Thread):
                 pass
             kv_cfg = getattr(scheduler, "kv_cache_config", None)
             blocks_total = int(getattr(kv_cfg, "num_blocks", 0) or 0)
+        rss = process_rss_bytes()
         sched_cfg = getattr(self.vllm_config, "scheduler_config", None)
         state = RankState.SERVING.value if scheduler is not None else RankState.STARTING.value
         if scheduler is not None and _prepared_ahead(core):
@@ -123,8 +126,19 @@ class EngineCoreReporter(threading.Thread):
                 dp_backend=str(getattr(pc, "data_parallel_backend", "") or ""),
                 elastic_ep=bool(getattr(pc, "enable_elastic_ep", False)),
                 started=self.started_at,
+                rss_bytes=rss,
+                memory_bytes=rss,  # the worker's is added where it is another process (worker_records.merge)
+                kv_cache_bytes=kv_cache_bytes(kv_cfg),
             )
         )
+
+
+def kv_cache_bytes(kv_cfg: Any) -> int | None:
+    """The KV cache one worker of the rank allocates, from the scheduler's ``kv_cache_config``: every
+    ``KVCacheTensor`` places its layers in one backing allocation of ``size`` bytes (vLLM's
+    ``vllm.v1.worker.utils`` allocates it once). None before the KV cache exists."""
+    sizes = [int(getattr(t, "size", 0) or 0) for t in getattr(kv_cfg, "kv_cache_tensors", None) or []]
+    return max(sizes) if sizes else None
 
 
 def _prepared_ahead(core: Any) -> bool:

@@ -19,6 +19,7 @@ import logging
 import threading
 from typing import Any
 
+from engine_ext.rank.status_fields import process_rss_bytes
 from engine_ext.vllm.registry_link import RegistryLink, Settings, node_name
 
 log = logging.getLogger("vllm.engine_ext")
@@ -63,7 +64,13 @@ class WorkerReporter(threading.Thread):
         snap = self.sink.snapshot()
         if "rank" not in snap:  # the worker is gone
             return None
-        return dict(snap, deployment=self.settings.deployment, executor=self.executor, node=self.node)
+        return dict(
+            snap,
+            deployment=self.settings.deployment,
+            executor=self.executor,
+            node=self.node,
+            rss_bytes=process_rss_bytes(),
+        )
 
     def run(self) -> None:
         try:
