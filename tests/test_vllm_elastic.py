@@ -484,8 +484,10 @@ def test_eepctl_standby_prepares_a_core_a_killed_one_is_replaced_the_scale_up_co
     base, ranks = snap["info"]["instance_id"], {r["rank"]: r for r in snap["ranks"]}
     assert [ranks[r]["state"] for r in (0, 1, 2)] == ["serving", "serving", "standby"] and snap["info"]["dp"] == 2
     assert ranks[2]["instance_id"] == f"{base}_dp2" and ranks[2]["pid"] not in (ranks[0]["pid"], ranks[1]["pid"])
+    held_bytes = ranks[2]["memory_bytes"]  # what the held core's engine-core and worker processes hold resident
+    assert held_bytes > 0 and ranks[2]["kv_cache_bytes"] > 0 and snap["summary"]["standby_memory_bytes"] == held_bytes
     text = _cli(address, "status", timeout=120)
-    assert text.returncode == 0 and "standby" in text.stdout, text.stdout
+    assert text.returncode == 0 and "standby: 1 engine core(s) prepared ahead" in text.stdout, text.stdout
     assert run_prompts(server, PROMPTS) == expected  # DP 2 serves while DP 3 is prepared
     killed = int(ranks[2]["pid"])
     assert _alive(killed) and killed in _actor_pids()
