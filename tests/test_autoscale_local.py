@@ -64,8 +64,11 @@ async def _scenario(cfg: EngineConfig) -> tuple[list[dict], list[dict], list[dic
         for p, op in zip(learned.points, scales):
             assert p["total_moved_bytes"] == op["cost"]["predicted"]["total_moved_bytes"], (p, op["cost"])
             assert (p["move_s"], p["pause_s"]) == (op["cost"]["measured"]["move_s"], op["serving_pause_s"]), p
-        # 2 scales: no fit of its own yet (asked as a GPU deployment would: the shipped CPU fit does not apply)
-        assert learned.fit is None and "learning (" in learned.choose("cuda")[1]
+        # 2 scales: no fit of its own yet, and the dry run says so (asked as a GPU deployment's
+        # admission would ask: the shipped CPU fit does not apply there)
+        dep.orch.admission.device = "cuda"
+        why = (await dep.orch.plan(2)).cost["no_model"]
+        assert learned.fit is None and why.startswith("no cost model fitted on this host yet: learning ("), why
         return served, results, host.autoscale_decisions()["decisions"], list(dep.orch.members), ops_in_advisory
 
 
