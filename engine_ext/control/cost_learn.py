@@ -14,9 +14,9 @@ taken out at the fitted move's rate: the prediction adds them back), each with i
 
 ``choose`` picks the model a prediction uses: the deployment's own fit, else the shipped one on
 the host it was fitted on, else none, and the reason says that this host has no fit yet and how
-far the learning is (``learning (N of MIN_SCALES scales)``). The points persist with the
-deployment's durable state (``to_dict``; the Ray controller's snapshot), so a restarted
-controller keeps them. Torch-free; plain Python.
+far the learning is (``learning (N of 4 scales that moved experts measured)``). The points
+persist with the deployment's durable state (``to_dict``; the Ray controller's snapshot), so a
+restarted controller keeps them. Torch-free; plain Python.
 """
 
 from __future__ import annotations
