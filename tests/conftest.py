@@ -25,7 +25,8 @@ from tests.helpers import STOP_GRACE_S, Deployment, owned_deployments
 # Lanes (EEPCTL_TEST_LANES unset or 1): worker gw0 runs the Ray modules that do the most (every
 # ``*_ray`` module, ``RAY_UNITS``), one after another, and the vLLM unit last; gw1 runs the Ray modules
 # that mostly wait (``WAITING_RAY``: a node's loss, a partition, a controller's restart, each a wait
-# of seconds) and then every unit that starts neither Ray nor vLLM; a worker whose lane is all dealt
+# of seconds, and three that even out the two lanes' Ray time) and then every unit that starts
+# neither Ray nor vLLM, beside the vLLM unit; a worker whose lane is all dealt
 # takes the other lane's next unit (the vLLM unit, the busiest Ray modules), so neither idles while the
 # other has a queue. Each worker's session starts its
 # own Ray head on a free port when a test asks for one. The suite waits on detection bounds,
@@ -40,8 +41,17 @@ VLLM_SERVER_MODULES = (
     "test_vllm_amx",
 )
 RAY_UNITS = ("test_fuzz", "test_completions")  # with every ``*_ray`` module: they start the session's Ray head
-WAITING_RAY = ("test_multinode_ray", "test_control_plane_ray", "test_cli_ray")  # gw1's Ray modules
-LANE_FIRST = ("test_scaling_ray", "test_multinode_ray", "test_selfheal_ray", "test_control_plane_ray", "test_cli_ray")
+# gw1's Ray modules: those that mostly wait, and three more that even the lanes' Ray time out before the
+# vLLM unit starts on gw0
+WAITING_RAY = (
+    "test_multinode_ray",
+    "test_control_plane_ray",
+    "test_cli_ray",
+    "test_standby_ray",
+    "test_ingress_ray",
+    "test_chaos_ray",
+)
+LANE_FIRST = ("test_scaling_ray", "test_multinode_ray", "test_selfheal_ray", "test_control_plane_ray", *WAITING_RAY[2:])
 LANE_LAST = ("vllm",)  # gw0 ends with it, once gw1 has (about) finished
 LONGEST_FIRST = (
     "vllm",

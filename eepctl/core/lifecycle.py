@@ -32,7 +32,7 @@ from engine_ext.ray.deployment import (
 )
 from engine_ext.ray.names import registry_name
 
-DOWN_RELEASE_S = 120.0  # how long `down` waits for vLLM's held prepare to be dropped (a prepare in progress ends first)
+DOWN_RELEASE_S = 120.0  # how long `down` waits for the driver's ``release`` (what the engine holds outside its actors)
 
 
 def up(
@@ -209,8 +209,8 @@ def down(t: Target, *, stop_cluster: bool) -> dict[str, Any]:
 
 
 def _release(t: Target, registry: Any, controller: Any) -> dict[str, Any] | None:
-    """What the engine holds outside the deployment's actors, given back first (the driver's ``release``:
-    vLLM's engine cores prepared ahead); a deployment that cannot say is removed all the same."""
+    """What the engine holds outside the deployment's actors, given back first (the driver's ``release``);
+    a deployment that cannot say is removed all the same."""
     if registry is None and controller is None:
         return None
     try:
