@@ -14,20 +14,17 @@ from typing import Any
 
 from engine_ext.control.vllm_standby import DESIRED_KEY, check_count, check_enabled, desired_record, progress, summary
 from engine_ext.protocol import EepError, TransitionFailed, TransitionTimeout
+from engine_ext.ray.deployment import call
 
 POLL_S = 1.0
 
 
 def _snapshot(registry: Any) -> dict[str, Any]:
-    from engine_ext.ray.deployment import call
-
     return call(registry.snapshot.remote(), timeout=30)
 
 
 def set_count(registry: Any, snap: dict[str, Any], count: int, *, timeout_s: float) -> dict[str, Any]:
     """Ask the API server to keep ``count`` engine cores prepared; its summary once they are."""
-    from engine_ext.ray.deployment import call
-
     name = str(snap["deployment"])
     info = snap.get("info") or {}
     check_enabled(info, name)
@@ -35,6 +32,14 @@ def set_count(registry: Any, snap: dict[str, Any], count: int, *, timeout_s: flo
     record = desired_record(count)
     asked = record[DESIRED_KEY]["asked"]
     call(registry.set_info.remote(record), timeout=30)
+    return _followed(registry, name, count, asked, timeout_s=timeout_s)
+
+
+def _followed(
+    registry: Any, name: str, count: int, asked: str, *, timeout_s: float, gone_after_s: float = 0.0
+) -> dict[str, Any]:
+    """The summary once the API server applied request ``asked``; with ``gone_after_s``, an empty dict
+    once its info is that old (the server stopped: nothing of it is held any more)."""
     deadline = time.time() + timeout_s
     while True:
         snap = _snapshot(registry)
@@ -45,6 +50,8 @@ def set_count(registry: Any, snap: dict[str, Any], count: int, *, timeout_s: flo
         if where == "failed":
             err = (info.get("standby") or {}).get("error") or "no reason given"
             raise TransitionFailed(f"the vLLM server of {name!r} could not prepare {count} engine core(s): {err}")
+        if gone_after_s and time.time() - float(info.get("api_heartbeat") or 0.0) > gone_after_s:
+            return {}
         if time.time() >= deadline:
             held = info.get("standby") or {}
             raise TransitionTimeout(
@@ -54,23 +61,30 @@ def set_count(registry: Any, snap: dict[str, Any], count: int, *, timeout_s: flo
         time.sleep(POLL_S)
 
 
-def release_for_down(registry: Any, *, timeout_s: float) -> dict[str, Any] | None:
+def release_for_down(registry: Any, *, timeout_s: float, gone_after_s: float = 6.0) -> dict[str, Any] | None:
     """Before `down` removes the registry: a prepare the API server holds (or is making) dropped by
-    asking count 0 and waiting for it. None when the server holds nothing or is gone (its info stale:
-    vLLM stopped every engine core it started); ``error`` when the drop did not happen in time."""
-    from engine_ext.control.vllm_reconcile import INFO_FRESH_S
-
+    asking count 0 and waiting for it. None when the server holds nothing or is gone (its info older
+    than ``gone_after_s``, three of its 2 s periods: vLLM stopped every engine core it started);
+    ``error`` when the drop did not happen in time."""
     snap = _snapshot(registry)
     info = snap.get("info") or {}
     held = info.get("standby")
-    if not isinstance(held, dict) or time.time() - float(info.get("api_heartbeat") or 0.0) > INFO_FRESH_S:
+    if not isinstance(held, dict) or time.time() - float(info.get("api_heartbeat") or 0.0) > gone_after_s:
         return None
     dp = held.get("prepared") or held.get("target")
     if dp is None and not held.get("count"):
         return None
     t0 = time.time()
+    record = desired_record(0)
     try:
-        done = set_count(registry, snap, 0, timeout_s=timeout_s)
+        call(registry.set_info.remote(record), timeout=30)
+        name = str(snap["deployment"])
+        done = _followed(
+            registry, name, 0, record[DESIRED_KEY]["asked"], timeout_s=timeout_s, gone_after_s=gone_after_s
+        )
     except EepError as e:
         return {"prepared_dp": dp, "dropped": False, "error": e.message}
-    return {"prepared_dp": dp, "dropped": True, "drop_s": done.get("drop_s"), "waited_s": round(time.time() - t0, 1)}
+    if not done:
+        return None  # the server stopped meanwhile, its cores with it
+    waited = round(time.time() - t0, 1)
+    return {"prepared_dp": dp, "dropped": True, "drop_s": done.get("drop_s"), "waited_s": waited}
