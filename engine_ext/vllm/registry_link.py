@@ -112,7 +112,8 @@ class RegistryLink:
             self._call("report_events", events)
 
     def set_info(self, info: dict[str, Any]) -> None:
-        self._call("set_info", info)
+        self._check_pending()  # the API server only sets info: a registry `down` removed is noticed here too
+        self._pending = self._call("set_info", info)
 
     def _check_pending(self) -> None:
         """Look at the previous status report's answer without waiting for it."""
