@@ -316,6 +316,11 @@ def test_a_dead_engine_core_names_its_rank_and_the_command_that_restarts_the_ser
     assert server_down_finding(_snap(ranks, **info), now, ends, flag=False) is None  # its endpoint answers
     only_killed = server_down_finding(_snap(ranks, **info), now, {11: ends[11]}, flag=None)
     assert only_killed is not None and "dead_rank" not in only_killed and only_killed["dead_ranks"] == [0]
+    # rank 2 left in a 3 -> 2 scale-down minutes before (vLLM ended it; its record stayed): not the cause
+    removed = [*ranks, dict(_rank(2, 0, 0, 0.0, state="stale", age=300.0), pid=13)]
+    left = {13: {"reason": "INTENDED_USER_EXIT", "message": "exit", "end": now - 300.0}}
+    after = server_down_finding(_snap(removed, **info), now, {**ends, **left}, flag=None)
+    assert after is not None and (after["dead_rank"], after["dead_ranks"]) == (1, [0, 1]), after
 
 
 def test_mode_on_hands_acting_decisions_to_the_controller_and_names_the_ranks_vllm_retires() -> None:

@@ -188,12 +188,18 @@ def server_down_finding(
     -> ``reason``, ``message``, ``end``): the first to die that vLLM did not kill itself is the
     cause. vLLM 0.32 answers a dead engine core by killing every other one and exiting the server
     (its engine manager's liveness monitor), so nothing is left to scale: the server must be
-    started again, and the finding says with what command."""
+    started again, and the finding says with what command. Only the ranks of the server's last DP
+    size count: one a scale-down removed ended earlier (vLLM stopped it), and its record may stay."""
     info = snap.get("info") or {}
     age = now - float(info.get("api_heartbeat") or 0.0)
     if not info.get("api_url") or flag is not None or age <= INFO_FRESH_S:
         return None
-    ranks = {int(r["pid"]): int(r["rank"]) for r in snap.get("ranks", []) if isinstance(r, dict) and r.get("pid")}
+    size = int(info.get("dp") or 0)  # the world the server ran: a rank a scale-down removed left earlier, on purpose
+    ranks = {
+        int(r["pid"]): int(r["rank"])
+        for r in snap.get("ranks", [])
+        if isinstance(r, dict) and r.get("pid") and (not size or int(r["rank"]) < size)
+    }
     dead = sorted((float(e.get("end") or now), ranks[pid], pid, e) for pid, e in ends.items() if pid in ranks)
     cause = next((d for d in dead if d[3].get("reason") != "RAY_KILL"), None)
     reason = f"vLLM's API server (pid {info.get('api_pid')}) stopped answering {age:.0f}s ago"
