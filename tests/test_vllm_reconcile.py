@@ -21,6 +21,7 @@ from engine_ext.control.vllm_reconcile import (
     OrphanWatch,
     current_world,
     engines_finding,
+    left_ranks,
     prepared_dp,
     published_flag,
     repair_plan,
@@ -529,3 +530,21 @@ def test_the_loop_feeds_each_finished_vllm_scale_to_the_autoscalers_cost_learner
         .endswith("(learned from 3 scale(s), joiners launched)")
     )
     assert loop.saved["autoscale"]["cost"]["measured"] == 3  # persisted with the policy (GCS KV)
+
+
+def test_a_rank_a_scale_down_removed_is_forgotten_once_the_server_reports_without_it() -> None:
+    """After 3 -> 2 the removed rank 2's record goes stale (its process exits before a last report);
+    the loop forgets it while the server reports DP 2 with its flag down, and never a rank of the
+    current size, a held (reporting) rank past it, or anything while a scale runs or the server is silent."""
+    now = 1000.0
+    ranks = [
+        _rank(0, 0, 0, 0.0),
+        _rank(1, 0, 0, 0.0, state="stale", age=30.0),
+        _rank(2, 0, 0, 0.0, state="stale", age=30.0),
+        _rank(3, 0, 0, 0.0, state="standby"),
+    ]
+    info = {"api_heartbeat": now - 1.0, "scaling": False}
+    assert left_ranks(_snap(ranks, **info), now) == [2]
+    assert left_ranks(_snap(ranks, **dict(info, scaling=True)), now) == []  # vLLM's flag up: a scale runs
+    assert left_ranks(dict(_snap(ranks, **info), operation={"op_id": "x"}), now) == []
+    assert left_ranks(_snap(ranks, **dict(info, api_heartbeat=now - 60.0)), now) == []  # the server went silent

@@ -38,6 +38,19 @@ def current_world(snap: dict[str, Any], stale_after_s: float = INFO_FRESH_S) -> 
     return members, live
 
 
+def left_ranks(snap: dict[str, Any], now: float | None = None) -> list[int]:
+    """The ranks whose records outlived their process past vLLM's current size: a rank a scale-down
+    removed exits before its last report (so it goes stale, never "stopped"), and status would show
+    it for ever. Only while the API server reports (fresh info, its flag down, no operation running):
+    a rank past the size is then neither joining nor held prepared (those report)."""
+    info = snap.get("info") or {}
+    if published_flag(snap, now) is not False or snap.get("operation"):
+        return []
+    dp = int(info.get("dp") or 0)
+    ranks = [r for r in snap.get("ranks", []) if isinstance(r, dict) and "rank" in r]
+    return sorted(int(r["rank"]) for r in ranks if dp and int(r["rank"]) >= dp and r.get("state") == "stale")
+
+
 def published_flag(snap: dict[str, Any], now: float | None = None) -> bool | None:
     """vLLM's scaling flag as the plugin read it in the API server process (the value
     ``/is_scaling_elastic_ep`` answers), or None when the info is missing or older than

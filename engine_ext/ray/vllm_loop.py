@@ -30,6 +30,7 @@ from engine_ext.control.vllm_reconcile import (
     OrphanWatch,
     current_world,
     engines_finding,
+    left_ranks,
     prepared_dp,
     published_flag,
     server_down_finding,
@@ -210,6 +211,8 @@ class VllmLoop:
         engines = self._engines(snap, now, flag)
         if engines:
             findings["engines"] = engines
+        for rank in left_ranks(snap, now):  # a rank a scale-down removed: gone, not stale
+            self.host.call("forget_rank", rank)
         down = server_down_finding(snap, now, self._rank_ends(snap, now), flag)
         if down:
             findings["server_down"] = down
