@@ -237,7 +237,12 @@ def test_autoscale_advises_then_acts_on_vllm_up_under_a_load_step_and_down_after
         stop.set()
         pool.shutdown(wait=False)  # the requests in flight end on their own
         follow.terminate()  # by pid: the eepctl this test started
-        follow.wait(timeout=30)
+        try:
+            follow.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # blocked in a call to the busy controller: not what this test is about
+            follow.kill()
+            follow.wait(timeout=30)
+            print("events --follow outlived SIGTERM by 30 s under the load; killed")
     t_decided = time.time() - t_load
     assert {"queue", "kv"} <= set(sig) and sig["queue"]["target"] == 0.2 and sig["kv"]["target"] == 0.5, d
     assert 0 <= sig["kv"]["value"] <= 1 and d["action"] == "advisory: not acted" and d["act"] is False, d
