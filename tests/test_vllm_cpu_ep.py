@@ -242,3 +242,39 @@ def test_the_commits_release_runs_only_where_graphs_or_compiled_code_may_be_held
     release(compiled)
     release(captured)
     assert calls == [compiled, captured]
+
+
+def test_the_release_patch_survives_the_telemetry_wrapping_it() -> None:
+    """In a worker the CPU patches go in first and the telemetry then wraps the release
+    (engine_ext.vllm.patches): the wrapper must call the CPU patch, not the vLLM function behind it
+    (vLLM's, on this eager worker, calls ``get_model`` that the stand-in runner lacks)."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CompilationMode
+    from vllm.distributed.elastic_ep.elastic_execute import ElasticEPScalingExecutor
+
+    from engine_ext.vllm import cpu_patches, patches
+
+    release = next(p for p in cpu_patches.CATALOGUE if p.name == "elastic_release_only_what_is_held")
+    spec = next(s for s in patches.CATALOGUE if s.attr == "_release_cuda_graphs")
+    timed: list[str] = []
+
+    class Sink(patches.GuardedSink):
+        def _enter(self, spec: patches.PatchSpec, obj: object, args: tuple, kwargs: dict) -> int:
+            timed.append(spec.phase)
+            return 1
+
+        def _exit(self, token: int, error: BaseException | None) -> None:
+            timed.append("exit" if error is None else f"error: {error}")
+
+    config = SimpleNamespace(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+    eager = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=None), vllm_config=config))
+    try:
+        assert cpu_patches.apply((release,))[release.name] == "active"
+        patches.apply(Sink(), (spec,))
+        ElasticEPScalingExecutor._release_cuda_graphs(eager)  # vLLM's body would raise here
+    finally:
+        patches.remove((spec,))
+        cpu_patches.remove((release,))
+    assert timed == ["release_graphs", "exit"]
+    assert ElasticEPScalingExecutor._release_cuda_graphs.__qualname__.endswith("_release_cuda_graphs")

@@ -215,6 +215,9 @@ CATALOGUE: tuple[CpuPatch, ...] = (
     ),
 )
 
+# Where a replacement keeps vLLM's function: not the telemetry wrappers' ``__eepctl_original__``, which
+# engine_ext.vllm.patches unwraps to reach vLLM's own (a wrapper over a replacement must keep it).
+CPU_ORIGINAL = "__eepctl_cpu_original__"
 _status: dict[str, str] = {}
 _originals: dict[str, Any] = {}  # module globals we replaced: name -> vLLM's object
 _lock = threading.Lock()
@@ -236,7 +239,7 @@ def _resolve(p: CpuPatch) -> tuple[Any, str, Callable[..., Any] | None, str]:
         return owner, attr, None, f"{p.qualname} not found"
     if p.params is None:  # a module global: the one we replaced remembers vLLM's
         return owner, attr, _originals.get(p.name, current), ""
-    func = getattr(current, "__eepctl_original__", current)
+    func = getattr(current, CPU_ORIGINAL, current)
     params = tuple(inspect.signature(func).parameters)
     if params != p.params:
         return owner, attr, None, f"{p.qualname} takes ({', '.join(params)}), expected ({', '.join(p.params)})"
@@ -285,7 +288,7 @@ def apply(patches: tuple[CpuPatch, ...] = CATALOGUE) -> dict[str, str]:
                 _originals[p.name] = original
             else:
                 replacement.__eepctl_patch__ = p.name
-                replacement.__eepctl_original__ = original
+                setattr(replacement, CPU_ORIGINAL, original)
                 replacement.__wrapped__ = original
             setattr(owner, attr, replacement)
             _status[p.name] = "active"
