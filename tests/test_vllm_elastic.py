@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from engine_ext.errors import ExitCode
 from tests.helpers import eepctl, wait_for
 from tests.vllm_servers import PROMPTS, Server, platform_entry_path, pythonpath, run_prompts, served_per_engine, start
 
@@ -910,8 +911,10 @@ def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_comman
     --enable-fault-tolerance (CUDA, external load balancer). eepctl answers as well as that allows:
     status names the dead rank within seconds, `repair` exits 4 with one line saying what happened
     and the command that starts the server again, and that command, run (with ``EEPCTL_VLLM_STANDBY=1``),
-    serves the oracle's tokens and prepares DP 3; stopped, it leaves no prepared core behind (its
-    process and its Ray actor gone)."""
+    serves the oracle's tokens and prepares DP 3; a scale-up that adopts that core and then fails
+    (the plugin's commit-fault hook) exits 5 and leaves vLLM's size, status saying the server is
+    wedged with the remedy; stopped, the server leaves no prepared core behind (its process and its
+    Ray actor gone)."""
     import concurrent.futures as cf
     import shlex
 
@@ -942,14 +945,21 @@ def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_comman
     assert rep.returncode == 4 and len(rep.stderr.strip().splitlines()) == 1, (rep.returncode, rep.stderr)
     assert "start the server again: " in rep.stderr
     command = found["repair"].split("start the server again: ", 1)[1]
-    log = tmp_path / "restarted.log"
+    log, fail_commit = tmp_path / "restarted.log", tmp_path / "fail-commit"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             shlex.split(command),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **deployment["env"], **HOLD_ONE},
+            env={
+                **os.environ,
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                **deployment["env"],
+                **HOLD_ONE,
+                "EEPCTL_VLLM_DEBUG_FAIL_COMMIT": str(fail_commit),  # the plugin's hook: commits fail while it exists
+            },
             cwd=ROOT,
             start_new_session=True,
         )
@@ -959,6 +969,13 @@ def test_a_killed_engine_core_is_named_and_the_server_comes_back_with_the_comman
         assert run_prompts(again, PROMPTS) == expected
         wait_for(lambda: down() is None, timeout=60, interval=1.0, what="the finding cleared")
         held = int({r["rank"]: r for r in _held(3, replacing=int(victim["pid"]))["ranks"]}[2]["pid"])
+        fail_commit.write_text("fail the next commit\n")  # a scale-up that fails after adopting the held core
+        up = _cli(address, "scale", "--dp", "3", timeout=300)
+        assert up.returncode == ExitCode.TRANSITION_FAILED and "HTTP 500 Scale failed" in up.stderr, up.stderr
+        snap = wait_for(lambda: (s := _status(address))["info"].get("wedged") and s, timeout=30, what="wedged")
+        wedge, kept = snap["info"]["wedged"], snap["info"]["standby"]
+        assert (wedge["phase"], wedge["to_size"], snap["info"]["dp"]) == ("commit", 3, 2), wedge  # vLLM's size kept
+        assert "restart the vLLM API server" in wedge["remedy"] and kept["adopted"] == 1, (wedge, kept)
     finally:
         again.stop()
     wait_for(  # a stopped API server leaves no prepared core behind: vLLM's engine manager stops them too
