@@ -147,3 +147,53 @@ def test_a_bounded_wait_for_a_late_give_back_leaves_its_requests_unanswered(monk
     lost = [r for r in served if r.get("unanswered")]
     assert lost, "every request was answered although the give-back's answer was given up on"
     print(f"\n[redispatch] bounded wait: {len(lost)} of {len(served)} requests never answered")
+
+
+def test_an_ingress_sends_on_a_late_give_back_only_for_requests_still_routed_to_that_rank() -> None:
+    """On Ray a rank's give-back goes to the ingress that owns each request (IngressLink.resubmit_from).
+    The ingress's real router re-routed the request meanwhile (its rank fenced: the request waited
+    and then went to rank 2); the rank's late answer must not send it a second time. The ranks are
+    recording clients (no process: what is checked is what the router sends them); the ingress is
+    its actor class without Ray (its state as the constructor makes it)."""
+    from engine_ext.control.rank_client import RankClient
+    from engine_ext.control.router import Router
+    from engine_ext.ray.ingress import Ingress
+    from engine_ext.ray.names import request_prefix
+
+    class Recording(RankClient):
+        def __init__(self, rank: int) -> None:
+            self.rank, self.sent = rank, []
+
+        async def _invoke(self, method: str, *args: Any, timeout: float | None) -> Any:
+            if method == "add_request":
+                self.sent.append(args[0]["request_id"])
+
+        async def kill(self) -> None:
+            return None
+
+        def pid(self) -> int:
+            return 0
+
+    async def scenario(from_rank: int | None) -> tuple[dict[str, int], list[str]]:
+        ing = Ingress.__new__(Ingress)
+        ing.index, ing.incarnation, ing.router = 0, "i1", Router()
+        ing.handed_back = {"resubmitted": 0, "dropped": 0}
+        old, new = Recording(1), Recording(2)
+        ing.router.set_ranks({1: old})
+        rid = f"{request_prefix(0)}i1-7"
+        pending = asyncio.ensure_future(ing.router.submit([5, 6, 7], 4, request_id=rid))
+        while not old.sent:
+            await asyncio.sleep(0)
+        given = {"request_id": rid, "prompt": [5, 6, 7], "max_tokens": 4}  # what rank 1 took out of its queue
+        ing.router.set_ranks({1: old, 2: new})
+        ing.router.exclude(1)
+        ing.router.reroute({1})  # rank 1 fenced while its answer was on its way
+        await ing.router.retry_parked()
+        answer = await ing.resubmit([given], from_rank)  # the late give-back reaches the ingress
+        pending.cancel()
+        return answer, new.sent
+
+    answer, sent = asyncio.run(scenario(1))
+    assert answer == {"resubmitted": 0, "dropped": 1} and len(sent) == 1, (answer, sent)
+    answer, sent = asyncio.run(scenario(None))  # without the owner's check: sent twice
+    assert answer["resubmitted"] == 1 and len(sent) == 2, (answer, sent)

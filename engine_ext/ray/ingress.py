@@ -205,16 +205,23 @@ class Ingress:
     def reroute(self, dead: list[int]) -> int:
         return self.router.reroute(set(dead))
 
-    async def resubmit(self, wires: list[dict[str, Any]]) -> dict[str, int]:
+    async def resubmit(self, wires: list[dict[str, Any]], from_rank: int | None = None) -> dict[str, int]:
         """Requests a removing rank handed back continue on a remaining rank. Only this
         incarnation's: a request of the ingress before a restart lost its client with it (the
-        client sends it again), so running it would serve no one. Answers both counts."""
+        client sends it again), so running it would serve no one. With ``from_rank`` (a rank's
+        give-back to joiners) only those the router still routes to that rank: one it re-routed
+        meanwhile (the rank fenced or dead while its answer was on its way) is not sent twice.
+        Answers both counts."""
         mine = f"{request_prefix(self.index)}{self.incarnation}-"
         own = [w for w in wires if str(w.get("request_id", "")).startswith(mine)]
-        self.handed_back["resubmitted"] += len(own)
-        self.handed_back["dropped"] += len(wires) - len(own)
-        await self.router.resubmit(own)
-        return {"resubmitted": len(own), "dropped": len(wires) - len(own)}
+        if from_rank is None:
+            await self.router.resubmit(own)
+            sent = len(own)
+        else:
+            sent = await self.router.resubmit_from(from_rank, own)
+        self.handed_back["resubmitted"] += sent
+        self.handed_back["dropped"] += len(wires) - sent
+        return {"resubmitted": sent, "dropped": len(wires) - sent}
 
     def expire_parked(self, max_wait_s: float, reason: str) -> int:
         return self.router.expire_parked(max_wait_s, reason)

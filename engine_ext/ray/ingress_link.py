@@ -156,26 +156,29 @@ class IngressLink:
             if (h := self._handle(i)) is not None:
                 asyncio.ensure_future(self._add(h.reroute.remote(sorted(dead)), "rerouted"))
 
-    async def resubmit(self, moved: list[dict[str, Any]]) -> None:
+    async def resubmit(self, moved: list[dict[str, Any]], from_rank: int | None = None) -> None:
         """Requests a removing rank handed back go to the ingress that owns them, in the
-        background (a scale does not wait on an ingress)."""
+        background (a scale does not wait on an ingress); ``from_rank``: see ``resubmit_from``."""
         by_owner: dict[int, list[dict[str, Any]]] = {}
         for wire in moved:
             owner = owner_of(wire["request_id"])
             if owner is not None:
                 by_owner.setdefault(owner, []).append(wire)
         for i, wires in by_owner.items():
-            task = asyncio.ensure_future(self.hand_back(i, wires))
+            task = asyncio.ensure_future(self.hand_back(i, wires, from_rank=from_rank))
             self._handing.add(task)
             task.add_done_callback(self._handing.discard)
 
     async def resubmit_from(self, rank: int, given: list[dict[str, Any]]) -> int:
         """Requests ``rank`` gave back (a scale-up's re-dispatch) go to their ingresses as a removing
-        rank's do; each ingress's router sends them on. How many were handed on."""
-        await self.resubmit(given)
+        rank's do; each ingress's router sends on those it still routes to ``rank`` (one re-routed
+        while the answer was on its way is not sent twice). How many were handed on."""
+        await self.resubmit(given, from_rank=rank)
         return len(given)
 
-    async def hand_back(self, index: int, wires: list[dict[str, Any]], within_s: float = HAND_BACK_S) -> bool:
+    async def hand_back(
+        self, index: int, wires: list[dict[str, Any]], within_s: float = HAND_BACK_S, from_rank: int | None = None
+    ) -> bool:
         """Give ``wires`` to ingress ``index`` until it answers: a call to an ingress Ray is
         restarting fails at once, and a request sent nowhere would wait in its ingress forever.
         The ingress that answers runs those it owns and drops those of its predecessor (their
@@ -186,7 +189,7 @@ class IngressLink:
             h = self._handle(index)
             if h is not None:
                 try:
-                    answer = await h.resubmit.remote(wires)
+                    answer = await h.resubmit.remote(wires, from_rank)
                     self.handed_back += int(answer.get("resubmitted", 0)) if isinstance(answer, dict) else len(wires)
                     return True
                 except Exception:  # noqa: BLE001 - being restarted, or just died: asked again
