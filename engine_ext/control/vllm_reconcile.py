@@ -38,13 +38,23 @@ def current_world(snap: dict[str, Any], stale_after_s: float = INFO_FRESH_S) -> 
     return members, live
 
 
+def scale_running(snap: dict[str, Any], now: float | None = None) -> bool | None:
+    """Whether vLLM is scaling: its flag (up for the commit only) or a scale in flight in the API
+    server (its prepare launches the new ranks for tens of seconds with the flag down); None when the
+    info is missing or stale."""
+    flag = published_flag(snap, now)
+    if flag is None:
+        return None
+    return flag or bool((snap.get("info") or {}).get("scale_in_flight"))
+
+
 def left_ranks(snap: dict[str, Any], now: float | None = None) -> list[int]:
     """The ranks whose records outlived their process past vLLM's current size: a rank a scale-down
     removed exits before its last report (so it goes stale, never "stopped"), and status would show
     it for ever. Only while the API server reports (fresh info, its flag down, no operation running):
     a rank past the size is then neither joining nor held prepared (those report)."""
     info = snap.get("info") or {}
-    if published_flag(snap, now) is not False or snap.get("operation"):
+    if scale_running(snap, now) is not False or snap.get("operation"):
         return []
     dp = int(info.get("dp") or 0)
     ranks = [r for r in snap.get("ranks", []) if isinstance(r, dict) and "rank" in r]
@@ -121,8 +131,9 @@ class FlagWatch:
 class OrphanWatch:
     """A running operation in the registry that no controller runs: the one that ran it died
     mid-scale (Ray restarted the controller; its thread, and its POST to vLLM, died with it). vLLM
-    finishes or drops that scale on its own. Once vLLM's flag has been down for ``settle_s`` (the
-    plugin's info, written every 2 s, then carries vLLM's size), the record is ended with the size
+    finishes or drops that scale on its own. Once vLLM has stopped scaling for ``settle_s`` (its flag
+    down and no scale in flight in the API server, ``scale_running``: the plugin's info, written every
+    2 s, then carries vLLM's size), the record is ended with the size
     vLLM reports: succeeded at the target, rolled back at the old size, failed at any other."""
 
     settle_s: float = ORPHAN_SETTLE_S

@@ -33,6 +33,7 @@ from engine_ext.control.vllm_reconcile import (
     left_ranks,
     prepared_dp,
     published_flag,
+    scale_running,
     server_down_finding,
 )
 from engine_ext.protocol import EepError, PreconditionError, error_record
@@ -201,7 +202,8 @@ class VllmLoop:
         op = snap.get("operation")
         running = self.host.running_op()
         ours = bool(op) and self.host.owns_op(op["op_id"])
-        ended = self.orphans.observe(now, op, ours, flag, current_size(snap))
+        scaling = scale_running(snap, now)  # a prepare in flight is vLLM scaling too, with its flag down
+        ended = self.orphans.observe(now, op, ours, flag if scaling is None else scaling, current_size(snap))
         if ended is not None:  # a scale whose controller died: ended with the size vLLM reports
             self.host.record(ended)
         findings: dict[str, Any] = {}

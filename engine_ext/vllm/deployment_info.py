@@ -79,6 +79,7 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watc
         info.update(
             wedged=watch.wedge(),
             scaling=api_patches.scaling_flag(),
+            scale_in_flight=watch.in_flight,  # vLLM's flag is up only for the commit; a scale runs longer
             scale_calls=watch.calls,
             api_patches=api_patches.status(),
         )
