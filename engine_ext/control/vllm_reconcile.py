@@ -50,9 +50,10 @@ def scale_running(snap: dict[str, Any], now: float | None = None) -> bool | None
 
 def left_ranks(snap: dict[str, Any], now: float | None = None) -> list[int]:
     """The ranks whose records outlived their process past vLLM's current size: a rank a scale-down
-    removed exits before its last report (so it goes stale, never "stopped"), and status would show
-    it for ever. Only while the API server reports (fresh info, its flag down, no operation running):
-    a rank past the size is then neither joining nor held prepared (those report)."""
+        removed exits before its last report (so it goes stale, never "stopped"), and status would show
+        it for ever. Only while the API server reports and vLLM is not scaling (``scale_running``), with no
+    operation running:
+        a rank past the size is then neither joining nor held prepared (those report)."""
     info = snap.get("info") or {}
     if scale_running(snap, now) is not False or snap.get("operation"):
         return []

@@ -3,7 +3,8 @@ autoscaler's decision core runs on vLLM's own figures.
 
 Every TICK_S (an Event wait: no tick of its own making in between) the loop reads the registry
 once, watches vLLM's scaling flag as the plugin publishes it (the endpoint only when that is
-stale), ends an operation whose controller died mid-scale once vLLM's flag is down, reads vLLM's
+stale), ends an operation whose controller died mid-scale once vLLM has stopped scaling, forgets the
+ranks a scale-down removed, reads vLLM's
 fault-tolerance status at most every FT_EVERY_S on a server that has it, and runs one decision of
 the shared core (engine_ext.ray.autoscale_host), which learns what a scale costs from the
 controller's finished scales; a decision that acts (``--mode on``) is handed
