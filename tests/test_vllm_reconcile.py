@@ -554,3 +554,14 @@ def test_a_rank_a_scale_down_removed_is_forgotten_once_the_server_reports_withou
     assert left_ranks(_snap(ranks, **dict(info, scaling=True)), now) == []  # vLLM's flag up: a scale runs
     assert left_ranks(dict(_snap(ranks, **info), operation={"op_id": "x"}), now) == []
     assert left_ranks(_snap(ranks, **dict(info, api_heartbeat=now - 60.0)), now) == []  # the server went silent
+
+
+def test_no_decision_on_a_size_the_server_reported_before_the_last_scale_ended() -> None:
+    """The API server writes its info every 2 s: right after a scale ends, its DP size may still be
+    the old one, and a decision on it scaled 2 -> 3 a second time (seen in CI). The loop waits."""
+    from engine_ext.ray.vllm_loop import _size_unreported  # noqa: PLC2701 - the rule itself, without a loop
+
+    ended = [{"op_id": "op-a", "finished": 100.0}, {"op_id": "op-b", "finished": 90.0}]
+    assert _size_unreported({"info": {"api_heartbeat": 99.0}}, ended) == "vLLM's size after op-a not reported yet"
+    assert _size_unreported({"info": {"api_heartbeat": 101.0}}, ended) is None
+    assert _size_unreported({"info": {"api_heartbeat": 1.0}}, []) is None

@@ -257,14 +257,19 @@ class VllmLoop:
             return None
         if str(autoscale.policy.mode) != "off":
             members, statuses = current_world(snap)
-            busy = running or ("vLLM's own scale (its scaling flag is set)" if flag else None)
+            finished = self.host.finished_ops()
+            busy = (
+                running
+                or ("vLLM's own scale (its scaling flag is set)" if flag else None)
+                or _size_unreported(snap, finished)
+            )
             decision = autoscale.tick(
                 statuses,
                 members,
                 now=now,
                 busy=busy,
                 prepared_dp=prepared_dp(snap, now),
-                ops=self.host.finished_ops(),  # each finished scale's wall time, learned once
+                ops=finished,  # each finished scale's wall time, learned once
             )
             if decision is not None and decision.recommendation < decision.current_dp:
                 leaving = ", ".join(map(str, range(decision.recommendation, decision.current_dp)))
@@ -302,6 +307,16 @@ class VllmLoop:
             want["autoscale"] = shown
         if any(info.get(k) != v for k, v in want.items()):
             self.host.call("set_info", want)
+
+
+def _size_unreported(snap: dict[str, Any], finished: list[dict[str, Any]]) -> str | None:
+    """Why not to decide yet: the API server's info (written every 2 s) predates the end of the last
+    scale, so its DP size may still be the old one (a decision on it scaled 2 -> 3 again at once)."""
+    last = max(finished, key=lambda op: float(op.get("finished") or 0.0), default=None)
+    heartbeat = float((snap.get("info") or {}).get("api_heartbeat") or 0.0)
+    if last is None or heartbeat >= float(last.get("finished") or 0.0):
+        return None
+    return f"vLLM's size after {last['op_id']} not reported yet"
 
 
 def actor_ends(pids: set[int]) -> dict[int, dict[str, Any]]:
