@@ -396,6 +396,25 @@ def controller_pid(name: str) -> int:
 SPARE_S_PER_B = 4e-9  # the synthetic move's price of a byte landing in a member's spare buffer
 
 
+def cost_plan(op_id: str = "op-1", **precopy: int) -> dict[str, Any]:
+    """A 2 -> 4 plan, the cost model's other input: joiners 2 and 3 each receive 2 experts of 1 MiB
+    from ranks 0 and 1; nothing in the commit; ``precopy`` adds the plan's maxima."""
+    mib = 2**20
+    pr = {
+        "0": {"send": 2 * mib, "receive": 0, "spare": 0, "commit_moved": 0},
+        "1": {"send": 2 * mib, "receive": 0, "spare": 0, "commit_moved": 0},
+        "2": {"send": 0, "receive": 2 * mib, "spare": 0, "commit_moved": 0},
+        "3": {"send": 0, "receive": 2 * mib, "spare": 0, "commit_moved": 0},
+    }
+    return {
+        "op_id": op_id,
+        "from_size": 2,
+        "to_size": 4,
+        "joining": [{"rank": 2, "instance_id": "d_dp2"}, {"rank": 3, "instance_id": "d_dp3"}],
+        "precopy": {"per_rank": pr, **precopy},
+    }
+
+
 def cost_points(move: tuple[float, float], pause: tuple[float, float]) -> list[dict[str, Any]]:
     """Scale records (a cost model's input) exactly on move_s = a + b x total_moved_bytes +
     SPARE_S_PER_B x spare_total_bytes and pause_s = c + d x rank_expert_bytes."""

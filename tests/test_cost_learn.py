@@ -15,7 +15,7 @@ import pytest
 from eepctl import render
 from engine_ext.control import cost_model as cm
 from engine_ext.control.cost_learn import MIN_SCALES, LearnedCost
-from tests.helpers import ROOT, SPARE_S_PER_B, cost_points, write_cost_model
+from tests.helpers import ROOT, SPARE_S_PER_B, cost_plan, cost_points, write_cost_model
 
 MIB = 2**20
 
@@ -45,20 +45,7 @@ def _synthetic_ops() -> list[dict[str, Any]]:
 
 
 def _plan() -> dict[str, Any]:
-    """2 -> 4: joiners 2 and 3 each receive 2 experts of 1 MiB; nothing in the commit."""
-    pr = {
-        "0": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
-        "1": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
-        "2": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
-        "3": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
-    }
-    return {
-        "op_id": "op-9",
-        "from_size": 2,
-        "to_size": 4,
-        "joining": [{"rank": 2, "instance_id": "d_dp2"}, {"rank": 3, "instance_id": "d_dp3"}],
-        "precopy": {"per_rank": pr, "max_receive_bytes": 2 * MIB, "max_spare_bytes": 0, "max_commit_copy_bytes": 0},
-    }
+    return cost_plan("op-9", max_receive_bytes=2 * MIB, max_spare_bytes=0, max_commit_copy_bytes=0)
 
 
 @pytest.fixture

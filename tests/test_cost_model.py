@@ -13,7 +13,7 @@ import pytest
 from eepctl import render
 from eepctl.render_events import events_text
 from engine_ext.control import cost_model as cm
-from tests.helpers import ROOT, SPARE_S_PER_B, cost_points, write_cost_model
+from tests.helpers import ROOT, SPARE_S_PER_B, cost_plan, cost_points, write_cost_model
 
 MIB = 2**20
 
@@ -40,20 +40,7 @@ def test_fit_leaves_out_a_feature_that_does_not_vary_and_names_it() -> None:
 
 
 def _plan() -> dict[str, Any]:
-    """2 -> 4: joiners 2 and 3 each receive 2 experts of 1 MiB from ranks 0 and 1; nothing in the commit."""
-    pr = {
-        "0": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
-        "1": {"send": 2 * MIB, "receive": 0, "spare": 0, "commit_moved": 0},
-        "2": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
-        "3": {"send": 0, "receive": 2 * MIB, "spare": 0, "commit_moved": 0},
-    }
-    return {
-        "op_id": "op-1",
-        "from_size": 2,
-        "to_size": 4,
-        "joining": [{"rank": 2, "instance_id": "d_dp2"}, {"rank": 3, "instance_id": "d_dp3"}],
-        "precopy": {"per_rank": pr},
-    }
+    return cost_plan()
 
 
 def test_model_from_another_host_predicts_no_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
