@@ -51,9 +51,12 @@ def test_a_joiners_wait_for_a_member_mid_step_is_not_a_pause() -> None:
             waited = joiner["detail"]["parts_s"]["mapping"]
             # the joiner waited for rank 0's step to end: what the old measure (its whole commit) reported
             assert joiner["duration_s"] >= waited > 1.0, joiner
-            # the pause leaves the wait out (it was the joiner's whole commit, >= the wait, before); no
-            # fixed bound: a loaded box stretches the commit itself (2 s seen at load average 30)
-            assert op["serving_pause_s"] < waited, (op["serving_pause_s"], joiner)
+            # the joiner's pause leaves its wait out; no bound in seconds: a loaded box stretches the
+            # commit itself (2 s seen at load average 30, 10.6 s in CI beside the vLLM unit)
+            parts = joiner["detail"]["parts_s"]
+            assert joiner["detail"]["pause_s"] <= joiner["duration_s"] - waited - parts["switch"] + 0.05, joiner
+            # the record's pause is below the old measure, the joiner's whole commit (it began a wait earlier)
+            assert op["serving_pause_s"] < joiner["duration_s"], (op["serving_pause_s"], joiner)
             assert op["serving_pause_s"] == pytest.approx(max(e["detail"]["pause_s"] for e in commits.values()))
             assert commits[0]["detail"]["pause_s"] == pytest.approx(commits[0]["duration_s"], abs=0.01)
             assert not (await request).get("error")

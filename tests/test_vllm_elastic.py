@@ -475,8 +475,9 @@ def test_eepctl_standby_prepares_a_core_a_killed_one_is_replaced_the_scale_up_co
     That core SIGKILLed, the server serves on and the prepare is made again with a new core, which
     `eepctl scale --dp 3` then adopts: the commit alone (no ``launch`` event after it started), DP 3
     serving the oracle's tokens on the new core. The plugin then holds DP 4; `eepctl down` drops it
-    (the prepared core's process and its Ray actor gone) before it removes eepctl's actors, and
-    `eepctl scale --dp 2` afterwards is vLLM's own."""
+    (the prepared core's process and its Ray actor gone) before it removes eepctl's actors; the running
+    server's plugin makes its registry and its vLLM controller again, and `eepctl scale --dp 2`
+    afterwards is vLLM's own."""
     server: Server = deployment["elastic"]
     address, expected = deployment["address"], deployment["expected"]
     server.wait_healthy()
@@ -519,7 +520,9 @@ def test_eepctl_standby_prepares_a_core_a_killed_one_is_replaced_the_scale_up_co
         what="the prepared engine core's process and Ray actor gone",
     )
     assert run_prompts(server, PROMPTS) == expected  # the server serves on at DP 3
-    wait_for(lambda: _snapshot_now()["info"].get("dp") == 3, timeout=60, what="the server's registry back")
+    # `down` removed the registry; the plugin makes it again with its next info (until then, no info)
+    wait_for(lambda: _snapshot_now().get("info", {}).get("dp") == 3, timeout=60, what="the server's registry back")
+    wait_for(_has_controller, timeout=60, what="the server's vLLM controller back: it watches the running server")
     down = _scale_json(address, 2)
     assert (down["from_size"], down["to_size"], down["state"]) == (3, 2, "succeeded"), down
     assert run_prompts(server, PROMPTS) == expected
@@ -841,6 +844,13 @@ def _events_op_shows(res: subprocess.CompletedProcess, op_id: str) -> None:
     assert [(o["op_id"], o["state"]) for o in json.loads(res.stdout)["operations"]] == [(op_id, "succeeded")]
 
 
+def _has_controller() -> bool:
+    try:
+        return _controller_pid() > 0
+    except ValueError:  # no such actor (yet)
+        return False
+
+
 def _controller_pid() -> int:
     """The vLLM controller actor's pid (this test process is connected to the session's head)."""
     import ray
@@ -864,7 +874,6 @@ def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(dep
     CLI_SECONDS.clear()
     size = _status(address)["info"]["dp"]
     target = size + 1 if size < 4 else size - 1  # up: a prepare that launches a rank runs long enough to kill in
-    old_pid = _controller_pid()
     known = {o["op_id"] for o in _ops_now()}
     sent = _cli(address, "scale", "--dp", str(target), "--no-wait", "-o", "json", timeout=120)
     assert sent.returncode == 0, sent.stderr
@@ -872,13 +881,14 @@ def test_vllm_controller_killed_mid_scale_ends_the_operation_with_vllms_size(dep
     assert op_id not in known
     wait_for(
         lambda: (
-            _snapshot_now()["info"].get("scale_in_flight")
+            _snapshot_now().get("info", {}).get("scale_in_flight")
             and next((o for o in _ops_now() if o["op_id"] == op_id and o["state"] == "running"), None)
         ),
         timeout=180,
         interval=0.2,
         what="the scale running in the API server",
     )
+    old_pid = _controller_pid()  # read now: the scale makes the controller if an earlier `down` removed it
     os.kill(old_pid, 9)  # SIGKILL, by pid: the controller actor's process of this module's deployment
     t_kill = time.time()
 

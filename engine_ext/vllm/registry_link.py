@@ -40,6 +40,7 @@ class RegistryLink:
         self._pending: Any = None
         self._recent: deque[dict[str, Any]] = deque(maxlen=resend)
         self.disabled = ""
+        self.connects = 0  # registries reached: a new one (after `eepctl down` or a loss) counts again
         self._warned: set[str] = set()
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
@@ -73,6 +74,7 @@ class RegistryLink:
                 log.warning("engine_ext: %s; this vLLM process does not report to it", self.disabled)
                 return False
             self._handle = handle
+            self.connects += 1
             if self._recent:
                 handle.report_events.remote(list(self._recent))
             log.info("engine_ext: reporting to %s in namespace %s", name, self.settings.namespace)

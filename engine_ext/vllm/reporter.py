@@ -185,7 +185,7 @@ class ApiServerReporter(threading.Thread):
         self.watch = watch
 
     def run(self) -> None:
-        controller = False
+        controller_for = 0  # the link's connect its controller was started for
         try:
             while not self.link.disabled:
                 # Rebuilt each time: the DP size lives in the config vLLM updates after a scale.
@@ -195,13 +195,16 @@ class ApiServerReporter(threading.Thread):
                 self.link.set_info(info)
                 if self.phases is not None:
                     self.link.report_events(self.phases.drain_events())
-                if not controller and self.link.connect():
-                    controller = self._start_controller()
+                if self.link.connect() and controller_for != self.link.connects:
+                    # Again for a registry made anew: `eepctl down` removed the controller with it,
+                    # and the server it watches (crashes, orphaned scales, autoscaling) serves on.
+                    self._start_controller()
+                    controller_for = self.link.connects
                 time.sleep(self.interval_s)
         except Exception as e:  # noqa: BLE001
             log.warning("engine_ext: API reporter stopped: %s: %s", type(e).__name__, e)
 
-    def _start_controller(self) -> bool:
+    def _start_controller(self) -> None:
         """The deployment's vLLM controller (engine_ext.ray.vllm_controller), so its loop watches
         vLLM's flag from the start, not only once eepctl first scaled. Best effort: eepctl
         creates it on its first scale or autoscale otherwise."""
@@ -209,11 +212,10 @@ class ApiServerReporter(threading.Thread):
             from engine_ext.ray.vllm_controller import controller_for
 
             controller_for(self.link.settings.deployment, self.link.settings.namespace)
-            return True
         except Exception as e:  # noqa: BLE001 - serving never depends on it
             log.warning(
                 "engine_ext: vLLM controller not started (%s: %s); eepctl starts it when asked",
                 type(e).__name__,
                 str(e).splitlines()[0] if str(e) else "",
             )
-            return True  # not retried every 2 s
+            # not retried every 2 s: once per registry reached
