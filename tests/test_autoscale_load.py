@@ -180,12 +180,16 @@ def test_the_seed_reads_benchmarks_capacity_output() -> None:
 
 def test_standby_auto_keeps_the_ranks_a_burst_would_need_beyond_the_width() -> None:
     """A 4x burst of the base load (40 req/s, at DP 1) needs DP 4: three ranks launched ahead; a lull
-    does not stop them within the window; the policy refuses --standby auto without the load rule."""
+    does not stop them within the window; the burst, served at DP 4, keeps none; the policy refuses
+    --standby auto without the load rule."""
     a = Autoscaler(policy(standby="auto", burst=4, max_dp=8, window_s=10.0))
     d = a.decide(0.0, load_obs(1, BASE_RPS))
     assert d.standby == 3 and "standby 3 (a 4x burst of 40 req/s needs DP 4)" in d.rule, d.rule
     assert a.decide(5.0, load_obs(1, 1.0, base_rps=10.0)).standby == 3, "the most asked over the window"
-    assert a.decide(16.0, load_obs(1, 1.0, base_rps=10.0)).standby == 0
+    a.decide(6.0, load_obs(1, 4 * BASE_RPS, base_rps=BASE_RPS))  # the burst arrives: held for the up-delay
+    burst = a.decide(7.0, load_obs(1, 4 * BASE_RPS, base_rps=BASE_RPS))
+    assert (burst.recommendation, burst.standby) == (4, 0), "served at the burst's width: no pool past it"
+    assert a.decide(18.0, load_obs(1, 1.0, base_rps=10.0)).standby == 0, "the burst out of the window"
     assert Autoscaler(policy(standby="auto", max_dp=2)).decide(0.0, load_obs(1, BASE_RPS)).standby == 1, "max DP"
     assert Autoscaler(policy()).decide(0.0, load_obs(1, BASE_RPS)).standby is None, "the operator's pool"
     with pytest.raises(ValueError, match="--standby auto sizes the pool by the load rule"):

@@ -194,7 +194,7 @@ class Autoscaler:
         self.policy = policy.validated()
         self.decisions: deque[Decision] = deque((Decision.from_dict(d) for d in decisions or []), maxlen=keep)
         self.history: deque[tuple[float, int]] = deque(maxlen=4096)  # (at, raw recommendation)
-        self.standby_asks: deque[tuple[float, int]] = deque(maxlen=4096)  # (at, standby ranks a burst would want)
+        self.standby_asks: deque[tuple[float, int]] = deque(maxlen=4096)  # (at, the width a burst would want)
         self.last_action_at = max((d.at for d in self.decisions if d.act), default=-math.inf)
         self.failures = 0
         self.timing = timing(policy.up_delay_s, policy.down_delay_s, policy.cooldown_s, ScaleCost(), False)
@@ -327,17 +327,19 @@ class Autoscaler:
 
     def _standby(self, now: float, obs: Observed, d: Decision) -> int | None:
         """The standby pool ``--standby auto`` keeps: the ranks a ``burst`` times the base arrivals
-        (over the window) would need beyond the width decided, within max DP; the most asked over
-        the window, so a lull does not stop the standbys the next burst wants."""
+        would need beyond the width decided, within max DP. The width is the most a burst asked over
+        the window, so a lull does not stop the standbys the next burst wants; the pool is what that
+        width lacks now, so a burst served at its width refills nothing (a pool kept past it held
+        ranks no scale could use: 7 ranks of a DP 4 at max DP 4 in the step benchmark)."""
         p, load = self.policy, obs.load
         if p.standby != AUTO or load is None or load.base_rps is None:
             return None
         per_rank = load.capacity_tps * p.target_utilization
         need = min(p.max_dp, math.ceil(p.burst * load.base_rps * load.work_per_request / max(1e-9, per_rank) - 1e-9))
-        self.standby_asks.append((now, max(0, need - d.recommendation)))
+        self.standby_asks.append((now, need))
         while self.standby_asks[0][0] < now - p.window_s:
             self.standby_asks.popleft()
-        n = max(w for _, w in self.standby_asks)
+        n = max(0, max(w for _, w in self.standby_asks) - d.recommendation)
         d.rule += f"; standby {n} (a {p.burst:g}x burst of {load.base_rps:.3g} req/s needs DP {need})"
         return n
 
