@@ -164,6 +164,11 @@ def status_summary_lines(snap: dict[str, Any], left_out: int = 0) -> list[str]:
         lines.append("ranks per node: " + ", ".join(f"{node} {n}" for node, n in per_node.items()))
     if s.get("standby"):
         lines.append(standby_line(snap))
+    if network := (snap.get("info") or {}).get("reverse_dns"):
+        lines.append(
+            f"reverse DNS: {', '.join(network)} not in /etc/hosts: torch looks up every peer of a scale's "
+            "TCPStore connections, and a DNS reply lost costs a scale the resolver's timeout (5 s); list them there"
+        )
     reuse = [r for r in snap["ranks"] if r.get("capture_policy") == "reuse"]
     if reuse:  # what the reuse capture policy costs against recapture at this world
         held, right = reuse[0].get("workspace_bytes", 0), reuse[0].get("workspace_recapture_bytes", 0)

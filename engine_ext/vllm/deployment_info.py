@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from engine_ext.vllm.registry_link import KIND, node_name
+from engine_ext.vllm.reverse_dns import network_lookups
 
 
 def public_url(listen_address: str) -> str:
@@ -69,6 +70,9 @@ def deployment_info(vllm_config: Any, api_url: str, api_key_required: bool, watc
                 )
         except Exception:  # noqa: BLE001
             pass
+        # the addresses the scale's TCPStore connections are made between (engine_ext.vllm.reverse_dns)
+        master = str(getattr(pc, "data_parallel_master_ip", "") or "127.0.0.1")
+        info["reverse_dns"] = network_lookups(dict.fromkeys((master, "127.0.0.1")))
     if mc is not None:
         info["model"] = str(getattr(mc, "served_model_name", None) or getattr(mc, "model", ""))
     info["api_key_required"] = api_key_required
