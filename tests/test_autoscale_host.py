@@ -142,3 +142,18 @@ def test_the_learned_capacity_and_scale_cost_are_kept_with_the_policy() -> None:
     host.tick([status(0, 0, 0)], [0], now=12.0)  # a quiet tick persists within PERSIST_QUIET_S
     restarted = AutoscaleHost("moe", max_dp=8, persist=saved.append, saved=saved[-1])
     assert restarted.window.capacity.learned["tokens_s"] == 900.0 and restarted.cost.measured == 1
+
+
+def test_scale_costs_are_learned_and_kept_without_a_policy() -> None:
+    """The scales an operator runs before any policy is set teach the wall-time cost (the
+    controllers call learn_costs every tick while no policy acts), once each, and it is persisted:
+    a policy set later, or a restarted controller, starts from them instead of the seed."""
+    saved: list[dict] = []
+    host = AutoscaleHost("moe", max_dp=8, persist=saved.append)
+    down = {"op_id": "op-d", "kind": "scale", "state": "succeeded", "from_size": 4, "to_size": 2}
+    down |= {"started": 10.0, "finished": 10.6}
+    failed = {**down, "op_id": "op-f", "state": "failed"}
+    assert host.policy is None and host.learn_costs([failed, down]) and len(saved) == 1
+    assert not host.learn_costs([failed, down]) and len(saved) == 1, "once each, and nothing to keep"
+    restarted = AutoscaleHost("moe", max_dp=8, persist=saved.append, saved=saved[-1])
+    assert restarted.cost.measured == 1 and restarted.cost.down_s == host.cost.down_s

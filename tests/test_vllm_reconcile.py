@@ -536,6 +536,11 @@ def test_the_loop_feeds_each_finished_vllm_scale_to_the_autoscalers_cost_learner
         .endswith("(learned from 3 scale(s), joiners launched)")
     )
     assert loop.saved["autoscale"]["cost"]["measured"] == 3  # persisted with the policy (GCS KV)
+    loop.autoscale_host.set_autoscale({"mode": "off"})  # an operator's scales teach it with no policy acting
+    host.registry.set_info({"dp": 2, "standby": None, "api_heartbeat": time.time()})
+    scale(3, 30.0)
+    loop.tick(now + 2.5)
+    assert cost.measured == 4 and loop.saved["autoscale"]["cost"]["measured"] == 4, cost
 
 
 def test_a_rank_a_scale_down_removed_is_forgotten_once_the_server_reports_without_it() -> None:

@@ -171,7 +171,7 @@ class AutoscaleHost:
             isinstance(s, dict) and ((s.get("requests_waiting") or 0) + (s.get("requests_running") or 0)) > 0
             for s in statuses
         )
-        learned = [op for op in ops or [] if self.cost.observe(op)]  # each finished scale's wall time, once
+        learned = self.learn_costs(ops, persist=False)  # kept below, with the tick's decision
         self.cost.seed(next((str(s.get("kind")) for s in statuses if isinstance(s, dict) and s.get("kind")), ""))
         if self.autoscaler is None:
             return None
@@ -196,6 +196,15 @@ class AutoscaleHost:
             self._persist()  # a quiet tick is not worth a write; one in PERSIST_QUIET_S keeps the trail
             self._persisted_at = now
         return decision
+
+    def learn_costs(self, ops: list[dict[str, Any]] | None, persist: bool = True) -> bool:
+        """Learn each finished scale's wall time in ``ops`` (once each), with a policy or without
+        one: a policy set later starts from this deployment's own scale costs, not the seed.
+        Kept (persisted) when something was learned."""
+        learned = [op for op in ops or [] if self.cost.observe(op)]
+        if learned and persist:
+            self._persist()
+        return bool(learned)
 
     def record_outcome(self, decision_id: str, ok: bool, detail: str = "") -> None:
         """How the loop's scale for ``decision_id`` ended; a failure backs the autoscaler off."""

@@ -242,6 +242,7 @@ class Controller:
         host = self.autoscale_host
         self.reconciler.tick_s = host.period(TICK_S)  # faster while a policy is on and there is load
         if host.policy is None or str(host.policy.mode) == "off":
+            host.learn_costs(self.orch.history[-5:])  # the scales operators ran teach the cost too
             return []
 
         async def act(decision: Any) -> dict[str, Any]:

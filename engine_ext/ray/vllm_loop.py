@@ -253,6 +253,8 @@ class VllmLoop:
         """One decision of the shared core on vLLM's figures; one that acts goes to the controller.
         A scale-down's record says which ranks vLLM retires: always its highest, not the emptiest."""
         autoscale = self.autoscale_host
+        if autoscale.policy is None or str(autoscale.policy.mode) == "off":
+            autoscale.learn_costs(self.host.finished_ops())  # the scales operators ran teach the cost too
         if autoscale.policy is None:
             return None
         if str(autoscale.policy.mode) != "off":
