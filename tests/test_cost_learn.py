@@ -83,6 +83,41 @@ def test_a_host_without_a_fit_says_so_learns_and_then_predicts_from_its_own_scal
     assert "predicted cost (fitted on this deployment's own 4 scale(s), last at 2023-11-14 22:13:23 UTC)" in text
 
 
+def test_scale_ups_and_scale_downs_get_a_pause_fit_each_once_each_has_enough_points(elsewhere: None) -> None:
+    """Scale-downs pausing 0.4x what scale-ups do (a joiner's rendezvous and re-warm): once four of
+    each are known, an up is priced by the ups' fit and a down by the downs', not both by one fit
+    between them; before that, by the policy's one fit."""
+    ups = _synthetic_ops()
+    downs = [
+        op
+        | {"op_id": f"op-d{i}", "from_size": 4, "to_size": 2}
+        | {
+            "cost": op["cost"]
+            | {"measured": op["cost"]["measured"] | {"pause_s": 0.4 * op["cost"]["measured"]["pause_s"]}}
+        }
+        for i, op in enumerate(ups)
+    ]
+    learned = LearnedCost()
+    for op in ups + downs[: MIN_SCALES - 1]:
+        assert learned.observe(op, "reuse")
+    up_plan, down_plan = _plan(), _plan() | {"joining": []}
+    held = 4 * MIB  # the plan's rank_expert_bytes: 1 MiB experts, 4 slots
+    model, _ = learned.choose("cpu")
+    assert model is not None and set(model["pause_by_direction"]["reuse"]) == {"up"}
+    one = cm.predict(down_plan, MIB, 4, "reuse", True, model)["pause_s"]
+    assert one == pytest.approx(
+        cm.pause_s(model | {"pause_by_direction": {}}, cm.plan_features(down_plan, MIB, 4), "reuse")
+    )
+    assert learned.observe(downs[-1], "reuse")
+    model, _ = learned.choose("cpu")
+    up = cm.predict(up_plan, MIB, 4, "reuse", True, model)["pause_s"]
+    down = cm.predict(down_plan, MIB, 4, "reuse", True, model)["pause_s"]
+    assert up == pytest.approx(0.018 + 3.0e-11 * held, rel=1e-6)
+    assert down == pytest.approx(0.4 * (0.018 + 3.0e-11 * held), rel=1e-6)
+    combined = cm.pause_s(model | {"pause_by_direction": {}}, cm.plan_features(down_plan, MIB, 4), "reuse")
+    assert down < combined < up, "the policy's one fit lies between them"
+
+
 def test_only_succeeded_scales_with_a_recorded_cost_teach_it_and_each_once() -> None:
     learned, op = LearnedCost(), _synthetic_ops()[1]
     assert not learned.observe(op | {"state": "rolled_back"}, "reuse")

@@ -9,8 +9,9 @@ the capture policy and whether the joiners came from a standby pool. Once ``MIN_
 moved experts the deployment has its own fit, in the shipped model's form
 (engine_ext.control.cost_model): the move time by least squares over the points that moved
 bytes, the serving pause per capture policy over that policy's points (the commit's moves
-taken out at the fitted move's rate: the prediction adds them back), each with its leave-one-out
-``spread``. The last ``KEEP`` points are kept; the fit is made again at each new point.
+taken out at the fitted move's rate: the prediction adds them back), and per direction once
+MIN_SCALES scale-ups or scale-downs of it are known (``pause_by_direction``), each with its
+leave-one-out ``spread``. The last ``KEEP`` points are kept; the fit is made again at each new point.
 
 ``choose`` picks the model a prediction uses: the deployment's own fit, else the shipped one on
 the host it was fitted on, else none, and the reason says that this host has no fit yet and how
@@ -47,6 +48,7 @@ def point(op: dict[str, Any], capture_policy: str) -> dict[str, Any] | None:
         "pause_s": float(got.get("pause_s", 0.0)),
         "capture_policy": capture_policy,
         "pool": bool(joining) and all(j.get("from_standby") for j in joining),
+        "up": int(op.get("to_size") or 0) > int(op.get("from_size") or 0),
         "op_id": str(op.get("op_id", "")),
         "at": float(op.get("finished") or time.time()),
     }
@@ -86,7 +88,29 @@ def fit_points(points: list[dict[str, Any]], host: dict[str, Any]) -> dict[str, 
         except ValueError:
             continue
         model["pause"][policy] = pz | {"capture_sizes": [], "joiners_from_pool": sorted({p["pool"] for p in mine})}
+        by_direction = _pause_by_direction(mine)
+        if by_direction:
+            model.setdefault("pause_by_direction", {})[policy] = by_direction
     return model
+
+
+def _pause_by_direction(mine: list[dict[str, Any]]) -> dict[str, Any]:
+    """A pause fit of its own for scale-ups and for scale-downs, each once MIN_SCALES of that
+    direction are known: within one deployment a rank's expert bytes hardly vary, so the policy's
+    one fit is mostly an intercept between an up's pause (a joiner's rendezvous, its re-warm) and
+    a down's (0.15 s against 0.06 s under ``recapture`` on the 2-core box). Points kept before the
+    direction was recorded belong to neither."""
+    out: dict[str, Any] = {}
+    for name, up in (("up", True), ("down", False)):
+        part = [p for p in mine if p.get("up") is up]
+        if len(part) < MIN_SCALES:
+            continue
+        try:
+            pz = fit_linear(part, PAUSE_FEATURES, "pause_s")
+        except ValueError:
+            continue
+        out[name] = pz | {"capture_sizes": [], "joiners_from_pool": sorted({p["pool"] for p in part})}
+    return out
 
 
 class LearnedCost:

@@ -245,11 +245,19 @@ def move_s(model: dict[str, Any], x: dict[str, Any]) -> float:
     return max(0.0, _linear(model["move"], x))
 
 
+def pause_fit(model: dict[str, Any], x: dict[str, Any], capture_policy: str) -> dict[str, Any] | None:
+    """The pause fit that prices ``x``: the one of its direction (a scale-up has joiners) where the
+    model has one (a deployment's own fit: engine_ext.control.cost_learn), else the policy's."""
+    direction = "up" if x.get("joiners") else "down"
+    own = (model.get("pause_by_direction") or {}).get(capture_policy) or {}
+    return own.get(direction) or model["pause"].get(capture_policy)
+
+
 def pause_s(model: dict[str, Any], x: dict[str, Any], capture_policy: str) -> float | None:
     """The serving pause predicted for features ``x``, or None where no pause was fitted for the
     capture policy. The commit's moves are priced at the move's rate; its loads into slots as
     fitted where the curves had some, else at the copy rate measured beside the curves."""
-    pz = model["pause"].get(capture_policy)
+    pz = pause_fit(model, x, capture_policy)
     if pz is None:
         return None
     rate = model["move"]["coef"].get("total_moved_bytes", 0.0)  # s/B
@@ -289,7 +297,7 @@ def predict(
     if model.get("learned"):  # the deployment's own fit (engine_ext.control.cost_learn): its number of scales
         out["model"]["learned"] = model["learned"]
     outside = [f for f, (lo, hi) in mv["range"].items() if not lo <= x[f] <= hi]
-    pz = model["pause"].get(capture_policy)
+    pz = pause_fit(model, x, capture_policy)
     if pz is None:
         fitted = ", ".join(sorted(model["pause"])) or "none"
         out["pause_note"] = (
