@@ -832,8 +832,8 @@ def test_transition_plan_roles_and_op_ids():
     )
     assert [down.role(r) for r in range(3)] == ["remaining", "remaining", "removing"]
     assert pickle.loads(pickle.dumps(up)) == up  # what Ray and the process pipe carry
-    ids = {new_op_id() for _ in range(50)}
-    assert len(ids) == 50
+    ids = {new_op_id() for _ in range(5000)}  # in about one second: 16 random bits each would collide ~190 times
+    assert len(ids) == 5000
     assert all(re.fullmatch(r"op-\d{8}-\d{6}-[0-9a-f]{4}", i) for i in ids), ids
 
 
