@@ -785,8 +785,11 @@ def test_rank_held_at_launch_says_so_while_held():
     engine = RankEngine(
         cfg, "held", 0, build_layout(8, 8, 1), sink=lambda kind, payload: reports.append((time.monotonic(), payload))
     )
-    assert time.monotonic() - t0 >= 0.3
-    assert reports and reports[0][0] - t0 < 0.3, "the hold is announced before it waits"
+    returned = time.monotonic()
+    assert returned - t0 >= 0.3
+    # the hold is the constructor's last step: announced first, the report is a whole hold before the
+    # return (no bound from t0: a loaded box stretched the construction before it past 0.3 s in CI)
+    assert reports and reports[0][0] <= returned - 0.3, "the hold is announced before it waits"
     assert reports[0][1]["state_reason"] == "held in launch by a test fault"
     st = engine.status()
     assert st["state"] == "starting" and st["memory_bytes"] == st["rss_bytes"] > 0  # one process: its resident set
