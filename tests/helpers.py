@@ -319,11 +319,29 @@ def up_with_faults(
     )
 
 
+def _status_as_driver(name: str) -> dict[str, Any] | None:
+    """The registry's status view read by this test process where it is a Ray driver already (None
+    where it is not): one actor call, where `eepctl status` starts a process that takes seconds on a
+    loaded box and so can miss a hold of a few seconds (CI: a 6 s launch hold never seen in 120 s)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    from eepctl.render import to_json
+    from engine_ext.drivers import status_view
+    from engine_ext.ray.deployment import actor, call
+    from engine_ext.ray.names import registry_name
+
+    registry = actor(registry_name(name), NAMESPACE)
+    if registry is None:
+        return None
+    return json.loads(to_json("status", status_view(call(registry.snapshot.remote(), timeout=10))))  # as -o json
+
+
 def wait_held(name: str, rank: int, phase: str, timeout: float = 90.0) -> dict[str, Any]:
     """Status once ``rank`` says a test fault holds it in ``phase`` (its pid is then listed)."""
 
     def ok() -> dict[str, Any] | None:
-        s = status(name)
+        s = _status_as_driver(name) or status(name)
         hit = any(
             r["rank"] == rank and f"held in {phase}" in (r.get("state_reason") or "") and r.get("pid")
             for r in s["ranks"]
