@@ -455,6 +455,21 @@ def cost_points(move: tuple[float, float], pause: tuple[float, float]) -> list[d
     return out
 
 
+KNOWN_MOVE, KNOWN_PAUSE = (0.004, 2.5e-9), (0.018, 3.0e-11)  # the prices cost_points' records lie on, in tests
+
+
+def assert_fit_recovers_known_prices(model: dict[str, Any]) -> None:
+    """A model fitted to ``cost_points(KNOWN_MOVE, KNOWN_PAUSE)`` has those prices back (to rounding)."""
+    import pytest
+
+    mv, pz = model["move"], model["pause"]["reuse"]
+    assert mv["intercept"] == pytest.approx(KNOWN_MOVE[0], rel=1e-9)
+    assert mv["coef"]["total_moved_bytes"] == pytest.approx(KNOWN_MOVE[1], rel=1e-9)
+    assert mv["coef"]["spare_total_bytes"] == pytest.approx(SPARE_S_PER_B, rel=1e-9)
+    assert pz["intercept"] == pytest.approx(KNOWN_PAUSE[0], rel=1e-9)
+    assert pz["coef"]["rank_expert_bytes"] == pytest.approx(KNOWN_PAUSE[1], rel=1e-9)
+
+
 def write_cost_model(tmp_path: Path, model: dict[str, Any]) -> Path:
     """``model`` as the cost model file a deployment reads (EEPCTL_COST_MODEL names it)."""
     path = tmp_path / "cost_model.json"

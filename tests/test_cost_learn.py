@@ -15,7 +15,15 @@ import pytest
 from eepctl import render
 from engine_ext.control import cost_model as cm
 from engine_ext.control.cost_learn import MIN_SCALES, LearnedCost
-from tests.helpers import ROOT, SPARE_S_PER_B, cost_plan, cost_points, write_cost_model
+from tests.helpers import (
+    KNOWN_MOVE,
+    KNOWN_PAUSE,
+    ROOT,
+    assert_fit_recovers_known_prices,
+    cost_plan,
+    cost_points,
+    write_cost_model,
+)
 
 MIB = 2**20
 
@@ -38,7 +46,7 @@ def _op(i: int, cost: dict[str, Any], pool: bool = True, **kw: Any) -> dict[str,
 def _synthetic_ops() -> list[dict[str, Any]]:
     """Records whose measurements lie exactly on known prices (tests.helpers.cost_points)."""
     ops = []
-    for i, p in enumerate(cost_points((0.004, 2.5e-9), (0.018, 3.0e-11))):
+    for i, p in enumerate(cost_points(KNOWN_MOVE, KNOWN_PAUSE)):
         pred = {f: p[f] for f in cm.MOVE_FEATURES + cm.PAUSE_FEATURES} | {"commit_bytes": 0, "moved_bytes": 1}
         ops.append(_op(i, {"predicted": pred, "measured": {"move_s": p["move_s"], "pause_s": p["pause_s"]}}))
     return ops
@@ -70,12 +78,7 @@ def test_a_host_without_a_fit_says_so_learns_and_then_predicts_from_its_own_scal
     assert learned.observe(ops[MIN_SCALES - 1], "reuse")
     model, why = learned.choose("cpu")
     assert model is not None and why == ""
-    mv, pz = model["move"], model["pause"]["reuse"]
-    assert mv["intercept"] == pytest.approx(0.004, rel=1e-9)
-    assert mv["coef"]["total_moved_bytes"] == pytest.approx(2.5e-9, rel=1e-9)
-    assert mv["coef"]["spare_total_bytes"] == pytest.approx(SPARE_S_PER_B, rel=1e-9)
-    assert pz["intercept"] == pytest.approx(0.018, rel=1e-9)
-    assert pz["coef"]["rank_expert_bytes"] == pytest.approx(3.0e-11, rel=1e-9)
+    assert_fit_recovers_known_prices(model)
     cost = cm.predict(_plan(), MIB, 4, "reuse", True, model, why)
     assert cost["move_s"] == pytest.approx(0.004 + 2.5e-9 * 4 * MIB, rel=1e-9)
     assert cost["model"]["learned"] == MIN_SCALES
