@@ -58,11 +58,8 @@ def fit_points(points: list[dict[str, Any]], host: dict[str, Any]) -> dict[str, 
     """The model from the deployment's points (cost_model's format), or None while fewer than
     MIN_SCALES of them moved experts or they cannot be fitted."""
     moved = [p for p in points if p["total_moved_bytes"] > 0 and p["move_s"] > 0]
-    if len(moved) < MIN_SCALES:
-        return None
-    try:
-        move = fit_linear(moved, MOVE_FEATURES, "move_s")
-    except ValueError:
+    move = _fit(moved, MOVE_FEATURES, "move_s")
+    if move is None:
         return None
     rate = move["coef"].get("total_moved_bytes", 0.0)
     model: dict[str, Any] = {
@@ -81,13 +78,10 @@ def fit_points(points: list[dict[str, Any]], host: dict[str, Any]) -> dict[str, 
             for p in points
             if p["capture_policy"] == policy and p["pause_s"] > 0
         ]
-        if len(mine) < MIN_SCALES:
+        pz = _pause_fit(mine)
+        if pz is None:
             continue
-        try:
-            pz = fit_linear(mine, PAUSE_FEATURES, "pause_s")
-        except ValueError:
-            continue
-        model["pause"][policy] = pz | {"capture_sizes": [], "joiners_from_pool": sorted({p["pool"] for p in mine})}
+        model["pause"][policy] = pz
         by_direction = _pause_by_direction(mine)
         if by_direction:
             model.setdefault("pause_by_direction", {})[policy] = by_direction
@@ -100,17 +94,24 @@ def _pause_by_direction(mine: list[dict[str, Any]]) -> dict[str, Any]:
     one fit is mostly an intercept between an up's pause (a joiner's rendezvous, its re-warm) and
     a down's (0.15 s against 0.06 s under ``recapture`` on the 2-core box). Points kept before the
     direction was recorded belong to neither."""
-    out: dict[str, Any] = {}
-    for name, up in (("up", True), ("down", False)):
-        part = [p for p in mine if p.get("up") is up]
-        if len(part) < MIN_SCALES:
-            continue
-        try:
-            pz = fit_linear(part, PAUSE_FEATURES, "pause_s")
-        except ValueError:
-            continue
-        out[name] = pz | {"capture_sizes": [], "joiners_from_pool": sorted({p["pool"] for p in part})}
-    return out
+    fits = {name: _pause_fit([p for p in mine if p.get("up") is up]) for name, up in (("up", True), ("down", False))}
+    return {name: pz for name, pz in fits.items() if pz is not None}
+
+
+def _pause_fit(points: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The pause fitted over ``points`` in the shipped model's form, or None (``_fit``)."""
+    pz = _fit(points, PAUSE_FEATURES, "pause_s")
+    return None if pz is None else pz | {"capture_sizes": [], "joiners_from_pool": sorted({p["pool"] for p in points})}
+
+
+def _fit(points: list[dict[str, Any]], features: list[str], target: str) -> dict[str, Any] | None:
+    """``target`` fitted over ``points``; None below MIN_SCALES points or where they fit no line."""
+    if len(points) < MIN_SCALES:
+        return None
+    try:
+        return fit_linear(points, features, target)
+    except ValueError:
+        return None
 
 
 class LearnedCost:

@@ -185,7 +185,7 @@ class ApiServerReporter(threading.Thread):
         self.watch = watch
 
     def run(self) -> None:
-        controller_for = 0  # the link's connect its controller was started for
+        started_for = 0  # the link's connect its controller was started for
         try:
             while not self.link.disabled:
                 # Rebuilt each time: the DP size lives in the config vLLM updates after a scale.
@@ -195,11 +195,11 @@ class ApiServerReporter(threading.Thread):
                 self.link.set_info(info)
                 if self.phases is not None:
                     self.link.report_events(self.phases.drain_events())
-                if self.link.connect() and controller_for != self.link.connects:
+                if self.link.connect() and started_for != self.link.connects:
                     # Again for a registry made anew: `eepctl down` removed the controller with it,
                     # and the server it watches (crashes, orphaned scales, autoscaling) serves on.
                     self._start_controller()
-                    controller_for = self.link.connects
+                    started_for = self.link.connects
                 time.sleep(self.interval_s)
         except Exception as e:  # noqa: BLE001
             log.warning("engine_ext: API reporter stopped: %s: %s", type(e).__name__, e)
