@@ -160,14 +160,20 @@ def test_rank_and_transition_metrics_reach_the_ray_endpoint(metrics_cluster):
                 return False
             samples = [s for s in parse(body) if s[1].get("deployment") == name]
             names = {s[0] for s in samples}
-            ranks = {s[1].get("rank") for s in samples if s[0] == "ray_eep_rank_workspace_bytes"}
-            return want <= names and ranks >= {"0", "1"}
+            seen: dict[str, float] = {}  # each rank's workspace gauge as last exported: fresh once it is status's
+            for n, t, v in samples:
+                if n == "ray_eep_rank_workspace_bytes" and t.get("identity") == f"{name}_dp{t.get('rank')}":
+                    seen[t["rank"]] = max(v, seen.get(t["rank"], v))
+            return want <= names and all(seen.get(r) == ws[r] for r in ("0", "1"))
 
         try:  # Ray's metrics agent exports every few seconds
-            wait_for(ready, timeout=60, interval=1.0, what="every eep metric of both ranks on the endpoint")
+            wait_for(ready, timeout=60, interval=1.0, what="every eep metric of both ranks, the workspace fresh")
         except AssertionError:
             names = sorted({s[0] for s in samples})
-            raise AssertionError(f"metrics missing after 60s: {sorted(want - set(names))}; have {names}") from None
+            workspace = {(t.get("rank"), v) for n, t, v in samples if n == "ray_eep_rank_workspace_bytes"}
+            raise AssertionError(
+                f"after 60s: missing {sorted(want - set(names))}; have {names}; workspace {sorted(workspace)} vs {ws}"
+            ) from None
 
         def value(metric: str, **tags: str) -> float:
             vals = [v for n, t, v in samples if n == metric and all(t.get(k) == w for k, w in tags.items())]
